@@ -1,0 +1,3 @@
+"""Flax linen modules of the decoder LM."""
+from sharenet.models.config import ModelConfig
+from sharenet.models.lm import DecoderLM, TRAINABLE, init_boxed, init_variables, logical_axes

@@ -1,0 +1,59 @@
+"""Parameter and FLOP accounting on stored (unique) and applied depth."""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import flax.linen as nn
+import jax
+from flax.traverse_util import flatten_dict
+
+from sharenet.models.config import ModelConfig
+from sharenet.norms import PER_LAYER
+
+
+def params_unique(variables: Any) -> int:
+  """Stored trainable parameters (shared sets counted once)."""
+  variables = nn.unbox(variables)
+  return sum(math.prod(x.shape) for c in ('params', PER_LAYER) if c in variables
+             for x in jax.tree.leaves(variables[c]))
+
+
+def params_applied(variables: Any, cfg: ModelConfig) -> int:
+  """Parameters an untied model with the same applied depth would store."""
+  variables = nn.unbox(variables)
+  segs = cfg.plan.segments
+  total = 0
+  for c in ('params', PER_LAYER):
+    for path, x in flatten_dict(variables.get(c, {})).items():
+      n = math.prod(x.shape)
+      if c == 'params' and path[0] == 'stack':
+        seg = segs[int(path[1].removeprefix('segment_'))]
+        n = n // seg.num_sets * seg.num_applied
+      total += n
+  return total
+
+
+def matmul_params_per_layer(cfg: ModelConfig) -> int:
+  """Weights one applied layer multiplies with (LoRA factors included)."""
+  D, F, Dh = cfg.d_model, cfg.mlp_dim, cfg.head_dim
+  shapes = {'q': (D, cfg.num_heads * Dh), 'k': (D, cfg.kv_heads * Dh),
+            'v': (D, cfg.kv_heads * Dh), 'o': (cfg.num_heads * Dh, D)}
+  n = sum(a * b for a, b in shapes.values())
+  n_in = 2 if cfg.mlp == 'swiglu' else 1
+  n += (n_in + 1) * D * F
+  if cfg.lora_rank:
+    shapes.update({'mlp_in': (D, F), 'mlp_out': (F, D)})
+    for t in cfg.lora_targets:
+      mult = n_in if t == 'mlp_in' else 1
+      n += mult * cfg.lora_rank * sum(shapes[t])
+  return n
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int, train: bool = True) -> float:
+  """Model FLOPs per token on applied depth; causal attention counted at half (MaxText)."""
+  matmul = cfg.num_layers * matmul_params_per_layer(cfg) + cfg.d_model * cfg.vocab_size
+  # QK^T and PV: 2 * 2 * T * H * Dh per token per layer, halved for the causal mask.
+  attn = cfg.num_layers * 2 * seq_len * cfg.num_heads * cfg.head_dim
+  fwd = 2 * matmul + attn
+  return 3 * fwd if train else fwd

@@ -1,0 +1,55 @@
+"""Causal self-attention: multi-head or grouped-query, RoPE, configurable scale, QK-norm."""
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+from sharenet.models.config import ModelConfig
+from sharenet.models.layers import Dense, rope
+from sharenet.norms import Norm
+
+
+class CausalAttention(nn.Module):
+  """Attention with shape-suffixed names: B batch, T/S query/key time, K kv heads, G group."""
+  cfg: ModelConfig
+
+  @nn.compact
+  def __call__(self, x_BTD: jax.Array, positions_T: jax.Array) -> jax.Array:
+    c = self.cfg
+    H, K, Dh = c.num_heads, c.kv_heads, c.head_dim
+    dt, pdt = jnp.dtype(c.dtype), jnp.dtype(c.param_dtype)
+
+    def proj(name, heads, axis):
+      rank = c.lora_rank if name in c.lora_targets else 0
+      return Dense((heads, Dh), ('embed',), (axis, 'head_dim'), lora_rank=rank,
+                   lora_scale=c.lora_scale, dtype=dt, param_dtype=pdt, name=name)
+
+    q_BTHD = checkpoint_name(proj('q', H, 'heads')(x_BTD), 'query_proj')
+    k_BTKD = checkpoint_name(proj('k', K, 'kv_heads')(x_BTD), 'key_proj')
+    v_BTKD = checkpoint_name(proj('v', K, 'kv_heads')(x_BTD), 'value_proj')
+    if c.qk_norm != 'none':
+      q_BTHD = Norm('rmsnorm', c.norm_eps, axis_name='head_dim', param_dtype=pdt,
+                    name='q_norm')(q_BTHD)
+      k_BTKD = Norm('rmsnorm', c.norm_eps, axis_name='head_dim', param_dtype=pdt,
+                    name='k_norm')(k_BTKD)
+    if c.position == 'rope':
+      q_BTHD = rope(q_BTHD, positions_T, c.rope_base)
+      k_BTKD = rope(k_BTKD, positions_T, c.rope_base)
+    q_BTHD = nn.with_logical_constraint(
+        q_BTHD, ('activation_batch', 'activation_length', 'activation_heads', None))
+
+    B, T = x_BTD.shape[:2]
+    q_BTKGD = q_BTHD.reshape(B, T, K, H // K, Dh)
+    scale = c.attn_scale or Dh ** -0.5
+    logits_BKGTS = jnp.einsum('btkgd,bskd->bkgts', q_BTKGD * scale, k_BTKD)
+    causal_TS = jnp.tril(jnp.ones((T, T), dtype=bool))
+    logits_BKGTS = jnp.where(causal_TS[None, None, None], logits_BKGTS.astype(jnp.float32), -1e30)
+    probs_BKGTS = jax.nn.softmax(logits_BKGTS, axis=-1).astype(dt)
+    out_BTKGD = jnp.einsum('bkgts,bskd->btkgd', probs_BKGTS, v_BTKD)
+    out_BTHD = out_BTKGD.reshape(B, T, H, Dh)
+    rank = c.lora_rank if 'o' in c.lora_targets else 0
+    out_BTD = Dense((c.d_model,), ('heads', 'head_dim'), ('embed',), lora_rank=rank,
+                    lora_scale=c.lora_scale, dtype=dt, param_dtype=pdt, name='o')(out_BTHD)
+    return checkpoint_name(out_BTD, 'out_proj')

@@ -1,0 +1,121 @@
+"""ModelConfig: the frozen, validated model hyper-parameters the modules read."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from sharenet import sharing
+from sharenet.errors import ConfigError
+
+NORMS = ('layernorm', 'rmsnorm', 'none')
+PLACEMENTS = ('pre', 'post', 'peri')
+QK_NORMS = ('none', 'rms')
+MLPS = ('swiglu', 'gelu')
+POSITIONS = ('rope', 'learned', 'none')
+REMATS = ('none', 'full', 'dots', 'dots_no_batch', 'save_names', 'offload_dots')
+DTYPES = ('float32', 'bfloat16', 'float64')
+LORA_TARGETS = ('q', 'k', 'v', 'o', 'mlp_in', 'mlp_out')
+
+
+def _choice(field: str, value: Any, valid: tuple[str, ...]) -> None:
+  if value not in valid:
+    raise ConfigError(f'{field}={value!r} is unknown; valid: {", ".join(valid)}')
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """Decoder LM hyper-parameters (num_layers counts *applied* layers)."""
+  vocab_size: int = 256
+  d_model: int = 256
+  num_layers: int = 8
+  num_heads: int = 4
+  num_kv_heads: int = 0            # 0 -> num_heads (MHA); fewer -> grouped-query attention
+  mlp_dim: int = 1024
+  mlp: str = 'swiglu'
+  position: str = 'rope'
+  rope_base: float = 10000.0
+  max_len: int = 2048              # only for learned positions
+  attn_scale: float = 0.0          # 0 -> 1/sqrt(head_dim); muP sets 1/head_dim
+  tie_embeddings: bool = False
+  embed_init_std: float = 1.0
+  norm: str = 'rmsnorm'
+  norm_placement: str = 'pre'
+  qk_norm: str = 'none'
+  norm_eps: float = 1e-6
+  scheme: str = 'untied'
+  num_unique: int = 0
+  repeats: int = 0
+  pattern: str = ''
+  untie_norms: bool = False        # norm gains per applied layer (WideNet / Subformer)
+  lora_rank: int = 0               # depth-wise LoRA (Relaxed Recursive Transformers)
+  lora_targets: tuple[str, ...] = ('q', 'v')
+  lora_scale: float = 1.0          # alpha / r; 1 makes full-rank SVD init exact (ref. C5.9)
+  remat: str = 'dots_no_batch'
+  scan_unroll: int = 1
+  dtype: str = 'float32'           # compute dtype; params stay float32 (float64 for x64 tests)
+  param_dtype: str = 'float32'
+
+  @property
+  def head_dim(self) -> int:
+    return self.d_model // self.num_heads
+
+  @property
+  def kv_heads(self) -> int:
+    return self.num_kv_heads or self.num_heads
+
+  @property
+  def plan(self) -> sharing.SharingPlan:
+    return sharing.make_plan(self.scheme, self.num_layers, self.num_unique, self.repeats,
+                             self.pattern)
+
+  def validate(self) -> 'ModelConfig':
+    """Raises ConfigError with one line naming the bad field; returns self."""
+    _choice('model.norm.kind', self.norm, NORMS)
+    _choice('model.norm.placement', self.norm_placement, PLACEMENTS)
+    _choice('model.norm.qk_norm', self.qk_norm, QK_NORMS)
+    _choice('model.mlp', self.mlp, MLPS)
+    _choice('model.position', self.position, POSITIONS)
+    _choice('model.remat', self.remat, REMATS)
+    _choice('model.dtype', self.dtype, DTYPES)
+    _choice('model.param_dtype', self.param_dtype, DTYPES)
+    for t in self.lora_targets:
+      _choice('model.sharing.lora_targets', t, LORA_TARGETS)
+    for name in ('vocab_size', 'd_model', 'num_layers', 'num_heads', 'mlp_dim', 'scan_unroll'):
+      if getattr(self, name) < 1:
+        raise ConfigError(f'model.{name}={getattr(self, name)} must be >= 1')
+    if self.d_model % self.num_heads:
+      raise ConfigError(f'model.num_heads={self.num_heads} does not divide model.d_model='
+                        f'{self.d_model}; valid: divisors of {self.d_model}')
+    if self.num_heads % self.kv_heads:
+      raise ConfigError(f'model.num_kv_heads={self.num_kv_heads} must divide model.num_heads='
+                        f'{self.num_heads}')
+    if self.position == 'rope' and self.head_dim % 2:
+      raise ConfigError(f'model.position=rope needs an even head_dim, got {self.head_dim}')
+    if self.lora_rank < 0:
+      raise ConfigError(f'model.sharing.lora_rank={self.lora_rank} must be >= 0')
+    self.plan  # raises ConfigError for impossible sharing
+    return self
+
+  @classmethod
+  def from_config(cls, m: Any) -> 'ModelConfig':
+    """Builds from the `config.model` ConfigDict (nested sharing / norm groups)."""
+    s, n = m.sharing, m.norm
+    targets = s.get('lora_targets', 'q,v')
+    if isinstance(targets, str):
+      targets = tuple(t for t in targets.replace(' ', '').split(',') if t)
+    return cls(
+        vocab_size=m.vocab_size, d_model=m.d_model, num_layers=m.num_layers,
+        num_heads=m.num_heads, num_kv_heads=m.get('num_kv_heads', 0), mlp_dim=m.mlp_dim,
+        mlp=m.get('mlp', 'swiglu'), position=m.get('position', 'rope'),
+        rope_base=m.get('rope_base', 10000.0), max_len=m.get('max_len', 2048),
+        attn_scale=m.get('attn_scale', 0.0), tie_embeddings=m.get('tie_embeddings', False),
+        embed_init_std=m.get('embed_init_std', 1.0),
+        norm=n.kind, norm_placement=n.placement, qk_norm=n.get('qk_norm', 'none'),
+        norm_eps=n.get('eps', 1e-6),
+        scheme=s.scheme, num_unique=s.get('num_unique', 0), repeats=s.get('repeats', 0),
+        pattern=s.get('pattern', ''), untie_norms=s.get('untie_norms', False),
+        lora_rank=s.get('lora_rank', 0), lora_targets=tuple(targets),
+        lora_scale=s.get('lora_scale', 1.0), remat=m.get('remat', 'dots_no_batch'),
+        scan_unroll=m.get('scan_unroll', 1), dtype=m.get('dtype', 'float32'),
+        param_dtype=m.get('param_dtype', 'float32'),
+    ).validate()

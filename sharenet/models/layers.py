@@ -1,0 +1,80 @@
+"""Dense (with optional depth-wise LoRA), embedding and rotary positions."""
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from sharenet.norms import PER_LAYER, variable
+
+
+class Dense(nn.Module):
+  """y = x W (+ scale * x A B): contracts the last `len(in_axes)` dims of x.
+
+  The kernel has logical axes `in_axes + out_axes`; LoRA factors A (in, r) and B (r, out) live in
+  the per-layer collection so they stay untied when the kernel is shared (RRT, ref. A3.3).
+  """
+  features: Sequence[int]
+  in_axes: Sequence[str]
+  out_axes: Sequence[str]
+  init_std: float | None = None        # None -> 1/sqrt(fan_in)
+  lora_rank: int = 0
+  lora_scale: float = 1.0
+  dtype: jnp.dtype = jnp.float32
+  param_dtype: jnp.dtype = jnp.float32
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    n_in = len(self.in_axes)
+    in_shape, out_shape = x.shape[-n_in:], tuple(self.features)
+    fan_in, fan_out = math.prod(in_shape), math.prod(out_shape)
+    std = self.init_std if self.init_std is not None else fan_in ** -0.5
+    kernel = self.param('kernel', nn.with_logical_partitioning(
+        nn.initializers.normal(std), tuple(self.in_axes) + tuple(self.out_axes)),
+        in_shape + out_shape, self.param_dtype)
+    batch = x.shape[:-n_in]
+    x2 = x.reshape(batch + (fan_in,)).astype(self.dtype)
+    y = x2 @ kernel.reshape(fan_in, fan_out).astype(self.dtype)
+    if self.lora_rank:
+      r = self.lora_rank
+      a = variable(self, PER_LAYER, 'lora_a', nn.initializers.normal(fan_in ** -0.5),
+                   in_shape + (r,), tuple(self.in_axes) + ('lora',), self.param_dtype)
+      b = variable(self, PER_LAYER, 'lora_b', nn.initializers.zeros, (r,) + out_shape,
+                   ('lora',) + tuple(self.out_axes), self.param_dtype)
+      xa = x2 @ a.reshape(fan_in, r).astype(self.dtype)
+      y = y + self.lora_scale * (xa @ b.reshape(r, fan_out).astype(self.dtype))
+    return y.reshape(batch + out_shape)
+
+
+class Embed(nn.Module):
+  """Token embedding table (vocab, embed); `attend` gives tied-readout logits."""
+  vocab_size: int
+  features: int
+  init_std: float = 1.0
+  dtype: jnp.dtype = jnp.float32
+  param_dtype: jnp.dtype = jnp.float32
+
+  def setup(self):
+    self.embedding = self.param('embedding', nn.with_logical_partitioning(
+        nn.initializers.normal(self.init_std), ('vocab', 'embed')),
+        (self.vocab_size, self.features), self.param_dtype)
+
+  def __call__(self, tokens: jax.Array) -> jax.Array:
+    return jnp.take(self.embedding, tokens, axis=0).astype(self.dtype)
+
+  def attend(self, x: jax.Array) -> jax.Array:
+    return x @ self.embedding.T.astype(self.dtype)
+
+
+def rope(x_BTHD: jax.Array, positions_T: jax.Array, base: float) -> jax.Array:
+  """Rotary embedding (rotate-half convention) over the last axis."""
+  d = x_BTHD.shape[-1]
+  freq = base ** (-jnp.arange(0, d, 2, dtype=jnp.float32) / d)
+  angle_TF = positions_T[:, None].astype(jnp.float32) * freq[None, :]
+  sin, cos = jnp.sin(angle_TF)[None, :, None, :], jnp.cos(angle_TF)[None, :, None, :]
+  x1, x2 = jnp.split(x_BTHD.astype(jnp.float32), 2, axis=-1)
+  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return out.astype(x_BTHD.dtype)

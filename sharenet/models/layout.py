@@ -1,0 +1,69 @@
+"""Views of the stack's variables per unique set and per applied layer; tied -> untied."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import flax.linen as nn
+import jax.numpy as jnp
+import numpy as np
+from flax.traverse_util import flatten_dict, unflatten_dict
+
+from sharenet.models.config import ModelConfig
+from sharenet.norms import PER_LAYER
+
+Tree = Any
+
+
+def _segment_leaves(tree: Tree) -> dict[int, dict[tuple, Any]]:
+  """{segment index: {path relative to the block: leaf}} for a collection's 'stack' subtree."""
+  out: dict[int, dict[tuple, Any]] = {}
+  for path, leaf in flatten_dict(nn.unbox(tree).get('stack', {})).items():
+    seg = int(path[0].removeprefix('segment_'))
+    out.setdefault(seg, {})[path[path.index('block') + 1:]] = leaf
+  return out
+
+
+def unique_sets(params: Tree, cfg: ModelConfig) -> dict[tuple, jnp.ndarray]:
+  """Block params stacked over all unique sets in plan order: {path: (U, ...)}."""
+  segs = _segment_leaves(params)
+  paths = segs[0].keys()
+  return {p: jnp.concatenate([segs[i][p] for i in range(len(cfg.plan.segments))]) for p in paths}
+
+
+def applied_per_layer(per_layer: Tree, cfg: ModelConfig) -> dict[tuple, jnp.ndarray]:
+  """Per-layer variables in applied-layer order: {path: (L, ...)}."""
+  segs = _segment_leaves(per_layer)
+  if not segs:
+    return {}
+  out = {}
+  for p in segs[0]:
+    parts = []
+    for i, seg in enumerate(cfg.plan.segments):
+      leaf = segs[i][p]
+      lead = 1 if seg.order == 'gather' else 2   # (R, K) for cycle, (K, R) for sequence
+      parts.append(leaf.reshape((-1,) + leaf.shape[lead:]))
+    out[p] = jnp.concatenate(parts)
+  return out
+
+
+def applied_params(params: Tree, cfg: ModelConfig) -> dict[tuple, jnp.ndarray]:
+  """Each applied layer's (tied) block params: {path: (L, ...)} gathered by the plan index."""
+  idx = np.asarray(cfg.plan.index)
+  return {p: v[idx] for p, v in unique_sets(params, cfg).items()}
+
+
+def to_untied(variables: Tree, cfg: ModelConfig) -> tuple[ModelConfig, Tree]:
+  """The untied model (and its variables) computing the same function as `variables`."""
+  ucfg = dataclasses.replace(cfg, scheme='untied', num_unique=0, repeats=0, pattern='')
+  variables = nn.unbox(variables)
+  prefix = ('stack', 'segment_0', 'level', 'block')
+  params = {k: v for k, v in flatten_dict(variables['params']).items() if k[0] != 'stack'}
+  params.update({prefix + p: v for p, v in applied_params(variables['params'], cfg).items()})
+  out = {'params': unflatten_dict(params)}
+  if PER_LAYER in variables:
+    layer = {k: v for k, v in flatten_dict(variables[PER_LAYER]).items() if k[0] != 'stack'}
+    layer.update({prefix + p: v[None] for p, v in
+                  applied_per_layer(variables[PER_LAYER], cfg).items()})
+    out[PER_LAYER] = unflatten_dict(layer)
+  return ucfg, out

@@ -1,0 +1,63 @@
+"""Decoder-only language model: embed -> shared-weight stack -> final norm -> readout."""
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from sharenet.models.block import ACT_AXES
+from sharenet.models.config import ModelConfig
+from sharenet.models.layers import Dense, Embed
+from sharenet.models.stack import Stack
+from sharenet.norms import PER_LAYER, Norm
+
+TRAINABLE = ('params', PER_LAYER)
+
+
+class DecoderLM(nn.Module):
+  """tokens (B, T) int -> logits (B, T, V) float32."""
+  cfg: ModelConfig
+
+  @nn.compact
+  def __call__(self, tokens_BT: jax.Array) -> jax.Array:
+    c = self.cfg
+    dt, pdt = jnp.dtype(c.dtype), jnp.dtype(c.param_dtype)
+    T = tokens_BT.shape[1]
+    embed = Embed(c.vocab_size, c.d_model, c.embed_init_std, dt, pdt, name='embed')
+    x_BTD = embed(tokens_BT)
+    if c.position == 'learned':
+      pos_TD = self.param('pos_embed', nn.with_logical_partitioning(
+          nn.initializers.normal(0.02), ('length', 'embed')), (c.max_len, c.d_model), pdt)
+      x_BTD = x_BTD + pos_TD[None, :T].astype(dt)
+    x_BTD = nn.with_logical_constraint(x_BTD, ACT_AXES)
+    # A zero-valued hook so tests and coordinate checks can take d(out)/d(embedded input).
+    x_BTD = self.perturb('embedded', x_BTD)
+    x_BTD = Stack(c, name='stack')(x_BTD, jnp.arange(T))
+    if c.norm_placement != 'post':
+      x_BTD = Norm(c.norm, c.norm_eps, param_dtype=pdt, name='final_norm')(x_BTD)
+    if c.tie_embeddings:
+      logits_BTV = embed.attend(x_BTD)
+    else:
+      logits_BTV = Dense((c.vocab_size,), ('embed',), ('vocab',), dtype=dt, param_dtype=pdt,
+                         name='readout')(x_BTD)
+    return nn.with_logical_constraint(logits_BTV.astype(jnp.float32),
+                                      ('activation_batch', 'activation_length', 'activation_vocab'))
+
+
+def init_boxed(model: DecoderLM, rng: jax.Array, batch_size: int = 1, seq_len: int = 8):
+  """Trainable collections with their logical-axis boxes (use under jax.eval_shape)."""
+  k_params, k_layer = jax.random.split(rng)
+  tokens = jnp.zeros((batch_size, seq_len), jnp.int32)
+  variables = model.init({'params': k_params, PER_LAYER: k_layer}, tokens)
+  return {c: variables[c] for c in TRAINABLE if c in variables}
+
+
+def init_variables(model: DecoderLM, rng: jax.Array, batch_size: int = 1, seq_len: int = 8):
+  """Initializes the trainable collections ('params' and the per-layer one) as plain arrays."""
+  return nn.unbox(init_boxed(model, rng, batch_size, seq_len))
+
+
+def logical_axes(model: DecoderLM):
+  """Pytree of logical axis names (PartitionSpec) matching init_variables' tree."""
+  boxed = jax.eval_shape(lambda: init_boxed(model, jax.random.key(0)))
+  return nn.get_partition_spec(boxed)

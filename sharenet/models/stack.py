@@ -1,0 +1,115 @@
+"""The layer stack: one nested nn.scan per plan segment, so tying is a scan setting.
+
+Inside a segment, a collection that is *broadcast* across a scan is tied and a collection
+with `variable_axes` is per iteration (DESIGN idea 1). 'params' is stacked over the K unique
+sets and broadcast over the R repeats; PER_LAYER (untied norm gains, depth-wise LoRA) is
+scanned at every level, so it holds one entry per applied layer. Compile time therefore does
+not grow with R.
+"""
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from sharenet.models.block import Block
+from sharenet.models.config import ModelConfig
+from sharenet.norms import PER_LAYER
+from sharenet.sharing import Segment
+
+SAVE_NAMES = ('query_proj', 'key_proj', 'value_proj', 'out_proj', 'mlp_hidden', 'mlp_out')
+
+
+def remat_policy(name: str):
+  """Named remat policies -> jax.checkpoint_policies (None = no remat at all)."""
+  cp = jax.checkpoint_policies
+  return {
+      'none': None,
+      'full': cp.nothing_saveable,
+      'dots': cp.dots_saveable,
+      'dots_no_batch': cp.dots_with_no_batch_dims_saveable,
+      'save_names': cp.save_only_these_names(*SAVE_NAMES),
+      'offload_dots': cp.offload_dot_with_no_batch_dims('device', 'pinned_host'),
+  }[name]
+
+
+def _block_cls(cfg: ModelConfig):
+  if cfg.remat == 'none':
+    return Block
+  # prevent_cse is unnecessary inside scan (jax.checkpoint docstring) and costs speed.
+  return nn.remat(Block, policy=remat_policy(cfg.remat), prevent_cse=False)
+
+
+def _scan(target, length: int, stacked: bool, axis_name: str, unroll: int):
+  """Scan `target` `length` times; stacked -> params per iteration, else params broadcast."""
+  if stacked:
+    return nn.scan(target, variable_axes={'params': 0, PER_LAYER: 0},
+                   split_rngs={'params': True, PER_LAYER: True}, in_axes=(nn.broadcast,),
+                   length=length, unroll=min(unroll, length),
+                   metadata_params={nn.PARTITION_NAME: axis_name})
+  return nn.scan(target, variable_axes={PER_LAYER: 0}, variable_broadcast='params',
+                 split_rngs={'params': False, PER_LAYER: True}, in_axes=(nn.broadcast,),
+                 length=length, unroll=min(unroll, length),
+                 metadata_params={nn.PARTITION_NAME: axis_name})
+
+
+class _Level(nn.Module):
+  """One scan level; the innermost level scans the (remat'd) Block."""
+  cfg: ModelConfig
+  levels: tuple[tuple[int, bool, str], ...]   # (length, stacked, axis_name), outermost first
+
+  @nn.compact
+  def __call__(self, x_BTD: jax.Array, positions_T: jax.Array):
+    (length, stacked, axis), rest = self.levels[0], self.levels[1:]
+    if rest:
+      body = _scan(_Level, length, stacked, axis, self.cfg.scan_unroll)(self.cfg, rest,
+                                                                        name='level')
+    else:
+      body = _scan(_block_cls(self.cfg), length, stacked, axis, self.cfg.scan_unroll)(
+          self.cfg, name='block')
+    x_BTD, _ = body(x_BTD, positions_T)
+    return x_BTD, None
+
+
+class GatherSegment(nn.Module):
+  """Arbitrary index list: a pool of U sets gathered into an L-stack (reference C4 option 3).
+
+  At init the freshly created L-stack is reduced to the pool (first user of each set); in the
+  forward pass `take` gathers, and its gradient scatter-adds the per-use gradients.
+  """
+  cfg: ModelConfig
+  pattern: tuple[int, ...]
+
+  @nn.compact
+  def __call__(self, x_BTD: jax.Array, positions_T: jax.Array):
+    idx = np.asarray(self.pattern)
+    first_use = np.asarray([self.pattern.index(u) for u in range(idx.max() + 1)])
+    gather = lambda tree: jax.tree.map(lambda p: jnp.take(p, idx, axis=0), tree)
+    reduce = lambda tree: jax.tree.map(lambda p: jnp.take(p, first_use, axis=0), tree)
+    scanned = _scan(_block_cls(self.cfg), len(idx), True, 'layers', self.cfg.scan_unroll)
+    mapped = nn.map_variables(scanned, 'params', trans_in_fn=gather, trans_out_fn=reduce,
+                              init=True)
+    x_BTD, _ = mapped(self.cfg, name='block')(x_BTD, positions_T)
+    return x_BTD, None
+
+
+def segment_levels(seg: Segment) -> tuple[tuple[int, bool, str], ...]:
+  """Nesting of a regular segment: cycle = repeats(outer, tied) x sets; sequence = reverse."""
+  if seg.order == 'cycle':
+    return ((seg.repeats, False, 'repeats'), (seg.num_sets, True, 'layers'))
+  return ((seg.num_sets, True, 'layers'), (seg.repeats, False, 'repeats'))
+
+
+class Stack(nn.Module):
+  """Applies cfg.num_layers layers, storing only the plan's unique sets."""
+  cfg: ModelConfig
+
+  @nn.compact
+  def __call__(self, x_BTD: jax.Array, positions_T: jax.Array) -> jax.Array:
+    for i, seg in enumerate(self.cfg.plan.segments):
+      if seg.order == 'gather':
+        x_BTD, _ = GatherSegment(self.cfg, seg.pattern, name=f'segment_{i}')(x_BTD, positions_T)
+      else:
+        x_BTD, _ = _Level(self.cfg, segment_levels(seg), name=f'segment_{i}')(x_BTD, positions_T)
+    return x_BTD

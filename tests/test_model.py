@@ -1,0 +1,216 @@
+"""Core model invariants: parameter counts, tied gradients, LoRA, causality, remat."""
+import dataclasses
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax.traverse_util import flatten_dict
+
+from sharenet.models import DecoderLM, ModelConfig, init_variables
+from sharenet.models import accounting, layout
+from sharenet.models.config import REMATS
+from sharenet.norms import PER_LAYER
+from sharenet.sharing import SCHEMES
+
+SCHEME_KW = {
+    'untied': {}, 'universal': {}, 'cycle': dict(repeats=2), 'sequence': dict(repeats=2),
+    'middle_cycle': dict(repeats=2), 'middle_sequence': dict(repeats=2), 'sandwich': {},
+    'groups': dict(num_unique=3), 'explicit': dict(pattern='0,1,1,0,2,2'),
+}
+
+
+def tiny(scheme='cycle', **kw):
+  base = dict(vocab_size=64, d_model=32, num_layers=6, num_heads=4, mlp_dim=48, remat='none')
+  base.update(SCHEME_KW[scheme])
+  base.update(kw)
+  return ModelConfig(scheme=scheme, **base).validate()
+
+
+def tokens(B=2, T=12, seed=0, vocab=64):
+  return jax.random.randint(jax.random.key(seed), (B, T), 0, vocab)
+
+
+def loss_fn(variables, model, toks):
+  logits = model.apply(variables, toks[:, :-1])
+  return optax.softmax_cross_entropy_with_integer_labels(logits, toks[:, 1:]).mean()
+
+
+def randomize_lora_b(variables, seed=1):
+  """B = 0 at init makes LoRA invisible; give it values so identities are not vacuous."""
+  flat = flatten_dict(variables[PER_LAYER])
+  keys = jax.random.split(jax.random.key(seed), len(flat))
+  from flax.traverse_util import unflatten_dict
+  out = {}
+  for k, (path, leaf) in zip(keys, flat.items()):
+    if path[-1] == 'lora_b':
+      leaf = 0.1 * jax.random.normal(k, leaf.shape)
+    out[path] = leaf
+  return {**variables, PER_LAYER: unflatten_dict(out)}
+
+
+# ---- parameter counts ---------------------------------------------------------------------
+
+def expected_params(cfg: ModelConfig) -> int:
+  """Counts from the plan and the layer shapes alone, independent of the module tree."""
+  D, F, V, H, K, Dh = (cfg.d_model, cfg.mlp_dim, cfg.vocab_size, cfg.num_heads, cfg.kv_heads,
+                       cfg.head_dim)
+  norm_size = {'layernorm': 2 * D, 'rmsnorm': D, 'none': 0}[cfg.norm]
+  n_norms = 4 if cfg.norm_placement == 'peri' else 2
+  attn = D * H * Dh + 2 * D * K * Dh + H * Dh * D + (2 * Dh if cfg.qk_norm != 'none' else 0)
+  n_in = 2 if cfg.mlp == 'swiglu' else 1
+  mlp = (n_in + 1) * D * F
+  block_tied = attn + mlp + (0 if cfg.untie_norms else n_norms * norm_size)
+  per_layer = n_norms * norm_size if cfg.untie_norms else 0
+  lora_shapes = {'q': (D, H * Dh), 'k': (D, K * Dh), 'v': (D, K * Dh), 'o': (H * Dh, D),
+                 'mlp_in': (D, F), 'mlp_out': (F, D)}
+  if cfg.lora_rank:
+    per_layer += sum((n_in if t == 'mlp_in' else 1) * cfg.lora_rank * sum(lora_shapes[t])
+                     for t in cfg.lora_targets)
+  U, L = max(cfg.plan.index) + 1, cfg.num_layers
+  outer = V * D + (0 if cfg.tie_embeddings else D * V) + (0 if cfg.norm_placement == 'post'
+                                                          else norm_size)
+  return outer + U * block_tied + L * per_layer
+
+
+@pytest.mark.parametrize('scheme', SCHEMES)
+@pytest.mark.parametrize('extra', [
+    {}, dict(untie_norms=True), dict(lora_rank=2, lora_targets=('q', 'v', 'mlp_in')),
+    dict(untie_norms=True, lora_rank=3, norm='layernorm', norm_placement='peri',
+         tie_embeddings=True, num_kv_heads=2, qk_norm='rms', mlp='gelu',
+         lora_targets=('k', 'o', 'mlp_out'))])
+def test_stored_param_count_matches_plan(scheme, extra):
+  cfg = tiny(scheme, **extra)
+  shapes = jax.eval_shape(lambda: init_variables(DecoderLM(cfg), jax.random.key(0)))
+  assert accounting.params_unique(shapes) == expected_params(cfg)
+  untied = dataclasses.replace(cfg, scheme='untied', num_unique=0, repeats=0, pattern='')
+  assert accounting.params_applied(shapes, cfg) == expected_params(untied)
+
+
+def test_flops_per_token_counts_applied_depth():
+  tied, untied = tiny('universal'), tiny('untied')
+  assert accounting.flops_per_token(tied, 64) == accounting.flops_per_token(untied, 64)
+  D, F, V, L, T = 32, 48, 64, 6, 64
+  per_layer = 4 * D * D + 3 * D * F
+  assert accounting.flops_per_token(untied, T) == 3 * (2 * (L * per_layer + D * V) + 2 * L * T * D)
+
+
+# ---- tied-gradient identity ---------------------------------------------------------------
+
+def _rel_err(a, b):
+  return float(jnp.max(jnp.abs(a - b)) / (jnp.max(jnp.abs(b)) + 1e-30))
+
+
+@pytest.mark.parametrize('scheme', ['cycle', 'sequence', 'middle_cycle', 'universal', 'groups',
+                                    'sandwich', 'explicit'])
+@pytest.mark.parametrize('lora', [False, True])
+def test_tied_gradient_is_sum_of_untied_gradients(scheme, lora):
+  extra = dict(lora_rank=2, lora_targets=('q', 'v', 'mlp_out'), untie_norms=True) if lora else {}
+  cfg = tiny(scheme, **extra)
+  v = init_variables(DecoderLM(cfg), jax.random.key(0))
+  if lora:
+    v = randomize_lora_b(v)
+  ucfg, uv = layout.to_untied(v, cfg)
+  toks = tokens()
+  loss, g = jax.value_and_grad(loss_fn)(jax.tree.map(lambda x: x, v), DecoderLM(cfg), toks)
+  uloss, ug = jax.value_and_grad(loss_fn)(uv, DecoderLM(ucfg), toks)
+  np.testing.assert_allclose(loss, uloss, rtol=1e-6)
+
+  tied = layout.unique_sets(g['params'], cfg)
+  per_applied = layout.unique_sets(ug['params'], ucfg)   # untied: one set per applied layer
+  plan = cfg.plan
+  spread = 0.0
+  for path, gt in tied.items():
+    for u in range(plan.num_unique):
+      expected = sum(per_applied[path][l] for l in plan.uses(u))
+      assert _rel_err(gt[u], expected) <= 1e-5, (path, u)
+      if len(plan.uses(u)) > 1:  # the per-use grads differ, so the check is not vacuous
+        uses = [per_applied[path][l] for l in plan.uses(u)]
+        spread = max(spread, _rel_err(uses[0], uses[1]))
+  assert spread > 1e-3
+  if lora:  # per-layer parts: exactly the untied model's per-layer gradients
+    for path, gl in layout.applied_per_layer(g[PER_LAYER], cfg).items():
+      ul = layout.applied_per_layer(ug[PER_LAYER], ucfg)[path]
+      assert _rel_err(gl, ul) <= 1e-5, path
+  for path, gx in flatten_dict(g['params']).items():
+    if path[0] != 'stack':
+      assert _rel_err(gx, flatten_dict(ug['params'])[path]) <= 1e-5, path
+
+
+# ---- depth-wise LoRA ----------------------------------------------------------------------
+
+@pytest.mark.parametrize('scheme', ['cycle', 'middle_cycle'])
+def test_zero_lora_equals_strict_plan(scheme):
+  strict = tiny(scheme)
+  relaxed = dataclasses.replace(strict, lora_rank=4,
+                                lora_targets=('q', 'k', 'v', 'o', 'mlp_in', 'mlp_out'))
+  v_strict = init_variables(DecoderLM(strict), jax.random.key(0))
+  v_relaxed = init_variables(DecoderLM(relaxed), jax.random.key(0))
+  v_relaxed = {'params': v_strict['params'], PER_LAYER: v_relaxed[PER_LAYER]}
+  toks = tokens()
+  np.testing.assert_array_equal(DecoderLM(strict).apply(v_strict, toks),
+                                DecoderLM(relaxed).apply(v_relaxed, toks))
+  # LoRA factors are per applied layer, and each applied layer got its own draw of A.
+  lora = layout.applied_per_layer(v_relaxed[PER_LAYER], relaxed)
+  a = lora[('attn', 'q', 'lora_a')]
+  assert a.shape[0] == relaxed.num_layers
+  assert len({np.asarray(a[l]).tobytes() for l in range(a.shape[0])}) == relaxed.num_layers
+
+
+# ---- causality, shapes, remat ---------------------------------------------------------------
+
+@pytest.mark.parametrize('scheme', SCHEMES)
+def test_causal_shapes_finite(scheme):
+  cfg = tiny(scheme, untie_norms=scheme == 'cycle', lora_rank=2 if scheme == 'sequence' else 0)
+  model = DecoderLM(cfg)
+  v = init_variables(model, jax.random.key(0))
+  B, T, t = 2, 10, 4
+  toks = tokens(B, T)
+  logits = model.apply(v, toks)
+  chex.assert_shape(logits, (B, T, cfg.vocab_size))
+  chex.assert_tree_all_finite(logits)
+
+  def out_at_t(delta_BTD):
+    out = model.apply({**v, 'perturbations': {'embedded': delta_BTD}}, toks)
+    return out[:, t].sum()
+
+  g_BTD = jax.grad(out_at_t)(jnp.zeros((B, T, cfg.d_model)))
+  assert float(jnp.abs(g_BTD[:, t + 1:]).max()) == 0.0
+  assert float(jnp.abs(g_BTD[:, :t + 1]).min(axis=-1).max()) > 0.0
+
+
+@pytest.mark.parametrize('remat', REMATS)
+def test_remat_policies_same_loss_and_grads(remat):
+  ref_cfg = tiny('cycle', lora_rank=2, untie_norms=True)
+  cfg = dataclasses.replace(ref_cfg, remat=remat)
+  v = randomize_lora_b(init_variables(DecoderLM(cfg), jax.random.key(0)))
+  toks = tokens()
+  loss, g = jax.jit(jax.value_and_grad(loss_fn), static_argnums=1)(v, DecoderLM(cfg), toks)
+  ref_loss, ref_g = jax.value_and_grad(loss_fn)(v, DecoderLM(ref_cfg), toks)
+  chex.assert_tree_all_finite(g)
+  np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+  for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(ref_g)):
+    assert _rel_err(a, b) <= 1e-5
+
+
+def test_untied_and_universal_share_one_code_path():
+  """Same module tree shape: only the stacked set count changes."""
+  shapes = {}
+  for s in ('untied', 'universal'):
+    cfg = tiny(s)
+    tree = jax.eval_shape(lambda: init_variables(DecoderLM(cfg), jax.random.key(0)))
+    shapes[s] = {k: v.shape for k, v in flatten_dict(tree['params']).items()}
+  assert shapes['untied'].keys() == shapes['universal'].keys()
+  q = ('stack', 'segment_0', 'level', 'block', 'attn', 'q', 'kernel')
+  assert shapes['untied'][q][0] == 6 and shapes['universal'][q][0] == 1
+
+
+def test_gqa_and_tied_embeddings_run():
+  cfg = tiny('cycle', num_kv_heads=2, tie_embeddings=True, qk_norm='rms', mlp='gelu',
+             position='learned', norm='layernorm', norm_placement='post')
+  model = DecoderLM(cfg)
+  v = init_variables(model, jax.random.key(0))
+  chex.assert_tree_all_finite(model.apply(v, tokens()))
+  assert 'readout' not in v['params']
