@@ -2,6 +2,10 @@
 import os
 
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
+# Tests check numerics, not speed: a lower LLVM optimization level cuts XLA:CPU compile time ~35%.
+if '--xla_backend_optimization_level' not in os.environ.get('XLA_FLAGS', ''):
+  os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') +
+                             ' --xla_backend_optimization_level=0').strip()
 
 import jax  # noqa: E402
 
