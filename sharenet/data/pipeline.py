@@ -44,7 +44,8 @@ from sharenet.errors import ConfigError
 
 def _seed(data_cfg: Any, seed: int) -> int:
   data_seed = corpus.get_field(data_cfg, 'seed')
-  return (seed if data_seed is None else data_seed) % 2**32  # grain wants uint32 seeds
+  # None or a negative data.seed means 'use train.seed'; grain wants uint32 seeds.
+  return (seed if data_seed is None or data_seed < 0 else data_seed) % 2**32
 
 
 class _Windows(grain.transforms.Map):

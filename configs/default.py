@@ -1,0 +1,83 @@
+"""Default: a 4-layer byte-level LM on the embedded stdlib corpus.
+
+Command:   python train.py                      (same as --config configs/default.py)
+Runtime:   ~4.5 min on the 2-core CPU (compile ~10 s, final eval over the full split ~20 s).
+Result:    eval bits per byte ~2.6 (see README results table); unigram reference ~4.76.
+"""
+import ml_collections
+
+
+def get_config() -> ml_collections.ConfigDict:
+  c = ml_collections.ConfigDict()
+  c.model = m = ml_collections.ConfigDict()
+  m.vocab_size = 256          # byte-level tokens
+  m.d_model = 256             # residual width
+  m.num_layers = 4            # *applied* layers
+  m.num_heads = 4             # must divide d_model
+  m.num_kv_heads = 0          # 0 -> num_heads; fewer -> grouped-query attention
+  m.mlp_dim = 768             # MLP hidden width
+  m.mlp = 'swiglu'            # swiglu | gelu
+  m.position = 'rope'         # rope | learned | none
+  m.rope_base = 10000.0
+  m.max_len = 2048            # learned positions only
+  m.attn_scale = 0.0          # 0 -> 1/sqrt(head_dim)
+  m.tie_embeddings = False    # readout shares the embedding table
+  m.embed_init_std = 1.0
+  m.remat = 'dots_no_batch'   # none | full | dots | dots_no_batch | save_names | offload_dots
+  m.scan_unroll = 1           # nn.scan unroll factor
+  m.dtype = 'float32'         # compute dtype: float32 | bfloat16
+  m.param_dtype = 'float32'
+  m.sharing = s = ml_collections.ConfigDict()
+  s.scheme = 'untied'         # untied | universal | cycle | sequence | middle_cycle |
+                              # middle_sequence | sandwich | groups | explicit
+  s.num_unique = 0            # stored sets (middle/sandwich count first and last); 0 -> from repeats
+  s.repeats = 0               # applications of each shared set; 0 -> from num_unique
+  s.pattern = ''              # explicit: comma-separated set index per applied layer
+  s.untie_norms = False       # norm gains per applied layer (WideNet / Subformer)
+  s.lora_rank = 0             # depth-wise LoRA rank (Relaxed Recursive Transformers); 0 = off
+  s.lora_targets = 'q,v'      # any of q,k,v,o,mlp_in,mlp_out
+  s.lora_scale = 1.0          # alpha / r
+  m.norm = n = ml_collections.ConfigDict()
+  n.kind = 'rmsnorm'          # layernorm | rmsnorm | none
+  n.placement = 'pre'         # pre | post | peri
+  n.qk_norm = 'none'          # none | rms
+  n.eps = 1e-6
+
+  c.train = t = ml_collections.ConfigDict()
+  t.steps = 1000
+  t.batch_size = 16
+  t.seq_len = 256
+  t.lr = 3e-3                 # peak learning rate
+  t.schedule = 'wsd'          # wsd (warmup-stable-decay) | cosine | constant
+  t.warmup_steps = 50
+  t.decay_fraction = 0.3      # wsd: final fraction of steps spent decaying to min_lr
+  t.min_lr_ratio = 0.0
+  t.weight_decay = 0.1        # decoupled (AdamW), on matrices only
+  t.b1 = 0.9
+  t.b2 = 0.95
+  t.eps = 1e-8
+  t.grad_clip = 1.0           # global-norm clipping; 0 = off
+  t.grad_accum = 1            # micro-batches per step (batch_size must divide)
+  t.seed = 0
+  t.log_every = 10
+  t.eval_every = 0            # 0 -> only at the end
+  t.eval_batch_size = 32
+  t.checkpoint_every = 250
+  t.keep_checkpoints = 3
+  t.progress = True           # progress bar on stderr
+
+  c.data = d = ml_collections.ConfigDict()
+  d.source = 'stdlib'         # stdlib | text | bin
+  d.path = ''                 # glob of text files, or a uint16 .bin token file
+  d.seed = -1                 # shuffle seed; -1 -> train.seed
+  d.num_workers = 0
+
+  c.parametrization = p = ml_collections.ConfigDict()
+  p.kind = 'sp'               # standard parametrization (muP presets: issue 5)
+  p.base_d_model = 0
+
+  c.mesh = mh = ml_collections.ConfigDict()
+  mh.data = -1                # -1 -> all devices on the data axis
+  mh.fsdp = 1
+  mh.tensor = 1
+  return c

@@ -1,0 +1,38 @@
+"""Evaluation on the full validation split: mean next-token loss and bits per byte."""
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from sharenet import data
+from sharenet.models import DecoderLM
+
+
+def token_nll(model: DecoderLM, params: Any, tokens_BT1: jax.Array) -> jax.Array:
+  """Per-position next-token negative log-likelihood (B, T)."""
+  logits_BTV = model.apply(params, tokens_BT1[:, :-1])
+  return optax.softmax_cross_entropy_with_integer_labels(logits_BTV, tokens_BT1[:, 1:])
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _eval_step(model: DecoderLM, params: Any, tokens_BT1: jax.Array, mask_BT: jax.Array):
+  nll_BT = token_nll(model, params, tokens_BT1)
+  return jnp.sum(nll_BT * mask_BT), jnp.sum(mask_BT)
+
+
+def evaluate(model: DecoderLM, params: Any, data_cfg: Any, seq_len: int,
+             batch_size: int) -> dict[str, float]:
+  """eval_loss (nats/token) and eval_bits_per_byte over every validation token."""
+  total, count = 0.0, 0.0
+  for tokens, mask in data.eval_batches(data_cfg, seq_len, batch_size):
+    s, n = _eval_step(model, params, tokens, mask)
+    total += float(s)   # host-side float64 accumulation: identical in train.py and eval.py
+    count += float(n)
+  loss = total / count
+  bpt = data.bytes_per_token(data_cfg) or 1.0   # bin sources: bits per token
+  return {'eval_loss': loss, 'eval_bits_per_byte': loss / math.log(2) / bpt}
