@@ -25,6 +25,7 @@ def get_config() -> ml_collections.ConfigDict:
   m.embed_init_std = 1.0
   m.remat = 'dots_no_batch'   # none | full | dots | dots_no_batch | save_names | offload_dots
   m.scan_unroll = 1           # nn.scan unroll factor
+  m.scan_layers = True        # False: Python loop over layers (benchmark baseline)
   m.dtype = 'float32'         # compute dtype: float32 | bfloat16
   m.param_dtype = 'float32'
   m.sharing = s = ml_collections.ConfigDict()
@@ -44,12 +45,12 @@ def get_config() -> ml_collections.ConfigDict:
   n.eps = 1e-6
 
   c.train = t = ml_collections.ConfigDict()
-  t.steps = 1000
+  t.steps = 150
   t.batch_size = 16
   t.seq_len = 256
   t.lr = 3e-3                 # peak learning rate
   t.schedule = 'wsd'          # wsd (warmup-stable-decay) | cosine | constant
-  t.warmup_steps = 50
+  t.warmup_steps = 30
   t.decay_fraction = 0.3      # wsd: final fraction of steps spent decaying to min_lr
   t.min_lr_ratio = 0.0
   t.weight_decay = 0.1        # decoupled (AdamW), on matrices only
@@ -62,7 +63,7 @@ def get_config() -> ml_collections.ConfigDict:
   t.log_every = 10
   t.eval_every = 0            # 0 -> only at the end
   t.eval_batch_size = 32
-  t.checkpoint_every = 250
+  t.checkpoint_every = 50
   t.keep_checkpoints = 3
   t.progress = True           # progress bar on stderr
 

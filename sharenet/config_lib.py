@@ -6,7 +6,7 @@ from typing import Any
 
 import jax
 
-from sharenet import data
+from sharenet import data, optim
 from sharenet.errors import ConfigError
 from sharenet.models import ModelConfig
 
@@ -28,6 +28,7 @@ def validate(config: Any, process_count: int | None = None) -> ModelConfig:
   if t.batch_size % t.grad_accum:
     raise ConfigError(f'train.grad_accum={t.grad_accum} must divide train.batch_size='
                       f'{t.batch_size}')
+  optim.lr_schedule(t)  # raises for an unknown schedule
   if t.lr <= 0:
     raise ConfigError(f'train.lr={t.lr} must be > 0')
   if mcfg.position == 'learned' and t.seq_len > mcfg.max_len:

@@ -52,6 +52,7 @@ class ModelConfig:
   lora_scale: float = 1.0          # alpha / r; 1 makes full-rank SVD init exact (ref. C5.9)
   remat: str = 'dots_no_batch'
   scan_unroll: int = 1
+  scan_layers: bool = True         # False: Python loop over layers (baseline; no per-layer parts)
   dtype: str = 'float32'           # compute dtype; params stay float32 (float64 for x64 tests)
   param_dtype: str = 'float32'
 
@@ -93,6 +94,9 @@ class ModelConfig:
       raise ConfigError(f'model.position=rope needs an even head_dim, got {self.head_dim}')
     if self.lora_rank < 0:
       raise ConfigError(f'model.sharing.lora_rank={self.lora_rank} must be >= 0')
+    if not self.scan_layers and (self.lora_rank or self.untie_norms):
+      raise ConfigError('model.scan_layers=False reuses one module per shared set, so it cannot '
+                        'hold per-layer parts; valid: lora_rank=0 and untie_norms=False')
     self.plan  # raises ConfigError for impossible sharing
     return self
 
@@ -116,6 +120,6 @@ class ModelConfig:
         pattern=s.get('pattern', ''), untie_norms=s.get('untie_norms', False),
         lora_rank=s.get('lora_rank', 0), lora_targets=tuple(targets),
         lora_scale=s.get('lora_scale', 1.0), remat=m.get('remat', 'dots_no_batch'),
-        scan_unroll=m.get('scan_unroll', 1), dtype=m.get('dtype', 'float32'),
+        scan_unroll=m.get('scan_unroll', 1), scan_layers=m.get('scan_layers', True), dtype=m.get('dtype', 'float32'),
         param_dtype=m.get('param_dtype', 'float32'),
     ).validate()

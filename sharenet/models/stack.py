@@ -107,6 +107,13 @@ class Stack(nn.Module):
 
   @nn.compact
   def __call__(self, x_BTD: jax.Array, positions_T: jax.Array) -> jax.Array:
+    if not self.cfg.scan_layers:
+      # Python loop baseline (benchmarks): one module per unique set, reused where tied.
+      blocks = [_block_cls(self.cfg)(self.cfg, name=f'set_{u}')
+                for u in range(self.cfg.plan.num_unique)]
+      for u in self.cfg.plan.index:
+        x_BTD, _ = blocks[u](x_BTD, positions_T)
+      return x_BTD
     for i, seg in enumerate(self.cfg.plan.segments):
       if seg.order == 'gather':
         x_BTD, _ = GatherSegment(self.cfg, seg.pattern, name=f'segment_{i}')(x_BTD, positions_T)

@@ -1,0 +1,19 @@
+"""Tiny: the smallest sensible model, for tests and smoke runs.
+
+Command:   python train.py --config configs/tiny.py --workdir runs/tiny
+Runtime:   ~15 s on the 2-core CPU (compile dominates).
+Result:    a finite loss falling from ~5.5 to ~3.5 in 40 steps; eval over the full split.
+"""
+from configs import default
+
+
+def get_config():
+  c = default.get_config()
+  m, t = c.model, c.train
+  m.d_model, m.num_layers, m.num_heads, m.mlp_dim = 32, 2, 2, 64
+  m.remat = 'none'
+  t.steps, t.batch_size, t.seq_len = 40, 4, 32
+  t.warmup_steps, t.log_every, t.checkpoint_every = 5, 1, 20
+  t.eval_batch_size = 256
+  t.progress = False
+  return c

@@ -1,0 +1,55 @@
+"""Evaluates a workdir's checkpoint: the library side of eval.py."""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import jax
+import ml_collections
+import orbax.checkpoint as ocp
+
+from sharenet import checkpoint, data, eval_lib, optim
+from sharenet.errors import ConfigError
+from sharenet.models import DecoderLM, ModelConfig
+from sharenet import train_lib
+
+
+def load_config(workdir: str) -> ml_collections.ConfigDict:
+  path = os.path.join(workdir, 'config.json')
+  if not os.path.exists(path):
+    raise ConfigError(f'--workdir {workdir} has no config.json; pass the workdir of a train.py run')
+  with open(path) as f:
+    raw = json.load(f)
+  keys = ('model', 'train', 'data', 'parametrization', 'mesh')
+  return ml_collections.ConfigDict({k: raw[k] for k in keys if k in raw})
+
+
+def evaluate_workdir(workdir: str, step: int | None = None) -> dict[str, Any]:
+  """Restores the latest (or `step`) checkpoint's params and evaluates the validation split."""
+  config = load_config(workdir)
+  mcfg = ModelConfig.from_config(config.model)
+  model, tx = DecoderLM(mcfg), optim.make_optimizer(config.train)
+  abstract = jax.eval_shape(lambda: train_lib.init_state(model, tx, jax.random.key(0)))
+  mngr = checkpoint.manager(workdir, config.train.keep_checkpoints, async_save=False)
+  steps = mngr.all_steps()
+  if not steps:
+    raise ConfigError(f'--workdir {workdir} holds no checkpoint')
+  if step is not None and step not in steps:
+    raise ConfigError(f'--step={step} not found; available: {sorted(steps)}')
+  if step is None:
+    restored = checkpoint.restore_latest(mngr, abstract)
+    if restored is None:
+      raise ConfigError(f'--workdir {workdir}: no readable checkpoint')
+    state, step = restored
+  else:
+    args = ocp.args.Composite(state=ocp.args.StandardRestore(abstract))
+    state = mngr.restore(step, args=args)['state']
+  mngr.close()
+  out = eval_lib.evaluate(model, state.params, config.data, config.train.seq_len,
+                          config.train.eval_batch_size)
+  out = {'step': int(step), **out,
+         'unigram_bits_per_byte': data.unigram_bits_per_byte(config.data)}
+  with open(os.path.join(workdir, 'eval.json'), 'w') as f:
+    json.dump(out, f, indent=2)
+  return out

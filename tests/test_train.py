@@ -1,0 +1,182 @@
+"""The train loop end to end at tiny size: resume, corruption, bad input, NaN, eval.py."""
+import glob
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+from configs import tiny
+from sharenet import config_lib, eval_cli, train_lib
+from sharenet.errors import ConfigError
+from sharenet.metrics import read_metrics
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def tiny_config(**overrides):
+  c = tiny.get_config()
+  for key, value in overrides.items():
+    section, _, name = key.rpartition('.')
+    node = c
+    for part in section.split('.') if section else []:
+      node = node[part]
+    node[name] = value
+  return c
+
+
+def losses(workdir):
+  """Last logged loss per step (a killed run may have logged steps that were redone)."""
+  return {r['step']: r['loss'] for r in read_metrics(workdir) if 'loss' in r}
+
+
+def train_cmd(workdir, *flags):
+  return [sys.executable, os.path.join(ROOT, 'train.py'), '--config',
+          os.path.join(ROOT, 'configs', 'tiny.py'), f'--workdir={workdir}', *flags]
+
+
+def env():
+  e = dict(os.environ)
+  e['JAX_COMPILATION_CACHE_DIR'] = jax.config.jax_compilation_cache_dir or ''
+  e['PYTHONPATH'] = ROOT
+  return e
+
+
+@pytest.fixture(scope='module')
+def reference_run(tmp_path_factory):
+  """One uninterrupted 40-step tiny run, shared by several tests."""
+  workdir = str(tmp_path_factory.mktemp('ref'))
+  out = train_lib.train_and_evaluate(tiny_config(), workdir)
+  return workdir, out
+
+
+def test_run_writes_contract_files(reference_run):
+  workdir, out = reference_run
+  cfg = json.load(open(os.path.join(workdir, 'config.json')))
+  for key in ('params_unique', 'params_applied', 'flops_per_token', 'model', 'train'):
+    assert key in cfg
+  rows = read_metrics(workdir)
+  train_rows = [r for r in rows if 'loss' in r]
+  assert [r['step'] for r in train_rows] == list(range(1, 41))
+  for key in ('loss', 'lr', 'tokens_per_sec', 'mfu', 'grad_norm'):
+    assert np.isfinite(train_rows[-1][key])
+  assert train_rows[-1]['loss'] < train_rows[0]['loss'] - 1.0
+  evals = [r for r in rows if 'eval_loss' in r]
+  assert evals[-1]['step'] == 40 and 'eval_bits_per_byte' in evals[-1]
+  assert glob.glob(os.path.join(workdir, 'tb', 'events.*'))
+
+
+def test_eval_cli_matches_last_eval(reference_run):
+  workdir, _ = reference_run
+  last = [r for r in read_metrics(workdir) if 'eval_loss' in r][-1]
+  out = eval_cli.evaluate_workdir(workdir)
+  assert out['step'] == last['step']
+  assert abs(out['eval_loss'] - last['eval_loss']) <= 1e-6
+  assert abs(out['eval_bits_per_byte'] - last['eval_bits_per_byte']) <= 1e-6
+  assert 4.0 < out['unigram_bits_per_byte'] < 5.5
+  assert json.load(open(os.path.join(workdir, 'eval.json')))['step'] == 40
+
+
+def test_resume_after_kill_is_bit_identical(reference_run, tmp_path):
+  ref_dir, _ = reference_run
+  workdir = str(tmp_path / 'killed')
+  proc = subprocess.Popen(train_cmd(workdir), env=env(), stdout=subprocess.DEVNULL,
+                          stderr=subprocess.DEVNULL)
+  ckpt20 = os.path.join(workdir, 'checkpoints', '20')
+  deadline = time.time() + 300
+  while not os.path.isdir(ckpt20) and proc.poll() is None and time.time() < deadline:
+    time.sleep(0.05)
+  proc.send_signal(signal.SIGKILL)
+  proc.wait()
+  assert os.path.isdir(ckpt20), 'the run never wrote its step-20 checkpoint'
+  subprocess.run(train_cmd(workdir), env=env(), check=True, capture_output=True)
+  ref, resumed = losses(ref_dir), losses(workdir)
+  assert [resumed[s] for s in range(21, 41)] == [ref[s] for s in range(21, 41)]
+
+
+def _corrupt(workdir, step, how):
+  """Truncates or deletes the largest file of the saved train state (its array data)."""
+  pattern = os.path.join(workdir, 'checkpoints', str(step), 'state', '**', '*')
+  files = [f for f in glob.glob(pattern, recursive=True) if os.path.isfile(f)]
+  assert files, 'no checkpoint file found to corrupt'
+  target = max(files, key=os.path.getsize)
+  if how == 'truncate':
+    with open(target, 'r+b') as f:
+      f.truncate(os.path.getsize(target) // 3)
+  else:
+    os.remove(target)
+
+
+@pytest.mark.parametrize('how', ['truncate', 'delete'])
+def test_corrupt_newest_checkpoint_falls_back(tmp_path, capsys, how):
+  workdir = str(tmp_path)
+  train_lib.train_and_evaluate(tiny_config(**{'train.steps': 20, 'train.checkpoint_every': 10}),
+                               workdir)
+  _corrupt(workdir, 20, how)
+  train_lib.train_and_evaluate(tiny_config(**{'train.steps': 30, 'train.checkpoint_every': 10}),
+                               workdir)
+  out = capsys.readouterr().out
+  warnings = [l for l in out.splitlines() if l.startswith('WARNING: checkpoint 20')]
+  assert len(warnings) == 1, out
+  assert 'resumed from checkpoint at step 10' in out
+  assert os.path.isdir(os.path.join(workdir, 'corrupt_checkpoints', '20'))
+  assert max(losses(workdir)) == 30
+
+
+def test_different_model_in_workdir_fails_clearly(reference_run):
+  workdir, _ = reference_run
+  with pytest.raises(ConfigError, match=r'different model \(model.d_model: 32 -> 48'):
+    train_lib.train_and_evaluate(tiny_config(**{'model.d_model': 48}), workdir)
+
+
+def test_non_finite_loss_stops_without_bad_checkpoint(tmp_path):
+  workdir = str(tmp_path)
+  cfg = tiny_config(**{'train.lr': 1e30, 'train.warmup_steps': 0, 'train.checkpoint_every': 1,
+                       'train.grad_clip': 0.0, 'train.schedule': 'constant'})
+  with pytest.raises(train_lib.NonFiniteLoss, match=r'at step \d+'):
+    train_lib.train_and_evaluate(cfg, workdir)
+  mngr = ocp.CheckpointManager(os.path.join(workdir, 'checkpoints'))
+  assert mngr.all_steps(), 'expected the finite early steps to be checkpointed'
+  for step in mngr.all_steps():
+    state = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore()))['state']
+    assert all(np.isfinite(x).all() for x in jax.tree.leaves(state['params']))
+
+
+BAD = [
+    ({'model.sharing.scheme': 'spiral'}, 'model.sharing.scheme'),
+    ({'model.norm.kind': 'batchnorm'}, 'model.norm.kind'),
+    ({'model.sharing.scheme': 'cycle', 'model.sharing.num_unique': 3}, 'model.sharing.num_unique'),
+    ({'model.num_heads': 3}, 'model.num_heads'),
+    ({'data.source': 'text', 'data.path': '/nonexistent/*.txt'}, 'data.path'),
+    ({'train.seq_len': 10_000_000}, 'train.seq_len'),
+    ({'train.schedule': 'linear'}, 'train.schedule'),
+]
+
+
+@pytest.mark.parametrize('overrides, field', BAD)
+def test_bad_input_names_field(overrides, field):
+  with pytest.raises(ConfigError, match=field.replace('.', r'\.')) as e:
+    config_lib.validate(tiny_config(**overrides))
+  assert '\n' not in str(e.value)
+
+
+def test_empty_data_files_rejected(tmp_path):
+  (tmp_path / 'a.txt').write_text('')
+  with pytest.raises(ConfigError, match='data.path'):
+    config_lib.validate(tiny_config(**{'data.source': 'text',
+                                       'data.path': str(tmp_path / '*.txt')}))
+
+
+def test_cli_bad_input_exits_with_one_line(tmp_path):
+  res = subprocess.run(train_cmd(str(tmp_path), '--config.model.sharing.scheme=spiral'),
+                       env=env(), capture_output=True, text=True)
+  assert res.returncode != 0
+  errors = [l for l in res.stderr.splitlines() if l.startswith('error:')]
+  assert len(errors) == 1 and 'model.sharing.scheme' in errors[0] and 'valid:' in errors[0]
+  assert not os.path.exists(os.path.join(tmp_path, 'checkpoints'))
