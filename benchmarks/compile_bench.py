@@ -1,7 +1,7 @@
 """Lowering + compile time of the train step for a 2-layer block repeated R times.
 
 Command: python benchmarks/compile_bench.py [--d_model 256]
-Prints one JSON line per R and the ratio compile(R=16) / compile(R=1); nested scans keep the
+Prints one JSON line per R (minimum over interleaved passes) and the ratio compile(R=16) / compile(R=1); nested scans keep the
 traced program the same size for every R, so the ratio should stay near 1 (target <= 1.5).
 """
 from __future__ import annotations
@@ -48,10 +48,15 @@ def main():
   p.add_argument('--d_model', type=int, default=256)
   p.add_argument('--seq_len', type=int, default=256)
   p.add_argument('--batch', type=int, default=8)
+  p.add_argument('--passes', type=int, default=3)
   args = p.parse_args()
   jax.config.update('jax_enable_compilation_cache', False)  # measure real compiles
   measure(1, 64, 16, 2)  # warm up tracing machinery so R=1 is not charged for imports
-  rows = [measure(r, args.d_model, args.seq_len, args.batch) for r in (1, 2, 4, 8, 16)]
+  # Compile time on a shared 2-core machine jitters by ~20%: interleave passes, keep the minimum.
+  passes = [[measure(r, args.d_model, args.seq_len, args.batch) for r in (1, 2, 4, 8, 16)]
+            for _ in range(args.passes)]
+  rows = [{**ps[0], **{k: min(p[k] for p in ps) for k in ('lower_s', 'compile_s', 'total_s')}}
+          for ps in zip(*passes)]
   for row in rows:
     print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}))
   print(json.dumps({'total_ratio_R16_over_R1': round(rows[-1]['total_s'] / rows[0]['total_s'], 3),

@@ -23,7 +23,7 @@ def get_config() -> ml_collections.ConfigDict:
   m.attn_scale = 0.0          # 0 -> 1/sqrt(head_dim)
   m.tie_embeddings = False    # readout shares the embedding table
   m.embed_init_std = 1.0
-  m.remat = 'dots_no_batch'   # none | full | dots | dots_no_batch | save_names | offload_dots
+  m.remat = 'dots'            # none | full | dots | dots_no_batch | save_names | offload_dots | except_attn
   m.scan_unroll = 1           # nn.scan unroll factor
   m.scan_layers = True        # False: Python loop over layers (benchmark baseline)
   m.dtype = 'float32'         # compute dtype: float32 | bfloat16

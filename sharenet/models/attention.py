@@ -46,7 +46,8 @@ class CausalAttention(nn.Module):
     logits_BKGTS = jnp.einsum('btkgd,bskd->bkgts', q_BTKGD * scale, k_BTKD)
     causal_TS = jnp.tril(jnp.ones((T, T), dtype=bool))
     logits_BKGTS = jnp.where(causal_TS[None, None, None], logits_BKGTS.astype(jnp.float32), -1e30)
-    probs_BKGTS = jax.nn.softmax(logits_BKGTS, axis=-1).astype(dt)
+    logits_BKGTS = checkpoint_name(logits_BKGTS, 'attn_logits')
+    probs_BKGTS = checkpoint_name(jax.nn.softmax(logits_BKGTS, axis=-1).astype(dt), 'attn_probs')
     out_BTKGD = jnp.einsum('bkgts,bskd->btkgd', probs_BKGTS, v_BTKD)
     out_BTHD = out_BTKGD.reshape(B, T, H, Dh)
     rank = c.lora_rank if 'o' in c.lora_targets else 0

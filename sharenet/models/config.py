@@ -12,7 +12,7 @@ PLACEMENTS = ('pre', 'post', 'peri')
 QK_NORMS = ('none', 'rms')
 MLPS = ('swiglu', 'gelu')
 POSITIONS = ('rope', 'learned', 'none')
-REMATS = ('none', 'full', 'dots', 'dots_no_batch', 'save_names', 'offload_dots')
+REMATS = ('none', 'full', 'dots', 'dots_no_batch', 'save_names', 'offload_dots', 'except_attn')
 DTYPES = ('float32', 'bfloat16', 'float64')
 LORA_TARGETS = ('q', 'k', 'v', 'o', 'mlp_in', 'mlp_out')
 

@@ -31,6 +31,8 @@ def remat_policy(name: str):
       'dots_no_batch': cp.dots_with_no_batch_dims_saveable,
       'save_names': cp.save_only_these_names(*SAVE_NAMES),
       'offload_dots': cp.offload_dot_with_no_batch_dims('device', 'pinned_host'),
+      # Save every residual except the (T, T) attention arrays, which are cheap to recompute.
+      'except_attn': cp.save_anything_except_these_names('attn_logits', 'attn_probs'),
   }[name]
 
 
