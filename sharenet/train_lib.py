@@ -155,7 +155,8 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, float]:
   step = start
   try:
     while step < t.steps:
-      batch = jax.device_put(next(train_iter), batch_sharding)
+      # Each process holds its rows of the global batch (see sharenet/data/pipeline.py).
+      batch = jax.make_array_from_process_local_data(batch_sharding, next(train_iter))
       state, metrics = step_fn(state, batch)
       step += 1
       loss, gnorm = float(metrics['loss']), float(metrics['grad_norm'])

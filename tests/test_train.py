@@ -180,3 +180,22 @@ def test_cli_bad_input_exits_with_one_line(tmp_path):
   errors = [l for l in res.stderr.splitlines() if l.startswith('error:')]
   assert len(errors) == 1 and 'model.sharing.scheme' in errors[0] and 'valid:' in errors[0]
   assert not os.path.exists(os.path.join(tmp_path, 'checkpoints'))
+
+
+def test_sigterm_saves_and_exits_cleanly(tmp_path):
+  workdir = str(tmp_path)
+  proc = subprocess.Popen(train_cmd(workdir, '--config.train.checkpoint_every=1000'), env=env(),
+                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+  metrics = os.path.join(workdir, 'metrics.jsonl')
+  deadline = time.time() + 300
+  while proc.poll() is None and time.time() < deadline:
+    if os.path.exists(metrics) and sum(1 for _ in open(metrics)) >= 3:
+      break
+    time.sleep(0.05)
+  proc.send_signal(signal.SIGTERM)
+  out, _ = proc.communicate(timeout=120)
+  assert proc.returncode == 0
+  assert 'SIGTERM at step' in out
+  step = int(out.split('SIGTERM at step ')[1].split(';')[0])
+  assert 3 <= step < 40
+  assert os.path.isdir(os.path.join(workdir, 'checkpoints', str(step)))
