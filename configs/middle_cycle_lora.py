@@ -3,8 +3,8 @@
 LoRA rank 8 on q, v and the MLP input, B = 0 at init (so step 0 equals the strict plan).
 
 Command:   python train.py --config configs/middle_cycle_lora.py --workdir runs/middle_cycle_lora
-Runtime:   RUNTIME_middle_cycle_lora
-Result:    RESULT_middle_cycle_lora
+Runtime:   ~8.8 min on the 2-core CPU (200 steps, eval over the full split).
+Result:    eval bits/byte 2.192 after 200 steps; params_unique 3,689,728, params_applied 5,393,664; 1,845 tokens/s (measured 2026-11-29).
 """
 from configs import sharing_common
 
