@@ -27,6 +27,7 @@ def get_config() -> ml_collections.ConfigDict:
   m.remat = 'dots'            # none | full | dots | dots_no_batch | save_names | offload_dots | except_attn
   m.scan_unroll = 1           # nn.scan unroll factor
   m.scan_layers = True        # False: Python loop over layers (benchmark baseline)
+  m.scan_split_transpose = True  # weight grads of stacked sets as a map after the backward loop
   m.dtype = 'float32'         # compute dtype: float32 | bfloat16
   m.param_dtype = 'float32'
   m.sharing = s = ml_collections.ConfigDict()

@@ -226,3 +226,15 @@ def test_gqa_and_tied_embeddings_run():
   v = init_variables(model, jax.random.key(0))
   chex.assert_tree_all_finite(model.apply(v, tokens()))
   assert 'readout' not in v['params']
+
+
+def test_split_transpose_same_loss_and_grads():
+  cfg = tiny('cycle', lora_rank=2, untie_norms=True, remat='dots_no_batch')
+  v = randomize_lora_b(init(cfg))
+  toks = tokens()
+  grad_fn = jax.jit(jax.value_and_grad(loss_fn), static_argnums=1)
+  loss, g = grad_fn(v, DecoderLM(cfg), toks)
+  ref_loss, ref_g = grad_fn(v, DecoderLM(dataclasses.replace(cfg, scan_split_transpose=False)), toks)
+  np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+  for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(ref_g)):
+    assert _rel_err(a, b) <= 1e-5

@@ -53,6 +53,7 @@ class ModelConfig:
   remat: str = 'dots_no_batch'
   scan_unroll: int = 1
   scan_layers: bool = True         # False: Python loop over layers (baseline; no per-layer parts)
+  scan_split_transpose: bool = True  # lax.scan's split transpose for stacked sets (faster bwd)
   dtype: str = 'float32'           # compute dtype; params stay float32 (float64 for x64 tests)
   param_dtype: str = 'float32'
 
@@ -120,6 +121,7 @@ class ModelConfig:
         pattern=s.get('pattern', ''), untie_norms=s.get('untie_norms', False),
         lora_rank=s.get('lora_rank', 0), lora_targets=tuple(targets),
         lora_scale=s.get('lora_scale', 1.0), remat=m.get('remat', 'dots_no_batch'),
-        scan_unroll=m.get('scan_unroll', 1), scan_layers=m.get('scan_layers', True), dtype=m.get('dtype', 'float32'),
+        scan_unroll=m.get('scan_unroll', 1), scan_layers=m.get('scan_layers', True),
+        scan_split_transpose=m.get('scan_split_transpose', True), dtype=m.get('dtype', 'float32'),
         param_dtype=m.get('param_dtype', 'float32'),
     ).validate()
