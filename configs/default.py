@@ -47,12 +47,12 @@ def get_config() -> ml_collections.ConfigDict:
   n.eps = 1e-6
 
   c.train = t = ml_collections.ConfigDict()
-  t.steps = 150
+  t.steps = 120
   t.batch_size = 16
   t.seq_len = 256
   t.lr = 3e-3                 # peak learning rate
   t.schedule = 'wsd'          # wsd (warmup-stable-decay) | cosine | constant
-  t.warmup_steps = 30
+  t.warmup_steps = 25
   t.decay_fraction = 0.3      # wsd: final fraction of steps spent decaying to min_lr
   t.min_lr_ratio = 0.0
   t.weight_decay = 0.1        # decoupled (AdamW), on matrices only
@@ -65,7 +65,7 @@ def get_config() -> ml_collections.ConfigDict:
   t.log_every = 10
   t.eval_every = 0            # 0 -> only at the end
   t.eval_batch_size = 32
-  t.checkpoint_every = 50
+  t.checkpoint_every = 40
   t.keep_checkpoints = 3
   t.progress = True           # progress bar on stderr
 
