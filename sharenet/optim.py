@@ -3,7 +3,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import jax
 import optax
 from flax.traverse_util import flatten_dict, unflatten_dict
 
@@ -44,6 +43,3 @@ def make_optimizer(t: Any) -> optax.GradientTransformation:
                            weight_decay=t.weight_decay, mask=decay_mask))
   return optax.chain(*parts)
 
-
-def global_norm(tree: Any) -> jax.Array:
-  return optax.global_norm(tree)
