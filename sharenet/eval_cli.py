@@ -9,10 +9,9 @@ import jax
 import ml_collections
 import orbax.checkpoint as ocp
 
-from sharenet import checkpoint, data, eval_lib, optim
+from sharenet import checkpoint, data, eval_lib, optim, train_lib
 from sharenet.errors import ConfigError
 from sharenet.models import DecoderLM, ModelConfig
-from sharenet import train_lib
 
 
 def load_config(workdir: str) -> ml_collections.ConfigDict:

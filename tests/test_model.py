@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from flax.traverse_util import flatten_dict
+from flax.traverse_util import flatten_dict, unflatten_dict
 
 from sharenet.models import DecoderLM, ModelConfig, init_variables
 from sharenet.models import accounting, layout
@@ -53,7 +53,6 @@ def randomize_lora_b(variables, seed=1):
   """B = 0 at init makes LoRA invisible; give it values so identities are not vacuous."""
   flat = flatten_dict(variables[PER_LAYER])
   keys = jax.random.split(jax.random.key(seed), len(flat))
-  from flax.traverse_util import unflatten_dict
   out = {}
   for k, (path, leaf) in zip(keys, flat.items()):
     if path[-1] == 'lora_b':
