@@ -25,6 +25,9 @@ def get_config() -> ml_collections.ConfigDict:
   m.attn_scale = 0.0          # 0 -> 1/sqrt(head_dim)
   m.tie_embeddings = False    # readout shares the embedding table
   m.embed_init_std = 1.0
+  m.head_dim = 0              # 0 -> d_model // num_heads
+  m.reader_bias = False       # biases on q/k/v, MLP-in and readout (written by conversions)
+  m.center_embedding = False  # subtract each embedded vector's mean (zero-mean writer, tied)
   m.remat = 'dots'            # none | full | dots | dots_no_batch | save_names | offload_dots | except_attn
   m.scan_unroll = 1           # nn.scan unroll factor
   m.scan_layers = True        # False: Python loop over layers (benchmark baseline)
@@ -42,9 +45,12 @@ def get_config() -> ml_collections.ConfigDict:
   s.lora_targets = 'q,v'      # any of q,k,v,o,mlp_in,mlp_out
   s.lora_scale = 1.0          # alpha / r
   m.norm = n = ml_collections.ConfigDict()
-  n.kind = 'rmsnorm'          # layernorm | rmsnorm | none
+  n.kind = 'rmsnorm'          # layernorm | rmsnorm | crmsnorm | scalenorm | dyt | none
   n.placement = 'pre'         # pre | post | peri
-  n.qk_norm = 'none'          # none | rms
+  n.qk_norm = 'none'          # none | rms | l2 (l2: learned scalar replaces 1/sqrt(d_head))
+  n.qk_scale_init = 0.0       # l2 QK-norm gain init; 0 -> log2(max_len^2 - max_len)
+  n.dyt_alpha = 0.5           # DyT's initial alpha
+  n.fixnorm = False           # FixNorm: unit-norm embedding rows x sqrt(d_model)
   n.eps = 1e-6
 
   c.train = t = ml_collections.ConfigDict()
@@ -56,7 +62,8 @@ def get_config() -> ml_collections.ConfigDict:
   t.warmup_steps = 25
   t.decay_fraction = 0.3      # wsd: final fraction of steps spent decaying to min_lr
   t.min_lr_ratio = 0.0
-  t.weight_decay = 0.1        # decoupled (AdamW), on matrices only
+  t.weight_decay = 0.1        # decoupled (AdamW)
+  t.decay_roles = 'matrices'  # decayed roles: matrices, norm_in, norm_out, bias, scalar, reparam
   t.b1 = 0.9
   t.b2 = 0.95
   t.eps = 1e-8
@@ -75,6 +82,18 @@ def get_config() -> ml_collections.ConfigDict:
   d.path = ''                 # glob of text files, or a uint16 .bin token file
   d.seed = -1                 # shuffle seed; -1 -> train.seed
   d.num_workers = 0
+
+  c.transforms = tr = ml_collections.ConfigDict()   # sharenet/transforms (issue 4)
+  tr.reparam = ''             # comma list, applied in order: zero_mean_writers, weight_std,
+                              # weight_norm, sigma_reparam, scale_vectors
+  tr.reparam_paths = 'kernel$'  # regex over '/'-joined paths selecting kernels to reparametrize
+  tr.sigma_iters = 1          # sigma-reparam power iterations per step
+  tr.project = 'none'         # post-step projection: none | ngpt | nap
+  tr.update = ''              # comma list: agc, adamp
+  tr.agc_clip = 0.01          # AGC lambda
+  tr.agc_eps = 1e-3
+  tr.adamp_delta = 0.1
+  tr.adamp_wd_ratio = 0.1
 
   c.parametrization = p = ml_collections.ConfigDict()
   p.kind = 'sp'               # standard parametrization (muP presets: issue 5)

@@ -29,6 +29,7 @@ def validate(config: Any, process_count: int | None = None) -> ModelConfig:
     raise ConfigError(f'train.grad_accum={t.grad_accum} must divide train.batch_size='
                       f'{t.batch_size}')
   optim.lr_schedule(t)  # raises for an unknown schedule
+  optim.decay_roles(t)
   if t.lr <= 0:
     raise ConfigError(f'train.lr={t.lr} must be > 0')
   if mcfg.position == 'learned' and t.seq_len > mcfg.max_len:
@@ -38,6 +39,9 @@ def validate(config: Any, process_count: int | None = None) -> ModelConfig:
     raise ConfigError(f'parametrization.kind={config.parametrization.kind!r} is unknown; valid: '
                       f'{", ".join(PARAMETRIZATIONS)}')
   validate_mesh(config.mesh)
+  from sharenet.models import DecoderLM
+  from sharenet.transforms import Transforms
+  Transforms(config.get('transforms'), DecoderLM(mcfg))  # raises for unknown / empty selections
   pc = jax.process_count() if process_count is None else process_count
   data.validate_data_config(config.data, t.seq_len, t.batch_size, pc, mcfg.vocab_size)
   data.validate_data_config(config.data, t.seq_len, t.eval_batch_size, pc, mcfg.vocab_size)

@@ -12,6 +12,7 @@ import orbax.checkpoint as ocp
 from sharenet import checkpoint, data, eval_lib, optim, train_lib
 from sharenet.errors import ConfigError
 from sharenet.models import DecoderLM, ModelConfig
+from sharenet.transforms import Transforms
 
 
 def load_config(workdir: str) -> ml_collections.ConfigDict:
@@ -20,7 +21,7 @@ def load_config(workdir: str) -> ml_collections.ConfigDict:
     raise ConfigError(f'--workdir {workdir} has no config.json; pass the workdir of a train.py run')
   with open(path) as f:
     raw = json.load(f)
-  keys = ('model', 'train', 'data', 'parametrization', 'mesh')
+  keys = ('model', 'train', 'data', 'parametrization', 'mesh', 'transforms')
   return ml_collections.ConfigDict({k: raw[k] for k in keys if k in raw})
 
 
@@ -28,8 +29,10 @@ def evaluate_workdir(workdir: str, step: int | None = None) -> dict[str, Any]:
   """Restores the latest (or `step`) checkpoint's params and evaluates the validation split."""
   config = load_config(workdir)
   mcfg = ModelConfig.from_config(config.model)
-  model, tx = DecoderLM(mcfg), optim.make_optimizer(config.train)
-  abstract = jax.eval_shape(lambda: train_lib.init_state(model, tx, jax.random.key(0)))
+  model = DecoderLM(mcfg)
+  tr = Transforms(config.get('transforms'), model)
+  tx = optim.make_optimizer(config.train, tr)
+  abstract = jax.eval_shape(lambda: train_lib.init_state(model, tx, jax.random.key(0), tr))
   mngr = checkpoint.manager(workdir, config.train.keep_checkpoints, async_save=False)
   steps = mngr.all_steps()
   if not steps:
@@ -45,7 +48,8 @@ def evaluate_workdir(workdir: str, step: int | None = None) -> dict[str, Any]:
     args = ocp.args.Composite(state=ocp.args.StandardRestore(abstract))
     state = mngr.restore(step, args=args)['state']
   mngr.close()
-  out = eval_lib.evaluate(model, state.params, config.data, config.train.seq_len,
+  params = jax.jit(train_lib.effective_params, static_argnums=1)(state, tr)
+  out = eval_lib.evaluate(model, params, config.data, config.train.seq_len,
                           config.train.eval_batch_size)
   out = {'step': int(step), **out,
          'unigram_bits_per_byte': data.unigram_bits_per_byte(config.data)}

@@ -1,4 +1,4 @@
-"""Optax chain: clipping -> AdamW (decay on matrices only) with a warmup schedule."""
+"""Optax chain: [AGC] -> clipping -> AdamW or AdamP (role-masked decay) -> [projection]."""
 from __future__ import annotations
 
 from typing import Any
@@ -7,9 +7,13 @@ import optax
 from flax.traverse_util import flatten_dict, unflatten_dict
 
 from sharenet.errors import ConfigError
+from sharenet.transforms import roles as roles_lib
 
 SCHEDULES = ('wsd', 'cosine', 'constant')
-DECAYED = ('kernel', 'embedding', 'pos_embed', 'lora_a', 'lora_b')
+# Role groups accepted by train.decay_roles; 'matrices' = every kernel, embedding and LoRA factor.
+DECAY_GROUPS = {'matrices': roles_lib.MATRIX_ROLES, 'norm_in': ('norm_in',),
+                'norm_out': ('norm_out',), 'bias': ('bias',), 'scalar': ('scalar',),
+                'reparam': ('reparam',)}
 
 
 def lr_schedule(t: Any) -> optax.Schedule:
@@ -30,16 +34,50 @@ def lr_schedule(t: Any) -> optax.Schedule:
       [warmup, stable])
 
 
-def decay_mask(params: Any) -> Any:
-  """True for matrices (kernels, embeddings, LoRA factors); norm gains and biases are not decayed."""
+def decay_roles(t: Any) -> tuple[str, ...]:
+  """Leaf roles that get weight decay (train.decay_roles, a comma list of DECAY_GROUPS)."""
+  groups = [g for g in str(t.get('decay_roles', 'matrices')).replace(' ', '').split(',') if g]
+  out = []
+  for g in groups:
+    if g not in DECAY_GROUPS:
+      raise ConfigError(f'train.decay_roles: {g!r} is unknown; valid: {", ".join(DECAY_GROUPS)}')
+    out += DECAY_GROUPS[g]
+  return tuple(out)
+
+
+def decay_mask(params: Any, roles: tuple[str, ...] = roles_lib.MATRIX_ROLES) -> Any:
+  """True for leaves whose role (sharenet.transforms.roles.role_of) is in `roles`.
+
+  The default decays matrices only (kernels, embeddings, LoRA factors), never norm gains or
+  biases; input- vs output-side norm gains are separate roles (reference B16, pitfall C5.6).
+  """
   flat = flatten_dict(params)
-  return unflatten_dict({k: k[-1] in DECAYED for k in flat})
+  return unflatten_dict({k: roles_lib.role_of(k) in roles for k in flat})
 
 
-def make_optimizer(t: Any) -> optax.GradientTransformation:
-  """The train config's optimizer; its learning rate is reported by `lr_schedule(t)`."""
-  parts = [optax.clip_by_global_norm(t.grad_clip)] if t.grad_clip > 0 else []
-  parts.append(optax.adamw(lr_schedule(t), b1=t.b1, b2=t.b2, eps=t.eps,
-                           weight_decay=t.weight_decay, mask=decay_mask))
+def make_optimizer(t: Any, transforms: Any = None) -> optax.GradientTransformation:
+  """The train config's optimizer (plus `transforms`' update / projection parts).
+
+  Its learning rate is reported by `lr_schedule(t)`.
+  """
+  roles = decay_roles(t)
+  mask = lambda p: decay_mask(p, roles)
+  updates = transforms.updates if transforms is not None else ()
+  parts = []
+  if 'agc' in updates:
+    from sharenet.transforms.update import agc
+    parts.append(agc(transforms.agc_clip, transforms.agc_eps, transforms.infos))
+  if t.grad_clip > 0:
+    parts.append(optax.clip_by_global_norm(t.grad_clip))
+  if 'adamp' in updates:
+    from sharenet.transforms.update import scale_by_adamp
+    parts += [scale_by_adamp(t.b1, t.b2, t.eps, t.weight_decay, mask, transforms.infos,
+                             transforms.adamp_delta, transforms.adamp_wd_ratio),
+              optax.scale_by_learning_rate(lr_schedule(t))]
+  else:
+    parts.append(optax.adamw(lr_schedule(t), b1=t.b1, b2=t.b2, eps=t.eps,
+                             weight_decay=t.weight_decay, mask=mask))
+  if transforms is not None and transforms.projection != 'none':
+    from sharenet.transforms.project import projection
+    parts.append(projection(transforms.projection, transforms.infos))
   return optax.chain(*parts)
-

@@ -22,13 +22,15 @@ from sharenet import checkpoint, config_lib, data, eval_lib, optim, perf
 from sharenet.errors import ConfigError
 from sharenet.metrics import MetricsWriter
 from sharenet.models import DecoderLM, ModelConfig, accounting, init_variables
+from sharenet.transforms import Transforms
 
 
 @flax.struct.dataclass
 class TrainState:
   step: jax.Array
-  params: Any        # the trainable collections: {'params': ..., 'per_layer': ...}
+  params: Any        # trainable: {'params': ..., 'per_layer': ..., ['reparam': gains]}
   opt_state: Any
+  tstate: Any        # non-trainable transform state (power-iteration vectors); {} if none
 
 
 class NonFiniteLoss(RuntimeError):
@@ -39,15 +41,29 @@ def make_mesh() -> Mesh:
   return Mesh(np.asarray(jax.devices()), ('data',))
 
 
-def init_state(model: DecoderLM, tx: optax.GradientTransformation, rng: jax.Array) -> TrainState:
-  params = init_variables(model, rng)
-  return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params))
+def init_state(model: DecoderLM, tx: optax.GradientTransformation, rng: jax.Array,
+               tr: Transforms | None = None) -> TrainState:
+  params, tstate = init_variables(model, rng), {}
+  if tr is not None:
+    params, tstate = tr.init(params)
+  return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params), tstate)
+
+
+def effective_params(state: TrainState, tr: Transforms | None) -> Any:
+  """The variables the model applies (forward reparameterizations resolved)."""
+  return state.params if tr is None else tr.effective(state.params, state.tstate)
 
 
 def train_step(state: TrainState, batch_BT1: jax.Array, *, model: DecoderLM,
-               tx: optax.GradientTransformation, grad_accum: int):
-  """One optimizer step; with grad_accum > 1 the batch is split into scanned micro-batches."""
-  loss_fn = lambda p, b: jnp.mean(eval_lib.token_nll(model, p, b))
+               tx: optax.GradientTransformation, grad_accum: int, tr: Transforms | None = None):
+  """One optimizer step; with grad_accum > 1 the batch is split into scanned micro-batches.
+
+  Reparameterizations run inside the loss (gradients flow through them); their state (power
+  iterations) advances once per step, before the loss, outside the differentiated function.
+  """
+  tstate = state.tstate if tr is None else tr.update_state(state.params, state.tstate)
+  apply = (lambda p: p) if tr is None else (lambda p: tr.effective(p, tstate))
+  loss_fn = lambda p, b: jnp.mean(eval_lib.token_nll(model, apply(p), b))
   grad_fn = jax.value_and_grad(loss_fn)
   if grad_accum == 1:
     loss, grads = grad_fn(state.params, batch_BT1)
@@ -64,7 +80,8 @@ def train_step(state: TrainState, batch_BT1: jax.Array, *, model: DecoderLM,
   updates, opt_state = tx.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
   metrics = {'loss': loss, 'grad_norm': optax.global_norm(grads)}
-  return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
+  new = state.replace(step=state.step + 1, params=params, opt_state=opt_state, tstate=tstate)
+  return new, metrics
 
 
 def param_shapes(tree: Any) -> dict[str, list[int]]:
@@ -103,10 +120,11 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, float]:
   print(f'sharenet: writing to {os.path.abspath(workdir)}', flush=True)
 
   model = DecoderLM(mcfg)
-  tx = optim.make_optimizer(t)
+  tr = Transforms(config.get('transforms'), model)
+  tx = optim.make_optimizer(t, tr)
   schedule = optim.lr_schedule(t)
   rng = jax.random.key(t.seed)
-  abstract = jax.eval_shape(functools.partial(init_state, model, tx), rng)
+  abstract = jax.eval_shape(functools.partial(init_state, model, tx, tr=tr), rng)
   shapes = param_shapes(abstract.params)
   check_workdir(workdir, config, shapes)
 
@@ -118,7 +136,8 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, float]:
   mngr = checkpoint.manager(workdir, t.keep_checkpoints)
   restored = checkpoint.restore_latest(mngr, abstract, train_iter, _check_finite_state)
   if restored is None:
-    state = jax.jit(functools.partial(init_state, model, tx), out_shardings=replicated)(rng)
+    state = jax.jit(functools.partial(init_state, model, tx, tr=tr),
+                    out_shardings=replicated)(rng)
     start = 0
   else:
     state, start = restored
@@ -136,15 +155,16 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, float]:
     with open(os.path.join(workdir, 'config.json'), 'w') as f:
       json.dump(summary, f, indent=2, sort_keys=True, default=str)
 
-  step_fn = jax.jit(functools.partial(train_step, model=model, tx=tx, grad_accum=t.grad_accum),
-                    donate_argnums=0)
+  step_fn = jax.jit(functools.partial(train_step, model=model, tx=tx, grad_accum=t.grad_accum,
+                                      tr=tr), donate_argnums=0)
   peak = perf.matmul_peak_flops()
   writer = MetricsWriter(workdir)
   stop = {'sigterm': False}
   old_handler = signal.signal(signal.SIGTERM, lambda *_: stop.update(sigterm=True))
 
   def run_eval(step: int) -> dict[str, float]:
-    out = eval_lib.evaluate(model, state.params, config.data, t.seq_len, t.eval_batch_size)
+    params = jax.jit(effective_params, static_argnums=1)(state, tr)
+    out = eval_lib.evaluate(model, params, config.data, t.seq_len, t.eval_batch_size)
     writer.write(step, **out)
     return out
 

@@ -1,6 +1,8 @@
 """Causal self-attention: multi-head or grouped-query, RoPE, configurable scale, QK-norm."""
 from __future__ import annotations
 
+import math
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -24,15 +26,17 @@ class CausalAttention(nn.Module):
     def proj(name, heads, axis):
       rank = c.lora_rank if name in c.lora_targets else 0
       return Dense((heads, Dh), ('embed',), (axis, 'head_dim'), lora_rank=rank,
-                   lora_scale=c.lora_scale, dtype=dt, param_dtype=pdt, name=name)
+                   lora_scale=c.lora_scale, use_bias=c.reader_bias, dtype=dt, param_dtype=pdt,
+                   name=name)
 
     q_BTHD = checkpoint_name(proj('q', H, 'heads')(x_BTD), 'query_proj')
     k_BTKD = checkpoint_name(proj('k', K, 'kv_heads')(x_BTD), 'key_proj')
     v_BTKD = checkpoint_name(proj('v', K, 'kv_heads')(x_BTD), 'value_proj')
-    if c.qk_norm != 'none':
-      q_BTHD = Norm('rmsnorm', c.norm_eps, axis_name='head_dim', param_dtype=pdt,
+    if c.qk_norm != 'none':   # rms: learned gain over head_dim; l2: unit vectors (ref. B3/B4)
+      kind = 'rmsnorm' if c.qk_norm == 'rms' else 'l2'
+      q_BTHD = Norm(kind, c.norm_eps, axis_name='head_dim', param_dtype=pdt,
                     name='q_norm')(q_BTHD)
-      k_BTKD = Norm('rmsnorm', c.norm_eps, axis_name='head_dim', param_dtype=pdt,
+      k_BTKD = Norm(kind, c.norm_eps, axis_name='head_dim', param_dtype=pdt,
                     name='k_norm')(k_BTKD)
     if c.position == 'rope':
       q_BTHD = rope(q_BTHD, positions_T, c.rope_base)
@@ -42,7 +46,15 @@ class CausalAttention(nn.Module):
 
     B, T = x_BTD.shape[:2]
     q_BTKGD = q_BTHD.reshape(B, T, K, H // K, Dh)
-    scale = c.attn_scale or Dh ** -0.5
+    if c.qk_norm == 'l2':
+      # Henry et al. (ref. B3): one learned scalar per attention module replaces 1/sqrt(d_head),
+      # initialised to log2(L^2 - L) for the typical sequence length L.
+      L = c.max_len
+      init = c.qk_scale_init or math.log2(L * L - L)
+      scale = self.param('qk_scale', nn.with_logical_partitioning(
+          nn.initializers.constant(init), ()), (), pdt).astype(dt)
+    else:
+      scale = c.attn_scale or Dh ** -0.5
     logits_BKGTS = jnp.einsum('btkgd,bskd->bkgts', q_BTKGD * scale, k_BTKD)
     causal_TS = jnp.tril(jnp.ones((T, T), dtype=bool))
     logits_BKGTS = jnp.where(causal_TS[None, None, None], logits_BKGTS.astype(jnp.float32), -1e30)

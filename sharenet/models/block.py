@@ -23,7 +23,7 @@ class Block(nn.Module):
 
     def norm(name):
       return Norm(c.norm, c.norm_eps, PER_LAYER if c.untie_norms else 'params',
-                  param_dtype=jnp.dtype(c.param_dtype), name=name)
+                  param_dtype=jnp.dtype(c.param_dtype), dyt_alpha=c.dyt_alpha, name=name)
 
     attn, mlp = CausalAttention(c, name='attn'), Mlp(c, name='mlp')
     if c.norm_placement == 'pre':      # x + f(N(x))

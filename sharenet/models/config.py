@@ -7,9 +7,9 @@ from typing import Any
 from sharenet import sharing
 from sharenet.errors import ConfigError
 
-NORMS = ('layernorm', 'rmsnorm', 'none')
+NORMS = ('layernorm', 'rmsnorm', 'crmsnorm', 'scalenorm', 'dyt', 'none')
 PLACEMENTS = ('pre', 'post', 'peri')
-QK_NORMS = ('none', 'rms')
+QK_NORMS = ('none', 'rms', 'l2')
 MLPS = ('swiglu', 'gelu')
 POSITIONS = ('rope', 'learned', 'none')
 REMATS = ('none', 'full', 'dots', 'dots_no_batch', 'save_names', 'offload_dots', 'except_attn')
@@ -42,6 +42,12 @@ class ModelConfig:
   norm_placement: str = 'pre'
   qk_norm: str = 'none'
   norm_eps: float = 1e-6
+  dyt_alpha: float = 0.5           # DyT's initial alpha (ref. B7)
+  qk_scale_init: float = 0.0       # l2 QK-norm gain init; 0 -> log2(max_len^2 - max_len) (ref. B3)
+  fixnorm: bool = False            # unit-norm embedding rows, x sqrt(d) at the input (ref. B2)
+  center_embedding: bool = False   # subtract the embedded vector's mean (zero-mean writer, tied)
+  reader_bias: bool = False        # biases on q/k/v, MLP-in and readout (gain/bias folding, B1)
+  head_dim_override: int = 0       # model.head_dim; 0 -> d_model // num_heads
   scheme: str = 'untied'
   num_unique: int = 0
   repeats: int = 0
@@ -59,7 +65,7 @@ class ModelConfig:
 
   @property
   def head_dim(self) -> int:
-    return self.d_model // self.num_heads
+    return self.head_dim_override or self.d_model // self.num_heads
 
   @property
   def kv_heads(self) -> int:
@@ -85,7 +91,9 @@ class ModelConfig:
     for name in ('vocab_size', 'd_model', 'num_layers', 'num_heads', 'mlp_dim', 'scan_unroll'):
       if getattr(self, name) < 1:
         raise ConfigError(f'model.{name}={getattr(self, name)} must be >= 1')
-    if self.d_model % self.num_heads:
+    if self.head_dim_override < 0:
+      raise ConfigError(f'model.head_dim={self.head_dim_override} must be >= 0')
+    if self.d_model % self.num_heads and not self.head_dim_override:
       raise ConfigError(f'model.num_heads={self.num_heads} does not divide model.d_model='
                         f'{self.d_model}; valid: divisors of {self.d_model}')
     if self.num_heads % self.kv_heads:
@@ -116,7 +124,10 @@ class ModelConfig:
         attn_scale=m.get('attn_scale', 0.0), tie_embeddings=m.get('tie_embeddings', False),
         embed_init_std=m.get('embed_init_std', 1.0),
         norm=n.kind, norm_placement=n.placement, qk_norm=n.get('qk_norm', 'none'),
-        norm_eps=n.get('eps', 1e-6),
+        norm_eps=n.get('eps', 1e-6), dyt_alpha=n.get('dyt_alpha', 0.5),
+        qk_scale_init=n.get('qk_scale_init', 0.0), fixnorm=n.get('fixnorm', False),
+        center_embedding=m.get('center_embedding', False),
+        reader_bias=m.get('reader_bias', False), head_dim_override=m.get('head_dim', 0),
         scheme=s.scheme, num_unique=s.get('num_unique', 0), repeats=s.get('repeats', 0),
         pattern=s.get('pattern', ''), untie_norms=s.get('untie_norms', False),
         lora_rank=s.get('lora_rank', 0), lora_targets=tuple(targets),

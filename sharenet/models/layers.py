@@ -23,6 +23,7 @@ class Dense(nn.Module):
   init_std: float | None = None        # None -> 1/sqrt(fan_in)
   lora_rank: int = 0
   lora_scale: float = 1.0
+  use_bias: bool = False
   dtype: jnp.dtype = jnp.float32
   param_dtype: jnp.dtype = jnp.float32
 
@@ -46,14 +47,23 @@ class Dense(nn.Module):
                    ('lora',) + tuple(self.out_axes), self.param_dtype)
       xa = x2 @ a.reshape(fan_in, r).astype(self.dtype)
       y = y + self.lora_scale * (xa @ b.reshape(r, fan_out).astype(self.dtype))
-    return y.reshape(batch + out_shape)
+    y = y.reshape(batch + out_shape)
+    if self.use_bias:
+      y = y + self.param('bias', nn.with_logical_partitioning(
+          nn.initializers.zeros, tuple(self.out_axes)), out_shape, self.param_dtype)
+    return y
 
 
 class Embed(nn.Module):
-  """Token embedding table (vocab, embed); `attend` gives tied-readout logits."""
+  """Token embedding table (vocab, embed); `attend` gives tied-readout logits.
+
+  FixNorm (Nguyen & Salazar, reference B2): rows are l2-normalised in the forward pass, scaled
+  by sqrt(d) at the input; the tied readout uses the normalised table.
+  """
   vocab_size: int
   features: int
   init_std: float = 1.0
+  fixnorm: bool = False
   dtype: jnp.dtype = jnp.float32
   param_dtype: jnp.dtype = jnp.float32
 
@@ -62,11 +72,18 @@ class Embed(nn.Module):
         nn.initializers.normal(self.init_std), ('vocab', 'embed')),
         (self.vocab_size, self.features), self.param_dtype)
 
+  def _table(self) -> jax.Array:
+    if not self.fixnorm:
+      return self.embedding
+    sq = jnp.sum(jnp.square(self.embedding), axis=-1, keepdims=True)
+    return self.embedding * jax.lax.rsqrt(jnp.maximum(sq, 1e-12))
+
   def __call__(self, tokens: jax.Array) -> jax.Array:
-    return jnp.take(self.embedding, tokens, axis=0).astype(self.dtype)
+    x = jnp.take(self._table(), tokens, axis=0).astype(self.dtype)
+    return x * math.sqrt(self.features) if self.fixnorm else x
 
   def attend(self, x: jax.Array) -> jax.Array:
-    return x @ self.embedding.T.astype(self.dtype)
+    return x @ self._table().T.astype(self.dtype)
 
 
 def rope(x_BTHD: jax.Array, positions_T: jax.Array, base: float) -> jax.Array:

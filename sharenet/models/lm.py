@@ -23,23 +23,29 @@ class DecoderLM(nn.Module):
     c = self.cfg
     dt, pdt = jnp.dtype(c.dtype), jnp.dtype(c.param_dtype)
     T = tokens_BT.shape[1]
-    embed = Embed(c.vocab_size, c.d_model, c.embed_init_std, dt, pdt, name='embed')
+    embed = Embed(c.vocab_size, c.d_model, c.embed_init_std, c.fixnorm, dt, pdt, name='embed')
     x_BTD = embed(tokens_BT)
     if c.position == 'learned':
       pos_TD = self.param('pos_embed', nn.with_logical_partitioning(
           nn.initializers.normal(0.02), ('length', 'embed')), (c.max_len, c.d_model), pdt)
       x_BTD = x_BTD + pos_TD[None, :T].astype(dt)
+    if c.center_embedding:   # zero-mean writer for tied tables (reference C5.8)
+      x_BTD = x_BTD - jnp.mean(x_BTD, axis=-1, keepdims=True)
     x_BTD = nn.with_logical_constraint(x_BTD, ACT_AXES)
     # A zero-valued hook so tests and coordinate checks can take d(out)/d(embedded input).
     x_BTD = self.perturb('embedded', x_BTD)
     x_BTD = Stack(c, name='stack')(x_BTD, jnp.arange(T))
     if c.norm_placement != 'post':
-      x_BTD = Norm(c.norm, c.norm_eps, param_dtype=pdt, name='final_norm')(x_BTD)
+      x_BTD = Norm(c.norm, c.norm_eps, param_dtype=pdt, dyt_alpha=c.dyt_alpha,
+                   name='final_norm')(x_BTD)
     if c.tie_embeddings:
       logits_BTV = embed.attend(x_BTD)
+      if c.reader_bias:
+        logits_BTV = logits_BTV + self.param('logits_bias', nn.with_logical_partitioning(
+            nn.initializers.zeros, ('vocab',)), (c.vocab_size,), pdt)
     else:
-      logits_BTV = Dense((c.vocab_size,), ('embed',), ('vocab',), dtype=dt, param_dtype=pdt,
-                         name='readout')(x_BTD)
+      logits_BTV = Dense((c.vocab_size,), ('embed',), ('vocab',), use_bias=c.reader_bias,
+                         dtype=dt, param_dtype=pdt, name='readout')(x_BTD)
     return nn.with_logical_constraint(logits_BTV.astype(jnp.float32),
                                       ('activation_batch', 'activation_length', 'activation_vocab'))
 

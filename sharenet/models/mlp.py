@@ -23,7 +23,7 @@ class Mlp(nn.Module):
 
     def dense_in(name):
       return Dense((c.mlp_dim,), ('embed',), ('mlp',), lora_rank=r_in, lora_scale=c.lora_scale,
-                   dtype=dt, param_dtype=pdt, name=name)
+                   use_bias=c.reader_bias, dtype=dt, param_dtype=pdt, name=name)
 
     if c.mlp == 'swiglu':
       h_BTF = nn.silu(dense_in('wi_gate')(x_BTD)) * dense_in('wi_up')(x_BTD)

@@ -1,0 +1,75 @@
+"""Normalization methods as parameter transforms (DESIGN idea 2; reference part C).
+
+Five kinds behind one config section (`config.transforms`):
+  activation norms   model.norm.* (sharenet/norms.py): chosen by name, not here;
+  reparam            raw -> effective params inside the loss (reparam.py);
+  project            post-step projection, last in the optax chain (project.py);
+  update             optax transforms reading params: AGC, AdamP (update.py);
+  convert            one-shot function-preserving conversions (convert.py, a CLI).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from sharenet.errors import ConfigError
+from sharenet.models import DecoderLM
+from sharenet.transforms import project as project_lib
+from sharenet.transforms.reparam import REPARAMS, ReparamChain
+from sharenet.transforms.roles import ROLES, Leaf, leaf_infos
+from sharenet.transforms.update import UPDATES
+
+
+def _names(value: str) -> tuple[str, ...]:
+  return tuple(n for n in str(value or '').replace(' ', '').split(',') if n and n != 'none')
+
+
+class Transforms:
+  """The configured reparams / projection / update transforms for one model."""
+
+  def __init__(self, tcfg: Any, model: DecoderLM):
+    tcfg = tcfg or {}
+    get = lambda k, d: tcfg.get(k, d) if hasattr(tcfg, 'get') else d
+    self.infos: dict[tuple, Leaf] = leaf_infos(model)
+    self.reparam = ReparamChain(_names(get('reparam', '')), self.infos,
+                                get('reparam_paths', 'kernel$'), int(get('sigma_iters', 1)))
+    self.projection = get('project', 'none') or 'none'
+    if self.projection not in project_lib.PROJECTIONS:
+      raise ConfigError(f'transforms.project={self.projection!r} is unknown; valid: '
+                        f'{", ".join(project_lib.PROJECTIONS)}')
+    self.updates = _names(get('update', ''))
+    for u in self.updates:
+      if u not in UPDATES:
+        raise ConfigError(f'transforms.update: {u!r} is unknown; valid: {", ".join(UPDATES)}')
+    self.agc_clip = float(get('agc_clip', 0.01))
+    self.agc_eps = float(get('agc_eps', 1e-3))
+    self.adamp_delta = float(get('adamp_delta', 0.1))
+    self.adamp_wd_ratio = float(get('adamp_wd_ratio', 0.1))
+    cfg = model.cfg
+    if 'zero_mean_writers' in self.reparam_names and cfg.tie_embeddings and \
+        not cfg.center_embedding:
+      raise ConfigError('transforms.reparam=zero_mean_writers with model.tie_embeddings=True '
+                        'would recentre the readout too; valid: model.center_embedding=True '
+                        '(recentres the embedded vectors instead, reference C5.8)')
+
+  @property
+  def reparam_names(self) -> tuple[str, ...]:
+    return tuple(r.name for r in self.reparam.steps)
+
+  def init(self, variables: Any) -> tuple[Any, Any]:
+    """Trainable tree (+ 'reparam' extras, projected if a projection is set) and tstate."""
+    if self.projection == 'ngpt':   # nGPT normalises the matrices at the start too (B6)
+      variables = project_lib.project('ngpt', variables, self.infos)
+    if not self.reparam:
+      return variables, {}
+    extras, tstate = self.reparam.init(variables)
+    return {**variables, **extras}, tstate
+
+  def effective(self, variables: Any, tstate: Any) -> Any:
+    """Model variables the forward pass uses."""
+    return self.reparam.apply(variables, tstate)
+
+  def update_state(self, variables: Any, tstate: Any) -> Any:
+    return self.reparam.update_state(variables, tstate) if self.reparam else tstate
+
+
+__all__ = ['Transforms', 'REPARAMS', 'ROLES', 'UPDATES']

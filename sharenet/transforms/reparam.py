@@ -1,0 +1,243 @@
+"""Forward reparameterizations: raw params -> effective params, applied inside the loss.
+
+They act on the stored tree, so a shared set's pool entry is transformed once per step however
+many layers apply it (DESIGN idea 2; reference C4 "reparameterize the pool before the loop").
+Extra trainable leaves (gains) live in the 'reparam' collection of the train state's params,
+keyed by the target leaf's path; non-trainable state (power-iteration vectors) lives in
+TrainState.tstate and is advanced outside the differentiated loss.
+
+Each transform is function-preserving at init where the reference allows it: weight norm's g
+and sigma-reparam's gamma start at the initial norms / top singular values, the magnitude of
+scale vectors at the initial gain norm, zero-mean writers on a Pre-LN model (B1).
+"""
+from __future__ import annotations
+
+import re
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+from flax.traverse_util import flatten_dict, unflatten_dict
+
+from sharenet.errors import ConfigError
+from sharenet.transforms.roles import Leaf
+
+Arrays = dict[str, jax.Array]
+
+
+class Reparam:
+  """One reparameterization applied to every selected leaf."""
+  name = ''
+  kernel_only = True   # selected by the path regex among Dense kernels
+
+  def selects(self, leaf: Leaf, pattern: re.Pattern) -> bool:
+    return leaf.path[-1] == 'kernel' and bool(pattern.search(leaf.key))
+
+  def init(self, w: jax.Array, leaf: Leaf) -> tuple[Arrays, Arrays]:
+    return {}, {}
+
+  def update_state(self, w: jax.Array, extras: Arrays, state: Arrays, leaf: Leaf) -> Arrays:
+    return state
+
+  def apply(self, w: jax.Array, extras: Arrays, state: Arrays, leaf: Leaf) -> jax.Array:
+    raise NotImplementedError
+
+
+def _unit_sq(m: jax.Array) -> jax.Array:
+  """Squared norm of each output unit's fan-in vector: (..., fan_in, fan_out) -> (..., fan_out)."""
+  return jnp.sum(jnp.square(m), axis=-2)
+
+
+class WeightNorm(Reparam):
+  """w = g * v / ||v|| per output unit (Salimans & Kingma, reference B9); g starts at ||v_0||."""
+  name = 'weight_norm'
+
+  def init(self, w, leaf):
+    return {'wn_g': jnp.sqrt(_unit_sq(leaf.as_matrix(w)))}, {}
+
+  def apply(self, w, extras, state, leaf):
+    m = leaf.as_matrix(w)
+    m = m * jax.lax.rsqrt(jnp.maximum(_unit_sq(m), 1e-12))[..., None, :]
+    return (m * extras['wn_g'][..., None, :]).reshape(w.shape)
+
+
+class WeightStandardization(Reparam):
+  """Scaled WS (NF-ResNets, reference B11): g * (w - mean) / (std * sqrt(fan_in)) per unit.
+
+  The nonlinearity gain gamma_nl of NF-ResNets is 1 here: a transformer's pre-activations are
+  normalised, not ReLU'd, so unit-variance fan-in weights / sqrt(fan_in) keep the default init's
+  scale. g starts at 1.
+  """
+  name = 'weight_std'
+
+  def init(self, w, leaf):
+    return {'ws_g': jnp.ones(leaf.stack_shape + (leaf.fan_out,), w.dtype)}, {}
+
+  def apply(self, w, extras, state, leaf):
+    m = leaf.as_matrix(w)
+    mu = jnp.mean(m, axis=-2, keepdims=True)
+    var = jnp.mean(jnp.square(m - mu), axis=-2, keepdims=True)
+    m = (m - mu) * jax.lax.rsqrt(var * leaf.fan_in + 1e-12)
+    return (m * extras['ws_g'][..., None, :]).reshape(w.shape)
+
+
+def power_iteration(m: jax.Array, u: jax.Array, steps: int) -> tuple[jax.Array, jax.Array]:
+  """Alternating power iteration on (..., I, O) matrices; u (..., O) -> (u, v) unit vectors."""
+  v = u
+  for _ in range(steps):
+    v = _normalize(jnp.einsum('...io,...o->...i', m, u))
+    u = _normalize(jnp.einsum('...io,...i->...o', m, v))
+  return u, v
+
+
+def _normalize(x: jax.Array) -> jax.Array:
+  return x * jax.lax.rsqrt(jnp.maximum(jnp.sum(jnp.square(x), -1, keepdims=True), 1e-30))
+
+
+class SigmaReparam(Reparam):
+  """w_hat = gamma / sigma(w) * w (Zhai et al., reference B10), one scalar gamma per matrix.
+
+  sigma = v^T W u with u, v from a persistent power iteration (stop-gradient; `iters` steps per
+  train step, advanced outside the loss); u starts at the SVD's top right-singular vector and
+  gamma at sigma(W_0), so the model is unchanged at step 0.
+  """
+  name = 'sigma_reparam'
+
+  def __init__(self, iters: int = 1):
+    self.iters = iters
+
+  def init(self, w, leaf):
+    m = leaf.as_matrix(w).astype(jnp.float32)
+    _, s, vt = jnp.linalg.svd(m, full_matrices=False)
+    return {'sr_gamma': s[..., 0].astype(w.dtype)}, {'sr_u': vt[..., 0, :]}
+
+  def update_state(self, w, extras, state, leaf):
+    m = jax.lax.stop_gradient(leaf.as_matrix(w)).astype(jnp.float32)
+    u, _ = power_iteration(m, state['sr_u'], self.iters)
+    return {'sr_u': u}
+
+  def apply(self, w, extras, state, leaf):
+    m = leaf.as_matrix(w)
+    u = jax.lax.stop_gradient(state['sr_u']).astype(m.dtype)
+    v = jax.lax.stop_gradient(_normalize(jnp.einsum('...io,...o->...i', m, u)))
+    sigma = jnp.einsum('...i,...io,...o->...', v, m, u)
+    scale = extras['sr_gamma'] / jnp.maximum(sigma, 1e-12)
+    return (m * scale[..., None, None]).reshape(w.shape)
+
+
+class ZeroMeanWriters(Reparam):
+  """Writers into the residual stream produce zero-mean vectors: W - mean over 'embed'.
+
+  Applied to attention-out / MLP-out kernels (and their LoRA B), untied embedding tables and
+  learned positions. This is the training-time form of the Pre-LN == Pre-RMSNorm equivalence
+  (reference B1 step 4: REPARAM, not a projection, so AdamW sees Pre-LN's gradients); Flax
+  kernels are (in, out), so the mean is over the *last* axis (pitfall C5.1).
+  """
+  name = 'zero_mean_writers'
+  kernel_only = False
+
+  def selects(self, leaf, pattern):
+    writer_lora = leaf.path[-1] == 'lora_b' and leaf.axes[-1] == 'embed'
+    return leaf.role in ('writer', 'embedding', 'pos_embed') or writer_lora
+
+  def apply(self, w, extras, state, leaf):
+    return w - jnp.mean(w, axis=leaf.embed_axis(), keepdims=True)
+
+
+class ScaleVectors(Reparam):
+  """Norm gains as magnitude x direction: gamma = m * u / ||u|| (reference B16, our reading of
+  Wang et al.'s magnitude-direction form), one scalar m per gain vector starting at ||u_0||."""
+  name = 'scale_vectors'
+  kernel_only = False
+
+  def selects(self, leaf, pattern):
+    return leaf.role in ('norm_in', 'norm_out') and leaf.path[-1] == 'scale'
+
+  def init(self, w, leaf):
+    return {'sv_m': jnp.sqrt(jnp.sum(jnp.square(w), axis=-1))}, {}
+
+  def apply(self, w, extras, state, leaf):
+    return _normalize(w) * extras['sv_m'][..., None]
+
+
+REPARAMS = ('zero_mean_writers', 'weight_std', 'weight_norm', 'sigma_reparam', 'scale_vectors')
+
+
+class ReparamChain:
+  """The configured reparameterizations, composed left to right on the effective tree."""
+
+  def __init__(self, names: Sequence[str], infos: dict[tuple, Leaf], paths_regex: str = 'kernel$',
+               sigma_iters: int = 1):
+    for n in names:
+      if n not in REPARAMS:
+        raise ConfigError(f'transforms.reparam: {n!r} is unknown; valid: {", ".join(REPARAMS)}')
+    if len(set(names)) != len(names):
+      raise ConfigError(f'transforms.reparam lists a transform twice: {",".join(names)}')
+    try:
+      pattern = re.compile(paths_regex)
+    except re.error as e:
+      raise ConfigError(f'transforms.reparam_paths={paths_regex!r} is not a regex: {e}') from e
+    make = {'zero_mean_writers': ZeroMeanWriters, 'weight_std': WeightStandardization,
+            'weight_norm': WeightNorm, 'sigma_reparam': lambda: SigmaReparam(sigma_iters),
+            'scale_vectors': ScaleVectors}
+    self.steps = [make[n]() for n in names]
+    self.infos = infos
+    # (transform index, leaf) pairs in application order.
+    self.targets = [(i, leaf) for i, r in enumerate(self.steps) for leaf in infos.values()
+                    if r.selects(leaf, pattern)]
+    for i, r in enumerate(self.steps):
+      if not any(j == i for j, _ in self.targets):
+        raise ConfigError(f'transforms.reparam={r.name} selects no parameter (reparam_paths='
+                          f'{paths_regex!r}); valid: a regex matching some kernel path')
+
+  def __bool__(self) -> bool:
+    return bool(self.steps)
+
+  def _key(self, i: int, leaf: Leaf) -> tuple[str, ...]:
+    return ('reparam',) + leaf.path + (self.steps[i].name,)
+
+  def init(self, variables: Any) -> tuple[dict, dict]:
+    """(extras, state): extras = {'reparam': ...} to merge into the trainable tree."""
+    flat = dict(flatten_dict(variables))
+    extras, state = {}, {}
+    for i, leaf in self.targets:
+      r = self.steps[i]
+      e, s = r.init(flat[leaf.path], leaf)
+      extras.update({self._key(i, leaf) + (k,): v for k, v in e.items()})
+      state.update({self._key(i, leaf) + (k,): v for k, v in s.items()})
+      flat[leaf.path] = r.apply(flat[leaf.path], e, s, leaf)
+    return unflatten_dict(extras), unflatten_dict(state)
+
+  def _walk(self, variables: Any, tstate: Any, fn) -> dict:
+    flat = dict(flatten_dict({k: v for k, v in variables.items() if k != 'reparam'}))
+    extras = flatten_dict(variables.get('reparam', {}))
+    state = flatten_dict(tstate or {})
+    for i, leaf in self.targets:
+      key = self._key(i, leaf)[1:]
+      e = {p[-1]: v for p, v in extras.items() if p[:-1] == key}
+      s = {p[-1]: v for p, v in state.items() if p[:-1] == ('reparam',) + key}
+      fn(i, leaf, flat, e, s)
+    return flat
+
+  def update_state(self, variables: Any, tstate: Any) -> Any:
+    """Advances non-trainable state (power iterations) on the current effective weights."""
+    new = {}
+
+    def fn(i, leaf, flat, e, s):
+      r = self.steps[i]
+      s2 = r.update_state(flat[leaf.path], e, s, leaf)
+      new.update({self._key(i, leaf) + (k,): v for k, v in s2.items()})
+      flat[leaf.path] = r.apply(flat[leaf.path], e, s2, leaf)
+
+    self._walk(variables, tstate, fn)
+    return unflatten_dict(new) if new else tstate
+
+  def apply(self, variables: Any, tstate: Any) -> Any:
+    """Effective model variables (the 'reparam' collection consumed)."""
+    if not self.steps:
+      return variables
+
+    def fn(i, leaf, flat, e, s):
+      flat[leaf.path] = self.steps[i].apply(flat[leaf.path], e, s, leaf)
+
+    return unflatten_dict(self._walk(variables, tstate, fn))
