@@ -25,9 +25,8 @@ def load_config(workdir: str) -> ml_collections.ConfigDict:
   return ml_collections.ConfigDict({k: raw[k] for k in keys if k in raw})
 
 
-def evaluate_workdir(workdir: str, step: int | None = None) -> dict[str, Any]:
-  """Restores the latest (or `step`) checkpoint's params and evaluates the validation split."""
-  config = load_config(workdir)
+def restore_state(config: ml_collections.ConfigDict, workdir: str, step: int | None = None):
+  """(state, step, model, transforms) from the latest (or `step`) checkpoint of `workdir`."""
   mcfg = ModelConfig.from_config(config.model)
   model = DecoderLM(mcfg)
   tr = Transforms(config.get('transforms'), model)
@@ -48,6 +47,13 @@ def evaluate_workdir(workdir: str, step: int | None = None) -> dict[str, Any]:
     args = ocp.args.Composite(state=ocp.args.StandardRestore(abstract))
     state = mngr.restore(step, args=args)['state']
   mngr.close()
+  return state, step, model, tr
+
+
+def evaluate_workdir(workdir: str, step: int | None = None) -> dict[str, Any]:
+  """Restores the latest (or `step`) checkpoint's params and evaluates the validation split."""
+  config = load_config(workdir)
+  state, step, model, tr = restore_state(config, workdir, step)
   params = jax.jit(train_lib.effective_params, static_argnums=1)(state, tr)
   out = eval_lib.evaluate(model, params, config.data, config.train.seq_len,
                           config.train.eval_batch_size)

@@ -49,8 +49,9 @@ class Dense(nn.Module):
       y = y + self.lora_scale * (xa @ b.reshape(r, fan_out).astype(self.dtype))
     y = y.reshape(batch + out_shape)
     if self.use_bias:
-      y = y + self.param('bias', nn.with_logical_partitioning(
+      bias = self.param('bias', nn.with_logical_partitioning(
           nn.initializers.zeros, tuple(self.out_axes)), out_shape, self.param_dtype)
+      y = y + bias.reshape((1,) * len(batch) + out_shape).astype(y.dtype)
     return y
 
 

@@ -67,3 +67,31 @@ def to_untied(variables: Tree, cfg: ModelConfig) -> tuple[ModelConfig, Tree]:
                   applied_per_layer(variables[PER_LAYER], cfg).items()})
     out[PER_LAYER] = unflatten_dict(layer)
   return ucfg, out
+
+
+def _replace_stack(tree: Tree, per_segment: dict[int, dict[tuple, Any]]) -> Tree:
+  flat = dict(flatten_dict(nn.unbox(tree)))
+  for path in list(flat):
+    if path[0] == 'stack':
+      seg = int(path[1].removeprefix('segment_'))
+      flat[path] = per_segment[seg][path[path.index('block') + 1:]]
+  return unflatten_dict(flat)
+
+
+def from_unique_sets(params: Tree, sets: dict[tuple, Any], cfg: ModelConfig) -> Tree:
+  """Inverse of `unique_sets`: writes {path: (U, ...)} into a params tree of `cfg`'s model."""
+  per_segment = {i: {p: v[seg.first_set:seg.first_set + seg.num_sets] for p, v in sets.items()}
+                 for i, seg in enumerate(cfg.plan.segments)}
+  return _replace_stack(params, per_segment)
+
+
+def from_applied_per_layer(per_layer: Tree, layers: dict[tuple, Any], cfg: ModelConfig) -> Tree:
+  """Inverse of `applied_per_layer`: {path: (L, ...)} into a per-layer tree of `cfg`'s model."""
+  template = _segment_leaves(per_layer)
+  per_segment, start = {}, 0
+  for i, seg in enumerate(cfg.plan.segments):
+    n = seg.num_applied
+    per_segment[i] = {p: v[start:start + n].reshape(template[i][p].shape)
+                      for p, v in layers.items()}
+    start += n
+  return _replace_stack(per_layer, per_segment)

@@ -41,8 +41,9 @@ class DecoderLM(nn.Module):
     if c.tie_embeddings:
       logits_BTV = embed.attend(x_BTD)
       if c.reader_bias:
-        logits_BTV = logits_BTV + self.param('logits_bias', nn.with_logical_partitioning(
+        bias_V = self.param('logits_bias', nn.with_logical_partitioning(
             nn.initializers.zeros, ('vocab',)), (c.vocab_size,), pdt)
+        logits_BTV = logits_BTV + bias_V[None, None].astype(logits_BTV.dtype)
     else:
       logits_BTV = Dense((c.vocab_size,), ('embed',), ('vocab',), use_bias=c.reader_bias,
                          dtype=dt, param_dtype=pdt, name='readout')(x_BTD)

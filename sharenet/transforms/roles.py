@@ -89,8 +89,7 @@ class Leaf:
 
 def leaf_infos(model: DecoderLM) -> dict[tuple[str, ...], Leaf]:
   """{path: Leaf} for every trainable leaf of `model` (from its logical-axis metadata)."""
-  specs = flatten_dict(logical_axes(model), is_leaf=lambda x: isinstance(
-      x, jax.sharding.PartitionSpec))
+  specs = flatten_dict(logical_axes(model))   # PartitionSpecs are leaves (not dicts)
   shapes = flatten_dict(jax.eval_shape(lambda: init_variables(model, jax.random.key(0))))
   out = {}
   for path, spec in specs.items():

@@ -1,0 +1,378 @@
+"""One-shot conversions between architectures, each function-preserving where the math allows.
+
+  ln_to_rms      Pre-LN -> Pre-RMSNorm (reference B1 steps 0-2): LN biases beta are folded into
+                 biases of the linear maps reading the normalized stream; residual writers are
+                 recentred (W - mean over 'embed', the *last* axis of a Flax (in, out) kernel,
+                 pitfall C5.1); a tied table is recentred in the forward pass instead
+                 (model.center_embedding, pitfall C5.8) so the readout keeps using it.
+  rms_to_crms    Pre-RMSNorm with a zero-mean stream -> Pre-CRMSNorm (B1 step 3): gains gamma are
+                 folded into the readers, writers drop the last 'embed' coordinate, readers take
+                 W[:-1] - W[-1:] along 'embed'; the stream is d_model - 1 wide (head_dim is kept
+                 explicitly). A tied table becomes an untied embedding + readout, since the
+                 compressed writer (E[:, :-1]) and reader (E^T[:-1] - E^T[-1:]) differ.
+  to_recursive   untied -> recursive (Relaxed Recursive Transformers, A3.2): each unique set from
+                 Stepwise (round(linspace(0, L-1, K)), middle schemes linspace(1, L-2, K-2),
+                 Python's banker's rounding as in the RRT code), Average (mean of the layers that
+                 will use the set) or Lower (the first K layers; middle schemes 1..K-2 plus the
+                 verbatim first and last); optional depth-wise LoRA from the truncated SVD of each
+                 applied layer's residual W_l - W_shared (A3.3), exact at full rank for any
+                 lora_scale (B is divided by it).
+
+CLI: python -m sharenet.transforms.convert --workdir SRC --out DST --to rmsnorm|crmsnorm|recursive
+Each writes DST/config.json and a checkpoint (fresh optimizer state and data iterator) that
+eval.py reads and train.py can continue from.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax.traverse_util import flatten_dict, unflatten_dict
+
+from sharenet.errors import ConfigError
+from sharenet.models import DecoderLM, ModelConfig, init_variables, layout
+from sharenet.norms import PER_LAYER
+
+INITS = ('stepwise', 'average', 'lower')
+RECURSIVE_SCHEMES = ('universal', 'cycle', 'sequence', 'middle_cycle', 'middle_sequence')
+# Readers of each normalized input, relative to the block (and at the top level for the head).
+BLOCK_READERS = {'attn_norm': (('attn', 'q'), ('attn', 'k'), ('attn', 'v')),
+                 'mlp_norm': (('mlp', 'wi_gate'), ('mlp', 'wi_up'), ('mlp', 'wi'))}
+BLOCK_WRITERS = (('attn', 'o'), ('mlp', 'wo'))
+LORA_KERNELS = {'q': (('attn', 'q'),), 'k': (('attn', 'k'),), 'v': (('attn', 'v'),),
+                'o': (('attn', 'o'),), 'mlp_in': (('mlp', 'wi_gate'), ('mlp', 'wi_up'),
+                                                  ('mlp', 'wi')), 'mlp_out': (('mlp', 'wo'),)}
+
+
+def _require(ok: bool, msg: str) -> None:
+  if not ok:
+    raise ConfigError(msg)
+
+
+def _blocks(flat: dict) -> list[tuple]:
+  """Prefixes (ending in 'block') of every stacked block in a flat params dict."""
+  return sorted({p[:p.index('block') + 1] for p in flat if p[0] == 'params' and 'block' in p})
+
+
+def _center(w, axis=-1):
+  return w - jnp.mean(w, axis=axis, keepdims=True)
+
+
+def _fold_bias(flat: dict, kernel_path: tuple, beta, stacked: bool) -> None:
+  """bias += beta @ W over the 'embed' input axis of a reader kernel."""
+  w = flat[kernel_path]
+  b = jnp.einsum('kd,kd...->k...', beta, w) if stacked else jnp.einsum('d,d...->...', beta, w)
+  bias_path = kernel_path[:-1] + ('bias',)
+  flat[bias_path] = flat.get(bias_path, 0) + b
+
+
+def ln_to_rms(cfg: ModelConfig, variables: Any) -> tuple[ModelConfig, Any]:
+  """Pre-LN -> Pre-RMSNorm computing the same function (see the module docstring)."""
+  _require(cfg.norm == 'layernorm', f'--to rmsnorm needs a layernorm model, got {cfg.norm}')
+  _require(cfg.norm_placement == 'pre', f'--to rmsnorm needs norm placement pre (the '
+           f'equivalence uses that only norms read the stream), got {cfg.norm_placement}')
+  _require(not cfg.untie_norms and not cfg.lora_rank,
+           'conversion of norms supports untie_norms=False and lora_rank=0 (folding into tied '
+           'readers would untie them)')
+  flat = dict(flatten_dict(variables['params']))
+  flat = {('params',) + k: v for k, v in flat.items()}
+  for block in _blocks(flat):
+    for norm, readers in BLOCK_READERS.items():
+      beta = flat.pop(block + (norm, 'bias'))
+      for r in readers:
+        if block + r + ('kernel',) in flat:
+          _fold_bias(flat, block + r + ('kernel',), beta, stacked=True)
+    for w in BLOCK_WRITERS:
+      flat[block + w + ('kernel',)] = _center(flat[block + w + ('kernel',)])
+  beta = flat.pop(('params', 'final_norm', 'bias'))
+  if cfg.tie_embeddings:
+    e = flat[('params', 'embed', 'embedding')]
+    flat[('params', 'logits_bias')] = flat.get(('params', 'logits_bias'), 0) + e @ beta
+  else:
+    _fold_bias(flat, ('params', 'readout', 'kernel'), beta, stacked=False)
+    flat[('params', 'embed', 'embedding')] = _center(flat[('params', 'embed', 'embedding')])
+  if ('params', 'pos_embed') in flat:
+    flat[('params', 'pos_embed')] = _center(flat[('params', 'pos_embed')])
+  new_cfg = dataclasses.replace(cfg, norm='rmsnorm', reader_bias=True,
+                                center_embedding=cfg.center_embedding or cfg.tie_embeddings)
+  out = dict(variables)
+  out['params'] = unflatten_dict({k[1:]: v for k, v in flat.items()})
+  return new_cfg.validate(), _fill_missing(new_cfg, out)
+
+
+def _compress_reader(w, axis: int):
+  """x_d = -sum_{i<d} x_i  =>  W' = W[:-1] - W[-1:] along the input 'embed' axis."""
+  head = jax.lax.slice_in_dim(w, 0, w.shape[axis] - 1, axis=axis)
+  last = jax.lax.slice_in_dim(w, w.shape[axis] - 1, w.shape[axis], axis=axis)
+  return head - last
+
+
+def _drop_last(w, axis: int = -1):
+  return jax.lax.slice_in_dim(w, 0, w.shape[axis] - 1, axis=axis)
+
+
+def writers_zero_mean(cfg: ModelConfig, variables: Any, tol: float = 1e-5) -> bool:
+  """True if every residual writer has zero mean over 'embed' (relative to its scale)."""
+  flat = {('params',) + k: v for k, v in flatten_dict(variables['params']).items()}
+  ws = [flat[b + w + ('kernel',)] for b in _blocks(flat) for w in BLOCK_WRITERS]
+  if not cfg.tie_embeddings and not cfg.center_embedding:
+    ws.append(flat[('params', 'embed', 'embedding')])
+  if ('params', 'pos_embed') in flat and not cfg.center_embedding:
+    ws.append(flat[('params', 'pos_embed')])
+  return all(float(jnp.max(jnp.abs(jnp.mean(w, -1)))) <= tol * float(jnp.max(jnp.abs(w)) + 1e-30)
+             for w in ws)
+
+
+def rms_to_crms(cfg: ModelConfig, variables: Any) -> tuple[ModelConfig, Any]:
+  """Pre-RMSNorm over a zero-mean stream -> Pre-CRMSNorm on d_model - 1 coordinates."""
+  _require(cfg.norm == 'rmsnorm' and cfg.norm_placement == 'pre',
+           f'--to crmsnorm needs a pre-rmsnorm model, got {cfg.norm_placement}-{cfg.norm}; '
+           f'convert a layernorm model with --to rmsnorm first')
+  _require(not cfg.untie_norms and not cfg.lora_rank,
+           'conversion of norms supports untie_norms=False and lora_rank=0')
+  _require(writers_zero_mean(cfg, variables),
+           'the residual writers are not zero-mean, so RMSNorm -> CRMSNorm would change the '
+           'function; valid sources: a --to rmsnorm conversion or a model trained with '
+           'transforms.reparam=zero_mean_writers')
+  flat = {('params',) + k: v for k, v in flatten_dict(variables['params']).items()}
+  d = cfg.d_model
+  for block in _blocks(flat):
+    for norm, readers in BLOCK_READERS.items():
+      gamma = flat[block + (norm, 'scale')]                          # (K, d)
+      flat[block + (norm, 'scale')] = jnp.ones((gamma.shape[0], d - 1), gamma.dtype)
+      for r in readers:
+        path = block + r + ('kernel',)
+        if path in flat:
+          w = flat[path]
+          w = w * gamma.reshape(gamma.shape + (1,) * (w.ndim - 2))
+          flat[path] = _compress_reader(w, axis=1)
+    for w in BLOCK_WRITERS:
+      flat[block + w + ('kernel',)] = _drop_last(flat[block + w + ('kernel',)])
+  gamma = flat[('params', 'final_norm', 'scale')]
+  flat[('params', 'final_norm', 'scale')] = jnp.ones((d - 1,), gamma.dtype)
+  e = flat[('params', 'embed', 'embedding')]
+  if cfg.tie_embeddings:
+    head = e.T
+    if ('params', 'logits_bias') in flat:
+      flat[('params', 'readout', 'bias')] = flat.pop(('params', 'logits_bias'))
+  else:
+    head = flat[('params', 'readout', 'kernel')]
+  flat[('params', 'readout', 'kernel')] = _compress_reader(gamma[:, None] * head, axis=0)
+  if cfg.center_embedding:   # the stored table is recentred so the forward need not do it
+    e = _center(e)
+  flat[('params', 'embed', 'embedding')] = _drop_last(e)
+  if ('params', 'pos_embed') in flat:
+    p = flat[('params', 'pos_embed')]
+    flat[('params', 'pos_embed')] = _drop_last(_center(p) if cfg.center_embedding else p)
+  new_cfg = dataclasses.replace(cfg, norm='crmsnorm', d_model=d - 1, head_dim_override=cfg.head_dim,
+                                tie_embeddings=False, center_embedding=False, reader_bias=True)
+  out = dict(variables)
+  out['params'] = unflatten_dict({k[1:]: v for k, v in flat.items()})
+  return new_cfg.validate(), _fill_missing(new_cfg, out)
+
+
+def _fill_missing(cfg: ModelConfig, variables: Any) -> Any:
+  """Checks the converted tree against the new model's; absent biases become zeros."""
+  ref = jax.eval_shape(lambda: init_variables(DecoderLM(cfg), jax.random.key(0)))
+  out = {}
+  for coll, tree in ref.items():
+    have = flatten_dict(variables.get(coll, {}))
+    want = flatten_dict(tree)
+    extra = set(have) - set(want)
+    if extra:
+      raise AssertionError(f'conversion produced unknown leaves {sorted(extra)[:3]}')
+    filled = {}
+    for k, s in want.items():
+      if k in have:
+        if tuple(have[k].shape) != tuple(s.shape):
+          raise AssertionError(f'{coll}/{"/".join(k)}: {have[k].shape} != {s.shape}')
+        filled[k] = jnp.asarray(have[k], s.dtype)
+      elif k[-1] == 'bias':
+        filled[k] = jnp.zeros(s.shape, s.dtype)
+      else:
+        raise AssertionError(f'conversion is missing {coll}/{"/".join(k)}')
+    out[coll] = unflatten_dict(filled)
+  return out
+
+
+def source_layers(cfg: ModelConfig, num_unique: int, scheme: str, init: str) -> list[list[int]]:
+  """For each unique set of the target plan, the source layers it is initialised from."""
+  plan = ModelConfig(num_layers=cfg.num_layers, scheme=scheme, num_unique=num_unique).plan
+  L = cfg.num_layers
+  if init == 'average':
+    return [list(plan.uses(u)) for u in range(plan.num_unique)]
+  middle = scheme.startswith('middle_')
+  k = plan.num_unique - 2 if middle else plan.num_unique
+  lo, hi = (1, L - 2) if middle else (0, L - 1)
+  if init == 'stepwise':
+    # Python's round (half to even), as the RRT code's selection_initialize.
+    picks = [round(float(x)) for x in np.linspace(lo, hi, k)]
+  else:
+    picks = list(range(lo, lo + k))
+  if middle:
+    picks = [0] + picks + [L - 1]
+  return [[p] for p in picks]
+
+
+def to_recursive(cfg: ModelConfig, variables: Any, scheme: str, num_unique: int, init: str,
+                 lora_rank: int = 0, lora_init: str = 'zero', lora_targets: tuple = (),
+                 untie_norms: bool = False, seed: int = 0) -> tuple[ModelConfig, Any]:
+  """Untied -> recursive with `num_unique` stored sets (see the module docstring)."""
+  _require(cfg.scheme == 'untied', f'--to recursive needs an untied source, got {cfg.scheme}')
+  _require(scheme in RECURSIVE_SCHEMES,
+           f'--scheme={scheme!r} is unknown; valid: {", ".join(RECURSIVE_SCHEMES)}')
+  _require(init in INITS, f'--init={init!r} is unknown; valid: {", ".join(INITS)}')
+  _require(lora_init in ('zero', 'svd'), f'--lora_init={lora_init!r}; valid: zero, svd')
+  _require(not cfg.lora_rank, 'the source already has depth-wise LoRA; valid: lora_rank=0')
+  new_cfg = dataclasses.replace(
+      cfg, scheme=scheme, num_unique=num_unique, repeats=0, pattern='', lora_rank=lora_rank,
+      lora_targets=tuple(lora_targets) or cfg.lora_targets, untie_norms=untie_norms).validate()
+  plan = new_cfg.plan
+  src = {p: v for p, v in layout.applied_params(variables['params'], cfg).items()}
+  if PER_LAYER in variables:
+    src.update(layout.applied_per_layer(variables[PER_LAYER], cfg))
+  picks = source_layers(cfg, num_unique, scheme, init)
+  target = init_variables(DecoderLM(new_cfg), jax.random.key(seed))
+  shared_paths = layout.unique_sets(target['params'], new_cfg).keys()
+  sets = {p: jnp.stack([jnp.mean(src[p][jnp.asarray(ls)], axis=0) for ls in picks])
+          for p in shared_paths}
+  out = dict(target)
+  out['params'] = layout.from_unique_sets(target['params'], sets, new_cfg)
+  out['params'] = {**out['params'], **{k: v for k, v in variables['params'].items()
+                                       if k != 'stack'}}
+  if PER_LAYER in target:
+    layers = layout.applied_per_layer(target[PER_LAYER], new_cfg)
+    for p in layers:
+      if p[-1] == 'scale':           # untied norm gains: each applied layer's own
+        layers[p] = src[p]
+    if lora_rank and lora_init == 'svd':
+      layers.update(svd_lora(src, sets, plan.index, new_cfg))
+    out[PER_LAYER] = layout.from_applied_per_layer(target[PER_LAYER], layers, new_cfg)
+  return new_cfg, out
+
+
+def svd_lora(src: dict, sets: dict, index: tuple, cfg: ModelConfig) -> dict:
+  """A_l, B_l with scale * A_l B_l = trunc_r(W_l - W_shared(l)) (RRT SVD init, reference A3.3).
+
+  Flax kernels are (in, out): R = U S V^T, so A = U_r (in, r) and B = S_r V_r^T / scale.
+  """
+  out = {}
+  idx = jnp.asarray(index)
+  r = cfg.lora_rank
+  for t in cfg.lora_targets:
+    for mod in LORA_KERNELS[t]:
+      kpath = mod + ('kernel',)
+      if kpath not in src:
+        continue
+      w_src, w_tied = src[kpath], sets[kpath][idx]               # (L, in..., out...)
+      n_in = 2 if mod == ('attn', 'o') else 1
+      in_shape, out_shape = w_src.shape[1:1 + n_in], w_src.shape[1 + n_in:]
+      res = (w_src - w_tied).reshape(len(index), int(np.prod(in_shape)), -1)
+      u, s, vt = jnp.linalg.svd(res, full_matrices=False)
+      k = min(r, s.shape[-1])
+      a = jnp.zeros(res.shape[:2] + (r,), res.dtype).at[..., :k].set(u[..., :k])
+      b = jnp.zeros((len(index), r, res.shape[2]), res.dtype).at[:, :k].set(
+          s[:, :k, None] * vt[:, :k] / cfg.lora_scale)
+      out[mod + ('lora_a',)] = a.reshape((len(index),) + in_shape + (r,))
+      out[mod + ('lora_b',)] = b.reshape((len(index), r) + out_shape)
+  return out
+
+
+def _update_model_dict(m: dict, cfg: ModelConfig) -> dict:
+  m = json.loads(json.dumps(m))
+  m.update(d_model=cfg.d_model, head_dim=cfg.head_dim_override, reader_bias=cfg.reader_bias,
+           center_embedding=cfg.center_embedding, tie_embeddings=cfg.tie_embeddings)
+  m['norm']['kind'] = cfg.norm
+  s = m['sharing']
+  s.update(scheme=cfg.scheme, num_unique=cfg.num_unique, repeats=cfg.repeats, pattern=cfg.pattern,
+           lora_rank=cfg.lora_rank, lora_targets=','.join(cfg.lora_targets),
+           untie_norms=cfg.untie_norms)
+  return m
+
+
+def convert_workdir(workdir: str, out: str, to: str, **kw) -> dict:
+  """Restores SRC's latest checkpoint, converts, writes DST (config.json + checkpoint)."""
+  import ml_collections
+
+  from sharenet import checkpoint, data, optim, train_lib
+  from sharenet.eval_cli import load_config, restore_state
+  from sharenet.transforms import Transforms
+
+  config = load_config(workdir)
+  state, step, model, tr = restore_state(config, workdir)
+  cfg = model.cfg
+  variables = jax.device_get(train_lib.effective_params(state, tr))   # reparams resolved
+  if to == 'rmsnorm':
+    new_cfg, new_vars = ln_to_rms(cfg, variables)
+  elif to == 'crmsnorm':
+    if cfg.norm == 'layernorm':
+      cfg, variables = ln_to_rms(cfg, variables)
+    new_cfg, new_vars = rms_to_crms(cfg, variables)
+  elif to == 'recursive':
+    new_cfg, new_vars = to_recursive(cfg, variables, **kw)
+  else:
+    raise ConfigError(f'--to={to!r} is unknown; valid: rmsnorm, crmsnorm, recursive')
+  raw = config.to_dict()
+  raw['model'] = _update_model_dict(raw['model'], new_cfg)
+  if 'transforms' in raw:
+    raw['transforms']['reparam'] = ''     # folded into the converted weights
+  new_config = ml_collections.ConfigDict(raw)
+  os.makedirs(out, exist_ok=True)
+  new_model = DecoderLM(new_cfg)
+  new_tr = Transforms(new_config.get('transforms'), new_model)
+  tx = optim.make_optimizer(new_config.train, new_tr)
+  params, tstate = new_tr.init(new_vars)
+  new_state = train_lib.TrainState(jnp.asarray(step, jnp.int32), params, tx.init(params), tstate)
+  t = new_config.train
+  it = data.make_train_iterator(new_config.data, t.seq_len, t.batch_size, t.seed, 0, 1)
+  mngr = checkpoint.manager(out, t.keep_checkpoints, async_save=False)
+  checkpoint.save(mngr, step, new_state, it)
+  mngr.wait_until_finished()
+  mngr.close()
+  summary = {**raw, 'converted_from': os.path.abspath(workdir), 'conversion': to,
+             'param_shapes': train_lib.param_shapes(params)}
+  with open(os.path.join(out, 'config.json'), 'w') as f:
+    json.dump(summary, f, indent=2, sort_keys=True, default=str)
+  return {'step': step, 'model': new_config.model.to_dict()}
+
+
+def main(argv: list[str] | None = None) -> int:
+  import argparse
+  p = argparse.ArgumentParser(prog='python -m sharenet.transforms.convert',
+                              description=__doc__.split('\n\n')[0])
+  p.add_argument('--workdir', required=True, help='source train.py workdir')
+  p.add_argument('--out', required=True, help='destination workdir')
+  p.add_argument('--to', required=True, choices=('rmsnorm', 'crmsnorm', 'recursive'))
+  p.add_argument('--scheme', default='cycle', help=f'one of {", ".join(RECURSIVE_SCHEMES)}')
+  p.add_argument('--num_unique', type=int, default=0, help='stored sets (middle: incl. ends)')
+  p.add_argument('--init', default='stepwise', help=f'one of {", ".join(INITS)}')
+  p.add_argument('--lora_rank', type=int, default=0)
+  p.add_argument('--lora_init', default='zero', help='zero | svd')
+  p.add_argument('--lora_targets', default='q,v', help='comma list of q,k,v,o,mlp_in,mlp_out')
+  p.add_argument('--untie_norms', action='store_true', help='per-applied-layer norm gains')
+  a = p.parse_args(argv)
+  kw = {}
+  if a.to == 'recursive':
+    if a.num_unique < 1:
+      print('error: --to recursive needs --num_unique >= 1', file=sys.stderr)
+      return 2
+    kw = dict(scheme=a.scheme, num_unique=a.num_unique, init=a.init, lora_rank=a.lora_rank,
+              lora_init=a.lora_init, untie_norms=a.untie_norms,
+              lora_targets=tuple(t for t in a.lora_targets.split(',') if t))
+  try:
+    out = convert_workdir(a.workdir, a.out, a.to, **kw)
+  except ConfigError as e:
+    print(f'error: {e}', file=sys.stderr)
+    return 2
+  print(f'sharenet: converted {a.workdir} (step {out["step"]}) -> {a.out} ({a.to})', flush=True)
+  return 0
+
+
+if __name__ == '__main__':
+  sys.exit(main())

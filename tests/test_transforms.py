@@ -1,0 +1,381 @@
+"""Normalization variants as parameter transforms: conversions, invariances, training smoke."""
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax.traverse_util import flatten_dict, unflatten_dict
+
+from configs import tiny as tiny_config
+from sharenet import eval_cli, optim, train_lib
+from sharenet.errors import ConfigError
+from sharenet.models import DecoderLM, ModelConfig, init_variables
+from sharenet.norms import Norm
+from sharenet.transforms import Transforms, convert, reparam
+from sharenet.transforms.roles import Leaf
+from sharenet.transforms.update import scale_by_adamp
+
+
+def _cfg(**kw):
+  base = dict(vocab_size=64, d_model=16, num_layers=2, num_heads=2, mlp_dim=24, remat='none',
+              norm='layernorm')
+  base.update(kw)
+  return ModelConfig(**base).validate()
+
+
+def _randomize_norms(variables, seed=3):
+  """Random gains and biases so that folding is exercised (reference B1 sanity check a)."""
+  flat = flatten_dict(variables['params'])
+  keys = jax.random.split(jax.random.key(seed), len(flat))
+  out = {}
+  for k, (path, v) in zip(keys, flat.items()):
+    parent = path[-2] if len(path) > 1 else ''
+    if parent.endswith('_norm') and path[-1] == 'scale':
+      v = 1.0 + 0.3 * jax.random.normal(k, v.shape, v.dtype)
+    elif parent.endswith('_norm') and path[-1] == 'bias':
+      v = 0.3 * jax.random.normal(k, v.shape, v.dtype)
+    out[path] = v
+  return {**variables, 'params': unflatten_dict(out)}
+
+
+def _tokens(T=10, vocab=64):
+  return jax.random.randint(jax.random.key(7), (2, T), 0, vocab)
+
+
+@pytest.mark.parametrize('tied,position,scheme', [(False, 'learned', 'untied'),
+                                                   (True, 'rope', 'untied'),
+                                                   (False, 'rope', 'cycle')])
+def test_ln_rms_crms_conversion_is_exact_in_float64(tied, position, scheme):
+  with jax.enable_x64(True):
+    cfg = _cfg(tie_embeddings=tied, position=position, max_len=16, dtype='float64',
+               param_dtype='float64', scheme=scheme, num_layers=4 if scheme == 'cycle' else 2,
+               repeats=2 if scheme == 'cycle' else 0, embed_init_std=0.5)
+    v0 = _randomize_norms(init_variables(DecoderLM(cfg), jax.random.key(0)))
+    toks = _tokens()
+    logits0 = DecoderLM(cfg).apply(v0, toks)
+    cfg1, v1 = convert.ln_to_rms(cfg, v0)
+    logits1 = DecoderLM(cfg1).apply(v1, toks)
+    cfg2, v2 = convert.rms_to_crms(cfg1, v1)
+    logits2 = DecoderLM(cfg2).apply(v2, toks)
+    assert cfg1.norm == 'rmsnorm' and cfg2.norm == 'crmsnorm' and cfg2.d_model == 15
+    assert float(jnp.max(jnp.abs(logits1 - logits0))) <= 1e-9
+    assert float(jnp.max(jnp.abs(logits2 - logits0))) <= 1e-9
+    # The logits are not trivially equal: the norms' gains and biases matter.
+    assert float(jnp.max(jnp.abs(logits0 - DecoderLM(cfg).apply(
+        init_variables(DecoderLM(cfg), jax.random.key(0)), toks)))) > 1e-3
+
+
+def test_crms_conversion_refuses_a_stream_that_is_not_zero_mean():
+  cfg = _cfg(norm='rmsnorm')
+  with pytest.raises(ConfigError, match='not zero-mean'):
+    convert.rms_to_crms(cfg, init_variables(DecoderLM(cfg), jax.random.key(0)))
+  with pytest.raises(ConfigError, match='layernorm'):
+    convert.ln_to_rms(cfg, init_variables(DecoderLM(cfg), jax.random.key(0)))
+
+
+def test_convert_cli_on_a_trained_pre_ln_checkpoint(tmp_path):
+  """Train a Pre-LN model, convert with the CLI, evaluate each workdir with eval.py's code."""
+  c = tiny_config.get_config()
+  c.model.norm.kind = 'layernorm'
+  c.train.steps = 12
+  src = str(tmp_path / 'ln')
+  train_lib.train_and_evaluate(c, src)
+  base = eval_cli.evaluate_workdir(src)['eval_loss']
+  for to in ('rmsnorm', 'crmsnorm'):
+    dst = str(tmp_path / to)
+    assert convert.main(['--workdir', src, '--out', dst, '--to', to]) == 0
+    out = eval_cli.evaluate_workdir(dst)
+    assert abs(out['eval_loss'] - base) <= 1e-4, (to, out['eval_loss'], base)
+    assert eval_cli.load_config(dst).model.norm.kind == to
+  assert convert.main(['--workdir', src, '--out', str(tmp_path / 'x'), '--to', 'recursive']) == 2
+
+
+@pytest.mark.parametrize('L,K,scheme,init,expected', [
+    (6, 3, 'cycle', 'stepwise', [[0], [2], [5]]),          # round(2.5) == 2 (banker's)
+    (6, 3, 'cycle', 'lower', [[0], [1], [2]]),
+    (6, 3, 'cycle', 'average', [[0, 3], [1, 4], [2, 5]]),
+    (6, 3, 'sequence', 'average', [[0, 1], [2, 3], [4, 5]]),
+    (6, 4, 'middle_cycle', 'stepwise', [[0], [1], [4], [5]]),
+    (6, 4, 'middle_cycle', 'lower', [[0], [1], [2], [5]]),
+    (6, 4, 'middle_cycle', 'average', [[0], [1, 3], [2, 4], [5]]),
+    (8, 5, 'middle_sequence', 'stepwise', [[0], [1], [4], [6], [7]]),
+    (8, 5, 'middle_sequence', 'average', [[0], [1, 2], [3, 4], [5, 6], [7]]),
+])
+def test_recursive_init_source_layers(L, K, scheme, init, expected):
+  assert convert.source_layers(_cfg(num_layers=L), K, scheme, init) == expected
+
+
+@pytest.mark.parametrize('scheme,K', [('cycle', 3), ('middle_cycle', 4)])
+def test_full_rank_svd_lora_reproduces_the_untied_model(scheme, K):
+  cfg = _cfg(norm='rmsnorm', num_layers=6, d_model=32, num_heads=4, mlp_dim=48)
+  v = _randomize_norms(init_variables(DecoderLM(cfg), jax.random.key(1)))
+  toks = _tokens()
+  ref = DecoderLM(cfg).apply(v, toks)
+  kw = dict(scheme=scheme, num_unique=K, init='average', lora_targets=convert.LORA_KERNELS.keys(),
+            untie_norms=True)
+  rcfg, rv = convert.to_recursive(cfg, v, lora_rank=32, lora_init='svd', **kw)
+  rcfg = dataclasses.replace(rcfg, lora_scale=1.0)
+  out = DecoderLM(rcfg).apply(rv, toks)
+  assert float(jnp.max(jnp.abs(out - ref))) <= 1e-4
+  if scheme == 'cycle':   # strict sharing and truncated rank are not exact (not vacuous)
+    for rank in (0, 4):
+      lcfg, lv = convert.to_recursive(cfg, v, lora_rank=rank, lora_init='svd', **kw)
+      assert float(jnp.max(jnp.abs(DecoderLM(lcfg).apply(lv, toks) - ref))) > 1e-3
+
+
+def test_stepwise_recursive_copies_the_picked_layers():
+  cfg = _cfg(norm='rmsnorm', num_layers=6)
+  v = init_variables(DecoderLM(cfg), jax.random.key(2))
+  rcfg, rv = convert.to_recursive(cfg, v, scheme='cycle', num_unique=3, init='stepwise')
+  from sharenet.models import layout
+  src, dst = layout.unique_sets(v['params'], cfg), layout.unique_sets(rv['params'], rcfg)
+  for p in src:
+    np.testing.assert_array_equal(dst[p], src[p][np.asarray([0, 2, 5])])
+
+
+# ----------------------------------------------------------------------------- invariances
+
+def _leaf(shape, axes, role='reader', path=('params', 'w', 'kernel')):
+  return Leaf(path, axes, shape, role)
+
+
+def test_weight_norm_is_invariant_to_scaling_v():
+  leaf = _leaf((3, 8, 5), ('layers', 'embed', 'mlp'))
+  w = jax.random.normal(jax.random.key(0), leaf.shape)
+  wn = reparam.WeightNorm()
+  extras, _ = wn.init(w, leaf)
+  np.testing.assert_allclose(wn.apply(w, extras, {}, leaf), w, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(wn.apply(7.3 * w, extras, {}, leaf), wn.apply(w, extras, {}, leaf),
+                             rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize('kind', ['scalenorm', 'l2'])
+def test_scale_invariant_norms(kind):
+  x = jax.random.normal(jax.random.key(0), (2, 5, 16))
+  norm = Norm(kind)
+  v = norm.init(jax.random.key(1), x)
+  np.testing.assert_allclose(norm.apply(v, 4.5 * x), norm.apply(v, x), rtol=1e-5, atol=1e-6)
+  if kind == 'scalenorm':   # output norm equals g = sqrt(d)
+    np.testing.assert_allclose(jnp.linalg.norm(norm.apply(v, x), axis=-1), 4.0, rtol=1e-5)
+
+
+def test_l2_qk_norm_logits_are_bounded_by_the_gain():
+  cfg = _cfg(norm='rmsnorm', qk_norm='l2', max_len=16)
+  v = init_variables(DecoderLM(cfg), jax.random.key(0))
+  flat = flatten_dict(v['params'])
+  scales = [x for p, x in flat.items() if p[-1] == 'qk_scale']
+  assert scales and all(np.allclose(s, math.log2(16 * 16 - 16)) for s in scales)
+  out = DecoderLM(cfg).apply(v, _tokens())
+  assert bool(jnp.all(jnp.isfinite(out)))
+
+
+def test_sigma_power_iteration_converges_to_svd():
+  m = jax.random.normal(jax.random.key(0), (3, 20, 12))
+  u0 = jax.random.normal(jax.random.key(1), (3, 12))
+  u, v = reparam.power_iteration(m, u0, 100)
+  sigma = jnp.einsum('si,sio,so->s', v, m, u)
+  np.testing.assert_allclose(sigma, jnp.linalg.svd(m, compute_uv=False)[:, 0], rtol=1e-4)
+
+
+def test_sigma_reparam_is_identity_at_init_and_tracks_sigma():
+  leaf = _leaf((2, 16, 8), ('layers', 'embed', 'mlp'))
+  w = jax.random.normal(jax.random.key(0), leaf.shape)
+  sr = reparam.SigmaReparam(iters=1)
+  extras, state = sr.init(w, leaf)
+  np.testing.assert_allclose(sr.apply(w, extras, state, leaf), w, rtol=1e-5, atol=1e-6)
+  w2 = w + 0.3 * jax.random.normal(jax.random.key(1), w.shape)
+  for _ in range(30):
+    state = sr.update_state(w2, extras, state, leaf)
+  eff = sr.apply(w2, extras, state, leaf)
+  top = jnp.linalg.svd(eff, compute_uv=False)[:, 0]
+  np.testing.assert_allclose(top, extras['sr_gamma'], rtol=1e-4)
+
+
+def _tiny_state(transforms_kw, scheme='untied', steps=3, **train_kw):
+  c = tiny_config.get_config()
+  c.model.sharing.scheme = scheme
+  if scheme == 'cycle':
+    c.model.num_layers, c.model.sharing.repeats = 4, 2
+  for k, val in transforms_kw.items():
+    c.transforms[k] = val
+  for k, val in train_kw.items():
+    c.train[k] = val
+  model = DecoderLM(ModelConfig.from_config(c.model))
+  tr = Transforms(c.transforms, model)
+  tx = optim.make_optimizer(c.train, tr)
+  state = train_lib.init_state(model, tx, jax.random.key(0), tr)
+  step = jax.jit(functools.partial(train_lib.train_step, model=model, tx=tx, grad_accum=1, tr=tr))
+  # One batch repeated: its loss must fall (random tokens would leave nothing to learn).
+  batches = [jax.random.randint(jax.random.key(1), (4, 33), 0, 256)] * steps
+  states, losses = [state], []
+  for b in batches:
+    state, m = step(state, b)
+    states.append(state)
+    losses.append(float(m['loss']))
+  return tr, states, losses
+
+
+def _embed_axis_norms(tr, params):
+  flat = flatten_dict(params)
+  out = []
+  for path, leaf in tr.infos.items():
+    if leaf.role in ('reader', 'writer', 'readout', 'embedding'):
+      out.append(jnp.linalg.norm(flat[path], axis=leaf.embed_axis()).ravel())
+  return jnp.concatenate(out)
+
+
+def test_ngpt_projection_keeps_rows_unit_norm_after_every_step():
+  tr, states, _ = _tiny_state({'project': 'ngpt'}, weight_decay=0.0)
+  for s in states:
+    np.testing.assert_allclose(_embed_axis_norms(tr, s.params), 1.0, atol=1e-6)
+
+
+def test_nap_keeps_matrix_norms_at_their_initial_values():
+  tr, states, _ = _tiny_state({'project': 'nap'}, lr=3e-2)
+  norms = lambda p: [float(jnp.linalg.norm(flatten_dict(p)[path])) for path, leaf in
+                     tr.infos.items() if leaf.role in ('reader', 'writer', 'embedding')]
+  n0 = norms(states[0].params)
+  for s in states[1:]:
+    np.testing.assert_allclose(norms(s.params), n0, rtol=1e-5)
+  assert not np.allclose(flatten_dict(states[0].params)[('params', 'readout', 'kernel')],
+                         flatten_dict(states[-1].params)[('params', 'readout', 'kernel')])
+
+
+def test_agc_clips_each_unit_to_its_ratio():
+  c = tiny_config.get_config()
+  model = DecoderLM(ModelConfig.from_config(c.model))
+  tr = Transforms({'update': 'agc'}, model)
+  from sharenet.transforms.update import agc, unit_axes
+  params = init_variables(model, jax.random.key(0))
+  grads = jax.tree.map(lambda p: 10.0 * jax.random.normal(jax.random.key(1), p.shape), params)
+  tx = agc(0.01, 1e-3, tr.infos)
+  clipped, _ = tx.update(grads, tx.init(params), params)
+  flat_u, flat_p = flatten_dict(clipped), flatten_dict(params)
+  for path, leaf in tr.infos.items():
+    ax = unit_axes(leaf, len(leaf.shape))
+    un = jnp.sqrt(jnp.sum(flat_u[path] ** 2, axis=ax))
+    pn = jnp.maximum(jnp.sqrt(jnp.sum(flat_p[path] ** 2, axis=ax)), 1e-3)
+    if leaf.role == 'readout':
+      assert float(jnp.max(un / pn)) > 0.02     # not clipped
+    else:
+      assert float(jnp.max(un / pn)) <= 0.01 * (1 + 1e-5)
+
+
+def test_adamp_update_is_orthogonal_to_a_weight_feeding_a_norm():
+  leaf = _leaf((8, 16), ('embed', 'mlp'))
+  infos = {leaf.path: leaf}
+  x = jax.random.normal(jax.random.key(0), (32, 8))
+  target = jax.random.normal(jax.random.key(1), (32, 16))
+
+  def loss(params):   # LayerNorm over the outputs of x W makes the loss invariant to |W|
+    h = x @ params['params']['w']['kernel']
+    h = (h - h.mean(-1, keepdims=True)) / jnp.sqrt(h.var(-1, keepdims=True) + 1e-6)
+    return jnp.mean((h - target) ** 2)
+
+  params = {'params': {'w': {'kernel': jax.random.normal(jax.random.key(2), (8, 16))}}}
+  tx = scale_by_adamp(0.9, 0.999, 1e-8, 0.0, lambda p: jax.tree.map(lambda _: True, p), infos)
+  state = tx.init(params)
+  for _ in range(3):
+    g = jax.grad(loss)(params)
+    u, state = tx.update(g, state, params)
+    w, d = params['params']['w']['kernel'], u['params']['w']['kernel']
+    cos = float(jnp.sum(w * d) / (jnp.linalg.norm(w) * jnp.linalg.norm(d)))
+    assert abs(cos) < 1e-5
+    params = jax.tree.map(lambda p, q: p - 0.01 * q, params, u)
+  # Plain Adam's step is not orthogonal (the check above is not vacuous).
+  adam = optax.scale_by_adam(0.9, 0.999, 1e-8)
+  u, _ = adam.update(jax.grad(loss)(params), adam.init(params), params)
+  w, d = params['params']['w']['kernel'], u['params']['w']['kernel']
+  assert abs(float(jnp.sum(w * d) / (jnp.linalg.norm(w) * jnp.linalg.norm(d)))) > 1e-3
+
+
+TRAINABLE_TRANSFORMS = [
+    {'reparam': 'weight_norm'}, {'reparam': 'sigma_reparam'}, {'reparam': 'weight_std'},
+    {'reparam': 'zero_mean_writers'}, {'reparam': 'scale_vectors'},
+    {'reparam': 'zero_mean_writers,weight_norm'}, {'project': 'ngpt'}, {'project': 'nap'},
+    {'update': 'agc'}, {'update': 'adamp'},
+]
+
+
+@pytest.mark.parametrize('kw', TRAINABLE_TRANSFORMS, ids=lambda kw: '-'.join(kw.values()))
+def test_each_transform_trains_under_cycle_sharing(kw):
+  _, states, losses = _tiny_state(kw, scheme='cycle', steps=6, lr=1e-2, warmup_steps=1)
+  assert all(math.isfinite(l) for l in losses)
+  assert losses[-1] < losses[0]
+
+
+@pytest.mark.parametrize('reparams', ['weight_norm', 'sigma_reparam', 'zero_mean_writers',
+                                      'scale_vectors'])
+def test_function_preserving_reparams_leave_the_initial_model_unchanged(reparams):
+  c = tiny_config.get_config()
+  c.model.norm.kind = 'layernorm'   # zero-mean writers preserve Pre-LN models (reference B1)
+  model = DecoderLM(ModelConfig.from_config(c.model))
+  tr = Transforms({'reparam': reparams}, model)
+  v = init_variables(model, jax.random.key(0))
+  params, tstate = tr.init(v)
+  toks = _tokens(vocab=256)
+  np.testing.assert_allclose(model.apply(tr.effective(params, tstate), toks), model.apply(v, toks),
+                             rtol=1e-4, atol=1e-4)
+
+
+def test_zero_mean_writers_train_like_pre_ln_in_float64():
+  """Pre-LN and Pre-RMSNorm with forward-recentred writers, from the same raw weights, follow
+  the same Adam trajectory (reference B1 step 4 and its sanity check c). LN biases stay at 0
+  (they have no RMSNorm counterpart); the gains are random and trained in both."""
+  with jax.enable_x64(True):
+    cfg_ln = _cfg(dtype='float64', param_dtype='float64')
+    cfg_rms = dataclasses.replace(cfg_ln, norm='rmsnorm')
+    v = init_variables(DecoderLM(cfg_ln), jax.random.key(0))
+    flat = flatten_dict(_randomize_norms(v)['params'])
+    flat = {p: (jnp.zeros_like(x) if p[-1] == 'bias' else x) for p, x in flat.items()}
+    v_ln = {'params': unflatten_dict(flat)}
+    v_rms = {'params': unflatten_dict({p: x for p, x in flat.items() if p[-1] != 'bias'})}
+    toks = jax.random.randint(jax.random.key(1), (4, 2, 11), 0, 64)
+
+    def run(model_cfg, variables, reparams):
+      model = DecoderLM(model_cfg)
+      tr = Transforms({'reparam': reparams}, model)
+      params, tstate = tr.init(variables)
+      frozen = lambda p: jax.tree_util.tree_map_with_path(
+          lambda path, _: getattr(path[-1], 'key', '') == 'bias', p)
+      tx = optax.chain(optax.adam(1e-2), optax.masked(optax.set_to_zero(), frozen))
+      opt = tx.init(params)
+      loss = lambda p, b: jnp.mean(optax.softmax_cross_entropy_with_integer_labels(
+          model.apply(tr.effective(p, tstate), b[:, :-1]), b[:, 1:]))
+      outs, grad = [], jax.jit(jax.grad(loss))
+      for b in toks:
+        g = grad(params, b)
+        u, opt = tx.update(g, opt, params)
+        params = optax.apply_updates(params, u)
+        outs.append(model.apply(tr.effective(params, tstate), toks[0]))
+      return jnp.stack(outs)
+
+    a = run(cfg_ln, v_ln, '')
+    b = run(cfg_rms, v_rms, 'zero_mean_writers')
+    c = run(cfg_rms, v_rms, '')
+    assert float(jnp.max(jnp.abs(a - b))) < 1e-6
+    assert float(jnp.max(jnp.abs(a - c))) > 1e-3    # without the reparam they differ
+
+
+@pytest.mark.parametrize('section,value,match', [
+    ('reparam', 'spectral', 'transforms.reparam'), ('project', 'sphere', 'transforms.project'),
+    ('update', 'lion', 'transforms.update'), ('reparam_paths', 'nothing$', 'selects no'),
+])
+def test_bad_transform_config_is_one_line_error(section, value, match):
+  kw = {section: value}
+  if section == 'reparam_paths':
+    kw['reparam'] = 'weight_norm'
+  model = DecoderLM(_cfg())
+  with pytest.raises(ConfigError, match=match):
+    Transforms(kw, model)
+
+
+def test_zero_mean_writers_with_tied_embeddings_needs_centering():
+  with pytest.raises(ConfigError, match='center_embedding'):
+    Transforms({'reparam': 'zero_mean_writers'}, DecoderLM(_cfg(tie_embeddings=True)))
+  Transforms({'reparam': 'zero_mean_writers'},
+             DecoderLM(_cfg(tie_embeddings=True, center_embedding=True)))
