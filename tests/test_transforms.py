@@ -1,7 +1,9 @@
 """Normalization variants as parameter transforms: conversions, invariances, training smoke."""
 import dataclasses
 import functools
+import json
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -379,3 +381,37 @@ def test_zero_mean_writers_with_tied_embeddings_needs_centering():
     Transforms({'reparam': 'zero_mean_writers'}, DecoderLM(_cfg(tie_embeddings=True)))
   Transforms({'reparam': 'zero_mean_writers'},
              DecoderLM(_cfg(tie_embeddings=True, center_embedding=True)))
+
+
+def test_fixnorm_embeddings_have_norm_sqrt_d_at_the_input():
+  cfg = _cfg(norm='rmsnorm', fixnorm=True, tie_embeddings=True)
+  from sharenet.models.layers import Embed
+  emb = Embed(64, 16, 1.0, fixnorm=True)
+  v = emb.init(jax.random.key(0), _tokens())
+  np.testing.assert_allclose(jnp.linalg.norm(emb.apply(v, _tokens()), axis=-1), 4.0, rtol=1e-5)
+  assert bool(jnp.all(jnp.isfinite(DecoderLM(cfg).apply(
+      init_variables(DecoderLM(cfg), jax.random.key(0)), _tokens()))))
+
+
+def test_dyt_is_linear_for_small_alpha_and_crmsnorm_matches_its_formula():
+  x = jax.random.normal(jax.random.key(0), (3, 16))
+  dyt = Norm('dyt', dyt_alpha=1e-4)
+  v = dyt.init(jax.random.key(1), x)
+  np.testing.assert_allclose(dyt.apply(v, x), 1e-4 * x, rtol=1e-6, atol=1e-9)
+  crms = Norm('crmsnorm', eps=0.0)
+  v = crms.init(jax.random.key(1), x)
+  full = jnp.concatenate([x, -jnp.sum(x, -1, keepdims=True)], -1)   # the zero-mean 17-vector
+  expected = x / jnp.sqrt(jnp.mean(full ** 2, -1, keepdims=True))
+  np.testing.assert_allclose(crms.apply(v, x), expected, rtol=1e-5)
+
+
+def test_norm_study_cli_runs_variants_and_writes_the_table(tmp_path):
+  from sharenet.studies import norm_study
+  out = str(tmp_path / 'study')
+  assert norm_study.main(['--config', 'configs/tiny.py', '--out', out, '--steps', '3',
+                          '--schemes', 'cycle', '--variants', 'dyt,agc']) == 0
+  rows = json.load(open(os.path.join(out, 'norm_study.json')))
+  assert [(r['variant'], r['status']) for r in rows] == [('dyt', 'ok'), ('agc', 'ok')]
+  table = open(os.path.join(out, 'norm_study.md')).read()
+  assert '| dyt | activation norm |' in table and '| agc | update |' in table
+  assert norm_study.main(['--out', out, '--variants', 'batchnorm']) == 2
