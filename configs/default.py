@@ -87,6 +87,7 @@ def get_config() -> ml_collections.ConfigDict:
   tr.reparam = ''             # comma list, applied in order: zero_mean_writers, weight_std,
                               # weight_norm, sigma_reparam, scale_vectors
   tr.reparam_paths = 'kernel$'  # regex over '/'-joined paths selecting kernels to reparametrize
+  tr.reparam_roles = ''       # and/or kernel roles: reader, writer, readout ('' = any)
   tr.sigma_iters = 1          # sigma-reparam power iterations per step
   tr.project = 'none'         # post-step projection: none | ngpt | nap
   tr.update = ''              # comma list: agc, adamp

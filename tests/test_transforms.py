@@ -376,6 +376,16 @@ def test_bad_transform_config_is_one_line_error(section, value, match):
     Transforms(kw, model)
 
 
+def test_reparam_selection_by_path_and_role():
+  model = DecoderLM(_cfg(norm='rmsnorm'))
+  by_role = Transforms({'reparam': 'weight_norm', 'reparam_roles': 'writer'}, model)
+  assert {l.path[-2] for _, l in by_role.reparam.targets} == {'o', 'wo'}
+  by_path = Transforms({'reparam': 'sigma_reparam', 'reparam_paths': 'attn/(q|k)/kernel$'}, model)
+  assert {l.path[-2] for _, l in by_path.reparam.targets} == {'q', 'k'}
+  with pytest.raises(ConfigError, match='reparam_roles'):
+    Transforms({'reparam': 'weight_norm', 'reparam_roles': 'gain'}, model)
+
+
 def test_zero_mean_writers_with_tied_embeddings_needs_centering():
   with pytest.raises(ConfigError, match='center_embedding'):
     Transforms({'reparam': 'zero_mean_writers'}, DecoderLM(_cfg(tie_embeddings=True)))

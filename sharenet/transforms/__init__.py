@@ -31,7 +31,8 @@ class Transforms:
     get = lambda k, d: tcfg.get(k, d) if hasattr(tcfg, 'get') else d
     self.infos: dict[tuple, Leaf] = leaf_infos(model)
     self.reparam = ReparamChain(_names(get('reparam', '')), self.infos,
-                                get('reparam_paths', 'kernel$'), int(get('sigma_iters', 1)))
+                                get('reparam_paths', 'kernel$'), int(get('sigma_iters', 1)),
+                                _names(get('reparam_roles', '')))
     self.projection = get('project', 'none') or 'none'
     if self.projection not in project_lib.PROJECTIONS:
       raise ConfigError(f'transforms.project={self.projection!r} is unknown; valid: '

@@ -30,8 +30,9 @@ class Reparam:
   name = ''
   kernel_only = True   # selected by the path regex among Dense kernels
 
-  def selects(self, leaf: Leaf, pattern: re.Pattern) -> bool:
-    return leaf.path[-1] == 'kernel' and bool(pattern.search(leaf.key))
+  def selects(self, leaf: Leaf, pattern: re.Pattern, roles: tuple[str, ...] = ()) -> bool:
+    return (leaf.path[-1] == 'kernel' and bool(pattern.search(leaf.key)) and
+            (not roles or leaf.role in roles))
 
   def init(self, w: jax.Array, leaf: Leaf) -> tuple[Arrays, Arrays]:
     return {}, {}
@@ -136,7 +137,7 @@ class ZeroMeanWriters(Reparam):
   name = 'zero_mean_writers'
   kernel_only = False
 
-  def selects(self, leaf, pattern):
+  def selects(self, leaf, pattern, roles=()):
     writer_lora = leaf.path[-1] == 'lora_b' and leaf.axes[-1] == 'embed'
     return leaf.role in ('writer', 'embedding', 'pos_embed') or writer_lora
 
@@ -150,7 +151,7 @@ class ScaleVectors(Reparam):
   name = 'scale_vectors'
   kernel_only = False
 
-  def selects(self, leaf, pattern):
+  def selects(self, leaf, pattern, roles=()):
     return leaf.role in ('norm_in', 'norm_out') and leaf.path[-1] == 'scale'
 
   def init(self, w, leaf):
@@ -167,7 +168,7 @@ class ReparamChain:
   """The configured reparameterizations, composed left to right on the effective tree."""
 
   def __init__(self, names: Sequence[str], infos: dict[tuple, Leaf], paths_regex: str = 'kernel$',
-               sigma_iters: int = 1):
+               sigma_iters: int = 1, roles: Sequence[str] = ()):
     for n in names:
       if n not in REPARAMS:
         raise ConfigError(f'transforms.reparam: {n!r} is unknown; valid: {", ".join(REPARAMS)}')
@@ -177,6 +178,11 @@ class ReparamChain:
       pattern = re.compile(paths_regex)
     except re.error as e:
       raise ConfigError(f'transforms.reparam_paths={paths_regex!r} is not a regex: {e}') from e
+    kernel_roles = ('reader', 'writer', 'readout')
+    for r in roles:
+      if r not in kernel_roles:
+        raise ConfigError(f'transforms.reparam_roles: {r!r} is unknown; valid: '
+                          f'{", ".join(kernel_roles)}')
     make = {'zero_mean_writers': ZeroMeanWriters, 'weight_std': WeightStandardization,
             'weight_norm': WeightNorm, 'sigma_reparam': lambda: SigmaReparam(sigma_iters),
             'scale_vectors': ScaleVectors}
@@ -184,11 +190,12 @@ class ReparamChain:
     self.infos = infos
     # (transform index, leaf) pairs in application order.
     self.targets = [(i, leaf) for i, r in enumerate(self.steps) for leaf in infos.values()
-                    if r.selects(leaf, pattern)]
+                    if r.selects(leaf, pattern, tuple(roles))]
     for i, r in enumerate(self.steps):
       if not any(j == i for j, _ in self.targets):
         raise ConfigError(f'transforms.reparam={r.name} selects no parameter (reparam_paths='
-                          f'{paths_regex!r}); valid: a regex matching some kernel path')
+                          f'{paths_regex!r}, reparam_roles={",".join(roles)!r}); valid: a '
+                          f'regex matching some kernel path')
 
   def __bool__(self) -> bool:
     return bool(self.steps)
