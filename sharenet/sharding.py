@@ -165,6 +165,13 @@ def with_shardings(abstract: Any, shardings: Any) -> Any:
                       abstract, shardings)
 
 
+def replicated_like(tree: Any) -> Any:
+  """A fully replicated sharding over all devices for every leaf of `tree`."""
+  rep = NamedSharding(jax.make_mesh((jax.device_count(),), ('data',),
+                                    axis_types=(AxisType.Auto,)), P())
+  return jax.tree.map(lambda _: rep, tree)
+
+
 def batch_sharding(mesh: Mesh, rules: Rules) -> NamedSharding:
   return NamedSharding(mesh, nn.logical_to_mesh_axes(('activation_batch', None), rules))
 
