@@ -76,9 +76,33 @@ def rules_of(mesh_cfg: Any) -> tuple[tuple[str, Any], ...]:
 
 
 def make_mesh(mesh_cfg: Any) -> Mesh:
-  """The (data, fsdp, tensor) mesh over all devices (all processes)."""
+  """The (data, fsdp, tensor) mesh over all devices (all processes).
+
+  jax.make_mesh orders devices for the physical topology. With several processes each must
+  hold one contiguous block of batch rows (the data pipeline reads such a block); if that
+  order breaks this, devices are ordered by process instead, with a note.
+  """
   shape = mesh_shape(mesh_cfg, jax.device_count())
-  return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+  types = (AxisType.Auto,) * len(MESH_AXES)
+  mesh = jax.make_mesh(shape, MESH_AXES, axis_types=types)
+  if jax.process_count() > 1 and not rows_per_process_contiguous(mesh, rules_of(mesh_cfg)):
+    devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+    mesh = Mesh(np.asarray(devices).reshape(shape), MESH_AXES, axis_types=types)
+    if jax.process_index() == 0:
+      print('sharenet: note: devices ordered by process so that each host reads one '
+            'contiguous block of batch rows', flush=True)
+  return mesh
+
+
+def rows_per_process_contiguous(mesh: Mesh, rules: Rules,
+                                process_of=lambda d: d.process_index) -> bool:
+  """Whether every process's devices hold one contiguous block of rows of the batch."""
+  spec = nn.logical_to_mesh_axes(('activation_batch',), rules)
+  n = axis_size(mesh, spec[0])
+  rows: dict[int, set[int]] = {}
+  for device, idx in NamedSharding(mesh, spec).devices_indices_map((n,)).items():
+    rows.setdefault(process_of(device), set()).update(range(*idx[0].indices(n)))
+  return all(max(r) - min(r) + 1 == len(r) for r in rows.values())
 
 
 def axis_size(mesh: Mesh, axes: Any) -> int:

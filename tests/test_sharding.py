@@ -69,7 +69,12 @@ def _worker(out_path: str, tmp: str, corpus: str) -> None:
 
   from sharenet import train_lib
   assert jax.device_count() == 8, jax.devices()
+  from sharenet import sharding
   out = {'losses': {}, 'resumed': {}, 'dry_run': {}}
+  c = config('untied', corpus, (1, 8, 1))
+  mesh, rules = sharding.make_mesh(c.mesh), sharding.rules_of(c.mesh)
+  out['contiguous'] = [sharding.rows_per_process_contiguous(mesh, rules, f) for f in
+                       (lambda d: d.id // 4, lambda d: d.id % 2)]
   for scheme in SCHEMES:
     for name, mesh in LAYOUTS.items():
       workdir = os.path.join(tmp, f'{scheme}-{name}')
@@ -207,6 +212,11 @@ def test_two_processes_match_single_process(eight, corpus, tmp_path):
   _two_processes(workdir, corpus, LAYOUTS['fsdp=8'])
   assert_close({s: losses(workdir)[s] for s in (4, 5)},
                {s: eight['losses']['untied fsdp=8'][s] for s in (4, 5)})
+
+
+def test_hosts_must_read_contiguous_rows(eight):
+  # Two simulated hosts owning devices 0-3 / 4-7 read one block each; interleaved ones don't.
+  assert eight['contiguous'] == [True, False]
 
 
 BAD_MESH = [
