@@ -11,6 +11,8 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
+import time
 
 import pytest
 
@@ -151,11 +153,14 @@ def test_losses_match_one_device(eight, single, scheme, layout):
 def test_checkpoint_restores_under_another_mesh(eight, scheme):
   resumed = eight['resumed'][scheme]
   assert sorted(resumed) == [4, 5], resumed   # restored step 3 (written under fsdp=8)
+  print(f'{scheme}: fsdp=8 -> data=2,fsdp=4 resumed {resumed}; uninterrupted '
+        f'{eight["losses"][f"{scheme} fsdp=8"]}')
   assert_close(resumed, {s: eight['losses'][f'{scheme} fsdp=8'][s] for s in (4, 5)})
 
 
 def test_dry_run_bytes_shrink_with_fsdp(eight):
   dry = eight['dry_run']
+  print({k: v['totals'] for k, v in dry.items()})
   full, fsdp8 = (dry[k]['totals']['param_bytes_per_device'] for k in ('fsdp=1', 'fsdp=8'))
   assert full == dry['fsdp=1']['totals']['param_bytes_total']
   assert abs(fsdp8 / full - 1 / 8) < 0.01, fsdp8 / full
@@ -175,41 +180,57 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
-def _two_processes(workdir: str, corpus: str, mesh, timeout: float = 600) -> None:
-  """Runs train.py as 2 processes x 4 CPU devices on localhost (gloo collectives)."""
+def _two_processes(workdir: str, corpus: str, mesh, by_flag: bool, timeout: float = 600) -> None:
+  """Runs train.py as 2 processes x 4 CPU devices on localhost (gloo collectives).
+
+  Multi-host start-up is asked for by --config.mesh.distributed=True or by the environment.
+  """
   port, procs = _free_port(), []
+  logs = [tempfile.TemporaryFile() for _ in range(2)]
   for i in range(2):
     e = device_env(4)
-    e.update(SHARENET_DISTRIBUTED='1', JAX_COORDINATOR_ADDRESS=f'localhost:{port}',
-             JAX_NUM_PROCESSES='2', JAX_PROCESS_ID=str(i))
+    e.update(JAX_COORDINATOR_ADDRESS=f'localhost:{port}', JAX_NUM_PROCESSES='2',
+             JAX_PROCESS_ID=str(i))
+    e.pop('SHARENET_DISTRIBUTED', None)
+    if not by_flag:
+      e['SHARENET_DISTRIBUTED'] = '1'
     cmd = [sys.executable, os.path.join(ROOT, 'train.py'), '--config',
            os.path.join(ROOT, 'configs', 'tiny.py'), f'--workdir={workdir}',
            f'--config.train.steps={STEPS}', '--config.train.batch_size=8',
            '--config.train.schedule=constant', '--config.train.warmup_steps=0',
            '--config.train.checkpoint_every=3', '--config.model.num_layers=4',
-           '--config.data.source=text', f'--config.data.path={corpus}', *mesh_flags(mesh)]
-    procs.append(subprocess.Popen(cmd, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                  text=True))
+           '--config.data.source=text', f'--config.data.path={corpus}', *mesh_flags(mesh),
+           *(['--config.mesh.distributed=True'] if by_flag else [])]
+    procs.append(subprocess.Popen(cmd, env=e, stdout=logs[i], stderr=subprocess.STDOUT))
+  deadline = time.time() + timeout
   try:
-    outs = [p.communicate(timeout=timeout)[0] for p in procs]
+    # A process that fails leaves its peer waiting for collectives: stop both at once.
+    while any(p.poll() is None for p in procs) and time.time() < deadline:
+      if any(p.poll() not in (None, 0) for p in procs):
+        break
+      time.sleep(0.2)
   finally:
     for p in procs:
       if p.poll() is None:
         p.kill()
-        p.wait()
-  for p, out in zip(procs, outs):
-    assert p.returncode == 0, out[-4000:]
+      p.wait()
+  for p, log in zip(procs, logs):
+    log.seek(0)
+    assert p.returncode == 0, log.read().decode(errors='replace')[-4000:]
 
 
 def test_two_processes_match_single_process(eight, corpus, tmp_path):
   workdir = str(tmp_path / 'w')
-  _two_processes(workdir, corpus, LAYOUTS['data=2,fsdp=4'])
+  _two_processes(workdir, corpus, LAYOUTS['data=2,fsdp=4'], by_flag=False)
+  print(f'2 processes: {losses(workdir)}; 1 process: {eight["losses"]["untied data=2,fsdp=4"]}')
   assert_close(losses(workdir), eight['losses']['untied data=2,fsdp=4'])
   files = os.listdir(os.path.join(workdir, 'checkpoints', str(STEPS), 'data'))
   assert {'process_0-of-2.json', 'process_1-of-2.json'} <= set(files)
   # Both hosts restore the step-3 checkpoint under another mesh and continue identically.
   shutil.rmtree(os.path.join(workdir, 'checkpoints', str(STEPS)))
-  _two_processes(workdir, corpus, LAYOUTS['fsdp=8'])
+  _two_processes(workdir, corpus, LAYOUTS['fsdp=8'], by_flag=True)
+  files = os.listdir(os.path.join(workdir, 'checkpoints', str(STEPS), 'data'))
+  assert {'process_0-of-2.json', 'process_1-of-2.json'} <= set(files)
   assert_close({s: losses(workdir)[s] for s in (4, 5)},
                {s: eight['losses']['untied fsdp=8'][s] for s in (4, 5)})
 
