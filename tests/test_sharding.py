@@ -240,6 +240,48 @@ def test_hosts_must_read_contiguous_rows(eight):
   assert eight['contiguous'] == [True, False]
 
 
+def test_scan_axes_unsharded_and_optimizer_state_follows_params():
+  """Stacked ('layers') and per-applied-layer ('repeats', 'layers') axes stay whole."""
+  import functools
+
+  import jax
+  from flax.traverse_util import flatten_dict
+
+  from sharenet import optim, sharding, train_lib
+  from sharenet.models import DecoderLM, ModelConfig, logical_axes
+  c = tiny_config(**{'model.num_layers': 4, 'model.sharing.scheme': 'cycle',
+                     'model.sharing.num_unique': 2, 'model.sharing.lora_rank': 2,
+                     'model.sharing.untie_norms': True})
+  model, tx = DecoderLM(ModelConfig.from_config(c.model)), optim.make_optimizer(c.train)
+  abstract = jax.eval_shape(functools.partial(train_lib.init_state, model, tx),
+                            jax.random.key(0))
+  mesh, rules = sharding.make_mesh(c.mesh), sharding.rules_of(c.mesh)
+  logical = logical_axes(model)
+  specs = sharding.param_specs(logical, abstract.params, mesh, rules)
+  shardings = sharding.state_shardings(abstract, specs, mesh)
+  names = flatten_dict(logical, is_leaf=lambda _, x: isinstance(x, jax.sharding.PartitionSpec))
+  flat_specs = flatten_dict(specs, is_leaf=lambda _, x: isinstance(x, jax.sharding.PartitionSpec))
+  seen = set()
+  for path, n in names.items():
+    for name, axes in zip(n, flat_specs[path]):
+      seen.add(name)
+      assert axes == {'layers': None, 'repeats': None, 'embed': 'fsdp',
+                      'heads': 'tensor'}.get(name, axes), (path, n, flat_specs[path])
+  assert {'layers', 'repeats', 'embed', 'heads', 'lora'} <= seen
+  # Adam's moments carry their params' shardings; scalars (step counts) are replicated.
+  param_sh = dict(jax.tree_util.tree_flatten_with_path(shardings.params)[0])
+  moments = 0
+  for path, sh in jax.tree_util.tree_flatten_with_path(shardings.opt_state)[0]:
+    names = [getattr(k, 'name', None) for k in path]
+    if 'mu' in names or 'nu' in names:
+      moments += 1
+      i = names.index('mu' if 'mu' in names else 'nu')
+      assert sh == param_sh[tuple(path[i + 1:])], path
+  assert moments == 2 * len(param_sh)
+  for x, sh in zip(jax.tree.leaves(abstract.opt_state), jax.tree.leaves(shardings.opt_state)):
+    assert x.ndim or sh.spec == jax.sharding.PartitionSpec()
+
+
 BAD_MESH = [
     ({'mesh.fsdp': 3}, 'mesh.fsdp=3'),
     ({'mesh.data': 2}, 'mesh.data=2'),
