@@ -101,7 +101,19 @@ def get_config() -> ml_collections.ConfigDict:
   p.base_d_model = 0
 
   c.mesh = mh = ml_collections.ConfigDict()
-  mh.data = -1                # -1 -> all devices on the data axis
-  mh.fsdp = 1
-  mh.tensor = 1
+  mh.data = -1                # data-parallel replicas; -1 -> the devices left by fsdp, tensor
+  mh.fsdp = 1                 # params and optimizer state sharded over embed (ZeRO-3 style)
+  mh.tensor = 1               # tensor parallel: attention heads, MLP hidden, vocab
+  mh.distributed = False      # multi-host: jax.distributed.initialize() (or $SHARENET_DISTRIBUTED=1)
+  # Logical axis -> mesh axes (first match wins; see sharenet/sharding.py). Scan axes unsharded.
+  mh.rules = (
+      ('activation_batch', ('data', 'fsdp')), ('activation_length', None),
+      ('activation_embed', None), ('activation_heads', 'tensor'),
+      ('activation_mlp', 'tensor'), ('activation_vocab', 'tensor'),
+      ('embed', 'fsdp'), ('heads', 'tensor'), ('kv_heads', 'tensor'), ('mlp', 'tensor'),
+      ('vocab', 'tensor'), ('head_dim', None), ('length', None), ('lora', None),
+      ('layers', None), ('repeats', None),
+  )
+
+  c.dry_run = False           # print params' shardings and the step's memory, then exit
   return c

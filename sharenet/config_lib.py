@@ -6,7 +6,7 @@ from typing import Any
 
 import jax
 
-from sharenet import data, optim
+from sharenet import data, optim, sharding
 from sharenet.errors import ConfigError
 from sharenet.models import ModelConfig
 
@@ -38,7 +38,7 @@ def validate(config: Any, process_count: int | None = None) -> ModelConfig:
   if config.parametrization.kind not in PARAMETRIZATIONS:
     raise ConfigError(f'parametrization.kind={config.parametrization.kind!r} is unknown; valid: '
                       f'{", ".join(PARAMETRIZATIONS)}')
-  validate_mesh(config.mesh)
+  validate_mesh(config)
   from sharenet.models import DecoderLM
   from sharenet.transforms import Transforms
   Transforms(config.get('transforms'), DecoderLM(mcfg))  # raises for unknown / empty selections
@@ -48,14 +48,9 @@ def validate(config: Any, process_count: int | None = None) -> ModelConfig:
   return mcfg
 
 
-def validate_mesh(mesh: Any) -> None:
-  """Only data parallelism exists so far; fsdp / tensor land with the sharding issue."""
-  if mesh.fsdp != 1 or mesh.tensor != 1:
-    raise ConfigError(f'mesh.fsdp={mesh.fsdp}, mesh.tensor={mesh.tensor}: only data parallelism '
-                      f'is implemented so far; valid: fsdp=1, tensor=1')
-  n = jax.device_count()
-  if mesh.data not in (-1, n):
-    raise ConfigError(f'mesh.data={mesh.data} must be -1 or the device count {n}')
+def validate_mesh(config: Any) -> None:
+  """Mesh sizes over this run's devices, logical rules, batch divisibility (sharenet.sharding)."""
+  sharding.validate(config, jax.device_count())
 
 
 def to_json(config: Any) -> str:

@@ -9,7 +9,7 @@ import jax
 import ml_collections
 import orbax.checkpoint as ocp
 
-from sharenet import checkpoint, data, eval_lib, optim, train_lib
+from sharenet import checkpoint, data, eval_lib, optim, sharding, train_lib
 from sharenet.errors import ConfigError
 from sharenet.models import DecoderLM, ModelConfig
 from sharenet.transforms import Transforms
@@ -32,6 +32,8 @@ def restore_state(config: ml_collections.ConfigDict, workdir: str, step: int | N
   tr = Transforms(config.get('transforms'), model)
   tx = optim.make_optimizer(config.train, tr)
   abstract = jax.eval_shape(lambda: train_lib.init_state(model, tx, jax.random.key(0), tr))
+  # Restore onto this process's devices, whatever mesh (or hosts) wrote the checkpoint.
+  abstract = sharding.with_shardings(abstract, sharding.replicated_like(abstract))
   mngr = checkpoint.manager(workdir, config.train.keep_checkpoints, async_save=False)
   steps = mngr.all_steps()
   if not steps:

@@ -13,15 +13,14 @@ from typing import Any
 import flax
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from flax.traverse_util import flatten_dict
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
-from sharenet import checkpoint, config_lib, data, eval_lib, optim, perf
+from sharenet import checkpoint, config_lib, data, eval_lib, optim, perf, sharding
 from sharenet.errors import ConfigError
 from sharenet.metrics import MetricsWriter
-from sharenet.models import DecoderLM, ModelConfig, accounting, init_variables
+from sharenet.models import DecoderLM, ModelConfig, accounting, init_variables, logical_axes
 from sharenet.transforms import Transforms
 
 
@@ -35,10 +34,6 @@ class TrainState:
 
 class NonFiniteLoss(RuntimeError):
   pass
-
-
-def make_mesh() -> Mesh:
-  return Mesh(np.asarray(jax.devices()), ('data',))
 
 
 def init_state(model: DecoderLM, tx: optax.GradientTransformation, rng: jax.Array,
@@ -113,12 +108,13 @@ def _check_finite_state(state: TrainState) -> None:
 
 
 def train_and_evaluate(config: Any, workdir: str) -> dict[str, float]:
-  """Trains `config` in `workdir` (resuming if it holds a checkpoint); returns final metrics."""
+  """Trains `config` in `workdir` (resuming if it holds a checkpoint); returns final metrics.
+
+  With config.dry_run, prints the sharding report instead and returns its totals.
+  """
+  sharding.maybe_initialize_distributed(config)  # before anything touches a device
   mcfg: ModelConfig = config_lib.validate(config)
   t = config.train
-  os.makedirs(workdir, exist_ok=True)
-  print(f'sharenet: writing to {os.path.abspath(workdir)}', flush=True)
-
   model = DecoderLM(mcfg)
   tr = Transforms(config.get('transforms'), model)
   tx = optim.make_optimizer(t, tr)
@@ -126,18 +122,44 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, float]:
   rng = jax.random.key(t.seed)
   abstract = jax.eval_shape(functools.partial(init_state, model, tx, tr=tr), rng)
   shapes = param_shapes(abstract.params)
-  check_workdir(workdir, config, shapes)
 
-  mesh = make_mesh()
+  mesh, rules = sharding.make_mesh(config.mesh), sharding.rules_of(config.mesh)
+  logical, notes = logical_axes(model), []
+  if 'reparam' in abstract.params:   # transform gains carry no logical axes: replicated
+    logical = {**logical, 'reparam': jax.tree.map(lambda _: P(), abstract.params['reparam'])}
+  specs = sharding.param_specs(logical, abstract.params, mesh, rules, notes)
+  shardings = sharding.state_shardings(abstract, specs, mesh)
   replicated = NamedSharding(mesh, P())
-  batch_sharding = NamedSharding(mesh, P('data'))
+  batch_sharding = sharding.batch_sharding(mesh, rules)
+  batch_shape = (t.batch_size, t.seq_len + 1)
+  step_fn = jax.jit(functools.partial(train_step, model=model, tx=tx, grad_accum=t.grad_accum,
+                                      tr=tr),
+                    in_shardings=(shardings, batch_sharding),
+                    out_shardings=(shardings, replicated), donate_argnums=0)
+  if config.get('dry_run', False):
+    with sharding.activate(mesh, rules):
+      compiled = step_fn.lower(sharding.with_shardings(abstract, shardings),
+                               jax.ShapeDtypeStruct(batch_shape, jnp.int32,
+                                                    sharding=batch_sharding)).compile()
+    return sharding.report(abstract, shardings, logical, compiled, notes)
+  if jax.process_index() == 0:
+    for note in notes:
+      print(f'sharenet: note: {note}', flush=True)
+
+  os.makedirs(workdir, exist_ok=True)
+  print(f'sharenet: writing to {os.path.abspath(workdir)}', flush=True)
+  check_workdir(workdir, config, shapes)
+  # This process reads the rows of the global batch its devices hold (all rows on one host).
+  shard, num_shards = sharding.process_rows(batch_sharding, batch_shape)
   train_iter = data.make_train_iterator(config.data, t.seq_len, t.batch_size, t.seed,
-                                        jax.process_index(), jax.process_count())
+                                        shard, num_shards)
   mngr = checkpoint.manager(workdir, t.keep_checkpoints)
-  restored = checkpoint.restore_latest(mngr, abstract, train_iter, _check_finite_state)
+  # The restore target carries this run's shardings: a checkpoint from another mesh reshards.
+  restored = checkpoint.restore_latest(mngr, sharding.with_shardings(abstract, shardings),
+                                       train_iter, _check_finite_state)
   if restored is None:
-    state = jax.jit(functools.partial(init_state, model, tx, tr=tr),
-                    out_shardings=replicated)(rng)
+    # Sharded init: each device computes only its shards; no host holds the whole model.
+    state = jax.jit(functools.partial(init_state, model, tx, tr=tr), out_shardings=shardings)(rng)
     start = 0
   else:
     state, start = restored
@@ -155,16 +177,15 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, float]:
     with open(os.path.join(workdir, 'config.json'), 'w') as f:
       json.dump(summary, f, indent=2, sort_keys=True, default=str)
 
-  step_fn = jax.jit(functools.partial(train_step, model=model, tx=tx, grad_accum=t.grad_accum,
-                                      tr=tr), donate_argnums=0)
   peak = perf.matmul_peak_flops()
   writer = MetricsWriter(workdir)
   stop = {'sigterm': False}
   old_handler = signal.signal(signal.SIGTERM, lambda *_: stop.update(sigterm=True))
 
   def run_eval(step: int) -> dict[str, float]:
-    params = jax.jit(effective_params, static_argnums=1)(state, tr)
-    out = eval_lib.evaluate(model, params, config.data, t.seq_len, t.eval_batch_size)
+    with sharding.activate(mesh, rules):
+      params = jax.jit(effective_params, static_argnums=1)(state, tr)
+      out = eval_lib.evaluate(model, params, config.data, t.seq_len, t.eval_batch_size)
     writer.write(step, **out)
     return out
 
@@ -176,8 +197,10 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, float]:
   try:
     while step < t.steps:
       # Each process holds its rows of the global batch (see sharenet/data/pipeline.py).
-      batch = jax.make_array_from_process_local_data(batch_sharding, next(train_iter))
-      state, metrics = step_fn(state, batch)
+      batch = jax.make_array_from_process_local_data(batch_sharding, next(train_iter),
+                                                     batch_shape)
+      with sharding.activate(mesh, rules):
+        state, metrics = step_fn(state, batch)
       step += 1
       loss, gnorm = float(metrics['loss']), float(metrics['grad_norm'])
       if not (math.isfinite(loss) and math.isfinite(gnorm)):

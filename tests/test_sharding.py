@@ -1,0 +1,302 @@
+"""Sharding: 1 device vs 8 simulated devices in several meshes, two processes, resharding restore.
+
+The multi-device runs need a fresh process (JAX fixes the device count at start-up): one
+8-device subprocess runs every layout of both schemes, the resharding restore and the dry runs
+(this file's `__main__`), and writes its results as JSON for the tests below.
+"""
+import glob
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import pytest
+
+from sharenet import config_lib
+from sharenet.errors import ConfigError
+from test_train import ROOT, env, losses, tiny_config
+
+RTOL = 1e-5
+STEPS = 5
+SCHEMES = {'untied': {}, 'cycle': {'model.sharing.num_unique': 2}}
+LAYOUTS = {'data=8': (8, 1, 1), 'fsdp=8': (1, 8, 1), 'data=2,fsdp=4': (2, 4, 1),
+           'data=2,fsdp=2,tensor=2': (2, 2, 2)}
+
+
+def write_corpus(directory: str) -> str:
+  """~200 KB of stdlib source as one text file: its 1 % validation tail is one eval batch."""
+  parts, size = [], 0
+  for name in sorted(glob.glob(os.path.join(os.path.dirname(os.__file__), '*.py'))):
+    parts.append(open(name, 'rb').read())
+    size += len(parts[-1])
+    if size > 200_000:
+      break
+  path = os.path.join(directory, 'corpus.txt')
+  with open(path, 'wb') as f:
+    f.write(b''.join(parts)[:200_000])
+  return path
+
+
+def config(scheme: str, corpus: str, mesh=(-1, 1, 1), **overrides):
+  """4 applied layers, 8 rows, a constant LR (so a shorter run has the same schedule)."""
+  c = tiny_config(**{'model.num_layers': 4, 'model.sharing.scheme': scheme,
+                     'data.source': 'text', 'data.path': corpus,
+                     'train.steps': STEPS, 'train.batch_size': 8, 'train.schedule': 'constant',
+                     'train.warmup_steps': 0, 'train.checkpoint_every': 3,
+                     **SCHEMES[scheme], **overrides})
+  c.mesh.data, c.mesh.fsdp, c.mesh.tensor = mesh
+  return c
+
+
+def mesh_flags(mesh):
+  return [f'--config.mesh.{a}={n}' for a, n in zip(('data', 'fsdp', 'tensor'), mesh)]
+
+
+def assert_close(got, want):
+  assert sorted(got) == sorted(want)
+  for step in want:
+    assert abs(got[step] - want[step]) <= RTOL * abs(want[step]), (step, got[step], want[step])
+
+
+def _worker(out_path: str, tmp: str, corpus: str) -> None:
+  """Runs in the 8-device subprocess."""
+  import contextlib
+  import io
+
+  import jax
+
+  from sharenet import train_lib
+  assert jax.device_count() == 8, jax.devices()
+  from sharenet import sharding
+  out = {'losses': {}, 'resumed': {}, 'dry_run': {}}
+  c = config('untied', corpus, (1, 8, 1))
+  mesh, rules = sharding.make_mesh(c.mesh), sharding.rules_of(c.mesh)
+  out['contiguous'] = [sharding.rows_per_process_contiguous(mesh, rules, f) for f in
+                       (lambda d: d.id // 4, lambda d: d.id % 2)]
+  for scheme in SCHEMES:
+    for name, mesh in LAYOUTS.items():
+      workdir = os.path.join(tmp, f'{scheme}-{name}')
+      train_lib.train_and_evaluate(config(scheme, corpus, mesh), workdir)
+      out['losses'][f'{scheme} {name}'] = losses(workdir)
+    # A checkpoint written under fsdp=8 restores under data=2 x fsdp=4 and training continues.
+    src, dst = os.path.join(tmp, f'{scheme}-fsdp=8'), os.path.join(tmp, f'{scheme}-reshard')
+    shutil.copytree(os.path.join(src, 'checkpoints'), os.path.join(dst, 'checkpoints'))
+    shutil.copy(os.path.join(src, 'config.json'), dst)
+    shutil.rmtree(os.path.join(dst, 'checkpoints', str(STEPS)))
+    train_lib.train_and_evaluate(config(scheme, corpus, LAYOUTS['data=2,fsdp=4']), dst)
+    out['resumed'][scheme] = losses(dst)
+  for name, mesh in (('fsdp=1', (8, 1, 1)), ('fsdp=8', (1, 8, 1)), ('tensor=8', (1, 1, 8))):
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+      totals = train_lib.train_and_evaluate(config('untied', corpus, mesh, dry_run=True),
+                                            os.path.join(tmp, f'dry-{name}'))
+    out['dry_run'][name] = {'totals': totals, 'stdout': buf.getvalue(),
+                            'wrote_workdir': os.path.exists(os.path.join(tmp, f'dry-{name}'))}
+  with open(out_path, 'w') as f:
+    json.dump(out, f)
+
+
+def device_env(n: int) -> dict:
+  e = env()
+  e['JAX_PLATFORMS'] = 'cpu'
+  e['XLA_FLAGS'] = (e.get('XLA_FLAGS', '') + f' --xla_force_host_platform_device_count={n}')
+  return e
+
+
+@pytest.fixture(scope='module')
+def corpus(tmp_path_factory):
+  return write_corpus(str(tmp_path_factory.mktemp('corpus')))
+
+
+@pytest.fixture(scope='module')
+def eight(tmp_path_factory, corpus):
+  """Results of the 8-device subprocess."""
+  tmp = tmp_path_factory.mktemp('eight')
+  out = tmp / 'out.json'
+  res = subprocess.run([sys.executable, __file__, str(out), str(tmp), corpus], env=device_env(8),
+                       capture_output=True, text=True, timeout=900, cwd=ROOT)
+  assert res.returncode == 0, res.stderr[-4000:]
+  data = json.loads(out.read_text())
+  as_int = lambda d: {int(k): v for k, v in d.items()}
+  data['losses'] = {k: as_int(v) for k, v in data['losses'].items()}
+  data['resumed'] = {k: as_int(v) for k, v in data['resumed'].items()}
+  return data
+
+
+@pytest.fixture(scope='module')
+def single(tmp_path_factory, corpus):
+  """5-step losses of each scheme on this (single-device) process."""
+  from sharenet import train_lib
+  out = {}
+  for scheme in SCHEMES:
+    workdir = str(tmp_path_factory.mktemp(scheme))
+    train_lib.train_and_evaluate(config(scheme, corpus), workdir)
+    out[scheme] = losses(workdir)
+  return out
+
+
+@pytest.mark.parametrize('scheme', SCHEMES)
+@pytest.mark.parametrize('layout', LAYOUTS)
+def test_losses_match_one_device(eight, single, scheme, layout):
+  got, want = eight['losses'][f'{scheme} {layout}'], single[scheme]
+  assert len(want) == STEPS
+  print(f'{scheme} {layout}: 1 device {want}; 8 devices max rel diff '
+        f'{max(abs(got[s] - want[s]) / abs(want[s]) for s in want):.2e}')
+  assert_close(got, want)
+
+
+@pytest.mark.parametrize('scheme', SCHEMES)
+def test_checkpoint_restores_under_another_mesh(eight, scheme):
+  resumed = eight['resumed'][scheme]
+  assert sorted(resumed) == [4, 5], resumed   # restored step 3 (written under fsdp=8)
+  print(f'{scheme}: fsdp=8 -> data=2,fsdp=4 resumed {resumed}; uninterrupted '
+        f'{eight["losses"][f"{scheme} fsdp=8"]}')
+  assert_close(resumed, {s: eight['losses'][f'{scheme} fsdp=8'][s] for s in (4, 5)})
+
+
+def test_dry_run_bytes_shrink_with_fsdp(eight):
+  dry = eight['dry_run']
+  print({k: v['totals'] for k, v in dry.items()})
+  full, fsdp8 = (dry[k]['totals']['param_bytes_per_device'] for k in ('fsdp=1', 'fsdp=8'))
+  assert full == dry['fsdp=1']['totals']['param_bytes_total']
+  assert abs(fsdp8 / full - 1 / 8) < 0.01, fsdp8 / full
+  assert dry['fsdp=8']['totals']['state_bytes_per_device'] < dry['fsdp=1']['totals'][
+      'state_bytes_per_device'] / 7
+  text = dry['fsdp=8']['stdout']
+  assert "('layers', 'embed', 'heads', 'head_dim')" in text and "P(None, 'fsdp'" in text
+  assert 'compiled train step, per device' in text
+  assert not any(d['wrote_workdir'] for d in dry.values())
+  # 2 heads cannot split 8 ways: replicated on that dim, and said so.
+  assert 'heads=2) is not divisible by mesh tensor (8); replicated' in dry['tensor=8']['stdout']
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(('localhost', 0))
+    return s.getsockname()[1]
+
+
+def _two_processes(workdir: str, corpus: str, mesh, by_flag: bool, timeout: float = 600) -> None:
+  """Runs train.py as 2 processes x 4 CPU devices on localhost (gloo collectives).
+
+  Multi-host start-up is asked for by --config.mesh.distributed=True or by the environment.
+  """
+  port, procs = _free_port(), []
+  logs = [tempfile.TemporaryFile() for _ in range(2)]
+  for i in range(2):
+    e = device_env(4)
+    e.update(JAX_COORDINATOR_ADDRESS=f'localhost:{port}', JAX_NUM_PROCESSES='2',
+             JAX_PROCESS_ID=str(i))
+    e.pop('SHARENET_DISTRIBUTED', None)
+    if not by_flag:
+      e['SHARENET_DISTRIBUTED'] = '1'
+    cmd = [sys.executable, os.path.join(ROOT, 'train.py'), '--config',
+           os.path.join(ROOT, 'configs', 'tiny.py'), f'--workdir={workdir}',
+           f'--config.train.steps={STEPS}', '--config.train.batch_size=8',
+           '--config.train.schedule=constant', '--config.train.warmup_steps=0',
+           '--config.train.checkpoint_every=3', '--config.model.num_layers=4',
+           '--config.data.source=text', f'--config.data.path={corpus}', *mesh_flags(mesh),
+           *(['--config.mesh.distributed=True'] if by_flag else [])]
+    procs.append(subprocess.Popen(cmd, env=e, stdout=logs[i], stderr=subprocess.STDOUT))
+  deadline = time.time() + timeout
+  try:
+    # A process that fails leaves its peer waiting for collectives: stop both at once.
+    while any(p.poll() is None for p in procs) and time.time() < deadline:
+      if any(p.poll() not in (None, 0) for p in procs):
+        break
+      time.sleep(0.2)
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+      p.wait()
+  for p, log in zip(procs, logs):
+    log.seek(0)
+    assert p.returncode == 0, log.read().decode(errors='replace')[-4000:]
+
+
+def test_two_processes_match_single_process(eight, corpus, tmp_path):
+  workdir = str(tmp_path / 'w')
+  _two_processes(workdir, corpus, LAYOUTS['data=2,fsdp=4'], by_flag=False)
+  print(f'2 processes: {losses(workdir)}; 1 process: {eight["losses"]["untied data=2,fsdp=4"]}')
+  assert_close(losses(workdir), eight['losses']['untied data=2,fsdp=4'])
+  files = os.listdir(os.path.join(workdir, 'checkpoints', str(STEPS), 'data'))
+  assert {'process_0-of-2.json', 'process_1-of-2.json'} <= set(files)
+  # Both hosts restore the step-3 checkpoint under another mesh and continue identically.
+  shutil.rmtree(os.path.join(workdir, 'checkpoints', str(STEPS)))
+  _two_processes(workdir, corpus, LAYOUTS['fsdp=8'], by_flag=True)
+  files = os.listdir(os.path.join(workdir, 'checkpoints', str(STEPS), 'data'))
+  assert {'process_0-of-2.json', 'process_1-of-2.json'} <= set(files)
+  assert_close({s: losses(workdir)[s] for s in (4, 5)},
+               {s: eight['losses']['untied fsdp=8'][s] for s in (4, 5)})
+
+
+def test_hosts_must_read_contiguous_rows(eight):
+  # Two simulated hosts owning devices 0-3 / 4-7 read one block each; interleaved ones don't.
+  assert eight['contiguous'] == [True, False]
+
+
+def test_scan_axes_unsharded_and_optimizer_state_follows_params():
+  """Stacked ('layers') and per-applied-layer ('repeats', 'layers') axes stay whole."""
+  import functools
+
+  import jax
+  from flax.traverse_util import flatten_dict
+
+  from sharenet import optim, sharding, train_lib
+  from sharenet.models import DecoderLM, ModelConfig, logical_axes
+  c = tiny_config(**{'model.num_layers': 4, 'model.sharing.scheme': 'cycle',
+                     'model.sharing.num_unique': 2, 'model.sharing.lora_rank': 2,
+                     'model.sharing.untie_norms': True})
+  model, tx = DecoderLM(ModelConfig.from_config(c.model)), optim.make_optimizer(c.train)
+  abstract = jax.eval_shape(functools.partial(train_lib.init_state, model, tx),
+                            jax.random.key(0))
+  mesh, rules = sharding.make_mesh(c.mesh), sharding.rules_of(c.mesh)
+  logical = logical_axes(model)
+  specs = sharding.param_specs(logical, abstract.params, mesh, rules)
+  shardings = sharding.state_shardings(abstract, specs, mesh)
+  names = flatten_dict(logical, is_leaf=lambda _, x: isinstance(x, jax.sharding.PartitionSpec))
+  flat_specs = flatten_dict(specs, is_leaf=lambda _, x: isinstance(x, jax.sharding.PartitionSpec))
+  seen = set()
+  for path, n in names.items():
+    for name, axes in zip(n, flat_specs[path]):
+      seen.add(name)
+      assert axes == {'layers': None, 'repeats': None, 'embed': 'fsdp',
+                      'heads': 'tensor'}.get(name, axes), (path, n, flat_specs[path])
+  assert {'layers', 'repeats', 'embed', 'heads', 'lora'} <= seen
+  # Adam's moments carry their params' shardings; scalars (step counts) are replicated.
+  param_sh = dict(jax.tree_util.tree_flatten_with_path(shardings.params)[0])
+  moments = 0
+  for path, sh in jax.tree_util.tree_flatten_with_path(shardings.opt_state)[0]:
+    names = [getattr(k, 'name', None) for k in path]
+    if 'mu' in names or 'nu' in names:
+      moments += 1
+      i = names.index('mu' if 'mu' in names else 'nu')
+      assert sh == param_sh[tuple(path[i + 1:])], path
+  assert moments == 2 * len(param_sh)
+  for x, sh in zip(jax.tree.leaves(abstract.opt_state), jax.tree.leaves(shardings.opt_state)):
+    assert x.ndim or sh.spec == jax.sharding.PartitionSpec()
+
+
+BAD_MESH = [
+    ({'mesh.fsdp': 3}, 'mesh.fsdp=3'),
+    ({'mesh.data': 2}, 'mesh.data=2'),
+    ({'mesh.data': -1, 'mesh.fsdp': -1}, 'at most one -1'),
+    ({'mesh.rules': (('embed', 'model'),)}, 'mesh axis'),
+]
+
+
+@pytest.mark.parametrize('overrides, match', BAD_MESH)
+def test_bad_mesh_is_one_line_config_error(overrides, match):
+  with pytest.raises(ConfigError, match=match) as e:
+    config_lib.validate(tiny_config(**overrides))
+  assert '\n' not in str(e.value)
+
+
+if __name__ == '__main__':
+  import conftest  # noqa: F401 - the suite's compilation cache and flags
+  _worker(*sys.argv[1:4])
