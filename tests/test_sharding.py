@@ -25,6 +25,9 @@ STEPS = 5
 SCHEMES = {'untied': {}, 'cycle': {'model.sharing.num_unique': 2}}
 LAYOUTS = {'data=8': (8, 1, 1), 'fsdp=8': (1, 8, 1), 'data=2,fsdp=4': (2, 4, 1),
            'data=2,fsdp=2,tensor=2': (2, 2, 2)}
+# Parameter transforms add trainable gains, non-trainable state and optimizer state of their own.
+TRANSFORMS = {'transforms.reparam': 'weight_norm,sigma_reparam', 'transforms.project': 'nap',
+              'transforms.update': 'agc'}
 
 
 def write_corpus(directory: str) -> str:
@@ -89,6 +92,10 @@ def _worker(out_path: str, tmp: str, corpus: str) -> None:
     shutil.rmtree(os.path.join(dst, 'checkpoints', str(STEPS)))
     train_lib.train_and_evaluate(config(scheme, corpus, LAYOUTS['data=2,fsdp=4']), dst)
     out['resumed'][scheme] = losses(dst)
+  workdir = os.path.join(tmp, 'cycle-transforms')
+  train_lib.train_and_evaluate(config('cycle', corpus, LAYOUTS['data=2,fsdp=2,tensor=2'],
+                                      **TRANSFORMS), workdir)
+  out['losses']['cycle transforms'] = losses(workdir)
   for name, mesh in (('fsdp=1', (8, 1, 1)), ('fsdp=8', (1, 8, 1)), ('tensor=8', (1, 1, 8))):
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
@@ -136,6 +143,9 @@ def single(tmp_path_factory, corpus):
     workdir = str(tmp_path_factory.mktemp(scheme))
     train_lib.train_and_evaluate(config(scheme, corpus), workdir)
     out[scheme] = losses(workdir)
+  workdir = str(tmp_path_factory.mktemp('cycle-transforms'))
+  train_lib.train_and_evaluate(config('cycle', corpus, **TRANSFORMS), workdir)
+  out['cycle transforms'] = losses(workdir)
   return out
 
 
@@ -146,6 +156,12 @@ def test_losses_match_one_device(eight, single, scheme, layout):
   assert len(want) == STEPS
   print(f'{scheme} {layout}: 1 device {want}; 8 devices max rel diff '
         f'{max(abs(got[s] - want[s]) / abs(want[s]) for s in want):.2e}')
+  assert_close(got, want)
+
+
+def test_losses_match_one_device_with_parameter_transforms(eight, single):
+  got, want = eight['losses']['cycle transforms'], single['cycle transforms']
+  assert len(want) == STEPS and want != single['cycle']
   assert_close(got, want)
 
 

@@ -99,18 +99,27 @@ class SigmaReparam(Reparam):
   """w_hat = gamma / sigma(w) * w (Zhai et al., reference B10), one scalar gamma per matrix.
 
   sigma = v^T W u with u, v from a persistent power iteration (stop-gradient; `iters` steps per
-  train step, advanced outside the loss); u starts at the SVD's top right-singular vector and
-  gamma at sigma(W_0), so the model is unchanged at step 0.
+  train step, advanced outside the loss); u starts from `init_iters` power iterations and gamma
+  at the matching sigma(W_0), so the model is unchanged at step 0.
   """
   name = 'sigma_reparam'
 
-  def __init__(self, iters: int = 1):
-    self.iters = iters
+  def __init__(self, iters: int = 1, init_iters: int = 50):
+    self.iters, self.init_iters = iters, init_iters
 
   def init(self, w, leaf):
+    # Power iteration from a fixed random start rather than an SVD: LAPACK's SVD custom call
+    # hung under an 8-device SPMD-partitioned init on XLA:CPU. gamma is sigma as `apply`
+    # computes it from the same u, so gamma / sigma == 1 and the step-0 model is unchanged.
     m = leaf.as_matrix(w).astype(jnp.float32)
-    _, s, vt = jnp.linalg.svd(m, full_matrices=False)
-    return {'sr_gamma': s[..., 0].astype(w.dtype)}, {'sr_u': vt[..., 0, :]}
+    u0 = jax.random.normal(jax.random.key(0), leaf.stack_shape + (leaf.fan_out,), jnp.float32)
+    u, _ = power_iteration(m, _normalize(u0), self.init_iters)
+    return {'sr_gamma': self._sigma(m, u).astype(w.dtype)}, {'sr_u': u}
+
+  @staticmethod
+  def _sigma(m: jax.Array, u: jax.Array) -> jax.Array:
+    v = jax.lax.stop_gradient(_normalize(jnp.einsum('...io,...o->...i', m, u)))
+    return jnp.einsum('...i,...io,...o->...', v, m, u)
 
   def update_state(self, w, extras, state, leaf):
     m = jax.lax.stop_gradient(leaf.as_matrix(w)).astype(jnp.float32)
@@ -119,9 +128,7 @@ class SigmaReparam(Reparam):
 
   def apply(self, w, extras, state, leaf):
     m = leaf.as_matrix(w)
-    u = jax.lax.stop_gradient(state['sr_u']).astype(m.dtype)
-    v = jax.lax.stop_gradient(_normalize(jnp.einsum('...io,...o->...i', m, u)))
-    sigma = jnp.einsum('...i,...io,...o->...', v, m, u)
+    sigma = self._sigma(m, jax.lax.stop_gradient(state['sr_u']).astype(m.dtype))
     scale = extras['sr_gamma'] / jnp.maximum(sigma, 1e-12)
     return (m * scale[..., None, None]).reshape(w.shape)
 
