@@ -9,9 +9,9 @@ import jax
 import ml_collections
 import orbax.checkpoint as ocp
 
-from sharenet import checkpoint, data, eval_lib, optim, train_lib
+from sharenet import checkpoint, data, eval_lib, train_lib
 from sharenet.errors import ConfigError
-from sharenet.models import DecoderLM, ModelConfig
+from sharenet.models import ModelConfig
 
 
 def load_config(workdir: str) -> ml_collections.ConfigDict:
@@ -28,7 +28,9 @@ def evaluate_workdir(workdir: str, step: int | None = None) -> dict[str, Any]:
   """Restores the latest (or `step`) checkpoint's params and evaluates the validation split."""
   config = load_config(workdir)
   mcfg = ModelConfig.from_config(config.model)
-  model, tx = DecoderLM(mcfg), optim.make_optimizer(config.train)
+  if 'parametrization' not in config:   # runs written before the parametrization group existed
+    config.parametrization = {'kind': 'sp'}
+  model, tx, pz = train_lib.setup(config, mcfg)
   abstract = jax.eval_shape(lambda: train_lib.init_state(model, tx, jax.random.key(0)))
   mngr = checkpoint.manager(workdir, config.train.keep_checkpoints, async_save=False)
   steps = mngr.all_steps()
@@ -45,7 +47,7 @@ def evaluate_workdir(workdir: str, step: int | None = None) -> dict[str, Any]:
     args = ocp.args.Composite(state=ocp.args.StandardRestore(abstract))
     state = mngr.restore(step, args=args)['state']
   mngr.close()
-  out = eval_lib.evaluate(model, state.params, config.data, config.train.seq_len,
+  out = eval_lib.evaluate(model, pz.forward(state.params), config.data, config.train.seq_len,
                           config.train.eval_batch_size)
   out = {'step': int(step), **out,
          'unigram_bits_per_byte': data.unigram_bits_per_byte(config.data)}

@@ -18,7 +18,7 @@ import optax
 from flax.traverse_util import flatten_dict
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from sharenet import checkpoint, config_lib, data, eval_lib, optim, perf
+from sharenet import checkpoint, config_lib, data, eval_lib, optim, parametrization, perf
 from sharenet.errors import ConfigError
 from sharenet.metrics import MetricsWriter
 from sharenet.models import DecoderLM, ModelConfig, accounting, init_variables
@@ -39,15 +39,29 @@ def make_mesh() -> Mesh:
   return Mesh(np.asarray(jax.devices()), ('data',))
 
 
-def init_state(model: DecoderLM, tx: optax.GradientTransformation, rng: jax.Array) -> TrainState:
+def init_state(model: DecoderLM, tx: optax.GradientTransformation, rng: jax.Array,
+               pz: parametrization.Parametrization | None = None) -> TrainState:
+  """Fresh state; `pz` rescales the SP init to its preset's init std."""
   params = init_variables(model, rng)
+  if pz is not None:
+    params = pz.init(params)
   return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params))
 
 
+def setup(config: Any, mcfg: ModelConfig):
+  """(model, optimizer, parametrization) for a validated config."""
+  pz = parametrization.build(config.parametrization, mcfg)
+  return DecoderLM(pz.cfg), optim.make_optimizer(config.train, pz.opt_multipliers()), pz
+
+
 def train_step(state: TrainState, batch_BT1: jax.Array, *, model: DecoderLM,
-               tx: optax.GradientTransformation, grad_accum: int):
-  """One optimizer step; with grad_accum > 1 the batch is split into scanned micro-batches."""
-  loss_fn = lambda p, b: jnp.mean(eval_lib.token_nll(model, p, b))
+               tx: optax.GradientTransformation, grad_accum: int, forward=None):
+  """One optimizer step; with grad_accum > 1 the batch is split into scanned micro-batches.
+
+  `forward` maps raw to effective params (a parametrization's forward multipliers).
+  """
+  fwd = forward or (lambda p: p)
+  loss_fn = lambda p, b: jnp.mean(eval_lib.token_nll(model, fwd(p), b))
   grad_fn = jax.value_and_grad(loss_fn)
   if grad_accum == 1:
     loss, grads = grad_fn(state.params, batch_BT1)
@@ -102,11 +116,11 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, float]:
   os.makedirs(workdir, exist_ok=True)
   print(f'sharenet: writing to {os.path.abspath(workdir)}', flush=True)
 
-  model = DecoderLM(mcfg)
-  tx = optim.make_optimizer(t)
+  model, tx, pz = setup(config, mcfg)
+  forward = pz.forward if pz.has_forward else None
   schedule = optim.lr_schedule(t)
   rng = jax.random.key(t.seed)
-  abstract = jax.eval_shape(functools.partial(init_state, model, tx), rng)
+  abstract = jax.eval_shape(functools.partial(init_state, model, tx, pz=pz), rng)
   shapes = param_shapes(abstract.params)
   check_workdir(workdir, config, shapes)
 
@@ -118,7 +132,8 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, float]:
   mngr = checkpoint.manager(workdir, t.keep_checkpoints)
   restored = checkpoint.restore_latest(mngr, abstract, train_iter, _check_finite_state)
   if restored is None:
-    state = jax.jit(functools.partial(init_state, model, tx), out_shardings=replicated)(rng)
+    state = jax.jit(functools.partial(init_state, model, tx, pz=pz),
+                    out_shardings=replicated)(rng)
     start = 0
   else:
     state, start = restored
@@ -130,21 +145,22 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, float]:
       **config.to_dict(), 'params_unique': accounting.params_unique(variables),
       'params_applied': accounting.params_applied(variables, mcfg),
       'flops_per_token': flops_tok, 'plan_index': list(mcfg.plan.index),
-      'param_shapes': shapes,
+      'param_shapes': shapes, 'parametrization_table': pz.describe(),
   }
   if jax.process_index() == 0:
     with open(os.path.join(workdir, 'config.json'), 'w') as f:
       json.dump(summary, f, indent=2, sort_keys=True, default=str)
 
-  step_fn = jax.jit(functools.partial(train_step, model=model, tx=tx, grad_accum=t.grad_accum),
-                    donate_argnums=0)
+  step_fn = jax.jit(functools.partial(train_step, model=model, tx=tx, grad_accum=t.grad_accum,
+                                      forward=forward), donate_argnums=0)
   peak = perf.matmul_peak_flops()
   writer = MetricsWriter(workdir)
   stop = {'sigterm': False}
   old_handler = signal.signal(signal.SIGTERM, lambda *_: stop.update(sigterm=True))
 
   def run_eval(step: int) -> dict[str, float]:
-    out = eval_lib.evaluate(model, state.params, config.data, t.seq_len, t.eval_batch_size)
+    out = eval_lib.evaluate(model, pz.forward(state.params), config.data, t.seq_len,
+                            t.eval_batch_size)
     writer.write(step, **out)
     return out
 
