@@ -233,7 +233,7 @@ class Parametrization:
     if k == 'umup':
       return 1.0 / dh                       # mult / d_head with mult 1 (ref. 1.3)
     # 1/d_head written as alpha/d_head, alpha = sqrt(dh0): SP at base (mup README's 8/d, ref. 1.1)
-    return dh ** -0.5 * (dh0 / dh)
+    return dh0 ** -0.5 * (dh0 / dh)
 
   def _logits_mult(self, cfg: ModelConfig) -> float:
     if self.settings.kind in ('mup', 'completep'):
