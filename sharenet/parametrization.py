@@ -35,6 +35,7 @@ base-width model, both made with `jax.eval_shape` (never from shard shapes); sca
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, NamedTuple
 
@@ -114,9 +115,10 @@ class OptMultipliers(NamedTuple):
   independent_wd: bool
 
 
-def _leaves(model: DecoderLM) -> dict[Path, tuple[tuple, tuple]]:
+@functools.lru_cache(maxsize=64)
+def _leaves(cfg: ModelConfig) -> dict[Path, tuple[tuple, tuple]]:
   """{(collection, ...path): (logical axes, global shape)} via jax.eval_shape."""
-  boxed = jax.eval_shape(lambda: init_boxed(model, jax.random.key(0)))
+  boxed = jax.eval_shape(lambda: init_boxed(DecoderLM(cfg), jax.random.key(0)))
   out = {}
   for path, box in flatten_dict(boxed).items():
     names = tuple(box.names) if isinstance(box, nn.LogicallyPartitioned) else (None,) * box.ndim
@@ -242,7 +244,7 @@ class Parametrization:
 
   # ---- per-leaf rules ------------------------------------------------------------------------
   def _rules(self, cfg: ModelConfig) -> dict[Path, LeafRule]:
-    target, base = _leaves(DecoderLM(cfg)), _leaves(DecoderLM(self.base_cfg))
+    target, base = _leaves(cfg), _leaves(self.base_cfg)
     if target.keys() != base.keys():
       raise ConfigError('parametrization: the base-width model has different parameters '
                         f'({sorted(set(target) ^ set(base))[:3]})')

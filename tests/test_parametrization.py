@@ -140,7 +140,7 @@ def test_init_statistics_follow_the_table():
   for d in (32, 128):
     cfg = tiny(d)
     pz = P.Parametrization(cfg, P.Settings('mup', base_d_model=D0))
-    v = pz.init(init_variables(DecoderLM(pz.cfg), jax.random.key(0)))
+    v = jax.jit(lambda: pz.init(init_variables(DecoderLM(pz.cfg), jax.random.key(0))))()
     for path, x in flatten_dict(v).items():
       r = pz.rules[path]
       if r.init_std is not None and x.size > 500:
@@ -176,11 +176,16 @@ def test_unit_multiplier_chain_equals_adamw():
   t = train_cfg(schedule='wsd', warmup_steps=2)
   outs = []
   for tx in (optim.make_optimizer(t), optim.make_optimizer(t, mult)):
+
+    @jax.jit
+    def step(p, s, toks):
+      g = jax.grad(loss_fn)(p, DecoderLM(cfg), lambda x: x, toks)
+      u, s = tx.update(g, s, p)
+      return optax.apply_updates(p, u), s
+
     p, s = v, tx.init(v)
     for i in range(3):
-      g = jax.grad(loss_fn)(p, DecoderLM(cfg), lambda x: x, tokens(seed=i))
-      u, s = tx.update(g, s, p)
-      p = optax.apply_updates(p, u)
+      p, s = step(p, s, tokens(seed=i))
     outs.append(p)
   for a, b in zip(jax.tree.leaves(outs[0]), jax.tree.leaves(outs[1])):
     np.testing.assert_array_equal(a, b)
@@ -195,7 +200,7 @@ def test_independent_weight_decay_does_not_move_with_lr():
   decays = []
   for lr in (1e-3, 1e-1):
     tx = optim.make_optimizer(train_cfg(lr=lr, grad_clip=0.0), pz.opt_multipliers())
-    u, _ = tx.update(zeros, tx.init(v), v)   # zero gradient: the update is pure decay
+    u, _ = jax.jit(tx.update)(zeros, tx.init(v), v)   # zero gradient: the update is pure decay
     k = ('params', 'stack', 'segment_0', 'level', 'block', 'mlp', 'wo', 'kernel')
     decays.append(flatten_dict(u)[k] / flatten_dict(v)[k])
   np.testing.assert_allclose(decays[0], decays[1], rtol=1e-5)
