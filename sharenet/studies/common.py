@@ -31,12 +31,15 @@ def with_overrides(config: Any, overrides: dict[str, Any]) -> Any:
 
 
 def parse_variant(spec: str) -> tuple[str, dict[str, Any]]:
-  """'mup:loop_rule=inv_R' -> ('mup:loop_rule=inv_R', {'kind': 'mup', 'loop_rule': 'inv_R'})."""
+  """'mup:loop_rule=inv_R:lr=0.5' -> (spec, {'kind': 'mup', 'loop_rule': 'inv_R', 'lr': 0.5})."""
   kind, *opts = spec.split(':')
   out: dict[str, Any] = {'kind': kind}
   for o in opts:
     k, v = o.split('=')
-    out[k] = json.loads(v) if v[:1].isdigit() or v[:1] == '-' else v
+    try:
+      out[k] = json.loads(v)
+    except json.JSONDecodeError:
+      out[k] = v
   return spec, out
 
 
@@ -54,3 +57,16 @@ def loglog_slope(xs: list[float], ys: list[float]) -> float:
   if np.any(~np.isfinite(y)) or np.any(y <= 0):
     return float('nan')
   return float(np.polyfit(np.log(np.asarray(xs, np.float64)), np.log(y), 1)[0])
+
+
+def point_overrides(axis: str, x: int, s: Any) -> dict[str, Any]:
+  """Config overrides for one point on the swept axis."""
+  d = x if axis == 'width' else s.fixed_width
+  out = {'model.d_model': d, 'model.mlp_dim': int(s.mlp_ratio * d)}
+  if axis == 'repeats':   # one shared block applied R times (recursive / universal plan)
+    out.update({'model.num_layers': x * s.loop_unique, 'model.sharing.scheme': 'cycle',
+                'model.sharing.num_unique': s.loop_unique, 'model.sharing.repeats': 0})
+  elif axis == 'depth':
+    out.update({'model.num_layers': x, 'model.sharing.scheme': 'untied',
+                'model.sharing.num_unique': 0, 'model.sharing.repeats': 0})
+  return out

@@ -32,19 +32,6 @@ from sharenet.studies import common
 CORE = ('embed_out', 'residual', 'attn_out', 'mlp_hidden', 'mlp_out')
 
 
-def _point_overrides(axis: str, x: int, s: Any) -> dict[str, Any]:
-  """Config overrides for one point on the swept axis."""
-  d = x if axis == 'width' else s.fixed_width
-  out = {'model.d_model': d, 'model.mlp_dim': int(s.mlp_ratio * d)}
-  if axis == 'repeats':   # one shared block applied R times (recursive / universal plan)
-    out.update({'model.num_layers': x * s.loop_unique, 'model.sharing.scheme': 'cycle',
-                'model.sharing.num_unique': s.loop_unique, 'model.sharing.repeats': 0})
-  elif axis == 'depth':
-    out.update({'model.num_layers': x, 'model.sharing.scheme': 'untied',
-                'model.sharing.num_unique': 0, 'model.sharing.repeats': 0})
-  return out
-
-
 def measure(config: Any, overrides: dict[str, Any], steps: int, seeds: int,
             tokens_BT1: np.ndarray) -> dict[str, list[list[float]]]:
   """{activation: [[mean|x| per use] for t in 0..steps]} averaged over seeds, for one model."""
@@ -103,7 +90,7 @@ def run_axis(config: Any, axis: str, log=print) -> dict[str, Any]:
     values = {}
     for x in xs:
       t0 = time.perf_counter()
-      values[x] = measure(config, {**base, **_point_overrides(axis, x, s)}, s.steps, s.seeds,
+      values[x] = measure(config, {**base, **common.point_overrides(axis, x, s)}, s.steps, s.seeds,
                           tokens)
       log(f'coord_check {axis} {name} x={x}: {time.perf_counter() - t0:.1f}s')
     acts = values[xs[0]].keys()
