@@ -261,7 +261,7 @@ rules = (('embed', 'fsdp'), ('mlp', 'tensor'), ('heads', 'tensor'), ('kv_heads',
          ('vocab', 'tensor'))
 out = {}
 for kind in ('mup', 'completep'):
-  cfg = T.tiny(64)
+  cfg = T.tiny(64, tie_embeddings=kind == 'mup')
   settings = dict(kind=kind, base_d_model=T.D0, loop_rule='inv_R', base_depth=1)
   pz = P.Parametrization(cfg, P.Settings(**settings))
   model = DecoderLM(pz.cfg)

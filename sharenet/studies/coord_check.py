@@ -115,15 +115,16 @@ def plot(result: dict[str, Any], axis: str, path: str) -> None:
   variants = list(result['variants'])
   steps = len(next(iter(result['variants'].values()))['slopes']['residual'])
   xs = result['xs']
+  colors = plt.get_cmap('tab20')
   fig, axes = plt.subplots(len(variants), steps, figsize=(3.2 * steps, 2.8 * len(variants)),
                            squeeze=False, sharex=True)
   for i, v in enumerate(variants):
     r = result['variants'][v]
     for t in range(steps):
       ax = axes[i, t]
-      for a in r['slopes']:
+      for k, a in enumerate(sorted(r['slopes'])):
         ys = [np.mean(r['l1'][str(x)][a][t]) for x in xs]
-        ax.plot(xs, ys, marker='o', ms=3, lw=1.2 if a in CORE else 0.8,
+        ax.plot(xs, ys, marker='o', ms=3, lw=1.2 if a in CORE else 0.8, color=colors(k % 20),
                 ls='-' if a in CORE else '--', label=a)
       ax.set_xscale('log', base=2)
       ax.set_yscale('log')
@@ -162,4 +163,4 @@ if __name__ == '__main__':
   from ml_collections import config_flags
   _CONFIG = config_flags.DEFINE_config_file('config', None, 'Study config file.')
   _OUT = flags.DEFINE_string('out', 'runs/coord_check', 'Output directory.')
-  app.run(lambda argv: main(_CONFIG.value, _OUT.value))
+  app.run(lambda argv: main(_CONFIG.value, _OUT.value) and None)

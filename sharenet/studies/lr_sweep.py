@@ -193,4 +193,4 @@ if __name__ == '__main__':
   from ml_collections import config_flags
   _CONFIG = config_flags.DEFINE_config_file('config', None, 'Study config file.')
   _OUT = flags.DEFINE_string('out', 'runs/lr_sweep', 'Output directory.')
-  app.run(lambda argv: main(_CONFIG.value, _OUT.value))
+  app.run(lambda argv: main(_CONFIG.value, _OUT.value) and None)

@@ -1,0 +1,21 @@
+"""LR transfer across loop count R (one shared block applied R times) at width 64.
+
+Command:   python -m sharenet.studies.lr_sweep --config configs/mup/transfer_loops.py \
+               --out docs/results/mup/loops
+Runtime:   TBD on the 2-core CPU.
+Result:    TBD
+"""
+from configs.mup import transfer
+
+
+def get_config():
+  c = transfer.get_config()
+  s = c.study
+  s.axes = 'repeats'
+  s.fixed_width = 64
+  s.steps = 100
+  s.avg_last = 10
+  s.log2_lrs = '-10..-4'
+  s.repeats_values = '1,2,4,8'
+  s.repeats_variants = 'mup,mup:loop_rule=inv_sqrt_R,mup:loop_rule=inv_R'
+  return c
