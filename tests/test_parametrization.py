@@ -341,3 +341,40 @@ def test_coord_check_mup_flat_sp_grows():
   # t = 0 is the same model for both (base width = 32 and mup init == sp init there).
   assert res['variants']['sp']['l1']['32']['residual'][0] == \
       res['variants']['mup']['l1']['32']['residual'][0]
+
+
+# ---- LR sweep: optimum fit and a smoke run ---------------------------------------------------
+
+def test_lr_sweep_optimum_is_quadratic_vertex():
+  from sharenet.studies import lr_sweep
+  grid = [-9.0, -8.0, -7.0, -6.0, -5.0]
+  losses = np.asarray([[(g + 6.7) ** 2 + 2.0] * 2 for g in grid])
+  opt = lr_sweep.optimum(grid, losses)
+  assert opt['fit_log2_lr'] == pytest.approx(-6.7) and not opt['at_edge']
+  losses[0] = np.nan                             # a diverged cell is never the optimum
+  assert lr_sweep.optimum(grid, losses)['grid_argmin_log2_lr'] == -7.0
+
+
+def test_lr_sweep_vmapped_cells_match_a_plain_run():
+  """A vmapped (LR, seed) cell reproduces the same training written as an ordinary loop."""
+  from configs.mup import transfer
+  from sharenet import config_lib, train_lib
+  from sharenet.studies import common, lr_sweep
+  c = transfer.get_config()
+  c.model.num_layers, c.train.batch_size, c.train.seq_len = 1, 2, 16
+  c = common.with_overrides(c, {'model.d_model': 64, 'model.mlp_dim': 128,
+                                'parametrization.kind': 'mup', 'parametrization.base_d_model': 32,
+                                'train.steps': 6, 'train.warmup_steps': 2})
+  toks = lr_sweep.batches(c, 6)
+  val = lr_sweep.val_batch(c, 2)
+  lrs = [2.0 ** -8, 2.0 ** -6]
+  final, _ = lr_sweep.train_cells(c, lrs, 1, toks, val, avg_last=1)
+  ref = common.with_overrides(c, {'train.lr': lrs[1]})
+  model, tx, pz = train_lib.setup(ref, config_lib.validate(ref))
+  state = train_lib.init_state(model, tx, jax.random.key(0), pz)
+  step = jax.jit(functools.partial(train_lib.train_step, model=model, tx=tx, grad_accum=1,
+                                   forward=pz.forward))
+  for b in toks:
+    state, metrics = step(state, jnp.asarray(b))
+  assert final[1, 0] == pytest.approx(float(metrics['loss']), rel=1e-4)
+  assert abs(final[0, 0] - final[1, 0]) > 1e-3
