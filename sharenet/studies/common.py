@@ -20,7 +20,8 @@ def parse_list(s: Any, cast=int) -> list:
 def with_overrides(config: Any, overrides: dict[str, Any]) -> Any:
   """A copy of `config` with dotted-key overrides ('model.d_model': 128)."""
   c = copy.deepcopy(config)
-  c.unlock() if hasattr(c, 'unlock') else None
+  if hasattr(c, 'unlock'):
+    c.unlock()
   for key, value in overrides.items():
     node = c
     *parents, leaf = key.split('.')
