@@ -332,10 +332,11 @@ def test_coord_check_mup_flat_sp_grows():
   s.steps, s.seeds, s.width_values, s.width_variants = 4, 1, '32,64,128', 'sp,mup'
   res = coord_check.run_axis(c, 'width', log=lambda m: None)
   worst = coord_check.summary(res)          # max |slope| over t >= 1
-  # 1 layer at widths 32-128 lags the 64-512 tool run (< 0.1 there); measured here: <= 0.16.
+  # 1 layer at widths 32-128 lags the 64-512 tool run (<= 0.05 there). Measured here: mup
+  # residual 0.08, mlp_out 0.15, others <= 0.05; sp residual slopes 0.38, 0.44, 0.52, 0.76.
   for a in ('residual', 'attn_out', 'mlp_out', 'mlp_hidden', 'embed_out'):
     assert worst['mup'][a] < 0.2, (a, worst['mup'])
-  assert worst['mup']['residual'] < 0.1, worst['mup']
+  assert worst['mup']['residual'] < 0.12, worst['mup']
   sp_res = res['variants']['sp']['slopes']['residual']
   assert max(sp_res[1:]) > 0.5, sp_res
   # t = 0 is the same model for both (base width = 32 and mup init == sp init there).
