@@ -97,8 +97,15 @@ def get_config() -> ml_collections.ConfigDict:
   tr.adamp_wd_ratio = 0.1
 
   c.parametrization = p = ml_collections.ConfigDict()
-  p.kind = 'sp'               # standard parametrization (muP presets: issue 5)
-  p.base_d_model = 0
+  p.kind = 'sp'               # sp | mup | mup_table3 | umup | completep (sharenet/parametrization.py)
+  p.base_d_model = 0          # width of the proxy model the multipliers are relative to; 0 -> d_model
+  p.base_num_heads = 0        # heads of the proxy; 0 -> num_heads (head_dim scales with width)
+  p.base_depth = 0            # completep: unique sets of the depth proxy; 0 -> same depth
+  p.depth_alpha = 1.0         # completep: residual branch x m_L^-alpha
+  p.loop_rule = 'none'        # none | inv_R | inv_sqrt_R: branch multiplier of a block applied R times
+  p.wd_mode = 'lr_coupled'    # lr_coupled: decay lr(t)*wd*p per leaf | independent: (lr(t)/lr)*wd*p
+  p.readout_zero_init = False
+  p.query_zero_init = False
 
   c.mesh = mh = ml_collections.ConfigDict()
   mh.data = -1                # data-parallel replicas; -1 -> the devices left by fsdp, tensor

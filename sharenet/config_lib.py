@@ -6,11 +6,11 @@ from typing import Any
 
 import jax
 
-from sharenet import data, optim, sharding
+from sharenet import data, optim, parametrization, sharding
 from sharenet.errors import ConfigError
 from sharenet.models import ModelConfig
 
-PARAMETRIZATIONS = ('sp',)
+PARAMETRIZATIONS = parametrization.KINDS
 
 
 def _positive(section: Any, prefix: str, *names: str) -> None:
@@ -35,9 +35,8 @@ def validate(config: Any, process_count: int | None = None) -> ModelConfig:
   if mcfg.position == 'learned' and t.seq_len > mcfg.max_len:
     raise ConfigError(f'train.seq_len={t.seq_len} exceeds model.max_len={mcfg.max_len} for '
                       f'learned positions')
-  if config.parametrization.kind not in PARAMETRIZATIONS:
-    raise ConfigError(f'parametrization.kind={config.parametrization.kind!r} is unknown; valid: '
-                      f'{", ".join(PARAMETRIZATIONS)}')
+  settings = parametrization.Settings.from_config(config.parametrization)  # kinds, rules
+  parametrization.base_config(mcfg, settings)   # base sizes divide the model evenly
   validate_mesh(config)
   from sharenet.models import DecoderLM
   from sharenet.transforms import Transforms

@@ -9,10 +9,9 @@ import jax
 import ml_collections
 import orbax.checkpoint as ocp
 
-from sharenet import checkpoint, data, eval_lib, optim, sharding, train_lib
+from sharenet import checkpoint, data, eval_lib, sharding, train_lib
 from sharenet.errors import ConfigError
-from sharenet.models import DecoderLM, ModelConfig
-from sharenet.transforms import Transforms
+from sharenet.models import ModelConfig
 
 
 def load_config(workdir: str) -> ml_collections.ConfigDict:
@@ -26,12 +25,12 @@ def load_config(workdir: str) -> ml_collections.ConfigDict:
 
 
 def restore_state(config: ml_collections.ConfigDict, workdir: str, step: int | None = None):
-  """(state, step, model, transforms) from the latest (or `step`) checkpoint of `workdir`."""
+  """(state, step, model, transforms, parametrization) from the latest (or `step`) checkpoint of `workdir`."""
   mcfg = ModelConfig.from_config(config.model)
-  model = DecoderLM(mcfg)
-  tr = Transforms(config.get('transforms'), model)
-  tx = optim.make_optimizer(config.train, tr)
-  abstract = jax.eval_shape(lambda: train_lib.init_state(model, tx, jax.random.key(0), tr))
+  if 'parametrization' not in config:   # runs written before the parametrization group existed
+    config.parametrization = {'kind': 'sp'}
+  model, tx, pz, tr = train_lib.setup(config, mcfg)
+  abstract = jax.eval_shape(lambda: train_lib.init_state(model, tx, jax.random.key(0), tr, pz))
   # Restore onto this process's devices, whatever mesh (or hosts) wrote the checkpoint.
   abstract = sharding.with_shardings(abstract, sharding.replicated_like(abstract))
   mngr = checkpoint.manager(workdir, config.train.keep_checkpoints, async_save=False)
@@ -49,14 +48,14 @@ def restore_state(config: ml_collections.ConfigDict, workdir: str, step: int | N
     args = ocp.args.Composite(state=ocp.args.StandardRestore(abstract))
     state = mngr.restore(step, args=args)['state']
   mngr.close()
-  return state, step, model, tr
+  return state, step, model, tr, pz
 
 
 def evaluate_workdir(workdir: str, step: int | None = None) -> dict[str, Any]:
   """Restores the latest (or `step`) checkpoint's params and evaluates the validation split."""
   config = load_config(workdir)
-  state, step, model, tr = restore_state(config, workdir, step)
-  params = jax.jit(train_lib.effective_params, static_argnums=1)(state, tr)
+  state, step, model, tr, pz = restore_state(config, workdir, step)
+  params = jax.jit(train_lib.effective_params, static_argnums=(1, 2))(state, tr, pz)
   out = eval_lib.evaluate(model, params, config.data, config.train.seq_len,
                           config.train.eval_batch_size)
   out = {'step': int(step), **out,

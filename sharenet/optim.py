@@ -1,8 +1,17 @@
-"""Optax chain: [AGC] -> clipping -> AdamW or AdamP (role-masked decay) -> [projection]."""
+"""Optax chain: [AGC] -> clipping -> Adam(W) or AdamP -> [post-step projection].
+
+Decay is role-masked (train.decay_roles). With a parametrization's per-leaf multipliers
+(sharenet/parametrization.py) the Adam part is: Adam with per-leaf eps -> per-leaf LR
+multipliers -> decoupled decay with per-leaf multipliers (not scaled by the LR multiplier) ->
+the LR schedule. With every multiplier 1 it is bit-identical to optax.adamw (asserted in
+tests/test_parametrization.py).
+"""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
+import jax
+import jax.numpy as jnp
 import optax
 from flax.traverse_util import flatten_dict, unflatten_dict
 
@@ -55,10 +64,63 @@ def decay_mask(params: Any, roles: tuple[str, ...] = roles_lib.MATRIX_ROLES) -> 
   return unflatten_dict({k: roles_lib.role_of(k) in roles for k in flat})
 
 
-def make_optimizer(t: Any, transforms: Any = None) -> optax.GradientTransformation:
-  """The train config's optimizer (plus `transforms`' update / projection parts).
+def scale_by_adam_tree_eps(b1: float, b2: float, eps: Any) -> optax.GradientTransformation:
+  """optax.scale_by_adam with a per-leaf eps (same ops, so one eps everywhere == optax's).
 
-  Its learning rate is reported by `lr_schedule(t)`.
+  `eps(path)` gives a leaf's eps from its path (collection first).
+  """
+
+  def init_fn(params):
+    mu = optax.tree.zeros_like(params)
+    nu = optax.tree.zeros_like(params)
+    return optax.ScaleByAdamState(count=jnp.zeros([], jnp.int32), mu=mu, nu=nu)
+
+  def update_fn(updates, state, params=None):
+    del params
+    mu = optax.tree.update_moment(updates, state.mu, b1, 1)
+    nu = optax.tree.update_moment_per_elem_norm(updates, state.nu, b2, 2)
+    count_inc = optax.safe_increment(state.count)
+    mu_hat = optax.tree.bias_correction(mu, b1, count_inc)
+    nu_hat = optax.tree.bias_correction(nu, b2, count_inc)
+    updates = jax.tree_util.tree_map_with_path(
+        lambda path, m, v: m / (jnp.sqrt(v + 0.0) + eps(_keys(path))), mu_hat, nu_hat)
+    return updates, optax.ScaleByAdamState(count=count_inc, mu=mu, nu=nu)
+
+  return optax.GradientTransformation(init_fn, update_fn)
+
+
+class _Empty(NamedTuple):
+  pass
+
+
+def scale_and_decay(lr_mult: Any, wd: Any) -> optax.GradientTransformation:
+  """u <- lr_mult * u + wd * p per leaf (`lr_mult(path)`, `wd(path)`): the decay is not scaled
+  by the LR multiplier."""
+
+  def update_fn(updates, state, params):
+    def leaf(path, u, p):
+      k, w = lr_mult(_keys(path)), wd(_keys(path))
+      u = u if k == 1.0 else jnp.asarray(k, u.dtype) * u
+      return u if w == 0.0 else u + w * p
+    return jax.tree_util.tree_map_with_path(leaf, updates, params), state
+
+  return optax.GradientTransformation(lambda _: _Empty(), update_fn)
+
+
+def _keys(path) -> tuple[str, ...]:
+  return tuple(getattr(k, 'key', getattr(k, 'name', str(k))) for k in path)
+
+
+def make_optimizer(t: Any, transforms: Any = None, multipliers: Any = None
+                   ) -> optax.GradientTransformation:
+  """The train config's optimizer; its learning rate is reported by `lr_schedule(t)`.
+
+  `transforms` (sharenet.transforms.Transforms) adds AGC / AdamP / a post-step projection;
+  `multipliers` (parametrization.OptMultipliers) adds per-leaf LR / WD / eps multipliers. Decay
+  is `lr(t) * weight_decay * wd_mult * p` (lr-coupled, independent of the per-leaf LR
+  multiplier), or with `independent_wd` `(lr(t) / lr_peak) * weight_decay * wd_mult * p`, on
+  the leaves whose role train.decay_roles names. Leaves the parametrization does not know
+  (transform gains) get multiplier 1.
   """
   roles = decay_roles(t)
   mask = lambda p: decay_mask(p, roles)
@@ -70,13 +132,27 @@ def make_optimizer(t: Any, transforms: Any = None) -> optax.GradientTransformati
   if t.grad_clip > 0:
     parts.append(optax.clip_by_global_norm(t.grad_clip))
   if 'adamp' in updates:
+    if multipliers is not None:
+      raise ConfigError('transforms.update=adamp has no per-leaf multipliers yet; valid with '
+                        'adamp: parametrization.kind=sp')
     from sharenet.transforms.update import scale_by_adamp
     parts += [scale_by_adamp(t.b1, t.b2, t.eps, t.weight_decay, mask, transforms.infos,
                              transforms.adamp_delta, transforms.adamp_wd_ratio),
               optax.scale_by_learning_rate(lr_schedule(t))]
-  else:
+  elif multipliers is None:
     parts.append(optax.adamw(lr_schedule(t), b1=t.b1, b2=t.b2, eps=t.eps,
                              weight_decay=t.weight_decay, mask=mask))
+  else:
+    wd = t.weight_decay / t.lr if multipliers.independent_wd else t.weight_decay
+    flat_lr, flat_wd, flat_eps = (flatten_dict(x) for x in
+                                  (multipliers.lr, multipliers.wd, multipliers.eps))
+    decayed = lambda path: roles_lib.role_of(path) in roles
+    # wd_mult is the parametrization's width factor for a decayed leaf; the role mask decides
+    # which leaves decay at all (a mask-only wd_mult of 0 becomes 1 for a role asked to decay).
+    wd_of = lambda path: (wd * (flat_wd.get(path, 1.0) or 1.0)) if decayed(path) else 0.0
+    parts += [scale_by_adam_tree_eps(t.b1, t.b2, lambda path: t.eps * flat_eps.get(path, 1.0)),
+              scale_and_decay(lambda path: flat_lr.get(path, 1.0), wd_of),
+              optax.scale_by_learning_rate(lr_schedule(t))]
   if transforms is not None and transforms.projection != 'none':
     from sharenet.transforms.project import projection
     parts.append(projection(transforms.projection, transforms.infos))

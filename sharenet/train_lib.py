@@ -17,7 +17,8 @@ import optax
 from flax.traverse_util import flatten_dict
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from sharenet import checkpoint, config_lib, data, eval_lib, optim, perf, sharding
+from sharenet import checkpoint, config_lib, data, eval_lib, optim, parametrization, perf
+from sharenet import sharding
 from sharenet.errors import ConfigError
 from sharenet.metrics import MetricsWriter
 from sharenet.models import DecoderLM, ModelConfig, accounting, init_variables, logical_axes
@@ -37,27 +38,44 @@ class NonFiniteLoss(RuntimeError):
 
 
 def init_state(model: DecoderLM, tx: optax.GradientTransformation, rng: jax.Array,
-               tr: Transforms | None = None) -> TrainState:
+               tr: Transforms | None = None,
+               pz: parametrization.Parametrization | None = None) -> TrainState:
+  """Fresh state: SP init, rescaled to `pz`'s preset, then `tr`'s gains and projections."""
   params, tstate = init_variables(model, rng), {}
+  if pz is not None:
+    params = pz.init(params)
   if tr is not None:
     params, tstate = tr.init(params)
   return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params), tstate)
 
 
-def effective_params(state: TrainState, tr: Transforms | None) -> Any:
-  """The variables the model applies (forward reparameterizations resolved)."""
-  return state.params if tr is None else tr.effective(state.params, state.tstate)
+def effective_params(state: TrainState, tr: Transforms | None = None,
+                     pz: parametrization.Parametrization | None = None) -> Any:
+  """The variables the model applies: reparameterizations, then muP forward multipliers."""
+  params = state.params if tr is None else tr.effective(state.params, state.tstate)
+  return params if pz is None or not pz.has_forward else pz.forward(params)
+
+
+def setup(config: Any, mcfg: ModelConfig):
+  """(model, optimizer, parametrization, transforms) for a validated config."""
+  pz = parametrization.build(config.parametrization, mcfg)
+  model = DecoderLM(pz.cfg)
+  tr = Transforms(config.get('transforms'), model)
+  return model, optim.make_optimizer(config.train, tr, pz.opt_multipliers()), pz, tr
 
 
 def train_step(state: TrainState, batch_BT1: jax.Array, *, model: DecoderLM,
-               tx: optax.GradientTransformation, grad_accum: int, tr: Transforms | None = None):
+               tx: optax.GradientTransformation, grad_accum: int, tr: Transforms | None = None,
+               forward=None):
   """One optimizer step; with grad_accum > 1 the batch is split into scanned micro-batches.
 
-  Reparameterizations run inside the loss (gradients flow through them); their state (power
-  iterations) advances once per step, before the loss, outside the differentiated function.
+  The loss sees effective params: `tr`'s reparameterizations (gradients flow through them; their
+  state, power iterations, advances once per step before the loss, outside the differentiated
+  function), then `forward` (a parametrization's forward multipliers).
   """
   tstate = state.tstate if tr is None else tr.update_state(state.params, state.tstate)
-  apply = (lambda p: p) if tr is None else (lambda p: tr.effective(p, tstate))
+  fwd = forward or (lambda p: p)
+  apply = (lambda p: fwd(p)) if tr is None else (lambda p: fwd(tr.effective(p, tstate)))
   loss_fn = lambda p, b: jnp.mean(eval_lib.token_nll(model, apply(p), b))
   grad_fn = jax.value_and_grad(loss_fn)
   if grad_accum == 1:
@@ -115,12 +133,11 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, float]:
   sharding.maybe_initialize_distributed(config)  # before anything touches a device
   mcfg: ModelConfig = config_lib.validate(config)
   t = config.train
-  model = DecoderLM(mcfg)
-  tr = Transforms(config.get('transforms'), model)
-  tx = optim.make_optimizer(t, tr)
+  model, tx, pz, tr = setup(config, mcfg)
+  forward = pz.forward if pz.has_forward else None
   schedule = optim.lr_schedule(t)
   rng = jax.random.key(t.seed)
-  abstract = jax.eval_shape(functools.partial(init_state, model, tx, tr=tr), rng)
+  abstract = jax.eval_shape(functools.partial(init_state, model, tx, tr=tr, pz=pz), rng)
   shapes = param_shapes(abstract.params)
 
   mesh, rules = sharding.make_mesh(config.mesh), sharding.rules_of(config.mesh)
@@ -133,7 +150,7 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, float]:
   batch_sharding = sharding.batch_sharding(mesh, rules)
   batch_shape = (t.batch_size, t.seq_len + 1)
   step_fn = jax.jit(functools.partial(train_step, model=model, tx=tx, grad_accum=t.grad_accum,
-                                      tr=tr),
+                                      tr=tr, forward=forward),
                     in_shardings=(shardings, batch_sharding),
                     out_shardings=(shardings, replicated), donate_argnums=0)
   if config.get('dry_run', False):
@@ -159,7 +176,8 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, float]:
                                        train_iter, _check_finite_state)
   if restored is None:
     # Sharded init: each device computes only its shards; no host holds the whole model.
-    state = jax.jit(functools.partial(init_state, model, tx, tr=tr), out_shardings=shardings)(rng)
+    state = jax.jit(functools.partial(init_state, model, tx, tr=tr, pz=pz),
+                    out_shardings=shardings)(rng)
     start = 0
   else:
     state, start = restored
@@ -171,7 +189,7 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, float]:
       **config.to_dict(), 'params_unique': accounting.params_unique(variables),
       'params_applied': accounting.params_applied(variables, mcfg),
       'flops_per_token': flops_tok, 'plan_index': list(mcfg.plan.index),
-      'param_shapes': shapes,
+      'param_shapes': shapes, 'parametrization_table': pz.describe(),
   }
   if jax.process_index() == 0:
     with open(os.path.join(workdir, 'config.json'), 'w') as f:
@@ -184,7 +202,7 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, float]:
 
   def run_eval(step: int) -> dict[str, float]:
     with sharding.activate(mesh, rules):
-      params = jax.jit(effective_params, static_argnums=1)(state, tr)
+      params = jax.jit(effective_params, static_argnums=(1, 2))(state, tr, pz)
       out = eval_lib.evaluate(model, params, config.data, t.seq_len, t.eval_batch_size)
     writer.write(step, **out)
     return out

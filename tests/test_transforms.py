@@ -425,3 +425,26 @@ def test_norm_study_cli_runs_variants_and_writes_the_table(tmp_path):
   table = open(os.path.join(out, 'norm_study.md')).read()
   assert '| dyt | activation norm |' in table and '| agc | update |' in table
   assert norm_study.main(['--out', out, '--variants', 'batchnorm']) == 2
+
+
+def test_mup_composes_with_transforms_and_scalar_norm_params():
+  """muP multipliers (by logical axes) and transform gains (unknown to the parametrization:
+  multiplier 1) in one optimizer; DyT's scalar alpha is a vector-like leaf."""
+  c = tiny_config.get_config()
+  c.model.norm.kind = 'dyt'
+  c.model.sharing.scheme, c.model.num_layers, c.model.sharing.repeats = 'cycle', 4, 2
+  c.parametrization.kind, c.parametrization.base_d_model = 'mup', 16
+  c.transforms.reparam = 'weight_norm'
+  c.transforms.project = 'nap'
+  from sharenet import config_lib
+  model, tx, pz, tr = train_lib.setup(c, config_lib.validate(c))
+  state = train_lib.init_state(model, tx, jax.random.key(0), tr, pz)
+  assert 'reparam' in state.params
+  step = jax.jit(functools.partial(train_lib.train_step, model=model, tx=tx, grad_accum=1, tr=tr,
+                                   forward=pz.forward if pz.has_forward else None))
+  batch = jax.random.randint(jax.random.key(1), (4, 33), 0, 256)
+  losses = []
+  for _ in range(4):
+    state, m = step(state, batch)
+    losses.append(float(m['loss']))
+  assert all(math.isfinite(l) for l in losses) and losses[-1] < losses[0]

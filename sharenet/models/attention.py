@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from sharenet.models.config import ModelConfig
-from sharenet.models.layers import Dense, rope
+from sharenet.models.layers import Dense, rope, sow_l1
 from sharenet.norms import Norm
 
 
@@ -32,6 +32,8 @@ class CausalAttention(nn.Module):
     q_BTHD = checkpoint_name(proj('q', H, 'heads')(x_BTD), 'query_proj')
     k_BTKD = checkpoint_name(proj('k', K, 'kv_heads')(x_BTD), 'key_proj')
     v_BTKD = checkpoint_name(proj('v', K, 'kv_heads')(x_BTD), 'value_proj')
+    for name, a in (('query', q_BTHD), ('key', k_BTKD), ('value', v_BTKD)):
+      sow_l1(self, name, a)
     if c.qk_norm != 'none':   # rms: learned gain over head_dim; l2: unit vectors (ref. B3/B4)
       kind = 'rmsnorm' if c.qk_norm == 'rms' else 'l2'
       q_BTHD = Norm(kind, c.norm_eps, axis_name='head_dim', param_dtype=pdt,
@@ -57,6 +59,7 @@ class CausalAttention(nn.Module):
       scale = c.attn_scale or Dh ** -0.5
     logits_BKGTS = jnp.einsum('btkgd,bskd->bkgts', q_BTKGD * scale, k_BTKD)
     causal_TS = jnp.tril(jnp.ones((T, T), dtype=bool))
+    sow_l1(self, 'attn_logits', logits_BKGTS, causal_TS)
     logits_BKGTS = jnp.where(causal_TS[None, None, None], logits_BKGTS.astype(jnp.float32), -1e30)
     logits_BKGTS = checkpoint_name(logits_BKGTS, 'attn_logits')
     probs_BKGTS = checkpoint_name(jax.nn.softmax(logits_BKGTS, axis=-1).astype(dt), 'attn_probs')
@@ -65,4 +68,5 @@ class CausalAttention(nn.Module):
     rank = c.lora_rank if 'o' in c.lora_targets else 0
     out_BTD = Dense((c.d_model,), ('heads', 'head_dim'), ('embed',), lora_rank=rank,
                     lora_scale=c.lora_scale, dtype=dt, param_dtype=pdt, name='o')(out_BTHD)
+    sow_l1(self, 'attn_out', out_BTD)
     return checkpoint_name(out_BTD, 'out_proj')

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 
 from sharenet.models.attention import CausalAttention
 from sharenet.models.config import ModelConfig
+from sharenet.models.layers import sow_l1
 from sharenet.models.mlp import Mlp
 from sharenet.norms import PER_LAYER, Norm
 
@@ -35,4 +36,5 @@ class Block(nn.Module):
     else:                              # peri: x + N_out(f(N_in(x)))
       x_BTD = x_BTD + norm('attn_out_norm')(attn(norm('attn_norm')(x_BTD), positions_T))
       x_BTD = x_BTD + norm('mlp_out_norm')(mlp(norm('mlp_norm')(x_BTD)))
+    sow_l1(self, 'residual', x_BTD)
     return nn.with_logical_constraint(x_BTD, ACT_AXES), None

@@ -36,6 +36,7 @@ class ModelConfig:
   rope_base: float = 10000.0
   max_len: int = 2048              # only for learned positions
   attn_scale: float = 0.0          # 0 -> 1/sqrt(head_dim); muP sets 1/head_dim
+  logits_mult: float = 1.0         # forward multiplier on the logits (muP readout: 1/m)
   tie_embeddings: bool = False
   embed_init_std: float = 1.0
   norm: str = 'rmsnorm'
@@ -121,7 +122,8 @@ class ModelConfig:
         num_heads=m.num_heads, num_kv_heads=m.get('num_kv_heads', 0), mlp_dim=m.mlp_dim,
         mlp=m.get('mlp', 'swiglu'), position=m.get('position', 'rope'),
         rope_base=m.get('rope_base', 10000.0), max_len=m.get('max_len', 2048),
-        attn_scale=m.get('attn_scale', 0.0), tie_embeddings=m.get('tie_embeddings', False),
+        attn_scale=m.get('attn_scale', 0.0), logits_mult=m.get('logits_mult', 1.0),
+        tie_embeddings=m.get('tie_embeddings', False),
         embed_init_std=m.get('embed_init_std', 1.0),
         norm=n.kind, norm_placement=n.placement, qk_norm=n.get('qk_norm', 'none'),
         norm_eps=n.get('eps', 1e-6), dyt_alpha=n.get('dyt_alpha', 0.5),

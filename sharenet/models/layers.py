@@ -11,6 +11,27 @@ import jax.numpy as jnp
 from sharenet.norms import PER_LAYER, variable
 
 
+INTERMEDIATES = 'intermediates'
+
+
+def sow_l1(module: nn.Module, name: str, x: jax.Array, mask: jax.Array | None = None) -> None:
+  """Sows mean|x| (over `mask` if given) for coordinate checks; free unless requested.
+
+  The statistic is microsoft/mup's coord-check 'l1' (reference/mup.md section 3.1). Nothing is
+  computed unless the caller made 'intermediates' mutable; inside nn.scan the value is stacked
+  per iteration, so every use of a shared block is recorded.
+  """
+  if not module.is_mutable_collection(INTERMEDIATES):
+    return
+  a = jnp.abs(x.astype(jnp.float32))
+  if mask is None:
+    stat = jnp.mean(a)
+  else:
+    m = jnp.broadcast_to(mask, a.shape)
+    stat = jnp.sum(jnp.where(m, a, 0.0)) / jnp.sum(m)
+  module.sow(INTERMEDIATES, name, stat)
+
+
 class Dense(nn.Module):
   """y = x W (+ scale * x A B): contracts the last `len(in_axes)` dims of x.
 

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 
 from sharenet.models.block import ACT_AXES
 from sharenet.models.config import ModelConfig
-from sharenet.models.layers import Dense, Embed
+from sharenet.models.layers import Dense, Embed, sow_l1
 from sharenet.models.stack import Stack
 from sharenet.norms import PER_LAYER, Norm
 
@@ -34,10 +34,12 @@ class DecoderLM(nn.Module):
     x_BTD = nn.with_logical_constraint(x_BTD, ACT_AXES)
     # A zero-valued hook so tests and coordinate checks can take d(out)/d(embedded input).
     x_BTD = self.perturb('embedded', x_BTD)
+    sow_l1(self, 'embed_out', x_BTD)
     x_BTD = Stack(c, name='stack')(x_BTD, jnp.arange(T))
     if c.norm_placement != 'post':
       x_BTD = Norm(c.norm, c.norm_eps, param_dtype=pdt, dyt_alpha=c.dyt_alpha,
                    name='final_norm')(x_BTD)
+      sow_l1(self, 'final_norm_out', x_BTD)
     if c.tie_embeddings:
       logits_BTV = embed.attend(x_BTD)
       if c.reader_bias:
@@ -47,6 +49,9 @@ class DecoderLM(nn.Module):
     else:
       logits_BTV = Dense((c.vocab_size,), ('embed',), ('vocab',), use_bias=c.reader_bias,
                          dtype=dt, param_dtype=pdt, name='readout')(x_BTD)
+    if c.logits_mult != 1.0:   # muP readout multiplier (reference/mup.md section 1.1)
+      logits_BTV = logits_BTV * c.logits_mult
+    sow_l1(self, 'logits', logits_BTV)
     return nn.with_logical_constraint(logits_BTV.astype(jnp.float32),
                                       ('activation_batch', 'activation_length', 'activation_vocab'))
 

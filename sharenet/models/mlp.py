@@ -7,7 +7,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from sharenet.models.config import ModelConfig
-from sharenet.models.layers import Dense
+from sharenet.models.layers import Dense, sow_l1
 
 
 class Mlp(nn.Module):
@@ -30,8 +30,10 @@ class Mlp(nn.Module):
     else:
       h_BTF = nn.gelu(dense_in('wi')(x_BTD))
     h_BTF = checkpoint_name(h_BTF, 'mlp_hidden')
+    sow_l1(self, 'mlp_hidden', h_BTF)
     h_BTF = nn.with_logical_constraint(h_BTF, ('activation_batch', 'activation_length',
                                                'activation_mlp'))
     out = Dense((c.d_model,), ('mlp',), ('embed',), lora_rank=r_out, lora_scale=c.lora_scale,
                 dtype=dt, param_dtype=pdt, name='wo')(h_BTF)
+    sow_l1(self, 'mlp_out', out)
     return checkpoint_name(out, 'mlp_out')

@@ -15,6 +15,7 @@ import numpy as np
 
 from sharenet.models.block import Block
 from sharenet.models.config import ModelConfig
+from sharenet.models.layers import INTERMEDIATES
 from sharenet.norms import PER_LAYER
 from sharenet.sharing import Segment
 
@@ -52,12 +53,13 @@ def _scan(target, length: int, stacked: bool, axis_name: str, unroll: int,
   ~0.90x to ~0.94-0.99x of a Python-unrolled one (benchmarks/step_bench.py).
   """
   if stacked:
-    return nn.scan(target, variable_axes={'params': 0, PER_LAYER: 0},
+    return nn.scan(target, variable_axes={'params': 0, PER_LAYER: 0, INTERMEDIATES: 0},
                    split_rngs={'params': True, PER_LAYER: True}, in_axes=(nn.broadcast,),
                    length=length, unroll=min(unroll, length),
                    metadata_params={nn.PARTITION_NAME: axis_name},
                    _split_transpose=split_transpose)
-  return nn.scan(target, variable_axes={PER_LAYER: 0}, variable_broadcast='params',
+  return nn.scan(target, variable_axes={PER_LAYER: 0, INTERMEDIATES: 0},
+                 variable_broadcast='params',
                  split_rngs={'params': False, PER_LAYER: True}, in_axes=(nn.broadcast,),
                  length=length, unroll=min(unroll, length),
                  metadata_params={nn.PARTITION_NAME: axis_name})
@@ -98,8 +100,10 @@ class GatherSegment(nn.Module):
     reduce = lambda tree: jax.tree.map(lambda p: jnp.take(p, first_use, axis=0), tree)
     scanned = _scan(_block_cls(self.cfg), len(idx), True, 'layers', self.cfg.scan_unroll,
                     self.cfg.scan_split_transpose)
+    # init only while initializing: with init=True flax treats *any* mutable collection (e.g.
+    # sown 'intermediates') as initialization and runs the scan on the un-gathered pool.
     mapped = nn.map_variables(scanned, 'params', trans_in_fn=gather, trans_out_fn=reduce,
-                              init=True)
+                              init=self.is_initializing())
     x_BTD, _ = mapped(self.cfg, name='block')(x_BTD, positions_T)
     return x_BTD, None
 

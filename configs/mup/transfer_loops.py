@@ -1,0 +1,23 @@
+"""LR transfer across loop count R (one shared block applied R times) at width 64.
+
+Command:   python -m sharenet.studies.lr_sweep --config configs/mup/transfer_loops.py \
+               --out docs/results/mup/loops
+Runtime:   16 min wall on the shared 2-core CPU (run at nice 10 next to the width sweep).
+Result:    (measured 2026-11-30) optimum log2 LR for R = 1/2/4/8: mup -6.96/-6.60/-7.00/-7.42
+           (shift 0.82); mup + inv_R -6.96/-6.28/-6.06/-6.00 (shift 0.96). Neither moves 2x here.
+"""
+from configs.mup import transfer
+
+
+def get_config():
+  c = transfer.get_config()
+  s = c.study
+  s.axes = 'repeats'
+  s.fixed_width = 64
+  s.steps = 60
+  s.seeds = 1
+  s.avg_last = 10
+  s.log2_lrs = '-10..-4'
+  s.repeats_values = '1,2,4,8'
+  s.repeats_variants = 'mup,mup:loop_rule=inv_R'
+  return c

@@ -1,0 +1,367 @@
+"""Width / depth / loop parametrizations: per-leaf init std, forward, LR, WD and eps multipliers.
+
+Presets follow /work/shared/reference/mup.md (cited as "ref. section"):
+  sp          standard parametrization: every multiplier 1.
+  mup         microsoft/mup, TP5 Table 8 (ref. 1.1): hidden Adam LR / m; readout init constant in
+              width (SP x sqrt(m_d)) and forward multiplier 1/m_d on the logits; attention
+              1/d_head (as alpha/d_head with alpha = sqrt(base d_head), so base width == SP).
+              Works with tied embeddings (the 1/m_d sits on the logits, not on the tensor).
+  mup_table3  TP5 Table 3 / Lingle (ref. 1.5): readout init std ~ 1/d (SP x 1/sqrt(m_d)), no
+              readout multiplier, readout LR / m_d. Untied readouts only.
+  umup        u-muP (ref. 1.3): unit init everywhere; hidden forward 1/sqrt(fan_in), readout
+              forward 1/fan_in; Adam LR: embedding d^-1/2, hidden fan_in^-1/2 L^-1/2, trunk norm
+              gains L^-1/2, readout 1; attention 1/d_head. Absolute (not base-relative) rules;
+              the unit-scaled residual/attention/loss ops of u-muP are not implemented.
+  completep   mup plus CompleteP depth rule (ref. 2.1, alpha = depth_alpha): residual branches
+              x m_L^-alpha, hidden LR x m_L^(alpha-1), trunk vector LR x m_L^(alpha-1), hidden
+              Adam eps x m_d^-1 m_L^-alpha; m_L = unique sets / base_depth.
+Loop rule (any preset; ref. 2.2, Wang et al. 2026, no settled rule): the residual branches of a
+block applied R times get x 1/R (`inv_R`) or x 1/sqrt(R) (`inv_sqrt_R`); Adam LR and eps are
+not scaled by R (Adam normalises the summed per-use gradient, ref. 2.2 [derived]).
+
+Forward multipliers on weights are applied as a reparametrization inside the loss
+(`forward(params)`: W_eff = A * w, checkpoints keep raw w, ref. 6 notes); residual-branch
+multipliers are folded into the branch's output projection (o, wo: x + eps f(x) = x + f with
+eps W_out, exact for pre/post norm). Model-level scalars (attention scale, logits multiplier)
+go into ModelConfig. Weight decay convention: decoupled, `decay = lr(t) * wd * wd_mult * p`
+with wd_mult independent of the per-leaf LR multiplier (microsoft/mup MuAdamW's lambda*m /
+CompleteP, ref. 1.1-1.2), or with wd_mode='independent' `decay = (lr(t)/lr_peak) * wd * p`
+(u-muP / Lingle, ref. 1.3).
+
+Roles come from logical axis names; fan-in multipliers from global shapes of the target and a
+base-width model, both made with `jax.eval_shape` (never from shard shapes); scan axes
+('layers', 'repeats') never count as width.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any, NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from flax.traverse_util import flatten_dict, unflatten_dict
+
+from sharenet.errors import ConfigError
+from sharenet.models import DecoderLM, ModelConfig, init_boxed
+
+KINDS = ('sp', 'mup', 'mup_table3', 'umup', 'completep')
+LOOP_RULES = ('none', 'inv_R', 'inv_sqrt_R')
+WD_MODES = ('lr_coupled', 'independent')
+WIDTH_AXES = frozenset({'embed', 'mlp', 'heads', 'kv_heads', 'head_dim'})
+SCAN_AXES = frozenset({'layers', 'repeats'})
+FINITE_AXES = frozenset({'vocab', 'length', 'lora'})
+DECAYED = ('kernel', 'embedding', 'pos_embed', 'lora_a', 'lora_b')   # = optim.DECAYED
+BRANCH_OUT = (('attn', 'o'), ('mlp', 'wo'))   # last projections of the residual branches
+UNTIEABLE = ('mup_table3', 'umup')           # one tensor cannot carry two roles (ref. 0, 1.6)
+Path = tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+  """The `config.parametrization` group."""
+  kind: str = 'sp'
+  base_d_model: int = 0          # 0 -> d_model (multipliers 1)
+  base_num_heads: int = 0        # 0 -> num_heads (head_dim scales with width)
+  base_depth: int = 0            # unique sets of the depth proxy (completep); 0 -> same
+  depth_alpha: float = 1.0       # completep alpha (1: CompleteP, 0.5: Depth-muP branch rule)
+  loop_rule: str = 'none'        # none | inv_R | inv_sqrt_R
+  wd_mode: str = 'lr_coupled'    # lr_coupled | independent
+  readout_zero_init: bool = False
+  query_zero_init: bool = False
+
+  def validate(self) -> 'Settings':
+    for field, value, valid in (('kind', self.kind, KINDS), ('loop_rule', self.loop_rule,
+                                 LOOP_RULES), ('wd_mode', self.wd_mode, WD_MODES)):
+      if value not in valid:
+        raise ConfigError(f'parametrization.{field}={value!r} is unknown; valid: '
+                          f'{", ".join(valid)}')
+    for field in ('base_d_model', 'base_num_heads', 'base_depth'):
+      if getattr(self, field) < 0:
+        raise ConfigError(f'parametrization.{field}={getattr(self, field)} must be >= 0 '
+                          f'(0 = same as the model)')
+    return self
+
+  @classmethod
+  def from_config(cls, p: Any) -> 'Settings':
+    names = [f.name for f in dataclasses.fields(cls)]
+    return cls(**{n: p[n] for n in names if n in p}).validate()
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafRule:
+  """One trainable leaf's role and multipliers (init_scale multiplies the SP init)."""
+  path: Path
+  axes: tuple[str | None, ...]
+  role: str                  # embedding | hidden | readout | vector | lora
+  fan_in: int
+  fan_in_mult: float         # m: product over fan-in width axes of size / base size
+  repeats: int               # R: applications per step of this stored tensor
+  init_scale: float
+  init_std: float | None     # absolute std after scaling (None: constant init, ones / zeros)
+  fwd_mult: float
+  lr_mult: float
+  wd_mult: float
+  eps_mult: float
+
+
+class OptMultipliers(NamedTuple):
+  """Per-leaf optimizer multiplier trees (python floats) for optim.make_optimizer."""
+  lr: Any
+  wd: Any
+  eps: Any
+  independent_wd: bool
+
+
+@functools.lru_cache(maxsize=64)
+def _leaves(cfg: ModelConfig) -> dict[Path, tuple[tuple, tuple]]:
+  """{(collection, ...path): (logical axes, global shape)} via jax.eval_shape."""
+  boxed = jax.eval_shape(lambda: init_boxed(DecoderLM(cfg), jax.random.key(0)))
+  out = {}
+  for path, box in flatten_dict(boxed).items():
+    names = tuple(box.names) if isinstance(box, nn.LogicallyPartitioned) else (None,) * box.ndim
+    value = box.value if isinstance(box, nn.LogicallyPartitioned) else box
+    out[path] = (names, tuple(value.shape))
+  return out
+
+
+def base_config(cfg: ModelConfig, s: Settings) -> ModelConfig:
+  """The base-width (proxy) model: d_model, mlp_dim and heads scaled together; depth kept."""
+  d0 = s.base_d_model or cfg.d_model
+  h0 = s.base_num_heads or cfg.num_heads
+  if (cfg.mlp_dim * d0) % cfg.d_model or (cfg.kv_heads * h0) % cfg.num_heads:
+    raise ConfigError(f'parametrization.base_d_model={d0}: mlp_dim {cfg.mlp_dim} x {d0} / '
+                      f'd_model {cfg.d_model} (and kv heads) must be integers; valid: base widths '
+                      f'dividing the model evenly')
+  kv0 = cfg.kv_heads * h0 // cfg.num_heads
+  try:
+    return dataclasses.replace(cfg, d_model=d0, num_heads=h0,
+                               num_kv_heads=kv0 if cfg.num_kv_heads else 0,
+                               mlp_dim=cfg.mlp_dim * d0 // cfg.d_model).validate()
+  except ConfigError as e:
+    raise ConfigError(f'parametrization base model (base_d_model={d0}, base_num_heads={h0}): '
+                      f'{e}') from None
+
+
+def _role(path: Path, axes: tuple) -> tuple[str, tuple[int, ...]]:
+  """Role and fan-in axis positions from logical names (scan axes already removed).
+
+  A Dense kernel is in_axes + out_axes with 'embed' alone on one side, so the fan-in axes are
+  ('embed',) when it comes first and everything but the trailing 'embed' otherwise.
+  """
+  name = path[-1]
+  if name in ('lora_a', 'lora_b'):
+    return 'lora', tuple(range(len(axes) - 1)) if name == 'lora_a' else (0,)
+  if len(axes) <= 1 or name in ('bias', 'logits_bias'):   # gains, biases, scalars (DyT alpha)
+    return 'vector', ()
+  if name in ('embedding', 'pos_embed') or (axes[0] in FINITE_AXES and axes[-1] == 'embed'):
+    return 'embedding', (0,)
+  if axes[-1] == 'vocab':
+    if name != 'kernel' or 'readout' not in path:
+      raise ConfigError(f'parameter {"/".join(path)} {axes}: infinite fan-in and finite fan-out '
+                        f'but not the readout; declare its role in sharenet/parametrization.py')
+    return 'readout', tuple(range(len(axes) - 1))
+  unknown = [a for a in axes if a not in WIDTH_AXES]
+  if unknown:
+    raise ConfigError(f'parameter {"/".join(path)}: logical axes {unknown} are neither width '
+                      f'{sorted(WIDTH_AXES)} nor finite {sorted(FINITE_AXES | SCAN_AXES)}')
+  return 'hidden', (0,) if axes[0] == 'embed' else tuple(range(len(axes) - 1))
+
+
+def _sp_std(path: Path, role: str, fan_in: int, cfg: ModelConfig) -> float | None:
+  """The std the SP initializers in sharenet/models use (None: constant ones / zeros)."""
+  name = path[-1]
+  if name == 'embedding':
+    return cfg.embed_init_std
+  if name == 'pos_embed':
+    return 0.02
+  if name in ('kernel', 'lora_a'):
+    return fan_in ** -0.5
+  return None
+
+
+def _repeats(path: Path, cfg: ModelConfig, loop_rule: str) -> int:
+  """Applications per step of the stored tensor at `path` (1 outside the stack)."""
+  if 'stack' not in path:
+    return 1
+  seg_name = path[path.index('stack') + 1]
+  if not seg_name.startswith('segment_'):
+    if loop_rule != 'none':
+      raise ConfigError('parametrization.loop_rule needs model.scan_layers=True; valid: '
+                        'loop_rule=none with scan_layers=False')
+    return max(len(cfg.plan.uses(int(seg_name.removeprefix('set_')))), 1)
+  seg = cfg.plan.segments[int(seg_name.removeprefix('segment_'))]
+  if seg.order == 'gather':
+    if loop_rule != 'none':
+      raise ConfigError('parametrization.loop_rule needs a regular plan (each set applied the '
+                        'same number of times); valid: any scheme except explicit')
+    return 1
+  return seg.repeats
+
+
+def _is_branch_out(path: Path) -> bool:
+  return any(path[i:i + 2] == b for b in BRANCH_OUT for i in range(len(path) - 1)) and (
+      path[-1] in ('kernel', 'lora_b'))
+
+
+class Parametrization:
+  """Rules for one (model config, settings) pair; `cfg` is the ModelConfig to build with."""
+
+  def __init__(self, cfg: ModelConfig, settings: Settings):
+    s = self.settings = settings.validate()
+    if s.kind in UNTIEABLE and cfg.tie_embeddings:
+      raise ConfigError(f'parametrization.kind={s.kind} needs separate embedding and readout '
+                        f'(one tensor cannot carry both roles); valid with '
+                        f'model.tie_embeddings=True: sp, mup, completep')
+    branch_rules = s.kind == 'completep' or s.loop_rule != 'none'
+    if branch_rules and cfg.norm_placement == 'peri':
+      raise ConfigError('parametrization: depth/loop branch multipliers are cancelled by peri '
+                        'norms; valid: model.norm.placement=pre or post')
+    self.base_cfg = base_config(cfg, s)
+    self.m_d = cfg.d_model / self.base_cfg.d_model
+    self.m_L = cfg.plan.num_unique / (s.base_depth or cfg.plan.num_unique)
+    self.cfg = dataclasses.replace(cfg, attn_scale=self._attn_scale(cfg),
+                                   logits_mult=self._logits_mult(cfg))
+    self.rules = self._rules(cfg)
+
+  # ---- model-level scalars -------------------------------------------------------------------
+  def _attn_scale(self, cfg: ModelConfig) -> float:
+    k = self.settings.kind
+    if k == 'sp':
+      return cfg.attn_scale
+    dh, dh0 = cfg.head_dim, self.base_cfg.head_dim
+    if k == 'umup':
+      return 1.0 / dh                       # mult / d_head with mult 1 (ref. 1.3)
+    # 1/d_head written as alpha/d_head, alpha = sqrt(dh0): SP at base (mup README's 8/d, ref. 1.1)
+    return dh0 ** -0.5 * (dh0 / dh)
+
+  def _logits_mult(self, cfg: ModelConfig) -> float:
+    if self.settings.kind in ('mup', 'completep'):
+      return cfg.logits_mult / self.m_d     # MuReadout output_mult / m (ref. 1.1)
+    return cfg.logits_mult
+
+  # ---- per-leaf rules ------------------------------------------------------------------------
+  def _rules(self, cfg: ModelConfig) -> dict[Path, LeafRule]:
+    target, base = _leaves(cfg), _leaves(self.base_cfg)
+    if target.keys() != base.keys():
+      raise ConfigError('parametrization: the base-width model has different parameters '
+                        f'({sorted(set(target) ^ set(base))[:3]})')
+    rules = {}
+    for path, (axes, shape) in target.items():
+      base_shape = base[path][1]
+      keep = [i for i, a in enumerate(axes) if a not in SCAN_AXES]
+      for i, a in enumerate(axes):   # shape-diff cross-check of the name-derived width axes
+        if shape[i] != base_shape[i] and a not in WIDTH_AXES:
+          raise ConfigError(f'parameter {"/".join(path)}: axis {a!r} changes with width '
+                            f'({base_shape[i]} -> {shape[i]}) but is not a width axis')
+      waxes = tuple(axes[i] for i in keep)
+      wshape = tuple(shape[i] for i in keep)
+      wbase = tuple(base_shape[i] for i in keep)
+      role, in_pos = _role(path, waxes)
+      fan_in = math.prod(wshape[i] for i in in_pos) if in_pos else 1
+      m = float(math.prod(wshape[i] / wbase[i] for i in in_pos if waxes[i] in WIDTH_AXES))
+      if role == 'hidden' and self.m_d != 1:
+        out_pos = [i for i in range(len(waxes)) if i not in in_pos]
+        if m == 1 or all(wshape[i] == wbase[i] for i in out_pos):
+          raise ConfigError(f'parameter {"/".join(path)}: a hidden matrix whose fan-in or fan-out '
+                            f'does not vary with base_d_model (vary mlp_dim / heads too)')
+      R = _repeats(path, cfg, self.settings.loop_rule)
+      init_scale, fwd, lr, eps = self._table(path, role, fan_in, m, R)
+      decayed = path[-1] in DECAYED
+      sp_std = _sp_std(path, role, fan_in, cfg)
+      rules[path] = LeafRule(
+          path=path, axes=axes, role=role, fan_in=fan_in, fan_in_mult=m, repeats=R,
+          init_scale=init_scale, init_std=None if sp_std is None else sp_std * init_scale,
+          fwd_mult=fwd, lr_mult=lr, wd_mult=1.0 if decayed else 0.0, eps_mult=eps)
+    return rules
+
+  def _table(self, path: Path, role: str, fan_in: int, m: float, R: int):
+    """(init_scale, fwd_mult, lr_mult, eps_mult) of the preset's table for one leaf."""
+    s, k = self.settings, self.settings.kind
+    init, fwd, lr, eps = 1.0, 1.0, 1.0, 1.0
+    trunk = 'stack' in path
+    if k in ('mup', 'mup_table3', 'completep'):
+      if role == 'hidden':
+        lr = 1.0 / m                                         # Table 8 / Table 3: eta / m
+        if s.query_zero_init and path[-2:] == ('q', 'kernel'):
+          init = 0.0
+      elif role == 'readout':
+        if k == 'mup_table3':
+          init, lr = self.m_d ** -0.5, 1.0 / self.m_d          # std ~ 1/d, LR eta / m (ref. 1.5)
+        else:
+          init = self.m_d ** 0.5                               # const std 1/sqrt(d_base) (ref. 1.1)
+        if s.readout_zero_init:
+          init = 0.0
+    elif k == 'umup':
+      L = self.cfg.num_layers     # u-muP DepthSequential counts applied blocks (ref. 2.2)
+      if role == 'embedding':
+        init, lr = 1.0 / _sp_std(path, role, fan_in, self.cfg), self.cfg.d_model ** -0.5
+      elif role == 'hidden':
+        init, fwd, lr = fan_in ** 0.5, fan_in ** -0.5, fan_in ** -0.5 * L ** -0.5
+      elif role == 'readout':
+        init, fwd = fan_in ** 0.5, 1.0 / fan_in
+      elif role == 'vector' and trunk:
+        lr = L ** -0.5
+    if k == 'completep':
+      a, mL = s.depth_alpha, self.m_L
+      if role == 'hidden':
+        lr *= mL ** (a - 1)
+        eps = 1.0 / (self.m_d * mL ** a)                       # AdamW eps x m_d^-1 m_L^-alpha
+      elif role == 'vector' and trunk:
+        lr *= mL ** (a - 1)
+      if trunk and _is_branch_out(path):
+        fwd *= mL ** -a                                        # x + m_L^-alpha f(x)
+    if s.loop_rule != 'none' and trunk and _is_branch_out(path) and R > 1:
+      fwd *= 1.0 / R if s.loop_rule == 'inv_R' else R ** -0.5   # Wang et al. 2026 (ref. 2.2)
+    return init, fwd, lr, eps
+
+  # ---- application ---------------------------------------------------------------------------
+  def tree(self, field: str) -> Any:
+    """{collection: nested dict} of one LeafRule field."""
+    return unflatten_dict({p: getattr(r, field) for p, r in self.rules.items()})
+
+  def _scale(self, variables: Any, field: str) -> Any:
+    flat = flatten_dict(nn.unbox(variables))
+    out = {}
+    for path, x in flat.items():
+      k = getattr(self.rules[path], field)
+      out[path] = x if k == 1.0 else x * jnp.asarray(k, x.dtype)   # skip: bit-identical to SP
+    return unflatten_dict(out)
+
+  def init(self, variables: Any) -> Any:
+    """SP-initialised variables -> this preset's init (deterministic rescale)."""
+    return self._scale(variables, 'init_scale')
+
+  def forward(self, variables: Any) -> Any:
+    """Raw variables -> effective variables the model is applied to (W_eff = fwd_mult * w)."""
+    return self._scale(variables, 'fwd_mult')
+
+  @property
+  def has_forward(self) -> bool:
+    return any(r.fwd_mult != 1.0 for r in self.rules.values())
+
+  def opt_multipliers(self) -> OptMultipliers | None:
+    """Per-leaf LR / WD / eps trees; None when they are exactly plain AdamW's (SP)."""
+    plain = all(r.lr_mult == 1.0 and r.eps_mult == 1.0 and r.wd_mult == (r.path[-1] in DECAYED)
+                for r in self.rules.values())
+    if plain and self.settings.wd_mode == 'lr_coupled':
+      return None
+    return OptMultipliers(self.tree('lr_mult'), self.tree('wd_mult'), self.tree('eps_mult'),
+                          self.settings.wd_mode == 'independent')
+
+  def describe(self) -> list[dict[str, Any]]:
+    """One row per leaf plus a row of model-level scalars (for config.json and reports)."""
+    rows = [{'path': '/'.join(r.path), 'axes': list(r.axes), **{
+        f: getattr(r, f) for f in ('role', 'fan_in', 'fan_in_mult', 'repeats', 'init_std',
+                                   'fwd_mult', 'lr_mult', 'wd_mult', 'eps_mult')}}
+            for r in self.rules.values()]
+    rows.append({'path': '<model>', 'attn_scale': self.cfg.attn_scale or self.cfg.head_dim ** -0.5,
+                 'logits_mult': self.cfg.logits_mult, 'm_d': self.m_d, 'm_L': self.m_L})
+    return rows
+
+
+def build(p: Any, cfg: ModelConfig) -> Parametrization:
+  """From the `config.parametrization` group (ConfigDict or dict) and the target ModelConfig."""
+  return Parametrization(cfg, Settings.from_config(p))

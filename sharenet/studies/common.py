@@ -1,0 +1,73 @@
+"""Pieces shared by the studies: variants of a base config, a fixed batch, log-log fits."""
+from __future__ import annotations
+
+import copy
+import json
+from typing import Any
+
+import numpy as np
+
+from sharenet import data
+
+
+def parse_list(s: Any, cast=int) -> list:
+  """'64,128' -> [64, 128] (lists / tuples pass through)."""
+  if isinstance(s, (list, tuple)):
+    return [cast(x) for x in s]
+  return [cast(x) for x in str(s).replace(' ', '').split(',') if x]
+
+
+def with_overrides(config: Any, overrides: dict[str, Any]) -> Any:
+  """A copy of `config` with dotted-key overrides ('model.d_model': 128)."""
+  c = copy.deepcopy(config)
+  if hasattr(c, 'unlock'):
+    c.unlock()
+  for key, value in overrides.items():
+    node = c
+    *parents, leaf = key.split('.')
+    for p in parents:
+      node = node[p]
+    node[leaf] = value
+  return c
+
+
+def parse_variant(spec: str) -> tuple[str, dict[str, Any]]:
+  """'mup:loop_rule=inv_R:lr=0.5' -> (spec, {'kind': 'mup', 'loop_rule': 'inv_R', 'lr': 0.5})."""
+  kind, *opts = spec.split(':')
+  out: dict[str, Any] = {'kind': kind}
+  for o in opts:
+    k, v = o.split('=')
+    try:
+      out[k] = json.loads(v)
+    except json.JSONDecodeError:
+      out[k] = v
+  return spec, out
+
+
+def fixed_batch(data_cfg: Any, batch: int, seq_len: int, seed: int = 0) -> np.ndarray:
+  """`batch` windows of seq_len + 1 tokens at random (seeded) offsets of the train split."""
+  train, _ = data.load_splits(data_cfg)
+  rng = np.random.default_rng(seed)
+  starts = rng.integers(0, len(train) - seq_len - 1, batch)
+  return np.stack([np.asarray(train[s:s + seq_len + 1], np.int32) for s in starts])
+
+
+def loglog_slope(xs: list[float], ys: list[float]) -> float:
+  """Least-squares slope of log(y) against log(x) (NaN if any y <= 0)."""
+  y = np.asarray(ys, np.float64)
+  if np.any(~np.isfinite(y)) or np.any(y <= 0):
+    return float('nan')
+  return float(np.polyfit(np.log(np.asarray(xs, np.float64)), np.log(y), 1)[0])
+
+
+def point_overrides(axis: str, x: int, s: Any) -> dict[str, Any]:
+  """Config overrides for one point on the swept axis."""
+  d = x if axis == 'width' else s.fixed_width
+  out = {'model.d_model': d, 'model.mlp_dim': int(s.mlp_ratio * d)}
+  if axis == 'repeats':   # one shared block applied R times (recursive / universal plan)
+    out.update({'model.num_layers': x * s.loop_unique, 'model.sharing.scheme': 'cycle',
+                'model.sharing.num_unique': s.loop_unique, 'model.sharing.repeats': 0})
+  elif axis == 'depth':
+    out.update({'model.num_layers': x, 'model.sharing.scheme': 'untied',
+                'model.sharing.num_unique': 0, 'model.sharing.repeats': 0})
+  return out

@@ -1,0 +1,166 @@
+"""Coordinate check: mean|x| of every sown activation against width, loop count R or depth.
+
+  python -m sharenet.studies.coord_check --config configs/mup/coord_check.py --out DIR
+
+Protocol (reference/mup.md section 3.1, microsoft/mup `get_coord_data`): a fixed batch reused
+every step, Adam at a deliberately large LR, no clipping or decay; the statistic is mean|x|
+('l1') of each activation, recorded in the forward pass *before* each update (t=0 is init).
+Shared blocks record every use (one value per loop iteration). Writes DIR/coord_check.json
+(per axis, variant, activation and step: the slope of log mean|x| against log x, plus the raw
+values) and DIR/coord_check_{axis}.png (rows: variants, columns: steps).
+"""
+from __future__ import annotations
+
+import functools
+import json
+import os
+import sys
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax.traverse_util import flatten_dict
+
+from sharenet import config_lib, train_lib
+from sharenet.models.layers import INTERMEDIATES
+from sharenet.studies import common
+
+# Activations whose flatness the muP criterion covers (issue 5, Done-when 2).
+CORE = ('embed_out', 'residual', 'attn_out', 'mlp_hidden', 'mlp_out')
+
+
+def measure(config: Any, overrides: dict[str, Any], steps: int, seeds: int,
+            tokens_BT1: np.ndarray) -> dict[str, list[list[float]]]:
+  """{activation: [[mean|x| per use] for t in 0..steps]} averaged over seeds, for one model."""
+  c = common.with_overrides(config, overrides)
+  mcfg = config_lib.validate(c)
+  model, tx, pz, _ = train_lib.setup(c, mcfg)
+
+  def loss_fn(p, toks):
+    logits, state = model.apply(pz.forward(p), toks[:, :-1], mutable=[INTERMEDIATES])
+    nll = optax.softmax_cross_entropy_with_integer_labels(logits, toks[:, 1:])
+    return jnp.mean(nll), state[INTERMEDIATES]
+
+  @jax.jit
+  def step(state, toks):
+    (loss, inter), g = jax.value_and_grad(loss_fn, has_aux=True)(state.params, toks)
+    u, opt = tx.update(g, state.opt_state, state.params)
+    return state.replace(params=optax.apply_updates(state.params, u), opt_state=opt), inter, loss
+
+  init = jax.jit(functools.partial(train_lib.init_state, model, tx, pz=pz))
+  toks = jnp.asarray(tokens_BT1)
+  runs = []
+  for seed in range(seeds):
+    state = init(jax.random.key(seed))
+    per_step = []
+    for _ in range(steps + 1):
+      state, inter, loss = step(state, toks)
+      per_step.append(_flatten(inter))
+    runs.append(per_step)
+  names = runs[0][0].keys()
+  return {n: [np.mean([r[t][n] for r in runs], axis=0).tolist() for t in range(steps + 1)]
+          for n in names}
+
+
+def _flatten(inter: Any) -> dict[str, np.ndarray]:
+  """Sown scalars -> {activation name: values per use in applied order}."""
+  out: dict[str, list] = {}
+  for path, value in sorted(flatten_dict(inter).items()):
+    arr = np.asarray(value[0] if isinstance(value, tuple) else value, np.float64).ravel()
+    out.setdefault(path[-1], []).extend(arr.tolist())
+  out['residual_final'] = out['residual'][-1:]
+  return {k: np.asarray(v) for k, v in out.items()}
+
+
+def run_axis(config: Any, axis: str, log=print) -> dict[str, Any]:
+  """Sweeps one axis ('width' | 'repeats' | 'depth') for every variant of that axis."""
+  s = config.study
+  xs = common.parse_list(s[f'{axis}_values'])
+  tokens = common.fixed_batch(config.data, config.train.batch_size, config.train.seq_len)
+  out: dict[str, Any] = {'xs': xs, 'variants': {}}
+  for spec in common.parse_list(s[f'{axis}_variants'], str):
+    name, settings = common.parse_variant(spec)
+    lr = settings.pop('lr', config.train.lr)
+    base = {f'parametrization.{k}': v for k, v in settings.items()}
+    base.setdefault('parametrization.base_d_model', xs[0] if axis == 'width' else s.fixed_width)
+    base['train.lr'] = lr
+    values = {}
+    for x in xs:
+      t0 = time.perf_counter()
+      values[x] = measure(config, {**base, **common.point_overrides(axis, x, s)}, s.steps, s.seeds,
+                          tokens)
+      log(f'coord_check {axis} {name} x={x}: {time.perf_counter() - t0:.1f}s')
+    acts = values[xs[0]].keys()
+    slopes = {a: [common.loglog_slope(xs, [np.mean(values[x][a][t]) for x in xs])
+                  for t in range(s.steps + 1)] for a in acts}
+    out['variants'][name] = {'lr': lr, 'slopes': slopes,
+                             'l1': {str(x): v for x, v in values.items()}}
+  return out
+
+
+def summary(result: dict[str, Any], t_min: int = 1) -> dict[str, dict[str, float]]:
+  """Per variant and activation: the largest |slope| over steps t >= t_min."""
+  return {v: {a: float(np.nanmax(np.abs(sl[t_min:]))) for a, sl in r['slopes'].items()}
+          for v, r in result['variants'].items()}
+
+
+def plot(result: dict[str, Any], axis: str, path: str) -> None:
+  """Grid: one row per variant, one column per step; log-log mean|x| against the axis."""
+  import matplotlib
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt
+  variants = list(result['variants'])
+  steps = len(next(iter(result['variants'].values()))['slopes']['residual'])
+  xs = result['xs']
+  colors = plt.get_cmap('tab20')
+  fig, axes = plt.subplots(len(variants), steps, figsize=(3.2 * steps, 2.8 * len(variants)),
+                           squeeze=False, sharex=True)
+  for i, v in enumerate(variants):
+    r = result['variants'][v]
+    for t in range(steps):
+      ax = axes[i, t]
+      for k, a in enumerate(sorted(r['slopes'])):
+        ys = [np.mean(r['l1'][str(x)][a][t]) for x in xs]
+        ax.plot(xs, ys, marker='o', ms=3, lw=1.2 if a in CORE else 0.8, color=colors(k % 20),
+                ls='-' if a in CORE else '--', label=a)
+      ax.set_xscale('log', base=2)
+      ax.set_yscale('log')
+      ax.set_title(f'{v}  t={t}', fontsize=8)
+      if v.startswith('sp'):
+        ax.set_facecolor('#eeeeee')
+      if i == len(variants) - 1:
+        ax.set_xlabel(axis)
+  axes[0, -1].legend(fontsize=6, loc='center left', bbox_to_anchor=(1.0, 0.5))
+  fig.tight_layout()
+  fig.savefig(path, dpi=90)
+  plt.close(fig)
+
+
+def main(config: Any, out_dir: str) -> dict[str, Any]:
+  os.makedirs(out_dir, exist_ok=True)
+  t0 = time.perf_counter()
+  result = {}
+  for axis in common.parse_list(config.study.axes, str):
+    result[axis] = run_axis(config, axis, log=lambda m: print(m, file=sys.stderr, flush=True))
+    result[axis]['max_abs_slope_t_ge_1'] = summary(result[axis])
+    plot(result[axis], axis, os.path.join(out_dir, f'coord_check_{axis}.png'))
+  result['runtime_s'] = round(time.perf_counter() - t0, 1)
+  result['config'] = json.loads(config_lib.to_json(config))
+  with open(os.path.join(out_dir, 'coord_check.json'), 'w') as f:
+    json.dump(result, f, indent=1)
+  for axis in common.parse_list(config.study.axes, str):
+    for v, row in result[axis]['max_abs_slope_t_ge_1'].items():
+      print(f'{axis:8s} {v:34s} ' + ' '.join(f'{a}={row[a]:.2f}' for a in sorted(row)))
+  print(f'wrote {out_dir}/coord_check.json ({result["runtime_s"]} s)')
+  return result
+
+
+if __name__ == '__main__':
+  from absl import app, flags
+  from ml_collections import config_flags
+  _CONFIG = config_flags.DEFINE_config_file('config', None, 'Study config file.')
+  _OUT = flags.DEFINE_string('out', 'runs/coord_check', 'Output directory.')
+  app.run(lambda argv: main(_CONFIG.value, _OUT.value) and None)

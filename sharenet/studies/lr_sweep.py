@@ -1,0 +1,196 @@
+"""LR-transfer sweep: final loss over widths (or R / depth) x learning rates x seeds.
+
+  python -m sharenet.studies.lr_sweep --config configs/mup/transfer.py --out DIR
+
+Every (LR, seed) cell of one model is trained at once: the cells are vmapped and the steps run
+in one lax.scan. The optimizer is built with peak LR 1 and its update multiplied by each cell's
+LR, which is exact for the lr-coupled chain (clip -> Adam -> per-leaf multipliers -> decay ->
+schedule are all linear in the peak LR after clipping). Data order is the same for all cells.
+Per width the optimum is the vertex of a quadratic in log2 LR fitted to the seed-mean loss at
+the grid argmin and its neighbours (reference/mup.md section 4). Writes DIR/lr_sweep.json and
+DIR/lr_sweep_{axis}.png (loss against LR, one curve per x, one panel per parametrization).
+"""
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+import sys
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from sharenet import config_lib, data, eval_lib, optim, train_lib
+from sharenet.studies import common
+
+
+def batches(config: Any, steps: int, seed: int = 0) -> np.ndarray:
+  """(steps, B, T + 1) training windows from the train split (one fixed order for all cells)."""
+  t = config.train
+  train, _ = data.load_splits(config.data)
+  rng = np.random.default_rng(seed)
+  starts = rng.integers(0, len(train) - t.seq_len - 1, (steps, t.batch_size))
+  idx = starts[..., None] + np.arange(t.seq_len + 1)
+  return np.asarray(train, np.int32)[idx]
+
+
+def val_batch(config: Any, n: int) -> np.ndarray:
+  _, val = data.load_splits(config.data)
+  T = config.train.seq_len
+  starts = np.linspace(0, len(val) - T - 2, n).astype(np.int64)
+  return np.asarray(val, np.int32)[starts[:, None] + np.arange(T + 1)]
+
+
+def train_cells(config: Any, lrs: list[float], seeds: int, tokens_SBT1: np.ndarray,
+                val_BT1: np.ndarray, avg_last: int) -> tuple[np.ndarray, np.ndarray]:
+  """(final train loss, val loss), each (len(lrs), seeds), for one model config."""
+  mcfg = config_lib.validate(config)
+  model, _, pz, _ = train_lib.setup(config, mcfg)
+  t1 = common.with_overrides(config, {'train.lr': 1.0}).train
+  tx = optim.make_optimizer(t1, multipliers=pz.opt_multipliers())     # peak LR 1; cells scale the update
+  loss_fn = lambda p, b: jnp.mean(eval_lib.token_nll(model, pz.forward(p), b))
+
+  def one_cell(key, lr, toks_SBT1, val):
+    state = train_lib.init_state(model, tx, key, pz=pz)
+
+    def step(carry, b):
+      p, s = carry
+      loss, g = jax.value_and_grad(loss_fn)(p, b)
+      u, s = tx.update(g, s, p)
+      p = jax.tree.map(lambda x, d: x + lr * d, p, u)
+      return (p, s), loss
+
+    (p, _), losses = jax.lax.scan(step, (state.params, state.opt_state), toks_SBT1)
+    return jnp.mean(losses[-avg_last:]), loss_fn(p, val)
+
+  n = len(lrs) * seeds
+  keys = jax.vmap(jax.random.key)(jnp.tile(jnp.arange(seeds), len(lrs)))
+  lr_cells = jnp.repeat(jnp.asarray(lrs, jnp.float32), seeds)
+  run = jax.jit(jax.vmap(one_cell, in_axes=(0, 0, None, None)))
+  final, val = run(keys, lr_cells, jnp.asarray(tokens_SBT1), jnp.asarray(val_BT1))
+  shape = (len(lrs), seeds)
+  assert final.shape == (n,)
+  return np.asarray(final).reshape(shape), np.asarray(val).reshape(shape)
+
+
+def optimum(log2_lrs: list[float], losses: np.ndarray) -> dict[str, Any]:
+  """Sub-grid optimum: vertex of a quadratic in log2 LR around the grid argmin (seed mean)."""
+  mean = np.where(np.isfinite(losses), losses, np.inf).mean(axis=1)
+  i = int(np.argmin(mean))
+  out = {'grid_argmin_log2_lr': log2_lrs[i], 'at_edge': i in (0, len(mean) - 1)}
+  lo, hi = max(0, i - 1), min(len(mean), i + 2)
+  if hi - lo < 3:          # at the edge: use the 3 nearest points
+    lo, hi = (0, 3) if i == 0 else (len(mean) - 3, len(mean))
+  x, y = np.asarray(log2_lrs[lo:hi]), mean[lo:hi]
+  if np.all(np.isfinite(y)):
+    a, b, _ = np.polyfit(x, y, 2)
+    v = -b / (2 * a) if a > 0 else log2_lrs[i]
+    out['fit_log2_lr'] = float(np.clip(v, log2_lrs[0], log2_lrs[-1]))
+  else:
+    out['fit_log2_lr'] = float(log2_lrs[i])
+  return out
+
+
+def run_axis(config: Any, axis: str, log=print) -> dict[str, Any]:
+  s = config.study
+  xs = common.parse_list(s[f'{axis}_values'])
+  steps, seeds = s.steps, s.seeds
+  tokens = batches(config, steps)
+  val = val_batch(config, s.val_windows)
+  out: dict[str, Any] = {'xs': xs, 'variants': {}}
+  for spec in common.parse_list(s[f'{axis}_variants'], str):
+    name, settings = common.parse_variant(spec)
+    log2_lrs = _grid(settings.pop('log2_lrs', s.log2_lrs))
+    lrs = [2.0 ** v for v in log2_lrs]
+    base = {f'parametrization.{k}': v for k, v in settings.items()}
+    base.setdefault('parametrization.base_d_model', xs[0] if axis == 'width' else s.fixed_width)
+    rows = {}
+    for x in xs:
+      t0 = time.perf_counter()
+      c = common.with_overrides(config, {**base, **common.point_overrides(axis, x, s)})
+      final, vloss = train_cells(c, lrs, seeds, tokens, val, s.avg_last)
+      opt = optimum(log2_lrs, final)
+      rows[str(x)] = {'final_loss': final.tolist(), 'val_loss': vloss.tolist(), **opt,
+                      'seconds': round(time.perf_counter() - t0, 1)}
+      log(f'lr_sweep {axis} {name} x={x}: opt 2^{opt["fit_log2_lr"]:.2f} '
+          f'(grid 2^{opt["grid_argmin_log2_lr"]:g}) {rows[str(x)]["seconds"]}s')
+    fits = [rows[str(x)]['fit_log2_lr'] for x in xs]
+    out['variants'][name] = {
+        'log2_lrs': log2_lrs, 'cells': rows,
+        'optimum_shift_log2': float(max(fits) - min(fits)),
+        'optimum_slope_log2_per_doubling': float(np.polyfit(np.log2(xs), fits, 1)[0]),
+        'any_at_edge': any(rows[str(x)]['at_edge'] for x in xs)}
+  return out
+
+
+def _grid(spec: str) -> list[float]:
+  """'-12..-4' -> [-12, -11, ..., -4] (2x spacing); or a comma list of log2 values."""
+  if '..' in str(spec):
+    lo, hi = (float(v) for v in str(spec).split('..'))
+    return [lo + i for i in range(int(hi - lo) + 1)]
+  return common.parse_list(spec, float)
+
+
+def plot(result: dict[str, Any], axis: str, path: str) -> None:
+  import matplotlib
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt
+  variants = list(result['variants'])
+  fig, axes = plt.subplots(1, len(variants), figsize=(5 * len(variants), 4), squeeze=False)
+  cmap = plt.get_cmap('viridis')
+  xs = result['xs']
+  for j, v in enumerate(variants):
+    r, ax = result['variants'][v], axes[0, j]
+    all_y = []
+    for k, x in enumerate(xs):
+      cell = r['cells'][str(x)]
+      y = np.asarray(cell['final_loss'], np.float64)
+      y = np.where(np.isfinite(y), y, np.nan)
+      mean = np.nanmean(y, axis=1)
+      all_y += [m for m in mean if np.isfinite(m)]
+      color = cmap(k / max(1, len(xs) - 1))
+      ax.plot(r['log2_lrs'], mean, marker='o', ms=3, color=color, label=f'{axis}={x}')
+      ax.fill_between(r['log2_lrs'], np.nanmin(y, 1), np.nanmax(y, 1), color=color, alpha=0.2)
+      ax.axvline(cell['fit_log2_lr'], color=color, ls=':', lw=1)
+    lo = min(all_y)
+    ax.set_ylim(lo - 0.05, lo + 1.2)
+    ax.set_xlabel('log2 learning rate')
+    ax.set_ylabel('final train loss (nats)')
+    ax.set_title(f'{v}: optimum shift {r["optimum_shift_log2"]:.2f} (log2)', fontsize=9)
+    ax.legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(path, dpi=90)
+  plt.close(fig)
+
+
+def main(config: Any, out_dir: str) -> dict[str, Any]:
+  os.makedirs(out_dir, exist_ok=True)
+  t0 = time.perf_counter()
+  result: dict[str, Any] = {}
+  for axis in common.parse_list(config.study.axes, str):
+    result[axis] = run_axis(config, axis, log=lambda m: print(m, file=sys.stderr, flush=True))
+    plot(result[axis], axis, os.path.join(out_dir, f'lr_sweep_{axis}.png'))
+  result['runtime_s'] = round(time.perf_counter() - t0, 1)
+  result['config'] = json.loads(config_lib.to_json(config))
+  with open(os.path.join(out_dir, 'lr_sweep.json'), 'w') as f:
+    json.dump(result, f, indent=1)
+  for axis in common.parse_list(config.study.axes, str):
+    for v, r in result[axis]['variants'].items():
+      opts = ' '.join(f'{x}:2^{r["cells"][str(x)]["fit_log2_lr"]:.2f}' for x in result[axis]['xs'])
+      print(f'{axis:8s} {v:30s} optima {opts}  shift {r["optimum_shift_log2"]:.2f} '
+            f'(edge: {r["any_at_edge"]})')
+  print(f'wrote {out_dir}/lr_sweep.json ({result["runtime_s"]} s)')
+  return result
+
+
+if __name__ == '__main__':
+  from absl import app, flags
+  from ml_collections import config_flags
+  _CONFIG = config_flags.DEFINE_config_file('config', None, 'Study config file.')
+  _OUT = flags.DEFINE_string('out', 'runs/lr_sweep', 'Output directory.')
+  app.run(lambda argv: main(_CONFIG.value, _OUT.value) and None)
