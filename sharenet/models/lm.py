@@ -52,7 +52,9 @@ class DecoderLM(nn.Module):
     if c.logits_mult != 1.0:   # muP readout multiplier (reference/mup.md section 1.1)
       logits_BTV = logits_BTV * c.logits_mult
     sow_l1(self, 'logits', logits_BTV)
-    return nn.with_logical_constraint(logits_BTV.astype(jnp.float32),
+    # float32 logits for low-precision models; float64 stays float64 (exactness tests).
+    logits_BTV = logits_BTV.astype(jnp.promote_types(logits_BTV.dtype, jnp.float32))
+    return nn.with_logical_constraint(logits_BTV,
                                       ('activation_batch', 'activation_length', 'activation_vocab'))
 
 
