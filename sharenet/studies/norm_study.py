@@ -18,6 +18,8 @@ import sys
 import time
 from typing import Any
 
+from sharenet.studies import common
+
 # name -> (kind, overrides as dotted config keys)
 VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     'rmsnorm': ('activation norm', {}),
@@ -43,19 +45,9 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
 SCHEMES = {'untied': {}, 'cycle': {'model.sharing.scheme': 'cycle', 'model.sharing.repeats': 2}}
 
 
-def _set(config: Any, key: str, value: Any) -> None:
-  *parents, leaf = key.split('.')
-  node = config
-  for p in parents:
-    node = node[p]
-  node[leaf] = value
-
-
 def run_one(base: Any, scheme: str, variant: str, out: str) -> dict[str, Any]:
   from sharenet import train_lib
-  config = base.copy_and_resolve_references()
-  for k, v in {**SCHEMES[scheme], **VARIANTS[variant][1]}.items():
-    _set(config, k, v)
+  config = common.with_overrides(base, {**SCHEMES[scheme], **VARIANTS[variant][1]})
   workdir = os.path.join(out, scheme, variant)
   t0 = time.time()
   row = {'scheme': scheme, 'variant': variant, 'kind': VARIANTS[variant][0],
