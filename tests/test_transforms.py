@@ -424,7 +424,22 @@ def test_norm_study_cli_runs_variants_and_writes_the_table(tmp_path):
   assert [(r['variant'], r['status']) for r in rows] == [('dyt', 'ok'), ('agc', 'ok')]
   table = open(os.path.join(out, 'norm_study.md')).read()
   assert '| dyt | activation norm |' in table and '| agc | update |' in table
+  assert os.path.exists(os.path.join(out, 'norm_study.png'))
   assert norm_study.main(['--out', out, '--variants', 'batchnorm']) == 2
+
+
+def test_norm_study_workers_sharing_one_out_keep_every_row(tmp_path):
+  """Two study processes writing one --out (one per core) re-read under a lock: no row lost,
+  and a re-run of a cell replaces its row."""
+  from sharenet.studies import norm_study
+  path = str(tmp_path / 'norm_study.json')
+  row = lambda s, v, bpb: {'scheme': s, 'variant': v, 'status': 'ok', 'eval_bits_per_byte': bpb}
+  json.dump([row('untied', 'rmsnorm', 2.2)], open(path, 'w'))   # written by the other worker
+  norm_study._append_row(path, row('cycle', 'dyt', 2.3))
+  rows = norm_study._append_row(path, row('untied', 'rmsnorm', 2.1))
+  assert sorted((r['scheme'], r['variant'], r['eval_bits_per_byte']) for r in rows) == [
+      ('cycle', 'dyt', 2.3), ('untied', 'rmsnorm', 2.1)]
+  assert json.load(open(path)) == rows
 
 
 def test_mup_composes_with_transforms_and_scalar_norm_params():

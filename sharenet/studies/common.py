@@ -3,7 +3,10 @@ from __future__ import annotations
 
 import copy
 import json
-from typing import Any
+import os
+import sys
+import time
+from typing import Any, Callable
 
 import numpy as np
 
@@ -71,3 +74,25 @@ def point_overrides(axis: str, x: int, s: Any) -> dict[str, Any]:
     out.update({'model.num_layers': x, 'model.sharing.scheme': 'untied',
                 'model.sharing.num_unique': 0, 'model.sharing.repeats': 0})
   return out
+
+
+def run_axes(config: Any, out_dir: str, name: str, run_axis: Callable[..., dict[str, Any]],
+             plot: Callable[[dict[str, Any], str, str], None],
+             annotate: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+  """Runs a study over each of `config.study.axes`: result[axis] = run_axis(config, axis, log),
+  `annotate(result[axis])` if given, a plot OUT/<name>_<axis>.png per axis, then OUT/<name>.json
+  with the total runtime and the config (progress lines go to stderr)."""
+  from sharenet import config_lib
+  os.makedirs(out_dir, exist_ok=True)
+  t0 = time.perf_counter()
+  result: dict[str, Any] = {}
+  for axis in parse_list(config.study.axes, str):
+    result[axis] = run_axis(config, axis, log=lambda m: print(m, file=sys.stderr, flush=True))
+    if annotate is not None:
+      annotate(result[axis])
+    plot(result[axis], axis, os.path.join(out_dir, f'{name}_{axis}.png'))
+  result['runtime_s'] = round(time.perf_counter() - t0, 1)
+  result['config'] = json.loads(config_lib.to_json(config))
+  with open(os.path.join(out_dir, f'{name}.json'), 'w') as f:
+    json.dump(result, f, indent=1)
+  return result

@@ -12,9 +12,6 @@ values) and DIR/coord_check_{axis}.png (rows: variants, columns: steps).
 from __future__ import annotations
 
 import functools
-import json
-import os
-import sys
 import time
 from typing import Any
 
@@ -140,17 +137,9 @@ def plot(result: dict[str, Any], axis: str, path: str) -> None:
 
 
 def main(config: Any, out_dir: str) -> dict[str, Any]:
-  os.makedirs(out_dir, exist_ok=True)
-  t0 = time.perf_counter()
-  result = {}
-  for axis in common.parse_list(config.study.axes, str):
-    result[axis] = run_axis(config, axis, log=lambda m: print(m, file=sys.stderr, flush=True))
-    result[axis]['max_abs_slope_t_ge_1'] = summary(result[axis])
-    plot(result[axis], axis, os.path.join(out_dir, f'coord_check_{axis}.png'))
-  result['runtime_s'] = round(time.perf_counter() - t0, 1)
-  result['config'] = json.loads(config_lib.to_json(config))
-  with open(os.path.join(out_dir, 'coord_check.json'), 'w') as f:
-    json.dump(result, f, indent=1)
+  def annotate(res: dict[str, Any]) -> None:
+    res['max_abs_slope_t_ge_1'] = summary(res)
+  result = common.run_axes(config, out_dir, 'coord_check', run_axis, plot, annotate)
   for axis in common.parse_list(config.study.axes, str):
     for v, row in result[axis]['max_abs_slope_t_ge_1'].items():
       print(f'{axis:8s} {v:34s} ' + ' '.join(f'{a}={row[a]:.2f}' for a in sorted(row)))

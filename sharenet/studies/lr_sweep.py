@@ -13,10 +13,6 @@ DIR/lr_sweep_{axis}.png (loss against LR, one curve per x, one panel per paramet
 from __future__ import annotations
 
 import functools
-import json
-import math
-import os
-import sys
 import time
 from typing import Any
 
@@ -169,16 +165,7 @@ def plot(result: dict[str, Any], axis: str, path: str) -> None:
 
 
 def main(config: Any, out_dir: str) -> dict[str, Any]:
-  os.makedirs(out_dir, exist_ok=True)
-  t0 = time.perf_counter()
-  result: dict[str, Any] = {}
-  for axis in common.parse_list(config.study.axes, str):
-    result[axis] = run_axis(config, axis, log=lambda m: print(m, file=sys.stderr, flush=True))
-    plot(result[axis], axis, os.path.join(out_dir, f'lr_sweep_{axis}.png'))
-  result['runtime_s'] = round(time.perf_counter() - t0, 1)
-  result['config'] = json.loads(config_lib.to_json(config))
-  with open(os.path.join(out_dir, 'lr_sweep.json'), 'w') as f:
-    json.dump(result, f, indent=1)
+  result = common.run_axes(config, out_dir, 'lr_sweep', run_axis, plot)
   for axis in common.parse_list(config.study.axes, str):
     for v, r in result[axis]['variants'].items():
       opts = ' '.join(f'{x}:2^{r["cells"][str(x)]["fit_log2_lr"]:.2f}' for x in result[axis]['xs'])

@@ -63,11 +63,11 @@ def run_one(base: Any, scheme: str, variant: str, out: str) -> dict[str, Any]:
 
 
 def to_markdown(rows: list[dict[str, Any]]) -> str:
-  schemes = list(dict.fromkeys(r['scheme'] for r in rows))
+  schemes = [s for s in SCHEMES if any(r['scheme'] == s for r in rows)]
   by = {(r['scheme'], r['variant']): r for r in rows}
   head = '| variant | kind | ' + ' | '.join(f'{s} eval bits/byte' for s in schemes) + ' |'
   lines = [head, '|---|---|' + '---|' * len(schemes)]
-  for v in dict.fromkeys(r['variant'] for r in rows):
+  for v in [v for v in VARIANTS if any(r['variant'] == v for r in rows)]:
     cells = []
     for s in schemes:
       r = by.get((s, v))
@@ -79,6 +79,50 @@ def to_markdown(rows: list[dict[str, Any]]) -> str:
         cells.append(f"{r['eval_bits_per_byte']:.3f}")
     lines.append(f'| {v} | {VARIANTS[v][0]} | ' + ' | '.join(cells) + ' |')
   return '\n'.join(lines) + '\n'
+
+
+def plot(rows: list[dict[str, Any]], out: str, path: str) -> None:
+  """Train-loss curves (from each run's metrics.jsonl), one panel per scheme."""
+  import matplotlib
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt
+  schemes = [s for s in SCHEMES if any(r['scheme'] == s for r in rows)]
+  fig, axes = plt.subplots(1, len(schemes), figsize=(6.5 * len(schemes), 4.5), squeeze=False,
+                           sharey=True)
+  for ax, scheme in zip(axes[0], schemes):
+    for v in VARIANTS:
+      f = os.path.join(out, scheme, v, 'metrics.jsonl')
+      if not os.path.exists(f):
+        continue
+      pts = [json.loads(line) for line in open(f)]
+      pts = [(m['step'], m['loss']) for m in pts if 'loss' in m and math.isfinite(m['loss'])]
+      if pts:
+        ax.plot(*zip(*pts), label=v, lw=1.2, ls='-' if VARIANTS[v][0] == 'activation norm'
+                else '--' if VARIANTS[v][0] in ('reparam', 'projection') else ':')
+    ax.set(title=f'{scheme}', xlabel='step', ylabel='train loss (nats/byte)', ylim=(1.3, 2.6))
+    ax.grid(alpha=0.3)
+  axes[0][-1].legend(fontsize=7, ncol=2)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
+def _append_row(path: str, row: dict[str, Any]) -> list[dict[str, Any]]:
+  """Adds `row` to the JSON list at `path` under an exclusive lock and returns the merged list.
+
+  Several study processes may share one --out (e.g. one pinned to each core with `taskset`, each
+  given its own --variants): each re-reads the file under the lock, so no row is lost.
+  """
+  import fcntl
+  with open(path + '.lock', 'w') as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    rows = json.load(open(path)) if os.path.exists(path) else []
+    rows = [r for r in rows if (r['scheme'], r['variant']) != (row['scheme'], row['variant'])]
+    rows.append(row)
+    with open(path + '.tmp', 'w') as f:
+      json.dump(rows, f, indent=1)
+    os.replace(path + '.tmp', path)
+  return rows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -114,11 +158,12 @@ def main(argv: list[str] | None = None) -> int:
         continue
       row = run_one(base, s, v, a.out)
       print(json.dumps(row), flush=True)
-      rows.append(row)
-      with open(path, 'w') as f:
-        json.dump(rows, f, indent=1)
+      rows = _append_row(path, row)
+  rows = json.load(open(path)) if os.path.exists(path) else rows  # rows other workers added
   with open(os.path.join(a.out, 'norm_study.md'), 'w') as f:
     f.write(to_markdown(rows))
+  if rows:
+    plot(rows, a.out, os.path.join(a.out, 'norm_study.png'))
   bad = [r for r in rows if r['status'] != 'ok' or not math.isfinite(r['eval_bits_per_byte'])]
   print(to_markdown(rows))
   return 1 if bad else 0
