@@ -440,6 +440,10 @@ def test_norm_study_workers_sharing_one_out_keep_every_row(tmp_path):
   assert sorted((r['scheme'], r['variant'], r['eval_bits_per_byte']) for r in rows) == [
       ('cycle', 'dyt', 2.3), ('untied', 'rmsnorm', 2.1)]
   assert json.load(open(path)) == rows
+  rows.append({**row('cycle', 'none', 82.8), 'status': 'unstable'})
+  table = norm_study.to_markdown(rows)
+  assert '| none | activation norm |  | unstable (82.8) |' in table
+  assert table.index('| rmsnorm |') < table.index('| dyt |') < table.index('| none |')  # VARIANTS order
 
 
 def test_mup_composes_with_transforms_and_scalar_norm_params():

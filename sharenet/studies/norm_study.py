@@ -5,8 +5,10 @@
 
 Each variant is a set of config overrides on the base config, trained with the one train loop
 (train_lib.train_and_evaluate) into OUT/<scheme>/<variant>. A run that hits a non-finite loss is
-recorded as diverged (its step), not dropped. Writes OUT/norm_study.json and OUT/norm_study.md
-(eval bits per byte, final train loss, seconds, status).
+recorded as diverged (its step), not dropped; one that stays finite but ends more than a nat
+worse than the uniform distribution (eval loss > ln vocab + 1) is recorded as unstable. Writes
+OUT/norm_study.json, OUT/norm_study.md (eval bits per byte, final train loss, seconds, status)
+and OUT/norm_study.png (train-loss curves).
 """
 from __future__ import annotations
 
@@ -56,6 +58,8 @@ def run_one(base: Any, scheme: str, variant: str, out: str) -> dict[str, Any]:
     res = train_lib.train_and_evaluate(config, workdir)
     row.update(status='ok', eval_bits_per_byte=res.get('eval_bits_per_byte'),
                eval_loss=res.get('eval_loss'), final_loss=res.get('loss'))
+    if not row['eval_loss'] <= math.log(config.model.vocab_size) + 1.0:
+      row['status'] = 'unstable'     # finite, but blown up: > 1 nat worse than uniform
   except train_lib.NonFiniteLoss as e:
     row.update(status='diverged', error=str(e).split(';')[0])
   row['seconds'] = round(time.time() - t0, 1)
@@ -73,6 +77,8 @@ def to_markdown(rows: list[dict[str, Any]]) -> str:
       r = by.get((s, v))
       if r is None:
         cells.append('')
+      elif r['status'] == 'unstable':
+        cells.append(f"unstable ({r['eval_bits_per_byte']:.1f})")
       elif r['status'] != 'ok':
         cells.append(r['status'])
       else:
