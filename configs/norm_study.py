@@ -3,13 +3,15 @@
 Command:   python -m sharenet.studies.norm_study --config configs/norm_study.py \
                --out runs/norm_study --schemes untied,cycle
            (19 variants x 2 schemes; each variant overrides this config, see
-           sharenet/studies/norm_study.py VARIANTS)
-Runtime:   ~5.3 min per run on the 2-core CPU (200 steps of 4,096 tokens + full validation eval),
-           ~3 h for the whole grid; --variants a,b or --schemes untied runs a slice.
-Result:    OUT/norm_study.md (eval bits per byte per variant and scheme). Measured 2026-11-30,
-           untied: rmsnorm 2.223, zero_mean_writers 2.226, weight_norm 2.210; cycle: rmsnorm
-           2.240, weight_norm 2.231 (328 s / 317 s per run alone; the rest of the grid not yet
-           run, see README).
+           sharenet/studies/norm_study.py VARIANTS; --variants a,b or --schemes untied runs a
+           slice; two processes pinned with `taskset -c 0` / `taskset -c 1` may share one --out)
+Runtime:   ~5.3 min per run on the 2-core CPU (200 steps of 4,096 tokens + full validation
+           eval), ~3.4 h for the grid in one process; ~8.7 min per run with two single-core
+           workers, ~2.8 h for the grid.
+Result:    OUT/norm_study.{json,md,png}. Measured 2026-11-30 (eval bits per byte, untied / cycle):
+           rmsnorm 2.223 / 2.240, qk_rms 2.140 / -, weight_std 2.201 / 2.231, ngpt_projection
+           2.361 / 2.465, none unstable (82.8); every transform trains without divergence under
+           both plans. Full table in README and docs/results/norm_study/.
 """
 from configs import default
 

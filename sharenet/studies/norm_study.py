@@ -88,27 +88,31 @@ def to_markdown(rows: list[dict[str, Any]]) -> str:
 
 
 def plot(rows: list[dict[str, Any]], out: str, path: str) -> None:
-  """Train-loss curves (from each run's metrics.jsonl), one panel per scheme."""
+  """Train-loss curves (from each run's metrics.jsonl), one panel per scheme; one colour per
+  variant across panels; solid: activation norms, dashed: reparams/projections, dotted: updates."""
   import matplotlib
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt
   schemes = [s for s in SCHEMES if any(r['scheme'] == s for r in rows)]
-  fig, axes = plt.subplots(1, len(schemes), figsize=(6.5 * len(schemes), 4.5), squeeze=False,
+  fig, axes = plt.subplots(1, len(schemes), figsize=(6 * len(schemes) + 2, 4.5), squeeze=False,
                            sharey=True)
+  cmap, handles = plt.get_cmap('tab20'), {}
+  finished = {(r['scheme'], r['variant']) for r in rows}
   for ax, scheme in zip(axes[0], schemes):
-    for v in VARIANTS:
+    for i, (v, (kind, _)) in enumerate(VARIANTS.items()):
       f = os.path.join(out, scheme, v, 'metrics.jsonl')
-      if not os.path.exists(f):
+      if (scheme, v) not in finished or not os.path.exists(f):
         continue
       pts = [json.loads(line) for line in open(f)]
       pts = [(m['step'], m['loss']) for m in pts if 'loss' in m and math.isfinite(m['loss'])]
       if pts:
-        ax.plot(*zip(*pts), label=v, lw=1.2, ls='-' if VARIANTS[v][0] == 'activation norm'
-                else '--' if VARIANTS[v][0] in ('reparam', 'projection') else ':')
-    ax.set(title=f'{scheme}', xlabel='step', ylabel='train loss (nats/byte)', ylim=(1.3, 2.6))
+        style = ('-' if kind not in ('reparam', 'projection', 'update')
+                 else '--' if kind != 'update' else ':')
+        handles[v], = ax.plot(*zip(*pts), label=v, lw=1.2, color=cmap(i % 20), ls=style)
+    ax.set(title=scheme, xlabel='step', ylabel='train loss (nats/byte)', ylim=(1.3, 2.6))
     ax.grid(alpha=0.3)
-  axes[0][-1].legend(fontsize=7, ncol=2)
-  fig.tight_layout()
+  fig.legend(list(handles.values()), list(handles), loc='center right', fontsize=7)
+  fig.tight_layout(rect=(0, 0, 1 - 1.8 / fig.get_figwidth(), 1))
   fig.savefig(path, dpi=110)
   plt.close(fig)
 
