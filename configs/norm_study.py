@@ -6,7 +6,7 @@ Command:   python -m sharenet.studies.norm_study --config configs/norm_study.py 
            sharenet/studies/norm_study.py VARIANTS; --variants a,b or --schemes untied runs a
            slice; two processes pinned with `taskset -c 0` / `taskset -c 1` may share one --out)
 Runtime:   ~5.3 min per run on the 2-core CPU (200 steps of 4,096 tokens + full validation
-           eval), ~3.4 h for the grid in one process; ~8.7 min per run with two single-core
+           eval), ~3.4 h for the grid in one process; ~9 min per run with two single-core
            workers, ~2.8 h for the grid.
 Result:    OUT/norm_study.{json,md,png}. Measured 2026-11-30 (eval bits per byte, untied / cycle):
            rmsnorm 2.223 / 2.240, qk_rms 2.140 / 2.199, weight_std 2.201 / 2.231, ngpt_projection
