@@ -8,7 +8,7 @@ tests/test_parametrization.py).
 """
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -89,10 +89,6 @@ def scale_by_adam_tree_eps(b1: float, b2: float, eps: Any) -> optax.GradientTran
   return optax.GradientTransformation(init_fn, update_fn)
 
 
-class _Empty(NamedTuple):
-  pass
-
-
 def scale_and_decay(lr_mult: Any, wd: Any) -> optax.GradientTransformation:
   """u <- lr_mult * u + wd * p per leaf (`lr_mult(path)`, `wd(path)`): the decay is not scaled
   by the LR multiplier."""
@@ -104,7 +100,7 @@ def scale_and_decay(lr_mult: Any, wd: Any) -> optax.GradientTransformation:
       return u if w == 0.0 else u + w * p
     return jax.tree_util.tree_map_with_path(leaf, updates, params), state
 
-  return optax.GradientTransformation(lambda _: _Empty(), update_fn)
+  return optax.GradientTransformation(lambda _: optax.EmptyState(), update_fn)
 
 
 def _keys(path) -> tuple[str, ...]:

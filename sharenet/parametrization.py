@@ -53,7 +53,7 @@ WD_MODES = ('lr_coupled', 'independent')
 WIDTH_AXES = frozenset({'embed', 'mlp', 'heads', 'kv_heads', 'head_dim'})
 SCAN_AXES = frozenset({'layers', 'repeats'})
 FINITE_AXES = frozenset({'vocab', 'length', 'lora'})
-DECAYED = ('kernel', 'embedding', 'pos_embed', 'lora_a', 'lora_b')   # = optim.DECAYED
+DECAYED = ('kernel', 'embedding', 'pos_embed', 'lora_a', 'lora_b')   # wd_mult 1, others 0 (optim's role mask decides)
 BRANCH_OUT = (('attn', 'o'), ('mlp', 'wo'))   # last projections of the residual branches
 UNTIEABLE = ('mup_table3', 'umup')           # one tensor cannot carry two roles (ref. 0, 1.6)
 Path = tuple[str, ...]

@@ -49,11 +49,18 @@ def init_state(model: DecoderLM, tx: optax.GradientTransformation, rng: jax.Arra
   return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params), tstate)
 
 
+def effective(params: Any, tstate: Any, tr: Transforms | None = None,
+              pz: parametrization.Parametrization | None = None) -> Any:
+  """Stored params -> the variables the model applies: `tr`'s reparameterizations (with their
+  state `tstate`), then `pz`'s forward multipliers."""
+  params = params if tr is None else tr.effective(params, tstate)
+  return params if pz is None or not pz.has_forward else pz.forward(params)
+
+
 def effective_params(state: TrainState, tr: Transforms | None = None,
                      pz: parametrization.Parametrization | None = None) -> Any:
-  """The variables the model applies: reparameterizations, then muP forward multipliers."""
-  params = state.params if tr is None else tr.effective(state.params, state.tstate)
-  return params if pz is None or not pz.has_forward else pz.forward(params)
+  """The variables the model applies for `state` (see `effective`)."""
+  return effective(state.params, state.tstate, tr, pz)
 
 
 def setup(config: Any, mcfg: ModelConfig):
@@ -66,17 +73,15 @@ def setup(config: Any, mcfg: ModelConfig):
 
 def train_step(state: TrainState, batch_BT1: jax.Array, *, model: DecoderLM,
                tx: optax.GradientTransformation, grad_accum: int, tr: Transforms | None = None,
-               forward=None):
+               pz: parametrization.Parametrization | None = None):
   """One optimizer step; with grad_accum > 1 the batch is split into scanned micro-batches.
 
-  The loss sees effective params: `tr`'s reparameterizations (gradients flow through them; their
-  state, power iterations, advances once per step before the loss, outside the differentiated
-  function), then `forward` (a parametrization's forward multipliers).
+  The loss sees `effective` params: `tr`'s reparameterizations (gradients flow through them;
+  their state, power iterations, advances once per step before the loss, outside the
+  differentiated function), then `pz`'s forward multipliers.
   """
   tstate = state.tstate if tr is None else tr.update_state(state.params, state.tstate)
-  fwd = forward or (lambda p: p)
-  apply = (lambda p: fwd(p)) if tr is None else (lambda p: fwd(tr.effective(p, tstate)))
-  loss_fn = lambda p, b: jnp.mean(eval_lib.token_nll(model, apply(p), b))
+  loss_fn = lambda p, b: jnp.mean(eval_lib.token_nll(model, effective(p, tstate, tr, pz), b))
   grad_fn = jax.value_and_grad(loss_fn)
   if grad_accum == 1:
     loss, grads = grad_fn(state.params, batch_BT1)
@@ -134,7 +139,6 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, float]:
   mcfg: ModelConfig = config_lib.validate(config)
   t = config.train
   model, tx, pz, tr = setup(config, mcfg)
-  forward = pz.forward if pz.has_forward else None
   schedule = optim.lr_schedule(t)
   rng = jax.random.key(t.seed)
   abstract = jax.eval_shape(functools.partial(init_state, model, tx, tr=tr, pz=pz), rng)
@@ -150,7 +154,7 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, float]:
   batch_sharding = sharding.batch_sharding(mesh, rules)
   batch_shape = (t.batch_size, t.seq_len + 1)
   step_fn = jax.jit(functools.partial(train_step, model=model, tx=tx, grad_accum=t.grad_accum,
-                                      tr=tr, forward=forward),
+                                      tr=tr, pz=pz),
                     in_shardings=(shardings, batch_sharding),
                     out_shardings=(shardings, replicated), donate_argnums=0)
   if config.get('dry_run', False):

@@ -374,7 +374,7 @@ def test_lr_sweep_vmapped_cells_match_a_plain_run():
   model, tx, pz, _ = train_lib.setup(ref, config_lib.validate(ref))
   state = train_lib.init_state(model, tx, jax.random.key(0), pz=pz)
   step = jax.jit(functools.partial(train_lib.train_step, model=model, tx=tx, grad_accum=1,
-                                   forward=pz.forward))
+                                   pz=pz))
   for b in toks:
     state, metrics = step(state, jnp.asarray(b))
   assert final[1, 0] == pytest.approx(float(metrics['loss']), rel=1e-4)
@@ -387,7 +387,8 @@ def test_study_driver_runs_each_axis_then_writes_json_and_plots(tmp_path):
   from configs import tiny
   from sharenet.studies import common
   c = tiny.get_config()
-  c.study = ml_collections.ConfigDict({'axes': 'width,loops'})
+  c.study = ml_collections.ConfigDict({'axes': 'width,loops', 'width_values': '1,2',
+                                       'loops_values': '1,2'})
   seen = []
 
   def run_axis(config, axis, log):
@@ -404,3 +405,6 @@ def test_study_driver_runs_each_axis_then_writes_json_and_plots(tmp_path):
   assert saved['loops']['n'] == 2 and saved['config']['study']['axes'] == 'width,loops'
   assert saved['runtime_s'] >= 0
   assert open(tmp_path / 'demo_width.png').read() == 'width'
+  c.study.axes = 'width,bogus'
+  with pytest.raises(ConfigError, match="unknown axis 'bogus'"):
+    common.run_axes(c, str(tmp_path), 'demo', run_axis, plot)

@@ -460,7 +460,7 @@ def test_mup_composes_with_transforms_and_scalar_norm_params():
   state = train_lib.init_state(model, tx, jax.random.key(0), tr, pz)
   assert 'reparam' in state.params
   step = jax.jit(functools.partial(train_lib.train_step, model=model, tx=tx, grad_accum=1, tr=tr,
-                                   forward=pz.forward if pz.has_forward else None))
+                                   pz=pz))
   batch = jax.random.randint(jax.random.key(1), (4, 33), 0, 256)
   losses = []
   for _ in range(4):

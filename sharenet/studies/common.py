@@ -83,10 +83,16 @@ def run_axes(config: Any, out_dir: str, name: str, run_axis: Callable[..., dict[
   `annotate(result[axis])` if given, a plot OUT/<name>_<axis>.png per axis, then OUT/<name>.json
   with the total runtime and the config (progress lines go to stderr)."""
   from sharenet import config_lib
+  from sharenet.errors import ConfigError
+  axes = parse_list(config.study.axes, str)
+  valid = [k[:-len('_values')] for k in config.study if k.endswith('_values')]
+  for axis in axes:
+    if axis not in valid:
+      raise ConfigError(f'study.axes: unknown axis {axis!r}; valid: {", ".join(valid)}')
   os.makedirs(out_dir, exist_ok=True)
   t0 = time.perf_counter()
   result: dict[str, Any] = {}
-  for axis in parse_list(config.study.axes, str):
+  for axis in axes:
     result[axis] = run_axis(config, axis, log=lambda m: print(m, file=sys.stderr, flush=True))
     if annotate is not None:
       annotate(result[axis])
@@ -96,3 +102,23 @@ def run_axes(config: Any, out_dir: str, name: str, run_axis: Callable[..., dict[
   with open(os.path.join(out_dir, f'{name}.json'), 'w') as f:
     json.dump(result, f, indent=1)
   return result
+
+
+def run_cli(main: Callable[[Any, str], Any], default_out: str) -> None:
+  """`python -m sharenet.studies.X --config FILE [--config.k=v ...] --out DIR` for a study whose
+  entry point is main(config, out_dir)."""
+  from absl import app, flags
+  from ml_collections import config_flags
+  config = config_flags.DEFINE_config_file('config', None, 'Study config file.')
+  out = flags.DEFINE_string('out', default_out, 'Output directory.')
+
+  def run(argv):
+    del argv
+    from sharenet.errors import ConfigError
+    try:
+      main(config.value, out.value)
+    except ConfigError as e:
+      print(f'error: {e}', file=sys.stderr)
+      sys.exit(2)
+
+  app.run(run)

@@ -176,8 +176,4 @@ def main(config: Any, out_dir: str) -> dict[str, Any]:
 
 
 if __name__ == '__main__':
-  from absl import app, flags
-  from ml_collections import config_flags
-  _CONFIG = config_flags.DEFINE_config_file('config', None, 'Study config file.')
-  _OUT = flags.DEFINE_string('out', 'runs/lr_sweep', 'Output directory.')
-  app.run(lambda argv: main(_CONFIG.value, _OUT.value) and None)
+  common.run_cli(main, 'runs/lr_sweep')
