@@ -3,8 +3,12 @@
 Command: python benchmarks/step_bench.py [--widths 256,512] [--out benchmarks/results/step_cpu.json]
 Runtime: ~10 min on the 2-core CPU. Config: 8 applied layers, seq 256, batch 8, float32,
 SwiGLU (mlp 3x), byte vocab. MFU = model FLOP/s (accounting.flops_per_token, causal attention
-halved) / FLOP/s of a jitted 2048^3 jnp.dot measured in the same process. Variants run
-interleaved (two passes) and report the median step time over both passes.
+halved) / FLOP/s of a jitted 2048^3 jnp.dot measured in the same process.
+
+Timing is round-robin: each round runs one step of every variant, so slow drift of the machine
+hits all variants alike. Throughput is the median step time over rounds; "vs unrolled" is the
+median over rounds of the paired ratio (unrolled step time / scanned step time in the same
+round), reported with its 25th-75th percentile range.
 """
 from __future__ import annotations
 
@@ -53,15 +57,16 @@ def build(d_model: int, scheme: str, remat: str, scan: bool, seq_len: int, batch
           'times': []}
 
 
-def time_steps(v: dict, n: int) -> None:
-  state, metrics = v['step'](v['state'], v['batch'])   # warm-up step after (re)entry
+def run_step(v: dict) -> float:
+  t0 = time.perf_counter()
+  v['state'], metrics = v['step'](v['state'], v['batch'])
   jax.block_until_ready(metrics)
-  for _ in range(n):
-    t0 = time.perf_counter()
-    state, metrics = v['step'](state, v['batch'])
-    jax.block_until_ready(metrics)
-    v['times'].append(time.perf_counter() - t0)
-  v['state'] = state
+  return time.perf_counter() - t0
+
+
+def quantile(xs: list[float], q: float) -> float:
+  return statistics.quantiles(xs, n=100, method='inclusive')[round(100 * q) - 1] if len(
+      xs) > 1 else xs[0]
 
 
 def main():
@@ -70,8 +75,7 @@ def main():
   p.add_argument('--remats', default='none,dots_no_batch,dots')
   p.add_argument('--seq_len', type=int, default=256)
   p.add_argument('--batch', type=int, default=8)
-  p.add_argument('--steps', type=int, default=4)
-  p.add_argument('--passes', type=int, default=2)
+  p.add_argument('--rounds', type=int, default=8, help='timed steps per variant, round-robin')
   p.add_argument('--dtype', default='float32')
   p.add_argument('--out', default='')
   args = p.parse_args()
@@ -86,9 +90,11 @@ def main():
     for remat in ('none', 'dots_no_batch'):
       variants[('untied', remat, 'unrolled')] = build(d, 'untied', remat, False, args.seq_len,
                                                       args.batch, args.dtype)
-    for _ in range(args.passes):
+    for v in variants.values():
+      run_step(v)                                    # warm-up
+    for _ in range(args.rounds):
       for v in variants.values():
-        time_steps(v, args.steps)
+        v['times'].append(run_step(v))
       peak = max(peak, perf.matmul_peak_flops())
     tokens = args.batch * args.seq_len
     for (scheme, remat, kind), v in variants.items():
@@ -96,27 +102,31 @@ def main():
       tps = tokens / step_s
       rows.append({'d_model': d, 'scheme': scheme, 'remat': remat, 'layers': kind,
                    'step_ms': round(1e3 * step_s, 1), 'tokens_per_sec': round(tps, 1),
+                   'step_ms_all': [round(1e3 * t, 1) for t in v['times']],
                    'mfu': round(tps * v['flops_tok'] / peak, 4),
                    'compile_s': round(v['compile_s'], 2), 'temp_mb': round(v['temp_mb'], 1)})
       print(json.dumps(rows[-1]), flush=True)
     del variants
-  best_unrolled = {d: max(r['tokens_per_sec'] for r in rows
-                          if r['d_model'] == d and r['layers'] == 'unrolled') for d in
-                   {r['d_model'] for r in rows}}
   print(f'\nmatmul peak: {peak / 1e9:.1f} GFLOP/s ({jax.devices()[0].device_kind})')
-  print('| d_model | scheme | best remat | tokens/s | MFU | vs unrolled |')
+  print('| d_model | scheme | best remat | tokens/s | MFU | vs unrolled (median, p25-p75) |')
   print('|---|---|---|---|---|---|')
   summary = []
-  for d in sorted(best_unrolled):
+  for d in sorted({r['d_model'] for r in rows}):
+    best = {}
     for scheme in list(SCHEMES) + ['unrolled']:
       cand = [r for r in rows if r['d_model'] == d and
               (r['layers'] == 'unrolled' if scheme == 'unrolled' else
                (r['scheme'] == scheme and r['layers'] == 'scan'))]
-      best = max(cand, key=lambda r: r['tokens_per_sec'])
-      ratio = best['tokens_per_sec'] / best_unrolled[d]
-      summary.append({**best, 'name': scheme, 'vs_unrolled': round(ratio, 3)})
-      print(f"| {d} | {scheme} | {best['remat']} | {best['tokens_per_sec']:,.0f} | "
-            f"{100 * best['mfu']:.1f}% | {ratio:.2f}x |")
+      best[scheme] = max(cand, key=lambda r: r['tokens_per_sec'])
+    base = best['unrolled']['step_ms_all']
+    for scheme, b in best.items():
+      paired = [u / t for u, t in zip(base, b['step_ms_all'])]
+      ratio = statistics.median(paired)
+      lo, hi = quantile(paired, 0.25), quantile(paired, 0.75)
+      summary.append({**b, 'name': scheme, 'vs_unrolled': round(ratio, 3),
+                      'vs_unrolled_p25_p75': [round(lo, 3), round(hi, 3)]})
+      print(f"| {d} | {scheme} | {b['remat']} | {b['tokens_per_sec']:,.0f} | "
+            f"{100 * b['mfu']:.1f}% | {ratio:.2f}x ({lo:.2f}-{hi:.2f}) |")
   if args.out:
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, 'w') as f:
