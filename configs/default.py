@@ -32,6 +32,7 @@ def get_config() -> ml_collections.ConfigDict:
   m.scan_unroll = 1           # nn.scan unroll factor
   m.scan_layers = True        # False: Python loop over layers (benchmark baseline)
   m.scan_split_transpose = True  # weight grads of stacked sets as a map after the backward loop
+  m.scan_lowering = 'nested'  # nested | flat: tied plans as nested scans, or one scan over gathered sets
   m.dtype = 'float32'         # compute dtype: float32 | bfloat16
   m.param_dtype = 'float32'
   m.sharing = s = ml_collections.ConfigDict()

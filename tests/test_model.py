@@ -3,6 +3,7 @@ import dataclasses
 import functools
 
 import chex
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,6 +14,7 @@ from flax.traverse_util import flatten_dict, unflatten_dict
 from sharenet.models import DecoderLM, ModelConfig, init_variables
 from sharenet.models import accounting, layout
 from sharenet.models.config import REMATS
+from sharenet.errors import ConfigError
 from sharenet.norms import PER_LAYER
 from sharenet.sharing import SCHEMES
 
@@ -237,3 +239,39 @@ def test_split_transpose_same_loss_and_grads():
   np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
   for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(ref_g)):
     assert _rel_err(a, b) <= 1e-5
+
+
+def _boxed_layout(tree):
+  """{path: (shape, logical names)} of every stored variable, boxes included."""
+  is_box = lambda x: isinstance(x, nn.Partitioned)
+  flat = flatten_dict(jax.tree.map(lambda x: x, tree, is_leaf=is_box))
+  return {k: (x.value.shape, x.names) if is_box(x) else (x.shape, None) for k, x in flat.items()}
+
+
+@pytest.mark.parametrize('scheme, extra', [
+    ('cycle', {}), ('sequence', dict(remat='dots_no_batch')), ('universal', {}), ('untied', {}),
+    ('sandwich', {}), ('groups', {}),
+    ('middle_cycle', dict(lora_rank=2, untie_norms=True, lora_targets=('q', 'v', 'mlp_out'))),
+    ('middle_sequence', dict(untie_norms=True))])
+def test_flat_lowering_stores_the_nested_tree_and_computes_the_same(scheme, extra):
+  """scan_lowering='flat' is one scan over gathered sets: same checkpoint, same numbers."""
+  cfg = tiny(scheme, **extra)
+  flat = dataclasses.replace(cfg, scan_lowering='flat')
+  v = init(cfg)
+  assert _boxed_layout(jax.eval_shape(lambda: init(flat))) == _boxed_layout(v)
+  v = randomize_lora_b(v) if cfg.lora_rank else v
+  toks = tokens()
+  grad_fn = jax.jit(jax.value_and_grad(loss_fn), static_argnums=1)
+  loss, g = grad_fn(v, DecoderLM(cfg), toks)
+  flat_loss, flat_g = grad_fn(v, DecoderLM(flat), toks)
+  np.testing.assert_allclose(flat_loss, loss, rtol=1e-6)
+  for a, b in zip(jax.tree.leaves(flat_g), jax.tree.leaves(g)):
+    assert _rel_err(a, b) <= 1e-5
+  # The flat program really is a single scan per segment, not the nested one.
+  jaxpr = str(jax.make_jaxpr(lambda v: DecoderLM(flat).apply(v, toks))(v))
+  assert jaxpr.count(' scan[') == len(cfg.plan.segments)
+
+
+def test_unknown_scan_lowering_is_one_line_error():
+  with pytest.raises(ConfigError, match="model.scan_lowering=.tiled. is unknown; valid: nested, flat"):
+    tiny('cycle', scan_lowering='tiled')

@@ -12,6 +12,7 @@ PLACEMENTS = ('pre', 'post', 'peri')
 QK_NORMS = ('none', 'rms', 'l2')
 MLPS = ('swiglu', 'gelu')
 POSITIONS = ('rope', 'learned', 'none')
+LOWERINGS = ('nested', 'flat')
 REMATS = ('none', 'full', 'dots', 'dots_no_batch', 'save_names', 'offload_dots', 'except_attn')
 DTYPES = ('float32', 'bfloat16', 'float64')
 LORA_TARGETS = ('q', 'k', 'v', 'o', 'mlp_in', 'mlp_out')
@@ -61,6 +62,7 @@ class ModelConfig:
   scan_unroll: int = 1
   scan_layers: bool = True         # False: Python loop over layers (baseline; no per-layer parts)
   scan_split_transpose: bool = True  # lax.scan's split transpose for stacked sets (faster bwd)
+  scan_lowering: str = 'nested'    # tied plans: nested scans | one flat scan over gathered sets
   dtype: str = 'float32'           # compute dtype; params stay float32 (float64 for x64 tests)
   param_dtype: str = 'float32'
 
@@ -85,6 +87,7 @@ class ModelConfig:
     _choice('model.mlp', self.mlp, MLPS)
     _choice('model.position', self.position, POSITIONS)
     _choice('model.remat', self.remat, REMATS)
+    _choice('model.scan_lowering', self.scan_lowering, LOWERINGS)
     _choice('model.dtype', self.dtype, DTYPES)
     _choice('model.param_dtype', self.param_dtype, DTYPES)
     for t in self.lora_targets:
@@ -135,6 +138,7 @@ class ModelConfig:
         lora_rank=s.get('lora_rank', 0), lora_targets=tuple(targets),
         lora_scale=s.get('lora_scale', 1.0), remat=m.get('remat', 'dots_no_batch'),
         scan_unroll=m.get('scan_unroll', 1), scan_layers=m.get('scan_layers', True),
-        scan_split_transpose=m.get('scan_split_transpose', True), dtype=m.get('dtype', 'float32'),
+        scan_split_transpose=m.get('scan_split_transpose', True),
+        scan_lowering=m.get('scan_lowering', 'nested'), dtype=m.get('dtype', 'float32'),
         param_dtype=m.get('param_dtype', 'float32'),
     ).validate()
