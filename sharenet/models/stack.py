@@ -103,28 +103,22 @@ class _FlatLevel(nn.Module):
     first_use = np.asarray([int(np.argmax(set_of_layer == k)) for k in range(lengths[pos])])
     identity = np.array_equal(set_of_layer, np.arange(L))
 
-    def take(idx):
-      return (lambda p: p) if identity else (lambda p: jnp.take(p, idx, axis=0))
+    def remap(set_idx, n_lead, lead_shape, lead_names):
+      """params: gather sets along axis 0; PER_LAYER: regroup the n_lead leading axes."""
+      def fn(vs):
+        out = dict(vs)
+        if 'params' in vs:
+          gather = (lambda p: p) if identity else (lambda p: jnp.take(p, set_idx, axis=0))
+          out['params'] = _map_leading(vs['params'], gather, lambda n: n)
+        if PER_LAYER in vs:
+          out[PER_LAYER] = _map_leading(
+              vs[PER_LAYER], lambda p: p.reshape(lead_shape + p.shape[n_lead:]),
+              lambda n: lead_names + n[n_lead:])
+        return out
+      return fn
 
-    def to_applied(vs):
-      out = dict(vs)
-      if 'params' in vs:
-        out['params'] = _map_leading(vs['params'], take(set_of_layer), lambda n: n)
-      if PER_LAYER in vs:
-        out[PER_LAYER] = _map_leading(
-            vs[PER_LAYER], lambda p: p.reshape((L,) + p.shape[len(lengths):]),
-            lambda n: ('layers',) + n[len(lengths):])
-      return out
-
-    def to_stored(vs):
-      out = dict(vs)
-      if 'params' in vs:
-        out['params'] = _map_leading(vs['params'], take(first_use), lambda n: n)
-      if PER_LAYER in vs:
-        out[PER_LAYER] = _map_leading(
-            vs[PER_LAYER], lambda p: p.reshape(lengths + p.shape[1:]), lambda n: axes + n[1:])
-      return out
-
+    to_applied = remap(set_of_layer, len(lengths), (L,), ('layers',))
+    to_stored = remap(first_use, 1, lengths, axes)
     scanned = _scan(_block_cls(self.cfg), L, True, 'layers', self.cfg.scan_unroll,
                     self.cfg.scan_split_transpose)
     mapped = nn.map_variables(scanned, ['params', PER_LAYER], trans_in_fn=to_applied,
