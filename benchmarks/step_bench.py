@@ -1,9 +1,9 @@
 """Train-step throughput and matmul-relative MFU: scanned sharing plans vs a Python-unrolled model.
 
 Command: python benchmarks/step_bench.py [--widths 256,512] [--out benchmarks/results/step_cpu.json]
-Runtime: ~10 min on the 2-core CPU. Tied plans run under both model.scan_lowering values (nested
-scans; one flat scan over the gathered sets), each with remat dots_no_batch and dots. Config: 8 applied layers, seq 256, batch 8, float32,
-SwiGLU (mlp 3x), byte vocab. MFU = model FLOP/s (accounting.flops_per_token, causal attention
+Runtime: ~12 min on the 2-core CPU. Config: 8 applied layers, seq 256, batch 8, float32,
+SwiGLU (mlp 3x), byte vocab. Tied plans run under both model.scan_lowering values (nested scans;
+one flat scan over the gathered sets), each with remat dots_no_batch and dots. MFU = model FLOP/s (accounting.flops_per_token, causal attention
 halved) / FLOP/s of a jitted 2048^3 jnp.dot measured in the same process.
 
 Timing is round-robin: each round runs one step of every variant, so slow drift of the machine
