@@ -78,7 +78,7 @@ def to_markdown(rows: list[dict[str, Any]]) -> str:
       if r is None:
         cells.append('')
       elif r['status'] == 'unstable':
-        cells.append(f"unstable ({r['eval_bits_per_byte']:.1f})")
+        cells.append(f"unstable ({r['eval_bits_per_byte']:.3g})")
       elif r['status'] != 'ok':
         cells.append(r['status'])
       else:
