@@ -96,6 +96,10 @@ def _worker(out_path: str, tmp: str, corpus: str) -> None:
   train_lib.train_and_evaluate(config('cycle', corpus, LAYOUTS['data=2,fsdp=2,tensor=2'],
                                       **TRANSFORMS), workdir)
   out['losses']['cycle transforms'] = losses(workdir)
+  workdir = os.path.join(tmp, 'cycle-flat')
+  train_lib.train_and_evaluate(config('cycle', corpus, LAYOUTS['data=2,fsdp=2,tensor=2'],
+                                      **{'model.scan_lowering': 'flat'}), workdir)
+  out['losses']['cycle flat'] = losses(workdir)
   for name, mesh in (('fsdp=1', (8, 1, 1)), ('fsdp=8', (1, 8, 1)), ('tensor=8', (1, 1, 8))):
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
@@ -163,6 +167,11 @@ def test_losses_match_one_device_with_parameter_transforms(eight, single):
   got, want = eight['losses']['cycle transforms'], single['cycle transforms']
   assert len(want) == STEPS and want != single['cycle']
   assert_close(got, want)
+
+
+def test_flat_lowering_on_a_mesh_matches_nested_on_one_device(eight, single):
+  """scan_lowering='flat' (gathered sets, one scan) under data x fsdp x tensor."""
+  assert_close(eight['losses']['cycle flat'], single['cycle'])
 
 
 @pytest.mark.parametrize('scheme', SCHEMES)
