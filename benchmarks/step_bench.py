@@ -3,8 +3,9 @@
 Command: python benchmarks/step_bench.py [--widths 256,512] [--out benchmarks/results/step_cpu.json]
 Runtime: ~12 min on the 2-core CPU. Config: 8 applied layers, seq 256, batch 8, float32,
 SwiGLU (mlp 3x), byte vocab. Tied plans run under both model.scan_lowering values (nested scans;
-one flat scan over the gathered sets), each with remat dots_no_batch and dots. MFU = model FLOP/s (accounting.flops_per_token, causal attention
-halved) / FLOP/s of a jitted 2048^3 jnp.dot measured in the same process.
+one flat scan over the gathered sets), each with remat dots_no_batch and dots. MFU = model
+FLOP/s (accounting.flops_per_token, causal attention halved) / FLOP/s of a jitted 2048^3 jnp.dot
+measured in the same process.
 
 Timing is round-robin: each round runs one step of every variant, so slow drift of the machine
 hits all variants alike. Throughput is the median step time over rounds; "vs unrolled" is the
@@ -68,8 +69,9 @@ def run_step(v: dict) -> float:
 
 
 def quantile(xs: list[float], q: float) -> float:
-  return statistics.quantiles(xs, n=100, method='inclusive')[round(100 * q) - 1] if len(
-      xs) > 1 else xs[0]
+  if len(xs) < 2:
+    return xs[0]
+  return statistics.quantiles(xs, n=100, method='inclusive')[round(100 * q) - 1]
 
 
 def main():

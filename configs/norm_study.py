@@ -11,7 +11,8 @@ Runtime:   ~5.3 min per run on the 2-core CPU (200 steps of 4,096 tokens + full 
 Result:    OUT/norm_study.{json,md,png}. Measured 2026-11-30 (eval bits per byte, untied / cycle):
            rmsnorm 2.223 / 2.240, qk_rms 2.140 / 2.199, weight_std 2.201 / 2.231, ngpt_projection
            2.361 / 2.465, none unstable under both plans (82.8 / 2e5); every transform trains
-           without divergence under both plans; all 38 cells measured. Full table in README and docs/results/norm_study/.
+           without divergence under both plans; all 38 cells measured. Full table in README
+           and docs/results/norm_study/.
 """
 from configs import default
 

@@ -273,5 +273,6 @@ def test_flat_lowering_stores_the_nested_tree_and_computes_the_same(scheme, extr
 
 
 def test_unknown_scan_lowering_is_one_line_error():
-  with pytest.raises(ConfigError, match="model.scan_lowering=.tiled. is unknown; valid: nested, flat"):
+  with pytest.raises(ConfigError,
+                     match="model.scan_lowering=.tiled. is unknown; valid: nested, flat"):
     tiny('cycle', scan_lowering='tiled')

@@ -84,49 +84,6 @@ def _map_leading(tree, value_fn, names_fn):
   return jax.tree.map(leaf, tree, is_leaf=lambda x: isinstance(x, nn.Partitioned))
 
 
-class _FlatLevel(nn.Module):
-  """A regular segment as one scan over its applied layers (`scan_lowering='flat'`).
-
-  Stores exactly what the nested lowering stores: 'params' stacked over the K sets (axis
-  'layers'), PER_LAYER over the level lengths (e.g. ('repeats', 'layers') for a cycle).
-  """
-  cfg: ModelConfig
-  levels: tuple[tuple[int, bool, str], ...]
-
-  @nn.compact
-  def __call__(self, x_BTD: jax.Array, positions_T: jax.Array):
-    lengths = tuple(n for n, _, _ in self.levels)
-    axes = tuple(a for _, _, a in self.levels)
-    (pos,) = [i for i, (_, stacked, _) in enumerate(self.levels) if stacked]
-    L = math.prod(lengths)
-    set_of_layer = np.unravel_index(np.arange(L), lengths)[pos]        # applied -> stored set
-    first_use = np.asarray([int(np.argmax(set_of_layer == k)) for k in range(lengths[pos])])
-    identity = np.array_equal(set_of_layer, np.arange(L))
-
-    def remap(set_idx, n_lead, lead_shape, lead_names):
-      """params: gather sets along axis 0; PER_LAYER: regroup the n_lead leading axes."""
-      def fn(vs):
-        out = dict(vs)
-        if 'params' in vs:
-          gather = (lambda p: p) if identity else (lambda p: jnp.take(p, set_idx, axis=0))
-          out['params'] = _map_leading(vs['params'], gather, lambda n: n)
-        if PER_LAYER in vs:
-          out[PER_LAYER] = _map_leading(
-              vs[PER_LAYER], lambda p: p.reshape(lead_shape + p.shape[n_lead:]),
-              lambda n: lead_names + n[n_lead:])
-        return out
-      return fn
-
-    to_applied = remap(set_of_layer, len(lengths), (L,), ('layers',))
-    to_stored = remap(first_use, 1, lengths, axes)
-    scanned = _scan(_block_cls(self.cfg), L, True, 'layers', self.cfg.scan_unroll,
-                    self.cfg.scan_split_transpose)
-    mapped = nn.map_variables(scanned, ['params', PER_LAYER], trans_in_fn=to_applied,
-                              trans_out_fn=to_stored, init=self.is_initializing())
-    x_BTD, _ = mapped(self.cfg, name='block')(x_BTD, positions_T)
-    return x_BTD, None
-
-
 class _Level(nn.Module):
   """One scan level; the innermost level scans the (remat'd) Block."""
   cfg: ModelConfig
@@ -136,7 +93,13 @@ class _Level(nn.Module):
   def __call__(self, x_BTD: jax.Array, positions_T: jax.Array):
     (length, stacked, axis), rest = self.levels[0], self.levels[1:]
     if rest and self.cfg.scan_lowering == 'flat':
-      return _FlatLevel(self.cfg, self.levels, name='level')(x_BTD, positions_T)
+      # One scan over the applied layers; stored layout unchanged (see module docstring).
+      lengths = tuple(n for n, _, _ in self.levels)
+      (pos,) = [i for i, (_, s, _) in enumerate(self.levels) if s]
+      pattern = np.unravel_index(np.arange(math.prod(lengths)), lengths)[pos]
+      return GatherSegment(self.cfg, tuple(int(k) for k in pattern),
+                           tuple((n, a) for n, _, a in self.levels), name='level')(
+                               x_BTD, positions_T)
     if rest:
       body = _scan(_Level, length, stacked, axis, self.cfg.scan_unroll,
                    self.cfg.scan_split_transpose)(self.cfg, rest, name='level')
@@ -148,26 +111,49 @@ class _Level(nn.Module):
 
 
 class GatherSegment(nn.Module):
-  """Arbitrary index list: a pool of U sets gathered into an L-stack (reference C4 option 3).
+  """One scan over applied layers whose sets are gathered from a pool (reference C4 option 3).
 
-  At init the freshly created L-stack is reduced to the pool (first user of each set); in the
-  forward pass `take` gathers, and its gradient scatter-adds the per-use gradients.
+  Serves explicit index lists and, with `per_layer_levels`, regular plans under
+  `scan_lowering='flat'`. At init the freshly created L-stack is reduced to the pool (first user
+  of each set); in the forward pass `take` gathers, and its gradient scatter-adds the per-use
+  gradients. PER_LAYER is stored with leading axes `per_layer_levels` ((length, axis name),
+  default one 'layers' axis of length L) and flattened to L for the scan.
   """
   cfg: ModelConfig
-  pattern: tuple[int, ...]
+  pattern: tuple[int, ...]                        # applied layer -> stored set
+  per_layer_levels: tuple[tuple[int, str], ...] = ()
 
   @nn.compact
   def __call__(self, x_BTD: jax.Array, positions_T: jax.Array):
-    idx = np.asarray(self.pattern)
-    first_use = np.asarray([self.pattern.index(u) for u in range(idx.max() + 1)])
-    gather = lambda tree: jax.tree.map(lambda p: jnp.take(p, idx, axis=0), tree)
-    reduce = lambda tree: jax.tree.map(lambda p: jnp.take(p, first_use, axis=0), tree)
-    scanned = _scan(_block_cls(self.cfg), len(idx), True, 'layers', self.cfg.scan_unroll,
+    L = len(self.pattern)
+    levels = self.per_layer_levels or ((L, 'layers'),)
+    lengths, axes = tuple(n for n, _ in levels), tuple(a for _, a in levels)
+    first_use = tuple(self.pattern.index(u) for u in range(max(self.pattern) + 1))
+    identity = self.pattern == tuple(range(L))
+
+    def remap(set_idx, n_lead, lead_shape, lead_names):
+      """params: gather sets along axis 0; PER_LAYER: regroup the n_lead leading axes."""
+      def fn(vs):
+        out = dict(vs)
+        if 'params' in vs:
+          gather = (lambda p: p) if identity else (lambda p: jnp.take(p, np.asarray(set_idx),
+                                                                      axis=0))
+          out['params'] = _map_leading(vs['params'], gather, lambda n: n)
+        if PER_LAYER in vs:
+          out[PER_LAYER] = _map_leading(
+              vs[PER_LAYER], lambda p: p.reshape(lead_shape + p.shape[n_lead:]),
+              lambda n: lead_names + n[n_lead:])
+        return out
+      return fn
+
+    scanned = _scan(_block_cls(self.cfg), L, True, 'layers', self.cfg.scan_unroll,
                     self.cfg.scan_split_transpose)
     # init only while initializing: with init=True flax treats *any* mutable collection (e.g.
     # sown 'intermediates') as initialization and runs the scan on the un-gathered pool.
-    mapped = nn.map_variables(scanned, 'params', trans_in_fn=gather, trans_out_fn=reduce,
-                              init=self.is_initializing())
+    mapped = nn.map_variables(
+        scanned, ['params', PER_LAYER],
+        trans_in_fn=remap(self.pattern, len(lengths), (L,), ('layers',)),
+        trans_out_fn=remap(first_use, 1, lengths, axes), init=self.is_initializing())
     x_BTD, _ = mapped(self.cfg, name='block')(x_BTD, positions_T)
     return x_BTD, None
 

@@ -106,8 +106,7 @@ def plot(rows: list[dict[str, Any]], out: str, path: str) -> None:
       pts = [json.loads(line) for line in open(f)]
       pts = [(m['step'], m['loss']) for m in pts if 'loss' in m and math.isfinite(m['loss'])]
       if pts:
-        style = ('-' if kind not in ('reparam', 'projection', 'update')
-                 else '--' if kind != 'update' else ':')
+        style = {'reparam': '--', 'projection': '--', 'update': ':'}.get(kind, '-')
         handles[v], = ax.plot(*zip(*pts), label=v, lw=1.2, color=cmap(i % 20), ls=style)
     ax.set(title=scheme, xlabel='step', ylabel='train loss (nats/byte)', ylim=(1.3, 2.6))
     ax.grid(alpha=0.3)
