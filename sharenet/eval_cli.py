@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import ml_collections
@@ -24,13 +24,22 @@ def load_config(workdir: str) -> ml_collections.ConfigDict:
   return ml_collections.ConfigDict({k: raw[k] for k in keys if k in raw})
 
 
-def restore_state(config: ml_collections.ConfigDict, workdir: str, step: int | None = None):
-  """(state, step, model, transforms, parametrization) from the latest (or `step`) checkpoint of `workdir`."""
+class Restored(NamedTuple):
+  """A workdir's restored train state, its step and the experiment that trained it."""
+  state: train_lib.TrainState
+  step: int
+  exp: train_lib.Experiment
+
+
+def restore_state(config: ml_collections.ConfigDict, workdir: str,
+                  step: int | None = None) -> Restored:
+  """The latest (or `step`) checkpoint of `workdir` with the experiment `config` builds."""
   mcfg = ModelConfig.from_config(config.model)
   if 'parametrization' not in config:   # runs written before the parametrization group existed
     config.parametrization = {'kind': 'sp'}
-  model, tx, pz, tr = train_lib.setup(config, mcfg)
-  abstract = jax.eval_shape(lambda: train_lib.init_state(model, tx, jax.random.key(0), tr, pz))
+  exp = train_lib.setup(config, mcfg)
+  abstract = jax.eval_shape(
+      lambda: train_lib.init_state(exp.model, exp.tx, jax.random.key(0), exp.tr, exp.pz))
   # Restore onto this process's devices, whatever mesh (or hosts) wrote the checkpoint.
   abstract = sharding.with_shardings(abstract, sharding.replicated_like(abstract))
   mngr = checkpoint.manager(workdir, config.train.keep_checkpoints, async_save=False)
@@ -48,13 +57,13 @@ def restore_state(config: ml_collections.ConfigDict, workdir: str, step: int | N
     args = ocp.args.Composite(state=ocp.args.StandardRestore(abstract))
     state = mngr.restore(step, args=args)['state']
   mngr.close()
-  return state, step, model, tr, pz
+  return Restored(state, int(step), exp)
 
 
 def evaluate_workdir(workdir: str, step: int | None = None) -> dict[str, Any]:
   """Restores the latest (or `step`) checkpoint's params and evaluates the validation split."""
   config = load_config(workdir)
-  state, step, model, tr, pz = restore_state(config, workdir, step)
+  state, step, (model, _, pz, tr) = restore_state(config, workdir, step)
   params = jax.jit(train_lib.effective_params, static_argnums=(1, 2))(state, tr, pz)
   out = eval_lib.evaluate(model, params, config.data, config.train.seq_len,
                           config.train.eval_batch_size)

@@ -8,7 +8,7 @@ import os
 import signal
 import sys
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import flax
 import jax
@@ -63,12 +63,20 @@ def effective_params(state: TrainState, tr: Transforms | None = None,
   return effective(state.params, state.tstate, tr, pz)
 
 
-def setup(config: Any, mcfg: ModelConfig):
-  """(model, optimizer, parametrization, transforms) for a validated config."""
+class Experiment(NamedTuple):
+  """What a validated config builds: the model, its optimizer, parametrization and transforms."""
+  model: DecoderLM
+  tx: optax.GradientTransformation
+  pz: parametrization.Parametrization
+  tr: Transforms
+
+
+def setup(config: Any, mcfg: ModelConfig) -> Experiment:
+  """The model, optimizer, parametrization and transforms of a validated config."""
   pz = parametrization.build(config.parametrization, mcfg)
   model = DecoderLM(pz.cfg)
   tr = Transforms(config.get('transforms'), model)
-  return model, optim.make_optimizer(config.train, tr, pz.opt_multipliers()), pz, tr
+  return Experiment(model, optim.make_optimizer(config.train, tr, pz.opt_multipliers()), pz, tr)
 
 
 def train_step(state: TrainState, batch_BT1: jax.Array, *, model: DecoderLM,

@@ -308,7 +308,7 @@ def convert_workdir(workdir: str, out: str, to: str, **kw) -> dict:
   kind = config.get('parametrization', {}).get('kind', 'sp')
   _require(kind == 'sp', f'conversions support parametrization.kind=sp, got {kind} (its forward '
            f'multipliers would be folded into the weights and then applied again)')
-  state, step, model, tr, _ = restore_state(config, workdir)
+  state, step, (model, _, _, tr) = restore_state(config, workdir)
   cfg = model.cfg
   variables = jax.device_get(train_lib.effective_params(state, tr))   # reparams resolved
   if to == 'rmsnorm':
