@@ -77,6 +77,9 @@ def get_config() -> ml_collections.ConfigDict:
   t.checkpoint_every = 40
   t.keep_checkpoints = 3
   t.progress = True           # progress bar on stderr
+  t.restore = 'auto'          # auto: resume the whole saved state | params: when the saved state
+                              # no longer fits the config, load its parameters (and data position)
+                              # with a fresh optimizer state (sharenet/resume.py)
 
   c.data = d = ml_collections.ConfigDict()
   d.source = 'stdlib'         # stdlib | text | bin

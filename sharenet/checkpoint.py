@@ -1,14 +1,30 @@
-"""Orbax checkpoints of the train state and the grain iterator, with a fall-back on corruption."""
+"""Orbax checkpoints of the train state and the grain iterator.
+
+A resume tells corruption from a changed config: a checkpoint whose files are missing, truncated
+or unreadable is moved to `corrupt_checkpoints/` (never deleted) and the previous one is tried;
+a readable checkpoint whose state tree differs from the one asked for raises `StateMismatch`
+and is left untouched, byte for byte.
+"""
 from __future__ import annotations
 
 import logging
 import os
 import shutil
-from typing import Any
+from typing import Any, Callable
 
+import jax
 import orbax.checkpoint as ocp
+from etils import epath
 
 from sharenet import data
+
+
+class StateMismatch(Exception):
+  """A readable checkpoint whose state tree (paths, shapes, dtypes) differs from the target."""
+
+  def __init__(self, step: int, detail: str):
+    super().__init__(f'checkpoint {step}: {detail}')
+    self.step, self.detail = step, detail
 
 
 def manager(workdir: str, keep: int, async_save: bool = True) -> ocp.CheckpointManager:
@@ -25,6 +41,46 @@ def save(mngr: ocp.CheckpointManager, step: int, state: Any, data_iter: Any) -> 
   mngr.save(step, args=ocp.args.Composite(**args), force=True)
 
 
+def _state_dir(mngr: ocp.CheckpointManager, step: int) -> str:
+  return os.path.join(str(mngr.directory), str(step), 'state')
+
+
+def _key(entry: Any) -> str:
+  for attr in ('key', 'name', 'idx'):
+    if hasattr(entry, attr):
+      return str(getattr(entry, attr))
+  return str(entry)
+
+
+def leaf_signatures(tree: Any) -> dict[str, tuple[tuple[int, ...], str]]:
+  """{'/'-joined path: (shape, dtype)} of a state, an abstract state or saved metadata."""
+  flat, _ = jax.tree_util.tree_flatten_with_path(tree)
+  return {'/'.join(_key(k) for k in path): (tuple(x.shape), str(x.dtype)) for path, x in flat}
+
+
+def saved_signatures(mngr: ocp.CheckpointManager, step: int) -> dict[str, tuple]:
+  """The saved train state's leaf signatures, read from its metadata (raises if unreadable)."""
+  meta = ocp.StandardCheckpointHandler().metadata(epath.Path(_state_dir(mngr, step)))
+  sigs = leaf_signatures(getattr(meta, 'tree', meta))
+  if not sigs:
+    raise ValueError('the saved state has no arrays')
+  return sigs
+
+
+def first_difference(saved: dict[str, tuple], wanted: dict[str, tuple]) -> str | None:
+  """A one-phrase description of the first leaf where two signature tables differ."""
+  for path in sorted(set(saved) | set(wanted)):
+    a, b = saved.get(path), wanted.get(path)
+    if a == b:
+      continue
+    if a is None:
+      return f'{path} is not in the checkpoint'
+    if b is None:
+      return f'{path} is in the checkpoint but not in this config\'s state'
+    return f'{path} is {a[0]} {a[1]} in the checkpoint, {b[0]} {b[1]} here'
+  return None
+
+
 def _quarantine(mngr: ocp.CheckpointManager, step: int) -> str:
   """Moves a bad checkpoint aside (never deleted: no lost work) and forgets it."""
   src = os.path.join(str(mngr.directory), str(step))
@@ -38,13 +94,33 @@ def _quarantine(mngr: ocp.CheckpointManager, step: int) -> str:
   return dst
 
 
-def restore_latest(mngr: ocp.CheckpointManager, abstract_state: Any, data_iter: Any = None,
-                   validate=None) -> tuple[Any, int] | None:
-  """Restores the newest readable checkpoint; a corrupt one is moved aside with a warning.
+def _warn_corrupt(mngr: ocp.CheckpointManager, step: int, e: Exception) -> None:
+  moved = _quarantine(mngr, step)
+  first_line = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+  logging.warning('checkpoint %d is unreadable (%s); moved to %s, trying an older one',
+                  step, first_line, moved)
+  print(f'WARNING: checkpoint {step} is unreadable ({type(e).__name__}); moved to {moved}; '
+        f'restoring the previous one', flush=True)
 
-  `validate(state)` may raise to reject a restored state (for example non-finite values).
+
+def restore_latest(mngr: ocp.CheckpointManager, abstract_state: Any, data_iter: Any = None,
+                   validate: Callable[[Any], None] | None = None) -> tuple[Any, int] | None:
+  """Restores the newest readable checkpoint (and `data_iter` in place); None if there is none.
+
+  An unreadable checkpoint is moved aside with a warning and the previous one is tried.
+  `validate(state)` may raise to reject a restored state (for example non-finite values), which
+  counts as corruption. A readable checkpoint of another state tree raises `StateMismatch`.
   """
+  wanted = leaf_signatures(abstract_state)
   for step in sorted(mngr.all_steps(), reverse=True):
+    try:
+      saved = saved_signatures(mngr, step)
+    except Exception as e:  # noqa: BLE001 - metadata that cannot be read means a corrupt step
+      _warn_corrupt(mngr, step, e)
+      continue
+    diff = first_difference(saved, wanted)
+    if diff is not None:
+      raise StateMismatch(step, diff)
     args = {'state': ocp.args.StandardRestore(abstract_state)}
     if data_iter is not None:
       args['data'] = data.checkpoint_restore_args(data_iter)
@@ -53,11 +129,27 @@ def restore_latest(mngr: ocp.CheckpointManager, abstract_state: Any, data_iter: 
       if validate is not None:
         validate(restored['state'])
       return restored['state'], step
-    except Exception as e:  # noqa: BLE001 - any read failure means this checkpoint is unusable
-      moved = _quarantine(mngr, step)
-      first_line = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
-      logging.warning('checkpoint %d is unreadable (%s); moved to %s, trying an older one',
-                      step, first_line, moved)
-      print(f'WARNING: checkpoint {step} is unreadable ({type(e).__name__}); moved to {moved}; '
-            f'restoring the previous one', flush=True)
+    except Exception as e:  # noqa: BLE001 - matching metadata, unreadable arrays: corrupt
+      _warn_corrupt(mngr, step, e)
   return None
+
+
+def restore_parts(mngr: ocp.CheckpointManager, step: int, parts: dict[str, Any],
+                  data_iter: Any = None) -> dict[str, Any]:
+  """Restores only the named fields of a saved train state (`parts`: field -> abstract subtree
+  carrying shardings), and `data_iter` in place when given. Raises StateMismatch if a part's
+  tree differs from the checkpoint's."""
+  saved = saved_signatures(mngr, step)
+  for name, tree in parts.items():
+    want = {f'{name}/{k}' if k else name: v for k, v in leaf_signatures(tree).items()}
+    have = {k: v for k, v in saved.items() if k == name or k.startswith(name + '/')}
+    diff = first_difference(have, want)
+    if diff is not None:
+      raise StateMismatch(step, diff)
+  restore_args = ocp.checkpoint_utils.construct_restore_args(parts)
+  out = ocp.PyTreeCheckpointer().restore(
+      _state_dir(mngr, step), args=ocp.args.PyTreeRestore(
+          item=parts, restore_args=restore_args, partial_restore=True))
+  if data_iter is not None:
+    mngr.restore(step, args=ocp.args.Composite(data=data.checkpoint_restore_args(data_iter)))
+  return out

@@ -6,7 +6,7 @@ from typing import Any
 
 import jax
 
-from sharenet import data, optim, parametrization, sharding
+from sharenet import data, optim, parametrization, resume, sharding
 from sharenet.errors import ConfigError
 from sharenet.models import ModelConfig
 
@@ -28,6 +28,9 @@ def validate(config: Any, process_count: int | None = None) -> ModelConfig:
   if t.batch_size % t.grad_accum:
     raise ConfigError(f'train.grad_accum={t.grad_accum} must divide train.batch_size='
                       f'{t.batch_size}')
+  if t.restore not in resume.RESTORE_MODES:
+    raise ConfigError(f'train.restore={t.restore!r} is unknown; valid: '
+                      f'{", ".join(resume.RESTORE_MODES)}')
   optim.lr_schedule(t)  # raises for an unknown schedule
   optim.decay_roles(t)
   if t.lr <= 0:

@@ -18,10 +18,11 @@ from flax.traverse_util import flatten_dict
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from sharenet import checkpoint, config_lib, data, eval_lib, optim, parametrization, perf
-from sharenet import sharding
+from sharenet import resume, sharding
 from sharenet.errors import ConfigError
 from sharenet.metrics import MetricsWriter
-from sharenet.models import DecoderLM, ModelConfig, accounting, init_variables, logical_axes
+from sharenet.models import (TRAINABLE, DecoderLM, ModelConfig, accounting, init_variables,
+                             logical_axes)
 from sharenet.transforms import Transforms
 
 
@@ -114,17 +115,19 @@ def param_shapes(tree: Any) -> dict[str, list[int]]:
   return {'/'.join(k): list(v.shape) for k, v in flatten_dict(tree).items()}
 
 
-def check_workdir(workdir: str, config: Any, shapes: dict[str, list[int]]) -> None:
-  """A workdir holding another model's run fails with one line, not a shape traceback."""
-  path = os.path.join(workdir, 'config.json')
-  if not os.path.exists(path):
-    return
-  with open(path) as f:
-    old = json.load(f)
-  old_shapes = old.get('param_shapes', {})
+def check_same_model(workdir: str, config: Any, prior: dict[str, Any] | None,
+                     shapes: dict[str, list[int]]) -> None:
+  """A workdir holding another model's run fails with one line, not a shape traceback.
+
+  Only the model's own collections count: transform gains may come and go (see train.restore).
+  """
+  model_only = lambda d: {k: v for k, v in d.items() if k.split('/')[0] in TRAINABLE}
+  old_shapes = model_only((prior or {}).get('param_shapes', {}))
+  shapes = model_only(shapes)
   if old_shapes and old_shapes != shapes:
-    diff = [f'model.{k}: {old["model"].get(k)} -> {v}' for k, v in config.model.to_dict().items()
-            if old.get('model', {}).get(k) != v]
+    old_model = prior.get('model', {})
+    diff = [f'model.{k}: {old_model.get(k)} -> {v}' for k, v in config.model.to_dict().items()
+            if old_model.get(k) != v]
     first = next((k for k in sorted(set(old_shapes) | set(shapes))
                   if old_shapes.get(k) != shapes.get(k)), '?')
     raise ConfigError(
@@ -136,6 +139,74 @@ def check_workdir(workdir: str, config: Any, shapes: dict[str, list[int]]) -> No
 def _check_finite_state(state: TrainState) -> None:
   if not all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(state.params)):
     raise ValueError('non-finite parameters')
+
+
+def restore_or_init(config: Any, workdir: str, mngr: Any, target: TrainState, train_iter: Any,
+                    init: Any, tx: optax.GradientTransformation,
+                    shapes: dict[str, list[int]]) -> tuple[TrainState, int]:
+  """(state, first step): the workdir's newest readable checkpoint, or a fresh `init()`.
+
+  Never moves or rewrites a readable checkpoint: a config change that makes it unrestorable is
+  a ConfigError naming the changed fields (sharenet/resume.py), unless train.restore=params asks
+  for its parameters with a fresh optimizer state.
+  """
+  if not mngr.all_steps():
+    return init(), 0
+  t, prior = config.train, resume.read_prior(workdir)
+  changes = resume.Changes(prior, config)
+  check_same_model(workdir, config, prior, shapes)
+  if changes:
+    print(f'sharenet: note: resuming with changed fields: {changes.describe(changes.fields)}'
+          + ('' if changes.stateful else ' (none changes the train state)'), flush=True)
+  data_changed = changes.data_stream
+  if data_changed and t.restore != 'params':
+    raise ConfigError(f'--workdir {workdir}: the data stream changed '
+                      f'({changes.describe(data_changed)}), so its checkpoint cannot resume '
+                      f'exactly; valid: {resume.WAYS_OUT}')
+  data_iter = None if data_changed else train_iter
+  try:
+    restored = checkpoint.restore_latest(mngr, target, data_iter, _check_finite_state)
+  except checkpoint.StateMismatch as e:
+    if t.restore != 'params':
+      what = changes.describe(changes.stateful) or 'no recorded config field changed'
+      raise ConfigError(f'--workdir {workdir}: checkpoint {e.step} was written by another config '
+                        f'({what}; {e.detail}); valid: {resume.WAYS_OUT}') from None
+    return _restore_params(mngr, e.step, target, data_iter, init, tx, workdir), e.step
+  if restored is None:   # every checkpoint was corrupt (each moved aside with a warning)
+    return init(), 0
+  state, step = restored
+  print(f'sharenet: resumed from checkpoint at step {step}'
+        + (' with a fresh data stream' if data_changed else ''), flush=True)
+  return state, step
+
+
+def _restore_params(mngr: Any, step: int, target: TrainState, data_iter: Any, init: Any,
+                    tx: optax.GradientTransformation, workdir: str) -> TrainState:
+  """train.restore=params: checkpoint `step`'s parameters (and transform state and data
+  position where they still fit) in a fresh state with a fresh optimizer state."""
+  fresh = init()
+  parts = {'step': target.step, 'params': target.params}
+  kept = []
+  try:
+    try:
+      out = checkpoint.restore_parts(mngr, step, {**parts, 'tstate': target.tstate}, data_iter)
+      kept.append('transform state')
+    except checkpoint.StateMismatch:
+      out = checkpoint.restore_parts(mngr, step, parts, data_iter)
+  except checkpoint.StateMismatch as e:
+    raise ConfigError(f'--workdir {workdir}: train.restore=params: the parameters of checkpoint '
+                      f'{step} do not fit this config ({e.detail}); valid: the old config or a '
+                      f'new --workdir') from None
+  opt_init = jax.jit(tx.init, out_shardings=jax.tree.map(lambda x: x.sharding, fresh.opt_state))
+  state = fresh.replace(step=out['step'], params=out['params'], opt_state=opt_init(out['params']),
+                        tstate=out.get('tstate', fresh.tstate))
+  _check_finite_state(state)
+  if data_iter is not None:
+    kept.append('data position')
+  print(f'sharenet: train.restore=params: loaded the parameters of checkpoint {step}'
+        + ''.join(f', its {k}' for k in kept) + '; the optimizer state is fresh'
+        + ('' if data_iter is not None else ' and the data stream starts anew'), flush=True)
+  return state
 
 
 def train_and_evaluate(config: Any, workdir: str) -> dict[str, float]:
@@ -177,23 +248,22 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, float]:
 
   os.makedirs(workdir, exist_ok=True)
   print(f'sharenet: writing to {os.path.abspath(workdir)}', flush=True)
-  check_workdir(workdir, config, shapes)
   # This process reads the rows of the global batch its devices hold (all rows on one host).
   shard, num_shards = sharding.process_rows(batch_sharding, batch_shape)
   train_iter = data.make_train_iterator(config.data, t.seq_len, t.batch_size, t.seed,
                                         shard, num_shards)
   mngr = checkpoint.manager(workdir, t.keep_checkpoints)
+  # Sharded init: each device computes only its shards; no host holds the whole model.
+  init_fn = jax.jit(functools.partial(init_state, model, tx, tr=tr, pz=pz),
+                    out_shardings=shardings)
   # The restore target carries this run's shardings: a checkpoint from another mesh reshards.
-  restored = checkpoint.restore_latest(mngr, sharding.with_shardings(abstract, shardings),
-                                       train_iter, _check_finite_state)
-  if restored is None:
-    # Sharded init: each device computes only its shards; no host holds the whole model.
-    state = jax.jit(functools.partial(init_state, model, tx, tr=tr, pz=pz),
-                    out_shardings=shardings)(rng)
-    start = 0
-  else:
-    state, start = restored
-    print(f'sharenet: resumed from checkpoint at step {start}', flush=True)
+  target = sharding.with_shardings(abstract, shardings)
+  try:
+    state, start = restore_or_init(config, workdir, mngr, target, train_iter,
+                                   lambda: init_fn(rng), tx, shapes)
+  except BaseException:
+    mngr.close()
+    raise
 
   variables = state.params
   flops_tok = accounting.flops_per_token(mcfg, t.seq_len)

@@ -1,0 +1,179 @@
+"""Resume under a changed config: it resumes exactly or stops with one line; checkpoints are
+never moved or rewritten (sharenet/resume.py, sharenet/checkpoint.py)."""
+import glob
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from configs import tiny
+from sharenet import resume, train_lib
+from sharenet.errors import ConfigError
+from sharenet.metrics import read_metrics
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BASE = {'train.steps': 20, 'train.checkpoint_every': 10}
+
+
+def _config(**overrides):
+  c = tiny.get_config()
+  for key, value in {**BASE, **overrides}.items():
+    *parents, leaf = key.split('.')
+    node = c
+    for p in parents:
+      node = node[p]
+    node[leaf] = value
+  return c
+
+
+def _hashes(workdir):
+  """sha256 of every file under checkpoints/, by relative path."""
+  root = os.path.join(workdir, 'checkpoints')
+  out = {}
+  for f in sorted(glob.glob(os.path.join(root, '**', '*'), recursive=True)):
+    if os.path.isfile(f):
+      out[os.path.relpath(f, root)] = hashlib.sha256(open(f, 'rb').read()).hexdigest()
+  return out
+
+
+def _steps_of(hashes, step):
+  return {k: v for k, v in hashes.items() if k.split(os.sep)[0] == str(step)}
+
+
+@pytest.fixture(scope='module')
+def base_run(tmp_path_factory):
+  """A 20-step tiny run with checkpoints at 10 and 20."""
+  workdir = str(tmp_path_factory.mktemp('base'))
+  train_lib.train_and_evaluate(_config(), workdir)
+  return workdir
+
+
+@pytest.fixture
+def copy_of(base_run, tmp_path):
+  workdir = str(tmp_path / 'run')
+  shutil.copytree(base_run, workdir)
+  return workdir
+
+
+def _text_corpus(tmp_path):
+  path = tmp_path / 'corpus.txt'
+  path.write_bytes(open(os.path.join(os.path.dirname(os.__file__), 'os.py'), 'rb').read() * 4)
+  return str(path)
+
+
+UNRESTORABLE = [
+    ({'train.grad_clip': 0.0}, 'train.grad_clip'),
+    ({'transforms.reparam': 'weight_norm'}, 'transforms.reparam'),
+    ({'transforms.update': 'agc'}, 'transforms.update'),
+    ({'parametrization.kind': 'mup', 'parametrization.base_d_model': 16}, 'parametrization.kind'),
+    ({'model.d_model': 48}, 'model.d_model'),
+    ({'data.seed': 7}, 'data.seed'),
+    ({'data.source': 'text'}, 'data.source'),
+]
+
+
+@pytest.mark.parametrize('overrides, field', UNRESTORABLE)
+def test_unrestorable_change_is_one_line_and_touches_nothing(copy_of, tmp_path, overrides,
+                                                            field):
+  if overrides.get('data.source') == 'text':
+    overrides = {**overrides, 'data.path': _text_corpus(tmp_path)}
+  before = _hashes(copy_of)
+  config_before = open(os.path.join(copy_of, 'config.json')).read()
+  with pytest.raises(ConfigError) as e:
+    train_lib.train_and_evaluate(_config(**{'train.steps': 30, **overrides}), copy_of)
+  msg = str(e.value)
+  assert '\n' not in msg and field in msg, msg
+  assert 'new --workdir' in msg
+  if field != 'model.d_model':   # a different model cannot take the old parameters either
+    assert 'train.restore=params' in msg
+  assert _hashes(copy_of) == before
+  assert not os.path.exists(os.path.join(copy_of, 'corrupt_checkpoints'))
+  assert open(os.path.join(copy_of, 'config.json')).read() == config_before
+
+
+@pytest.mark.parametrize('overrides', [{}, {'train.lr': 1e-3, 'train.weight_decay': 0.0}])
+def test_restorable_change_resumes_from_the_last_checkpoint(copy_of, capsys, overrides):
+  before = _hashes(copy_of)
+  train_lib.train_and_evaluate(_config(**{'train.steps': 30, **overrides}), copy_of)
+  out = capsys.readouterr().out
+  assert 'resumed from checkpoint at step 20' in out
+  note = [l for l in out.splitlines() if 'resuming with changed fields' in l]
+  assert len(note) == 1 and 'train.steps 20 -> 30' in note[0]
+  for key in overrides:
+    assert key in note[0]
+  assert ('none changes the train state' in note[0]) == (not overrides)
+  steps = [r['step'] for r in read_metrics(copy_of) if 'loss' in r]
+  assert steps == list(range(1, 31))   # 21..30 appended once, nothing redone
+  after = _hashes(copy_of)
+  for step in (10, 20):
+    assert _steps_of(after, step) == _steps_of(before, step)
+  assert _steps_of(after, 30)
+
+
+def test_restore_params_loads_parameters_with_a_fresh_optimizer(copy_of, capsys):
+  import jax
+  import numpy as np
+  import orbax.checkpoint as ocp
+  before = _hashes(copy_of)
+  cfg = _config(**{'train.steps': 30, 'train.grad_clip': 0.0, 'train.restore': 'params'})
+  train_lib.train_and_evaluate(cfg, copy_of)
+  out = capsys.readouterr().out
+  assert 'train.restore=params: loaded the parameters of checkpoint 20' in out
+  assert 'optimizer state is fresh' in out and 'data position' in out
+  after = _hashes(copy_of)
+  for step in (10, 20):
+    assert _steps_of(after, step) == _steps_of(before, step)
+  mngr = ocp.CheckpointManager(os.path.join(copy_of, 'checkpoints'))
+  restore = lambda s: mngr.restore(s, args=ocp.args.Composite(
+      state=ocp.args.StandardRestore()))['state']
+  s20, s30 = restore(20), restore(30)
+  # The new run's Adam count restarted at step 20 (10 updates since), its params moved on from
+  # the loaded ones.
+  counts = [np.asarray(x) for p, x in jax.tree_util.tree_flatten_with_path(s30['opt_state'])[0]
+            if 'count' in jax.tree_util.keystr(p)]
+  assert counts and all(int(c) == 10 for c in counts), counts
+  assert int(s30['step']) == 30
+  emb20 = np.asarray(s20['params']['params']['embed']['embedding'])
+  emb30 = np.asarray(s30['params']['params']['embed']['embedding'])
+  assert 0 < np.abs(emb30 - emb20).max() < 1.0
+  # Run again with the same flags: the saved state now fits, so it resumes whole.
+  train_lib.train_and_evaluate(cfg, copy_of)
+  assert 'resumed from checkpoint at step 30' in capsys.readouterr().out
+
+
+def test_restore_params_refuses_a_different_model(copy_of):
+  before = _hashes(copy_of)
+  with pytest.raises(ConfigError, match='different model'):
+    train_lib.train_and_evaluate(_config(**{'model.num_layers': 3, 'train.restore': 'params'}),
+                                 copy_of)
+  assert _hashes(copy_of) == before
+
+
+def test_cli_exits_2_with_one_line(copy_of):
+  before = _hashes(copy_of)
+  env = dict(os.environ, PYTHONPATH=ROOT)
+  res = subprocess.run([sys.executable, os.path.join(ROOT, 'train.py'), '--config',
+                        os.path.join(ROOT, 'configs', 'tiny.py'), f'--workdir={copy_of}',
+                        '--config.train.steps=30', '--config.train.checkpoint_every=10',
+                        '--config.train.grad_clip=0'], env=env, capture_output=True, text=True)
+  assert res.returncode == 2, res.stderr[-2000:]
+  errors = [l for l in res.stderr.splitlines() if l.startswith('error:')]
+  assert len(errors) == 1 and 'train.grad_clip 1.0 -> 0.0' in errors[0], res.stderr[-2000:]
+  assert _hashes(copy_of) == before
+
+
+def test_changes_classify_fields():
+  old = json.loads(json.dumps(_config().to_dict()))
+  new = _config(**{'train.steps': 99, 'mesh.fsdp': 2, 'train.lr': 0.1, 'data.seed': 3})
+  ch = resume.Changes(old, new)
+  assert set(ch.fields) == {'train.steps', 'mesh.fsdp', 'train.lr', 'data.seed'}
+  assert set(ch.state_free) == {'train.steps', 'mesh.fsdp'}
+  assert set(ch.data_stream) == {'data.seed'}
+  assert set(ch.stateful) == {'train.lr', 'data.seed'}
+  assert not resume.Changes(old, _config())
+  del old['train']['lr']             # a field an older run did not record is not a change
+  assert 'train.lr' not in resume.Changes(old, new).fields
