@@ -6,6 +6,7 @@ test runs in a subprocess, which `import conftest` for the same setup.
 """
 import os
 import sys
+import types
 
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 # Tests check numerics, not speed: a lower LLVM optimization level cuts XLA:CPU compile time ~35%.
@@ -81,7 +82,7 @@ def train_cmd():
   return make_train_cmd
 
 
-@pytest.fixture
+@pytest.fixture(scope='session')
 def subprocess_env():
-  """Environment for a subprocess running repository code (a fresh dict per test)."""
-  return make_subprocess_env()
+  """Environment for a subprocess running repository code; read-only (extend a dict() copy)."""
+  return types.MappingProxyType(make_subprocess_env())
