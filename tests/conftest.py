@@ -1,5 +1,12 @@
-"""Shared test setup: CPU, a persistent compilation cache, strict rank promotion."""
+"""Shared test setup (CPU, a persistent compilation cache, strict rank promotion) and fixtures.
+
+Test modules never import each other: helpers two of them need live here, as fixtures. The
+plain functions behind them (`make_tiny_config`, `read_losses`, ...) are for scripts that a
+test runs in a subprocess, which `import conftest` for the same setup.
+"""
 import os
+import sys
+import types
 
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 # Tests check numerics, not speed: a lower LLVM optimization level cuts XLA:CPU compile time ~35%.
@@ -8,8 +15,74 @@ if '--xla_backend_optimization_level' not in os.environ.get('XLA_FLAGS', ''):
                              ' --xla_backend_optimization_level=0').strip()
 
 import jax  # noqa: E402
+import pytest  # noqa: E402
 
 _CACHE = os.path.join(os.path.expanduser('~'), '.cache', 'sharenet', 'jax_tests')
 jax.config.update('jax_compilation_cache_dir', _CACHE)
 jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.5)
 jax.config.update('jax_numpy_rank_promotion', 'raise')
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def make_tiny_config(**overrides):
+  """configs/tiny.py with dotted overrides, e.g. make_tiny_config(**{'train.steps': 5})."""
+  from configs import tiny
+  c = tiny.get_config()
+  for key, value in overrides.items():
+    section, _, name = key.rpartition('.')
+    node = c
+    for part in section.split('.') if section else []:
+      node = node[part]
+    node[name] = value
+  return c
+
+
+def read_losses(workdir):
+  """Last logged loss per step (a killed run may have logged steps that were redone)."""
+  from sharenet.metrics import read_metrics
+  return {r['step']: r['loss'] for r in read_metrics(workdir) if 'loss' in r}
+
+
+def make_train_cmd(workdir, *flags):
+  """`python train.py` on configs/tiny.py with extra --config flags."""
+  return [sys.executable, os.path.join(ROOT, 'train.py'), '--config',
+          os.path.join(ROOT, 'configs', 'tiny.py'), f'--workdir={workdir}', *flags]
+
+
+def make_subprocess_env():
+  """This environment plus the repo on PYTHONPATH and the suite's compilation cache."""
+  e = dict(os.environ)
+  e['JAX_COMPILATION_CACHE_DIR'] = jax.config.jax_compilation_cache_dir or ''
+  e['PYTHONPATH'] = ROOT
+  return e
+
+
+@pytest.fixture(scope='session')
+def repo_root():
+  """Absolute path of the repository root."""
+  return ROOT
+
+
+@pytest.fixture(scope='session')
+def tiny_config():
+  """Factory: tiny_config(**{'section.field': value}) -> a fresh configs/tiny.py config."""
+  return make_tiny_config
+
+
+@pytest.fixture(scope='session')
+def losses():
+  """losses(workdir) -> {step: last logged loss}."""
+  return read_losses
+
+
+@pytest.fixture(scope='session')
+def train_cmd():
+  """train_cmd(workdir, *flags) -> argv of a tiny train.py run."""
+  return make_train_cmd
+
+
+@pytest.fixture(scope='session')
+def subprocess_env():
+  """Environment for a subprocess running repository code; read-only (extend a dict() copy)."""
+  return types.MappingProxyType(make_subprocess_env())

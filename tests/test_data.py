@@ -102,25 +102,6 @@ def test_seeds_and_get_set_state():
   assert _same(expected, _take(fresh, 3))
 
 
-def test_orbax_checkpoint_manager_roundtrip(tmp_path):
-  ocp = pytest.importorskip('orbax.checkpoint')
-  args = (STDLIB, 32, 4)
-  it = data.make_train_iterator(*args, seed=5)
-  _take(it, 3)
-  params = {'w': np.arange(4.0)}
-  with ocp.CheckpointManager(tmp_path / 'ckpt') as mngr:
-    mngr.save(3, args=ocp.args.Composite(state=ocp.args.StandardSave(params),
-                                         data=data.checkpoint_save_args(it)))
-    mngr.wait_until_finished()
-  expected = _take(it, 3)
-  fresh = data.make_train_iterator(*args, seed=5)
-  with ocp.CheckpointManager(tmp_path / 'ckpt') as mngr:
-    restored = mngr.restore(3, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(params), data=data.checkpoint_restore_args(fresh)))
-  np.testing.assert_array_equal(restored.state['w'], params['w'])
-  assert _same(expected, _take(fresh, 3))
-
-
 def test_multi_process_shards_form_global_batch():
   args = (STDLIB, 16, 8)
   full = _take(data.make_train_iterator(*args, seed=2), 3)

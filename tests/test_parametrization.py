@@ -19,7 +19,6 @@ from sharenet.errors import ConfigError
 from sharenet.models import DecoderLM, ModelConfig, init_variables, layout
 from sharenet.parametrization import KINDS
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 D0 = 32
 
 
@@ -246,14 +245,27 @@ def test_tied_gradient_identity_under_every_preset(kind):
 
 _SHARDED = r'''
 import json, sys
-import jax, numpy as np
+import jax, ml_collections, numpy as np, optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as PS
 import flax.linen as nn
+from flax.traverse_util import flatten_dict
 sys.path.insert(0, sys.argv[1])
-sys.path.insert(0, sys.argv[1] + '/tests')
-import test_parametrization as T
-from sharenet.models import DecoderLM, init_boxed
-from sharenet import parametrization as P
+from sharenet.models import DecoderLM, ModelConfig, init_boxed, init_variables
+from sharenet import optim, parametrization as P
+# Self-contained: the same tiny model, train config, tokens and loss as the tests above.
+D0 = 32
+cfg_of = lambda d, **kw: ModelConfig(**{**dict(
+    vocab_size=64, d_model=d, num_layers=4, num_heads=4, mlp_dim=3 * d // 2, scheme='cycle',
+    repeats=2, remat='none'), **kw}).validate()
+train_cfg = ml_collections.ConfigDict(dict(
+    lr=1e-2, schedule='constant', warmup_steps=0, steps=10, decay_fraction=0.3, min_lr_ratio=0.0,
+    weight_decay=0.1, b1=0.9, b2=0.95, eps=1e-8, grad_clip=1.0))
+tokens = jax.random.randint(jax.random.key(0), (2, 12), 0, 64)
+
+def loss_fn(params, model, fwd, toks):
+  logits = model.apply(fwd(params), toks[:, :-1])
+  return optax.softmax_cross_entropy_with_integer_labels(logits, toks[:, 1:]).mean()
+
 assert jax.device_count() == int(sys.argv[2]), jax.device_count()
 mesh = Mesh(np.asarray(jax.devices()).reshape(-1, 4 if jax.device_count() == 8 else 1),
             ('fsdp', 'tensor'))
@@ -261,41 +273,41 @@ rules = (('embed', 'fsdp'), ('mlp', 'tensor'), ('heads', 'tensor'), ('kv_heads',
          ('vocab', 'tensor'))
 out = {}
 for kind in ('mup', 'completep'):
-  cfg = T.tiny(64, tie_embeddings=kind == 'mup')
-  settings = dict(kind=kind, base_d_model=T.D0, loop_rule='inv_R', base_depth=1)
+  cfg = cfg_of(64, tie_embeddings=kind == 'mup')
+  settings = dict(kind=kind, base_d_model=D0, loop_rule='inv_R', base_depth=1)
   pz = P.Parametrization(cfg, P.Settings(**settings))
   model = DecoderLM(pz.cfg)
   boxed = jax.eval_shape(lambda: init_boxed(model, jax.random.key(0)))
   shardings = nn.logical_to_mesh_sharding(nn.get_partition_spec(boxed), mesh, rules)
   with mesh:
-    p0 = jax.jit(lambda: pz.init(T.init_variables(model, jax.random.key(0))),
+    p0 = jax.jit(lambda: pz.init(init_variables(model, jax.random.key(0))),
                  out_shardings=shardings)()
     # Leaves whose local shard is smaller than the global array: multipliers taken from shard
     # shapes would differ there; the table below comes from global (logical) shapes.
     n_sharded = sum(x.addressable_shards[0].data.shape != x.shape for x in jax.tree.leaves(p0))
-    tx = T.optim.make_optimizer(T.train_cfg(), multipliers=pz.opt_multipliers())
-    g = jax.jit(jax.grad(T.loss_fn), static_argnums=(1, 2))(p0, model, pz.forward, T.tokens())
+    tx = optim.make_optimizer(train_cfg, multipliers=pz.opt_multipliers())
+    g = jax.jit(jax.grad(loss_fn), static_argnums=(1, 2))(p0, model, pz.forward, tokens)
     u, _ = jax.jit(tx.update)(g, tx.init(p0), p0)
   table = [r for r in pz.describe()]
   out[kind] = dict(table=table, n_sharded=int(n_sharded),
                    update={'/'.join(k): np.asarray(x).ravel()[:64].tolist()
-                           for k, x in T.flatten_dict(u).items()})
+                           for k, x in flatten_dict(u).items()})
 print('RESULT' + json.dumps(out))
 '''
 
 
-def _run_sharded(n):
+def _run_sharded(root, n):
   env = dict(os.environ, XLA_FLAGS=f'--xla_force_host_platform_device_count={n} '
              '--xla_backend_optimization_level=0', JAX_PLATFORMS='cpu')
-  res = subprocess.run([sys.executable, '-c', _SHARDED, ROOT, str(n)], env=env,
+  res = subprocess.run([sys.executable, '-c', _SHARDED, root, str(n)], env=env,
                        capture_output=True, text=True, timeout=600)
   assert res.returncode == 0, res.stderr[-3000:]
   line = [l for l in res.stdout.splitlines() if l.startswith('RESULT')][0]
   return json.loads(line[len('RESULT'):])
 
 
-def test_multipliers_and_first_update_same_on_1_and_8_devices():
-  one, eight = _run_sharded(1), _run_sharded(8)
+def test_multipliers_and_first_update_same_on_1_and_8_devices(repo_root):
+  one, eight = _run_sharded(repo_root, 1), _run_sharded(repo_root, 8)
   for kind in one:
     assert one[kind]['table'] == eight[kind]['table'], kind
     assert eight[kind]['n_sharded'] >= 10 and one[kind]['n_sharded'] == 0

@@ -18,7 +18,6 @@ import pytest
 
 from sharenet import config_lib
 from sharenet.errors import ConfigError
-from test_train import ROOT, env, losses, tiny_config
 
 RTOL = 1e-5
 STEPS = 5
@@ -44,7 +43,7 @@ def write_corpus(directory: str) -> str:
   return path
 
 
-def config(scheme: str, corpus: str, mesh=(-1, 1, 1), **overrides):
+def config(tiny_config, scheme: str, corpus: str, mesh=(-1, 1, 1), **overrides):
   """4 applied layers, 8 rows, a constant LR (so a shorter run has the same schedule)."""
   c = tiny_config(**{'model.num_layers': 4, 'model.sharing.scheme': scheme,
                      'data.source': 'text', 'data.path': corpus,
@@ -65,9 +64,10 @@ def assert_close(got, want):
     assert abs(got[step] - want[step]) <= RTOL * abs(want[step]), (step, got[step], want[step])
 
 
-def _worker(out_path: str, tmp: str, corpus: str) -> None:
-  """Runs in the 8-device subprocess."""
+def _worker(tiny_config, losses, out_path: str, tmp: str, corpus: str) -> None:
+  """Runs in the 8-device subprocess (conftest's plain helpers stand in for the fixtures)."""
   import contextlib
+  import functools
   import io
 
   import jax
@@ -76,34 +76,35 @@ def _worker(out_path: str, tmp: str, corpus: str) -> None:
   assert jax.device_count() == 8, jax.devices()
   from sharenet import sharding
   out = {'losses': {}, 'resumed': {}, 'dry_run': {}}
-  c = config('untied', corpus, (1, 8, 1))
+  cfg = functools.partial(config, tiny_config)
+  c = cfg('untied', corpus, (1, 8, 1))
   mesh, rules = sharding.make_mesh(c.mesh), sharding.rules_of(c.mesh)
   out['contiguous'] = [sharding.rows_per_process_contiguous(mesh, rules, f) for f in
                        (lambda d: d.id // 4, lambda d: d.id % 2)]
   for scheme in SCHEMES:
     for name, mesh in LAYOUTS.items():
       workdir = os.path.join(tmp, f'{scheme}-{name}')
-      train_lib.train_and_evaluate(config(scheme, corpus, mesh), workdir)
+      train_lib.train_and_evaluate(cfg(scheme, corpus, mesh), workdir)
       out['losses'][f'{scheme} {name}'] = losses(workdir)
     # A checkpoint written under fsdp=8 restores under data=2 x fsdp=4 and training continues.
     src, dst = os.path.join(tmp, f'{scheme}-fsdp=8'), os.path.join(tmp, f'{scheme}-reshard')
     shutil.copytree(os.path.join(src, 'checkpoints'), os.path.join(dst, 'checkpoints'))
     shutil.copy(os.path.join(src, 'config.json'), dst)
     shutil.rmtree(os.path.join(dst, 'checkpoints', str(STEPS)))
-    train_lib.train_and_evaluate(config(scheme, corpus, LAYOUTS['data=2,fsdp=4']), dst)
+    train_lib.train_and_evaluate(cfg(scheme, corpus, LAYOUTS['data=2,fsdp=4']), dst)
     out['resumed'][scheme] = losses(dst)
   workdir = os.path.join(tmp, 'cycle-transforms')
-  train_lib.train_and_evaluate(config('cycle', corpus, LAYOUTS['data=2,fsdp=2,tensor=2'],
-                                      **TRANSFORMS), workdir)
+  train_lib.train_and_evaluate(cfg('cycle', corpus, LAYOUTS['data=2,fsdp=2,tensor=2'],
+                                   **TRANSFORMS), workdir)
   out['losses']['cycle transforms'] = losses(workdir)
   workdir = os.path.join(tmp, 'cycle-flat')
-  train_lib.train_and_evaluate(config('cycle', corpus, LAYOUTS['data=2,fsdp=2,tensor=2'],
-                                      **{'model.scan_lowering': 'flat'}), workdir)
+  train_lib.train_and_evaluate(cfg('cycle', corpus, LAYOUTS['data=2,fsdp=2,tensor=2'],
+                                   **{'model.scan_lowering': 'flat'}), workdir)
   out['losses']['cycle flat'] = losses(workdir)
   for name, mesh in (('fsdp=1', (8, 1, 1)), ('fsdp=8', (1, 8, 1)), ('tensor=8', (1, 1, 8))):
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
-      totals = train_lib.train_and_evaluate(config('untied', corpus, mesh, dry_run=True),
+      totals = train_lib.train_and_evaluate(cfg('untied', corpus, mesh, dry_run=True),
                                             os.path.join(tmp, f'dry-{name}'))
     out['dry_run'][name] = {'totals': totals, 'stdout': buf.getvalue(),
                             'wrote_workdir': os.path.exists(os.path.join(tmp, f'dry-{name}'))}
@@ -111,8 +112,8 @@ def _worker(out_path: str, tmp: str, corpus: str) -> None:
     json.dump(out, f)
 
 
-def device_env(n: int) -> dict:
-  e = env()
+def device_env(base: dict, n: int) -> dict:
+  e = dict(base)
   e['JAX_PLATFORMS'] = 'cpu'
   e['XLA_FLAGS'] = (e.get('XLA_FLAGS', '') + f' --xla_force_host_platform_device_count={n}')
   return e
@@ -124,12 +125,13 @@ def corpus(tmp_path_factory):
 
 
 @pytest.fixture(scope='module')
-def eight(tmp_path_factory, corpus):
+def eight(tmp_path_factory, corpus, repo_root, subprocess_env):
   """Results of the 8-device subprocess."""
   tmp = tmp_path_factory.mktemp('eight')
   out = tmp / 'out.json'
-  res = subprocess.run([sys.executable, __file__, str(out), str(tmp), corpus], env=device_env(8),
-                       capture_output=True, text=True, timeout=900, cwd=ROOT)
+  res = subprocess.run([sys.executable, __file__, str(out), str(tmp), corpus],
+                       env=device_env(subprocess_env, 8), capture_output=True, text=True,
+                       timeout=900, cwd=repo_root)
   assert res.returncode == 0, res.stderr[-4000:]
   data = json.loads(out.read_text())
   as_int = lambda d: {int(k): v for k, v in d.items()}
@@ -139,16 +141,16 @@ def eight(tmp_path_factory, corpus):
 
 
 @pytest.fixture(scope='module')
-def single(tmp_path_factory, corpus):
+def single(tmp_path_factory, corpus, tiny_config, losses):
   """5-step losses of each scheme on this (single-device) process."""
   from sharenet import train_lib
   out = {}
   for scheme in SCHEMES:
     workdir = str(tmp_path_factory.mktemp(scheme))
-    train_lib.train_and_evaluate(config(scheme, corpus), workdir)
+    train_lib.train_and_evaluate(config(tiny_config, scheme, corpus), workdir)
     out[scheme] = losses(workdir)
   workdir = str(tmp_path_factory.mktemp('cycle-transforms'))
-  train_lib.train_and_evaluate(config('cycle', corpus, **TRANSFORMS), workdir)
+  train_lib.train_and_evaluate(config(tiny_config, 'cycle', corpus, **TRANSFORMS), workdir)
   out['cycle transforms'] = losses(workdir)
   return out
 
@@ -205,7 +207,8 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
-def _two_processes(workdir: str, corpus: str, mesh, by_flag: bool, timeout: float = 600) -> None:
+def _two_processes(train_cmd, base_env: dict, workdir: str, corpus: str, mesh, by_flag: bool,
+                   timeout: float = 600) -> None:
   """Runs train.py as 2 processes x 4 CPU devices on localhost (gloo collectives).
 
   Multi-host start-up is asked for by --config.mesh.distributed=True or by the environment.
@@ -213,19 +216,17 @@ def _two_processes(workdir: str, corpus: str, mesh, by_flag: bool, timeout: floa
   port, procs = _free_port(), []
   logs = [tempfile.TemporaryFile() for _ in range(2)]
   for i in range(2):
-    e = device_env(4)
+    e = device_env(base_env, 4)
     e.update(JAX_COORDINATOR_ADDRESS=f'localhost:{port}', JAX_NUM_PROCESSES='2',
              JAX_PROCESS_ID=str(i))
     e.pop('SHARENET_DISTRIBUTED', None)
     if not by_flag:
       e['SHARENET_DISTRIBUTED'] = '1'
-    cmd = [sys.executable, os.path.join(ROOT, 'train.py'), '--config',
-           os.path.join(ROOT, 'configs', 'tiny.py'), f'--workdir={workdir}',
-           f'--config.train.steps={STEPS}', '--config.train.batch_size=8',
-           '--config.train.schedule=constant', '--config.train.warmup_steps=0',
-           '--config.train.checkpoint_every=3', '--config.model.num_layers=4',
-           '--config.data.source=text', f'--config.data.path={corpus}', *mesh_flags(mesh),
-           *(['--config.mesh.distributed=True'] if by_flag else [])]
+    cmd = train_cmd(workdir, f'--config.train.steps={STEPS}', '--config.train.batch_size=8',
+                    '--config.train.schedule=constant', '--config.train.warmup_steps=0',
+                    '--config.train.checkpoint_every=3', '--config.model.num_layers=4',
+                    '--config.data.source=text', f'--config.data.path={corpus}',
+                    *mesh_flags(mesh), *(['--config.mesh.distributed=True'] if by_flag else []))
     procs.append(subprocess.Popen(cmd, env=e, stdout=logs[i], stderr=subprocess.STDOUT))
   deadline = time.time() + timeout
   try:
@@ -244,16 +245,18 @@ def _two_processes(workdir: str, corpus: str, mesh, by_flag: bool, timeout: floa
     assert p.returncode == 0, log.read().decode(errors='replace')[-4000:]
 
 
-def test_two_processes_match_single_process(eight, corpus, tmp_path):
+def test_two_processes_match_single_process(eight, corpus, tmp_path, losses, train_cmd,
+                                            subprocess_env):
   workdir = str(tmp_path / 'w')
-  _two_processes(workdir, corpus, LAYOUTS['data=2,fsdp=4'], by_flag=False)
+  _two_processes(train_cmd, subprocess_env, workdir, corpus, LAYOUTS['data=2,fsdp=4'],
+                 by_flag=False)
   print(f'2 processes: {losses(workdir)}; 1 process: {eight["losses"]["untied data=2,fsdp=4"]}')
   assert_close(losses(workdir), eight['losses']['untied data=2,fsdp=4'])
   files = os.listdir(os.path.join(workdir, 'checkpoints', str(STEPS), 'data'))
   assert {'process_0-of-2.json', 'process_1-of-2.json'} <= set(files)
   # Both hosts restore the step-3 checkpoint under another mesh and continue identically.
   shutil.rmtree(os.path.join(workdir, 'checkpoints', str(STEPS)))
-  _two_processes(workdir, corpus, LAYOUTS['fsdp=8'], by_flag=True)
+  _two_processes(train_cmd, subprocess_env, workdir, corpus, LAYOUTS['fsdp=8'], by_flag=True)
   files = os.listdir(os.path.join(workdir, 'checkpoints', str(STEPS), 'data'))
   assert {'process_0-of-2.json', 'process_1-of-2.json'} <= set(files)
   assert_close({s: losses(workdir)[s] for s in (4, 5)},
@@ -265,7 +268,7 @@ def test_hosts_must_read_contiguous_rows(eight):
   assert eight['contiguous'] == [True, False]
 
 
-def test_scan_axes_unsharded_and_optimizer_state_follows_params():
+def test_scan_axes_unsharded_and_optimizer_state_follows_params(tiny_config):
   """Stacked ('layers') and per-applied-layer ('repeats', 'layers') axes stay whole."""
   import functools
 
@@ -316,12 +319,12 @@ BAD_MESH = [
 
 
 @pytest.mark.parametrize('overrides, match', BAD_MESH)
-def test_bad_mesh_is_one_line_config_error(overrides, match):
+def test_bad_mesh_is_one_line_config_error(overrides, match, tiny_config):
   with pytest.raises(ConfigError, match=match) as e:
     config_lib.validate(tiny_config(**overrides))
   assert '\n' not in str(e.value)
 
 
 if __name__ == '__main__':
-  import conftest  # noqa: F401 - the suite's compilation cache and flags
-  _worker(*sys.argv[1:4])
+  import conftest  # the suite's compilation cache and flags, and its plain helpers
+  _worker(conftest.make_tiny_config, conftest.read_losses, *sys.argv[1:4])

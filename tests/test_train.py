@@ -12,44 +12,12 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from configs import tiny
 from sharenet import config_lib, eval_cli, train_lib
 from sharenet.errors import ConfigError
 from sharenet.metrics import read_metrics
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def tiny_config(**overrides):
-  c = tiny.get_config()
-  for key, value in overrides.items():
-    section, _, name = key.rpartition('.')
-    node = c
-    for part in section.split('.') if section else []:
-      node = node[part]
-    node[name] = value
-  return c
-
-
-def losses(workdir):
-  """Last logged loss per step (a killed run may have logged steps that were redone)."""
-  return {r['step']: r['loss'] for r in read_metrics(workdir) if 'loss' in r}
-
-
-def train_cmd(workdir, *flags):
-  return [sys.executable, os.path.join(ROOT, 'train.py'), '--config',
-          os.path.join(ROOT, 'configs', 'tiny.py'), f'--workdir={workdir}', *flags]
-
-
-def env():
-  e = dict(os.environ)
-  e['JAX_COMPILATION_CACHE_DIR'] = jax.config.jax_compilation_cache_dir or ''
-  e['PYTHONPATH'] = ROOT
-  return e
-
-
 @pytest.fixture(scope='module')
-def reference_run(tmp_path_factory):
+def reference_run(tmp_path_factory, tiny_config):
   """One uninterrupted 40-step tiny run, shared by several tests."""
   workdir = str(tmp_path_factory.mktemp('ref'))
   out = train_lib.train_and_evaluate(tiny_config(), workdir)
@@ -83,10 +51,11 @@ def test_eval_cli_matches_last_eval(reference_run):
   assert json.load(open(os.path.join(workdir, 'eval.json')))['step'] == 40
 
 
-def test_resume_after_kill_is_bit_identical(reference_run, tmp_path):
+def test_resume_after_kill_is_bit_identical(reference_run, tmp_path, losses, train_cmd,
+                                            subprocess_env):
   ref_dir, _ = reference_run
   workdir = str(tmp_path / 'killed')
-  proc = subprocess.Popen(train_cmd(workdir), env=env(), stdout=subprocess.DEVNULL,
+  proc = subprocess.Popen(train_cmd(workdir), env=subprocess_env, stdout=subprocess.DEVNULL,
                           stderr=subprocess.DEVNULL)
   ckpt20 = os.path.join(workdir, 'checkpoints', '20')
   deadline = time.time() + 300
@@ -95,7 +64,7 @@ def test_resume_after_kill_is_bit_identical(reference_run, tmp_path):
   proc.send_signal(signal.SIGKILL)
   proc.wait()
   assert os.path.isdir(ckpt20), 'the run never wrote its step-20 checkpoint'
-  subprocess.run(train_cmd(workdir), env=env(), check=True, capture_output=True)
+  subprocess.run(train_cmd(workdir), env=subprocess_env, check=True, capture_output=True)
   ref, resumed = losses(ref_dir), losses(workdir)
   assert [resumed[s] for s in range(21, 41)] == [ref[s] for s in range(21, 41)]
 
@@ -114,7 +83,7 @@ def _corrupt(workdir, step, how):
 
 
 @pytest.mark.parametrize('how', ['truncate', 'delete'])
-def test_corrupt_newest_checkpoint_falls_back(tmp_path, capsys, how):
+def test_corrupt_newest_checkpoint_falls_back(tmp_path, capsys, how, tiny_config, losses):
   workdir = str(tmp_path)
   train_lib.train_and_evaluate(tiny_config(**{'train.steps': 20, 'train.checkpoint_every': 10}),
                                workdir)
@@ -129,13 +98,13 @@ def test_corrupt_newest_checkpoint_falls_back(tmp_path, capsys, how):
   assert max(losses(workdir)) == 30
 
 
-def test_different_model_in_workdir_fails_clearly(reference_run):
+def test_different_model_in_workdir_fails_clearly(reference_run, tiny_config):
   workdir, _ = reference_run
   with pytest.raises(ConfigError, match=r'different model \(model.d_model: 32 -> 48'):
     train_lib.train_and_evaluate(tiny_config(**{'model.d_model': 48}), workdir)
 
 
-def test_non_finite_loss_stops_without_bad_checkpoint(tmp_path):
+def test_non_finite_loss_stops_without_bad_checkpoint(tmp_path, tiny_config):
   workdir = str(tmp_path)
   cfg = tiny_config(**{'train.lr': 1e30, 'train.warmup_steps': 0, 'train.checkpoint_every': 1,
                        'train.grad_clip': 0.0, 'train.schedule': 'constant'})
@@ -160,32 +129,33 @@ BAD = [
 
 
 @pytest.mark.parametrize('overrides, field', BAD)
-def test_bad_input_names_field(overrides, field):
+def test_bad_input_names_field(overrides, field, tiny_config):
   with pytest.raises(ConfigError, match=field.replace('.', r'\.')) as e:
     config_lib.validate(tiny_config(**overrides))
   assert '\n' not in str(e.value)
 
 
-def test_empty_data_files_rejected(tmp_path):
+def test_empty_data_files_rejected(tmp_path, tiny_config):
   (tmp_path / 'a.txt').write_text('')
   with pytest.raises(ConfigError, match='data.path'):
     config_lib.validate(tiny_config(**{'data.source': 'text',
                                        'data.path': str(tmp_path / '*.txt')}))
 
 
-def test_cli_bad_input_exits_with_one_line(tmp_path):
+def test_cli_bad_input_exits_with_one_line(tmp_path, train_cmd, subprocess_env):
   res = subprocess.run(train_cmd(str(tmp_path), '--config.model.sharing.scheme=spiral'),
-                       env=env(), capture_output=True, text=True)
+                       env=subprocess_env, capture_output=True, text=True)
   assert res.returncode != 0
   errors = [l for l in res.stderr.splitlines() if l.startswith('error:')]
   assert len(errors) == 1 and 'model.sharing.scheme' in errors[0] and 'valid:' in errors[0]
   assert not os.path.exists(os.path.join(tmp_path, 'checkpoints'))
 
 
-def test_sigterm_saves_and_exits_cleanly(tmp_path):
+def test_sigterm_saves_and_exits_cleanly(tmp_path, train_cmd, subprocess_env):
   workdir = str(tmp_path)
-  proc = subprocess.Popen(train_cmd(workdir, '--config.train.checkpoint_every=1000'), env=env(),
-                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+  proc = subprocess.Popen(train_cmd(workdir, '--config.train.checkpoint_every=1000'),
+                          env=subprocess_env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                          text=True)
   metrics = os.path.join(workdir, 'metrics.jsonl')
   deadline = time.time() + 300
   while proc.poll() is None and time.time() < deadline:

@@ -16,7 +16,6 @@ from configs import tiny as tiny_config
 from sharenet import eval_cli, optim, train_lib
 from sharenet.errors import ConfigError
 from sharenet.models import DecoderLM, ModelConfig, init_variables
-from sharenet.norms import Norm
 from sharenet.transforms import Transforms, convert, reparam
 from sharenet.transforms.roles import Leaf
 from sharenet.transforms.update import scale_by_adamp
@@ -153,26 +152,6 @@ def test_weight_norm_is_invariant_to_scaling_v():
   np.testing.assert_allclose(wn.apply(w, extras, {}, leaf), w, rtol=1e-5, atol=1e-6)
   np.testing.assert_allclose(wn.apply(7.3 * w, extras, {}, leaf), wn.apply(w, extras, {}, leaf),
                              rtol=1e-5, atol=1e-6)
-
-
-@pytest.mark.parametrize('kind', ['scalenorm', 'l2'])
-def test_scale_invariant_norms(kind):
-  x = jax.random.normal(jax.random.key(0), (2, 5, 16))
-  norm = Norm(kind)
-  v = norm.init(jax.random.key(1), x)
-  np.testing.assert_allclose(norm.apply(v, 4.5 * x), norm.apply(v, x), rtol=1e-5, atol=1e-6)
-  if kind == 'scalenorm':   # output norm equals g = sqrt(d)
-    np.testing.assert_allclose(jnp.linalg.norm(norm.apply(v, x), axis=-1), 4.0, rtol=1e-5)
-
-
-def test_l2_qk_norm_logits_are_bounded_by_the_gain():
-  cfg = _cfg(norm='rmsnorm', qk_norm='l2', max_len=16)
-  v = init_variables(DecoderLM(cfg), jax.random.key(0))
-  flat = flatten_dict(v['params'])
-  scales = [x for p, x in flat.items() if p[-1] == 'qk_scale']
-  assert scales and all(np.allclose(s, math.log2(16 * 16 - 16)) for s in scales)
-  out = DecoderLM(cfg).apply(v, _tokens())
-  assert bool(jnp.all(jnp.isfinite(out)))
 
 
 def test_sigma_power_iteration_converges_to_svd():
@@ -391,28 +370,6 @@ def test_zero_mean_writers_with_tied_embeddings_needs_centering():
     Transforms({'reparam': 'zero_mean_writers'}, DecoderLM(_cfg(tie_embeddings=True)))
   Transforms({'reparam': 'zero_mean_writers'},
              DecoderLM(_cfg(tie_embeddings=True, center_embedding=True)))
-
-
-def test_fixnorm_embeddings_have_norm_sqrt_d_at_the_input():
-  cfg = _cfg(norm='rmsnorm', fixnorm=True, tie_embeddings=True)
-  from sharenet.models.layers import Embed
-  emb = Embed(64, 16, 1.0, fixnorm=True)
-  v = emb.init(jax.random.key(0), _tokens())
-  np.testing.assert_allclose(jnp.linalg.norm(emb.apply(v, _tokens()), axis=-1), 4.0, rtol=1e-5)
-  assert bool(jnp.all(jnp.isfinite(DecoderLM(cfg).apply(
-      init_variables(DecoderLM(cfg), jax.random.key(0)), _tokens()))))
-
-
-def test_dyt_is_linear_for_small_alpha_and_crmsnorm_matches_its_formula():
-  x = jax.random.normal(jax.random.key(0), (3, 16))
-  dyt = Norm('dyt', dyt_alpha=1e-4)
-  v = dyt.init(jax.random.key(1), x)
-  np.testing.assert_allclose(dyt.apply(v, x), 1e-4 * x, rtol=1e-6, atol=1e-9)
-  crms = Norm('crmsnorm', eps=0.0)
-  v = crms.init(jax.random.key(1), x)
-  full = jnp.concatenate([x, -jnp.sum(x, -1, keepdims=True)], -1)   # the zero-mean 17-vector
-  expected = x / jnp.sqrt(jnp.mean(full ** 2, -1, keepdims=True))
-  np.testing.assert_allclose(crms.apply(v, x), expected, rtol=1e-5)
 
 
 def test_norm_study_cli_runs_variants_and_writes_the_table(tmp_path):
