@@ -6,28 +6,20 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 
 import pytest
 
-from configs import tiny
 from sharenet import resume, train_lib
 from sharenet.errors import ConfigError
 from sharenet.metrics import read_metrics
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BASE = {'train.steps': 20, 'train.checkpoint_every': 10}
 
 
-def _config(**overrides):
-  c = tiny.get_config()
-  for key, value in {**BASE, **overrides}.items():
-    *parents, leaf = key.split('.')
-    node = c
-    for p in parents:
-      node = node[p]
-    node[leaf] = value
-  return c
+@pytest.fixture(scope='session')
+def config(tiny_config):
+  """configs/tiny.py at 20 steps with checkpoints every 10, plus dotted overrides."""
+  return lambda **overrides: tiny_config(**{**BASE, **overrides})
 
 
 def _hashes(workdir):
@@ -45,10 +37,10 @@ def _steps_of(hashes, step):
 
 
 @pytest.fixture(scope='module')
-def base_run(tmp_path_factory):
+def base_run(tmp_path_factory, config):
   """A 20-step tiny run with checkpoints at 10 and 20."""
   workdir = str(tmp_path_factory.mktemp('base'))
-  train_lib.train_and_evaluate(_config(), workdir)
+  train_lib.train_and_evaluate(config(), workdir)
   return workdir
 
 
@@ -77,14 +69,14 @@ UNRESTORABLE = [
 
 
 @pytest.mark.parametrize('overrides, field', UNRESTORABLE)
-def test_unrestorable_change_is_one_line_and_touches_nothing(copy_of, tmp_path, overrides,
-                                                            field):
+def test_unrestorable_change_is_one_line_and_touches_nothing(copy_of, tmp_path, config,
+                                                            overrides, field):
   if overrides.get('data.source') == 'text':
     overrides = {**overrides, 'data.path': _text_corpus(tmp_path)}
   before = _hashes(copy_of)
   config_before = open(os.path.join(copy_of, 'config.json')).read()
   with pytest.raises(ConfigError) as e:
-    train_lib.train_and_evaluate(_config(**{'train.steps': 30, **overrides}), copy_of)
+    train_lib.train_and_evaluate(config(**{'train.steps': 30, **overrides}), copy_of)
   msg = str(e.value)
   assert '\n' not in msg and field in msg, msg
   assert 'new --workdir' in msg
@@ -96,9 +88,10 @@ def test_unrestorable_change_is_one_line_and_touches_nothing(copy_of, tmp_path, 
 
 
 @pytest.mark.parametrize('overrides', [{}, {'train.lr': 1e-3, 'train.weight_decay': 0.0}])
-def test_restorable_change_resumes_from_the_last_checkpoint(copy_of, capsys, overrides):
+def test_restorable_change_resumes_from_the_last_checkpoint(copy_of, capsys, config,
+                                                           overrides):
   before = _hashes(copy_of)
-  train_lib.train_and_evaluate(_config(**{'train.steps': 30, **overrides}), copy_of)
+  train_lib.train_and_evaluate(config(**{'train.steps': 30, **overrides}), copy_of)
   out = capsys.readouterr().out
   assert 'resumed from checkpoint at step 20' in out
   note = [l for l in out.splitlines() if 'resuming with changed fields' in l]
@@ -114,12 +107,12 @@ def test_restorable_change_resumes_from_the_last_checkpoint(copy_of, capsys, ove
   assert _steps_of(after, 30)
 
 
-def test_restore_params_loads_parameters_with_a_fresh_optimizer(copy_of, capsys):
+def test_restore_params_loads_parameters_with_a_fresh_optimizer(copy_of, capsys, config):
   import jax
   import numpy as np
   import orbax.checkpoint as ocp
   before = _hashes(copy_of)
-  cfg = _config(**{'train.steps': 30, 'train.grad_clip': 0.0, 'train.restore': 'params'})
+  cfg = config(**{'train.steps': 30, 'train.grad_clip': 0.0, 'train.restore': 'params'})
   train_lib.train_and_evaluate(cfg, copy_of)
   out = capsys.readouterr().out
   assert 'train.restore=params: loaded the parameters of checkpoint 20' in out
@@ -145,35 +138,34 @@ def test_restore_params_loads_parameters_with_a_fresh_optimizer(copy_of, capsys)
   assert 'resumed from checkpoint at step 30' in capsys.readouterr().out
 
 
-def test_restore_params_refuses_a_different_model(copy_of):
+def test_restore_params_refuses_a_different_model(copy_of, config):
   before = _hashes(copy_of)
   with pytest.raises(ConfigError, match='different model'):
-    train_lib.train_and_evaluate(_config(**{'model.num_layers': 3, 'train.restore': 'params'}),
+    train_lib.train_and_evaluate(config(**{'model.num_layers': 3, 'train.restore': 'params'}),
                                  copy_of)
   assert _hashes(copy_of) == before
 
 
-def test_cli_exits_2_with_one_line(copy_of):
+def test_cli_exits_2_with_one_line(copy_of, train_cmd, subprocess_env):
   before = _hashes(copy_of)
-  env = dict(os.environ, PYTHONPATH=ROOT)
-  res = subprocess.run([sys.executable, os.path.join(ROOT, 'train.py'), '--config',
-                        os.path.join(ROOT, 'configs', 'tiny.py'), f'--workdir={copy_of}',
-                        '--config.train.steps=30', '--config.train.checkpoint_every=10',
-                        '--config.train.grad_clip=0'], env=env, capture_output=True, text=True)
+  res = subprocess.run(train_cmd(copy_of, '--config.train.steps=30',
+                                 '--config.train.checkpoint_every=10',
+                                 '--config.train.grad_clip=0'),
+                       env=dict(subprocess_env), capture_output=True, text=True)
   assert res.returncode == 2, res.stderr[-2000:]
   errors = [l for l in res.stderr.splitlines() if l.startswith('error:')]
   assert len(errors) == 1 and 'train.grad_clip 1.0 -> 0.0' in errors[0], res.stderr[-2000:]
   assert _hashes(copy_of) == before
 
 
-def test_changes_classify_fields():
-  old = json.loads(json.dumps(_config().to_dict()))
-  new = _config(**{'train.steps': 99, 'mesh.fsdp': 2, 'train.lr': 0.1, 'data.seed': 3})
+def test_changes_classify_fields(config):
+  old = json.loads(json.dumps(config().to_dict()))
+  new = config(**{'train.steps': 99, 'mesh.fsdp': 2, 'train.lr': 0.1, 'data.seed': 3})
   ch = resume.Changes(old, new)
   assert set(ch.fields) == {'train.steps', 'mesh.fsdp', 'train.lr', 'data.seed'}
   assert set(ch.state_free) == {'train.steps', 'mesh.fsdp'}
   assert set(ch.data_stream) == {'data.seed'}
   assert set(ch.stateful) == {'train.lr', 'data.seed'}
-  assert not resume.Changes(old, _config())
+  assert not resume.Changes(old, config())
   del old['train']['lr']             # a field an older run did not record is not a change
   assert 'train.lr' not in resume.Changes(old, new).fields
