@@ -40,7 +40,7 @@ def validate(config: Any, process_count: int | None = None) -> ModelConfig:
   validate_mesh(config)
   from sharenet.models import DecoderLM
   from sharenet.transforms import Transforms
-  Transforms(config.get('transforms'), DecoderLM(mcfg))  # raises for unknown / empty selections
+  Transforms(config.transforms, DecoderLM(mcfg))  # raises for unknown / empty selections
   pc = jax.process_count() if process_count is None else process_count
   data.validate_data_config(config.data, t.seq_len, t.batch_size, pc, mcfg.vocab_size)
   data.validate_data_config(config.data, t.seq_len, t.eval_batch_size, pc, mcfg.vocab_size)

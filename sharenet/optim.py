@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import optax
 from flax.traverse_util import flatten_dict, unflatten_dict
 
+from sharenet import defaults
 from sharenet.errors import ConfigError
 from sharenet.transforms import roles as roles_lib
 
@@ -45,7 +46,7 @@ def lr_schedule(t: Any) -> optax.Schedule:
 
 def decay_roles(t: Any) -> tuple[str, ...]:
   """Leaf roles that get weight decay (train.decay_roles, a comma list of DECAY_GROUPS)."""
-  groups = [g for g in str(t.get('decay_roles', 'matrices')).replace(' ', '').split(',') if g]
+  groups = [g for g in str(defaults.fill('train', t).decay_roles).replace(' ', '').split(',') if g]
   out = []
   for g in groups:
     if g not in DECAY_GROUPS:

@@ -75,7 +75,7 @@ def setup(config: Any, mcfg: ModelConfig) -> Experiment:
   """The model, optimizer, parametrization and transforms of a validated config."""
   pz = parametrization.build(config.parametrization, mcfg)
   model = DecoderLM(pz.cfg)
-  tr = Transforms(config.get('transforms'), model)
+  tr = Transforms(config.transforms, model)
   return Experiment(model, optim.make_optimizer(config.train, tr, pz.opt_multipliers()), pz, tr)
 
 
@@ -165,7 +165,7 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, float]:
                                       tr=tr, pz=pz),
                     in_shardings=(shardings, batch_sharding),
                     out_shardings=(shardings, replicated), donate_argnums=0)
-  if config.get('dry_run', False):
+  if config.dry_run:
     with sharding.activate(mesh, rules):
       compiled = step_fn.lower(sharding.with_shardings(abstract, shardings),
                                jax.ShapeDtypeStruct(batch_shape, jnp.int32,
