@@ -130,7 +130,7 @@ def make_optimizer(t: Any, transforms: Any = None, multipliers: Any = None
     parts.append(optax.clip_by_global_norm(t.grad_clip))
   if 'adamp' in updates:
     if multipliers is not None:
-      raise ConfigError('transforms.update=adamp has no per-leaf multipliers yet; valid with '
+      raise ConfigError('transforms.updates=adamp has no per-leaf multipliers yet; valid with '
                         'adamp: parametrization.kind=sp')
     from sharenet.transforms.update import scale_by_adamp
     parts += [scale_by_adamp(t.b1, t.b2, t.eps, t.weight_decay, mask, transforms.infos,

@@ -19,7 +19,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from sharenet import checkpoint, config_lib, data, eval_lib, optim, parametrization, perf
 from sharenet import sharding
-from sharenet.errors import ConfigError
+from sharenet.errors import ConfigError, NonFiniteLoss
 from sharenet.metrics import MetricsWriter
 from sharenet.models import DecoderLM, ModelConfig, accounting, init_variables, logical_axes
 from sharenet.transforms import Transforms
@@ -31,10 +31,6 @@ class TrainState:
   params: Any        # trainable: {'params': ..., 'per_layer': ..., ['reparam': gains]}
   opt_state: Any
   tstate: Any        # non-trainable transform state (power-iteration vectors); {} if none
-
-
-class NonFiniteLoss(RuntimeError):
-  pass
 
 
 def init_state(model: DecoderLM, tx: optax.GradientTransformation, rng: jax.Array,

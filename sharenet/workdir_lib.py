@@ -1,4 +1,5 @@
-"""Evaluates a workdir's checkpoint: the library side of eval.py."""
+"""A train.py workdir: its config, its restored state, evaluation and conversion (the library
+side of eval.py and convert.py)."""
 from __future__ import annotations
 
 import json
@@ -6,22 +7,25 @@ import os
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import ml_collections
 import orbax.checkpoint as ocp
 
-from sharenet import checkpoint, data, eval_lib, sharding, train_lib
+from sharenet import checkpoint, data, defaults, eval_lib, optim, sharding, train_lib
 from sharenet.errors import ConfigError
-from sharenet.models import ModelConfig
+from sharenet.models import DecoderLM, ModelConfig
+from sharenet.transforms import Transforms, convert
 
 
 def load_config(workdir: str) -> ml_collections.ConfigDict:
+  """The workdir's config.json; keys added since it was written take the defaults."""
   path = os.path.join(workdir, 'config.json')
   if not os.path.exists(path):
     raise ConfigError(f'--workdir {workdir} has no config.json; pass the workdir of a train.py run')
   with open(path) as f:
     raw = json.load(f)
   keys = ('model', 'train', 'data', 'parametrization', 'mesh', 'transforms')
-  return ml_collections.ConfigDict({k: raw[k] for k in keys if k in raw})
+  return defaults.complete({k: raw[k] for k in keys if k in raw})
 
 
 class Restored(NamedTuple):
@@ -35,8 +39,6 @@ def restore_state(config: ml_collections.ConfigDict, workdir: str,
                   step: int | None = None) -> Restored:
   """The latest (or `step`) checkpoint of `workdir` with the experiment `config` builds."""
   mcfg = ModelConfig.from_config(config.model)
-  if 'parametrization' not in config:   # runs written before the parametrization group existed
-    config.parametrization = {'kind': 'sp'}
   exp = train_lib.setup(config, mcfg)
   abstract = jax.eval_shape(
       lambda: train_lib.init_state(exp.model, exp.tx, jax.random.key(0), exp.tr, exp.pz))
@@ -60,9 +62,14 @@ def restore_state(config: ml_collections.ConfigDict, workdir: str,
   return Restored(state, int(step), exp)
 
 
-def evaluate_workdir(workdir: str, step: int | None = None) -> dict[str, Any]:
-  """Restores the latest (or `step`) checkpoint's params and evaluates the validation split."""
+def evaluate_workdir(workdir: str, step: int | None = None,
+                     overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+  """Restores the latest (or `step`) checkpoint's params and evaluates the validation split.
+
+  `overrides` ({'train.eval_batch_size': 64, ...}) change the workdir's config for this eval.
+  """
   config = load_config(workdir)
+  config.update_from_flattened_dict(overrides or {})
   state, step, (model, _, pz, tr) = restore_state(config, workdir, step)
   params = jax.jit(train_lib.effective_params, static_argnums=(1, 2))(state, tr, pz)
   out = eval_lib.evaluate(model, params, config.data, config.train.seq_len,
@@ -72,3 +79,61 @@ def evaluate_workdir(workdir: str, step: int | None = None) -> dict[str, Any]:
   with open(os.path.join(workdir, 'eval.json'), 'w') as f:
     json.dump(out, f, indent=2)
   return out
+
+
+CONVERSIONS = ('rmsnorm', 'crmsnorm', 'recursive')
+
+
+def convert_workdir(workdir: str, out: str, opts: Any) -> dict[str, Any]:
+  """Restores `workdir`'s latest checkpoint, converts it as `opts` (defaults.conversion_config)
+  says and writes `out` (config.json and a checkpoint with fresh optimizer and data state)."""
+  if opts.to not in CONVERSIONS:
+    raise ConfigError(f'config.to={opts.to!r} is unknown; valid: {", ".join(CONVERSIONS)}')
+  if opts.to == 'recursive':
+    for key, valid in (('scheme', convert.RECURSIVE_SCHEMES), ('init', convert.INITS),
+                       ('lora_init', ('zero', 'svd'))):
+      if opts[key] not in valid:
+        raise ConfigError(f'config.{key}={opts[key]!r} is unknown; valid: {", ".join(valid)}')
+    if opts.num_unique < 1:
+      raise ConfigError(f'config.to=recursive needs config.num_unique >= 1, got '
+                        f'{opts.num_unique}')
+  config = load_config(workdir)
+  if config.parametrization.kind != 'sp':
+    raise ConfigError(f'conversions support parametrization.kind=sp, got '
+                      f'{config.parametrization.kind} (its forward multipliers would be folded '
+                      f'into the weights and then applied again)')
+  state, step, exp = restore_state(config, workdir)
+  cfg = exp.model.cfg
+  variables = jax.device_get(train_lib.effective_params(state, exp.tr))   # reparams resolved
+  if opts.to == 'rmsnorm':
+    new_cfg, new_vars = convert.ln_to_rms(cfg, variables)
+  elif opts.to == 'crmsnorm':
+    if cfg.norm == 'layernorm':
+      cfg, variables = convert.ln_to_rms(cfg, variables)
+    new_cfg, new_vars = convert.rms_to_crms(cfg, variables)
+  else:
+    targets = tuple(t for t in opts.lora_targets.replace(' ', '').split(',') if t)
+    new_cfg, new_vars = convert.to_recursive(
+        cfg, variables, scheme=opts.scheme, num_unique=opts.num_unique, init=opts.init,
+        lora_rank=opts.lora_rank, lora_init=opts.lora_init, lora_targets=targets,
+        untie_norms=opts.untie_norms)
+  raw = config.to_dict()
+  raw['model'] = new_cfg.to_config()
+  raw['transforms']['reparam'] = ''     # folded into the converted weights
+  new_config = ml_collections.ConfigDict(raw)
+  os.makedirs(out, exist_ok=True)
+  new_tr = Transforms(new_config.transforms, DecoderLM(new_cfg))
+  tx = optim.make_optimizer(new_config.train, new_tr)
+  params, tstate = new_tr.init(new_vars)
+  new_state = train_lib.TrainState(jnp.asarray(step, jnp.int32), params, tx.init(params), tstate)
+  t = new_config.train
+  it = data.make_train_iterator(new_config.data, t.seq_len, t.batch_size, t.seed, 0, 1)
+  mngr = checkpoint.manager(out, t.keep_checkpoints, async_save=False)
+  checkpoint.save(mngr, step, new_state, it)
+  mngr.wait_until_finished()
+  mngr.close()
+  summary = {**raw, 'converted_from': os.path.abspath(workdir), 'conversion': opts.to,
+             'param_shapes': train_lib.param_shapes(params)}
+  with open(os.path.join(out, 'config.json'), 'w') as f:
+    json.dump(summary, f, indent=2, sort_keys=True, default=str)
+  return {'step': step, 'model': raw['model']}

@@ -38,10 +38,10 @@ class Transforms:
     if self.projection not in project_lib.PROJECTIONS:
       raise ConfigError(f'transforms.project={self.projection!r} is unknown; valid: '
                         f'{", ".join(project_lib.PROJECTIONS)}')
-    self.updates = _names(t.update)
+    self.updates = _names(t.updates)
     for u in self.updates:
       if u not in UPDATES:
-        raise ConfigError(f'transforms.update: {u!r} is unknown; valid: {", ".join(UPDATES)}')
+        raise ConfigError(f'transforms.updates: {u!r} is unknown; valid: {", ".join(UPDATES)}')
     self.agc_clip = float(t.agc_clip)
     self.agc_eps = float(t.agc_eps)
     self.adamp_delta = float(t.adamp_delta)
