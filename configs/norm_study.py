@@ -1,10 +1,11 @@
 """Normalization study base: the default model at 4 layers, 200 steps, for every norm/transform.
 
 Command:   python -m sharenet.studies.norm_study --config configs/norm_study.py \
-               --out runs/norm_study --schemes untied,cycle
+               --out runs/norm_study
            (19 variants x 2 schemes; each variant overrides this config, see
-           sharenet/studies/norm_study.py VARIANTS; --variants a,b or --schemes untied runs a
-           slice; two processes pinned with `taskset -c 0` / `taskset -c 1` may share one --out)
+           sharenet/studies/norm_study.py VARIANTS; --config.study.variants=a,b or
+           --config.study.schemes=untied runs a slice; two processes pinned with
+           `taskset -c 0` / `taskset -c 1` may share one --out)
 Runtime:   ~5.3 min per run on the 2-core CPU (200 steps of 4,096 tokens + full validation
            eval), ~3.4 h for the grid in one process; ~9 min per run with two single-core
            workers, ~2.8 h for the grid.
@@ -14,6 +15,8 @@ Result:    OUT/norm_study.{json,md,png}. Measured 2026-11-30 (eval bits per byte
            without divergence under both plans; all 38 cells measured. Full table in README
            and docs/results/norm_study/.
 """
+import ml_collections
+
 from configs import default
 
 
@@ -23,4 +26,7 @@ def get_config():
   c.train.warmup_steps = 30
   c.train.checkpoint_every = 200
   c.train.keep_checkpoints = 1
+  c.study = s = ml_collections.ConfigDict()
+  s.schemes = 'untied,cycle'  # comma list of sharenet/studies/norm_study.py SCHEMES
+  s.variants = 'all'          # comma list of norm_study.py VARIANTS, or all
   return c

@@ -3,3 +3,7 @@
 
 class ConfigError(ValueError):
   """A config field has an invalid value; the message names the field."""
+
+
+class NonFiniteLoss(RuntimeError):
+  """Training hit a non-finite loss or gradient norm; the message names the step."""

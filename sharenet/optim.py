@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import optax
 from flax.traverse_util import flatten_dict, unflatten_dict
 
+from sharenet import defaults
 from sharenet.errors import ConfigError
 from sharenet.transforms import roles as roles_lib
 
@@ -45,7 +46,7 @@ def lr_schedule(t: Any) -> optax.Schedule:
 
 def decay_roles(t: Any) -> tuple[str, ...]:
   """Leaf roles that get weight decay (train.decay_roles, a comma list of DECAY_GROUPS)."""
-  groups = [g for g in str(t.get('decay_roles', 'matrices')).replace(' ', '').split(',') if g]
+  groups = [g for g in str(defaults.fill('train', t).decay_roles).replace(' ', '').split(',') if g]
   out = []
   for g in groups:
     if g not in DECAY_GROUPS:
@@ -129,7 +130,7 @@ def make_optimizer(t: Any, transforms: Any = None, multipliers: Any = None
     parts.append(optax.clip_by_global_norm(t.grad_clip))
   if 'adamp' in updates:
     if multipliers is not None:
-      raise ConfigError('transforms.update=adamp has no per-leaf multipliers yet; valid with '
+      raise ConfigError('transforms.updates=adamp has no per-leaf multipliers yet; valid with '
                         'adamp: parametrization.kind=sp')
     from sharenet.transforms.update import scale_by_adamp
     parts += [scale_by_adamp(t.b1, t.b2, t.eps, t.weight_decay, mask, transforms.infos,

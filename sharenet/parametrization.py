@@ -44,6 +44,7 @@ import jax
 import jax.numpy as jnp
 from flax.traverse_util import flatten_dict, unflatten_dict
 
+from sharenet import defaults
 from sharenet.errors import ConfigError
 from sharenet.models import DecoderLM, ModelConfig, init_boxed
 
@@ -57,20 +58,21 @@ DECAYED = ('kernel', 'embedding', 'pos_embed', 'lora_a', 'lora_b')   # wd_mult 1
 BRANCH_OUT = (('attn', 'o'), ('mlp', 'wo'))   # last projections of the residual branches
 UNTIEABLE = ('mup_table3', 'umup')           # one tensor cannot carry two roles (ref. 0, 1.6)
 Path = tuple[str, ...]
+_DEFAULTS = defaults.default_config().parametrization
 
 
 @dataclasses.dataclass(frozen=True)
 class Settings:
-  """The `config.parametrization` group."""
-  kind: str = 'sp'
-  base_d_model: int = 0          # 0 -> d_model (multipliers 1)
-  base_num_heads: int = 0        # 0 -> num_heads (head_dim scales with width)
-  base_depth: int = 0            # unique sets of the depth proxy (completep); 0 -> same
-  depth_alpha: float = 1.0       # completep alpha (1: CompleteP, 0.5: Depth-muP branch rule)
-  loop_rule: str = 'none'        # none | inv_R | inv_sqrt_R
-  wd_mode: str = 'lr_coupled'    # lr_coupled | independent
-  readout_zero_init: bool = False
-  query_zero_init: bool = False
+  """The `config.parametrization` group (field = key; meanings in sharenet/defaults.py)."""
+  kind: str = _DEFAULTS.kind
+  base_d_model: int = _DEFAULTS.base_d_model      # 0 -> d_model (multipliers 1)
+  base_num_heads: int = _DEFAULTS.base_num_heads  # 0 -> num_heads (head_dim scales with width)
+  base_depth: int = _DEFAULTS.base_depth          # unique sets of the depth proxy; 0 -> same
+  depth_alpha: float = _DEFAULTS.depth_alpha      # completep alpha (0.5: Depth-muP branch rule)
+  loop_rule: str = _DEFAULTS.loop_rule
+  wd_mode: str = _DEFAULTS.wd_mode
+  readout_zero_init: bool = _DEFAULTS.readout_zero_init
+  query_zero_init: bool = _DEFAULTS.query_zero_init
 
   def validate(self) -> 'Settings':
     for field, value, valid in (('kind', self.kind, KINDS), ('loop_rule', self.loop_rule,
@@ -86,8 +88,9 @@ class Settings:
 
   @classmethod
   def from_config(cls, p: Any) -> 'Settings':
-    names = [f.name for f in dataclasses.fields(cls)]
-    return cls(**{n: p[n] for n in names if n in p}).validate()
+    """From a `config.parametrization` group; keys it lacks take the defaults."""
+    p = defaults.fill('parametrization', p)
+    return cls(**{f.name: p[f.name] for f in dataclasses.fields(cls)}).validate()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -32,7 +32,7 @@ def maybe_initialize_distributed(config: Any) -> bool:
   $JAX_PROCESS_ID when set, else from jax's cluster auto-detection (TPU pods, SLURM, ...).
   Must run before anything touches a device.
   """
-  want = bool(config.mesh.get('distributed', False)) or os.environ.get(DISTRIBUTED_ENV) == '1'
+  want = bool(config.mesh.distributed) or os.environ.get(DISTRIBUTED_ENV) == '1'
   if not want or jax.distributed.is_initialized():
     return False
   env_int = lambda k: int(os.environ[k]) if os.environ.get(k) else None

@@ -19,7 +19,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from sharenet import checkpoint, config_lib, data, eval_lib, optim, parametrization, perf
 from sharenet import resume, sharding
-from sharenet.errors import ConfigError
+from sharenet.errors import ConfigError, NonFiniteLoss
 from sharenet.metrics import MetricsWriter
 from sharenet.models import (TRAINABLE, DecoderLM, ModelConfig, accounting, init_variables,
                              logical_axes)
@@ -32,10 +32,6 @@ class TrainState:
   params: Any        # trainable: {'params': ..., 'per_layer': ..., ['reparam': gains]}
   opt_state: Any
   tstate: Any        # non-trainable transform state (power-iteration vectors); {} if none
-
-
-class NonFiniteLoss(RuntimeError):
-  pass
 
 
 def init_state(model: DecoderLM, tx: optax.GradientTransformation, rng: jax.Array,
@@ -76,7 +72,7 @@ def setup(config: Any, mcfg: ModelConfig) -> Experiment:
   """The model, optimizer, parametrization and transforms of a validated config."""
   pz = parametrization.build(config.parametrization, mcfg)
   model = DecoderLM(pz.cfg)
-  tr = Transforms(config.get('transforms'), model)
+  tr = Transforms(config.transforms, model)
   return Experiment(model, optim.make_optimizer(config.train, tr, pz.opt_multipliers()), pz, tr)
 
 
@@ -236,7 +232,7 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, float]:
                                       tr=tr, pz=pz),
                     in_shardings=(shardings, batch_sharding),
                     out_shardings=(shardings, replicated), donate_argnums=0)
-  if config.get('dry_run', False):
+  if config.dry_run:
     with sharding.activate(mesh, rules):
       compiled = step_fn.lower(sharding.with_shardings(abstract, shardings),
                                jax.ShapeDtypeStruct(batch_shape, jnp.int32,

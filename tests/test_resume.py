@@ -60,7 +60,7 @@ def _text_corpus(tmp_path):
 UNRESTORABLE = [
     ({'train.grad_clip': 0.0}, 'train.grad_clip'),
     ({'transforms.reparam': 'weight_norm'}, 'transforms.reparam'),
-    ({'transforms.update': 'agc'}, 'transforms.update'),
+    ({'transforms.updates': 'agc'}, 'transforms.updates'),
     ({'parametrization.kind': 'mup', 'parametrization.base_d_model': 16}, 'parametrization.kind'),
     ({'model.d_model': 48}, 'model.d_model'),
     ({'data.seed': 7}, 'data.seed'),

@@ -12,7 +12,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from sharenet import config_lib, eval_cli, train_lib
+from sharenet import config_lib, train_lib, workdir_lib
 from sharenet.errors import ConfigError
 from sharenet.metrics import read_metrics
 
@@ -40,10 +40,10 @@ def test_run_writes_contract_files(reference_run):
   assert glob.glob(os.path.join(workdir, 'tb', 'events.*'))
 
 
-def test_eval_cli_matches_last_eval(reference_run):
+def test_evaluate_workdir_matches_last_eval(reference_run):
   workdir, _ = reference_run
   last = [r for r in read_metrics(workdir) if 'eval_loss' in r][-1]
-  out = eval_cli.evaluate_workdir(workdir)
+  out = workdir_lib.evaluate_workdir(workdir)
   assert out['step'] == last['step']
   assert abs(out['eval_loss'] - last['eval_loss']) <= 1e-6
   assert abs(out['eval_bits_per_byte'] - last['eval_bits_per_byte']) <= 1e-6

@@ -4,6 +4,8 @@ import functools
 import json
 import math
 import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -13,7 +15,7 @@ import pytest
 from flax.traverse_util import flatten_dict, unflatten_dict
 
 from configs import tiny as tiny_config
-from sharenet import eval_cli, optim, train_lib
+from sharenet import defaults, optim, train_lib, workdir_lib
 from sharenet.errors import ConfigError
 from sharenet.models import DecoderLM, ModelConfig, init_variables
 from sharenet.transforms import Transforms, convert, reparam
@@ -79,20 +81,30 @@ def test_crms_conversion_refuses_a_stream_that_is_not_zero_mean():
 
 
 def test_convert_cli_on_a_trained_pre_ln_checkpoint(tmp_path):
-  """Train a Pre-LN model, convert with the CLI, evaluate each workdir with eval.py's code."""
+  """Train a Pre-LN model, convert (convert.py once, the library once), evaluate each workdir
+  with eval.py's code."""
   c = tiny_config.get_config()
   c.model.norm.kind = 'layernorm'
   c.train.steps = 12
   src = str(tmp_path / 'ln')
   train_lib.train_and_evaluate(c, src)
-  base = eval_cli.evaluate_workdir(src)['eval_loss']
+  base = workdir_lib.evaluate_workdir(src)['eval_loss']
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  cli = subprocess.run([sys.executable, os.path.join(root, 'convert.py'), '--workdir', src,
+                        '--out', str(tmp_path / 'crmsnorm'), '--config.to=crmsnorm'],
+                       capture_output=True, text=True, env={**os.environ, 'JAX_PLATFORMS': 'cpu'})
+  assert cli.returncode == 0, cli.stderr
+  opts = defaults.conversion_config()
+  opts.to = 'rmsnorm'
+  workdir_lib.convert_workdir(src, str(tmp_path / 'rmsnorm'), opts)
   for to in ('rmsnorm', 'crmsnorm'):
     dst = str(tmp_path / to)
-    assert convert.main(['--workdir', src, '--out', dst, '--to', to]) == 0
-    out = eval_cli.evaluate_workdir(dst)
+    out = workdir_lib.evaluate_workdir(dst)
     assert abs(out['eval_loss'] - base) <= 1e-4, (to, out['eval_loss'], base)
-    assert eval_cli.load_config(dst).model.norm.kind == to
-  assert convert.main(['--workdir', src, '--out', str(tmp_path / 'x'), '--to', 'recursive']) == 2
+    assert workdir_lib.load_config(dst).model.norm.kind == to
+  opts.to = 'recursive'
+  with pytest.raises(ConfigError, match='num_unique >= 1'):
+    workdir_lib.convert_workdir(src, str(tmp_path / 'x'), opts)
 
 
 @pytest.mark.parametrize('L,K,scheme,init,expected', [
@@ -229,7 +241,7 @@ def test_nap_keeps_matrix_norms_at_their_initial_values():
 def test_agc_clips_each_unit_to_its_ratio():
   c = tiny_config.get_config()
   model = DecoderLM(ModelConfig.from_config(c.model))
-  tr = Transforms({'update': 'agc'}, model)
+  tr = Transforms({'updates': 'agc'}, model)
   from sharenet.transforms.update import agc, unit_axes
   params = init_variables(model, jax.random.key(0))
   grads = jax.tree.map(lambda p: 10.0 * jax.random.normal(jax.random.key(1), p.shape), params)
@@ -278,7 +290,7 @@ TRAINABLE_TRANSFORMS = [
     {'reparam': 'weight_norm'}, {'reparam': 'sigma_reparam'}, {'reparam': 'weight_std'},
     {'reparam': 'zero_mean_writers'}, {'reparam': 'scale_vectors'},
     {'reparam': 'zero_mean_writers,weight_norm'}, {'project': 'ngpt'}, {'project': 'nap'},
-    {'update': 'agc'}, {'update': 'adamp'},
+    {'updates': 'agc'}, {'updates': 'adamp'},
 ]
 
 
@@ -344,7 +356,7 @@ def test_zero_mean_writers_train_like_pre_ln_in_float64():
 
 @pytest.mark.parametrize('section,value,match', [
     ('reparam', 'spectral', 'transforms.reparam'), ('project', 'sphere', 'transforms.project'),
-    ('update', 'lion', 'transforms.update'), ('reparam_paths', 'nothing$', 'selects no'),
+    ('updates', 'lion', 'transforms.updates'), ('reparam_paths', 'nothing$', 'selects no'),
 ])
 def test_bad_transform_config_is_one_line_error(section, value, match):
   kw = {section: value}
@@ -370,37 +382,6 @@ def test_zero_mean_writers_with_tied_embeddings_needs_centering():
     Transforms({'reparam': 'zero_mean_writers'}, DecoderLM(_cfg(tie_embeddings=True)))
   Transforms({'reparam': 'zero_mean_writers'},
              DecoderLM(_cfg(tie_embeddings=True, center_embedding=True)))
-
-
-def test_norm_study_cli_runs_variants_and_writes_the_table(tmp_path):
-  from sharenet.studies import norm_study
-  out = str(tmp_path / 'study')
-  assert norm_study.main(['--config', 'configs/tiny.py', '--out', out, '--steps', '3',
-                          '--schemes', 'cycle', '--variants', 'dyt,agc']) == 0
-  rows = json.load(open(os.path.join(out, 'norm_study.json')))
-  assert [(r['variant'], r['status']) for r in rows] == [('dyt', 'ok'), ('agc', 'ok')]
-  table = open(os.path.join(out, 'norm_study.md')).read()
-  assert '| dyt | activation norm |' in table and '| agc | update |' in table
-  assert os.path.exists(os.path.join(out, 'norm_study.png'))
-  assert norm_study.main(['--out', out, '--variants', 'batchnorm']) == 2
-
-
-def test_norm_study_workers_sharing_one_out_keep_every_row(tmp_path):
-  """Two study processes writing one --out (one per core) re-read under a lock: no row lost,
-  and a re-run of a cell replaces its row."""
-  from sharenet.studies import norm_study
-  path = str(tmp_path / 'norm_study.json')
-  row = lambda s, v, bpb: {'scheme': s, 'variant': v, 'status': 'ok', 'eval_bits_per_byte': bpb}
-  json.dump([row('untied', 'rmsnorm', 2.2)], open(path, 'w'))   # written by the other worker
-  norm_study._append_row(path, row('cycle', 'dyt', 2.3))
-  rows = norm_study._append_row(path, row('untied', 'rmsnorm', 2.1))
-  assert sorted((r['scheme'], r['variant'], r['eval_bits_per_byte']) for r in rows) == [
-      ('cycle', 'dyt', 2.3), ('untied', 'rmsnorm', 2.1)]
-  assert json.load(open(path)) == rows
-  rows.append({**row('cycle', 'none', 82.8), 'status': 'unstable'})
-  table = norm_study.to_markdown(rows)
-  assert '| none | activation norm |  | unstable (82.8) |' in table
-  assert table.index('| rmsnorm |') < table.index('| dyt |') < table.index('| none |')  # VARIANTS order
 
 
 def test_mup_composes_with_transforms_and_scalar_norm_params():

@@ -2,9 +2,9 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Callable
 
-from sharenet import sharing
+from sharenet import defaults, sharing
 from sharenet.errors import ConfigError
 
 NORMS = ('layernorm', 'rmsnorm', 'crmsnorm', 'scalenorm', 'dyt', 'none')
@@ -16,6 +16,7 @@ LOWERINGS = ('nested', 'flat')
 REMATS = ('none', 'full', 'dots', 'dots_no_batch', 'save_names', 'offload_dots', 'except_attn')
 DTYPES = ('float32', 'bfloat16', 'float64')
 LORA_TARGETS = ('q', 'k', 'v', 'o', 'mlp_in', 'mlp_out')
+_DEFAULTS = defaults.default_config().model
 
 
 def _choice(field: str, value: Any, valid: tuple[str, ...]) -> None:
@@ -23,48 +24,69 @@ def _choice(field: str, value: Any, valid: tuple[str, ...]) -> None:
     raise ConfigError(f'{field}={value!r} is unknown; valid: {", ".join(valid)}')
 
 
+def _targets(value: Any) -> tuple[str, ...]:
+  if isinstance(value, str):
+    return tuple(t for t in value.replace(' ', '').split(',') if t)
+  return tuple(value)
+
+
+def _key(path: str, parse: Callable[[Any], Any] | None = None,
+         unparse: Callable[[Any], Any] | None = None) -> Any:
+  """A field read from `config.model.<path>`; its default is the default config's value there."""
+  value = _DEFAULTS
+  for k in path.split('.'):
+    value = value[k]
+  default = parse(value) if parse else value
+  return dataclasses.field(default=default,
+                           metadata={'key': path, 'parse': parse, 'unparse': unparse})
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-  """Decoder LM hyper-parameters (num_layers counts *applied* layers)."""
-  vocab_size: int = 256
-  d_model: int = 256
-  num_layers: int = 8
-  num_heads: int = 4
-  num_kv_heads: int = 0            # 0 -> num_heads (MHA); fewer -> grouped-query attention
-  mlp_dim: int = 1024
-  mlp: str = 'swiglu'
-  position: str = 'rope'
-  rope_base: float = 10000.0
-  max_len: int = 2048              # only for learned positions
-  attn_scale: float = 0.0          # 0 -> 1/sqrt(head_dim); muP sets 1/head_dim
-  logits_mult: float = 1.0         # forward multiplier on the logits (muP readout: 1/m)
-  tie_embeddings: bool = False
-  embed_init_std: float = 1.0
-  norm: str = 'rmsnorm'
-  norm_placement: str = 'pre'
-  qk_norm: str = 'none'
-  norm_eps: float = 1e-6
-  dyt_alpha: float = 0.5           # DyT's initial alpha (ref. B7)
-  qk_scale_init: float = 0.0       # l2 QK-norm gain init; 0 -> log2(max_len^2 - max_len) (ref. B3)
-  fixnorm: bool = False            # unit-norm embedding rows, x sqrt(d) at the input (ref. B2)
-  center_embedding: bool = False   # subtract the embedded vector's mean (zero-mean writer, tied)
-  reader_bias: bool = False        # biases on q/k/v, MLP-in and readout (gain/bias folding, B1)
-  head_dim_override: int = 0       # model.head_dim; 0 -> d_model // num_heads
-  scheme: str = 'untied'
-  num_unique: int = 0
-  repeats: int = 0
-  pattern: str = ''
-  untie_norms: bool = False        # norm gains per applied layer (WideNet / Subformer)
-  lora_rank: int = 0               # depth-wise LoRA (Relaxed Recursive Transformers)
-  lora_targets: tuple[str, ...] = ('q', 'v')
-  lora_scale: float = 1.0          # alpha / r; 1 makes full-rank SVD init exact (ref. C5.9)
-  remat: str = 'dots_no_batch'
-  scan_unroll: int = 1
-  scan_layers: bool = True         # False: Python loop over layers (baseline; no per-layer parts)
-  scan_split_transpose: bool = True  # lax.scan's split transpose for stacked sets (faster bwd)
-  scan_lowering: str = 'nested'    # tied plans: nested scans | one flat scan over gathered sets
-  dtype: str = 'float32'           # compute dtype; params stay float32 (float64 for x64 tests)
-  param_dtype: str = 'float32'
+  """Decoder LM hyper-parameters (num_layers counts *applied* layers).
+
+  Each field names its `config.model` key (meanings in sharenet/defaults.py); that one table
+  gives `from_config`, its inverse `to_config` and the defaults.
+  """
+  vocab_size: int = _key('vocab_size')
+  d_model: int = _key('d_model')
+  num_layers: int = _key('num_layers')
+  num_heads: int = _key('num_heads')
+  num_kv_heads: int = _key('num_kv_heads')
+  mlp_dim: int = _key('mlp_dim')
+  mlp: str = _key('mlp')
+  position: str = _key('position')
+  rope_base: float = _key('rope_base')
+  max_len: int = _key('max_len')
+  attn_scale: float = _key('attn_scale')
+  logits_mult: float = 1.0         # set by the parametrization (muP readout: 1/m), not a key
+  tie_embeddings: bool = _key('tie_embeddings')
+  embed_init_std: float = _key('embed_init_std')
+  norm: str = _key('norm.kind')
+  norm_placement: str = _key('norm.placement')
+  qk_norm: str = _key('norm.qk_norm')
+  norm_eps: float = _key('norm.eps')
+  dyt_alpha: float = _key('norm.dyt_alpha')
+  qk_scale_init: float = _key('norm.qk_scale_init')
+  fixnorm: bool = _key('norm.fixnorm')
+  center_embedding: bool = _key('center_embedding')
+  reader_bias: bool = _key('reader_bias')
+  head_dim_override: int = _key('head_dim')
+  scheme: str = _key('sharing.scheme')
+  num_unique: int = _key('sharing.num_unique')
+  repeats: int = _key('sharing.repeats')
+  pattern: str = _key('sharing.pattern')
+  untie_norms: bool = _key('sharing.untie_norms')
+  lora_rank: int = _key('sharing.lora_rank')
+  lora_targets: tuple[str, ...] = _key('sharing.lora_targets', _targets, ','.join)
+  lora_scale: float = _key('sharing.lora_scale')
+  remat: str = _key('remat')
+  scan_unroll: int = _key('scan_unroll')
+  scan_layers: bool = _key('scan_layers')
+  scan_split_transpose: bool = _key('scan_split_transpose')
+  scan_lowering: str = _key('scan_lowering')
+  dtype: str = _key('dtype')
+  param_dtype: str = _key('param_dtype')
 
   @property
   def head_dim(self) -> int:
@@ -115,30 +137,30 @@ class ModelConfig:
 
   @classmethod
   def from_config(cls, m: Any) -> 'ModelConfig':
-    """Builds from the `config.model` ConfigDict (nested sharing / norm groups)."""
-    s, n = m.sharing, m.norm
-    targets = s.get('lora_targets', 'q,v')
-    if isinstance(targets, str):
-      targets = tuple(t for t in targets.replace(' ', '').split(',') if t)
-    return cls(
-        vocab_size=m.vocab_size, d_model=m.d_model, num_layers=m.num_layers,
-        num_heads=m.num_heads, num_kv_heads=m.get('num_kv_heads', 0), mlp_dim=m.mlp_dim,
-        mlp=m.get('mlp', 'swiglu'), position=m.get('position', 'rope'),
-        rope_base=m.get('rope_base', 10000.0), max_len=m.get('max_len', 2048),
-        attn_scale=m.get('attn_scale', 0.0), logits_mult=m.get('logits_mult', 1.0),
-        tie_embeddings=m.get('tie_embeddings', False),
-        embed_init_std=m.get('embed_init_std', 1.0),
-        norm=n.kind, norm_placement=n.placement, qk_norm=n.get('qk_norm', 'none'),
-        norm_eps=n.get('eps', 1e-6), dyt_alpha=n.get('dyt_alpha', 0.5),
-        qk_scale_init=n.get('qk_scale_init', 0.0), fixnorm=n.get('fixnorm', False),
-        center_embedding=m.get('center_embedding', False),
-        reader_bias=m.get('reader_bias', False), head_dim_override=m.get('head_dim', 0),
-        scheme=s.scheme, num_unique=s.get('num_unique', 0), repeats=s.get('repeats', 0),
-        pattern=s.get('pattern', ''), untie_norms=s.get('untie_norms', False),
-        lora_rank=s.get('lora_rank', 0), lora_targets=tuple(targets),
-        lora_scale=s.get('lora_scale', 1.0), remat=m.get('remat', 'dots_no_batch'),
-        scan_unroll=m.get('scan_unroll', 1), scan_layers=m.get('scan_layers', True),
-        scan_split_transpose=m.get('scan_split_transpose', True),
-        scan_lowering=m.get('scan_lowering', 'nested'), dtype=m.get('dtype', 'float32'),
-        param_dtype=m.get('param_dtype', 'float32'),
-    ).validate()
+    """Builds from the `config.model` ConfigDict (every key; old workdirs: defaults.complete)."""
+    kw = {}
+    for f in dataclasses.fields(cls):
+      if 'key' not in f.metadata:
+        continue
+      value = m
+      for k in f.metadata['key'].split('.'):
+        if k not in value:
+          raise ConfigError(f'model.{f.metadata["key"]} is missing; valid: a config built on '
+                            f'configs/default.py (sharenet.defaults.complete fills old ones)')
+        value = value[k]
+      kw[f.name] = f.metadata['parse'](value) if f.metadata['parse'] else value
+    return cls(**kw).validate()
+
+  def to_config(self) -> dict[str, Any]:
+    """The `config.model` section (nested dict) that `from_config` reads back as `self`."""
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(self):
+      if 'key' not in f.metadata:
+        continue
+      *groups, leaf = f.metadata['key'].split('.')
+      node = out
+      for g in groups:
+        node = node.setdefault(g, {})
+      value = getattr(self, f.name)
+      node[leaf] = f.metadata['unparse'](value) if f.metadata['unparse'] else value
+    return out

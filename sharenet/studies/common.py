@@ -104,21 +104,19 @@ def run_axes(config: Any, out_dir: str, name: str, run_axis: Callable[..., dict[
   return result
 
 
-def run_cli(main: Callable[[Any, str], Any], default_out: str) -> None:
+def run_cli(main: Callable[[Any, str], Any], default_out: str,
+            default_config: str | None = None) -> None:
   """`python -m sharenet.studies.X --config FILE [--config.k=v ...] --out DIR` for a study whose
-  entry point is main(config, out_dir)."""
-  from absl import app, flags
-  from ml_collections import config_flags
-  config = config_flags.DEFINE_config_file('config', None, 'Study config file.')
+  entry point is main(config, out_dir); an int it returns is the exit status."""
+  from absl import flags
+
+  from sharenet import config_lib
+  config = config_lib.define_config_file('config', default_config, 'Study config file.')
   out = flags.DEFINE_string('out', default_out, 'Output directory.')
 
   def run(argv):
     del argv
-    from sharenet.errors import ConfigError
-    try:
-      main(config.value, out.value)
-    except ConfigError as e:
-      print(f'error: {e}', file=sys.stderr)
-      sys.exit(2)
+    status = main(config.value, out.value)
+    return status if isinstance(status, int) else 0
 
-  app.run(run)
+  config_lib.run(run)

@@ -1,7 +1,8 @@
 """Normalization study: every activation norm and parameter transform, same steps, same data.
 
   python -m sharenet.studies.norm_study --config configs/norm_study.py --out runs/norm_study \
-      [--schemes untied,cycle] [--variants rmsnorm,dyt,...]
+      [--config.study.schemes=untied,cycle] [--config.study.variants=rmsnorm,dyt,...]
+      [--config.train.steps=N ...]
 
 Each variant is a set of config overrides on the base config, trained with the one train loop
 (train_lib.train_and_evaluate) into OUT/<scheme>/<variant>. A run that hits a non-finite loss is
@@ -12,11 +13,9 @@ and OUT/norm_study.png (train-loss curves).
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
-import sys
 import time
 from typing import Any
 
@@ -41,8 +40,8 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     'scale_vectors': ('reparam', {'transforms.reparam': 'scale_vectors'}),
     'ngpt_projection': ('projection', {'transforms.project': 'ngpt', 'train.weight_decay': 0.0}),
     'nap': ('projection', {'transforms.project': 'nap'}),
-    'agc': ('update', {'transforms.update': 'agc'}),
-    'adamp': ('update', {'transforms.update': 'adamp'}),
+    'agc': ('update', {'transforms.updates': 'agc'}),
+    'adamp': ('update', {'transforms.updates': 'adamp'}),
 }
 SCHEMES = {'untied': {}, 'cycle': {'model.sharing.scheme': 'cycle', 'model.sharing.repeats': 2}}
 
@@ -134,49 +133,40 @@ def _append_row(path: str, row: dict[str, Any]) -> list[dict[str, Any]]:
   return rows
 
 
-def main(argv: list[str] | None = None) -> int:
-  p = argparse.ArgumentParser(prog='python -m sharenet.studies.norm_study', description=__doc__)
-  p.add_argument('--config', default='configs/norm_study.py')
-  p.add_argument('--out', required=True)
-  p.add_argument('--schemes', default='untied,cycle')
-  p.add_argument('--variants', default='all')
-  p.add_argument('--steps', type=int, default=0, help='override train.steps (0: keep)')
-  a = p.parse_args(argv)
-  schemes = [s for s in a.schemes.split(',') if s]
-  variants = list(VARIANTS) if a.variants == 'all' else [v for v in a.variants.split(',') if v]
-  for name, valid in ((schemes, SCHEMES), (variants, VARIANTS)):
-    bad = [n for n in name if n not in valid]
+def main(config: Any, out: str) -> int:
+  """Runs config.study's schemes x variants not yet in OUT/norm_study.json; 1 if any row is bad."""
+  from sharenet.errors import ConfigError
+  if 'study' not in config:
+    raise ConfigError('the config has no study group (schemes, variants); valid: '
+                      'configs/norm_study.py')
+  schemes = common.parse_list(config.study.schemes, str)
+  variants = common.parse_list(config.study.variants, str)
+  variants = list(VARIANTS) if variants == ['all'] else variants
+  for names, valid, key in ((schemes, SCHEMES, 'schemes'), (variants, VARIANTS, 'variants')):
+    bad = [n for n in names if n not in valid]
     if bad:
-      print(f'error: unknown {bad[0]!r}; valid: {", ".join(valid)}', file=sys.stderr)
-      return 2
-  import importlib.util
-  spec = importlib.util.spec_from_file_location('study_config', a.config)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  base = module.get_config()
-  if a.steps:
-    base.train.steps = a.steps
-  base.train.progress = False
-  os.makedirs(a.out, exist_ok=True)
-  path = os.path.join(a.out, 'norm_study.json')
+      raise ConfigError(f'study.{key}: {bad[0]!r} is unknown; valid: {", ".join(valid)}')
+  base = common.with_overrides(config, {'train.progress': False})
+  os.makedirs(out, exist_ok=True)
+  path = os.path.join(out, 'norm_study.json')
   rows = json.load(open(path)) if os.path.exists(path) else []
   done = {(r['scheme'], r['variant']) for r in rows}
   for s in schemes:
     for v in variants:
       if (s, v) in done:
         continue
-      row = run_one(base, s, v, a.out)
+      row = run_one(base, s, v, out)
       print(json.dumps(row), flush=True)
       rows = _append_row(path, row)
   rows = json.load(open(path)) if os.path.exists(path) else rows  # rows other workers added
-  with open(os.path.join(a.out, 'norm_study.md'), 'w') as f:
+  with open(os.path.join(out, 'norm_study.md'), 'w') as f:
     f.write(to_markdown(rows))
   if rows:
-    plot(rows, a.out, os.path.join(a.out, 'norm_study.png'))
+    plot(rows, out, os.path.join(out, 'norm_study.png'))
   bad = [r for r in rows if r['status'] != 'ok' or not math.isfinite(r['eval_bits_per_byte'])]
   print(to_markdown(rows))
   return 1 if bad else 0
 
 
 if __name__ == '__main__':
-  sys.exit(main())
+  common.run_cli(main, 'runs/norm_study', 'configs/norm_study.py')

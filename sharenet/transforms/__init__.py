@@ -5,12 +5,14 @@ Five kinds behind one config section (`config.transforms`):
   reparam            raw -> effective params inside the loss (reparam.py);
   project            post-step projection, last in the optax chain (project.py);
   update             optax transforms reading params: AGC, AdamP (update.py);
-  convert            one-shot function-preserving conversions (convert.py, a CLI).
+  convert            one-shot function-preserving conversions (convert.py; CLI: the top-level
+                     convert.py).
 """
 from __future__ import annotations
 
 from typing import Any
 
+from sharenet import defaults
 from sharenet.errors import ConfigError
 from sharenet.models import DecoderLM
 from sharenet.transforms import project as project_lib
@@ -27,24 +29,23 @@ class Transforms:
   """The configured reparams / projection / update transforms for one model."""
 
   def __init__(self, tcfg: Any, model: DecoderLM):
-    tcfg = tcfg or {}
-    get = lambda k, d: tcfg.get(k, d) if hasattr(tcfg, 'get') else d
+    """`tcfg`: the `config.transforms` group (dict or ConfigDict); keys it lacks take the defaults."""
+    t = defaults.fill('transforms', tcfg)
     self.infos: dict[tuple, Leaf] = leaf_infos(model)
-    self.reparam = ReparamChain(_names(get('reparam', '')), self.infos,
-                                get('reparam_paths', 'kernel$'), int(get('sigma_iters', 1)),
-                                _names(get('reparam_roles', '')))
-    self.projection = get('project', 'none') or 'none'
+    self.reparam = ReparamChain(_names(t.reparam), self.infos, t.reparam_paths,
+                                int(t.sigma_iters), _names(t.reparam_roles))
+    self.projection = t.project or 'none'
     if self.projection not in project_lib.PROJECTIONS:
       raise ConfigError(f'transforms.project={self.projection!r} is unknown; valid: '
                         f'{", ".join(project_lib.PROJECTIONS)}')
-    self.updates = _names(get('update', ''))
+    self.updates = _names(t.updates)
     for u in self.updates:
       if u not in UPDATES:
-        raise ConfigError(f'transforms.update: {u!r} is unknown; valid: {", ".join(UPDATES)}')
-    self.agc_clip = float(get('agc_clip', 0.01))
-    self.agc_eps = float(get('agc_eps', 1e-3))
-    self.adamp_delta = float(get('adamp_delta', 0.1))
-    self.adamp_wd_ratio = float(get('adamp_wd_ratio', 0.1))
+        raise ConfigError(f'transforms.updates: {u!r} is unknown; valid: {", ".join(UPDATES)}')
+    self.agc_clip = float(t.agc_clip)
+    self.agc_eps = float(t.agc_eps)
+    self.adamp_delta = float(t.adamp_delta)
+    self.adamp_wd_ratio = float(t.adamp_wd_ratio)
     cfg = model.cfg
     if 'zero_mean_writers' in self.reparam_names and cfg.tie_embeddings and \
         not cfg.center_embedding:

@@ -18,16 +18,13 @@
                  applied layer's residual W_l - W_shared (A3.3), exact at full rank for any
                  lora_scale (B is divided by it).
 
-CLI: python -m sharenet.transforms.convert --workdir SRC --out DST --to rmsnorm|crmsnorm|recursive
-Each writes DST/config.json and a checkpoint (fresh optimizer state and data iterator) that
-eval.py reads and train.py can continue from.
+CLI: python convert.py --workdir SRC --out DST --config.to=rmsnorm|crmsnorm|recursive [...]
+(sharenet.workdir_lib.convert_workdir) writes DST/config.json and a checkpoint (fresh optimizer
+state and data iterator) that eval.py reads and train.py can continue from.
 """
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
-import sys
 from typing import Any
 
 import jax
@@ -282,100 +279,3 @@ def svd_lora(src: dict, sets: dict, index: tuple, cfg: ModelConfig) -> dict:
       out[mod + ('lora_a',)] = a.reshape((len(index),) + in_shape + (r,))
       out[mod + ('lora_b',)] = b.reshape((len(index), r) + out_shape)
   return out
-
-
-def _update_model_dict(m: dict, cfg: ModelConfig) -> dict:
-  m = json.loads(json.dumps(m))
-  m.update(d_model=cfg.d_model, head_dim=cfg.head_dim_override, reader_bias=cfg.reader_bias,
-           center_embedding=cfg.center_embedding, tie_embeddings=cfg.tie_embeddings)
-  m['norm']['kind'] = cfg.norm
-  s = m['sharing']
-  s.update(scheme=cfg.scheme, num_unique=cfg.num_unique, repeats=cfg.repeats, pattern=cfg.pattern,
-           lora_rank=cfg.lora_rank, lora_targets=','.join(cfg.lora_targets),
-           untie_norms=cfg.untie_norms)
-  return m
-
-
-def convert_workdir(workdir: str, out: str, to: str, **kw) -> dict:
-  """Restores SRC's latest checkpoint, converts, writes DST (config.json + checkpoint)."""
-  import ml_collections
-
-  from sharenet import checkpoint, data, optim, train_lib
-  from sharenet.eval_cli import load_config, restore_state
-  from sharenet.transforms import Transforms
-
-  config = load_config(workdir)
-  kind = config.get('parametrization', {}).get('kind', 'sp')
-  _require(kind == 'sp', f'conversions support parametrization.kind=sp, got {kind} (its forward '
-           f'multipliers would be folded into the weights and then applied again)')
-  state, step, (model, _, _, tr) = restore_state(config, workdir)
-  cfg = model.cfg
-  variables = jax.device_get(train_lib.effective_params(state, tr))   # reparams resolved
-  if to == 'rmsnorm':
-    new_cfg, new_vars = ln_to_rms(cfg, variables)
-  elif to == 'crmsnorm':
-    if cfg.norm == 'layernorm':
-      cfg, variables = ln_to_rms(cfg, variables)
-    new_cfg, new_vars = rms_to_crms(cfg, variables)
-  elif to == 'recursive':
-    new_cfg, new_vars = to_recursive(cfg, variables, **kw)
-  else:
-    raise ConfigError(f'--to={to!r} is unknown; valid: rmsnorm, crmsnorm, recursive')
-  raw = config.to_dict()
-  raw['model'] = _update_model_dict(raw['model'], new_cfg)
-  if 'transforms' in raw:
-    raw['transforms']['reparam'] = ''     # folded into the converted weights
-  new_config = ml_collections.ConfigDict(raw)
-  os.makedirs(out, exist_ok=True)
-  new_model = DecoderLM(new_cfg)
-  new_tr = Transforms(new_config.get('transforms'), new_model)
-  tx = optim.make_optimizer(new_config.train, new_tr)
-  params, tstate = new_tr.init(new_vars)
-  new_state = train_lib.TrainState(jnp.asarray(step, jnp.int32), params, tx.init(params), tstate)
-  t = new_config.train
-  it = data.make_train_iterator(new_config.data, t.seq_len, t.batch_size, t.seed, 0, 1)
-  mngr = checkpoint.manager(out, t.keep_checkpoints, async_save=False)
-  checkpoint.save(mngr, step, new_state, it)
-  mngr.wait_until_finished()
-  mngr.close()
-  summary = {**raw, 'converted_from': os.path.abspath(workdir), 'conversion': to,
-             'param_shapes': train_lib.param_shapes(params)}
-  with open(os.path.join(out, 'config.json'), 'w') as f:
-    json.dump(summary, f, indent=2, sort_keys=True, default=str)
-  return {'step': step, 'model': new_config.model.to_dict()}
-
-
-def main(argv: list[str] | None = None) -> int:
-  import argparse
-  p = argparse.ArgumentParser(prog='python -m sharenet.transforms.convert',
-                              description=__doc__.split('\n\n')[0])
-  p.add_argument('--workdir', required=True, help='source train.py workdir')
-  p.add_argument('--out', required=True, help='destination workdir')
-  p.add_argument('--to', required=True, choices=('rmsnorm', 'crmsnorm', 'recursive'))
-  p.add_argument('--scheme', default='cycle', help=f'one of {", ".join(RECURSIVE_SCHEMES)}')
-  p.add_argument('--num_unique', type=int, default=0, help='stored sets (middle: incl. ends)')
-  p.add_argument('--init', default='stepwise', help=f'one of {", ".join(INITS)}')
-  p.add_argument('--lora_rank', type=int, default=0)
-  p.add_argument('--lora_init', default='zero', help='zero | svd')
-  p.add_argument('--lora_targets', default='q,v', help='comma list of q,k,v,o,mlp_in,mlp_out')
-  p.add_argument('--untie_norms', action='store_true', help='per-applied-layer norm gains')
-  a = p.parse_args(argv)
-  kw = {}
-  if a.to == 'recursive':
-    if a.num_unique < 1:
-      print('error: --to recursive needs --num_unique >= 1', file=sys.stderr)
-      return 2
-    kw = dict(scheme=a.scheme, num_unique=a.num_unique, init=a.init, lora_rank=a.lora_rank,
-              lora_init=a.lora_init, untie_norms=a.untie_norms,
-              lora_targets=tuple(t for t in a.lora_targets.split(',') if t))
-  try:
-    out = convert_workdir(a.workdir, a.out, a.to, **kw)
-  except ConfigError as e:
-    print(f'error: {e}', file=sys.stderr)
-    return 2
-  print(f'sharenet: converted {a.workdir} (step {out["step"]}) -> {a.out} ({a.to})', flush=True)
-  return 0
-
-
-if __name__ == '__main__':
-  sys.exit(main())

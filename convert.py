@@ -1,0 +1,27 @@
+"""Converts a run: python convert.py --workdir SRC --out DST --config.to=rmsnorm|crmsnorm|recursive
+[--config.a.b=v]; the options and their defaults: sharenet/defaults.py conversion_config.
+
+DST gets config.json and a checkpoint (fresh optimizer state and data iterator) that eval.py
+reads and train.py can continue from; the conversions are in sharenet/transforms/convert.py.
+"""
+from absl import flags, logging
+
+from sharenet import config_lib, defaults
+
+_WORKDIR = flags.DEFINE_string('workdir', None, 'Source train.py workdir.', required=True)
+_OUT = flags.DEFINE_string('out', None, 'Destination workdir.', required=True)
+_CONFIG = config_lib.define_config_dict('config', defaults.conversion_config(),
+                                        'Conversion options: --config.to=recursive ...')
+
+
+def main(argv):
+  del argv
+  logging.set_verbosity(logging.WARNING)
+  from sharenet import workdir_lib
+  out = workdir_lib.convert_workdir(_WORKDIR.value, _OUT.value, _CONFIG.value)
+  print(f'sharenet: converted {_WORKDIR.value} (step {out["step"]}) -> {_OUT.value} '
+        f'({_CONFIG.value.to})', flush=True)
+
+
+if __name__ == '__main__':
+  config_lib.run(main)

@@ -1,0 +1,173 @@
+"""The one source of config defaults: the experiment config and the conversion options.
+
+ModelConfig, parametrization.Settings, Transforms and the optimizer take their defaults from
+here; a workdir written before a key existed is completed from here (`complete`).
+"""
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import ml_collections
+
+
+def default_config() -> ml_collections.ConfigDict:
+  """The default experiment (configs/default.py); every config in configs/ starts from it."""
+  c = ml_collections.ConfigDict()
+  c.model = m = ml_collections.ConfigDict()
+  m.vocab_size = 256          # byte-level tokens
+  m.d_model = 256             # residual width
+  m.num_layers = 4            # *applied* layers
+  m.num_heads = 4             # must divide d_model
+  m.num_kv_heads = 0          # 0 -> num_heads; fewer -> grouped-query attention
+  m.mlp_dim = 768             # MLP hidden width
+  m.mlp = 'swiglu'            # swiglu | gelu
+  m.position = 'rope'         # rope | learned | none
+  m.rope_base = 10000.0
+  m.max_len = 2048            # learned positions only
+  m.attn_scale = 0.0          # 0 -> 1/sqrt(head_dim)
+  m.tie_embeddings = False    # readout shares the embedding table
+  m.embed_init_std = 1.0
+  m.head_dim = 0              # 0 -> d_model // num_heads
+  m.reader_bias = False       # biases on q/k/v, MLP-in and readout (written by conversions)
+  m.center_embedding = False  # subtract each embedded vector's mean (zero-mean writer, tied)
+  m.remat = 'dots'            # none | full | dots | dots_no_batch | save_names | offload_dots | except_attn
+  m.scan_unroll = 1           # nn.scan unroll factor
+  m.scan_layers = True        # False: Python loop over layers (benchmark baseline)
+  m.scan_split_transpose = True  # weight grads of stacked sets as a map after the backward loop
+  m.scan_lowering = 'nested'  # nested | flat: tied plans as nested scans, or one scan over gathered sets
+  m.dtype = 'float32'         # compute dtype: float32 | bfloat16
+  m.param_dtype = 'float32'
+  m.sharing = s = ml_collections.ConfigDict()
+  s.scheme = 'untied'         # untied | universal | cycle | sequence | middle_cycle |
+                              # middle_sequence | sandwich | groups | explicit
+  s.num_unique = 0            # stored sets (middle/sandwich count first and last); 0 -> from repeats
+  s.repeats = 0               # applications of each shared set; 0 -> from num_unique
+  s.pattern = ''              # explicit: comma-separated set index per applied layer
+  s.untie_norms = False       # norm gains per applied layer (WideNet / Subformer)
+  s.lora_rank = 0             # depth-wise LoRA rank (Relaxed Recursive Transformers); 0 = off
+  s.lora_targets = 'q,v'      # any of q,k,v,o,mlp_in,mlp_out
+  s.lora_scale = 1.0          # alpha / r
+  m.norm = n = ml_collections.ConfigDict()
+  n.kind = 'rmsnorm'          # layernorm | rmsnorm | crmsnorm | scalenorm | dyt | none
+  n.placement = 'pre'         # pre | post | peri
+  n.qk_norm = 'none'          # none | rms | l2 (l2: learned scalar replaces 1/sqrt(d_head))
+  n.qk_scale_init = 0.0       # l2 QK-norm gain init; 0 -> log2(max_len^2 - max_len)
+  n.dyt_alpha = 0.5           # DyT's initial alpha
+  n.fixnorm = False           # FixNorm: unit-norm embedding rows x sqrt(d_model)
+  n.eps = 1e-6
+
+  c.train = t = ml_collections.ConfigDict()
+  t.steps = 120
+  t.batch_size = 16
+  t.seq_len = 256
+  t.lr = 3e-3                 # peak learning rate
+  t.schedule = 'wsd'          # wsd (warmup-stable-decay) | cosine | constant
+  t.warmup_steps = 25
+  t.decay_fraction = 0.3      # wsd: final fraction of steps spent decaying to min_lr
+  t.min_lr_ratio = 0.0
+  t.weight_decay = 0.1        # decoupled (AdamW)
+  t.decay_roles = 'matrices'  # decayed roles: matrices, norm_in, norm_out, bias, scalar, reparam
+  t.b1 = 0.9
+  t.b2 = 0.95
+  t.eps = 1e-8
+  t.grad_clip = 1.0           # global-norm clipping; 0 = off
+  t.grad_accum = 1            # micro-batches per step (batch_size must divide)
+  t.seed = 0
+  t.log_every = 10
+  t.eval_every = 0            # 0 -> only at the end
+  t.eval_batch_size = 32
+  t.checkpoint_every = 40
+  t.keep_checkpoints = 3
+  t.progress = True           # progress bar on stderr
+  t.restore = 'auto'          # auto: resume the whole saved state | params: when the saved state
+                              # no longer fits the config, load its parameters (and data position)
+                              # with a fresh optimizer state (sharenet/resume.py)
+
+  c.data = d = ml_collections.ConfigDict()
+  d.source = 'stdlib'         # stdlib | text | bin
+  d.path = ''                 # glob of text files, or a uint16 .bin token file
+  d.seed = -1                 # shuffle seed; -1 -> train.seed
+  d.num_workers = 0
+
+  c.transforms = tr = ml_collections.ConfigDict()   # sharenet/transforms
+  tr.reparam = ''             # comma list, applied in order: zero_mean_writers, weight_std,
+                              # weight_norm, sigma_reparam, scale_vectors
+  tr.reparam_paths = 'kernel$'  # regex over '/'-joined paths selecting kernels to reparametrize
+  tr.reparam_roles = ''       # and/or kernel roles: reader, writer, readout ('' = any)
+  tr.sigma_iters = 1          # sigma-reparam power iterations per step
+  tr.project = 'none'         # post-step projection: none | ngpt | nap
+  tr.updates = ''             # comma list: agc, adamp
+  tr.agc_clip = 0.01          # AGC lambda
+  tr.agc_eps = 1e-3
+  tr.adamp_delta = 0.1
+  tr.adamp_wd_ratio = 0.1
+
+  c.parametrization = p = ml_collections.ConfigDict()
+  p.kind = 'sp'               # sp | mup | mup_table3 | umup | completep (sharenet/parametrization.py)
+  p.base_d_model = 0          # width of the proxy model the multipliers are relative to; 0 -> d_model
+  p.base_num_heads = 0        # heads of the proxy; 0 -> num_heads (head_dim scales with width)
+  p.base_depth = 0            # completep: unique sets of the depth proxy; 0 -> same depth
+  p.depth_alpha = 1.0         # completep: residual branch x m_L^-alpha
+  p.loop_rule = 'none'        # none | inv_R | inv_sqrt_R: branch multiplier of a block applied R times
+  p.wd_mode = 'lr_coupled'    # lr_coupled: decay lr(t)*wd*p per leaf | independent: (lr(t)/lr)*wd*p
+  p.readout_zero_init = False
+  p.query_zero_init = False
+
+  c.mesh = mh = ml_collections.ConfigDict()
+  mh.data = -1                # data-parallel replicas; -1 -> the devices left by fsdp, tensor
+  mh.fsdp = 1                 # params and optimizer state sharded over embed (ZeRO-3 style)
+  mh.tensor = 1               # tensor parallel: attention heads, MLP hidden, vocab
+  mh.distributed = False      # multi-host: jax.distributed.initialize() (or $SHARENET_DISTRIBUTED=1)
+  # Logical axis -> mesh axes (first match wins; see sharenet/sharding.py). Scan axes unsharded.
+  mh.rules = (
+      ('activation_batch', ('data', 'fsdp')), ('activation_length', None),
+      ('activation_embed', None), ('activation_heads', 'tensor'),
+      ('activation_mlp', 'tensor'), ('activation_vocab', 'tensor'),
+      ('embed', 'fsdp'), ('heads', 'tensor'), ('kv_heads', 'tensor'), ('mlp', 'tensor'),
+      ('vocab', 'tensor'), ('head_dim', None), ('length', None), ('lora', None),
+      ('layers', None), ('repeats', None),
+  )
+
+  c.dry_run = False           # print params' shardings and the step's memory, then exit
+  return c
+
+
+def conversion_config() -> ml_collections.ConfigDict:
+  """Options of convert.py (sharenet.workdir_lib.convert_workdir)."""
+  c = ml_collections.ConfigDict()
+  c.to = ''                   # rmsnorm | crmsnorm | recursive
+  c.scheme = 'cycle'          # recursive: universal | cycle | sequence | middle_cycle | middle_sequence
+  c.num_unique = 0            # recursive: stored sets (middle schemes count first and last), >= 1
+  c.init = 'stepwise'         # recursive: stepwise | average | lower
+  c.lora_rank = 0             # recursive: depth-wise LoRA rank; 0 = off
+  c.lora_init = 'zero'        # zero | svd (truncated SVD of each layer's residual)
+  c.lora_targets = ''         # comma list of q,k,v,o,mlp_in,mlp_out; '' -> the source's
+  c.untie_norms = False       # recursive: norm gains per applied layer
+  return c
+
+
+def _merge(base: dict[str, Any], over: Any) -> dict[str, Any]:
+  over = over.to_dict() if hasattr(over, 'to_dict') else over
+  for k, v in over.items():
+    v = v.to_dict() if hasattr(v, 'to_dict') else v
+    base[k] = _merge(base[k], v) if isinstance(v, dict) and isinstance(base.get(k), dict) else v
+  return base
+
+
+# Keys renamed since runs were written: (group, old) -> new.
+_RENAMED = {('transforms', 'update'): 'updates'}   # .update is ConfigDict's method
+
+
+def complete(raw: Any) -> ml_collections.ConfigDict:
+  """`raw` (a config or a config.json's dict, maybe older than some keys) over the defaults."""
+  raw = copy.deepcopy(raw.to_dict() if hasattr(raw, 'to_dict') else raw)
+  for (group, old), new in _RENAMED.items():
+    if isinstance(raw.get(group), dict) and old in raw[group]:
+      raw[group].setdefault(new, raw[group].pop(old))
+  return ml_collections.ConfigDict(_merge(default_config().to_dict(), raw))
+
+
+def fill(group: str, partial: Any = None) -> ml_collections.ConfigDict:
+  """The default config's `group` with the keys `partial` (dict, ConfigDict or None) sets."""
+  return complete({group: partial or {}})[group]

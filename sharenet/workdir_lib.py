@@ -1,0 +1,154 @@
+"""A train.py workdir: its config, its restored state, evaluation and conversion (the library
+side of eval.py and convert.py)."""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+
+from sharenet import checkpoint, data, defaults, eval_lib, optim, sharding, train_lib
+from sharenet.errors import ConfigError
+from sharenet.models import DecoderLM, ModelConfig
+from sharenet.transforms import Transforms, convert
+
+
+def load_config(workdir: str) -> ml_collections.ConfigDict:
+  """The workdir's config.json; keys added since it was written take the defaults."""
+  path = os.path.join(workdir, 'config.json')
+  if not os.path.exists(path):
+    raise ConfigError(f'--workdir {workdir} has no config.json; pass the workdir of a train.py run')
+  with open(path) as f:
+    raw = json.load(f)
+  keys = ('model', 'train', 'data', 'parametrization', 'mesh', 'transforms')
+  return defaults.complete({k: raw[k] for k in keys if k in raw})
+
+
+class Restored(NamedTuple):
+  """A workdir's restored train state, its step and the experiment that trained it."""
+  state: train_lib.TrainState
+  step: int
+  exp: train_lib.Experiment
+
+
+def restore_state(config: ml_collections.ConfigDict, workdir: str,
+                  step: int | None = None) -> Restored:
+  """The parameters and transform state of the latest readable (or `step`) checkpoint of
+  `workdir`, with the experiment `config` builds (`state.opt_state` is None: not needed).
+
+  Reads only; nothing in the workdir is moved or written. A checkpoint that does not fit
+  `config` is one ConfigError line.
+  """
+  mcfg = ModelConfig.from_config(config.model)
+  exp = train_lib.setup(config, mcfg)
+  abstract = jax.eval_shape(
+      lambda: train_lib.init_state(exp.model, exp.tx, jax.random.key(0), exp.tr, exp.pz))
+  # Restore onto this process's devices, whatever mesh (or hosts) wrote the checkpoint.
+  abstract = sharding.with_shardings(abstract, sharding.replicated_like(abstract))
+  parts = {'step': abstract.step, 'params': abstract.params, 'tstate': abstract.tstate}
+  mngr = checkpoint.manager(workdir, config.train.keep_checkpoints, async_save=False)
+  try:
+    steps = sorted(mngr.all_steps(), reverse=True)
+    if not steps:
+      raise ConfigError(f'--workdir {workdir} holds no checkpoint')
+    if step is not None and step not in steps:
+      raise ConfigError(f'--step={step} not found; available: {sorted(steps)}')
+    for s in [step] if step is not None else steps:
+      try:
+        out = checkpoint.restore_parts(mngr, s, parts)
+      except checkpoint.StateMismatch as e:
+        raise ConfigError(f'--workdir {workdir}: {e}: it was written by another config; valid: '
+                          f'the workdir\'s own config.json, overriding only fields that keep '
+                          f'the parameter tree') from None
+      except Exception as e:  # noqa: BLE001 - unreadable: report it, try an older one
+        if step is not None:
+          raise ConfigError(f'--workdir {workdir}: checkpoint {s} is unreadable '
+                            f'({type(e).__name__}); available: {sorted(steps)}') from None
+        print(f'WARNING: checkpoint {s} is unreadable ({type(e).__name__}); trying an older '
+              f'one', flush=True)
+        continue
+      state = train_lib.TrainState(out['step'], out['params'], None, out['tstate'])
+      return Restored(state, int(s), exp)
+    raise ConfigError(f'--workdir {workdir}: no readable checkpoint')
+  finally:
+    mngr.close()
+
+
+def evaluate_workdir(workdir: str, step: int | None = None,
+                     overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+  """Restores the latest (or `step`) checkpoint's params and evaluates the validation split.
+
+  `overrides` ({'train.eval_batch_size': 64, ...}) change the workdir's config for this eval.
+  """
+  config = load_config(workdir)
+  config.update_from_flattened_dict(overrides or {})
+  state, step, (model, _, pz, tr) = restore_state(config, workdir, step)
+  params = jax.jit(train_lib.effective_params, static_argnums=(1, 2))(state, tr, pz)
+  out = eval_lib.evaluate(model, params, config.data, config.train.seq_len,
+                          config.train.eval_batch_size)
+  out = {'step': int(step), **out,
+         'unigram_bits_per_byte': data.unigram_bits_per_byte(config.data)}
+  with open(os.path.join(workdir, 'eval.json'), 'w') as f:
+    json.dump(out, f, indent=2)
+  return out
+
+
+CONVERSIONS = ('rmsnorm', 'crmsnorm', 'recursive')
+
+
+def convert_workdir(workdir: str, out: str, opts: Any) -> dict[str, Any]:
+  """Restores `workdir`'s latest checkpoint, converts it as `opts` (defaults.conversion_config)
+  says and writes `out` (config.json and a checkpoint with fresh optimizer and data state)."""
+  if opts.to not in CONVERSIONS:
+    raise ConfigError(f'config.to={opts.to!r} is unknown; valid: {", ".join(CONVERSIONS)}')
+  if opts.to == 'recursive':
+    for key, valid in (('scheme', convert.RECURSIVE_SCHEMES), ('init', convert.INITS),
+                       ('lora_init', ('zero', 'svd'))):
+      if opts[key] not in valid:
+        raise ConfigError(f'config.{key}={opts[key]!r} is unknown; valid: {", ".join(valid)}')
+    if opts.num_unique < 1:
+      raise ConfigError(f'config.to=recursive needs config.num_unique >= 1, got '
+                        f'{opts.num_unique}')
+  config = load_config(workdir)
+  if config.parametrization.kind != 'sp':
+    raise ConfigError(f'conversions support parametrization.kind=sp, got '
+                      f'{config.parametrization.kind} (its forward multipliers would be folded '
+                      f'into the weights and then applied again)')
+  state, step, exp = restore_state(config, workdir)
+  cfg = exp.model.cfg
+  variables = jax.device_get(train_lib.effective_params(state, exp.tr))   # reparams resolved
+  if opts.to == 'rmsnorm':
+    new_cfg, new_vars = convert.ln_to_rms(cfg, variables)
+  elif opts.to == 'crmsnorm':
+    if cfg.norm == 'layernorm':
+      cfg, variables = convert.ln_to_rms(cfg, variables)
+    new_cfg, new_vars = convert.rms_to_crms(cfg, variables)
+  else:
+    targets = tuple(t for t in opts.lora_targets.replace(' ', '').split(',') if t)
+    new_cfg, new_vars = convert.to_recursive(
+        cfg, variables, scheme=opts.scheme, num_unique=opts.num_unique, init=opts.init,
+        lora_rank=opts.lora_rank, lora_init=opts.lora_init, lora_targets=targets,
+        untie_norms=opts.untie_norms)
+  raw = config.to_dict()
+  raw['model'] = new_cfg.to_config()
+  raw['transforms']['reparam'] = ''     # folded into the converted weights
+  new_config = ml_collections.ConfigDict(raw)
+  os.makedirs(out, exist_ok=True)
+  new_tr = Transforms(new_config.transforms, DecoderLM(new_cfg))
+  tx = optim.make_optimizer(new_config.train, new_tr)
+  params, tstate = new_tr.init(new_vars)
+  new_state = train_lib.TrainState(jnp.asarray(step, jnp.int32), params, tx.init(params), tstate)
+  t = new_config.train
+  it = data.make_train_iterator(new_config.data, t.seq_len, t.batch_size, t.seed, 0, 1)
+  mngr = checkpoint.manager(out, t.keep_checkpoints, async_save=False)
+  checkpoint.save(mngr, step, new_state, it)
+  mngr.wait_until_finished()
+  mngr.close()
+  summary = {**raw, 'converted_from': os.path.abspath(workdir), 'conversion': opts.to,
+             'param_shapes': train_lib.param_shapes(params)}
+  with open(os.path.join(out, 'config.json'), 'w') as f:
+    json.dump(summary, f, indent=2, sort_keys=True, default=str)
+  return {'step': step, 'model': raw['model']}
