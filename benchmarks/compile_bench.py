@@ -9,7 +9,6 @@ should stay near 1 (target <= 1.5). Runtime ~1.5 min on the 2-core CPU.
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import sys
@@ -21,8 +20,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from configs import default  # noqa: E402
-from sharenet import optim, train_lib  # noqa: E402
-from sharenet.models import DecoderLM, ModelConfig  # noqa: E402
+from sharenet import train_lib  # noqa: E402
+from sharenet.models import ModelConfig  # noqa: E402
 
 
 def measure(repeats: int, d_model: int, seq_len: int, batch: int,
@@ -34,10 +33,11 @@ def measure(repeats: int, d_model: int, seq_len: int, batch: int,
   m.sharing.scheme, m.sharing.num_unique = 'cycle', 2
   m.scan_lowering = lowering
   mcfg = ModelConfig.from_config(m)
-  model, tx = DecoderLM(mcfg), optim.make_optimizer(config.train)
-  state = jax.eval_shape(lambda: train_lib.init_state(model, tx, jax.random.key(0)))
+  exp = train_lib.setup(config, mcfg)
+  state = jax.eval_shape(lambda: train_lib.init_state(exp.model, exp.tx, jax.random.key(0),
+                                                      tr=exp.tr, pz=exp.pz))
   batch_BT1 = jax.ShapeDtypeStruct((batch, seq_len + 1), jnp.int32)
-  step = jax.jit(functools.partial(train_lib.train_step, model=model, tx=tx, grad_accum=1))
+  step = jax.jit(train_lib.make_train_step(exp, config.train.grad_accum))
   t0 = time.perf_counter()
   lowered = step.lower(state, batch_BT1)
   t1 = time.perf_counter()

@@ -28,8 +28,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from configs import default  # noqa: E402
-from sharenet import optim, perf, train_lib  # noqa: E402
-from sharenet.models import DecoderLM, ModelConfig, accounting  # noqa: E402
+from sharenet import perf, train_lib  # noqa: E402
+from sharenet.models import ModelConfig, accounting  # noqa: E402
 
 SCHEMES = {'untied': {}, 'cycle': {'num_unique': 4}, 'universal': {}}
 
@@ -46,10 +46,10 @@ def build(d_model: int, scheme: str, remat: str, layers: str, seq_len: int, batc
   for k, v in SCHEMES[scheme].items():
     m.sharing[k] = v
   mcfg = ModelConfig.from_config(m)
-  model, tx = DecoderLM(mcfg), optim.make_optimizer(config.train)
-  state = jax.jit(functools.partial(train_lib.init_state, model, tx))(jax.random.key(0))
-  step = jax.jit(functools.partial(train_lib.train_step, model=model, tx=tx, grad_accum=1),
-                 donate_argnums=0)
+  exp = train_lib.setup(config, mcfg)
+  state = jax.jit(functools.partial(train_lib.init_state, exp.model, exp.tx, tr=exp.tr,
+                                    pz=exp.pz))(jax.random.key(0))
+  step = jax.jit(train_lib.make_train_step(exp, config.train.grad_accum), donate_argnums=0)
   batch_BT1 = jax.random.randint(jax.random.key(1), (batch, seq_len + 1), 0, 256)
   t0 = time.perf_counter()
   compiled = step.lower(state, batch_BT1).compile()

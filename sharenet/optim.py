@@ -1,5 +1,10 @@
 """Optax chain: [AGC] -> clipping -> Adam(W) or AdamP -> [post-step projection].
 
+The peak learning rate (train.lr) is a hyperparameter in the optimizer state
+(optax.inject_hyperparams; `with_peak_lr` sets it), so one jitted step can train cells at
+different learning rates (sharenet/studies/lr_sweep.py): the chain is rebuilt from it each step,
+exactly as for a config with that train.lr.
+
 Decay is role-masked (train.decay_roles). With a parametrization's per-leaf multipliers
 (sharenet/parametrization.py) the Adam part is: Adam with per-leaf eps -> per-leaf LR
 multipliers -> decoupled decay with per-leaf multipliers (not scaled by the LR multiplier) ->
@@ -8,6 +13,7 @@ tests/test_parametrization.py).
 """
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -26,14 +32,22 @@ DECAY_GROUPS = {'matrices': roles_lib.MATRIX_ROLES, 'norm_in': ('norm_in',),
                 'reparam': ('reparam',)}
 
 
-def lr_schedule(t: Any) -> optax.Schedule:
-  """Linear warmup, then constant / cosine / warmup-stable-decay (linear cooldown)."""
+def lr_schedule(t: Any, peak: Any = None) -> optax.Schedule:
+  """Linear warmup, then constant / cosine / warmup-stable-decay (linear cooldown).
+
+  `peak` (default train.lr) may be a traced scalar: the optimizer's injected peak LR.
+  """
   if t.schedule not in SCHEDULES:
     raise ConfigError(f'train.schedule={t.schedule!r} is unknown; valid: {", ".join(SCHEDULES)}')
-  peak, floor = t.lr, t.lr * t.min_lr_ratio
+  peak = t.lr if peak is None else peak
+  floor = peak * t.min_lr_ratio
   warmup = min(t.warmup_steps, t.steps)
   if t.schedule == 'cosine':
-    return optax.warmup_cosine_decay_schedule(0.0, peak, warmup, max(t.steps, warmup + 1), floor)
+    # optax.warmup_cosine_decay_schedule, written out: it branches on the peak's value.
+    return optax.join_schedules(
+        [optax.linear_schedule(0.0, peak, warmup),
+         optax.cosine_decay_schedule(peak, max(t.steps, warmup + 1) - warmup, t.min_lr_ratio)],
+        [warmup])
   warm = optax.linear_schedule(0.0, peak, max(warmup, 1))
   if t.schedule == 'constant':
     return optax.join_schedules([warm, optax.constant_schedule(peak)], [warmup])
@@ -98,7 +112,7 @@ def scale_and_decay(lr_mult: Any, wd: Any) -> optax.GradientTransformation:
     def leaf(path, u, p):
       k, w = lr_mult(_keys(path)), wd(_keys(path))
       u = u if k == 1.0 else jnp.asarray(k, u.dtype) * u
-      return u if w == 0.0 else u + w * p
+      return u if isinstance(w, float) and w == 0.0 else u + w * p   # w may be traced
     return jax.tree_util.tree_map_with_path(leaf, updates, params), state
 
   return optax.GradientTransformation(lambda _: optax.EmptyState(), update_fn)
@@ -110,7 +124,22 @@ def _keys(path) -> tuple[str, ...]:
 
 def make_optimizer(t: Any, transforms: Any = None, multipliers: Any = None
                    ) -> optax.GradientTransformation:
-  """The train config's optimizer; its learning rate is reported by `lr_schedule(t)`.
+  """The train config's optimizer (`make_chain`) with its peak LR injected into its state."""
+  chain = functools.partial(make_chain, t, transforms, multipliers)
+  chain()   # built once now, so that a bad config raises here rather than at init
+  # float32 whatever the params' dtype: the LR must not round to a bf16 value.
+  return optax.inject_hyperparams(chain, hyperparam_dtype=jnp.float32)(peak_lr=t.lr)
+
+
+def with_peak_lr(opt_state: Any, lr: Any) -> Any:
+  """`opt_state` of `make_optimizer` continuing as if train.lr were `lr`."""
+  hp = opt_state.hyperparams
+  return opt_state._replace(hyperparams={**hp, 'peak_lr': jnp.asarray(lr, hp['peak_lr'].dtype)})
+
+
+def make_chain(t: Any, transforms: Any = None, multipliers: Any = None, peak_lr: Any = None
+               ) -> optax.GradientTransformation:
+  """The optimizer at peak LR `peak_lr` (default train.lr); its LR is `lr_schedule(t, peak_lr)`.
 
   `transforms` (sharenet.transforms.Transforms) adds AGC / AdamP / a post-step projection;
   `multipliers` (parametrization.OptMultipliers) adds per-leaf LR / WD / eps multipliers. Decay
@@ -135,12 +164,13 @@ def make_optimizer(t: Any, transforms: Any = None, multipliers: Any = None
     from sharenet.transforms.update import scale_by_adamp
     parts += [scale_by_adamp(t.b1, t.b2, t.eps, t.weight_decay, mask, transforms.infos,
                              transforms.adamp_delta, transforms.adamp_wd_ratio),
-              optax.scale_by_learning_rate(lr_schedule(t))]
+              optax.scale_by_learning_rate(lr_schedule(t, peak_lr))]
   elif multipliers is None:
-    parts.append(optax.adamw(lr_schedule(t), b1=t.b1, b2=t.b2, eps=t.eps,
+    parts.append(optax.adamw(lr_schedule(t, peak_lr), b1=t.b1, b2=t.b2, eps=t.eps,
                              weight_decay=t.weight_decay, mask=mask))
   else:
-    wd = t.weight_decay / t.lr if multipliers.independent_wd else t.weight_decay
+    wd = t.weight_decay / (t.lr if peak_lr is None else peak_lr) if multipliers.independent_wd \
+        else t.weight_decay
     flat_lr, flat_wd, flat_eps = (flatten_dict(x) for x in
                                   (multipliers.lr, multipliers.wd, multipliers.eps))
     decayed = lambda path: roles_lib.role_of(path) in roles
@@ -149,7 +179,7 @@ def make_optimizer(t: Any, transforms: Any = None, multipliers: Any = None
     wd_of = lambda path: (wd * (flat_wd.get(path, 1.0) or 1.0)) if decayed(path) else 0.0
     parts += [scale_by_adam_tree_eps(t.b1, t.b2, lambda path: t.eps * flat_eps.get(path, 1.0)),
               scale_and_decay(lambda path: flat_lr.get(path, 1.0), wd_of),
-              optax.scale_by_learning_rate(lr_schedule(t))]
+              optax.scale_by_learning_rate(lr_schedule(t, peak_lr))]
   if transforms is not None and transforms.projection != 'none':
     from sharenet.transforms.project import projection
     parts.append(projection(transforms.projection, transforms.infos))

@@ -8,7 +8,7 @@ import os
 import signal
 import sys
 import time
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple, Sequence
 
 import flax
 import jax
@@ -76,35 +76,58 @@ def setup(config: Any, mcfg: ModelConfig) -> Experiment:
   return Experiment(model, optim.make_optimizer(config.train, tr, pz.opt_multipliers()), pz, tr)
 
 
+def loss_fn(params: Any, tstate: Any, batch_BT1: jax.Array, *, model: DecoderLM,
+            tr: Transforms | None = None, pz: parametrization.Parametrization | None = None,
+            mutable: Sequence[str] = ()) -> tuple[jax.Array, Any]:
+  """Mean next-token NLL under the `effective` params, and the sown `mutable` collections."""
+  inputs_BT, targets_BT = batch_BT1[:, :-1], batch_BT1[:, 1:]
+  logits_BTV, aux = model.apply(effective(params, tstate, tr, pz), inputs_BT,
+                                mutable=list(mutable))
+  nll_BT = optax.softmax_cross_entropy_with_integer_labels(logits_BTV, targets_BT)
+  return jnp.mean(nll_BT), aux
+
+
 def train_step(state: TrainState, batch_BT1: jax.Array, *, model: DecoderLM,
-               tx: optax.GradientTransformation, grad_accum: int, tr: Transforms | None = None,
-               pz: parametrization.Parametrization | None = None):
-  """One optimizer step; with grad_accum > 1 the batch is split into scanned micro-batches.
+               tx: optax.GradientTransformation, grad_accum: int = 1, tr: Transforms | None = None,
+               pz: parametrization.Parametrization | None = None, mutable: Sequence[str] = ()
+               ) -> tuple[TrainState, dict[str, Any]]:
+  """One optimizer step on `loss_fn`; with grad_accum > 1 the batch is split into scanned
+  micro-batches.
 
   The loss sees `effective` params: `tr`'s reparameterizations (gradients flow through them;
   their state, power iterations, advances once per step before the loss, outside the
-  differentiated function), then `pz`'s forward multipliers.
+  differentiated function), then `pz`'s forward multipliers. The learning rate is the
+  optimizer's (optim.make_optimizer: its peak LR is in `state.opt_state`). Metrics: loss,
+  grad_norm and the `mutable` collections sown in the forward pass before the update (averaged
+  over micro-batches).
   """
   tstate = state.tstate if tr is None else tr.update_state(state.params, state.tstate)
-  loss_fn = lambda p, b: jnp.mean(eval_lib.token_nll(model, effective(p, tstate, tr, pz), b))
-  grad_fn = jax.value_and_grad(loss_fn)
+  grad_fn = jax.value_and_grad(
+      functools.partial(loss_fn, model=model, tr=tr, pz=pz, mutable=mutable), has_aux=True)
   if grad_accum == 1:
-    loss, grads = grad_fn(state.params, batch_BT1)
+    (loss, aux), grads = grad_fn(state.params, tstate, batch_BT1)
   else:
     micro = batch_BT1.reshape((grad_accum, -1) + batch_BT1.shape[1:])
 
     def body(acc, b):
-      l, g = grad_fn(state.params, b)
-      return jax.tree.map(jnp.add, acc, (l, g)), None
+      return jax.tree.map(jnp.add, acc, grad_fn(state.params, tstate, b)), None
 
-    zeros = (jnp.zeros(()), jax.tree.map(jnp.zeros_like, state.params))
-    (loss, grads), _ = jax.lax.scan(body, zeros, micro)
-    loss, grads = jax.tree.map(lambda x: x / grad_accum, (loss, grads))
+    zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype),
+                         jax.eval_shape(grad_fn, state.params, tstate, micro[0]))
+    ((loss, aux), grads), _ = jax.lax.scan(body, zeros, micro)
+    loss, aux, grads = jax.tree.map(lambda x: x / grad_accum, (loss, aux, grads))
   updates, opt_state = tx.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
-  metrics = {'loss': loss, 'grad_norm': optax.global_norm(grads)}
+  metrics = {'loss': loss, 'grad_norm': optax.global_norm(grads), **aux}
   new = state.replace(step=state.step + 1, params=params, opt_state=opt_state, tstate=tstate)
   return new, metrics
+
+
+def make_train_step(exp: Experiment, grad_accum: int = 1, mutable: Sequence[str] = ()
+                    ) -> Callable[[TrainState, jax.Array], tuple[TrainState, dict[str, Any]]]:
+  """`train_step` of `exp`, not jitted (the loop jits it; the studies vmap and scan it)."""
+  return functools.partial(train_step, model=exp.model, tx=exp.tx, grad_accum=grad_accum,
+                           tr=exp.tr, pz=exp.pz, mutable=tuple(mutable))
 
 
 def param_shapes(tree: Any) -> dict[str, list[int]]:
@@ -213,7 +236,8 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, float]:
   sharding.maybe_initialize_distributed(config)  # before anything touches a device
   mcfg: ModelConfig = config_lib.validate(config)
   t = config.train
-  model, tx, pz, tr = setup(config, mcfg)
+  exp = setup(config, mcfg)
+  model, tx, pz, tr = exp
   schedule = optim.lr_schedule(t)
   rng = jax.random.key(t.seed)
   abstract = jax.eval_shape(functools.partial(init_state, model, tx, tr=tr, pz=pz), rng)
@@ -228,9 +252,7 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, float]:
   replicated = NamedSharding(mesh, P())
   batch_sharding = sharding.batch_sharding(mesh, rules)
   batch_shape = (t.batch_size, t.seq_len + 1)
-  step_fn = jax.jit(functools.partial(train_step, model=model, tx=tx, grad_accum=t.grad_accum,
-                                      tr=tr, pz=pz),
-                    in_shardings=(shardings, batch_sharding),
+  step_fn = jax.jit(make_train_step(exp, t.grad_accum), in_shardings=(shardings, batch_sharding),
                     out_shardings=(shardings, replicated), donate_argnums=0)
   if config.dry_run:
     with sharding.activate(mesh, rules):

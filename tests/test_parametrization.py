@@ -1,6 +1,5 @@
 """Parametrization presets: rule tables, base-width equivalence, tied gradients, sharding."""
 import dataclasses
-import functools
 import json
 import os
 import subprocess
@@ -173,8 +172,12 @@ def test_unit_multiplier_chain_equals_adamw():
   wd = jax.tree.map(float, wd)
   mult = P.OptMultipliers(ones, wd, ones, False)
   t = train_cfg(schedule='wsd', warmup_steps=2)
+  adamw = optax.chain(optax.clip_by_global_norm(t.grad_clip),
+                      optax.adamw(optim.lr_schedule(t), b1=t.b1, b2=t.b2, eps=t.eps,
+                                  weight_decay=t.weight_decay, mask=optim.decay_mask))
   outs = []
-  for tx in (optim.make_optimizer(t), optim.make_optimizer(t, multipliers=mult)):
+  # The injected peak LR (a float32 in the optimizer state) rounds like optax's python float.
+  for tx in (adamw, optim.make_optimizer(t), optim.make_optimizer(t, multipliers=mult)):
 
     @jax.jit
     def step(p, s, toks):
@@ -183,11 +186,12 @@ def test_unit_multiplier_chain_equals_adamw():
       return optax.apply_updates(p, u), s
 
     p, s = v, tx.init(v)
-    for i in range(3):
+    for i in range(t.steps):   # warmup, stable and decay
       p, s = step(p, s, tokens(seed=i))
     outs.append(p)
-  for a, b in zip(jax.tree.leaves(outs[0]), jax.tree.leaves(outs[1])):
-    np.testing.assert_array_equal(a, b)
+  for out in outs[1:]:
+    for a, b in zip(jax.tree.leaves(outs[0]), jax.tree.leaves(out)):
+      np.testing.assert_array_equal(a, b)
 
 
 def test_independent_weight_decay_does_not_move_with_lr():
@@ -330,93 +334,3 @@ def test_bad_settings_one_line_error(settings, cfg_kw, match):
   with pytest.raises(ConfigError, match=match) as e:
     P.Parametrization(tiny(64, **cfg_kw), P.Settings(**settings))
   assert '\n' not in str(e.value)
-
-
-# ---- Done-when 2 (fast): coordinate-check contrast at tiny widths ---------------------------
-
-def test_coord_check_mup_flat_sp_grows():
-  """Residual stream / MLP / attention output: flat in width under mup, growing under sp."""
-  from configs.mup import coord_check as cc_config
-  from sharenet.studies import coord_check
-  c = cc_config.get_config()
-  c.model.num_layers, c.train.batch_size, c.train.seq_len = 1, 4, 16
-  s = c.study
-  s.steps, s.seeds, s.width_values, s.width_variants = 4, 1, '32,64,128', 'sp,mup'
-  res = coord_check.run_axis(c, 'width', log=lambda m: None)
-  worst = coord_check.summary(res)          # max |slope| over t >= 1
-  # 1 layer at widths 32-128 lags the 64-512 tool run (<= 0.05 there). Measured here: mup
-  # residual 0.08, mlp_out 0.15, others <= 0.05; sp residual slopes 0.38, 0.44, 0.52, 0.76.
-  for a in ('residual', 'attn_out', 'mlp_out', 'mlp_hidden', 'embed_out'):
-    assert worst['mup'][a] < 0.2, (a, worst['mup'])
-  assert worst['mup']['residual'] < 0.12, worst['mup']
-  sp_res = res['variants']['sp']['slopes']['residual']
-  assert max(sp_res[1:]) > 0.5, sp_res
-  # t = 0 is the same model for both (base width = 32 and mup init == sp init there).
-  assert res['variants']['sp']['l1']['32']['residual'][0] == \
-      res['variants']['mup']['l1']['32']['residual'][0]
-
-
-# ---- LR sweep: optimum fit and a smoke run ---------------------------------------------------
-
-def test_lr_sweep_optimum_is_quadratic_vertex():
-  from sharenet.studies import lr_sweep
-  grid = [-9.0, -8.0, -7.0, -6.0, -5.0]
-  losses = np.asarray([[(g + 6.7) ** 2 + 2.0] * 2 for g in grid])
-  opt = lr_sweep.optimum(grid, losses)
-  assert opt['fit_log2_lr'] == pytest.approx(-6.7) and not opt['at_edge']
-  losses[0] = np.nan                             # a diverged cell is never the optimum
-  assert lr_sweep.optimum(grid, losses)['grid_argmin_log2_lr'] == -7.0
-
-
-def test_lr_sweep_vmapped_cells_match_a_plain_run():
-  """A vmapped (LR, seed) cell reproduces the same training written as an ordinary loop."""
-  from configs.mup import transfer
-  from sharenet import config_lib, train_lib
-  from sharenet.studies import common, lr_sweep
-  c = transfer.get_config()
-  c.model.num_layers, c.train.batch_size, c.train.seq_len = 1, 2, 16
-  c = common.with_overrides(c, {'model.d_model': 64, 'model.mlp_dim': 128,
-                                'parametrization.kind': 'mup', 'parametrization.base_d_model': 32,
-                                'train.steps': 6, 'train.warmup_steps': 2})
-  toks = lr_sweep.batches(c, 6)
-  val = lr_sweep.val_batch(c, 2)
-  lrs = [2.0 ** -8, 2.0 ** -6]
-  final, _ = lr_sweep.train_cells(c, lrs, 1, toks, val, avg_last=1)
-  ref = common.with_overrides(c, {'train.lr': lrs[1]})
-  model, tx, pz, _ = train_lib.setup(ref, config_lib.validate(ref))
-  state = train_lib.init_state(model, tx, jax.random.key(0), pz=pz)
-  step = jax.jit(functools.partial(train_lib.train_step, model=model, tx=tx, grad_accum=1,
-                                   pz=pz))
-  for b in toks:
-    state, metrics = step(state, jnp.asarray(b))
-  assert final[1, 0] == pytest.approx(float(metrics['loss']), rel=1e-4)
-  assert abs(final[0, 0] - final[1, 0]) > 1e-3
-
-
-def test_study_driver_runs_each_axis_then_writes_json_and_plots(tmp_path):
-  """studies.common.run_axes (the driver of coord_check and lr_sweep): every configured axis in
-  order, annotated, one plot per axis, and a JSON with the runtime and the config."""
-  from configs import tiny
-  from sharenet.studies import common
-  c = tiny.get_config()
-  c.study = ml_collections.ConfigDict({'axes': 'width,loops', 'width_values': '1,2',
-                                       'loops_values': '1,2'})
-  seen = []
-
-  def run_axis(config, axis, log):
-    seen.append(axis)
-    return {'xs': [1, 2]}
-
-  def plot(res, axis, path):
-    open(path, 'w').write(axis)
-
-  res = common.run_axes(c, str(tmp_path), 'demo', run_axis, plot,
-                        annotate=lambda r: r.update(n=len(r['xs'])))
-  assert seen == ['width', 'loops'] and res['width'] == {'xs': [1, 2], 'n': 2}
-  saved = json.load(open(tmp_path / 'demo.json'))
-  assert saved['loops']['n'] == 2 and saved['config']['study']['axes'] == 'width,loops'
-  assert saved['runtime_s'] >= 0
-  assert open(tmp_path / 'demo_width.png').read() == 'width'
-  c.study.axes = 'width,bogus'
-  with pytest.raises(ConfigError, match="unknown axis 'bogus'"):
-    common.run_axes(c, str(tmp_path), 'demo', run_axis, plot)

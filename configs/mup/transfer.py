@@ -4,7 +4,8 @@ Command:   python -m sharenet.studies.lr_sweep --config configs/mup/transfer.py 
                --out docs/results/mup
 Runtime:   17 min 14 s wall on the 2-core CPU alone (measured 2026-11-30; 42 min while shared
            with other jobs). Width 512 dominates (~5.5 min per parametrization).
-Result:    (measured 2026-11-30) optimum log2 LR per width 64/128/256/512:
+Result:    (measured 2026-11-30, before the sweep ran the loop's step and schedule: see README)
+           optimum log2 LR per width 64/128/256/512:
            sp  -6.84 / -8.11 / -9.39 / -10.62 (512 at the grid edge): shift 3.78 (13.7x)
            mup -6.84 / -6.89 / -6.94 / -7.03: shift 0.19 (1.14x); loss at 2^-7 falls with width.
 """

@@ -5,6 +5,7 @@
 Protocol (reference/mup.md section 3.1, microsoft/mup `get_coord_data`): a fixed batch reused
 every step, Adam at a deliberately large LR, no clipping or decay; the statistic is mean|x|
 ('l1') of each activation, recorded in the forward pass *before* each update (t=0 is init).
+The step is the train loop's (train_lib.train_step with the config's transforms and grad_accum).
 Shared blocks record every use (one value per loop iteration). Writes DIR/coord_check.json
 (per axis, variant, activation and step: the slope of log mean|x| against log x, plus the raw
 values) and DIR/coord_check_{axis}.png (rows: variants, columns: steps).
@@ -18,7 +19,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from flax.traverse_util import flatten_dict
 
 from sharenet import config_lib, train_lib
@@ -29,34 +29,32 @@ from sharenet.studies import common
 CORE = ('embed_out', 'residual', 'attn_out', 'mlp_hidden', 'mlp_out')
 
 
+def trajectories(config: Any, steps: int, seeds: int, tokens_BT1: np.ndarray
+                 ) -> tuple[list[list[dict[str, np.ndarray]]], np.ndarray]:
+  """Per seed and step t = 0..steps: the sown mean|x| per activation and use (`_flatten`) in the
+  forward pass of the train loop's step (train_lib.train_step) on the fixed batch, and its loss
+  (seeds, steps + 1)."""
+  exp = train_lib.setup(config, config_lib.validate(config))
+  step = jax.jit(train_lib.make_train_step(exp, config.train.grad_accum, mutable=[INTERMEDIATES]))
+  init = jax.jit(functools.partial(train_lib.init_state, exp.model, exp.tx, tr=exp.tr, pz=exp.pz))
+  toks = jnp.asarray(tokens_BT1)
+  runs, losses = [], []
+  for seed in range(seeds):
+    state = init(jax.random.key(config.train.seed + seed))
+    per_step, loss = [], []
+    for _ in range(steps + 1):
+      state, metrics = step(state, toks)
+      per_step.append(_flatten(metrics[INTERMEDIATES]))
+      loss.append(float(metrics['loss']))
+    runs.append(per_step)
+    losses.append(loss)
+  return runs, np.asarray(losses)
+
+
 def measure(config: Any, overrides: dict[str, Any], steps: int, seeds: int,
             tokens_BT1: np.ndarray) -> dict[str, list[list[float]]]:
   """{activation: [[mean|x| per use] for t in 0..steps]} averaged over seeds, for one model."""
-  c = common.with_overrides(config, overrides)
-  mcfg = config_lib.validate(c)
-  model, tx, pz, _ = train_lib.setup(c, mcfg)
-
-  def loss_fn(p, toks):
-    logits, state = model.apply(pz.forward(p), toks[:, :-1], mutable=[INTERMEDIATES])
-    nll = optax.softmax_cross_entropy_with_integer_labels(logits, toks[:, 1:])
-    return jnp.mean(nll), state[INTERMEDIATES]
-
-  @jax.jit
-  def step(state, toks):
-    (loss, inter), g = jax.value_and_grad(loss_fn, has_aux=True)(state.params, toks)
-    u, opt = tx.update(g, state.opt_state, state.params)
-    return state.replace(params=optax.apply_updates(state.params, u), opt_state=opt), inter, loss
-
-  init = jax.jit(functools.partial(train_lib.init_state, model, tx, pz=pz))
-  toks = jnp.asarray(tokens_BT1)
-  runs = []
-  for seed in range(seeds):
-    state = init(jax.random.key(seed))
-    per_step = []
-    for _ in range(steps + 1):
-      state, inter, loss = step(state, toks)
-      per_step.append(_flatten(inter))
-    runs.append(per_step)
+  runs, _ = trajectories(common.with_overrides(config, overrides), steps, seeds, tokens_BT1)
   names = runs[0][0].keys()
   return {n: [np.mean([r[t][n] for r in runs], axis=0).tolist() for t in range(steps + 1)]
           for n in names}

@@ -3,36 +3,33 @@
   python -m sharenet.studies.lr_sweep --config configs/mup/transfer.py --out DIR
 
 Every (LR, seed) cell of one model is trained at once: the cells are vmapped and the steps run
-in one lax.scan. The optimizer is built with peak LR 1 and its update multiplied by each cell's
-LR, which is exact for the lr-coupled chain (clip -> Adam -> per-leaf multipliers -> decay ->
-schedule are all linear in the peak LR after clipping). Data order is the same for all cells.
+in one lax.scan of the train loop's step (train_lib.train_step: transforms, grad_accum and the
+optimizer of the config), each cell with its peak LR set in its optimizer state
+(optim.with_peak_lr). Cell (lr, i) is the train run of the config with train.lr=lr,
+train.steps=study.steps and init seed train.seed + i; all cells read the loop's batches of
+train.seed in the same order.
 Per width the optimum is the vertex of a quadratic in log2 LR fitted to the seed-mean loss at
 the grid argmin and its neighbours (reference/mup.md section 4). Writes DIR/lr_sweep.json and
 DIR/lr_sweep_{axis}.png (loss against LR, one curve per x, one panel per parametrization).
 """
 from __future__ import annotations
 
-import functools
 import time
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
-from sharenet import config_lib, data, eval_lib, optim, train_lib
+from sharenet import config_lib, data, optim, train_lib
 from sharenet.studies import common
 
 
-def batches(config: Any, steps: int, seed: int = 0) -> np.ndarray:
-  """(steps, B, T + 1) training windows from the train split (one fixed order for all cells)."""
+def batches(config: Any, steps: int) -> np.ndarray:
+  """(steps, B, T + 1): the train loop's first `steps` batches (data.make_train_iterator)."""
   t = config.train
-  train, _ = data.load_splits(config.data)
-  rng = np.random.default_rng(seed)
-  starts = rng.integers(0, len(train) - t.seq_len - 1, (steps, t.batch_size))
-  idx = starts[..., None] + np.arange(t.seq_len + 1)
-  return np.asarray(train, np.int32)[idx]
+  it = data.make_train_iterator(config.data, t.seq_len, t.batch_size, t.seed)
+  return np.stack([next(it) for _ in range(steps)])
 
 
 def val_batch(config: Any, n: int) -> np.ndarray:
@@ -45,32 +42,23 @@ def val_batch(config: Any, n: int) -> np.ndarray:
 def train_cells(config: Any, lrs: list[float], seeds: int, tokens_SBT1: np.ndarray,
                 val_BT1: np.ndarray, avg_last: int) -> tuple[np.ndarray, np.ndarray]:
   """(final train loss, val loss), each (len(lrs), seeds), for one model config."""
-  mcfg = config_lib.validate(config)
-  model, _, pz, _ = train_lib.setup(config, mcfg)
-  t1 = common.with_overrides(config, {'train.lr': 1.0}).train
-  tx = optim.make_optimizer(t1, multipliers=pz.opt_multipliers())     # peak LR 1; cells scale the update
-  loss_fn = lambda p, b: jnp.mean(eval_lib.token_nll(model, pz.forward(p), b))
+  exp = train_lib.setup(config, config_lib.validate(config))
+  step = train_lib.make_train_step(exp, config.train.grad_accum)
 
   def one_cell(key, lr, toks_SBT1, val):
-    state = train_lib.init_state(model, tx, key, pz=pz)
+    state = train_lib.init_state(exp.model, exp.tx, key, tr=exp.tr, pz=exp.pz)
+    state = state.replace(opt_state=optim.with_peak_lr(state.opt_state, lr))
+    state, metrics = jax.lax.scan(step, state, toks_SBT1)
+    val_loss, _ = train_lib.loss_fn(state.params, state.tstate, val, model=exp.model, tr=exp.tr,
+                                    pz=exp.pz)
+    return jnp.mean(metrics['loss'][-avg_last:]), val_loss
 
-    def step(carry, b):
-      p, s = carry
-      loss, g = jax.value_and_grad(loss_fn)(p, b)
-      u, s = tx.update(g, s, p)
-      p = jax.tree.map(lambda x, d: x + lr * d, p, u)
-      return (p, s), loss
-
-    (p, _), losses = jax.lax.scan(step, (state.params, state.opt_state), toks_SBT1)
-    return jnp.mean(losses[-avg_last:]), loss_fn(p, val)
-
-  n = len(lrs) * seeds
-  keys = jax.vmap(jax.random.key)(jnp.tile(jnp.arange(seeds), len(lrs)))
+  seed_cells = config.train.seed + jnp.tile(jnp.arange(seeds), len(lrs))
+  keys = jax.vmap(jax.random.key)(seed_cells)
   lr_cells = jnp.repeat(jnp.asarray(lrs, jnp.float32), seeds)
   run = jax.jit(jax.vmap(one_cell, in_axes=(0, 0, None, None)))
   final, val = run(keys, lr_cells, jnp.asarray(tokens_SBT1), jnp.asarray(val_BT1))
   shape = (len(lrs), seeds)
-  assert final.shape == (n,)
   return np.asarray(final).reshape(shape), np.asarray(val).reshape(shape)
 
 
@@ -105,6 +93,7 @@ def run_axis(config: Any, axis: str, log=print) -> dict[str, Any]:
     lrs = [2.0 ** v for v in log2_lrs]
     base = {f'parametrization.{k}': v for k, v in settings.items()}
     base.setdefault('parametrization.base_d_model', xs[0] if axis == 'width' else s.fixed_width)
+    base['train.steps'] = steps      # the schedule spans the sweep, as in a run of that length
     rows = {}
     for x in xs:
       t0 = time.perf_counter()
