@@ -22,7 +22,7 @@ import jax.numpy as jnp  # noqa: E402
 
 from configs import default  # noqa: E402
 from sharenet import optim, train_lib  # noqa: E402
-from sharenet.models import DecoderLM, ModelConfig  # noqa: E402
+from sharenet.models import DecoderLM, ModelConfig, param_table  # noqa: E402
 
 
 def measure(repeats: int, d_model: int, seq_len: int, batch: int,
@@ -34,7 +34,7 @@ def measure(repeats: int, d_model: int, seq_len: int, batch: int,
   m.sharing.scheme, m.sharing.num_unique = 'cycle', 2
   m.scan_lowering = lowering
   mcfg = ModelConfig.from_config(m)
-  model, tx = DecoderLM(mcfg), optim.make_optimizer(config.train)
+  model, tx = DecoderLM(mcfg), optim.make_optimizer(config.train, table=param_table(mcfg))
   state = jax.eval_shape(lambda: train_lib.init_state(model, tx, jax.random.key(0)))
   batch_BT1 = jax.ShapeDtypeStruct((batch, seq_len + 1), jnp.int32)
   step = jax.jit(functools.partial(train_lib.train_step, model=model, tx=tx, grad_accum=1))

@@ -29,7 +29,7 @@ import jax.numpy as jnp  # noqa: E402
 
 from configs import default  # noqa: E402
 from sharenet import optim, perf, train_lib  # noqa: E402
-from sharenet.models import DecoderLM, ModelConfig, accounting  # noqa: E402
+from sharenet.models import DecoderLM, ModelConfig, accounting, param_table  # noqa: E402
 
 SCHEMES = {'untied': {}, 'cycle': {'num_unique': 4}, 'universal': {}}
 
@@ -46,7 +46,7 @@ def build(d_model: int, scheme: str, remat: str, layers: str, seq_len: int, batc
   for k, v in SCHEMES[scheme].items():
     m.sharing[k] = v
   mcfg = ModelConfig.from_config(m)
-  model, tx = DecoderLM(mcfg), optim.make_optimizer(config.train)
+  model, tx = DecoderLM(mcfg), optim.make_optimizer(config.train, table=param_table(mcfg))
   state = jax.jit(functools.partial(train_lib.init_state, model, tx))(jax.random.key(0))
   step = jax.jit(functools.partial(train_lib.train_step, model=model, tx=tx, grad_accum=1),
                  donate_argnums=0)

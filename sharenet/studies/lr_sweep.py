@@ -22,6 +22,7 @@ import numpy as np
 import optax
 
 from sharenet import config_lib, data, eval_lib, optim, train_lib
+from sharenet.models import param_table
 from sharenet.studies import common
 
 
@@ -48,7 +49,8 @@ def train_cells(config: Any, lrs: list[float], seeds: int, tokens_SBT1: np.ndarr
   mcfg = config_lib.validate(config)
   model, _, pz, _ = train_lib.setup(config, mcfg)
   t1 = common.with_overrides(config, {'train.lr': 1.0}).train
-  tx = optim.make_optimizer(t1, multipliers=pz.opt_multipliers())     # peak LR 1; cells scale the update
+  tx = optim.make_optimizer(t1, multipliers=pz.opt_multipliers(),   # peak LR 1; cells scale it
+                            table=param_table(model.cfg))
   loss_fn = lambda p, b: jnp.mean(eval_lib.token_nll(model, pz.forward(p), b))
 
   def one_cell(key, lr, toks_SBT1, val):
