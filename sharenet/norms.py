@@ -18,7 +18,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from sharenet.params import PER_LAYER, param
+from sharenet.params import PER_LAYER, param  # PER_LAYER re-exported for the model modules
 
 KINDS = ('layernorm', 'rmsnorm', 'crmsnorm', 'scalenorm', 'dyt', 'l2', 'none')
 

@@ -3,8 +3,8 @@
 Decay is role-masked (train.decay_roles) by the model's role table (sharenet/params.py). With a
 parametrization's per-leaf multipliers (sharenet/parametrization.py) the Adam part is: Adam with
 per-leaf eps -> per-leaf LR multipliers -> decoupled decay with per-leaf multipliers (not scaled
-by the LR multiplier) -> the LR schedule. With every multiplier 1 it is bit-identical to optax.adamw (asserted in
-tests/test_parametrization.py).
+by the LR multiplier) -> the LR schedule. With every multiplier 1 it is bit-identical to
+optax.adamw (asserted in tests/test_parametrization.py).
 """
 from __future__ import annotations
 

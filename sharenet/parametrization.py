@@ -36,7 +36,6 @@ axes ('layers', 'repeats') never count as width.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from typing import Any, NamedTuple
 
