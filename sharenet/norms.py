@@ -18,27 +18,24 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-PER_LAYER = 'per_layer'  # collection scanned per applied layer while 'params' may be tied
+from sharenet.params import PER_LAYER, param  # PER_LAYER re-exported for the model modules
+
 KINDS = ('layernorm', 'rmsnorm', 'crmsnorm', 'scalenorm', 'dyt', 'l2', 'none')
 
 
-def variable(module: nn.Module, collection: str, name: str, init, shape, axes, dtype):
-  """Creates a logically-partitioned variable in `collection` ('params' or PER_LAYER)."""
-  boxed_init = nn.with_logical_partitioning(init, axes)
-  if collection == 'params':
-    return module.param(name, boxed_init, shape, dtype)
-  return module.variable(collection, name,
-                         lambda: boxed_init(module.make_rng(PER_LAYER), shape, dtype)).value
-
-
 class Norm(nn.Module):
-  """One activation norm over the last axis; `kind` is one of KINDS."""
+  """One activation norm over the last axis; `kind` is one of KINDS.
+
+  `role` (norm_in | norm_out) and `branch` are recorded on its parameters (sharenet/params.py).
+  """
   kind: str = 'rmsnorm'
   eps: float = 1e-6
   collection: str = 'params'
   axis_name: str = 'embed'
   param_dtype: jnp.dtype = jnp.float32
   dyt_alpha: float = 0.5
+  role: str = 'norm_in'
+  branch: str | None = None
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
@@ -50,13 +47,15 @@ class Norm(nn.Module):
     xf = x.astype(jnp.promote_types(x.dtype, jnp.float32))
     bshape = (1,) * (x.ndim - 1) + (d,)
 
-    def vec(name, init):
-      return variable(self, self.collection, name, init, (d,), (self.axis_name,),
-                      self.param_dtype).reshape(bshape)
+    def vec(name, use):   # a gain starts at ones, a shift at zeros
+      init = nn.initializers.ones if use == 'gain' else nn.initializers.zeros
+      return param(self, name, (d,), (self.axis_name,), self.role, init=init,
+                   collection=self.collection, dtype=self.param_dtype, branch=self.branch,
+                   use=use).reshape(bshape)
 
     def scalar(name, value):
-      return variable(self, self.collection, name, nn.initializers.constant(value), (),
-                      (), self.param_dtype)
+      return param(self, name, (), (), self.role, init=nn.initializers.constant(value),
+                   collection=self.collection, dtype=self.param_dtype, branch=self.branch)
 
     sq = jnp.sum(jnp.square(xf), axis=-1, keepdims=True)
     if self.kind == 'l2':
@@ -65,8 +64,8 @@ class Norm(nn.Module):
       y = scalar('g', math.sqrt(d)) * xf * jax.lax.rsqrt(jnp.maximum(sq, self.eps ** 2))
       return y.astype(x.dtype)
     if self.kind == 'dyt':
-      y = jnp.tanh(scalar('alpha', self.dyt_alpha) * xf) * vec('scale', nn.initializers.ones)
-      return (y + vec('bias', nn.initializers.zeros)).astype(x.dtype)
+      y = jnp.tanh(scalar('alpha', self.dyt_alpha) * xf) * vec('scale', 'gain')
+      return (y + vec('bias', 'shift')).astype(x.dtype)
     if self.kind == 'layernorm':
       xf = xf - jnp.mean(xf, axis=-1, keepdims=True)
       sq = jnp.sum(jnp.square(xf), axis=-1, keepdims=True)
@@ -75,7 +74,7 @@ class Norm(nn.Module):
       ms = (sq + jnp.square(total)) / (d + 1)
     else:
       ms = sq / d
-    y = xf * jax.lax.rsqrt(ms + self.eps) * vec('scale', nn.initializers.ones)
+    y = xf * jax.lax.rsqrt(ms + self.eps) * vec('scale', 'gain')
     if self.kind == 'layernorm':
-      y = y + vec('bias', nn.initializers.zeros)
+      y = y + vec('bias', 'shift')
     return y.astype(x.dtype)

@@ -5,11 +5,11 @@ The peak learning rate (train.lr) is a hyperparameter in the optimizer state
 different learning rates (sharenet/studies/lr_sweep.py): the chain is rebuilt from it each step,
 exactly as for a config with that train.lr.
 
-Decay is role-masked (train.decay_roles). With a parametrization's per-leaf multipliers
-(sharenet/parametrization.py) the Adam part is: Adam with per-leaf eps -> per-leaf LR
-multipliers -> decoupled decay with per-leaf multipliers (not scaled by the LR multiplier) ->
-the LR schedule. With every multiplier 1 it is bit-identical to optax.adamw (asserted in
-tests/test_parametrization.py).
+Decay is role-masked (train.decay_roles) by the model's role table (sharenet/params.py). With a
+parametrization's per-leaf multipliers (sharenet/parametrization.py) the Adam part is: Adam with
+per-leaf eps -> per-leaf LR multipliers -> decoupled decay with per-leaf multipliers (not scaled
+by the LR multiplier) -> the LR schedule. With every multiplier 1 it is bit-identical to
+optax.adamw (asserted in tests/test_parametrization.py).
 """
 from __future__ import annotations
 
@@ -22,12 +22,12 @@ import optax
 from flax.traverse_util import flatten_dict, unflatten_dict
 
 from sharenet import defaults
+from sharenet import params as params_lib
 from sharenet.errors import ConfigError
-from sharenet.transforms import roles as roles_lib
 
 SCHEDULES = ('wsd', 'cosine', 'constant')
 # Role groups accepted by train.decay_roles; 'matrices' = every kernel, embedding and LoRA factor.
-DECAY_GROUPS = {'matrices': roles_lib.MATRIX_ROLES, 'norm_in': ('norm_in',),
+DECAY_GROUPS = {'matrices': params_lib.MATRIX_ROLES, 'norm_in': ('norm_in',),
                 'norm_out': ('norm_out',), 'bias': ('bias',), 'scalar': ('scalar',),
                 'reparam': ('reparam',)}
 
@@ -69,14 +69,14 @@ def decay_roles(t: Any) -> tuple[str, ...]:
   return tuple(out)
 
 
-def decay_mask(params: Any, roles: tuple[str, ...] = roles_lib.MATRIX_ROLES) -> Any:
-  """True for leaves whose role (sharenet.transforms.roles.role_of) is in `roles`.
+def decay_mask(params: Any, table: dict, roles: tuple[str, ...] = params_lib.MATRIX_ROLES) -> Any:
+  """True for leaves whose role in `table` (models.param_table, reparam gains too) is in `roles`.
 
   The default decays matrices only (kernels, embeddings, LoRA factors), never norm gains or
   biases; input- vs output-side norm gains are separate roles (reference B16, pitfall C5.6).
   """
   flat = flatten_dict(params)
-  return unflatten_dict({k: roles_lib.role_of(k) in roles for k in flat})
+  return unflatten_dict({k: params_lib.role_at(table, k) in roles for k in flat})
 
 
 def scale_by_adam_tree_eps(b1: float, b2: float, eps: Any) -> optax.GradientTransformation:
@@ -122,10 +122,10 @@ def _keys(path) -> tuple[str, ...]:
   return tuple(getattr(k, 'key', getattr(k, 'name', str(k))) for k in path)
 
 
-def make_optimizer(t: Any, transforms: Any = None, multipliers: Any = None
-                   ) -> optax.GradientTransformation:
+def make_optimizer(t: Any, transforms: Any = None, multipliers: Any = None,
+                   table: dict | None = None) -> optax.GradientTransformation:
   """The train config's optimizer (`make_chain`) with its peak LR injected into its state."""
-  chain = functools.partial(make_chain, t, transforms, multipliers)
+  chain = functools.partial(make_chain, t, transforms, multipliers, table)
   chain()   # built once now, so that a bad config raises here rather than at init
   # float32 whatever the params' dtype: the LR must not round to a bf16 value.
   return optax.inject_hyperparams(chain, hyperparam_dtype=jnp.float32)(peak_lr=t.lr)
@@ -137,19 +137,28 @@ def with_peak_lr(opt_state: Any, lr: Any) -> Any:
   return opt_state._replace(hyperparams={**hp, 'peak_lr': jnp.asarray(lr, hp['peak_lr'].dtype)})
 
 
-def make_chain(t: Any, transforms: Any = None, multipliers: Any = None, peak_lr: Any = None
-               ) -> optax.GradientTransformation:
+def make_chain(t: Any, transforms: Any = None, multipliers: Any = None,
+               table: dict | None = None, peak_lr: Any = None) -> optax.GradientTransformation:
   """The optimizer at peak LR `peak_lr` (default train.lr); its LR is `lr_schedule(t, peak_lr)`.
 
   `transforms` (sharenet.transforms.Transforms) adds AGC / AdamP / a post-step projection;
   `multipliers` (parametrization.OptMultipliers) adds per-leaf LR / WD / eps multipliers. Decay
   is `lr(t) * weight_decay * wd_mult * p` (lr-coupled, independent of the per-leaf LR
   multiplier), or with `independent_wd` `(lr(t) / lr_peak) * weight_decay * wd_mult * p`, on
-  the leaves whose role train.decay_roles names. Leaves the parametrization does not know
-  (transform gains) get multiplier 1.
+  the leaves whose role train.decay_roles names; roles come from `table` (models.param_table)
+  or else `transforms.infos`, one of which is needed when weight_decay > 0. Leaves the
+  parametrization does not know (transform gains) get multiplier 1.
   """
   roles = decay_roles(t)
-  mask = lambda p: decay_mask(p, roles)
+  if table is None and transforms is not None:
+    table = transforms.infos
+  if table is None and t.weight_decay:
+    raise ConfigError('make_optimizer: train.weight_decay > 0 needs the model\'s role table '
+                      '(table=models.param_table(cfg) or transforms=); valid: weight_decay=0')
+  if table is None:   # weight_decay == 0: nothing decays
+    mask = lambda p: jax.tree.map(lambda _: False, p)
+  else:
+    mask = lambda p: decay_mask(p, table, roles)
   updates = transforms.updates if transforms is not None else ()
   parts = []
   if 'agc' in updates:
@@ -173,10 +182,9 @@ def make_chain(t: Any, transforms: Any = None, multipliers: Any = None, peak_lr:
         else t.weight_decay
     flat_lr, flat_wd, flat_eps = (flatten_dict(x) for x in
                                   (multipliers.lr, multipliers.wd, multipliers.eps))
-    decayed = lambda path: roles_lib.role_of(path) in roles
-    # wd_mult is the parametrization's width factor for a decayed leaf; the role mask decides
-    # which leaves decay at all (a mask-only wd_mult of 0 becomes 1 for a role asked to decay).
-    wd_of = lambda path: (wd * (flat_wd.get(path, 1.0) or 1.0)) if decayed(path) else 0.0
+    decayed = lambda path: table is not None and params_lib.role_at(table, path) in roles
+    # The role mask alone decides which leaves decay; multipliers.wd only scales their decay.
+    wd_of = lambda path: wd * flat_wd.get(path, 1.0) if decayed(path) else 0.0
     parts += [scale_by_adam_tree_eps(t.b1, t.b2, lambda path: t.eps * flat_eps.get(path, 1.0)),
               scale_and_decay(lambda path: flat_lr.get(path, 1.0), wd_of),
               optax.scale_by_learning_rate(lr_schedule(t, peak_lr))]

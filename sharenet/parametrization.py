@@ -28,14 +28,14 @@ with wd_mult independent of the per-leaf LR multiplier (microsoft/mup MuAdamW's 
 CompleteP, ref. 1.1-1.2), or with wd_mode='independent' `decay = (lr(t)/lr_peak) * wd * p`
 (u-muP / Lingle, ref. 1.3).
 
-Roles come from logical axis names; fan-in multipliers from global shapes of the target and a
-base-width model, both made with `jax.eval_shape` (never from shard shapes); scan axes
-('layers', 'repeats') never count as width.
+Roles, fan-in axes and SP init stds come from the role table recorded where each parameter is
+created (sharenet/params.py, `models.param_table`); fan-in multipliers from global shapes of the
+target and a base-width model, both made with `jax.eval_shape` (never from shard shapes); scan
+axes ('layers', 'repeats') never count as width.
 """
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from typing import Any, NamedTuple
 
@@ -45,8 +45,9 @@ import jax.numpy as jnp
 from flax.traverse_util import flatten_dict, unflatten_dict
 
 from sharenet import defaults
+from sharenet import params as params_lib
 from sharenet.errors import ConfigError
-from sharenet.models import DecoderLM, ModelConfig, init_boxed
+from sharenet.models import ModelConfig, param_table
 
 KINDS = ('sp', 'mup', 'mup_table3', 'umup', 'completep')
 LOOP_RULES = ('none', 'inv_R', 'inv_sqrt_R')
@@ -54,8 +55,10 @@ WD_MODES = ('lr_coupled', 'independent')
 WIDTH_AXES = frozenset({'embed', 'mlp', 'heads', 'kv_heads', 'head_dim'})
 SCAN_AXES = frozenset({'layers', 'repeats'})
 FINITE_AXES = frozenset({'vocab', 'length', 'lora'})
-DECAYED = ('kernel', 'embedding', 'pos_embed', 'lora_a', 'lora_b')   # wd_mult 1, others 0 (optim's role mask decides)
-BRANCH_OUT = (('attn', 'o'), ('mlp', 'wo'))   # last projections of the residual branches
+# Preset roles (the rule tables' rows) of the table's roles (sharenet/params.py).
+PRESET_ROLE = {'reader': 'hidden', 'writer': 'hidden', 'readout': 'readout',
+               'embedding': 'embedding', 'pos_embed': 'embedding', 'lora': 'lora',
+               'norm_in': 'vector', 'norm_out': 'vector', 'bias': 'vector', 'scalar': 'vector'}
 UNTIEABLE = ('mup_table3', 'umup')           # one tensor cannot carry two roles (ref. 0, 1.6)
 Path = tuple[str, ...]
 _DEFAULTS = defaults.default_config().parametrization
@@ -106,28 +109,20 @@ class LeafRule:
   init_std: float | None     # absolute std after scaling (None: constant init, ones / zeros)
   fwd_mult: float
   lr_mult: float
-  wd_mult: float
+  wd_mult: float             # 1 where the default train.decay_roles (matrices) decays, else 0
   eps_mult: float
 
 
 class OptMultipliers(NamedTuple):
-  """Per-leaf optimizer multiplier trees (python floats) for optim.make_optimizer."""
+  """Per-leaf optimizer multiplier trees (python floats) for optim.make_optimizer.
+
+  `wd` scales the decay of the leaves train.decay_roles selects (1 under every preset); which
+  leaves decay is the optimizer's role mask alone.
+  """
   lr: Any
   wd: Any
   eps: Any
   independent_wd: bool
-
-
-@functools.lru_cache(maxsize=64)
-def _leaves(cfg: ModelConfig) -> dict[Path, tuple[tuple, tuple]]:
-  """{(collection, ...path): (logical axes, global shape)} via jax.eval_shape."""
-  boxed = jax.eval_shape(lambda: init_boxed(DecoderLM(cfg), jax.random.key(0)))
-  out = {}
-  for path, box in flatten_dict(boxed).items():
-    names = tuple(box.names) if isinstance(box, nn.LogicallyPartitioned) else (None,) * box.ndim
-    value = box.value if isinstance(box, nn.LogicallyPartitioned) else box
-    out[path] = (names, tuple(value.shape))
-  return out
 
 
 def base_config(cfg: ModelConfig, s: Settings) -> ModelConfig:
@@ -148,41 +143,18 @@ def base_config(cfg: ModelConfig, s: Settings) -> ModelConfig:
                       f'{e}') from None
 
 
-def _role(path: Path, axes: tuple) -> tuple[str, tuple[int, ...]]:
-  """Role and fan-in axis positions from logical names (scan axes already removed).
-
-  A Dense kernel is in_axes + out_axes with 'embed' alone on one side, so the fan-in axes are
-  ('embed',) when it comes first and everything but the trailing 'embed' otherwise.
-  """
-  name = path[-1]
-  if name in ('lora_a', 'lora_b'):
-    return 'lora', tuple(range(len(axes) - 1)) if name == 'lora_a' else (0,)
-  if len(axes) <= 1 or name in ('bias', 'logits_bias'):   # gains, biases, scalars (DyT alpha)
-    return 'vector', ()
-  if name in ('embedding', 'pos_embed') or (axes[0] in FINITE_AXES and axes[-1] == 'embed'):
-    return 'embedding', (0,)
-  if axes[-1] == 'vocab':
-    if name != 'kernel' or 'readout' not in path:
-      raise ConfigError(f'parameter {"/".join(path)} {axes}: infinite fan-in and finite fan-out '
-                        f'but not the readout; declare its role in sharenet/parametrization.py')
-    return 'readout', tuple(range(len(axes) - 1))
-  unknown = [a for a in axes if a not in WIDTH_AXES]
-  if unknown:
-    raise ConfigError(f'parameter {"/".join(path)}: logical axes {unknown} are neither width '
-                      f'{sorted(WIDTH_AXES)} nor finite {sorted(FINITE_AXES | SCAN_AXES)}')
-  return 'hidden', (0,) if axes[0] == 'embed' else tuple(range(len(axes) - 1))
-
-
-def _sp_std(path: Path, role: str, fan_in: int, cfg: ModelConfig) -> float | None:
-  """The std the SP initializers in sharenet/models use (None: constant ones / zeros)."""
-  name = path[-1]
-  if name == 'embedding':
-    return cfg.embed_init_std
-  if name == 'pos_embed':
-    return 0.02
-  if name in ('kernel', 'lora_a'):
-    return fan_in ** -0.5
-  return None
+def _role(info: params_lib.ParamInfo, axes: tuple) -> tuple[str, tuple[int, ...]]:
+  """Preset role and fan-in axis positions of a table row (scan axes already removed)."""
+  role = PRESET_ROLE.get(info.role)
+  if role is None:
+    raise ConfigError(f'parameter {info.key}: role {info.role!r} has no preset rule; valid: '
+                      f'{", ".join(PRESET_ROLE)}')
+  if role == 'hidden':
+    unknown = [a for a in axes if a not in WIDTH_AXES]
+    if unknown:
+      raise ConfigError(f'parameter {info.key}: logical axes {unknown} are neither width '
+                        f'{sorted(WIDTH_AXES)} nor finite {sorted(FINITE_AXES | SCAN_AXES)}')
+  return role, tuple(range(info.num_in)) if role != 'vector' else ()
 
 
 def _repeats(path: Path, cfg: ModelConfig, loop_rule: str) -> int:
@@ -204,9 +176,9 @@ def _repeats(path: Path, cfg: ModelConfig, loop_rule: str) -> int:
   return seg.repeats
 
 
-def _is_branch_out(path: Path) -> bool:
-  return any(path[i:i + 2] == b for b in BRANCH_OUT for i in range(len(path) - 1)) and (
-      path[-1] in ('kernel', 'lora_b'))
+def _is_branch_out(info: params_lib.ParamInfo) -> bool:
+  """The last projection of a residual branch (its kernel or LoRA B): it writes the stream."""
+  return info.writes and info.branch is not None
 
 
 class Parametrization:
@@ -247,13 +219,13 @@ class Parametrization:
 
   # ---- per-leaf rules ------------------------------------------------------------------------
   def _rules(self, cfg: ModelConfig) -> dict[Path, LeafRule]:
-    target, base = _leaves(cfg), _leaves(self.base_cfg)
+    target, base = param_table(cfg), param_table(self.base_cfg)
     if target.keys() != base.keys():
       raise ConfigError('parametrization: the base-width model has different parameters '
                         f'({sorted(set(target) ^ set(base))[:3]})')
     rules = {}
-    for path, (axes, shape) in target.items():
-      base_shape = base[path][1]
+    for path, info in target.items():
+      axes, shape, base_shape = info.axes, info.shape, base[path].shape
       keep = [i for i, a in enumerate(axes) if a not in SCAN_AXES]
       for i, a in enumerate(axes):   # shape-diff cross-check of the name-derived width axes
         if shape[i] != base_shape[i] and a not in WIDTH_AXES:
@@ -262,7 +234,7 @@ class Parametrization:
       waxes = tuple(axes[i] for i in keep)
       wshape = tuple(shape[i] for i in keep)
       wbase = tuple(base_shape[i] for i in keep)
-      role, in_pos = _role(path, waxes)
+      role, in_pos = _role(info, waxes)
       fan_in = math.prod(wshape[i] for i in in_pos) if in_pos else 1
       m = float(math.prod(wshape[i] / wbase[i] for i in in_pos if waxes[i] in WIDTH_AXES))
       if role == 'hidden' and self.m_d != 1:
@@ -271,24 +243,24 @@ class Parametrization:
           raise ConfigError(f'parameter {"/".join(path)}: a hidden matrix whose fan-in or fan-out '
                             f'does not vary with base_d_model (vary mlp_dim / heads too)')
       R = _repeats(path, cfg, self.settings.loop_rule)
-      init_scale, fwd, lr, eps = self._table(path, role, fan_in, m, R)
-      decayed = path[-1] in DECAYED
-      sp_std = _sp_std(path, role, fan_in, cfg)
+      init_scale, fwd, lr, eps = self._table(info, role, fan_in, m, R)
+      decayed = info.role in params_lib.MATRIX_ROLES
+      sp_std = info.init_std
       rules[path] = LeafRule(
           path=path, axes=axes, role=role, fan_in=fan_in, fan_in_mult=m, repeats=R,
           init_scale=init_scale, init_std=None if sp_std is None else sp_std * init_scale,
           fwd_mult=fwd, lr_mult=lr, wd_mult=1.0 if decayed else 0.0, eps_mult=eps)
     return rules
 
-  def _table(self, path: Path, role: str, fan_in: int, m: float, R: int):
+  def _table(self, info: params_lib.ParamInfo, role: str, fan_in: int, m: float, R: int):
     """(init_scale, fwd_mult, lr_mult, eps_mult) of the preset's table for one leaf."""
     s, k = self.settings, self.settings.kind
     init, fwd, lr, eps = 1.0, 1.0, 1.0, 1.0
-    trunk = 'stack' in path
+    trunk = info.branch is not None   # a block parameter
     if k in ('mup', 'mup_table3', 'completep'):
       if role == 'hidden':
         lr = 1.0 / m                                         # Table 8 / Table 3: eta / m
-        if s.query_zero_init and path[-2:] == ('q', 'kernel'):
+        if s.query_zero_init and info.use == 'query':
           init = 0.0
       elif role == 'readout':
         if k == 'mup_table3':
@@ -300,7 +272,7 @@ class Parametrization:
     elif k == 'umup':
       L = self.cfg.num_layers     # u-muP DepthSequential counts applied blocks (ref. 2.2)
       if role == 'embedding':
-        init, lr = 1.0 / _sp_std(path, role, fan_in, self.cfg), self.cfg.d_model ** -0.5
+        init, lr = 1.0 / info.init_std, self.cfg.d_model ** -0.5
       elif role == 'hidden':
         init, fwd, lr = fan_in ** 0.5, fan_in ** -0.5, fan_in ** -0.5 * L ** -0.5
       elif role == 'readout':
@@ -314,9 +286,9 @@ class Parametrization:
         eps = 1.0 / (self.m_d * mL ** a)                       # AdamW eps x m_d^-1 m_L^-alpha
       elif role == 'vector' and trunk:
         lr *= mL ** (a - 1)
-      if trunk and _is_branch_out(path):
+      if trunk and _is_branch_out(info):
         fwd *= mL ** -a                                        # x + m_L^-alpha f(x)
-    if s.loop_rule != 'none' and trunk and _is_branch_out(path) and R > 1:
+    if s.loop_rule != 'none' and trunk and _is_branch_out(info) and R > 1:
       fwd *= 1.0 / R if s.loop_rule == 'inv_R' else R ** -0.5   # Wang et al. 2026 (ref. 2.2)
     return init, fwd, lr, eps
 
@@ -347,11 +319,11 @@ class Parametrization:
 
   def opt_multipliers(self) -> OptMultipliers | None:
     """Per-leaf LR / WD / eps trees; None when they are exactly plain AdamW's (SP)."""
-    plain = all(r.lr_mult == 1.0 and r.eps_mult == 1.0 and r.wd_mult == (r.path[-1] in DECAYED)
-                for r in self.rules.values())
+    plain = all(r.lr_mult == 1.0 and r.eps_mult == 1.0 for r in self.rules.values())
     if plain and self.settings.wd_mode == 'lr_coupled':
       return None
-    return OptMultipliers(self.tree('lr_mult'), self.tree('wd_mult'), self.tree('eps_mult'),
+    wd = unflatten_dict({p: 1.0 for p in self.rules})   # no preset scales decay per leaf
+    return OptMultipliers(self.tree('lr_mult'), wd, self.tree('eps_mult'),
                           self.settings.wd_mode == 'independent')
 
   def describe(self) -> list[dict[str, Any]]:

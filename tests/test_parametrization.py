@@ -15,7 +15,7 @@ from flax.traverse_util import flatten_dict
 
 from sharenet import optim, parametrization as P
 from sharenet.errors import ConfigError
-from sharenet.models import DecoderLM, ModelConfig, init_variables, layout
+from sharenet.models import DecoderLM, ModelConfig, init_variables, layout, param_table
 from sharenet.parametrization import KINDS
 
 D0 = 32
@@ -48,7 +48,8 @@ def loss_fn(params, model, fwd, toks):
 def run_steps(cfg, settings, n_steps=3, seed=0):
   """(init params, params after n_steps) for a preset; fixed data."""
   pz = P.Parametrization(cfg, P.Settings(**settings))
-  model, tx = DecoderLM(pz.cfg), optim.make_optimizer(train_cfg(), multipliers=pz.opt_multipliers())
+  model = DecoderLM(pz.cfg)
+  tx = optim.make_optimizer(train_cfg(), multipliers=pz.opt_multipliers(), table=param_table(cfg))
   p0 = pz.init(init_variables(model, jax.random.key(seed)))
 
   @jax.jit
@@ -168,16 +169,19 @@ def test_unit_multiplier_chain_equals_adamw():
   cfg = tiny(D0)
   v = init_variables(DecoderLM(cfg), jax.random.key(0))
   ones = jax.tree.map(lambda _: 1.0, v)
-  wd = optim.decay_mask(v)
+  table = param_table(cfg)
+  wd = optim.decay_mask(v, table)
   wd = jax.tree.map(float, wd)
   mult = P.OptMultipliers(ones, wd, ones, False)
   t = train_cfg(schedule='wsd', warmup_steps=2)
   adamw = optax.chain(optax.clip_by_global_norm(t.grad_clip),
                       optax.adamw(optim.lr_schedule(t), b1=t.b1, b2=t.b2, eps=t.eps,
-                                  weight_decay=t.weight_decay, mask=optim.decay_mask))
+                                  weight_decay=t.weight_decay,
+                                  mask=lambda p: optim.decay_mask(p, table)))
   outs = []
   # The injected peak LR (a float32 in the optimizer state) rounds like optax's python float.
-  for tx in (adamw, optim.make_optimizer(t), optim.make_optimizer(t, multipliers=mult)):
+  for tx in (adamw, optim.make_optimizer(t, table=table),
+             optim.make_optimizer(t, multipliers=mult, table=table)):
 
     @jax.jit
     def step(p, s, toks):
@@ -202,7 +206,8 @@ def test_independent_weight_decay_does_not_move_with_lr():
   zeros = jax.tree.map(jnp.zeros_like, v)
   decays = []
   for lr in (1e-3, 1e-1):
-    tx = optim.make_optimizer(train_cfg(lr=lr, grad_clip=0.0), multipliers=pz.opt_multipliers())
+    tx = optim.make_optimizer(train_cfg(lr=lr, grad_clip=0.0), multipliers=pz.opt_multipliers(),
+                              table=param_table(cfg))
     u, _ = jax.jit(tx.update)(zeros, tx.init(v), v)   # zero gradient: the update is pure decay
     k = ('params', 'stack', 'segment_0', 'level', 'block', 'mlp', 'wo', 'kernel')
     decays.append(flatten_dict(u)[k] / flatten_dict(v)[k])
@@ -254,7 +259,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as PS
 import flax.linen as nn
 from flax.traverse_util import flatten_dict
 sys.path.insert(0, sys.argv[1])
-from sharenet.models import DecoderLM, ModelConfig, init_boxed, init_variables
+from sharenet.models import DecoderLM, ModelConfig, init_boxed, init_variables, param_table
 from sharenet import optim, parametrization as P
 # Self-contained: the same tiny model, train config, tokens and loss as the tests above.
 D0 = 32
@@ -289,7 +294,8 @@ for kind in ('mup', 'completep'):
     # Leaves whose local shard is smaller than the global array: multipliers taken from shard
     # shapes would differ there; the table below comes from global (logical) shapes.
     n_sharded = sum(x.addressable_shards[0].data.shape != x.shape for x in jax.tree.leaves(p0))
-    tx = optim.make_optimizer(train_cfg, multipliers=pz.opt_multipliers())
+    tx = optim.make_optimizer(train_cfg, multipliers=pz.opt_multipliers(),
+                              table=param_table(cfg))
     g = jax.jit(jax.grad(loss_fn), static_argnums=(1, 2))(p0, model, pz.forward, tokens)
     u, _ = jax.jit(tx.update)(g, tx.init(p0), p0)
   table = [r for r in pz.describe()]

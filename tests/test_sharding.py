@@ -276,11 +276,12 @@ def test_scan_axes_unsharded_and_optimizer_state_follows_params(tiny_config):
   from flax.traverse_util import flatten_dict
 
   from sharenet import optim, sharding, train_lib
-  from sharenet.models import DecoderLM, ModelConfig, logical_axes
+  from sharenet.models import DecoderLM, ModelConfig, logical_axes, param_table
   c = tiny_config(**{'model.num_layers': 4, 'model.sharing.scheme': 'cycle',
                      'model.sharing.num_unique': 2, 'model.sharing.lora_rank': 2,
                      'model.sharing.untie_norms': True})
-  model, tx = DecoderLM(ModelConfig.from_config(c.model)), optim.make_optimizer(c.train)
+  mcfg = ModelConfig.from_config(c.model)
+  model, tx = DecoderLM(mcfg), optim.make_optimizer(c.train, table=param_table(mcfg))
   abstract = jax.eval_shape(functools.partial(train_lib.init_state, model, tx),
                             jax.random.key(0))
   mesh, rules = sharding.make_mesh(c.mesh), sharding.rules_of(c.mesh)

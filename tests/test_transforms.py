@@ -18,6 +18,7 @@ from configs import tiny as tiny_config
 from sharenet import defaults, optim, train_lib, workdir_lib
 from sharenet.errors import ConfigError
 from sharenet.models import DecoderLM, ModelConfig, init_variables
+from sharenet.models.config import LORA_TARGETS
 from sharenet.transforms import Transforms, convert, reparam
 from sharenet.transforms.roles import Leaf
 from sharenet.transforms.update import scale_by_adamp
@@ -128,7 +129,7 @@ def test_full_rank_svd_lora_reproduces_the_untied_model(scheme, K):
   v = _randomize_norms(init_variables(DecoderLM(cfg), jax.random.key(1)))
   toks = _tokens()
   ref = DecoderLM(cfg).apply(v, toks)
-  kw = dict(scheme=scheme, num_unique=K, init='average', lora_targets=convert.LORA_KERNELS.keys(),
+  kw = dict(scheme=scheme, num_unique=K, init='average', lora_targets=LORA_TARGETS,
             untie_norms=True)
   rcfg, rv = convert.to_recursive(cfg, v, lora_rank=32, lora_init='svd', **kw)
   rcfg = dataclasses.replace(rcfg, lora_scale=1.0)

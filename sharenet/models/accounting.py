@@ -1,6 +1,7 @@
 """Parameter and FLOP accounting on stored (unique) and applied depth."""
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -9,6 +10,7 @@ import jax
 from flax.traverse_util import flatten_dict
 
 from sharenet.models.config import ModelConfig
+from sharenet.models.lm import param_table
 from sharenet.norms import PER_LAYER
 
 
@@ -35,19 +37,11 @@ def params_applied(variables: Any, cfg: ModelConfig) -> int:
 
 
 def matmul_params_per_layer(cfg: ModelConfig) -> int:
-  """Weights one applied layer multiplies with (LoRA factors included)."""
-  D, F, Dh = cfg.d_model, cfg.mlp_dim, cfg.head_dim
-  shapes = {'q': (D, cfg.num_heads * Dh), 'k': (D, cfg.kv_heads * Dh),
-            'v': (D, cfg.kv_heads * Dh), 'o': (cfg.num_heads * Dh, D)}
-  n = sum(a * b for a, b in shapes.values())
-  n_in = 2 if cfg.mlp == 'swiglu' else 1
-  n += (n_in + 1) * D * F
-  if cfg.lora_rank:
-    shapes.update({'mlp_in': (D, F), 'mlp_out': (F, D)})
-    for t in cfg.lora_targets:
-      mult = n_in if t == 'mlp_in' else 1
-      n += mult * cfg.lora_rank * sum(shapes[t])
-  return n
+  """Weights one applied layer multiplies with (LoRA factors included), from the role table."""
+  one = dataclasses.replace(cfg, num_layers=1, scheme='untied', num_unique=0, repeats=0,
+                            pattern='', scan_layers=True)
+  return sum(math.prod(i.shape[i.num_stack:]) for i in param_table(one).values()
+             if i.branch is not None and i.role in ('reader', 'writer', 'lora'))
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int, train: bool = True) -> float:

@@ -11,6 +11,9 @@ from jax.ad_checkpoint import checkpoint_name
 from sharenet.models.config import ModelConfig
 from sharenet.models.layers import Dense, rope, sow_l1
 from sharenet.norms import Norm
+from sharenet.params import param
+
+BRANCH = 'attn'
 
 
 class CausalAttention(nn.Module):
@@ -23,22 +26,22 @@ class CausalAttention(nn.Module):
     H, K, Dh = c.num_heads, c.kv_heads, c.head_dim
     dt, pdt = jnp.dtype(c.dtype), jnp.dtype(c.param_dtype)
 
-    def proj(name, heads, axis):
+    def proj(name, heads, axis, use=None):
       rank = c.lora_rank if name in c.lora_targets else 0
-      return Dense((heads, Dh), ('embed',), (axis, 'head_dim'), lora_rank=rank,
-                   lora_scale=c.lora_scale, use_bias=c.reader_bias, dtype=dt, param_dtype=pdt,
-                   name=name)
+      return Dense((heads, Dh), ('embed',), (axis, 'head_dim'), branch=BRANCH, use=use,
+                   lora_rank=rank, lora_scale=c.lora_scale, use_bias=c.reader_bias, dtype=dt,
+                   param_dtype=pdt, name=name)
 
-    q_BTHD = checkpoint_name(proj('q', H, 'heads')(x_BTD), 'query_proj')
+    q_BTHD = checkpoint_name(proj('q', H, 'heads', 'query')(x_BTD), 'query_proj')
     k_BTKD = checkpoint_name(proj('k', K, 'kv_heads')(x_BTD), 'key_proj')
     v_BTKD = checkpoint_name(proj('v', K, 'kv_heads')(x_BTD), 'value_proj')
     for name, a in (('query', q_BTHD), ('key', k_BTKD), ('value', v_BTKD)):
       sow_l1(self, name, a)
     if c.qk_norm != 'none':   # rms: learned gain over head_dim; l2: unit vectors (ref. B3/B4)
       kind = 'rmsnorm' if c.qk_norm == 'rms' else 'l2'
-      q_BTHD = Norm(kind, c.norm_eps, axis_name='head_dim', param_dtype=pdt,
+      q_BTHD = Norm(kind, c.norm_eps, axis_name='head_dim', param_dtype=pdt, branch=BRANCH,
                     name='q_norm')(q_BTHD)
-      k_BTKD = Norm(kind, c.norm_eps, axis_name='head_dim', param_dtype=pdt,
+      k_BTKD = Norm(kind, c.norm_eps, axis_name='head_dim', param_dtype=pdt, branch=BRANCH,
                     name='k_norm')(k_BTKD)
     if c.position == 'rope':
       q_BTHD = rope(q_BTHD, positions_T, c.rope_base)
@@ -53,8 +56,8 @@ class CausalAttention(nn.Module):
       # initialised to log2(L^2 - L) for the typical sequence length L.
       L = c.max_len
       init = c.qk_scale_init or math.log2(L * L - L)
-      scale = self.param('qk_scale', nn.with_logical_partitioning(
-          nn.initializers.constant(init), ()), (), pdt).astype(dt)
+      scale = param(self, 'qk_scale', (), (), 'scalar', init=nn.initializers.constant(init),
+                    dtype=pdt, branch=BRANCH).astype(dt)
     else:
       scale = c.attn_scale or Dh ** -0.5
     logits_BKGTS = jnp.einsum('btkgd,bskd->bkgts', q_BTKGD * scale, k_BTKD)
@@ -66,7 +69,8 @@ class CausalAttention(nn.Module):
     out_BTKGD = jnp.einsum('bkgts,bskd->btkgd', probs_BKGTS, v_BTKD)
     out_BTHD = out_BTKGD.reshape(B, T, H, Dh)
     rank = c.lora_rank if 'o' in c.lora_targets else 0
-    out_BTD = Dense((c.d_model,), ('heads', 'head_dim'), ('embed',), lora_rank=rank,
-                    lora_scale=c.lora_scale, dtype=dt, param_dtype=pdt, name='o')(out_BTHD)
+    out_BTD = Dense((c.d_model,), ('heads', 'head_dim'), ('embed',), role='writer', branch=BRANCH,
+                    lora_rank=rank, lora_scale=c.lora_scale, dtype=dt, param_dtype=pdt,
+                    name='o')(out_BTHD)
     sow_l1(self, 'attn_out', out_BTD)
     return checkpoint_name(out_BTD, 'out_proj')

@@ -8,7 +8,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from sharenet.norms import PER_LAYER, variable
+from sharenet.params import PER_LAYER, param
 
 
 INTERMEDIATES = 'intermediates'
@@ -35,12 +35,16 @@ def sow_l1(module: nn.Module, name: str, x: jax.Array, mask: jax.Array | None = 
 class Dense(nn.Module):
   """y = x W (+ scale * x A B): contracts the last `len(in_axes)` dims of x.
 
-  The kernel has logical axes `in_axes + out_axes`; LoRA factors A (in, r) and B (r, out) live in
-  the per-layer collection so they stay untied when the kernel is shared (RRT, ref. A3.3).
+  The kernel has logical axes `in_axes + out_axes` and `role` reader | writer | readout; LoRA
+  factors A (in, r) and B (r, out) live in the per-layer collection so they stay untied when the
+  kernel is shared (Relaxed Recursive Transformers, arXiv:2410.20672).
   """
   features: Sequence[int]
   in_axes: Sequence[str]
   out_axes: Sequence[str]
+  role: str = 'reader'
+  branch: str | None = None            # residual branch of a block kernel ('attn' | 'mlp')
+  use: str | None = None               # singled out by a consumer ('query': query_zero_init)
   init_std: float | None = None        # None -> 1/sqrt(fan_in)
   lora_rank: int = 0
   lora_scale: float = 1.0
@@ -54,24 +58,27 @@ class Dense(nn.Module):
     in_shape, out_shape = x.shape[-n_in:], tuple(self.features)
     fan_in, fan_out = math.prod(in_shape), math.prod(out_shape)
     std = self.init_std if self.init_std is not None else fan_in ** -0.5
-    kernel = self.param('kernel', nn.with_logical_partitioning(
-        nn.initializers.normal(std), tuple(self.in_axes) + tuple(self.out_axes)),
-        in_shape + out_shape, self.param_dtype)
+    in_axes, out_axes = tuple(self.in_axes), tuple(self.out_axes)
+    writes = self.role == 'writer'
+    kernel = param(self, 'kernel', in_shape + out_shape, in_axes + out_axes, self.role, std=std,
+                   dtype=self.param_dtype, num_in=n_in, branch=self.branch, writes=writes,
+                   use=self.use)
     batch = x.shape[:-n_in]
     x2 = x.reshape(batch + (fan_in,)).astype(self.dtype)
     y = x2 @ kernel.reshape(fan_in, fan_out).astype(self.dtype)
     if self.lora_rank:
       r = self.lora_rank
-      a = variable(self, PER_LAYER, 'lora_a', nn.initializers.normal(fan_in ** -0.5),
-                   in_shape + (r,), tuple(self.in_axes) + ('lora',), self.param_dtype)
-      b = variable(self, PER_LAYER, 'lora_b', nn.initializers.zeros, (r,) + out_shape,
-                   ('lora',) + tuple(self.out_axes), self.param_dtype)
+      a = param(self, 'lora_a', in_shape + (r,), in_axes + ('lora',), 'lora', std=fan_in ** -0.5,
+                collection=PER_LAYER, dtype=self.param_dtype, num_in=n_in, branch=self.branch)
+      b = param(self, 'lora_b', (r,) + out_shape, ('lora',) + out_axes, 'lora',
+                init=nn.initializers.zeros, collection=PER_LAYER, dtype=self.param_dtype,
+                num_in=1, branch=self.branch, writes=writes)
       xa = x2 @ a.reshape(fan_in, r).astype(self.dtype)
       y = y + self.lora_scale * (xa @ b.reshape(r, fan_out).astype(self.dtype))
     y = y.reshape(batch + out_shape)
     if self.use_bias:
-      bias = self.param('bias', nn.with_logical_partitioning(
-          nn.initializers.zeros, tuple(self.out_axes)), out_shape, self.param_dtype)
+      bias = param(self, 'bias', out_shape, out_axes, 'bias', init=nn.initializers.zeros,
+                   dtype=self.param_dtype, branch=self.branch)
       y = y + bias.reshape((1,) * len(batch) + out_shape).astype(y.dtype)
     return y
 
@@ -90,9 +97,9 @@ class Embed(nn.Module):
   param_dtype: jnp.dtype = jnp.float32
 
   def setup(self):
-    self.embedding = self.param('embedding', nn.with_logical_partitioning(
-        nn.initializers.normal(self.init_std), ('vocab', 'embed')),
-        (self.vocab_size, self.features), self.param_dtype)
+    self.embedding = param(self, 'embedding', (self.vocab_size, self.features),
+                           ('vocab', 'embed'), 'embedding', std=self.init_std,
+                           dtype=self.param_dtype, num_in=1, writes=True)
 
   def _table(self) -> jax.Array:
     if not self.fixnorm:

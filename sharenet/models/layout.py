@@ -15,12 +15,17 @@ from sharenet.norms import PER_LAYER
 Tree = Any
 
 
+def block_relative(path: tuple) -> tuple:
+  """The part of a stacked block leaf's path below its block (the key `unique_sets` uses)."""
+  return path[path.index('block') + 1:]
+
+
 def _segment_leaves(tree: Tree) -> dict[int, dict[tuple, Any]]:
   """{segment index: {path relative to the block: leaf}} for a collection's 'stack' subtree."""
   out: dict[int, dict[tuple, Any]] = {}
   for path, leaf in flatten_dict(nn.unbox(tree).get('stack', {})).items():
     seg = int(path[0].removeprefix('segment_'))
-    out.setdefault(seg, {})[path[path.index('block') + 1:]] = leaf
+    out.setdefault(seg, {})[block_relative(path)] = leaf
   return out
 
 
@@ -74,7 +79,7 @@ def _replace_stack(tree: Tree, per_segment: dict[int, dict[tuple, Any]]) -> Tree
   for path in list(flat):
     if path[0] == 'stack':
       seg = int(path[1].removeprefix('segment_'))
-      flat[path] = per_segment[seg][path[path.index('block') + 1:]]
+      flat[path] = per_segment[seg][block_relative(path)]
   return unflatten_dict(flat)
 
 

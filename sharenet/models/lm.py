@@ -1,6 +1,8 @@
 """Decoder-only language model: embed -> shared-weight stack -> final norm -> readout."""
 from __future__ import annotations
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -9,6 +11,7 @@ from sharenet.models.block import ACT_AXES
 from sharenet.models.config import ModelConfig
 from sharenet.models.layers import Dense, Embed, sow_l1
 from sharenet.models.stack import Stack
+from sharenet import params
 from sharenet.norms import PER_LAYER, Norm
 
 TRAINABLE = ('params', PER_LAYER)
@@ -26,8 +29,8 @@ class DecoderLM(nn.Module):
     embed = Embed(c.vocab_size, c.d_model, c.embed_init_std, c.fixnorm, dt, pdt, name='embed')
     x_BTD = embed(tokens_BT)
     if c.position == 'learned':
-      pos_TD = self.param('pos_embed', nn.with_logical_partitioning(
-          nn.initializers.normal(0.02), ('length', 'embed')), (c.max_len, c.d_model), pdt)
+      pos_TD = params.param(self, 'pos_embed', (c.max_len, c.d_model), ('length', 'embed'),
+                            'pos_embed', std=0.02, dtype=pdt, num_in=1, writes=True)
       x_BTD = x_BTD + pos_TD[None, :T].astype(dt)
     if c.center_embedding:   # zero-mean writer for tied tables (reference C5.8)
       x_BTD = x_BTD - jnp.mean(x_BTD, axis=-1, keepdims=True)
@@ -37,18 +40,19 @@ class DecoderLM(nn.Module):
     sow_l1(self, 'embed_out', x_BTD)
     x_BTD = Stack(c, name='stack')(x_BTD, jnp.arange(T))
     if c.norm_placement != 'post':
-      x_BTD = Norm(c.norm, c.norm_eps, param_dtype=pdt, dyt_alpha=c.dyt_alpha,
+      x_BTD = Norm(c.norm, c.norm_eps, param_dtype=pdt, dyt_alpha=c.dyt_alpha, role='norm_out',
                    name='final_norm')(x_BTD)
       sow_l1(self, 'final_norm_out', x_BTD)
     if c.tie_embeddings:
       logits_BTV = embed.attend(x_BTD)
       if c.reader_bias:
-        bias_V = self.param('logits_bias', nn.with_logical_partitioning(
-            nn.initializers.zeros, ('vocab',)), (c.vocab_size,), pdt)
+        bias_V = params.param(self, 'logits_bias', (c.vocab_size,), ('vocab',), 'bias',
+                              init=nn.initializers.zeros, dtype=pdt)
         logits_BTV = logits_BTV + bias_V[None, None].astype(logits_BTV.dtype)
     else:
-      logits_BTV = Dense((c.vocab_size,), ('embed',), ('vocab',), use_bias=c.reader_bias,
-                         dtype=dt, param_dtype=pdt, name='readout')(x_BTD)
+      logits_BTV = Dense((c.vocab_size,), ('embed',), ('vocab',), role='readout',
+                         use_bias=c.reader_bias, dtype=dt, param_dtype=pdt,
+                         name='readout')(x_BTD)
     if c.logits_mult != 1.0:   # muP readout multiplier (reference/mup.md section 1.1)
       logits_BTV = logits_BTV * c.logits_mult
     sow_l1(self, 'logits', logits_BTV)
@@ -75,3 +79,12 @@ def logical_axes(model: DecoderLM):
   """Pytree of logical axis names (PartitionSpec) matching init_variables' tree."""
   boxed = jax.eval_shape(lambda: init_boxed(model, jax.random.key(0)))
   return nn.get_partition_spec(boxed)
+
+
+@functools.lru_cache(maxsize=64)
+def param_table(cfg: ModelConfig) -> dict[tuple[str, ...], params.ParamInfo]:
+  """The role table {path (collection first): ParamInfo} of DecoderLM(cfg), via eval_shape.
+
+  Cached per config: clear it (`param_table.cache_clear()`) after patching model modules.
+  """
+  return params.table(jax.eval_shape(lambda: init_boxed(DecoderLM(cfg), jax.random.key(0))))

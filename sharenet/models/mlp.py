@@ -9,6 +9,8 @@ from jax.ad_checkpoint import checkpoint_name
 from sharenet.models.config import ModelConfig
 from sharenet.models.layers import Dense, sow_l1
 
+BRANCH = 'mlp'
+
 
 class Mlp(nn.Module):
   """x -> W_out act(W_in x); SwiGLU gates with a second input projection."""
@@ -22,8 +24,9 @@ class Mlp(nn.Module):
     r_out = c.lora_rank if 'mlp_out' in c.lora_targets else 0
 
     def dense_in(name):
-      return Dense((c.mlp_dim,), ('embed',), ('mlp',), lora_rank=r_in, lora_scale=c.lora_scale,
-                   use_bias=c.reader_bias, dtype=dt, param_dtype=pdt, name=name)
+      return Dense((c.mlp_dim,), ('embed',), ('mlp',), branch=BRANCH, lora_rank=r_in,
+                   lora_scale=c.lora_scale, use_bias=c.reader_bias, dtype=dt, param_dtype=pdt,
+                   name=name)
 
     if c.mlp == 'swiglu':
       h_BTF = nn.silu(dense_in('wi_gate')(x_BTD)) * dense_in('wi_up')(x_BTD)
@@ -33,7 +36,7 @@ class Mlp(nn.Module):
     sow_l1(self, 'mlp_hidden', h_BTF)
     h_BTF = nn.with_logical_constraint(h_BTF, ('activation_batch', 'activation_length',
                                                'activation_mlp'))
-    out = Dense((c.d_model,), ('mlp',), ('embed',), lora_rank=r_out, lora_scale=c.lora_scale,
-                dtype=dt, param_dtype=pdt, name='wo')(h_BTF)
+    out = Dense((c.d_model,), ('mlp',), ('embed',), role='writer', branch=BRANCH, lora_rank=r_out,
+                lora_scale=c.lora_scale, dtype=dt, param_dtype=pdt, name='wo')(h_BTF)
     sow_l1(self, 'mlp_out', out)
     return checkpoint_name(out, 'mlp_out')

@@ -33,18 +33,12 @@ import numpy as np
 from flax.traverse_util import flatten_dict, unflatten_dict
 
 from sharenet.errors import ConfigError
-from sharenet.models import DecoderLM, ModelConfig, init_variables, layout
-from sharenet.norms import PER_LAYER
+from sharenet.models import DecoderLM, ModelConfig, init_variables, layout, param_table
+from sharenet.params import KERNEL_ROLES, NORM_ROLES, PER_LAYER, ParamInfo
 
 INITS = ('stepwise', 'average', 'lower')
 RECURSIVE_SCHEMES = ('universal', 'cycle', 'sequence', 'middle_cycle', 'middle_sequence')
-# Readers of each normalized input, relative to the block (and at the top level for the head).
-BLOCK_READERS = {'attn_norm': (('attn', 'q'), ('attn', 'k'), ('attn', 'v')),
-                 'mlp_norm': (('mlp', 'wi_gate'), ('mlp', 'wi_up'), ('mlp', 'wi'))}
-BLOCK_WRITERS = (('attn', 'o'), ('mlp', 'wo'))
-LORA_KERNELS = {'q': (('attn', 'q'),), 'k': (('attn', 'k'),), 'v': (('attn', 'v'),),
-                'o': (('attn', 'o'),), 'mlp_in': (('mlp', 'wi_gate'), ('mlp', 'wi_up'),
-                                                  ('mlp', 'wi')), 'mlp_out': (('mlp', 'wo'),)}
+Path = tuple[str, ...]
 
 
 def _require(ok: bool, msg: str) -> None:
@@ -52,20 +46,61 @@ def _require(ok: bool, msg: str) -> None:
     raise ConfigError(msg)
 
 
-def _blocks(flat: dict) -> list[tuple]:
-  """Prefixes (ending in 'block') of every stacked block in a flat params dict."""
-  return sorted({p[:p.index('block') + 1] for p in flat if p[0] == 'params' and 'block' in p})
+def _part(table: dict[Path, ParamInfo], module: Path, use: str) -> Path:
+  """Path of a norm module's gain ('gain') or bias ('shift') leaf."""
+  (path,) = [p for p, i in table.items() if i.module == module and i.use == use]
+  return path
+
+
+def _stream_norms(table: dict[Path, ParamInfo]) -> list[tuple[Path, list[Path]]]:
+  """(input norm module, its reader kernels) per block branch, from the role table.
+
+  A branch's input norm is its 'params' norm_in over 'embed' (QK-norms normalise head_dim);
+  under pre placement (the callers check) exactly that branch's readers read its output.
+  """
+  norms = sorted({i.module: i for i in table.values() if i.path[0] == 'params' and
+                  i.role == 'norm_in' and i.branch is not None and 'embed' in i.axes}.items())
+  out = []
+  for module, n in norms:
+    block = module[:-1]
+    readers = sorted(p for p, i in table.items() if i.role == 'reader' and
+                     i.branch == n.branch and p[:len(block)] == block)
+    out.append((module, readers))
+  return out
+
+
+def _writers(table: dict[Path, ParamInfo]) -> list[Path]:
+  """Kernels of the block branches that write the residual stream."""
+  return sorted(p for p, i in table.items() if i.role == 'writer')
+
+
+def _one(table: dict[Path, ParamInfo], role: str, branch: str | None = None) -> Path | None:
+  """The path of the only leaf with `role` outside the blocks (None if absent)."""
+  paths = [p for p, i in table.items() if i.role == role and i.branch == branch]
+  _require(len(paths) <= 1, f'conversion expects one top-level {role} leaf, got {paths}')
+  return paths[0] if paths else None
+
+
+def _final_norm(table: dict[Path, ParamInfo]) -> Path:
+  """Module of the final norm (the norm_out outside the blocks)."""
+  (module,) = {i.module for i in table.values() if i.role == 'norm_out' and i.branch is None}
+  return module
+
+
+def _bias_of(table: dict[Path, ParamInfo], kernel: Path) -> Path:
+  """Path of the bias beside a kernel in `table` (a model with reader_bias=True)."""
+  (path,) = [p for p, i in table.items() if i.role == 'bias' and i.module == kernel[:-1]]
+  return path
 
 
 def _center(w, axis=-1):
   return w - jnp.mean(w, axis=axis, keepdims=True)
 
 
-def _fold_bias(flat: dict, kernel_path: tuple, beta, stacked: bool) -> None:
+def _fold_bias(flat: dict, kernel_path: tuple, bias_path: tuple, beta, stacked: bool) -> None:
   """bias += beta @ W over the 'embed' input axis of a reader kernel."""
   w = flat[kernel_path]
   b = jnp.einsum('kd,kd...->k...', beta, w) if stacked else jnp.einsum('d,d...->...', beta, w)
-  bias_path = kernel_path[:-1] + ('bias',)
   flat[bias_path] = flat.get(bias_path, 0) + b
 
 
@@ -77,27 +112,28 @@ def ln_to_rms(cfg: ModelConfig, variables: Any) -> tuple[ModelConfig, Any]:
   _require(not cfg.untie_norms and not cfg.lora_rank,
            'conversion of norms supports untie_norms=False and lora_rank=0 (folding into tied '
            'readers would untie them)')
-  flat = dict(flatten_dict(variables['params']))
-  flat = {('params',) + k: v for k, v in flat.items()}
-  for block in _blocks(flat):
-    for norm, readers in BLOCK_READERS.items():
-      beta = flat.pop(block + (norm, 'bias'))
-      for r in readers:
-        if block + r + ('kernel',) in flat:
-          _fold_bias(flat, block + r + ('kernel',), beta, stacked=True)
-    for w in BLOCK_WRITERS:
-      flat[block + w + ('kernel',)] = _center(flat[block + w + ('kernel',)])
-  beta = flat.pop(('params', 'final_norm', 'bias'))
-  if cfg.tie_embeddings:
-    e = flat[('params', 'embed', 'embedding')]
-    flat[('params', 'logits_bias')] = flat.get(('params', 'logits_bias'), 0) + e @ beta
-  else:
-    _fold_bias(flat, ('params', 'readout', 'kernel'), beta, stacked=False)
-    flat[('params', 'embed', 'embedding')] = _center(flat[('params', 'embed', 'embedding')])
-  if ('params', 'pos_embed') in flat:
-    flat[('params', 'pos_embed')] = _center(flat[('params', 'pos_embed')])
   new_cfg = dataclasses.replace(cfg, norm='rmsnorm', reader_bias=True,
                                 center_embedding=cfg.center_embedding or cfg.tie_embeddings)
+  table, new_table = param_table(cfg), param_table(new_cfg)
+  flat = dict(flatten_dict(variables['params']))
+  flat = {('params',) + k: v for k, v in flat.items()}
+  for norm, readers in _stream_norms(table):
+    beta = flat.pop(_part(table, norm, 'shift'))
+    for r in readers:
+      _fold_bias(flat, r, _bias_of(new_table, r), beta, stacked=True)
+  for w in _writers(table):
+    flat[w] = _center(flat[w])
+  beta = flat.pop(_part(table, _final_norm(table), 'shift'))
+  emb, pos = _one(table, 'embedding'), _one(table, 'pos_embed')
+  if cfg.tie_embeddings:
+    bias = _one(new_table, 'bias')
+    flat[bias] = flat.get(bias, 0) + flat[emb] @ beta
+  else:
+    readout = _one(table, 'readout')
+    _fold_bias(flat, readout, _bias_of(new_table, readout), beta, stacked=False)
+    flat[emb] = _center(flat[emb])
+  if pos is not None:
+    flat[pos] = _center(flat[pos])
   out = dict(variables)
   out['params'] = unflatten_dict({k[1:]: v for k, v in flat.items()})
   return new_cfg.validate(), _fill_missing(new_cfg, out)
@@ -117,11 +153,13 @@ def _drop_last(w, axis: int = -1):
 def writers_zero_mean(cfg: ModelConfig, variables: Any, tol: float = 1e-5) -> bool:
   """True if every residual writer has zero mean over 'embed' (relative to its scale)."""
   flat = {('params',) + k: v for k, v in flatten_dict(variables['params']).items()}
-  ws = [flat[b + w + ('kernel',)] for b in _blocks(flat) for w in BLOCK_WRITERS]
+  table = param_table(cfg)
+  ws = [flat[w] for w in _writers(table)]
   if not cfg.tie_embeddings and not cfg.center_embedding:
-    ws.append(flat[('params', 'embed', 'embedding')])
-  if ('params', 'pos_embed') in flat and not cfg.center_embedding:
-    ws.append(flat[('params', 'pos_embed')])
+    ws.append(flat[_one(table, 'embedding')])
+  pos = _one(table, 'pos_embed')
+  if pos is not None and not cfg.center_embedding:
+    ws.append(flat[pos])
   return all(float(jnp.max(jnp.abs(jnp.mean(w, -1)))) <= tol * float(jnp.max(jnp.abs(w)) + 1e-30)
              for w in ws)
 
@@ -139,36 +177,38 @@ def rms_to_crms(cfg: ModelConfig, variables: Any) -> tuple[ModelConfig, Any]:
            'transforms.reparam=zero_mean_writers')
   flat = {('params',) + k: v for k, v in flatten_dict(variables['params']).items()}
   d = cfg.d_model
-  for block in _blocks(flat):
-    for norm, readers in BLOCK_READERS.items():
-      gamma = flat[block + (norm, 'scale')]                          # (K, d)
-      flat[block + (norm, 'scale')] = jnp.ones((gamma.shape[0], d - 1), gamma.dtype)
-      for r in readers:
-        path = block + r + ('kernel',)
-        if path in flat:
-          w = flat[path]
-          w = w * gamma.reshape(gamma.shape + (1,) * (w.ndim - 2))
-          flat[path] = _compress_reader(w, axis=1)
-    for w in BLOCK_WRITERS:
-      flat[block + w + ('kernel',)] = _drop_last(flat[block + w + ('kernel',)])
-  gamma = flat[('params', 'final_norm', 'scale')]
-  flat[('params', 'final_norm', 'scale')] = jnp.ones((d - 1,), gamma.dtype)
-  e = flat[('params', 'embed', 'embedding')]
-  if cfg.tie_embeddings:
-    head = e.T
-    if ('params', 'logits_bias') in flat:
-      flat[('params', 'readout', 'bias')] = flat.pop(('params', 'logits_bias'))
-  else:
-    head = flat[('params', 'readout', 'kernel')]
-  flat[('params', 'readout', 'kernel')] = _compress_reader(gamma[:, None] * head, axis=0)
-  if cfg.center_embedding:   # the stored table is recentred so the forward need not do it
-    e = _center(e)
-  flat[('params', 'embed', 'embedding')] = _drop_last(e)
-  if ('params', 'pos_embed') in flat:
-    p = flat[('params', 'pos_embed')]
-    flat[('params', 'pos_embed')] = _drop_last(_center(p) if cfg.center_embedding else p)
   new_cfg = dataclasses.replace(cfg, norm='crmsnorm', d_model=d - 1, head_dim_override=cfg.head_dim,
                                 tie_embeddings=False, center_embedding=False, reader_bias=True)
+  table, new_table = param_table(cfg), param_table(new_cfg)
+  for norm, readers in _stream_norms(table):
+    gain = _part(table, norm, 'gain')
+    gamma = flat[gain]                                               # (K, d)
+    flat[gain] = jnp.ones((gamma.shape[0], d - 1), gamma.dtype)
+    for r in readers:
+      w = flat[r]
+      w = w * gamma.reshape(gamma.shape + (1,) * (w.ndim - 2))
+      flat[r] = _compress_reader(w, axis=1)
+  for w in _writers(table):
+    flat[w] = _drop_last(flat[w])
+  gain = _part(table, _final_norm(table), 'gain')
+  gamma = flat[gain]
+  flat[gain] = jnp.ones((d - 1,), gamma.dtype)
+  emb, pos, readout = _one(table, 'embedding'), _one(table, 'pos_embed'), _one(new_table, 'readout')
+  e = flat[emb]
+  if cfg.tie_embeddings:
+    head = e.T
+    logits_bias = _one(table, 'bias')
+    if logits_bias is not None:
+      flat[_bias_of(new_table, readout)] = flat.pop(logits_bias)
+  else:
+    head = flat[readout]
+  flat[readout] = _compress_reader(gamma[:, None] * head, axis=0)
+  if cfg.center_embedding:   # the stored table is recentred so the forward need not do it
+    e = _center(e)
+  flat[emb] = _drop_last(e)
+  if pos is not None:
+    p = flat[pos]
+    flat[pos] = _drop_last(_center(p) if cfg.center_embedding else p)
   out = dict(variables)
   out['params'] = unflatten_dict({k[1:]: v for k, v in flat.items()})
   return new_cfg.validate(), _fill_missing(new_cfg, out)
@@ -245,8 +285,10 @@ def to_recursive(cfg: ModelConfig, variables: Any, scheme: str, num_unique: int,
                                        if k != 'stack'}}
   if PER_LAYER in target:
     layers = layout.applied_per_layer(target[PER_LAYER], new_cfg)
+    norms = {layout.block_relative(p) for p, i in param_table(new_cfg).items()
+             if p[0] == PER_LAYER and i.role in NORM_ROLES}
     for p in layers:
-      if p[-1] == 'scale':           # untied norm gains: each applied layer's own
+      if p in norms:                 # untied norm parameters: each applied layer's own
         layers[p] = src[p]
     if lora_rank and lora_init == 'svd':
       layers.update(svd_lora(src, sets, plan.index, new_cfg))
@@ -262,20 +304,24 @@ def svd_lora(src: dict, sets: dict, index: tuple, cfg: ModelConfig) -> dict:
   out = {}
   idx = jnp.asarray(index)
   r = cfg.lora_rank
-  for t in cfg.lora_targets:
-    for mod in LORA_KERNELS[t]:
-      kpath = mod + ('kernel',)
-      if kpath not in src:
-        continue
-      w_src, w_tied = src[kpath], sets[kpath][idx]               # (L, in..., out...)
-      n_in = 2 if mod == ('attn', 'o') else 1
-      in_shape, out_shape = w_src.shape[1:1 + n_in], w_src.shape[1 + n_in:]
-      res = (w_src - w_tied).reshape(len(index), int(np.prod(in_shape)), -1)
-      u, s, vt = jnp.linalg.svd(res, full_matrices=False)
-      k = min(r, s.shape[-1])
-      a = jnp.zeros(res.shape[:2] + (r,), res.dtype).at[..., :k].set(u[..., :k])
-      b = jnp.zeros((len(index), r, res.shape[2]), res.dtype).at[:, :k].set(
-          s[:, :k, None] * vt[:, :k] / cfg.lora_scale)
-      out[mod + ('lora_a',)] = a.reshape((len(index),) + in_shape + (r,))
-      out[mod + ('lora_b',)] = b.reshape((len(index), r) + out_shape)
+  table = param_table(cfg)
+  kernels = {i.module: i for i in table.values() if i.role in KERNEL_ROLES}
+  factors = {}   # block-relative kernel path -> (kernel info, {'a' | 'b': block-relative path})
+  for p, i in table.items():
+    if i.role == 'lora':   # A maps the kernel's fan-in to the rank: its last axis is 'lora'
+      k = kernels[('params',) + i.module[1:]]
+      entry = factors.setdefault(layout.block_relative(k.path), (k, {}))
+      entry[1]['a' if i.axes[-1] == 'lora' else 'b'] = layout.block_relative(p)
+  for kpath, (kinfo, ab) in sorted(factors.items()):
+    w_src, w_tied = src[kpath], sets[kpath][idx]               # (L, in..., out...)
+    n_in = kinfo.num_in
+    in_shape, out_shape = w_src.shape[1:1 + n_in], w_src.shape[1 + n_in:]
+    res = (w_src - w_tied).reshape(len(index), int(np.prod(in_shape)), -1)
+    u, s, vt = jnp.linalg.svd(res, full_matrices=False)
+    k = min(r, s.shape[-1])
+    a = jnp.zeros(res.shape[:2] + (r,), res.dtype).at[..., :k].set(u[..., :k])
+    b = jnp.zeros((len(index), r, res.shape[2]), res.dtype).at[:, :k].set(
+        s[:, :k, None] * vt[:, :k] / cfg.lora_scale)
+    out[ab['a']] = a.reshape((len(index),) + in_shape + (r,))
+    out[ab['b']] = b.reshape((len(index), r) + out_shape)
   return out

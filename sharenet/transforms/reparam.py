@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from flax.traverse_util import flatten_dict, unflatten_dict
 
 from sharenet.errors import ConfigError
+from sharenet.params import KERNEL_ROLES, NORM_ROLES, REPARAM
 from sharenet.transforms.roles import Leaf
 
 Arrays = dict[str, jax.Array]
@@ -31,7 +32,7 @@ class Reparam:
   kernel_only = True   # selected by the path regex among Dense kernels
 
   def selects(self, leaf: Leaf, pattern: re.Pattern, roles: tuple[str, ...] = ()) -> bool:
-    return (leaf.path[-1] == 'kernel' and bool(pattern.search(leaf.key)) and
+    return (leaf.role in KERNEL_ROLES and bool(pattern.search(leaf.key)) and
             (not roles or leaf.role in roles))
 
   def init(self, w: jax.Array, leaf: Leaf) -> tuple[Arrays, Arrays]:
@@ -145,8 +146,7 @@ class ZeroMeanWriters(Reparam):
   kernel_only = False
 
   def selects(self, leaf, pattern, roles=()):
-    writer_lora = leaf.path[-1] == 'lora_b' and leaf.axes[-1] == 'embed'
-    return leaf.role in ('writer', 'embedding', 'pos_embed') or writer_lora
+    return leaf.writes
 
   def apply(self, w, extras, state, leaf):
     return w - jnp.mean(w, axis=leaf.embed_axis(), keepdims=True)
@@ -159,7 +159,7 @@ class ScaleVectors(Reparam):
   kernel_only = False
 
   def selects(self, leaf, pattern, roles=()):
-    return leaf.role in ('norm_in', 'norm_out') and leaf.path[-1] == 'scale'
+    return leaf.role in NORM_ROLES and leaf.use == 'gain'
 
   def init(self, w, leaf):
     return {'sv_m': jnp.sqrt(jnp.sum(jnp.square(w), axis=-1))}, {}
@@ -185,11 +185,10 @@ class ReparamChain:
       pattern = re.compile(paths_regex)
     except re.error as e:
       raise ConfigError(f'transforms.reparam_paths={paths_regex!r} is not a regex: {e}') from e
-    kernel_roles = ('reader', 'writer', 'readout')
     for r in roles:
-      if r not in kernel_roles:
+      if r not in KERNEL_ROLES:
         raise ConfigError(f'transforms.reparam_roles: {r!r} is unknown; valid: '
-                          f'{", ".join(kernel_roles)}')
+                          f'{", ".join(KERNEL_ROLES)}')
     make = {'zero_mean_writers': ZeroMeanWriters, 'weight_std': WeightStandardization,
             'weight_norm': WeightNorm, 'sigma_reparam': lambda: SigmaReparam(sigma_iters),
             'scale_vectors': ScaleVectors}
@@ -208,7 +207,7 @@ class ReparamChain:
     return bool(self.steps)
 
   def _key(self, i: int, leaf: Leaf) -> tuple[str, ...]:
-    return ('reparam',) + leaf.path + (self.steps[i].name,)
+    return (REPARAM,) + leaf.path + (self.steps[i].name,)
 
   def init(self, variables: Any) -> tuple[dict, dict]:
     """(extras, state): extras = {'reparam': ...} to merge into the trainable tree."""
@@ -223,13 +222,13 @@ class ReparamChain:
     return unflatten_dict(extras), unflatten_dict(state)
 
   def _walk(self, variables: Any, tstate: Any, fn) -> dict:
-    flat = dict(flatten_dict({k: v for k, v in variables.items() if k != 'reparam'}))
-    extras = flatten_dict(variables.get('reparam', {}))
+    flat = dict(flatten_dict({k: v for k, v in variables.items() if k != REPARAM}))
+    extras = flatten_dict(variables.get(REPARAM, {}))
     state = flatten_dict(tstate or {})
     for i, leaf in self.targets:
       key = self._key(i, leaf)[1:]
       e = {p[-1]: v for p, v in extras.items() if p[:-1] == key}
-      s = {p[-1]: v for p, v in state.items() if p[:-1] == ('reparam',) + key}
+      s = {p[-1]: v for p, v in state.items() if p[:-1] == (REPARAM,) + key}
       fn(i, leaf, flat, e, s)
     return flat
 

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import optax
 from flax.traverse_util import flatten_dict, unflatten_dict
 
+from sharenet.params import KERNEL_ROLES
 from sharenet.transforms.roles import Leaf
 
 UPDATES = ('agc', 'adamp')
@@ -18,7 +19,7 @@ def unit_axes(leaf: Leaf | None, ndim: int) -> tuple[int, ...]:
   """Axes summed for one unit's norm: a kernel's fan-in dims; other leaves' non-stack dims."""
   if leaf is None:
     return tuple(range(ndim))
-  if leaf.path[-1] == 'kernel':
+  if leaf.role in KERNEL_ROLES:
     return tuple(range(leaf.num_stack, leaf.num_stack + leaf.num_in))
   if leaf.role in ('embedding', 'pos_embed'):
     return (leaf.embed_axis(),)
@@ -65,7 +66,7 @@ def scale_by_adamp(b1: float, b2: float, eps: float, weight_decay: float, decay_
     return AdamPState(adam.init(params))
 
   def project(p, g, w, leaf):
-    if leaf is None or leaf.path[-1] != 'kernel':
+    if leaf is None or leaf.role not in KERNEL_ROLES:
       return p, 1.0
     shape = w.shape
     m_w, m_g, m_p = (leaf.as_matrix(x) for x in (w, g, p))
