@@ -9,7 +9,7 @@ from flax.traverse_util import flatten_dict
 
 from sharenet import optim
 from sharenet.errors import ConfigError
-from sharenet.models import DecoderLM, ModelConfig, init_variables
+from sharenet.models import DecoderLM, ModelConfig, init_variables, param_table
 
 PEAK, FLOOR = 1e-2, 1e-3
 
@@ -29,14 +29,23 @@ def _lr(t, steps):
 
 
 @pytest.fixture(scope='module')
-def variables():
+def cfg():
   """Every role at once: biases, l2 QK-norm gains (scalars), peri-norm (in and out) gains,
   learned positions, depth-wise LoRA factors in the per-layer collection."""
-  cfg = ModelConfig(vocab_size=64, d_model=16, num_layers=2, num_heads=2, mlp_dim=24,
-                    remat='none', norm='layernorm', norm_placement='peri', qk_norm='l2',
-                    reader_bias=True, position='learned', max_len=16, scheme='cycle',
-                    num_unique=1, lora_rank=2).validate()
+  return ModelConfig(vocab_size=64, d_model=16, num_layers=2, num_heads=2, mlp_dim=24,
+                     remat='none', norm='layernorm', norm_placement='peri', qk_norm='l2',
+                     reader_bias=True, position='learned', max_len=16, scheme='cycle',
+                     num_unique=1, lora_rank=2).validate()
+
+
+@pytest.fixture(scope='module')
+def variables(cfg):
   return jax.jit(lambda: init_variables(DecoderLM(cfg), jax.random.key(0)))()
+
+
+@pytest.fixture(scope='module')
+def table(cfg):
+  return param_table(cfg)
 
 
 # ---- schedules -----------------------------------------------------------------------------
@@ -107,8 +116,8 @@ def test_unknown_decay_group_is_a_one_line_config_error():
 MATRICES = ('kernel', 'embedding', 'pos_embed', 'lora_a', 'lora_b')
 
 
-def test_default_mask_decays_matrices_only(variables):
-  mask = flatten_dict(optim.decay_mask(variables))
+def test_default_mask_decays_matrices_only(variables, table):
+  mask = flatten_dict(optim.decay_mask(variables, table))
   flat = flatten_dict(variables)
   assert mask.keys() == flat.keys()
   assert {p[0] for p, m in mask.items() if m} == {'params', 'per_layer'}   # LoRA is decayed
@@ -118,10 +127,11 @@ def test_default_mask_decays_matrices_only(variables):
   assert names == {'scale', 'bias', 'qk_scale'}
 
 
-def test_norm_in_and_norm_out_gains_are_separable(variables):
+def test_norm_in_and_norm_out_gains_are_separable(variables, table):
   def decayed(group):
     roles = optim.decay_roles(_train(decay_roles=group))
-    return {p[-2] for p, m in flatten_dict(optim.decay_mask(variables, roles)).items() if m}
+    return {p[-2] for p, m in flatten_dict(optim.decay_mask(variables, table, roles)).items()
+            if m}
   assert decayed('norm_in') == {'attn_norm', 'mlp_norm'}
   assert decayed('norm_out') == {'attn_out_norm', 'mlp_out_norm', 'final_norm'}
   assert decayed('scalar') == {'attn'}                                  # attn/qk_scale
@@ -129,13 +139,13 @@ def test_norm_in_and_norm_out_gains_are_separable(variables):
 
 
 @pytest.mark.parametrize('group', ['matrices', 'norm_out,bias'])
-def test_optimizer_decays_exactly_the_masked_leaves(variables, group):
+def test_optimizer_decays_exactly_the_masked_leaves(variables, table, group):
   """With a zero gradient Adam's step is 0, so the update is -lr * wd * p on decayed leaves."""
   t = _train(schedule='constant', warmup_steps=0, decay_roles=group)
-  tx = optim.make_optimizer(t)
+  tx = optim.make_optimizer(t, table=table)
   zeros = jax.tree.map(jnp.zeros_like, variables)
   u, _ = jax.jit(tx.update)(zeros, tx.init(variables), variables)
-  mask = flatten_dict(optim.decay_mask(variables, optim.decay_roles(t)))
+  mask = flatten_dict(optim.decay_mask(variables, table, optim.decay_roles(t)))
   assert any(mask.values()) and not all(mask.values())
   for path, x in flatten_dict(u).items():
     p = flatten_dict(variables)[path]
@@ -169,9 +179,9 @@ def test_grad_clip_bounds_the_gradient_that_adam_sees():
   big = [_tree(0, 30.0), _tree(1, 300.0), _tree(2, 3.0)]
   assert all(_norm(g) > 1.0 for g in big)
   unit = [jax.tree.map(lambda x, n=_norm(g): x / n, g) for g in big]
-  clipped = _updates(optim.make_optimizer(_train(grad_clip=1.0)), big)
-  reference = _updates(optim.make_optimizer(_train(grad_clip=0.0)), unit)
-  unclipped = _updates(optim.make_optimizer(_train(grad_clip=0.0)), big)
+  clipped = _updates(optim.make_optimizer(_train(grad_clip=1.0, weight_decay=0.0)), big)
+  reference = _updates(optim.make_optimizer(_train(grad_clip=0.0, weight_decay=0.0)), unit)
+  unclipped = _updates(optim.make_optimizer(_train(grad_clip=0.0, weight_decay=0.0)), big)
   for a, b in zip(jax.tree.leaves(clipped), jax.tree.leaves(reference)):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-12)
   assert max(float(jnp.max(jnp.abs(a - b))) for a, b in
@@ -181,8 +191,8 @@ def test_grad_clip_bounds_the_gradient_that_adam_sees():
 def test_grad_clip_leaves_small_gradients_alone():
   small = [_tree(0, 0.01), _tree(1, 0.02)]
   assert all(_norm(g) < 1.0 for g in small)
-  on = _updates(optim.make_optimizer(_train(grad_clip=1.0)), small)
-  off = _updates(optim.make_optimizer(_train(grad_clip=0.0)), small)
+  on = _updates(optim.make_optimizer(_train(grad_clip=1.0, weight_decay=0.0)), small)
+  off = _updates(optim.make_optimizer(_train(grad_clip=0.0, weight_decay=0.0)), small)
   for a, b in zip(jax.tree.leaves(on), jax.tree.leaves(off)):
     np.testing.assert_array_equal(a, b)
 
