@@ -94,11 +94,14 @@ def _quarantine(mngr: ocp.CheckpointManager, step: int) -> str:
   return dst
 
 
+def _first_line(e: Exception) -> str:
+  return str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+
+
 def _warn_corrupt(mngr: ocp.CheckpointManager, step: int, e: Exception) -> None:
   moved = _quarantine(mngr, step)
-  first_line = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
   logging.warning('checkpoint %d is unreadable (%s); moved to %s, trying an older one',
-                  step, first_line, moved)
+                  step, _first_line(e), moved)
   print(f'WARNING: checkpoint {step} is unreadable ({type(e).__name__}); moved to {moved}; '
         f'restoring the previous one', flush=True)
 
@@ -130,15 +133,31 @@ def restore_latest(mngr: ocp.CheckpointManager, abstract_state: Any, data_iter: 
         validate(restored['state'])
       return restored['state'], step
     except Exception as e:  # noqa: BLE001 - matching metadata, unreadable arrays: corrupt
+      if data_iter is not None and _state_restores(mngr, step, abstract_state, validate):
+        # The arrays are fine: the saved iterator position belongs to another data pipeline.
+        raise StateMismatch(step, f'its data iterator state does not fit this config\'s '
+                            f'pipeline ({_first_line(e)})') from None
       _warn_corrupt(mngr, step, e)
   return None
 
 
+def _state_restores(mngr: ocp.CheckpointManager, step: int, abstract_state: Any,
+                    validate: Callable[[Any], None] | None) -> bool:
+  try:
+    state = mngr.restore(step, args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(abstract_state)))['state']
+    if validate is not None:
+      validate(state)
+    return True
+  except Exception:  # noqa: BLE001 - any failure: not restorable
+    return False
+
+
 def restore_parts(mngr: ocp.CheckpointManager, step: int, parts: dict[str, Any],
-                  data_iter: Any = None) -> dict[str, Any]:
-  """Restores only the named fields of a saved train state (`parts`: field -> abstract subtree
-  carrying shardings), and `data_iter` in place when given. Raises StateMismatch if a part's
-  tree differs from the checkpoint's."""
+                  data_iter: Any = None) -> tuple[dict[str, Any], bool]:
+  """(fields, data restored): only the named fields of a saved train state (`parts`: field ->
+  abstract subtree carrying shardings), and `data_iter`'s position in place when given and it
+  fits. Raises StateMismatch if a part's tree differs from the checkpoint's."""
   saved = saved_signatures(mngr, step)
   for name, tree in parts.items():
     want = {f'{name}/{k}' if k else name: v for k, v in leaf_signatures(tree).items()}
@@ -150,6 +169,11 @@ def restore_parts(mngr: ocp.CheckpointManager, step: int, parts: dict[str, Any],
   out = ocp.PyTreeCheckpointer().restore(
       _state_dir(mngr, step), args=ocp.args.PyTreeRestore(
           item=parts, restore_args=restore_args, partial_restore=True))
+  data_ok = False
   if data_iter is not None:
-    mngr.restore(step, args=ocp.args.Composite(data=data.checkpoint_restore_args(data_iter)))
-  return out
+    try:
+      mngr.restore(step, args=ocp.args.Composite(data=data.checkpoint_restore_args(data_iter)))
+      data_ok = True
+    except Exception:  # noqa: BLE001 - another pipeline's position: the caller starts anew
+      pass
+  return out, data_ok

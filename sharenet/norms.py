@@ -1,13 +1,13 @@
 """Activation norms chosen by name; gains can live in the tied or the per-layer collection.
 
-Formulas follow ../shared/reference/sharing-and-normalization.md part B:
-  layernorm  gamma * (x - mean) / sqrt(var + eps) + beta            (B1; var = mean((x-mu)^2))
-  rmsnorm    gamma * x / sqrt(mean(x^2) + eps)                      (B1)
-  crmsnorm   gamma * z / sqrt((sum z^2 + (sum z)^2) / (n + 1) + eps) (B1; z is the compressed
-             (n)-vector of a zero-mean (n+1)-vector whose last entry is -sum z)
-  scalenorm  g * x / max(||x||_2, eps), one scalar g initialised to sqrt(d)        (B2)
-  dyt        gamma * tanh(alpha * x) + beta, one scalar alpha (init 0.5)         (B7)
-  l2         x / max(||x||_2, eps) with no gain (QK-norm of Henry et al., B3: the gain is a
+Formulas (papers in docs/references.md):
+  layernorm  gamma * (x - mean) / sqrt(var + eps) + beta, var = mean((x-mu)^2)    (Ba et al.)
+  rmsnorm    gamma * x / sqrt(mean(x^2) + eps)                       (Zhang & Sennrich)
+  crmsnorm   gamma * z / sqrt((sum z^2 + (sum z)^2) / (n + 1) + eps)  (Jiang et al.); z is the
+             compressed (n)-vector of a zero-mean (n+1)-vector whose last entry is -sum z
+  scalenorm  g * x / max(||x||_2, eps), one scalar g initialised to sqrt(d)  (Nguyen & Salazar)
+  dyt        gamma * tanh(alpha * x) + beta, one scalar alpha (init 0.5)   (Zhu et al.)
+  l2         x / max(||x||_2, eps) with no gain (QK-norm of Henry et al.: the gain is a
              scalar in the attention logits instead)
 """
 from __future__ import annotations

@@ -73,7 +73,8 @@ def decay_mask(params: Any, table: dict, roles: tuple[str, ...] = params_lib.MAT
   """True for leaves whose role in `table` (models.param_table, reparam gains too) is in `roles`.
 
   The default decays matrices only (kernels, embeddings, LoRA factors), never norm gains or
-  biases; input- vs output-side norm gains are separate roles (reference B16, pitfall C5.6).
+  biases; input- vs output-side norm gains are separate roles (the scale-vectors study,
+  arXiv:2605.26895, decays them apart).
   """
   flat = flatten_dict(params)
   return unflatten_dict({k: params_lib.role_at(table, k) in roles for k in flat})

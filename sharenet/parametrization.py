@@ -1,32 +1,32 @@
 """Width / depth / loop parametrizations: per-leaf init std, forward, LR, WD and eps multipliers.
 
-Presets follow /work/shared/reference/mup.md (cited as "ref. section"):
+Presets (papers in docs/references.md):
   sp          standard parametrization: every multiplier 1.
-  mup         microsoft/mup, TP5 Table 8 (ref. 1.1): hidden Adam LR / m; readout init constant in
-              width (SP x sqrt(m_d)) and forward multiplier 1/m_d on the logits; attention
+  mup         microsoft/mup, TP5 Table 8 (arXiv:2203.03466): hidden Adam LR / m; readout init
+              constant in width (SP x sqrt(m_d)) and forward multiplier 1/m_d on the logits; attention
               1/d_head (as alpha/d_head with alpha = sqrt(base d_head), so base width == SP).
               Works with tied embeddings (the 1/m_d sits on the logits, not on the tensor).
-  mup_table3  TP5 Table 3 / Lingle (ref. 1.5): readout init std ~ 1/d (SP x 1/sqrt(m_d)), no
+  mup_table3  TP5 Table 3 / Lingle (arXiv:2404.05728): readout init std ~ 1/d (SP x 1/sqrt(m_d)), no
               readout multiplier, readout LR / m_d. Untied readouts only.
-  umup        u-muP (ref. 1.3): unit init everywhere; hidden forward 1/sqrt(fan_in), readout
+  umup        u-muP (arXiv:2407.17465): unit init everywhere; hidden forward 1/sqrt(fan_in), readout
               forward 1/fan_in; Adam LR: embedding d^-1/2, hidden fan_in^-1/2 L^-1/2, trunk norm
               gains L^-1/2, readout 1; attention 1/d_head. Absolute (not base-relative) rules;
               the unit-scaled residual/attention/loss ops of u-muP are not implemented.
-  completep   mup plus CompleteP depth rule (ref. 2.1, alpha = depth_alpha): residual branches
-              x m_L^-alpha, hidden LR x m_L^(alpha-1), trunk vector LR x m_L^(alpha-1), hidden
+  completep   mup plus the CompleteP depth rule (arXiv:2505.01618, alpha = depth_alpha): residual
+              branches x m_L^-alpha, hidden LR x m_L^(alpha-1), trunk vector LR x m_L^(alpha-1), hidden
               Adam eps x m_d^-1 m_L^-alpha; m_L = unique sets / base_depth.
-Loop rule (any preset; ref. 2.2, Wang et al. 2026, no settled rule): the residual branches of a
+Loop rule (any preset; Wang et al., arXiv:2606.18524; no settled rule): the residual branches of a
 block applied R times get x 1/R (`inv_R`) or x 1/sqrt(R) (`inv_sqrt_R`); Adam LR and eps are
-not scaled by R (Adam normalises the summed per-use gradient, ref. 2.2 [derived]).
+not scaled by R (Adam normalises the summed per-use gradient; our derivation, not a published rule).
 
 Forward multipliers on weights are applied as a reparametrization inside the loss
-(`forward(params)`: W_eff = A * w, checkpoints keep raw w, ref. 6 notes); residual-branch
+(`forward(params)`: W_eff = A * w, checkpoints keep raw w); residual-branch
 multipliers are folded into the branch's output projection (o, wo: x + eps f(x) = x + f with
 eps W_out, exact for pre/post norm). Model-level scalars (attention scale, logits multiplier)
 go into ModelConfig. Weight decay convention: decoupled, `decay = lr(t) * wd * wd_mult * p`
 with wd_mult independent of the per-leaf LR multiplier (microsoft/mup MuAdamW's lambda*m /
-CompleteP, ref. 1.1-1.2), or with wd_mode='independent' `decay = (lr(t)/lr_peak) * wd * p`
-(u-muP / Lingle, ref. 1.3).
+CompleteP), or with wd_mode='independent' `decay = (lr(t)/lr_peak) * wd * p`
+(u-muP / Lingle).
 
 Roles, fan-in axes and SP init stds come from the role table recorded where each parameter is
 created (sharenet/params.py, `models.param_table`); fan-in multipliers from global shapes of the
@@ -59,7 +59,7 @@ FINITE_AXES = frozenset({'vocab', 'length', 'lora'})
 PRESET_ROLE = {'reader': 'hidden', 'writer': 'hidden', 'readout': 'readout',
                'embedding': 'embedding', 'pos_embed': 'embedding', 'lora': 'lora',
                'norm_in': 'vector', 'norm_out': 'vector', 'bias': 'vector', 'scalar': 'vector'}
-UNTIEABLE = ('mup_table3', 'umup')           # one tensor cannot carry two roles (ref. 0, 1.6)
+UNTIEABLE = ('mup_table3', 'umup')           # one tensor cannot carry two roles
 Path = tuple[str, ...]
 _DEFAULTS = defaults.default_config().parametrization
 
@@ -208,13 +208,13 @@ class Parametrization:
       return cfg.attn_scale
     dh, dh0 = cfg.head_dim, self.base_cfg.head_dim
     if k == 'umup':
-      return 1.0 / dh                       # mult / d_head with mult 1 (ref. 1.3)
-    # 1/d_head written as alpha/d_head, alpha = sqrt(dh0): SP at base (mup README's 8/d, ref. 1.1)
+      return 1.0 / dh                       # mult / d_head with mult 1 (u-muP)
+    # 1/d_head written as alpha/d_head, alpha = sqrt(dh0): SP at base (microsoft/mup README's 8/d)
     return dh0 ** -0.5 * (dh0 / dh)
 
   def _logits_mult(self, cfg: ModelConfig) -> float:
     if self.settings.kind in ('mup', 'completep'):
-      return cfg.logits_mult / self.m_d     # MuReadout output_mult / m (ref. 1.1)
+      return cfg.logits_mult / self.m_d     # microsoft/mup MuReadout output_mult / m
     return cfg.logits_mult
 
   # ---- per-leaf rules ------------------------------------------------------------------------
@@ -264,13 +264,13 @@ class Parametrization:
           init = 0.0
       elif role == 'readout':
         if k == 'mup_table3':
-          init, lr = self.m_d ** -0.5, 1.0 / self.m_d          # std ~ 1/d, LR eta / m (ref. 1.5)
+          init, lr = self.m_d ** -0.5, 1.0 / self.m_d          # std ~ 1/d, LR eta / m (TP5 Table 3)
         else:
-          init = self.m_d ** 0.5                               # const std 1/sqrt(d_base) (ref. 1.1)
+          init = self.m_d ** 0.5                               # std 1/sqrt(d_base) (TP5 Table 8)
         if s.readout_zero_init:
           init = 0.0
     elif k == 'umup':
-      L = self.cfg.num_layers     # u-muP DepthSequential counts applied blocks (ref. 2.2)
+      L = self.cfg.num_layers     # u-muP DepthSequential counts applied blocks
       if role == 'embedding':
         init, lr = 1.0 / info.init_std, self.cfg.d_model ** -0.5
       elif role == 'hidden':
@@ -289,7 +289,7 @@ class Parametrization:
       if trunk and _is_branch_out(info):
         fwd *= mL ** -a                                        # x + m_L^-alpha f(x)
     if s.loop_rule != 'none' and trunk and _is_branch_out(info) and R > 1:
-      fwd *= 1.0 / R if s.loop_rule == 'inv_R' else R ** -0.5   # Wang et al. 2026 (ref. 2.2)
+      fwd *= 1.0 / R if s.loop_rule == 'inv_R' else R ** -0.5   # Wang et al., arXiv:2606.18524
     return init, fwd, lr, eps
 
   # ---- application ---------------------------------------------------------------------------

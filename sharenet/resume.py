@@ -17,10 +17,11 @@ RESTORE_MODES = ('auto', 'params')
 # Cannot change the saved state or the data stream.
 STATE_FREE = ('train.steps', 'train.log_every', 'train.eval_every', 'train.eval_batch_size',
               'train.checkpoint_every', 'train.keep_checkpoints', 'train.progress',
-              'train.restore', 'data.num_workers', 'dry_run', 'mesh.')
-# Change which windows the train iterator yields from its saved position.
-DATA_STREAM = ('data.source', 'data.path', 'data.seed', 'train.seed', 'train.batch_size',
-               'train.seq_len')
+              'train.restore', 'dry_run', 'mesh.')
+# Change which windows the train iterator yields from its saved position, or (num_workers) the
+# shape of its saved state.
+DATA_STREAM = ('data.source', 'data.path', 'data.seed', 'data.num_workers', 'train.seed',
+               'train.batch_size', 'train.seq_len')
 # Sections of config.json that are the config (the rest is derived: shapes, counts, tables).
 SECTIONS = ('model', 'train', 'data', 'transforms', 'parametrization', 'mesh', 'dry_run')
 

@@ -1,14 +1,14 @@
 """SharingPlan: which unique parameter set each applied layer uses.
 
-Index formulas follow reference/sharing-and-normalization.md section A0 (the RRT/MoR code's
-`sharing_strategy`): with L applied layers, K sets in the shared block and R repeats,
-cycle uses set `l mod K`, sequence `l // R`; middle variants keep the first and last layer
-unique and share the middle L-2 layers the same way.
+Index formulas follow Relaxed Recursive Transformers (arXiv:2410.20672) as the
+Mixture-of-Recursions code implements them (`sharing_strategy`): with L applied layers, K sets
+in the shared block and R repeats, cycle uses set `l mod K`, sequence `l // R`; middle variants
+keep the first and last layer unique and share the middle L-2 layers the same way.
 
 A plan is a tuple of `Segment`s. Each segment is one nested scan: `order='cycle'` is an outer
 scan over repeats (params broadcast = tied) around an inner scan over the K stacked sets;
 `order='sequence'` is the reverse nesting. `order='gather'` handles arbitrary explicit lists by
-gathering from a pool (memory-heavier, see reference C4 option 3).
+gathering from a pool (memory-heavier: each applied layer gets its own gathered copy).
 """
 from __future__ import annotations
 

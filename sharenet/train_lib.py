@@ -208,10 +208,11 @@ def _restore_params(mngr: Any, step: int, target: TrainState, data_iter: Any, in
   kept = []
   try:
     try:
-      out = checkpoint.restore_parts(mngr, step, {**parts, 'tstate': target.tstate}, data_iter)
+      out, data_ok = checkpoint.restore_parts(mngr, step, {**parts, 'tstate': target.tstate},
+                                              data_iter)
       kept.append('transform state')
     except checkpoint.StateMismatch:
-      out = checkpoint.restore_parts(mngr, step, parts, data_iter)
+      out, data_ok = checkpoint.restore_parts(mngr, step, parts, data_iter)
   except checkpoint.StateMismatch as e:
     raise ConfigError(f'--workdir {workdir}: train.restore=params: the parameters of checkpoint '
                       f'{step} do not fit this config ({e.detail}); valid: the old config or a '
@@ -220,11 +221,11 @@ def _restore_params(mngr: Any, step: int, target: TrainState, data_iter: Any, in
   state = fresh.replace(step=out['step'], params=out['params'], opt_state=opt_init(out['params']),
                         tstate=out.get('tstate', fresh.tstate))
   _check_finite_state(state)
-  if data_iter is not None:
+  if data_ok:
     kept.append('data position')
   print(f'sharenet: train.restore=params: loaded the parameters of checkpoint {step}'
         + ''.join(f', its {k}' for k in kept) + '; the optimizer state is fresh'
-        + ('' if data_iter is not None else ' and the data stream starts anew'), flush=True)
+        + ('' if data_ok else ' and the data stream starts anew'), flush=True)
   return state
 
 

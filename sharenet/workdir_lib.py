@@ -58,7 +58,7 @@ def restore_state(config: ml_collections.ConfigDict, workdir: str,
       raise ConfigError(f'--step={step} not found; available: {sorted(steps)}')
     for s in [step] if step is not None else steps:
       try:
-        out = checkpoint.restore_parts(mngr, s, parts)
+        out, _ = checkpoint.restore_parts(mngr, s, parts)
       except checkpoint.StateMismatch as e:
         raise ConfigError(f'--workdir {workdir}: {e}: it was written by another config; valid: '
                           f'the workdir\'s own config.json, overriding only fields that keep '

@@ -115,3 +115,37 @@ def test_validate_rejecting_the_newest_falls_back_without_deleting_it(tmp_path):
   assert seen == [2, 1] and step == 1 and _equal(state, _state(1))
   # The rejected checkpoint is kept somewhere on disk: never lost work.
   assert any(os.path.isdir(tmp_path / d / '2') for d in ('checkpoints', 'corrupt_checkpoints'))
+
+
+def test_a_state_tree_mismatch_is_raised_and_nothing_moves(tmp_path):
+  workdir = str(tmp_path)
+  mngr = _saved(workdir, [1, 2])
+  other = jax.eval_shape(lambda: {**_state(0), 'extra': jnp.zeros(3)})
+  with pytest.raises(checkpoint.StateMismatch, match=r'checkpoint 2: extra is not in the '
+                     r'checkpoint'):
+    checkpoint.restore_latest(mngr, other)
+  assert sorted(mngr.all_steps()) == [1, 2]
+  assert not os.path.exists(os.path.join(workdir, 'corrupt_checkpoints'))
+
+
+def test_a_data_position_of_another_pipeline_is_a_mismatch_not_corruption(tmp_path):
+  """Readable arrays with an iterator state this pipeline cannot take: raised, never moved."""
+  corpus = tmp_path / 'corpus.txt'
+  corpus.write_bytes(bytes(np.random.default_rng(0).integers(0, 256, 40_000, np.uint8)))
+  cfg = ml_collections.ConfigDict({'source': 'text', 'path': str(corpus), 'num_workers': 0})
+  it = data.make_train_iterator(cfg, 32, 4, seed=5)
+  next(it)
+  workdir = str(tmp_path / 'run')
+  mngr = checkpoint.manager(workdir, keep=3, async_save=False)
+  checkpoint.save(mngr, 1, _state(1), it)
+  mngr.wait_until_finished()
+  for f in glob.glob(os.path.join(workdir, 'checkpoints', '1', 'data', '*.json')):
+    with open(f, 'w') as fh:
+      fh.write('{"not": "a grain iterator state"}')
+  with pytest.raises(checkpoint.StateMismatch, match='data iterator state'):
+    checkpoint.restore_latest(mngr, _abstract(), data.make_train_iterator(cfg, 32, 4, seed=5))
+  assert mngr.all_steps() == [1]
+  assert not os.path.exists(os.path.join(workdir, 'corrupt_checkpoints'))
+  # Without the iterator the same checkpoint restores.
+  state, step = checkpoint.restore_latest(mngr, _abstract())
+  assert step == 1 and _equal(state, _state(1))

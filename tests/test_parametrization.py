@@ -64,10 +64,11 @@ def run_steps(cfg, settings, n_steps=3, seed=0):
   return p0, p
 
 
-# ---- Done-when 1: analytic rule tables -----------------------------------------------------
+# ---- analytic rule tables ---------------------------------------------------------------
 
 def expected(kind, name, path, d, cfg, m_L=1.0, alpha=1.0, loop='none', R=2):
-  """Independent restatement of the preset tables (reference/mup.md 1.1-1.5, 2.1, 2.2)."""
+  """Independent restatement of the preset tables (TP5, u-muP, Lingle, CompleteP and the
+  looped residual scaling of docs/references.md)."""
   md = d / D0
   fan_in = {'embedding': 64, 'wo': cfg.mlp_dim}.get(name, d)
   hidden = name in ('q', 'k', 'v', 'o', 'wi_gate', 'wi_up', 'wo')
@@ -148,7 +149,7 @@ def test_init_statistics_follow_the_table():
     assert abs(ro - D0 ** -0.5) < 0.1 * D0 ** -0.5
 
 
-# ---- Done-when 1: base width == SP bit for bit ---------------------------------------------
+# ---- base width == SP bit for bit -------------------------------------------------------
 
 @pytest.mark.parametrize('kind', ['mup', 'mup_table3', 'completep'])
 def test_base_width_equals_sp_bitwise(kind):
@@ -199,7 +200,7 @@ def test_unit_multiplier_chain_equals_adamw():
 
 
 def test_independent_weight_decay_does_not_move_with_lr():
-  """wd_mode=independent: the per-step decay factor is the same for any base LR (ref. test 14)."""
+  """wd_mode=independent: the per-step decay factor is the same for any base LR."""
   cfg = tiny(64)
   pz = P.Parametrization(cfg, P.Settings('mup', base_d_model=D0, wd_mode='independent'))
   v = init_variables(DecoderLM(pz.cfg), jax.random.key(0))
@@ -215,7 +216,7 @@ def test_independent_weight_decay_does_not_move_with_lr():
   np.testing.assert_allclose(decays[0], -0.1, rtol=1e-5)
 
 
-# ---- Done-when 4: tied gradients under every preset ----------------------------------------
+# ---- tied gradients under every preset --------------------------------------------------
 
 def _rel_err(a, b):
   return float(jnp.max(jnp.abs(a - b)) / (jnp.max(jnp.abs(b)) + 1e-30))
@@ -250,7 +251,7 @@ def test_tied_gradient_identity_under_every_preset(kind):
       assert _rel_err(gx, want) <= 1e-5, path
 
 
-# ---- Done-when 4: sharding invariance (8 simulated devices) --------------------------------
+# ---- sharding invariance (8 simulated devices) ------------------------------------------
 
 _SHARDED = r'''
 import json, sys

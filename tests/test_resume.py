@@ -160,12 +160,15 @@ def test_cli_exits_2_with_one_line(copy_of, train_cmd, subprocess_env):
 
 def test_changes_classify_fields(config):
   old = json.loads(json.dumps(config().to_dict()))
-  new = config(**{'train.steps': 99, 'mesh.fsdp': 2, 'train.lr': 0.1, 'data.seed': 3})
+  new = config(**{'train.steps': 99, 'mesh.fsdp': 2, 'train.lr': 0.1, 'data.seed': 3,
+                  'data.num_workers': 2})
   ch = resume.Changes(old, new)
-  assert set(ch.fields) == {'train.steps', 'mesh.fsdp', 'train.lr', 'data.seed'}
+  assert set(ch.fields) == {'train.steps', 'mesh.fsdp', 'train.lr', 'data.seed',
+                            'data.num_workers'}
   assert set(ch.state_free) == {'train.steps', 'mesh.fsdp'}
-  assert set(ch.data_stream) == {'data.seed'}
-  assert set(ch.stateful) == {'train.lr', 'data.seed'}
+  # num_workers changes the shape of the saved iterator state.
+  assert set(ch.data_stream) == {'data.seed', 'data.num_workers'}
+  assert set(ch.stateful) == {'train.lr', 'data.seed', 'data.num_workers'}
   assert not resume.Changes(old, config())
   del old['train']['lr']             # a field an older run did not record is not a change
   assert 'train.lr' not in resume.Changes(old, new).fields

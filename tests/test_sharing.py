@@ -1,4 +1,4 @@
-"""SharingPlan index maps against the reference table (sharing-and-normalization.md A0)."""
+"""SharingPlan index maps against the published schedules (RRT, arXiv:2410.20672; README table)."""
 import pytest
 
 from sharenet.errors import ConfigError
@@ -6,7 +6,7 @@ from sharenet.sharing import SCHEMES, make_plan
 
 
 def reference_index(scheme, L, R):
-  """The RRT/MoR index formulas of reference A0 / C4, written out independently."""
+  """The RRT/MoR index formulas, written out independently."""
   if scheme == 'untied':
     return list(range(L))
   if scheme == 'universal':

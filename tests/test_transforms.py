@@ -32,7 +32,7 @@ def _cfg(**kw):
 
 
 def _randomize_norms(variables, seed=3):
-  """Random gains and biases so that folding is exercised (reference B1 sanity check a)."""
+  """Random gains and biases so that folding is exercised (Jiang et al., arXiv:2305.14858)."""
   flat = flatten_dict(variables['params'])
   keys = jax.random.split(jax.random.key(seed), len(flat))
   out = {}
@@ -306,7 +306,7 @@ def test_each_transform_trains_under_cycle_sharing(kw):
                                       'scale_vectors'])
 def test_function_preserving_reparams_leave_the_initial_model_unchanged(reparams):
   c = tiny_config.get_config()
-  c.model.norm.kind = 'layernorm'   # zero-mean writers preserve Pre-LN models (reference B1)
+  c.model.norm.kind = 'layernorm'   # zero-mean writers preserve Pre-LN models (Jiang et al.)
   model = DecoderLM(ModelConfig.from_config(c.model))
   tr = Transforms({'reparam': reparams}, model)
   v = init_variables(model, jax.random.key(0))
@@ -318,7 +318,7 @@ def test_function_preserving_reparams_leave_the_initial_model_unchanged(reparams
 
 def test_zero_mean_writers_train_like_pre_ln_in_float64():
   """Pre-LN and Pre-RMSNorm with forward-recentred writers, from the same raw weights, follow
-  the same Adam trajectory (reference B1 step 4 and its sanity check c). LN biases stay at 0
+  the same Adam trajectory (Jiang et al., arXiv:2305.14858). LN biases stay at 0
   (they have no RMSNorm counterpart); the gains are random and trained in both."""
   with jax.enable_x64(True):
     cfg_ln = _cfg(dtype='float64', param_dtype='float64')

@@ -3,9 +3,8 @@
 Sources (`data.source`):
   stdlib: every `.py` file under `sysconfig.get_paths()['stdlib']` (site-packages excluded),
     sorted by relative path, bytes concatenated (vocab 256). A file is validation iff
-    `int(sha1(relpath).hexdigest()[:8], 16) % 50 == 0`. Measured on CPython 3.11.7 (Linux):
-    1,790 files, 31,079,201 train bytes, 446,023 val bytes (32 files, 1.41 % of bytes),
-    unigram cross-entropy 4.756 bits/byte. Reading takes ~0.3 s, so there is no on-disk cache.
+    `int(sha1(relpath).hexdigest()[:8], 16) % 50 == 0` (sizes on the development machine's
+    CPython in README "Results"). Reading is fast enough that there is no on-disk cache.
     Other Python builds ship other files (e.g. Debian's python3.11 lacks test/), so numbers
     are only comparable on one build.
   text: `data.path` is a glob of plain-text files, same by-file rule with paths relative to
@@ -30,7 +29,7 @@ from sharenet.errors import ConfigError
 
 SOURCES = ('stdlib', 'text', 'bin')
 BYTE_VOCAB = 256
-_VAL_MODULUS = 50  # 1 in 50 files: ~1.4 % of stdlib bytes; 1 in 100 gave only 0.3 %.
+_VAL_MODULUS = 50  # 1 in 50 files; 1 in 100 left too few validation bytes.
 
 
 def get_field(cfg: Any, name: str, default: Any = None) -> Any:

@@ -37,7 +37,8 @@ class CausalAttention(nn.Module):
     v_BTKD = checkpoint_name(proj('v', K, 'kv_heads')(x_BTD), 'value_proj')
     for name, a in (('query', q_BTHD), ('key', k_BTKD), ('value', v_BTKD)):
       sow_l1(self, name, a)
-    if c.qk_norm != 'none':   # rms: learned gain over head_dim; l2: unit vectors (ref. B3/B4)
+    # rms: a learned gain over head_dim (ViT-22B); l2: unit vectors (Henry et al.).
+    if c.qk_norm != 'none':
       kind = 'rmsnorm' if c.qk_norm == 'rms' else 'l2'
       q_BTHD = Norm(kind, c.norm_eps, axis_name='head_dim', param_dtype=pdt, branch=BRANCH,
                     name='q_norm')(q_BTHD)
@@ -52,8 +53,8 @@ class CausalAttention(nn.Module):
     B, T = x_BTD.shape[:2]
     q_BTKGD = q_BTHD.reshape(B, T, K, H // K, Dh)
     if c.qk_norm == 'l2':
-      # Henry et al. (ref. B3): one learned scalar per attention module replaces 1/sqrt(d_head),
-      # initialised to log2(L^2 - L) for the typical sequence length L.
+      # Henry et al. (arXiv:2010.04245): one learned scalar per attention module replaces
+      # 1/sqrt(d_head), initialised to log2(L^2 - L) for the typical sequence length L.
       L = c.max_len
       init = c.qk_scale_init or math.log2(L * L - L)
       scale = param(self, 'qk_scale', (), (), 'scalar', init=nn.initializers.constant(init),

@@ -17,7 +17,7 @@ INTERMEDIATES = 'intermediates'
 def sow_l1(module: nn.Module, name: str, x: jax.Array, mask: jax.Array | None = None) -> None:
   """Sows mean|x| (over `mask` if given) for coordinate checks; free unless requested.
 
-  The statistic is microsoft/mup's coord-check 'l1' (reference/mup.md section 3.1). Nothing is
+  The statistic is microsoft/mup's coord-check 'l1'. Nothing is
   computed unless the caller made 'intermediates' mutable; inside nn.scan the value is stacked
   per iteration, so every use of a shared block is recorded.
   """
@@ -86,7 +86,7 @@ class Dense(nn.Module):
 class Embed(nn.Module):
   """Token embedding table (vocab, embed); `attend` gives tied-readout logits.
 
-  FixNorm (Nguyen & Salazar, reference B2): rows are l2-normalised in the forward pass, scaled
+  FixNorm (Nguyen & Salazar, arXiv:1910.05895): rows are l2-normalised in the forward pass, scaled
   by sqrt(d) at the input; the tied readout uses the normalised table.
   """
   vocab_size: int

@@ -32,7 +32,7 @@ class DecoderLM(nn.Module):
       pos_TD = params.param(self, 'pos_embed', (c.max_len, c.d_model), ('length', 'embed'),
                             'pos_embed', std=0.02, dtype=pdt, num_in=1, writes=True)
       x_BTD = x_BTD + pos_TD[None, :T].astype(dt)
-    if c.center_embedding:   # zero-mean writer for tied tables (reference C5.8)
+    if c.center_embedding:   # zero-mean writer for tied tables
       x_BTD = x_BTD - jnp.mean(x_BTD, axis=-1, keepdims=True)
     x_BTD = nn.with_logical_constraint(x_BTD, ACT_AXES)
     # A zero-valued hook so tests and coordinate checks can take d(out)/d(embedded input).
@@ -53,7 +53,7 @@ class DecoderLM(nn.Module):
       logits_BTV = Dense((c.vocab_size,), ('embed',), ('vocab',), role='readout',
                          use_bias=c.reader_bias, dtype=dt, param_dtype=pdt,
                          name='readout')(x_BTD)
-    if c.logits_mult != 1.0:   # muP readout multiplier (reference/mup.md section 1.1)
+    if c.logits_mult != 1.0:   # muP readout multiplier (microsoft/mup MuReadout)
       logits_BTV = logits_BTV * c.logits_mult
     sow_l1(self, 'logits', logits_BTV)
     # float32 logits for low-precision models; float64 stays float64 (exactness tests).

@@ -11,8 +11,8 @@ layers instead: the K stored sets are gathered into an applied-depth stack for t
 (the gather's gradient sums the per-use gradients) and the per-layer parts are reshaped, so the
 stored tree is identical to the nested one and checkpoints move freely between the two. It costs
 R*K transient copies of the set weights (and their per-use gradients) and buys one loop instead
-of two: on XLA:CPU, cycle 4x2 train steps were 1-5 % faster (benchmarks/step_bench.py, README).
-Compile time stays flat in R as well (benchmarks/compile_bench.py --lowering flat).
+of two; compile time stays flat in R as well (README "Results"; benchmarks/step_bench.py and
+benchmarks/compile_bench.py --lowering flat measure both).
 """
 from __future__ import annotations
 
@@ -59,8 +59,8 @@ def _scan(target, length: int, stacked: bool, axis_name: str, unroll: int,
   """Scan `target` `length` times; stacked -> params per iteration, else params broadcast.
 
   `split_transpose` (jax's experimental lax.scan option) moves the weight-gradient part of the
-  backward scan into a map after the loop; on XLA:CPU it brought the scanned train step from
-  ~0.90x to ~0.94-0.99x of a Python-unrolled one (benchmarks/step_bench.py).
+  backward scan into a map after the loop, which makes the scanned train step faster on
+  XLA:CPU (README "Results", benchmarks/step_bench.py).
   """
   if stacked:
     return nn.scan(target, variable_axes={'params': 0, PER_LAYER: 0, INTERMEDIATES: 0},
@@ -111,7 +111,7 @@ class _Level(nn.Module):
 
 
 class GatherSegment(nn.Module):
-  """One scan over applied layers whose sets are gathered from a pool (reference C4 option 3).
+  """One scan over applied layers whose sets are gathered from a pool.
 
   Serves explicit index lists and, with `per_layer_levels`, regular plans under
   `scan_lowering='flat'`. At init the freshly created L-stack is reduced to the pool (first user

@@ -1,1 +1,1 @@
-"""Studies built on the library: coordinate checks and LR-transfer sweeps (muP, issue 5)."""
+"""Studies built on the library: coordinate checks, LR-transfer sweeps, the norm study."""

@@ -2,7 +2,7 @@
 
   python -m sharenet.studies.coord_check --config configs/mup/coord_check.py --out DIR
 
-Protocol (reference/mup.md section 3.1, microsoft/mup `get_coord_data`): a fixed batch reused
+Protocol (TP5, arXiv:2203.03466, as microsoft/mup `get_coord_data` runs it): a fixed batch reused
 every step, Adam at a deliberately large LR, no clipping or decay; the statistic is mean|x|
 ('l1') of each activation, recorded in the forward pass *before* each update (t=0 is init).
 The step is the train loop's (train_lib.train_step with the config's transforms and grad_accum).
@@ -25,7 +25,7 @@ from sharenet import config_lib, train_lib
 from sharenet.models.layers import INTERMEDIATES
 from sharenet.studies import common
 
-# Activations whose flatness the muP criterion covers (issue 5, Done-when 2).
+# Activations whose flatness the muP criterion covers.
 CORE = ('embed_out', 'residual', 'attn_out', 'mlp_hidden', 'mlp_out')
 
 

@@ -1,4 +1,4 @@
-"""Normalization methods as parameter transforms (DESIGN idea 2; reference part C).
+"""Normalization methods as parameter transforms (papers in docs/references.md).
 
 Five kinds behind one config section (`config.transforms`):
   activation norms   model.norm.* (sharenet/norms.py): chosen by name, not here;
@@ -29,7 +29,7 @@ class Transforms:
   """The configured reparams / projection / update transforms for one model."""
 
   def __init__(self, tcfg: Any, model: DecoderLM):
-    """`tcfg`: the `config.transforms` group (dict or ConfigDict); keys it lacks take the defaults."""
+    """`tcfg`: the `config.transforms` group (dict or ConfigDict); missing keys take defaults."""
     t = defaults.fill('transforms', tcfg)
     self.infos: dict[tuple, Leaf] = leaf_infos(model)
     self.reparam = ReparamChain(_names(t.reparam), self.infos, t.reparam_paths,
@@ -51,7 +51,7 @@ class Transforms:
         not cfg.center_embedding:
       raise ConfigError('transforms.reparam=zero_mean_writers with model.tie_embeddings=True '
                         'would recentre the readout too; valid: model.center_embedding=True '
-                        '(recentres the embedded vectors instead, reference C5.8)')
+                        '(recentres the embedded vectors instead)')
 
   @property
   def reparam_names(self) -> tuple[str, ...]:
@@ -59,7 +59,7 @@ class Transforms:
 
   def init(self, variables: Any) -> tuple[Any, Any]:
     """Trainable tree (+ 'reparam' extras, projected if a projection is set) and tstate."""
-    if self.projection == 'ngpt':   # nGPT normalises the matrices at the start too (B6)
+    if self.projection == 'ngpt':   # nGPT normalises the matrices at the start too
       variables = project_lib.project('ngpt', variables, self.infos)
     if not self.reparam:
       return variables, {}

@@ -1,21 +1,24 @@
 """One-shot conversions between architectures, each function-preserving where the math allows.
 
-  ln_to_rms      Pre-LN -> Pre-RMSNorm (reference B1 steps 0-2): LN biases beta are folded into
-                 biases of the linear maps reading the normalized stream; residual writers are
-                 recentred (W - mean over 'embed', the *last* axis of a Flax (in, out) kernel,
-                 pitfall C5.1); a tied table is recentred in the forward pass instead
-                 (model.center_embedding, pitfall C5.8) so the readout keeps using it.
-  rms_to_crms    Pre-RMSNorm with a zero-mean stream -> Pre-CRMSNorm (B1 step 3): gains gamma are
+Norm conversions follow Jiang et al., Pre-RMSNorm and Pre-CRMSNorm Transformers (arXiv:2305.14858);
+the recursive conversion follows Relaxed Recursive Transformers (arXiv:2410.20672).
+
+  ln_to_rms      Pre-LN -> Pre-RMSNorm: LN biases beta are folded into biases of the linear
+                 maps reading the normalized stream; residual writers are recentred (W - mean
+                 over 'embed', the *last* axis of a Flax (in, out) kernel); a tied table is
+                 recentred in the forward pass instead (model.center_embedding) so the readout
+                 keeps using it.
+  rms_to_crms    Pre-RMSNorm with a zero-mean stream -> Pre-CRMSNorm: gains gamma are
                  folded into the readers, writers drop the last 'embed' coordinate, readers take
                  W[:-1] - W[-1:] along 'embed'; the stream is d_model - 1 wide (head_dim is kept
                  explicitly). A tied table becomes an untied embedding + readout, since the
                  compressed writer (E[:, :-1]) and reader (E^T[:-1] - E^T[-1:]) differ.
-  to_recursive   untied -> recursive (Relaxed Recursive Transformers, A3.2): each unique set from
+  to_recursive   untied -> recursive: each unique set from
                  Stepwise (round(linspace(0, L-1, K)), middle schemes linspace(1, L-2, K-2),
                  Python's banker's rounding as in the RRT code), Average (mean of the layers that
                  will use the set) or Lower (the first K layers; middle schemes 1..K-2 plus the
                  verbatim first and last); optional depth-wise LoRA from the truncated SVD of each
-                 applied layer's residual W_l - W_shared (A3.3), exact at full rank for any
+                 applied layer's residual W_l - W_shared, exact at full rank for any
                  lora_scale (B is divided by it).
 
 CLI: python convert.py --workdir SRC --out DST --config.to=rmsnorm|crmsnorm|recursive [...]
@@ -297,7 +300,7 @@ def to_recursive(cfg: ModelConfig, variables: Any, scheme: str, num_unique: int,
 
 
 def svd_lora(src: dict, sets: dict, index: tuple, cfg: ModelConfig) -> dict:
-  """A_l, B_l with scale * A_l B_l = trunc_r(W_l - W_shared(l)) (RRT SVD init, reference A3.3).
+  """A_l, B_l with scale * A_l B_l = trunc_r(W_l - W_shared(l)) (RRT SVD init, arXiv:2410.20672).
 
   Flax kernels are (in, out): R = U S V^T, so A = U_r (in, r) and B = S_r V_r^T / scale.
   """

@@ -1,13 +1,14 @@
 """Post-step projections, placed last in the optax chain: updates = P(params + updates) - params.
 
   ngpt  every vector living in the embedding space has unit norm (nGPT's normalize_matrices,
-        reference B6): embedding / readout rows and every Dense kernel normalised along its
+        arXiv:2410.01131): embedding / readout rows and every Dense kernel normalised along its
         'embed' axis (reader kernels' input units, writer kernels' output units).
-  nap   Normalize-and-Project (Lyle et al., reference B13): each matrix (each stacked set
+  nap   Normalize-and-Project (Lyle et al., arXiv:2407.01800): each matrix (each stacked set
         separately) is rescaled to its norm at initialisation, stored in the transform state.
 
-Norm gains, biases and scalars are left alone (NaP's treatment of gains is unverified, B13).
-Under Adam a projection is not equivalent to the matching reparameterization (pitfall C5.7).
+Norm gains, biases and scalars are left alone (the NaP paper's treatment of gains is not
+settled here). Under Adam a projection is not equivalent to the matching reparameterization:
+Adam normalises the raw gradient, not the projected one.
 """
 from __future__ import annotations
 

@@ -1,14 +1,15 @@
 """Forward reparameterizations: raw params -> effective params, applied inside the loss.
 
 They act on the stored tree, so a shared set's pool entry is transformed once per step however
-many layers apply it (DESIGN idea 2; reference C4 "reparameterize the pool before the loop").
+many layers apply it (reparameterize the pool before the layer loop, never inside it).
 Extra trainable leaves (gains) live in the 'reparam' collection of the train state's params,
 keyed by the target leaf's path; non-trainable state (power-iteration vectors) lives in
 TrainState.tstate and is advanced outside the differentiated loss.
 
 Each transform is function-preserving at init where the reference allows it: weight norm's g
 and sigma-reparam's gamma start at the initial norms / top singular values, the magnitude of
-scale vectors at the initial gain norm, zero-mean writers on a Pre-LN model (B1).
+scale vectors at the initial gain norm, zero-mean writers on a Pre-LN model (Jiang et al.,
+arXiv:2305.14858).
 """
 from __future__ import annotations
 
@@ -51,7 +52,8 @@ def _unit_sq(m: jax.Array) -> jax.Array:
 
 
 class WeightNorm(Reparam):
-  """w = g * v / ||v|| per output unit (Salimans & Kingma, reference B9); g starts at ||v_0||."""
+  """w = g * v / ||v|| per output unit (Salimans & Kingma, arXiv:1602.07868); g starts at
+  ||v_0||."""
   name = 'weight_norm'
 
   def init(self, w, leaf):
@@ -64,7 +66,7 @@ class WeightNorm(Reparam):
 
 
 class WeightStandardization(Reparam):
-  """Scaled WS (NF-ResNets, reference B11): g * (w - mean) / (std * sqrt(fan_in)) per unit.
+  """Scaled WS (NF-ResNets, arXiv:2101.08692): g * (w - mean) / (std * sqrt(fan_in)) per unit.
 
   The nonlinearity gain gamma_nl of NF-ResNets is 1 here: a transformer's pre-activations are
   normalised, not ReLU'd, so unit-variance fan-in weights / sqrt(fan_in) keep the default init's
@@ -97,7 +99,7 @@ def _normalize(x: jax.Array) -> jax.Array:
 
 
 class SigmaReparam(Reparam):
-  """w_hat = gamma / sigma(w) * w (Zhai et al., reference B10), one scalar gamma per matrix.
+  """w_hat = gamma / sigma(w) * w (Zhai et al., arXiv:2303.06296), one scalar gamma per matrix.
 
   sigma = v^T W u with u, v from a persistent power iteration (stop-gradient; `iters` steps per
   train step, advanced outside the loss); u starts from `init_iters` power iterations and gamma
@@ -139,8 +141,8 @@ class ZeroMeanWriters(Reparam):
 
   Applied to attention-out / MLP-out kernels (and their LoRA B), untied embedding tables and
   learned positions. This is the training-time form of the Pre-LN == Pre-RMSNorm equivalence
-  (reference B1 step 4: REPARAM, not a projection, so AdamW sees Pre-LN's gradients); Flax
-  kernels are (in, out), so the mean is over the *last* axis (pitfall C5.1).
+  (Jiang et al., arXiv:2305.14858): a reparam, not a projection, so AdamW sees Pre-LN's
+  gradients. Flax kernels are (in, out), so the mean is over the *last* axis.
   """
   name = 'zero_mean_writers'
   kernel_only = False
@@ -153,8 +155,9 @@ class ZeroMeanWriters(Reparam):
 
 
 class ScaleVectors(Reparam):
-  """Norm gains as magnitude x direction: gamma = m * u / ||u|| (reference B16, our reading of
-  Wang et al.'s magnitude-direction form), one scalar m per gain vector starting at ||u_0||."""
+  """Norm gains as magnitude x direction: gamma = m * u / ||u|| (our reading of the
+  magnitude-direction form of Wang et al., arXiv:2605.26895), one scalar m per gain vector
+  starting at ||u_0||."""
   name = 'scale_vectors'
   kernel_only = False
 

@@ -35,7 +35,7 @@ def _agc_label(leaf: Leaf | None) -> str:
 def agc(clipping: float, eps: float, infos: dict[tuple, Leaf]) -> optax.GradientTransformation:
   """optax.adaptive_grad_clip per group of leaves sharing unit axes (a kernel's units are its
   output features, stacked sets separate). Skipped: the readout (NFNets leave the final linear
-  layer unclipped, reference B15) and reparam gains."""
+  layer unclipped, Brock et al., arXiv:2102.06171) and reparam gains."""
   groups = {lab: optax.adaptive_grad_clip(clipping, eps, axis=tuple(
       int(a) for a in lab[4:].split('_') if a)) for lab in map(_agc_label, infos.values())
       if lab != 'skip'}
@@ -52,7 +52,7 @@ class AdamPState(NamedTuple):
 def scale_by_adamp(b1: float, b2: float, eps: float, weight_decay: float, decay_mask: Any,
                    infos: dict[tuple, Leaf], delta: float = 0.1, wd_ratio: float = 0.1
                    ) -> optax.GradientTransformation:
-  """Adam direction with AdamP's projection (Heo et al., reference B14) and decoupled decay.
+  """Adam direction with AdamP's projection (Heo et al., arXiv:2006.08217) and decoupled decay.
 
   For a matrix whose gradient is nearly orthogonal to the weight (max |cos| over its output
   units < delta / sqrt(fan_in), else over the whole matrix < delta / sqrt(size)), the weight
