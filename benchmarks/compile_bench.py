@@ -1,6 +1,7 @@
 """Lowering + compile time of the train step for a 2-layer block repeated R times.
 
-Command: python benchmarks/compile_bench.py [--d_model 256] [--lowering nested|flat]
+Command: python -m benchmarks.compile_bench [--config.d_model=256]
+             [--config.lowering=nested|flat]   (from the repository root)
 Prints one JSON line per R (minimum over interleaved passes) and the ratio
 compile(R=16) / compile(R=1). Both lowerings keep the traced program the same size for every R
 (nested: repeats are an outer scan; flat: one scan over 2R layers with a gather), so the ratio
@@ -8,20 +9,16 @@ should stay near 1 (target <= 1.5). Runtime ~1.5 min on the 2-core CPU.
 """
 from __future__ import annotations
 
-import argparse
 import json
-import os
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import jax
+import jax.numpy as jnp
+import ml_collections
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-
-from configs import default  # noqa: E402
-from sharenet import train_lib  # noqa: E402
-from sharenet.models import ModelConfig  # noqa: E402
+from configs import default
+from sharenet import config_lib, train_lib
+from sharenet.models import ModelConfig
 
 
 def measure(repeats: int, d_model: int, seq_len: int, batch: int,
@@ -47,14 +44,22 @@ def measure(repeats: int, d_model: int, seq_len: int, batch: int,
           'compile_s': t2 - t1, 'total_s': t2 - t0, 'hlo_chars': len(lowered.as_text())}
 
 
-def main():
-  p = argparse.ArgumentParser()
-  p.add_argument('--d_model', type=int, default=256)
-  p.add_argument('--seq_len', type=int, default=256)
-  p.add_argument('--batch', type=int, default=8)
-  p.add_argument('--passes', type=int, default=3)
-  p.add_argument('--lowering', default='nested', help='model.scan_lowering: nested | flat')
-  args = p.parse_args()
+def options() -> ml_collections.ConfigDict:
+  o = ml_collections.ConfigDict()
+  o.d_model = 256
+  o.seq_len = 256
+  o.batch = 8
+  o.passes = 3          # interleaved passes; the minimum per R is kept
+  o.lowering = 'nested'  # model.scan_lowering: nested | flat
+  return o
+
+
+_OPTIONS = config_lib.define_config_dict('config', options(), 'Benchmark options.')
+
+
+def main(argv):
+  del argv
+  args = _OPTIONS.value
   jax.config.update('jax_enable_compilation_cache', False)  # measure real compiles
   measure(1, 64, 16, 2)  # warm up tracing machinery so R=1 is not charged for imports
   # Compile time on a shared 2-core machine jitters by ~20%: interleave passes, keep the minimum.
@@ -71,4 +76,4 @@ def main():
 
 
 if __name__ == '__main__':
-  main()
+  config_lib.run(main)

@@ -1,6 +1,7 @@
 """Train-step throughput and matmul-relative MFU: scanned sharing plans vs a Python-unrolled model.
 
-Command: python benchmarks/step_bench.py [--widths 256,512] [--out benchmarks/results/step_cpu.json]
+Command: python -m benchmarks.step_bench [--config.widths=256,512]
+             [--config.out=benchmarks/results/step_cpu.json]   (from the repository root)
 Runtime: ~12 min on the 2-core CPU. Config: 8 applied layers, seq 256, batch 8, float32,
 SwiGLU (mlp 3x), byte vocab. Tied plans run under both model.scan_lowering values (nested scans;
 one flat scan over the gathered sets), each with remat dots_no_batch and dots. MFU = model
@@ -14,22 +15,18 @@ round), reported with its 25th-75th percentile range.
 """
 from __future__ import annotations
 
-import argparse
 import functools
 import json
 import os
 import statistics
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import jax
+import ml_collections
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-
-from configs import default  # noqa: E402
-from sharenet import perf, train_lib  # noqa: E402
-from sharenet.models import ModelConfig, accounting  # noqa: E402
+from configs import default
+from sharenet import config_lib, perf, train_lib
+from sharenet.models import ModelConfig, accounting
 
 SCHEMES = {'untied': {}, 'cycle': {'num_unique': 4}, 'universal': {}}
 
@@ -74,17 +71,25 @@ def quantile(xs: list[float], q: float) -> float:
   return statistics.quantiles(xs, n=100, method='inclusive')[round(100 * q) - 1]
 
 
-def main():
-  p = argparse.ArgumentParser()
-  p.add_argument('--widths', default='256,512')
-  p.add_argument('--remats', default='dots_no_batch,dots')
-  p.add_argument('--lowerings', default='nested,flat', help='model.scan_lowering for tied plans')
-  p.add_argument('--seq_len', type=int, default=256)
-  p.add_argument('--batch', type=int, default=8)
-  p.add_argument('--rounds', type=int, default=8, help='timed steps per variant, round-robin')
-  p.add_argument('--dtype', default='float32')
-  p.add_argument('--out', default='')
-  args = p.parse_args()
+def options() -> ml_collections.ConfigDict:
+  o = ml_collections.ConfigDict()
+  o.widths = '256,512'           # d_model values, comma list
+  o.remats = 'dots_no_batch,dots'
+  o.lowerings = 'nested,flat'    # model.scan_lowering for tied plans
+  o.seq_len = 256
+  o.batch = 8
+  o.rounds = 8                   # timed steps per variant, round-robin
+  o.dtype = 'float32'
+  o.out = ''                     # JSON results file ('' = print only)
+  return o
+
+
+_OPTIONS = config_lib.define_config_dict('config', options(), 'Benchmark options.')
+
+
+def main(argv):
+  del argv
+  args = _OPTIONS.value
   peak = perf.matmul_peak_flops()
   rows = []
   for d in [int(w) for w in args.widths.split(',')]:
@@ -140,8 +145,8 @@ def main():
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, 'w') as f:
       json.dump({'peak_flops': peak, 'device': jax.devices()[0].device_kind, 'rows': rows,
-                 'summary': summary, 'args': vars(args)}, f, indent=2)
+                 'summary': summary, 'args': args.to_dict()}, f, indent=2)
 
 
 if __name__ == '__main__':
-  main()
+  config_lib.run(main)

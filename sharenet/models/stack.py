@@ -12,7 +12,7 @@ layers instead: the K stored sets are gathered into an applied-depth stack for t
 stored tree is identical to the nested one and checkpoints move freely between the two. It costs
 R*K transient copies of the set weights (and their per-use gradients) and buys one loop instead
 of two; compile time stays flat in R as well (README "Results"; benchmarks/step_bench.py and
-benchmarks/compile_bench.py --lowering flat measure both).
+benchmarks/compile_bench.py measure both).
 """
 from __future__ import annotations
 
