@@ -1,0 +1,81 @@
+"""sharenet.workdir_lib: a workdir's config (old ones completed from the defaults) and a restore
+that reads only, falls back past an unreadable checkpoint and names a mismatch in one line."""
+import glob
+import hashlib
+import json
+import os
+
+import numpy as np
+import pytest
+
+from sharenet import train_lib, workdir_lib
+from sharenet.errors import ConfigError
+
+
+def _tree_hash(directory):
+  h = hashlib.sha256()
+  for f in sorted(glob.glob(os.path.join(directory, '**', '*'), recursive=True)):
+    if os.path.isfile(f):
+      h.update(f.encode() + open(f, 'rb').read())
+  return h.hexdigest()
+
+
+@pytest.fixture(scope='module')
+def run(tmp_path_factory, tiny_config):
+  """A 10-step tiny run with checkpoints at 5 and 10."""
+  workdir = str(tmp_path_factory.mktemp('run'))
+  train_lib.train_and_evaluate(tiny_config(**{'train.steps': 10, 'train.checkpoint_every': 5}),
+                               workdir)
+  return workdir
+
+
+def test_load_config_completes_an_old_config_json(tmp_path):
+  old = {'model': {'d_model': 32, 'sharing': {'scheme': 'cycle'}},
+         'transforms': {'update': 'agc'}, 'train': {'steps': 7}}
+  (tmp_path / 'config.json').write_text(json.dumps({**old, 'params_unique': 1}))
+  c = workdir_lib.load_config(str(tmp_path))
+  assert c.model.d_model == 32 and c.model.sharing.scheme == 'cycle' and c.train.steps == 7
+  assert c.model.remat == 'dots' and c.parametrization.kind == 'sp'   # from the defaults
+  assert c.transforms.updates == 'agc'                                # the renamed key
+  assert 'params_unique' not in c
+
+
+def test_missing_config_json_is_one_line(tmp_path):
+  with pytest.raises(ConfigError, match='has no config.json'):
+    workdir_lib.load_config(str(tmp_path))
+
+
+def test_restore_reads_params_only_and_moves_nothing(run):
+  before = _tree_hash(run)
+  config = workdir_lib.load_config(run)
+  state, step, exp = workdir_lib.restore_state(config, run)
+  assert step == 10 and int(state.step) == 10 and state.opt_state is None
+  assert np.isfinite(np.asarray(state.params['params']['embed']['embedding'])).all()
+  assert workdir_lib.restore_state(config, run, step=5).step == 5
+  with pytest.raises(ConfigError, match=r'--step=7 not found; available: \[5, 10\]'):
+    workdir_lib.restore_state(config, run, step=7)
+  assert _tree_hash(run) == before
+
+
+def test_a_config_that_does_not_fit_is_one_line(run):
+  config = workdir_lib.load_config(run)
+  config.model.d_model = 48
+  with pytest.raises(ConfigError, match='written by another config') as e:
+    workdir_lib.restore_state(config, run)
+  assert '\n' not in str(e.value)
+
+
+def test_an_unreadable_newest_checkpoint_falls_back_without_moving(run, tmp_path, capsys):
+  import shutil
+  workdir = str(tmp_path / 'copy')
+  shutil.copytree(run, workdir)
+  state_dir = os.path.join(workdir, 'checkpoints', '10', 'state')
+  for f in glob.glob(os.path.join(state_dir, '**', 'd', '*'), recursive=True):   # array data
+    with open(f, 'r+b') as fh:
+      fh.truncate(os.path.getsize(f) // 3)
+  before = _tree_hash(workdir)
+  restored = workdir_lib.restore_state(workdir_lib.load_config(workdir), workdir)
+  assert restored.step == 5
+  assert 'checkpoint 10 is unreadable' in capsys.readouterr().out
+  assert _tree_hash(workdir) == before
+  assert not os.path.exists(os.path.join(workdir, 'corrupt_checkpoints'))
