@@ -13,8 +13,10 @@ import shutil
 from typing import Any, Callable
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
+from jax.experimental import multihost_utils
 
 from sharenet import data
 
@@ -34,11 +36,25 @@ def manager(workdir: str, keep: int, async_save: bool = True) -> ocp.CheckpointM
                                options=options)
 
 
-def save(mngr: ocp.CheckpointManager, step: int, state: Any, data_iter: Any) -> None:
+def save(mngr: ocp.CheckpointManager, step: int, state: Any, data_iter: Any,
+         config: dict[str, Any] | None = None) -> None:
+  """Saves the train state, the iterator position and (JSON) the config that wrote them."""
   args = {'state': ocp.args.StandardSave(state)}
   if data_iter is not None:
     args['data'] = data.checkpoint_save_args(data_iter)
+  if config is not None:
+    args['config'] = ocp.args.JsonSave(config)
   mngr.save(step, args=ocp.args.Composite(**args), force=True)
+
+
+def saved_config(mngr: ocp.CheckpointManager, step: int) -> dict[str, Any] | None:
+  """The config saved with checkpoint `step`, or None (older checkpoints, unreadable)."""
+  if not os.path.isdir(os.path.join(str(mngr.directory), str(step), 'config')):
+    return None
+  try:
+    return mngr.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))['config']
+  except Exception:  # noqa: BLE001 - the caller falls back to the workdir's config.json
+    return None
 
 
 def _state_dir(mngr: ocp.CheckpointManager, step: int) -> str:
@@ -82,16 +98,34 @@ def first_difference(saved: dict[str, tuple], wanted: dict[str, tuple]) -> str |
 
 
 def _quarantine(mngr: ocp.CheckpointManager, step: int) -> str:
-  """Moves a bad checkpoint aside (never deleted: no lost work) and forgets it."""
+  """Moves a corrupt checkpoint aside (never deleted: no lost work) and forgets it."""
   src = os.path.join(str(mngr.directory), str(step))
   dst_root = os.path.join(os.path.dirname(str(mngr.directory)), 'corrupt_checkpoints')
-  os.makedirs(dst_root, exist_ok=True)
-  dst = os.path.join(dst_root, str(step))
-  if os.path.exists(dst):
-    shutil.rmtree(dst)
-  shutil.move(src, dst)
+  dst, n = os.path.join(dst_root, str(step)), 1
+  while os.path.exists(dst):   # an earlier copy of this step stays too
+    dst, n = os.path.join(dst_root, f'{step}.{n}'), n + 1
+  if jax.process_index() == 0:   # one process moves; the others wait for it
+    os.makedirs(dst_root, exist_ok=True)
+    shutil.move(src, dst)
+  if jax.process_count() > 1:
+    multihost_utils.sync_global_devices(f'sharenet_quarantine_{step}')
   mngr.reload()
   return dst
+
+
+def _files_readable(mngr: ocp.CheckpointManager, step: int) -> bool:
+  """True if every array of the saved state reads back into host memory (no shardings, no
+  target), i.e. the files are intact whatever made a restore fail."""
+  try:
+    path = epath.Path(_state_dir(mngr, step))
+    tree = ocp.StandardCheckpointHandler().metadata(path)
+    tree = getattr(tree, 'tree', tree)
+    restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
+    ocp.PyTreeCheckpointer().restore(path, args=ocp.args.PyTreeRestore(
+        restore_args=restore_args))
+    return True
+  except Exception:  # noqa: BLE001 - anything that stops a plain read: the files are bad
+    return False
 
 
 def _first_line(e: Exception) -> str:
@@ -128,26 +162,29 @@ def restore_latest(mngr: ocp.CheckpointManager, abstract_state: Any, data_iter: 
     if data_iter is not None:
       args['data'] = data.checkpoint_restore_args(data_iter)
     try:
-      restored = mngr.restore(step, args=ocp.args.Composite(**args))
-      if validate is not None:
-        validate(restored['state'])
-      return restored['state'], step
-    except Exception as e:  # noqa: BLE001 - matching metadata, unreadable arrays: corrupt
-      if data_iter is not None and _state_restores(mngr, step, abstract_state, validate):
+      state = mngr.restore(step, args=ocp.args.Composite(**args))['state']
+    except Exception as e:  # noqa: BLE001 - sorted below: corrupt files or not
+      if data_iter is not None and _state_restores(mngr, step, abstract_state):
         # The arrays are fine: the saved iterator position belongs to another data pipeline.
         raise StateMismatch(step, f'its data iterator state does not fit this config\'s '
                             f'pipeline ({_first_line(e)})') from None
+      if _files_readable(mngr, step):
+        raise   # intact files (out of memory, a sharding problem, ...): never moved aside
       _warn_corrupt(mngr, step, e)
+      continue
+    try:
+      if validate is not None:
+        validate(state)
+    except Exception as e:  # noqa: BLE001 - a rejected state (non-finite values) is bad data
+      _warn_corrupt(mngr, step, e)
+      continue
+    return state, step
   return None
 
 
-def _state_restores(mngr: ocp.CheckpointManager, step: int, abstract_state: Any,
-                    validate: Callable[[Any], None] | None) -> bool:
+def _state_restores(mngr: ocp.CheckpointManager, step: int, abstract_state: Any) -> bool:
   try:
-    state = mngr.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(abstract_state)))['state']
-    if validate is not None:
-      validate(state)
+    mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state)))
     return True
   except Exception:  # noqa: BLE001 - any failure: not restorable
     return False

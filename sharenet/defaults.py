@@ -156,13 +156,13 @@ def _merge(base: dict[str, Any], over: Any) -> dict[str, Any]:
 
 
 # Keys renamed since runs were written: (group, old) -> new.
-_RENAMED = {('transforms', 'update'): 'updates'}   # .update is ConfigDict's method
+RENAMED = {('transforms', 'update'): 'updates'}   # .update is ConfigDict's method
 
 
 def complete(raw: Any) -> ml_collections.ConfigDict:
   """`raw` (a config or a config.json's dict, maybe older than some keys) over the defaults."""
   raw = copy.deepcopy(raw.to_dict() if hasattr(raw, 'to_dict') else raw)
-  for (group, old), new in _RENAMED.items():
+  for (group, old), new in RENAMED.items():
     if isinstance(raw.get(group), dict) and old in raw[group]:
       raw[group].setdefault(new, raw[group].pop(old))
   return ml_collections.ConfigDict(_merge(default_config().to_dict(), raw))

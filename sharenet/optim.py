@@ -132,6 +132,27 @@ def make_optimizer(t: Any, transforms: Any = None, multipliers: Any = None,
   return optax.inject_hyperparams(chain, hyperparam_dtype=jnp.float32)(peak_lr=t.lr)
 
 
+# Optimizer states whose `count` drives the LR schedule (not Adam's bias correction).
+_SCHEDULE_STATES = ('ScaleByScheduleState', 'InjectStatefulHyperparamsState',
+                    'InjectHyperparamsState')
+
+
+def at_step(opt_state: Any, step: Any) -> Any:
+  """A fresh `opt_state` whose LR schedule continues from `step` (moments stay fresh)."""
+  def walk(node):
+    if isinstance(node, tuple) and hasattr(node, '_fields'):   # an optax state NamedTuple
+      fields = {f: walk(getattr(node, f)) for f in node._fields}
+      if type(node).__name__ in _SCHEDULE_STATES:
+        fields['count'] = jnp.asarray(step, jnp.asarray(node.count).dtype)
+      return type(node)(**fields)
+    if isinstance(node, (tuple, list)):
+      return type(node)(walk(x) for x in node)
+    if isinstance(node, dict):
+      return {k: walk(v) for k, v in node.items()}
+    return node
+  return walk(opt_state)
+
+
 def with_peak_lr(opt_state: Any, lr: Any) -> Any:
   """`opt_state` of `make_optimizer` continuing as if train.lr were `lr`."""
   hp = opt_state.hyperparams

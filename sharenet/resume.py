@@ -13,11 +13,15 @@ import json
 import os
 from typing import Any
 
+from sharenet import defaults
+from sharenet.errors import ConfigError
+
 RESTORE_MODES = ('auto', 'params')
 # Cannot change the saved state or the data stream.
 STATE_FREE = ('train.steps', 'train.log_every', 'train.eval_every', 'train.eval_batch_size',
               'train.checkpoint_every', 'train.keep_checkpoints', 'train.progress',
-              'train.restore', 'dry_run', 'mesh.')
+              'train.restore', 'train.grad_accum', 'model.remat', 'model.scan_unroll',
+              'model.scan_lowering', 'model.scan_split_transpose', 'dry_run', 'mesh.')
 # Change which windows the train iterator yields from its saved position, or (num_workers) the
 # shape of its saved state.
 DATA_STREAM = ('data.source', 'data.path', 'data.seed', 'data.num_workers', 'train.seed',
@@ -46,8 +50,12 @@ def read_prior(workdir: str) -> dict[str, Any] | None:
   path = os.path.join(workdir, 'config.json')
   if not os.path.exists(path):
     return None
-  with open(path) as f:
-    return json.load(f)
+  try:
+    with open(path) as f:
+      return json.load(f)
+  except json.JSONDecodeError as e:
+    raise ConfigError(f'{path} is not valid JSON ({e}); valid: restore it, or delete it to '
+                      f'resume by the checkpoints\' own configs') from None
 
 
 def _matches(key: str, names: tuple[str, ...]) -> bool:
@@ -59,6 +67,9 @@ class Changes:
 
   def __init__(self, prior: dict[str, Any] | None, config: Any):
     old = _flat(config_dict(prior)) if prior else {}
+    for (group, name), new_name in defaults.RENAMED.items():   # keys renamed since
+      if f'{group}.{name}' in old:
+        old.setdefault(f'{group}.{new_name}', old.pop(f'{group}.{name}'))
     new = _flat(config_dict(config))
     # A field the old run did not record (an older sharenet) is not reported as a change.
     self.fields = {k: (old[k], new[k]) for k in sorted(new) if k in old and old[k] != new[k]}

@@ -134,8 +134,8 @@ def param_shapes(tree: Any) -> dict[str, list[int]]:
   return {'/'.join(k): list(v.shape) for k, v in flatten_dict(tree).items()}
 
 
-def check_same_model(workdir: str, config: Any, prior: dict[str, Any] | None,
-                     shapes: dict[str, list[int]]) -> None:
+def check_same_model(workdir: str, prior: dict[str, Any] | None, shapes: dict[str, list[int]],
+                     changes: resume.Changes) -> None:
   """A workdir holding another model's run fails with one line, not a shape traceback.
 
   Only the model's own collections count: transform gains may come and go (see train.restore).
@@ -144,15 +144,13 @@ def check_same_model(workdir: str, config: Any, prior: dict[str, Any] | None,
   old_shapes = model_only((prior or {}).get('param_shapes', {}))
   shapes = model_only(shapes)
   if old_shapes and old_shapes != shapes:
-    old_model = prior.get('model', {})
-    diff = [f'model.{k}: {old_model.get(k)} -> {v}' for k, v in config.model.to_dict().items()
-            if old_model.get(k) != v]
-    first = next((k for k in sorted(set(old_shapes) | set(shapes))
-                  if old_shapes.get(k) != shapes.get(k)), '?')
+    diff = changes.describe({k: v for k, v in changes.fields.items() if k.startswith('model.')})
+    first = next(k for k in sorted(set(old_shapes) | set(shapes))
+                 if old_shapes.get(k) != shapes.get(k))
     raise ConfigError(
-        f'--workdir {workdir} holds a run of a different model ({"; ".join(diff) or "shapes"}; '
-        f'first differing param {first}: {old_shapes.get(first)} vs {shapes.get(first)}); '
-        f'use a new --workdir or the old config')
+        f'--workdir {workdir} holds a run of a different model ({diff or "shapes"}; first '
+        f'differing param {first}: {old_shapes.get(first)} vs {shapes.get(first)}); valid: a '
+        f'new --workdir or the old config')
 
 
 def _check_finite_state(state: TrainState) -> None:
@@ -160,25 +158,34 @@ def _check_finite_state(state: TrainState) -> None:
     raise ValueError('non-finite parameters')
 
 
+def _note(message: str) -> None:
+  if jax.process_index() == 0:
+    print(f'sharenet: {message}', flush=True)
+
+
 def restore_or_init(config: Any, workdir: str, mngr: Any, target: TrainState, train_iter: Any,
                     init: Any, tx: optax.GradientTransformation,
                     shapes: dict[str, list[int]]) -> tuple[TrainState, int]:
   """(state, first step): the workdir's newest readable checkpoint, or a fresh `init()`.
 
-  Never moves or rewrites a readable checkpoint: a config change that makes it unrestorable is
-  a ConfigError naming the changed fields (sharenet/resume.py), unless train.restore=params asks
-  for its parameters with a fresh optimizer state.
+  Never moves or rewrites a readable checkpoint. The config saved with the newest checkpoint
+  (else DIR/config.json) is compared with this one (sharenet/resume.py): a change that makes the
+  checkpoint unrestorable is a ConfigError naming the changed fields, unless train.restore=params
+  asks for its parameters with a fresh optimizer state.
   """
-  if not mngr.all_steps():
+  steps = mngr.all_steps()
+  if not steps:
     return init(), 0
-  t, prior = config.train, resume.read_prior(workdir)
+  t = config.train
+  prior = checkpoint.saved_config(mngr, max(steps)) or resume.read_prior(workdir)
   changes = resume.Changes(prior, config)
-  check_same_model(workdir, config, prior, shapes)
+  check_same_model(workdir, prior, shapes, changes)
   if changes:
-    print(f'sharenet: note: resuming with changed fields: {changes.describe(changes.fields)}'
-          + ('' if changes.stateful else ' (none changes the train state)'), flush=True)
+    _note(f'note: resuming with changed fields: {changes.describe(changes.fields)}'
+          + ('' if changes.stateful else ' (none changes the train state)'))
+  params_only = t.restore == 'params' and bool(changes.stateful)
   data_changed = changes.data_stream
-  if data_changed and t.restore != 'params':
+  if data_changed and not params_only:
     raise ConfigError(f'--workdir {workdir}: the data stream changed '
                       f'({changes.describe(data_changed)}), so its checkpoint cannot resume '
                       f'exactly; valid: {resume.WAYS_OUT}')
@@ -191,12 +198,30 @@ def restore_or_init(config: Any, workdir: str, mngr: Any, target: TrainState, tr
       raise ConfigError(f'--workdir {workdir}: checkpoint {e.step} was written by another config '
                         f'({what}; {e.detail}); valid: {resume.WAYS_OUT}') from None
     return _restore_params(mngr, e.step, target, data_iter, init, tx, workdir), e.step
-  if restored is None:   # every checkpoint was corrupt (each moved aside with a warning)
+  if restored is None:
+    _note('WARNING: no readable checkpoint is left (each was moved to corrupt_checkpoints/); '
+          'starting from step 0')
     return init(), 0
   state, step = restored
-  print(f'sharenet: resumed from checkpoint at step {step}'
-        + (' with a fresh data stream' if data_changed else ''), flush=True)
+  if params_only:   # the state still fits, but the config changed: keep only the parameters
+    state = state.replace(opt_state=_fresh_opt_state(tx, state.params, step, target))
+    _note(f'train.restore=params: loaded the parameters of checkpoint {step}, its transform '
+          f'state{"" if data_changed else " and data position"}; the optimizer state is fresh '
+          f'(its LR schedule continues at step {step})')
+    return state, step
+  # The peak LR lives in the optimizer state: a changed train.lr takes effect from here.
+  opt_state = optim.with_peak_lr(state.opt_state, t.lr)
+  state = state.replace(opt_state=jax.tree.map(lambda new, old: jax.device_put(new, old.sharding),
+                                               opt_state, state.opt_state))
+  _note(f'resumed from checkpoint at step {step}')
   return state, step
+
+
+def _fresh_opt_state(tx: optax.GradientTransformation, params: Any, step: int,
+                     target: TrainState) -> Any:
+  """A fresh optimizer state for `params` whose LR schedule continues at `step`."""
+  shardings = jax.tree.map(lambda x: x.sharding, target.opt_state)
+  return jax.jit(lambda p: optim.at_step(tx.init(p), step), out_shardings=shardings)(params)
 
 
 def _restore_params(mngr: Any, step: int, target: TrainState, data_iter: Any, init: Any,
@@ -210,22 +235,29 @@ def _restore_params(mngr: Any, step: int, target: TrainState, data_iter: Any, in
     try:
       out, data_ok = checkpoint.restore_parts(mngr, step, {**parts, 'tstate': target.tstate},
                                               data_iter)
-      kept.append('transform state')
+      if jax.tree.leaves(target.tstate):
+        kept.append('transform state')
     except checkpoint.StateMismatch:
       out, data_ok = checkpoint.restore_parts(mngr, step, parts, data_iter)
   except checkpoint.StateMismatch as e:
     raise ConfigError(f'--workdir {workdir}: train.restore=params: the parameters of checkpoint '
                       f'{step} do not fit this config ({e.detail}); valid: the old config or a '
                       f'new --workdir') from None
-  opt_init = jax.jit(tx.init, out_shardings=jax.tree.map(lambda x: x.sharding, fresh.opt_state))
-  state = fresh.replace(step=out['step'], params=out['params'], opt_state=opt_init(out['params']),
+  state = fresh.replace(step=out['step'], params=out['params'],
+                        opt_state=_fresh_opt_state(tx, out['params'], step, target),
                         tstate=out.get('tstate', fresh.tstate))
-  _check_finite_state(state)
+  try:
+    _check_finite_state(state)
+  except ValueError:
+    raise ConfigError(f'--workdir {workdir}: checkpoint {step} holds non-finite parameters; '
+                      f'valid: an earlier checkpoint (move this one aside) or a new '
+                      f'--workdir') from None
   if data_ok:
     kept.append('data position')
-  print(f'sharenet: train.restore=params: loaded the parameters of checkpoint {step}'
-        + ''.join(f', its {k}' for k in kept) + '; the optimizer state is fresh'
-        + ('' if data_ok else ' and the data stream starts anew'), flush=True)
+  _note(f'train.restore=params: loaded the parameters of checkpoint {step}'
+        + ''.join(f', its {k}' for k in kept) + '; the optimizer state is fresh (its LR '
+        f'schedule continues at step {step})'
+        + ('' if data_ok else '; the data stream starts anew'))
   return state
 
 
@@ -292,9 +324,13 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, float]:
       'flops_per_token': flops_tok, 'plan_index': list(mcfg.plan.index),
       'param_shapes': shapes, 'parametrization_table': pz.describe(),
   }
-  if jax.process_index() == 0:
-    with open(os.path.join(workdir, 'config.json'), 'w') as f:
+  if jax.process_index() == 0:   # written whole or not at all (a resume reads it)
+    path = os.path.join(workdir, 'config.json')
+    with open(path + '.tmp', 'w') as f:
       json.dump(summary, f, indent=2, sort_keys=True, default=str)
+    os.replace(path + '.tmp', path)
+  # Saved with every checkpoint: a resume compares against the config that wrote the state.
+  record = {**resume.config_dict(config), 'param_shapes': shapes}
 
   peak = perf.matmul_peak_flops()
   writer = MetricsWriter(workdir)
@@ -342,7 +378,7 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, float]:
         last.update(run_eval(step))
         window_t0 = time.perf_counter()
       if step % t.checkpoint_every == 0 or step == t.steps or stop['sigterm']:
-        checkpoint.save(mngr, step, state, train_iter)
+        checkpoint.save(mngr, step, state, train_iter, record)
       if stop['sigterm']:
         mngr.wait_until_finished()
         print(f'sharenet: SIGTERM at step {step}; checkpoint saved, exiting', flush=True)

@@ -149,3 +149,38 @@ def test_a_data_position_of_another_pipeline_is_a_mismatch_not_corruption(tmp_pa
   # Without the iterator the same checkpoint restores.
   state, step = checkpoint.restore_latest(mngr, _abstract())
   assert step == 1 and _equal(state, _state(1))
+
+
+def test_a_failed_restore_of_intact_files_is_raised_not_moved(tmp_path, monkeypatch):
+  """Out of memory, a sharding error...: the files read back fine, so nothing is moved aside."""
+  workdir = str(tmp_path)
+  mngr = _saved(workdir, [1, 2])
+
+  def failing_restore(*args, **kwargs):
+    raise RuntimeError('RESOURCE_EXHAUSTED: out of memory')
+  monkeypatch.setattr(mngr, 'restore', failing_restore)
+  with pytest.raises(RuntimeError, match='out of memory'):
+    checkpoint.restore_latest(mngr, _abstract())
+  assert sorted(mngr.all_steps()) == [1, 2]
+  assert not os.path.exists(os.path.join(workdir, 'corrupt_checkpoints'))
+
+
+def test_a_second_quarantine_of_a_step_keeps_the_first(tmp_path):
+  workdir = str(tmp_path)
+  mngr = _saved(workdir, [1])
+  for _ in range(2):   # step 2 written, found corrupt, moved aside; twice
+    checkpoint.save(mngr, 2, _state(2), None)
+    mngr.wait_until_finished()
+    _corrupt(workdir, 2, 'delete')
+    assert checkpoint.restore_latest(mngr, _abstract())[1] == 1
+  moved = sorted(os.listdir(os.path.join(workdir, 'corrupt_checkpoints')))
+  assert moved == ['2', '2.1']
+
+
+def test_the_config_saved_with_a_checkpoint_reads_back(tmp_path):
+  mngr = checkpoint.manager(str(tmp_path), keep=3, async_save=False)
+  checkpoint.save(mngr, 1, _state(1), None, {'train': {'lr': 0.5}})
+  checkpoint.save(mngr, 2, _state(2), None)
+  mngr.wait_until_finished()
+  assert checkpoint.saved_config(mngr, 1) == {'train': {'lr': 0.5}}
+  assert checkpoint.saved_config(mngr, 2) is None

@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 
+import orbax.checkpoint as ocp
 import pytest
 
 from sharenet import resume, train_lib
@@ -99,8 +100,14 @@ def test_restorable_change_resumes_from_the_last_checkpoint(copy_of, capsys, con
   for key in overrides:
     assert key in note[0]
   assert ('none changes the train state' in note[0]) == (not overrides)
-  steps = [r['step'] for r in read_metrics(copy_of) if 'loss' in r]
-  assert steps == list(range(1, 31))   # 21..30 appended once, nothing redone
+  rows = [r for r in read_metrics(copy_of) if 'loss' in r]
+  assert [r['step'] for r in rows] == list(range(1, 31))   # 21..30 appended once, none redone
+  # The optimizer trains with the new peak LR and the log reports it.
+  peak = overrides.get('train.lr', config().train.lr)
+  state = ocp.CheckpointManager(os.path.join(copy_of, 'checkpoints')).restore(
+      30, args=ocp.args.Composite(state=ocp.args.StandardRestore()))['state']
+  assert float(state['opt_state']['hyperparams']['peak_lr']) == pytest.approx(peak, rel=1e-6)
+  assert max(r['lr'] for r in rows[20:]) <= peak * (1 + 1e-6)
   after = _hashes(copy_of)
   for step in (10, 20):
     assert _steps_of(after, step) == _steps_of(before, step)
@@ -110,7 +117,6 @@ def test_restorable_change_resumes_from_the_last_checkpoint(copy_of, capsys, con
 def test_restore_params_loads_parameters_with_a_fresh_optimizer(copy_of, capsys, config):
   import jax
   import numpy as np
-  import orbax.checkpoint as ocp
   before = _hashes(copy_of)
   cfg = config(**{'train.steps': 30, 'train.grad_clip': 0.0, 'train.restore': 'params'})
   train_lib.train_and_evaluate(cfg, copy_of)
@@ -124,11 +130,11 @@ def test_restore_params_loads_parameters_with_a_fresh_optimizer(copy_of, capsys,
   restore = lambda s: mngr.restore(s, args=ocp.args.Composite(
       state=ocp.args.StandardRestore()))['state']
   s20, s30 = restore(20), restore(30)
-  # The new run's Adam count restarted at step 20 (10 updates since), its params moved on from
-  # the loaded ones.
-  counts = [np.asarray(x) for p, x in jax.tree_util.tree_flatten_with_path(s30['opt_state'])[0]
+  # Adam's moments restarted at step 20 (10 updates since) while the LR schedule's counts went
+  # on from 20; the params moved on from the loaded ones.
+  counts = [int(x) for p, x in jax.tree_util.tree_flatten_with_path(s30['opt_state'])[0]
             if 'count' in jax.tree_util.keystr(p)]
-  assert counts and all(int(c) == 10 for c in counts), counts
+  assert sorted(counts) == [10, 30, 30], counts
   assert int(s30['step']) == 30
   emb20 = np.asarray(s20['params']['params']['embed']['embedding'])
   emb30 = np.asarray(s30['params']['params']['embed']['embedding'])

@@ -100,7 +100,7 @@ def test_corrupt_newest_checkpoint_falls_back(tmp_path, capsys, how, tiny_config
 
 def test_different_model_in_workdir_fails_clearly(reference_run, tiny_config):
   workdir, _ = reference_run
-  with pytest.raises(ConfigError, match=r'different model \(model.d_model: 32 -> 48'):
+  with pytest.raises(ConfigError, match=r'different model \(model.d_model 32 -> 48'):
     train_lib.train_and_evaluate(tiny_config(**{'model.d_model': 48}), workdir)
 
 
