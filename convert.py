@@ -2,7 +2,8 @@
 [--config.a.b=v]; the options and their defaults: sharenet/defaults.py conversion_config.
 
 DST gets config.json and a checkpoint (fresh optimizer state and data iterator) that eval.py
-reads and train.py can continue from; the conversions are in sharenet/transforms/convert.py.
+reads and train.py continues (--config configs/workdir.py:DST); the conversions are in
+sharenet/transforms/convert.py.
 """
 from absl import flags, logging
 

@@ -142,7 +142,7 @@ def main(argv):
       print(f"| {d} | {scheme} | {layers} | {b['remat']} | {b['tokens_per_sec']:,.0f} | "
             f"{100 * b['mfu']:.1f}% | {ratio:.2f}x ({lo:.2f}-{hi:.2f}) |")
   if args.out:
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, 'w') as f:
       json.dump({'peak_flops': peak, 'device': jax.devices()[0].device_kind, 'rows': rows,
                  'summary': summary, 'args': args.to_dict()}, f, indent=2)

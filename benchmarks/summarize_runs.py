@@ -1,4 +1,4 @@
-"""Markdown table of finished runs: python benchmarks/summarize_runs.py runs/untied runs/cycle ...
+"""Markdown table of finished runs: python -m benchmarks.summarize_runs runs/untied runs/cycle ...
 
 Per run: eval bits per byte (last eval), params_unique, params_applied, median tokens/s over the
 logged steps after the first log window (which includes compilation).
@@ -6,7 +6,9 @@ logged steps after the first log window (which includes compilation).
 import json
 import os
 import statistics
-import sys
+
+from sharenet import config_lib
+from sharenet.errors import ConfigError
 
 
 def summarize(workdir: str) -> dict:
@@ -24,7 +26,10 @@ def summarize(workdir: str) -> dict:
           'tokens_per_sec': statistics.median(r['tokens_per_sec'] for r in train[1:] or train)}
 
 
-def main(dirs):
+def main(argv):
+  dirs = argv[1:]
+  if not dirs:
+    raise ConfigError('no workdirs given; valid: python -m benchmarks.summarize_runs DIR [DIR ...]')
   rows = [summarize(d) for d in dirs]
   print('| config | plan | LoRA r | steps | eval bits/byte | params_unique | params_applied | tokens/s |')
   print('|---|---|---|---|---|---|---|---|')
@@ -34,4 +39,4 @@ def main(dirs):
 
 
 if __name__ == '__main__':
-  main(sys.argv[1:])
+  config_lib.run(main)

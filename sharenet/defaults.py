@@ -31,17 +31,20 @@ def default_config() -> ml_collections.ConfigDict:
   m.head_dim = 0              # 0 -> d_model // num_heads
   m.reader_bias = False       # biases on q/k/v, MLP-in and readout (written by conversions)
   m.center_embedding = False  # subtract each embedded vector's mean (zero-mean writer, tied)
-  m.remat = 'dots'            # none | full | dots | dots_no_batch | save_names | offload_dots | except_attn
+  m.remat = 'dots'            # none | full | dots | dots_no_batch | save_names | offload_dots |
+                              # except_attn
   m.scan_unroll = 1           # nn.scan unroll factor
   m.scan_layers = True        # False: Python loop over layers (benchmark baseline)
   m.scan_split_transpose = True  # weight grads of stacked sets as a map after the backward loop
-  m.scan_lowering = 'nested'  # nested | flat: tied plans as nested scans, or one scan over gathered sets
+  m.scan_lowering = 'nested'  # nested | flat: tied plans as nested scans, or one scan over
+                              # gathered sets
   m.dtype = 'float32'         # compute dtype: float32 | bfloat16
   m.param_dtype = 'float32'
   m.sharing = s = ml_collections.ConfigDict()
   s.scheme = 'untied'         # untied | universal | cycle | sequence | middle_cycle |
                               # middle_sequence | sandwich | groups | explicit
-  s.num_unique = 0            # stored sets (middle/sandwich count first and last); 0 -> from repeats
+  s.num_unique = 0            # stored sets (middle/sandwich count first and last); 0 -> from
+                              # repeats
   s.repeats = 0               # applications of each shared set; 0 -> from num_unique
   s.pattern = ''              # explicit: comma-separated set index per applied layer
   s.untie_norms = False       # norm gains per applied layer (WideNet / Subformer)
@@ -104,12 +107,15 @@ def default_config() -> ml_collections.ConfigDict:
   tr.adamp_wd_ratio = 0.1
 
   c.parametrization = p = ml_collections.ConfigDict()
-  p.kind = 'sp'               # sp | mup | mup_table3 | umup | completep (sharenet/parametrization.py)
-  p.base_d_model = 0          # width of the proxy model the multipliers are relative to; 0 -> d_model
+  p.kind = 'sp'               # sp | mup | mup_table3 | umup | completep
+                              # (sharenet/parametrization.py)
+  p.base_d_model = 0          # width of the proxy model the multipliers are relative to;
+                              # 0 -> d_model
   p.base_num_heads = 0        # heads of the proxy; 0 -> num_heads (head_dim scales with width)
   p.base_depth = 0            # completep: unique sets of the depth proxy; 0 -> same depth
   p.depth_alpha = 1.0         # completep: residual branch x m_L^-alpha
-  p.loop_rule = 'none'        # none | inv_R | inv_sqrt_R: branch multiplier of a block applied R times
+  p.loop_rule = 'none'        # none | inv_R | inv_sqrt_R: branch multiplier of a block applied
+                              # R times
   p.wd_mode = 'lr_coupled'    # lr_coupled: decay lr(t)*wd*p per leaf | independent: (lr(t)/lr)*wd*p
   p.readout_zero_init = False
   p.query_zero_init = False
@@ -118,7 +124,8 @@ def default_config() -> ml_collections.ConfigDict:
   mh.data = -1                # data-parallel replicas; -1 -> the devices left by fsdp, tensor
   mh.fsdp = 1                 # params and optimizer state sharded over embed (ZeRO-3 style)
   mh.tensor = 1               # tensor parallel: attention heads, MLP hidden, vocab
-  mh.distributed = False      # multi-host: jax.distributed.initialize() (or $SHARENET_DISTRIBUTED=1)
+  mh.distributed = False      # multi-host: jax.distributed.initialize()
+                              # (or $SHARENET_DISTRIBUTED=1)
   # Logical axis -> mesh axes (first match wins; see sharenet/sharding.py). Scan axes unsharded.
   mh.rules = (
       ('activation_batch', ('data', 'fsdp')), ('activation_length', None),
@@ -137,7 +144,8 @@ def conversion_config() -> ml_collections.ConfigDict:
   """Options of convert.py (sharenet.workdir_lib.convert_workdir)."""
   c = ml_collections.ConfigDict()
   c.to = ''                   # rmsnorm | crmsnorm | recursive
-  c.scheme = 'cycle'          # recursive: universal | cycle | sequence | middle_cycle | middle_sequence
+  c.scheme = 'cycle'          # recursive: universal | cycle | sequence | middle_cycle |
+                              # middle_sequence
   c.num_unique = 0            # recursive: stored sets (middle schemes count first and last), >= 1
   c.init = 'stepwise'         # recursive: stepwise | average | lower
   c.lora_rank = 0             # recursive: depth-wise LoRA rank; 0 = off

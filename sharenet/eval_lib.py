@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -13,15 +13,18 @@ from sharenet import data
 from sharenet.models import DecoderLM
 
 
-def token_nll(model: DecoderLM, params: Any, tokens_BT1: jax.Array) -> jax.Array:
-  """Per-position next-token negative log-likelihood (B, T)."""
-  logits_BTV = model.apply(params, tokens_BT1[:, :-1])
-  return optax.softmax_cross_entropy_with_integer_labels(logits_BTV, tokens_BT1[:, 1:])
+def token_nll(model: DecoderLM, params: Any, tokens_BT1: jax.Array,
+              mutable: Sequence[str] = ()) -> tuple[jax.Array, Any]:
+  """Per-position next-token negative log-likelihood (B, T), and the sown `mutable` collections
+  ({} if none): the one loss that training (train_lib.loss_fn) and evaluation share."""
+  logits_BTV, aux = model.apply(params, tokens_BT1[:, :-1], mutable=list(mutable))
+  nll_BT = optax.softmax_cross_entropy_with_integer_labels(logits_BTV, tokens_BT1[:, 1:])
+  return nll_BT, aux
 
 
 @functools.partial(jax.jit, static_argnums=0)
 def _eval_step(model: DecoderLM, params: Any, tokens_BT1: jax.Array, mask_BT: jax.Array):
-  nll_BT = token_nll(model, params, tokens_BT1)
+  nll_BT, _ = token_nll(model, params, tokens_BT1)
   return jnp.sum(nll_BT * mask_BT), jnp.sum(mask_BT)
 
 

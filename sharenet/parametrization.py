@@ -3,8 +3,8 @@
 Presets (papers in docs/references.md):
   sp          standard parametrization: every multiplier 1.
   mup         microsoft/mup, TP5 Table 8 (arXiv:2203.03466): hidden Adam LR / m; readout init
-              constant in width (SP x sqrt(m_d)) and forward multiplier 1/m_d on the logits; attention
-              1/d_head (as alpha/d_head with alpha = sqrt(base d_head), so base width == SP).
+              constant in width (SP x sqrt(m_d)) and forward multiplier 1/m_d on the logits;
+              attention 1/d_head (as alpha/d_head with alpha = sqrt(base d_head), so base width == SP).
               Works with tied embeddings (the 1/m_d sits on the logits, not on the tensor).
   mup_table3  TP5 Table 3 / Lingle (arXiv:2404.05728): readout init std ~ 1/d (SP x 1/sqrt(m_d)), no
               readout multiplier, readout LR / m_d. Untied readouts only.
@@ -13,8 +13,8 @@ Presets (papers in docs/references.md):
               gains L^-1/2, readout 1; attention 1/d_head. Absolute (not base-relative) rules;
               the unit-scaled residual/attention/loss ops of u-muP are not implemented.
   completep   mup plus the CompleteP depth rule (arXiv:2505.01618, alpha = depth_alpha): residual
-              branches x m_L^-alpha, hidden LR x m_L^(alpha-1), trunk vector LR x m_L^(alpha-1), hidden
-              Adam eps x m_d^-1 m_L^-alpha; m_L = unique sets / base_depth.
+              branches x m_L^-alpha, hidden LR x m_L^(alpha-1), trunk vector LR x
+              m_L^(alpha-1), hidden Adam eps x m_d^-1 m_L^-alpha; m_L = unique sets / base_depth.
 Loop rule (any preset; Wang et al., arXiv:2606.18524; no settled rule): the residual branches of a
 block applied R times get x 1/R (`inv_R`) or x 1/sqrt(R) (`inv_sqrt_R`); Adam LR and eps are
 not scaled by R (Adam normalises the summed per-use gradient; our derivation, not a published rule).

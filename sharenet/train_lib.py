@@ -80,10 +80,7 @@ def loss_fn(params: Any, tstate: Any, batch_BT1: jax.Array, *, model: DecoderLM,
             tr: Transforms | None = None, pz: parametrization.Parametrization | None = None,
             mutable: Sequence[str] = ()) -> tuple[jax.Array, Any]:
   """Mean next-token NLL under the `effective` params, and the sown `mutable` collections."""
-  inputs_BT, targets_BT = batch_BT1[:, :-1], batch_BT1[:, 1:]
-  logits_BTV, aux = model.apply(effective(params, tstate, tr, pz), inputs_BT,
-                                mutable=list(mutable))
-  nll_BT = optax.softmax_cross_entropy_with_integer_labels(logits_BTV, targets_BT)
+  nll_BT, aux = eval_lib.token_nll(model, effective(params, tstate, tr, pz), batch_BT1, mutable)
   return jnp.mean(nll_BT), aux
 
 

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
-from sharenet import checkpoint, data, defaults, eval_lib, optim, sharding, train_lib
+from sharenet import checkpoint, data, defaults, eval_lib, optim, resume, sharding, train_lib
 from sharenet.errors import ConfigError
 from sharenet.models import DecoderLM, ModelConfig
 from sharenet.transforms import Transforms, convert
@@ -104,15 +104,18 @@ def convert_workdir(workdir: str, out: str, opts: Any) -> dict[str, Any]:
   says and writes `out` (config.json and a checkpoint with fresh optimizer and data state)."""
   if opts.to not in CONVERSIONS:
     raise ConfigError(f'config.to={opts.to!r} is unknown; valid: {", ".join(CONVERSIONS)}')
-  if opts.to == 'recursive':
-    for key, valid in (('scheme', convert.RECURSIVE_SCHEMES), ('init', convert.INITS),
-                       ('lora_init', ('zero', 'svd'))):
-      if opts[key] not in valid:
-        raise ConfigError(f'config.{key}={opts[key]!r} is unknown; valid: {", ".join(valid)}')
-    if opts.num_unique < 1:
-      raise ConfigError(f'config.to=recursive needs config.num_unique >= 1, got '
-                        f'{opts.num_unique}')
+  if opts.to == 'recursive' and opts.num_unique < 1:
+    raise ConfigError(f'config.to=recursive needs config.num_unique >= 1, got '
+                      f'{opts.num_unique}')
+  if os.path.abspath(out) == os.path.abspath(workdir) or (
+      os.path.isdir(out) and os.listdir(out)):
+    raise ConfigError(f'--out {out} is the source or not empty; valid: a new directory '
+                      f'(a conversion never writes over a run)')
   config = load_config(workdir)
+  if config.transforms.project == 'ngpt':
+    raise ConfigError('conversions of a model trained with transforms.project=ngpt are not '
+                      'function-preserving (its projection would re-normalise the converted '
+                      'matrices); valid: a source with project=none or nap')
   if config.parametrization.kind != 'sp':
     raise ConfigError(f'conversions support parametrization.kind=sp, got '
                       f'{config.parametrization.kind} (its forward multipliers would be folded '
@@ -140,15 +143,19 @@ def convert_workdir(workdir: str, out: str, opts: Any) -> dict[str, Any]:
   new_tr = Transforms(new_config.transforms, DecoderLM(new_cfg))
   tx = optim.make_optimizer(new_config.train, new_tr)
   params, tstate = new_tr.init(new_vars)
-  new_state = train_lib.TrainState(jnp.asarray(step, jnp.int32), params, tx.init(params), tstate)
+  # A fresh optimizer state whose LR schedule continues at the source's step.
+  new_state = train_lib.TrainState(jnp.asarray(step, jnp.int32), params,
+                                   optim.at_step(tx.init(params), step), tstate)
   t = new_config.train
   it = data.make_train_iterator(new_config.data, t.seq_len, t.batch_size, t.seed, 0, 1)
   mngr = checkpoint.manager(out, t.keep_checkpoints, async_save=False)
-  checkpoint.save(mngr, step, new_state, it)
+  shapes = train_lib.param_shapes(params)
+  checkpoint.save(mngr, step, new_state, it,
+                  {**resume.config_dict(new_config), 'param_shapes': shapes})
   mngr.wait_until_finished()
   mngr.close()
   summary = {**raw, 'converted_from': os.path.abspath(workdir), 'conversion': opts.to,
-             'param_shapes': train_lib.param_shapes(params)}
+             'param_shapes': shapes}
   with open(os.path.join(out, 'config.json'), 'w') as f:
     json.dump(summary, f, indent=2, sort_keys=True, default=str)
   return {'step': step, 'model': raw['model']}

@@ -57,7 +57,8 @@ def test_every_field_of_a_config_file_is_settable_from_the_command_line(path):
   path = os.path.join(ROOT, path)
   define = lambda fv, argv: config_lib.define_config_file('config', path, '', fv, argv)
   config = _parse(define, ['prog', '--config', path])
-  assert set(config_lib.dotted_keys(defaults.default_config())) <= set(config_lib.dotted_keys(config))
+  assert (set(config_lib.dotted_keys(defaults.default_config()))
+          <= set(config_lib.dotted_keys(config)))
   _check_every_field(define, config, ['prog', '--config', path])
 
 

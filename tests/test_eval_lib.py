@@ -40,7 +40,7 @@ def _nll_by_hand(model, params, tokens):
 def test_token_nll_is_the_log_softmax_nll(model_and_params):
   model, params = model_and_params
   tokens = jax.random.randint(jax.random.key(1), (2, 9), 0, 256)
-  nll = jax.jit(eval_lib.token_nll, static_argnums=0)(model, params, tokens)
+  nll, _ = jax.jit(eval_lib.token_nll, static_argnums=0)(model, params, tokens)
   assert nll.shape == (2, 8)
   np.testing.assert_allclose(nll, _nll_by_hand(model, params, tokens), rtol=1e-5)
 

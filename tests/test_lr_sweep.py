@@ -50,7 +50,7 @@ def test_lr_sweep_vmapped_cells_match_the_train_step_in_python():
 def test_lr_sweep_cell_with_transforms_equals_a_train_run(tmp_path):
   """Transforms (sigma-reparam with its power-iteration state, AGC) and grad_accum=2 inside a
   sweep: cell (lr, seed 0) ends at the loss train_lib.train_and_evaluate logs at train.lr=lr."""
-  c = sweep_config({'transforms.reparam': 'sigma_reparam', 'transforms.update': 'agc',
+  c = sweep_config({'transforms.reparam': 'sigma_reparam', 'transforms.updates': 'agc',
                     'train.grad_accum': 2, 'train.weight_decay': 0.1})
   toks = lr_sweep.batches(c, c.train.steps)
   lrs = [2.0 ** -9, 2.0 ** -6]

@@ -54,4 +54,5 @@ def test_norm_study_workers_sharing_one_out_keep_every_row(tmp_path):
   rows.append({**row('cycle', 'none', 82.8), 'status': 'unstable'})
   table = norm_study.to_markdown(rows)
   assert '| none | activation norm |  | unstable (82.8) |' in table
-  assert table.index('| rmsnorm |') < table.index('| dyt |') < table.index('| none |')  # VARIANTS order
+  # VARIANTS order
+  assert table.index('| rmsnorm |') < table.index('| dyt |') < table.index('| none |')

@@ -259,7 +259,6 @@ import jax, ml_collections, numpy as np, optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as PS
 import flax.linen as nn
 from flax.traverse_util import flatten_dict
-sys.path.insert(0, sys.argv[1])
 from sharenet.models import DecoderLM, ModelConfig, init_boxed, init_variables, param_table
 from sharenet import optim, parametrization as P
 # Self-contained: the same tiny model, train config, tokens and loss as the tests above.
@@ -309,7 +308,7 @@ print('RESULT' + json.dumps(out))
 
 def _run_sharded(root, n):
   env = dict(os.environ, XLA_FLAGS=f'--xla_force_host_platform_device_count={n} '
-             '--xla_backend_optimization_level=0', JAX_PLATFORMS='cpu')
+             '--xla_backend_optimization_level=0', JAX_PLATFORMS='cpu', PYTHONPATH=root)
   res = subprocess.run([sys.executable, '-c', _SHARDED, root, str(n)], env=env,
                        capture_output=True, text=True, timeout=600)
   assert res.returncode == 0, res.stderr[-3000:]

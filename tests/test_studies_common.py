@@ -34,3 +34,15 @@ def test_study_driver_runs_each_axis_then_writes_json_and_plots(tmp_path):
   c.study.axes = 'width,bogus'
   with pytest.raises(ConfigError, match="unknown axis 'bogus'"):
     common.run_axes(c, str(tmp_path), 'demo', run_axis, plot)
+
+
+def test_with_overrides_rejects_an_unknown_key_naming_the_nearest():
+  from sharenet import defaults
+  from sharenet.errors import ConfigError
+  from sharenet.studies import common
+  base = defaults.default_config()
+  c = common.with_overrides(base, {'transforms.updates': 'agc', 'model.d_model': 64})
+  assert c.transforms.updates == 'agc' and c.model.d_model == 64 and base.model.d_model == 256
+  with pytest.raises(ConfigError, match="unknown config key 'transforms.update'; did you mean "
+                     "'transforms.updates'"):
+    common.with_overrides(base, {'transforms.update': 'agc'})

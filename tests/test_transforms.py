@@ -106,6 +106,18 @@ def test_convert_cli_on_a_trained_pre_ln_checkpoint(tmp_path):
   opts.to = 'recursive'
   with pytest.raises(ConfigError, match='num_unique >= 1'):
     workdir_lib.convert_workdir(src, str(tmp_path / 'x'), opts)
+  opts.to = 'rmsnorm'
+  with pytest.raises(ConfigError, match='not empty'):   # never over a run
+    workdir_lib.convert_workdir(src, str(tmp_path / 'rmsnorm'), opts)
+  # train.py continues a converted run with its own recorded config (configs/workdir.py).
+  from configs import workdir as workdir_config
+  dst = str(tmp_path / 'crmsnorm')
+  cont = workdir_config.get_config(dst)
+  cont.train.steps, cont.train.progress = 14, False
+  out = train_lib.train_and_evaluate(cont, dst)
+  assert np.isfinite(out['eval_loss']) and out['eval_loss'] < base + 0.1
+  assert sorted(int(d) for d in os.listdir(os.path.join(dst, 'checkpoints'))
+                if d.isdigit())[-1] == 14
 
 
 @pytest.mark.parametrize('L,K,scheme,init,expected', [

@@ -32,14 +32,15 @@ BYTE_VOCAB = 256
 _VAL_MODULUS = 50  # 1 in 50 files; 1 in 100 left too few validation bytes.
 
 
-def get_field(cfg: Any, name: str, default: Any = None) -> Any:
-  """Reads a field from a ConfigDict, dict or object, with a default if absent."""
-  return cfg.get(name, default) if hasattr(cfg, 'get') else getattr(cfg, name, default)
+def get_field(cfg: Any, name: str) -> Any:
+  """`data.<name>` of a ConfigDict or dict; a key it lacks takes sharenet/defaults.py's value."""
+  from sharenet import defaults
+  return defaults.fill('data', cfg)[name]
 
 
 def source_and_path(data_cfg: Any) -> tuple[str, str]:
   """Returns (`data.source`, `data.path`), raising ConfigError for an unknown source."""
-  source, path = get_field(data_cfg, 'source', 'stdlib'), get_field(data_cfg, 'path', '') or ''
+  source, path = get_field(data_cfg, 'source'), get_field(data_cfg, 'path') or ''
   if source not in SOURCES:
     raise ConfigError(f'data.source={source!r} is unknown; valid choices: {", ".join(SOURCES)}')
   if source != 'stdlib' and not path:

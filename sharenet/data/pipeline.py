@@ -82,7 +82,7 @@ def make_train_iterator(data_cfg: Any, seq_len: int, batch_size: int, seed: int,
         .map(_Windows(source, path, seq_len)))
   # Data is in memory (or mmapped) and gathering is cheap: reading threads only add GIL churn.
   it_ds = ds.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
-  num_workers = corpus.get_field(data_cfg, 'num_workers', 0) or 0
+  num_workers = corpus.get_field(data_cfg, 'num_workers')
   if num_workers > 0:
     it_ds = it_ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=num_workers))
   return iter(it_ds)
@@ -145,7 +145,7 @@ def validate_data_config(data_cfg: Any, seq_len: int, batch_size: int, process_c
                       f'process_count={process_count}')
   if seq_len <= 0:
     raise ConfigError(f'train.seq_len={seq_len} must be positive')
-  num_workers = corpus.get_field(data_cfg, 'num_workers', 0)
+  num_workers = corpus.get_field(data_cfg, 'num_workers')
   if num_workers is not None and num_workers < 0:
     raise ConfigError(f'data.num_workers={num_workers} must be >= 0')
   for name, tokens in zip(('train', 'validation'), corpus.load_splits(data_cfg)):

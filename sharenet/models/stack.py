@@ -1,7 +1,7 @@
 """The layer stack: one nested nn.scan per plan segment, so tying is a scan setting.
 
 Inside a segment, a collection that is *broadcast* across a scan is tied and a collection
-with `variable_axes` is per iteration (DESIGN idea 1). 'params' is stacked over the K unique
+with `variable_axes` is per iteration. 'params' is stacked over the K unique
 sets and broadcast over the R repeats; PER_LAYER (untied norm gains, depth-wise LoRA) is
 scanned at every level, so it holds one entry per applied layer. Compile time therefore does
 not grow with R.

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import difflib
 import json
 import os
 import sys
@@ -21,11 +22,17 @@ def parse_list(s: Any, cast=int) -> list:
 
 
 def with_overrides(config: Any, overrides: dict[str, Any]) -> Any:
-  """A copy of `config` with dotted-key overrides ('model.d_model': 128)."""
+  """A copy of `config` with dotted-key overrides ('model.d_model': 128); an unknown key is a
+  ConfigError naming the nearest valid one (a typo never silently adds a field)."""
+  from sharenet import config_lib
+  from sharenet.errors import ConfigError
   c = copy.deepcopy(config)
-  if hasattr(c, 'unlock'):
-    c.unlock()
+  valid = config_lib.dotted_keys(c)
   for key, value in overrides.items():
+    if key not in valid:
+      near = difflib.get_close_matches(key, list(valid), n=1)
+      raise ConfigError(f'unknown config key {key!r}' + (f'; did you mean {near[0]!r}?' if near
+                                                         else ''))
     node = c
     *parents, leaf = key.split('.')
     for p in parents:

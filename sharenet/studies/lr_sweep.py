@@ -10,7 +10,8 @@ train.steps=study.steps and init seed train.seed + i; all cells read the loop's 
 train.seed in the same order.
 Per width the optimum is the vertex of a quadratic in log2 LR fitted to the seed-mean loss at
 the grid argmin and its neighbours (the protocol of Lingle, arXiv:2404.05728). Writes
-DIR/lr_sweep.json and DIR/lr_sweep_{axis}.png (loss against LR, one curve per x, one panel per parametrization).
+DIR/lr_sweep.json and DIR/lr_sweep_{axis}.png (loss against LR, one curve per x, one panel per
+parametrization).
 """
 from __future__ import annotations
 

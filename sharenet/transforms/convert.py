@@ -23,7 +23,8 @@ the recursive conversion follows Relaxed Recursive Transformers (arXiv:2410.2067
 
 CLI: python convert.py --workdir SRC --out DST --config.to=rmsnorm|crmsnorm|recursive [...]
 (sharenet.workdir_lib.convert_workdir) writes DST/config.json and a checkpoint (fresh optimizer
-state and data iterator) that eval.py reads and train.py can continue from.
+state and data iterator) that eval.py reads and train.py continues with
+`--config configs/workdir.py:DST`.
 """
 from __future__ import annotations
 
@@ -109,8 +110,8 @@ def _fold_bias(flat: dict, kernel_path: tuple, bias_path: tuple, beta, stacked: 
 
 def ln_to_rms(cfg: ModelConfig, variables: Any) -> tuple[ModelConfig, Any]:
   """Pre-LN -> Pre-RMSNorm computing the same function (see the module docstring)."""
-  _require(cfg.norm == 'layernorm', f'--to rmsnorm needs a layernorm model, got {cfg.norm}')
-  _require(cfg.norm_placement == 'pre', f'--to rmsnorm needs norm placement pre (the '
+  _require(cfg.norm == 'layernorm', f'config.to=rmsnorm needs a layernorm model, got {cfg.norm}')
+  _require(cfg.norm_placement == 'pre', f'config.to=rmsnorm needs norm placement pre (the '
            f'equivalence uses that only norms read the stream), got {cfg.norm_placement}')
   _require(not cfg.untie_norms and not cfg.lora_rank,
            'conversion of norms supports untie_norms=False and lora_rank=0 (folding into tied '
@@ -170,13 +171,13 @@ def writers_zero_mean(cfg: ModelConfig, variables: Any, tol: float = 1e-5) -> bo
 def rms_to_crms(cfg: ModelConfig, variables: Any) -> tuple[ModelConfig, Any]:
   """Pre-RMSNorm over a zero-mean stream -> Pre-CRMSNorm on d_model - 1 coordinates."""
   _require(cfg.norm == 'rmsnorm' and cfg.norm_placement == 'pre',
-           f'--to crmsnorm needs a pre-rmsnorm model, got {cfg.norm_placement}-{cfg.norm}; '
-           f'convert a layernorm model with --to rmsnorm first')
+           f'config.to=crmsnorm needs a pre-rmsnorm model, got {cfg.norm_placement}-{cfg.norm}; '
+           f'convert a layernorm model with config.to=rmsnorm first')
   _require(not cfg.untie_norms and not cfg.lora_rank,
            'conversion of norms supports untie_norms=False and lora_rank=0')
   _require(writers_zero_mean(cfg, variables),
            'the residual writers are not zero-mean, so RMSNorm -> CRMSNorm would change the '
-           'function; valid sources: a --to rmsnorm conversion or a model trained with '
+           'function; valid sources: a config.to=rmsnorm conversion or a model trained with '
            'transforms.reparam=zero_mean_writers')
   flat = {('params',) + k: v for k, v in flatten_dict(variables['params']).items()}
   d = cfg.d_model
@@ -220,6 +221,7 @@ def rms_to_crms(cfg: ModelConfig, variables: Any) -> tuple[ModelConfig, Any]:
 def _fill_missing(cfg: ModelConfig, variables: Any) -> Any:
   """Checks the converted tree against the new model's; absent biases become zeros."""
   ref = jax.eval_shape(lambda: init_variables(DecoderLM(cfg), jax.random.key(0)))
+  roles = param_table(cfg)
   out = {}
   for coll, tree in ref.items():
     have = flatten_dict(variables.get(coll, {}))
@@ -233,7 +235,7 @@ def _fill_missing(cfg: ModelConfig, variables: Any) -> Any:
         if tuple(have[k].shape) != tuple(s.shape):
           raise AssertionError(f'{coll}/{"/".join(k)}: {have[k].shape} != {s.shape}')
         filled[k] = jnp.asarray(have[k], s.dtype)
-      elif k[-1] == 'bias':
+      elif roles[(coll,) + k].role == 'bias':
         filled[k] = jnp.zeros(s.shape, s.dtype)
       else:
         raise AssertionError(f'conversion is missing {coll}/{"/".join(k)}')
@@ -264,11 +266,12 @@ def to_recursive(cfg: ModelConfig, variables: Any, scheme: str, num_unique: int,
                  lora_rank: int = 0, lora_init: str = 'zero', lora_targets: tuple = (),
                  untie_norms: bool = False, seed: int = 0) -> tuple[ModelConfig, Any]:
   """Untied -> recursive with `num_unique` stored sets (see the module docstring)."""
-  _require(cfg.scheme == 'untied', f'--to recursive needs an untied source, got {cfg.scheme}')
+  _require(cfg.scheme == 'untied', f'config.to=recursive needs an untied source, got {cfg.scheme}')
   _require(scheme in RECURSIVE_SCHEMES,
-           f'--scheme={scheme!r} is unknown; valid: {", ".join(RECURSIVE_SCHEMES)}')
-  _require(init in INITS, f'--init={init!r} is unknown; valid: {", ".join(INITS)}')
-  _require(lora_init in ('zero', 'svd'), f'--lora_init={lora_init!r}; valid: zero, svd')
+           f'config.scheme={scheme!r} is unknown; valid: {", ".join(RECURSIVE_SCHEMES)}')
+  _require(init in INITS, f'config.init={init!r} is unknown; valid: {", ".join(INITS)}')
+  _require(lora_init in ('zero', 'svd'),
+           f'config.lora_init={lora_init!r} is unknown; valid: zero, svd')
   _require(not cfg.lora_rank, 'the source already has depth-wise LoRA; valid: lora_rank=0')
   new_cfg = dataclasses.replace(
       cfg, scheme=scheme, num_unique=num_unique, repeats=0, pattern='', lora_rank=lora_rank,
