@@ -2,12 +2,11 @@
 
 Command:   python -m sharenet.studies.lr_sweep --config configs/mup/transfer.py \
                --out docs/results/mup
-Runtime:   17 min 14 s wall on the 2-core CPU alone (measured 2026-11-30; 42 min while shared
-           with other jobs). Width 512 dominates (~5.5 min per parametrization).
-Result:    (measured 2026-11-30, before the sweep ran the loop's step and schedule: see README)
-           optimum log2 LR per width 64/128/256/512:
-           sp  -6.84 / -8.11 / -9.39 / -10.62 (512 at the grid edge): shift 3.78 (13.7x)
-           mup -6.84 / -6.89 / -6.94 / -7.03: shift 0.19 (1.14x); loss at 2^-7 falls with width.
+Runtime:   25 min 19 s wall on the 2-core CPU (measured 2026-12-01). Width 512 dominates
+           (~7.5 min per parametrization).
+Result:    (measured 2026-12-01) optimum log2 LR per width 64/128/256/512:
+           sp  -7.02 / -8.36 / -9.53 / -10.70 (512 at the grid edge): shift 3.68 (12.8x)
+           mup -7.02 / -7.31 / -7.09 / -7.22: shift 0.29 (1.22x); loss at 2^-7 falls with width.
 """
 import ml_collections
 
