@@ -74,10 +74,15 @@ def leaf_signatures(tree: Any) -> dict[str, tuple[tuple[int, ...], str]]:
   return {'/'.join(_key(k) for k in path): (tuple(x.shape), str(x.dtype)) for path, x in flat}
 
 
+def _saved_tree(mngr: ocp.CheckpointManager, step: int) -> Any:
+  """The saved train state's metadata tree (raises if unreadable)."""
+  meta = ocp.StandardCheckpointHandler().metadata(epath.Path(_state_dir(mngr, step)))
+  return getattr(meta, 'tree', meta)
+
+
 def saved_signatures(mngr: ocp.CheckpointManager, step: int) -> dict[str, tuple]:
   """The saved train state's leaf signatures, read from its metadata (raises if unreadable)."""
-  meta = ocp.StandardCheckpointHandler().metadata(epath.Path(_state_dir(mngr, step)))
-  sigs = leaf_signatures(getattr(meta, 'tree', meta))
+  sigs = leaf_signatures(_saved_tree(mngr, step))
   if not sigs:
     raise ValueError('the saved state has no arrays')
   return sigs
@@ -117,11 +122,9 @@ def _files_readable(mngr: ocp.CheckpointManager, step: int) -> bool:
   """True if every array of the saved state reads back into host memory (no shardings, no
   target), i.e. the files are intact whatever made a restore fail."""
   try:
-    path = epath.Path(_state_dir(mngr, step))
-    tree = ocp.StandardCheckpointHandler().metadata(path)
-    tree = getattr(tree, 'tree', tree)
-    restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
-    ocp.PyTreeCheckpointer().restore(path, args=ocp.args.PyTreeRestore(
+    restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray),
+                                _saved_tree(mngr, step))
+    ocp.PyTreeCheckpointer().restore(_state_dir(mngr, step), args=ocp.args.PyTreeRestore(
         restore_args=restore_args))
     return True
   except Exception:  # noqa: BLE001 - anything that stops a plain read: the files are bad

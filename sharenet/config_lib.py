@@ -79,6 +79,12 @@ def dotted_keys(config: Any, prefix: str = '') -> dict[str, Any]:
   return out
 
 
+def unknown_key(key: str, keys: Any) -> str:
+  """The one-line message for a key not in `keys`, naming the nearest valid one."""
+  near = difflib.get_close_matches(key, list(keys), n=1, cutoff=0.0)
+  return f"unknown config key '{key}'" + (f"; did you mean '{near[0]}'?" if near else '')
+
+
 def _config_of(flag: Any, argv: list[str]) -> Any:
   """The ConfigDict a config flag would load from `argv` (or its default)."""
   spec = flag.default
@@ -113,9 +119,7 @@ def _describe(error: Exception, argv: list[str], configs: dict[str, Callable[[],
     for arg in argv:
       m = re.match(rf'--?(?:no)?{name}\.([^=\s]+)', arg)
       if m and m.group(1) not in keys and m.group(1) not in groups:
-        near = difflib.get_close_matches(m.group(1), list(keys), n=1, cutoff=0.0)
-        hint = f"; did you mean '{near[0]}'?" if near else ''
-        return f"--{name}.{m.group(1)}: unknown config key '{m.group(1)}'{hint}"
+        return f'--{name}.{m.group(1)}: {unknown_key(m.group(1), keys)}'
     m = re.match(rf'flag --{name}\.([^=\s]+)=(.*?): ', first)
     if m and m.group(1) in keys:
       key, value = m.group(1), m.group(2)

@@ -167,13 +167,18 @@ def _merge(base: dict[str, Any], over: Any) -> dict[str, Any]:
 RENAMED = {('transforms', 'update'): 'updates'}   # .update is ConfigDict's method
 
 
-def complete(raw: Any) -> ml_collections.ConfigDict:
-  """`raw` (a config or a config.json's dict, maybe older than some keys) over the defaults."""
+def renamed(raw: Any) -> dict[str, Any]:
+  """A copy of `raw` (a config or a config.json's dict) with old key names (RENAMED) updated."""
   raw = copy.deepcopy(raw.to_dict() if hasattr(raw, 'to_dict') else raw)
   for (group, old), new in RENAMED.items():
     if isinstance(raw.get(group), dict) and old in raw[group]:
       raw[group].setdefault(new, raw[group].pop(old))
-  return ml_collections.ConfigDict(_merge(default_config().to_dict(), raw))
+  return raw
+
+
+def complete(raw: Any) -> ml_collections.ConfigDict:
+  """`raw` (a config or a config.json's dict, maybe older than some keys) over the defaults."""
+  return ml_collections.ConfigDict(_merge(default_config().to_dict(), renamed(raw)))
 
 
 def fill(group: str, partial: Any = None) -> ml_collections.ConfigDict:

@@ -164,9 +164,9 @@ def make_chain(t: Any, transforms: Any = None, multipliers: Any = None,
   """The optimizer at peak LR `peak_lr` (default train.lr); its LR is `lr_schedule(t, peak_lr)`.
 
   `transforms` (sharenet.transforms.Transforms) adds AGC / AdamP / a post-step projection;
-  `multipliers` (parametrization.OptMultipliers) adds per-leaf LR / WD / eps multipliers. Decay
-  is `lr(t) * weight_decay * wd_mult * p` (lr-coupled, independent of the per-leaf LR
-  multiplier), or with `independent_wd` `(lr(t) / lr_peak) * weight_decay * wd_mult * p`, on
+  `multipliers` (parametrization.OptMultipliers) adds per-leaf LR / eps multipliers. Decay
+  is `lr(t) * weight_decay * p` (lr-coupled, independent of the per-leaf LR multiplier), or
+  with `independent_wd` `(lr(t) / lr_peak) * weight_decay * p`, on
   the leaves whose role train.decay_roles names; roles come from `table` (models.param_table)
   or else `transforms.infos`, one of which is needed when weight_decay > 0. Leaves the
   parametrization does not know (transform gains) get multiplier 1.
@@ -202,11 +202,9 @@ def make_chain(t: Any, transforms: Any = None, multipliers: Any = None,
   else:
     wd = t.weight_decay / (t.lr if peak_lr is None else peak_lr) if multipliers.independent_wd \
         else t.weight_decay
-    flat_lr, flat_wd, flat_eps = (flatten_dict(x) for x in
-                                  (multipliers.lr, multipliers.wd, multipliers.eps))
+    flat_lr, flat_eps = flatten_dict(multipliers.lr), flatten_dict(multipliers.eps)
     decayed = lambda path: table is not None and params_lib.role_at(table, path) in roles
-    # The role mask alone decides which leaves decay; multipliers.wd only scales their decay.
-    wd_of = lambda path: wd * flat_wd.get(path, 1.0) if decayed(path) else 0.0
+    wd_of = lambda path: wd if decayed(path) else 0.0   # the role mask alone decides
     parts += [scale_by_adam_tree_eps(t.b1, t.b2, lambda path: t.eps * flat_eps.get(path, 1.0)),
               scale_and_decay(lambda path: flat_lr.get(path, 1.0), wd_of),
               optax.scale_by_learning_rate(lr_schedule(t, peak_lr))]

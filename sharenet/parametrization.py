@@ -23,10 +23,10 @@ Forward multipliers on weights are applied as a reparametrization inside the los
 (`forward(params)`: W_eff = A * w, checkpoints keep raw w); residual-branch
 multipliers are folded into the branch's output projection (o, wo: x + eps f(x) = x + f with
 eps W_out, exact for pre/post norm). Model-level scalars (attention scale, logits multiplier)
-go into ModelConfig. Weight decay convention: decoupled, `decay = lr(t) * wd * wd_mult * p`
-with wd_mult independent of the per-leaf LR multiplier (microsoft/mup MuAdamW's lambda*m /
-CompleteP), or with wd_mode='independent' `decay = (lr(t)/lr_peak) * wd * p`
-(u-muP / Lingle).
+go into ModelConfig. Weight decay convention: decoupled, `decay = lr(t) * wd * p` on the
+leaves train.decay_roles selects, not scaled by the per-leaf LR multiplier (microsoft/mup
+MuAdamW's lambda*m / CompleteP), or with wd_mode='independent' `decay = (lr(t)/lr_peak) * wd * p`
+(u-muP / Lingle). `LeafRule.wd_mult` only reports whether the default roles decay a leaf.
 
 Roles, fan-in axes and SP init stds come from the role table recorded where each parameter is
 created (sharenet/params.py, `models.param_table`); fan-in multipliers from global shapes of the
@@ -116,11 +116,10 @@ class LeafRule:
 class OptMultipliers(NamedTuple):
   """Per-leaf optimizer multiplier trees (python floats) for optim.make_optimizer.
 
-  `wd` scales the decay of the leaves train.decay_roles selects (1 under every preset); which
-  leaves decay is the optimizer's role mask alone.
+  No preset scales weight decay per leaf: which leaves decay is the optimizer's role mask
+  (train.decay_roles) alone.
   """
   lr: Any
-  wd: Any
   eps: Any
   independent_wd: bool
 
@@ -322,8 +321,7 @@ class Parametrization:
     plain = all(r.lr_mult == 1.0 and r.eps_mult == 1.0 for r in self.rules.values())
     if plain and self.settings.wd_mode == 'lr_coupled':
       return None
-    wd = unflatten_dict({p: 1.0 for p in self.rules})   # no preset scales decay per leaf
-    return OptMultipliers(self.tree('lr_mult'), wd, self.tree('eps_mult'),
+    return OptMultipliers(self.tree('lr_mult'), self.tree('eps_mult'),
                           self.settings.wd_mode == 'independent')
 
   def describe(self) -> list[dict[str, Any]]:

@@ -66,10 +66,7 @@ class Changes:
   """Fields that differ between a workdir's recorded config and this run's config."""
 
   def __init__(self, prior: dict[str, Any] | None, config: Any):
-    old = _flat(config_dict(prior)) if prior else {}
-    for (group, name), new_name in defaults.RENAMED.items():   # keys renamed since
-      if f'{group}.{name}' in old:
-        old.setdefault(f'{group}.{new_name}', old.pop(f'{group}.{name}'))
+    old = _flat(config_dict(defaults.renamed(prior))) if prior else {}
     new = _flat(config_dict(config))
     # A field the old run did not record (an older sharenet) is not reported as a change.
     self.fields = {k: (old[k], new[k]) for k in sorted(new) if k in old and old[k] != new[k]}

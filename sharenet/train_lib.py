@@ -225,7 +225,6 @@ def _restore_params(mngr: Any, step: int, target: TrainState, data_iter: Any, in
                     tx: optax.GradientTransformation, workdir: str) -> TrainState:
   """train.restore=params: checkpoint `step`'s parameters (and transform state and data
   position where they still fit) in a fresh state with a fresh optimizer state."""
-  fresh = init()
   parts = {'step': target.step, 'params': target.params}
   kept = []
   try:
@@ -240,9 +239,10 @@ def _restore_params(mngr: Any, step: int, target: TrainState, data_iter: Any, in
     raise ConfigError(f'--workdir {workdir}: train.restore=params: the parameters of checkpoint '
                       f'{step} do not fit this config ({e.detail}); valid: the old config or a '
                       f'new --workdir') from None
-  state = fresh.replace(step=out['step'], params=out['params'],
-                        opt_state=_fresh_opt_state(tx, out['params'], step, target),
-                        tstate=out.get('tstate', fresh.tstate))
+  # A transform state that no longer fits starts as a fresh init's (power-iteration vectors).
+  tstate = out['tstate'] if 'tstate' in out else init().tstate
+  state = TrainState(out['step'], out['params'],
+                     _fresh_opt_state(tx, out['params'], step, target), tstate)
   try:
     _check_finite_state(state)
   except ValueError:

@@ -171,9 +171,7 @@ def test_unit_multiplier_chain_equals_adamw():
   v = init_variables(DecoderLM(cfg), jax.random.key(0))
   ones = jax.tree.map(lambda _: 1.0, v)
   table = param_table(cfg)
-  wd = optim.decay_mask(v, table)
-  wd = jax.tree.map(float, wd)
-  mult = P.OptMultipliers(ones, wd, ones, False)
+  mult = P.OptMultipliers(ones, ones, False)
   t = train_cfg(schedule='wsd', warmup_steps=2)
   adamw = optax.chain(optax.clip_by_global_norm(t.grad_clip),
                       optax.adamw(optim.lr_schedule(t), b1=t.b1, b2=t.b2, eps=t.eps,

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import copy
-import difflib
 import json
 import os
 import sys
@@ -30,9 +29,7 @@ def with_overrides(config: Any, overrides: dict[str, Any]) -> Any:
   valid = config_lib.dotted_keys(c)
   for key, value in overrides.items():
     if key not in valid:
-      near = difflib.get_close_matches(key, list(valid), n=1)
-      raise ConfigError(f'unknown config key {key!r}' + (f'; did you mean {near[0]!r}?' if near
-                                                         else ''))
+      raise ConfigError(config_lib.unknown_key(key, valid))
     node = c
     *parents, leaf = key.split('.')
     for p in parents:
