@@ -29,4 +29,5 @@ def get_config():
   c.study = s = ml_collections.ConfigDict()
   s.schemes = 'untied,cycle'  # comma list of sharenet/studies/norm_study.py SCHEMES
   s.variants = 'all'          # comma list of norm_study.py VARIANTS, or all
+  s.seeds = '0'               # comma list of train.seed values (init and data order) per cell
   return c

@@ -18,13 +18,23 @@ TINY = {'model.d_model': 32, 'model.num_layers': 2, 'model.num_heads': 2, 'model
 
 def test_norm_study_runs_variants_and_writes_the_table(tmp_path):
   out = str(tmp_path / 'study')
-  config = common.with_overrides(norm_study_config.get_config(),
-                                 {**TINY, 'study.schemes': 'cycle', 'study.variants': 'dyt,agc'})
+  config = common.with_overrides(
+      norm_study_config.get_config(),
+      {**TINY, 'study.schemes': 'cycle', 'study.variants': 'dyt,agc', 'study.seeds': '0'})
   assert norm_study.main(config, out) == 0
   rows = json.load(open(os.path.join(out, 'norm_study.json')))
-  assert [(r['variant'], r['status']) for r in rows] == [('dyt', 'ok'), ('agc', 'ok')]
+  assert [(r['variant'], r['seed'], r['status']) for r in rows] == [('dyt', 0, 'ok'),
+                                                                    ('agc', 0, 'ok')]
   table = open(os.path.join(out, 'norm_study.md')).read()
   assert '| dyt | activation norm |' in table and '| agc | update |' in table
+  # a second seed: its own workdir and row (train.seed = 1: another init and data order); the
+  # finished seed-0 cell is not rerun
+  assert norm_study.main(common.with_overrides(config, {'study.variants': 'dyt',
+                                                        'study.seeds': '0,1'}), out) == 0
+  rows = json.load(open(os.path.join(out, 'norm_study.json')))
+  dyt = {r['seed']: r for r in rows if r['variant'] == 'dyt'}
+  assert sorted(dyt) == [0, 1] and dyt[0]['eval_loss'] != dyt[1]['eval_loss']
+  assert sorted(os.listdir(os.path.join(out, 'cycle'))) == ['agc', 'dyt', 'dyt-seed1']
   assert os.path.exists(os.path.join(out, 'norm_study.png'))
   with pytest.raises(ConfigError, match="study.variants: 'batchnorm' is unknown; valid: rmsnorm"):
     norm_study.main(common.with_overrides(config, {'study.variants': 'batchnorm'}), out)
@@ -56,3 +66,29 @@ def test_norm_study_workers_sharing_one_out_keep_every_row(tmp_path):
   assert '| none | activation norm |  | unstable (82.8) |' in table
   # VARIANTS order
   assert table.index('| rmsnorm |') < table.index('| dyt |') < table.index('| none |')
+
+
+def test_norm_study_table_reports_mean_spread_and_paired_differences():
+  """Mean +- sample sd per cell; variant - baseline paired by seed, resolved by a two-sided 95 %
+  paired t-test (2 degrees of freedom: t > 4.303)."""
+  def row(v, seed, bpb, status='ok'):
+    return {'scheme': 'untied', 'variant': v, 'seed': seed, 'status': status,
+            'eval_bits_per_byte': bpb}
+  base = [2.20, 2.22, 2.21]                 # mean 2.21, sd 0.01
+  steady = [2.18, 2.20, 2.19]               # differences -0.02, -0.02, -0.02: sd 0 -> resolved
+  noisy = [2.17, 2.25, 2.18]                # sd 0.044; differences -0.03, +0.03, -0.03: mean -0.01, sd 0.0346
+  rows = ([row('rmsnorm', s, x) for s, x in enumerate(base)] +
+          [row('weight_std', s, x) for s, x in enumerate(steady)] +
+          [row('weight_norm', s, x) for s, x in enumerate(noisy)] +
+          [row('fixnorm', 0, 2.30)] + [row('none', s, 80.0, 'unstable') for s in range(3)])
+  table = norm_study.to_markdown(rows)
+  lines = {line.split(' | ')[0][2:]: line for line in table.splitlines()[2:]}
+  assert lines['rmsnorm'] == '| rmsnorm | activation norm | 2.210 +- 0.010 (3) |  |'
+  assert lines['weight_std'].endswith('| 2.190 +- 0.010 (3) | -0.020 +- 0.000 (3), resolved |')
+  # t = 0.01 / (0.03464 / sqrt 3) = 0.5 < 4.303
+  assert lines['weight_norm'].endswith('| 2.200 +- 0.044 (3) | -0.010 +- 0.035 (3), unresolved |')
+  assert lines['fixnorm'].endswith('| 2.300 | +0.100 (1 seed) |')   # vs seed 0's 2.20
+  assert lines['none'].endswith('| unstable (80) |  |')
+  # a difference of +-0.01 around a mean of 0.1 over 3 seeds: t = 0.1 / (0.01 / sqrt 3) = 17.3
+  assert norm_study.paired_difference({0: 1.11, 1: 1.10, 2: 1.09}, {0: 1.0, 1: 1.0, 2: 1.0})[3]
+  assert not norm_study.paired_difference({0: 1.1}, {0: 1.0})[3]      # one seed: never resolved

@@ -2,14 +2,20 @@
 
   python -m sharenet.studies.norm_study --config configs/norm_study.py --out runs/norm_study \
       [--config.study.schemes=untied,cycle] [--config.study.variants=rmsnorm,dyt,...]
-      [--config.train.steps=N ...]
+      [--config.study.seeds=0,1,2] [--config.train.steps=N ...]
 
 Each variant is a set of config overrides on the base config, trained with the one train loop
-(train_lib.train_and_evaluate) into OUT/<scheme>/<variant>. A run that hits a non-finite loss is
-recorded as diverged (its step), not dropped; one that stays finite but ends more than a nat
-worse than the uniform distribution (eval loss > ln vocab + 1) is recorded as unstable. Writes
-OUT/norm_study.json, OUT/norm_study.md (eval bits per byte, final train loss, seconds, status)
-and OUT/norm_study.png (train-loss curves).
+(train_lib.train_and_evaluate) into OUT/<scheme>/<variant> (seed = train.seed of the config) or
+OUT/<scheme>/<variant>-seed<N> (another seed: train.seed = N, which sets both the init and the
+data order). A run that hits a non-finite loss is recorded as diverged (its step), not dropped;
+one that stays finite but ends more than a nat worse than the uniform distribution (eval loss >
+ln vocab + 1) is recorded as unstable. Writes OUT/norm_study.json (one row per scheme x variant x
+seed), OUT/norm_study.md and OUT/norm_study.png (train-loss curves of the base seed).
+
+The table gives eval bits per byte: mean +- sample standard deviation over the seeds a cell has
+(the count in brackets when it is not 1), and per scheme the difference to the baseline
+(rmsnorm) paired by seed (same seed = same data order), marked resolved when a two-sided paired
+t-test at 95 % rejects a zero difference (at least 2 shared seeds; 3 seeds need |t| > 4.30).
 """
 from __future__ import annotations
 
@@ -44,14 +50,28 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     'adamp': ('update', {'transforms.updates': 'adamp'}),
 }
 SCHEMES = {'untied': {}, 'cycle': {'model.sharing.scheme': 'cycle', 'model.sharing.repeats': 2}}
+BASELINE = 'rmsnorm'
+# two-sided 95 % Student t quantiles by degrees of freedom (paired test over seeds)
+T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306,
+        9: 2.262}
 
 
-def run_one(base: Any, scheme: str, variant: str, out: str) -> dict[str, Any]:
+def _seed(row: dict[str, Any], base_seed: int) -> int:
+  return row.get('seed', base_seed)     # rows written before seeds existed ran the base seed
+
+
+def _key(row: dict[str, Any], base_seed: int) -> tuple[str, str, int]:
+  return row['scheme'], row['variant'], _seed(row, base_seed)
+
+
+def run_one(base: Any, scheme: str, variant: str, out: str, seed: int) -> dict[str, Any]:
   from sharenet import train_lib
-  config = common.with_overrides(base, {**SCHEMES[scheme], **VARIANTS[variant][1]})
-  workdir = os.path.join(out, scheme, variant)
+  config = common.with_overrides(base, {**SCHEMES[scheme], **VARIANTS[variant][1],
+                                        'train.seed': seed})
+  suffix = '' if seed == base.train.seed else f'-seed{seed}'
+  workdir = os.path.join(out, scheme, variant + suffix)
   t0 = time.time()
-  row = {'scheme': scheme, 'variant': variant, 'kind': VARIANTS[variant][0],
+  row = {'scheme': scheme, 'variant': variant, 'seed': seed, 'kind': VARIANTS[variant][0],
          'steps': config.train.steps}
   try:
     res = train_lib.train_and_evaluate(config, workdir)
@@ -65,28 +85,67 @@ def run_one(base: Any, scheme: str, variant: str, out: str) -> dict[str, Any]:
   return row
 
 
-def to_markdown(rows: list[dict[str, Any]]) -> str:
+def _stats(xs: list[float]) -> tuple[float, float]:
+  """Mean and sample standard deviation (0 for one value)."""
+  mean = sum(xs) / len(xs)
+  sd = math.sqrt(sum((x - mean) ** 2 for x in xs) / (len(xs) - 1)) if len(xs) > 1 else 0.0
+  return mean, sd
+
+
+def paired_difference(variant: dict[int, float], baseline: dict[int, float]
+                      ) -> tuple[float, float, int, bool] | None:
+  """(mean, sd, n, resolved) of variant - baseline over their shared seeds; None if none."""
+  shared = sorted(set(variant) & set(baseline))
+  if not shared:
+    return None
+  mean, sd = _stats([variant[s] - baseline[s] for s in shared])
+  n = len(shared)
+  if n < 2:
+    return mean, sd, n, False
+  resolved = mean != 0 and (sd == 0 or abs(mean) / (sd / math.sqrt(n)) > T975[min(n - 1, 9)])
+  return mean, sd, n, resolved
+
+
+def to_markdown(rows: list[dict[str, Any]], base_seed: int = 0) -> str:
   schemes = [s for s in SCHEMES if any(r['scheme'] == s for r in rows)]
-  by = {(r['scheme'], r['variant']): r for r in rows}
-  head = '| variant | kind | ' + ' | '.join(f'{s} eval bits/byte' for s in schemes) + ' |'
-  lines = [head, '|---|---|' + '---|' * len(schemes)]
+  cells: dict[tuple[str, str], list[dict[str, Any]]] = {}
+  for r in sorted(rows, key=lambda r: _seed(r, base_seed)):
+    cells.setdefault((r['scheme'], r['variant']), []).append(r)
+  ok = {k: {_seed(r, base_seed): r['eval_bits_per_byte'] for r in rs if r['status'] == 'ok'}
+        for k, rs in cells.items()}
+  multi = any(len(rs) > 1 for rs in cells.values())
+  head = '| variant | kind | ' + ' | '.join(
+      f'{s} eval bits/byte' + (f' | {s} vs {BASELINE} (paired)' if multi else '')
+      for s in schemes) + ' |'
+  lines = [head, '|---|---|' + '---|' * (len(schemes) * (2 if multi else 1))]
   for v in [v for v in VARIANTS if any(r['variant'] == v for r in rows)]:
-    cells = []
+    out = []
     for s in schemes:
-      r = by.get((s, v))
-      if r is None:
-        cells.append('')
-      elif r['status'] == 'unstable':
-        cells.append(f"unstable ({r['eval_bits_per_byte']:.3g})")
-      elif r['status'] != 'ok':
-        cells.append(r['status'])
+      rs = cells.get((s, v), [])
+      bad = [r for r in rs if r['status'] != 'ok']
+      if not rs:
+        text = ''
+      elif bad and bad[0]['status'] == 'unstable':
+        text = f"unstable ({bad[0]['eval_bits_per_byte']:.3g})"
+      elif bad:
+        text = bad[0]['status']
       else:
-        cells.append(f"{r['eval_bits_per_byte']:.3f}")
-    lines.append(f'| {v} | {VARIANTS[v][0]} | ' + ' | '.join(cells) + ' |')
+        mean, sd = _stats(list(ok[(s, v)].values()))
+        n = len(rs)
+        text = f'{mean:.3f}' + (f' +- {sd:.3f} ({n})' if n > 1 else '')
+      out.append(text)
+      if multi:
+        diff = None if bad or v == BASELINE or not rs else paired_difference(
+            ok[(s, v)], ok.get((s, BASELINE), {}))
+        out.append('' if diff is None else
+                   f'{diff[0]:+.3f}' + (f' +- {diff[1]:.3f} ({diff[2]}), '
+                                        f'{"resolved" if diff[3] else "unresolved"}'
+                                        if diff[2] > 1 else ' (1 seed)'))
+    lines.append(f'| {v} | {VARIANTS[v][0]} | ' + ' | '.join(out) + ' |')
   return '\n'.join(lines) + '\n'
 
 
-def plot(rows: list[dict[str, Any]], out: str, path: str) -> None:
+def plot(rows: list[dict[str, Any]], out: str, path: str, base_seed: int = 0) -> None:
   """Train-loss curves (from each run's metrics.jsonl), one panel per scheme; one colour per
   variant across panels; solid: activation norms, dashed: reparams/projections, dotted: updates."""
   import matplotlib
@@ -96,7 +155,7 @@ def plot(rows: list[dict[str, Any]], out: str, path: str) -> None:
   fig, axes = plt.subplots(1, len(schemes), figsize=(6 * len(schemes) + 2, 4.5), squeeze=False,
                            sharey=True)
   cmap, handles = plt.get_cmap('tab20'), {}
-  finished = {(r['scheme'], r['variant']) for r in rows}
+  finished = {(r['scheme'], r['variant']) for r in rows if _seed(r, base_seed) == base_seed}
   for ax, scheme in zip(axes[0], schemes):
     for i, (v, (kind, _)) in enumerate(VARIANTS.items()):
       f = os.path.join(out, scheme, v, 'metrics.jsonl')
@@ -115,7 +174,7 @@ def plot(rows: list[dict[str, Any]], out: str, path: str) -> None:
   plt.close(fig)
 
 
-def _append_row(path: str, row: dict[str, Any]) -> list[dict[str, Any]]:
+def _append_row(path: str, row: dict[str, Any], base_seed: int = 0) -> list[dict[str, Any]]:
   """Adds `row` to the JSON list at `path` under an exclusive lock and returns the merged list.
 
   Several study processes may share one --out (e.g. one pinned to each core with `taskset`, each
@@ -125,7 +184,7 @@ def _append_row(path: str, row: dict[str, Any]) -> list[dict[str, Any]]:
   with open(path + '.lock', 'w') as lock:
     fcntl.flock(lock, fcntl.LOCK_EX)
     rows = json.load(open(path)) if os.path.exists(path) else []
-    rows = [r for r in rows if (r['scheme'], r['variant']) != (row['scheme'], row['variant'])]
+    rows = [r for r in rows if _key(r, base_seed) != _key(row, base_seed)]
     rows.append(row)
     with open(path + '.tmp', 'w') as f:
       json.dump(rows, f, indent=1)
@@ -142,6 +201,7 @@ def main(config: Any, out: str) -> int:
   schemes = common.parse_list(config.study.schemes, str)
   variants = common.parse_list(config.study.variants, str)
   variants = list(VARIANTS) if variants == ['all'] else variants
+  seeds = common.parse_list(config.study.seeds, int)
   for names, valid, key in ((schemes, SCHEMES, 'schemes'), (variants, VARIANTS, 'variants')):
     bad = [n for n in names if n not in valid]
     if bad:
@@ -150,21 +210,23 @@ def main(config: Any, out: str) -> int:
   os.makedirs(out, exist_ok=True)
   path = os.path.join(out, 'norm_study.json')
   rows = json.load(open(path)) if os.path.exists(path) else []
-  done = {(r['scheme'], r['variant']) for r in rows}
-  for s in schemes:
-    for v in variants:
-      if (s, v) in done:
-        continue
-      row = run_one(base, s, v, out)
-      print(json.dumps(row), flush=True)
-      rows = _append_row(path, row)
+  seed0 = config.train.seed
+  done = {_key(r, seed0) for r in rows}
+  for v in variants:               # a variant's cells complete before the next one starts
+    for s in schemes:
+      for seed in seeds:
+        if (s, v, seed) in done:
+          continue
+        row = run_one(base, s, v, out, seed)
+        print(json.dumps(row), flush=True)
+        rows = _append_row(path, row, seed0)
   rows = json.load(open(path)) if os.path.exists(path) else rows  # rows other workers added
   with open(os.path.join(out, 'norm_study.md'), 'w') as f:
-    f.write(to_markdown(rows))
+    f.write(to_markdown(rows, seed0))
   if rows:
-    plot(rows, out, os.path.join(out, 'norm_study.png'))
+    plot(rows, out, os.path.join(out, 'norm_study.png'), seed0)
   bad = [r for r in rows if r['status'] != 'ok' or not math.isfinite(r['eval_bits_per_byte'])]
-  print(to_markdown(rows))
+  print(to_markdown(rows, seed0))
   return 1 if bad else 0
 
 
