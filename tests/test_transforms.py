@@ -50,9 +50,9 @@ def _tokens(T=10, vocab=64):
   return jax.random.randint(jax.random.key(7), (2, T), 0, vocab)
 
 
-@pytest.mark.parametrize('tied,position,scheme', [(False, 'learned', 'untied'),
-                                                   (True, 'rope', 'untied'),
-                                                   (False, 'rope', 'cycle')])
+@pytest.mark.parametrize('tied', [False, True])
+@pytest.mark.parametrize('position,scheme', [('learned', 'untied'), ('rope', 'untied'),
+                                             ('rope', 'cycle')])
 def test_ln_rms_crms_conversion_is_exact_in_float64(tied, position, scheme):
   with jax.enable_x64(True):
     cfg = _cfg(tie_embeddings=tied, position=position, max_len=16, dtype='float64',
@@ -314,11 +314,13 @@ def test_each_transform_trains_under_cycle_sharing(kw):
   assert losses[-1] < losses[0]
 
 
+@pytest.mark.parametrize('tied', [False, True])
 @pytest.mark.parametrize('reparams', ['weight_norm', 'sigma_reparam', 'zero_mean_writers',
                                       'scale_vectors'])
-def test_function_preserving_reparams_leave_the_initial_model_unchanged(reparams):
+def test_function_preserving_reparams_leave_the_initial_model_unchanged(reparams, tied):
   c = tiny_config.get_config()
   c.model.norm.kind = 'layernorm'   # zero-mean writers preserve Pre-LN models (Jiang et al.)
+  c.model.tie_embeddings = c.model.center_embedding = tied
   model = DecoderLM(ModelConfig.from_config(c.model))
   tr = Transforms({'reparam': reparams}, model)
   v = init_variables(model, jax.random.key(0))
@@ -328,13 +330,17 @@ def test_function_preserving_reparams_leave_the_initial_model_unchanged(reparams
                              rtol=1e-4, atol=1e-4)
 
 
-def test_zero_mean_writers_train_like_pre_ln_in_float64():
+@pytest.mark.parametrize('tied', [False, True])
+def test_zero_mean_writers_train_like_pre_ln_in_float64(tied):
   """Pre-LN and Pre-RMSNorm with forward-recentred writers, from the same raw weights, follow
   the same Adam trajectory (Jiang et al., arXiv:2305.14858). LN biases stay at 0
-  (they have no RMSNorm counterpart); the gains are random and trained in both."""
+  (they have no RMSNorm counterpart); the gains are random and trained in both. Tied: the
+  RMSNorm model recentres the embedded vectors (model.center_embedding) and its readout reads
+  the raw table, as the Pre-LN model's does."""
   with jax.enable_x64(True):
-    cfg_ln = _cfg(dtype='float64', param_dtype='float64')
-    cfg_rms = dataclasses.replace(cfg_ln, norm='rmsnorm')
+    cfg_ln = _cfg(dtype='float64', param_dtype='float64', tie_embeddings=tied,
+                  embed_init_std=0.5)
+    cfg_rms = dataclasses.replace(cfg_ln, norm='rmsnorm', center_embedding=tied)
     v = init_variables(DecoderLM(cfg_ln), jax.random.key(0))
     flat = flatten_dict(_randomize_norms(v)['params'])
     flat = {p: (jnp.zeros_like(x) if p[-1] == 'bias' else x) for p, x in flat.items()}
