@@ -55,7 +55,10 @@ def default_config() -> ml_collections.ConfigDict:
   n.kind = 'rmsnorm'          # layernorm | rmsnorm | crmsnorm | scalenorm | dyt | none
   n.placement = 'pre'         # pre | post | peri
   n.qk_norm = 'none'          # none | rms | l2 (l2: learned scalar replaces 1/sqrt(d_head))
-  n.qk_scale_init = 0.0       # l2 QK-norm gain init; 0 -> log2(max_len^2 - max_len)
+  n.qk_scale_init = 0.0       # l2 QK-norm gain init; 0 -> log2(L^2 - L), L = qk_norm_len
+  n.qk_norm_len = 0           # L of that init: the *training* sequence length (Henry et al.);
+                              # 0 -> train.seq_len (ModelConfig.from_config fills it; a model
+                              # section read without a train section: the default seq_len)
   n.dyt_alpha = 0.5           # DyT's initial alpha
   n.fixnorm = False           # FixNorm: unit-norm embedding rows x sqrt(d_model)
   n.eps = 1e-6

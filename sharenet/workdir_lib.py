@@ -42,7 +42,7 @@ def restore_state(config: ml_collections.ConfigDict, workdir: str,
   Reads only; nothing in the workdir is moved or written. A checkpoint that does not fit
   `config` is one ConfigError line.
   """
-  mcfg = ModelConfig.from_config(config.model)
+  mcfg = ModelConfig.from_config(config.model, config.train.seq_len)
   exp = train_lib.setup(config, mcfg)
   abstract = jax.eval_shape(
       lambda: train_lib.init_state(exp.model, exp.tx, jax.random.key(0), exp.tr, exp.pz))
