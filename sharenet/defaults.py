@@ -51,6 +51,8 @@ def default_config() -> ml_collections.ConfigDict:
   s.lora_rank = 0             # depth-wise LoRA rank (Relaxed Recursive Transformers); 0 = off
   s.lora_targets = 'q,v'      # any of q,k,v,o,mlp_in,mlp_out
   s.lora_scale = 1.0          # alpha / r
+  s.lora_layers = 'shared'    # shared: LoRA on the applied layers of shared sets only (RRT: not
+                              # on the unique first / last layers of middle schemes) | all
   m.norm = n = ml_collections.ConfigDict()
   n.kind = 'rmsnorm'          # layernorm | rmsnorm | crmsnorm | scalenorm | dyt | none
   n.placement = 'pre'         # pre | post | peri
@@ -153,6 +155,7 @@ def conversion_config() -> ml_collections.ConfigDict:
   c.init = 'stepwise'         # recursive: stepwise | average | lower
   c.lora_rank = 0             # recursive: depth-wise LoRA rank; 0 = off
   c.lora_init = 'zero'        # zero | svd (truncated SVD of each layer's residual)
+  c.lora_layers = 'shared'    # recursive: shared (LoRA on shared layers only, RRT) | all
   c.lora_targets = ''         # comma list of q,k,v,o,mlp_in,mlp_out; '' -> the source's
   c.untie_norms = False       # recursive: norm gains per applied layer
   return c

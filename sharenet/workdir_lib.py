@@ -134,7 +134,7 @@ def convert_workdir(workdir: str, out: str, opts: Any) -> dict[str, Any]:
     new_cfg, new_vars = convert.to_recursive(
         cfg, variables, scheme=opts.scheme, num_unique=opts.num_unique, init=opts.init,
         lora_rank=opts.lora_rank, lora_init=opts.lora_init, lora_targets=targets,
-        untie_norms=opts.untie_norms)
+        untie_norms=opts.untie_norms, lora_layers=opts.lora_layers)
   raw = config.to_dict()
   raw['model'] = new_cfg.to_config()
   raw['transforms']['reparam'] = ''     # folded into the converted weights

@@ -135,19 +135,30 @@ def test_recursive_init_source_layers(L, K, scheme, init, expected):
   assert convert.source_layers(_cfg(num_layers=L), K, scheme, init) == expected
 
 
-@pytest.mark.parametrize('scheme,K', [('cycle', 3), ('middle_cycle', 4)])
-def test_full_rank_svd_lora_reproduces_the_untied_model(scheme, K):
-  cfg = _cfg(norm='rmsnorm', num_layers=6, d_model=32, num_heads=4, mlp_dim=48)
+@pytest.mark.parametrize('scheme,K,lora_layers,lora_scale,tied', [
+    ('cycle', 3, 'shared', 1.0, False), ('cycle', 3, 'shared', 2.0, True),
+    ('middle_cycle', 4, 'shared', 0.5, False), ('middle_cycle', 4, 'shared', 2.0, True),
+    ('middle_cycle', 4, 'all', 1.0, False), ('middle_cycle', 4, 'all', 0.5, True)])
+def test_full_rank_svd_lora_reproduces_the_untied_model(scheme, K, lora_layers, lora_scale, tied):
+  """RRT's SVD init (arXiv:2410.20672): at full rank, shared W + scale * A_l B_l == W_l for any
+  lora_scale, with LoRA only where lora_layers puts it (middle_cycle 'shared': the unique first
+  and last layers hold none and are copied exactly); each scheme tied and untied."""
+  cfg = _cfg(norm='rmsnorm', num_layers=6, d_model=32, num_heads=4, mlp_dim=48,
+             lora_scale=lora_scale, tie_embeddings=tied)
   v = _randomize_norms(init_variables(DecoderLM(cfg), jax.random.key(1)))
   toks = _tokens()
   ref = DecoderLM(cfg).apply(v, toks)
   kw = dict(scheme=scheme, num_unique=K, init='average', lora_targets=LORA_TARGETS,
-            untie_norms=True)
+            untie_norms=True, lora_layers=lora_layers)
   rcfg, rv = convert.to_recursive(cfg, v, lora_rank=32, lora_init='svd', **kw)
-  rcfg = dataclasses.replace(rcfg, lora_scale=1.0)
+  assert rcfg.lora_scale == lora_scale and rcfg.lora_layers == lora_layers
+  holders = {p[1] for p in flatten_dict(rv['per_layer']) if p[-1].startswith('lora_')}
+  n_seg = len(rcfg.plan.segments)
+  assert holders == ({'segment_1'} if scheme == 'middle_cycle' and lora_layers == 'shared'
+                     else {f'segment_{i}' for i in range(n_seg)})
   out = DecoderLM(rcfg).apply(rv, toks)
   assert float(jnp.max(jnp.abs(out - ref))) <= 1e-4
-  if scheme == 'cycle':   # strict sharing and truncated rank are not exact (not vacuous)
+  if scheme == 'cycle' and lora_scale == 1.0:   # strict sharing / truncated rank are not exact
     for rank in (0, 4):
       lcfg, lv = convert.to_recursive(cfg, v, lora_rank=rank, lora_init='svd', **kw)
       assert float(jnp.max(jnp.abs(DecoderLM(lcfg).apply(lv, toks) - ref))) > 1e-3

@@ -16,6 +16,7 @@ LOWERINGS = ('nested', 'flat')
 REMATS = ('none', 'full', 'dots', 'dots_no_batch', 'save_names', 'offload_dots', 'except_attn')
 DTYPES = ('float32', 'bfloat16', 'float64')
 LORA_TARGETS = ('q', 'k', 'v', 'o', 'mlp_in', 'mlp_out')
+LORA_LAYERS = ('shared', 'all')
 _DEFAULTS = defaults.default_config().model
 _TRAIN_SEQ_LEN = defaults.default_config().train.seq_len
 
@@ -82,6 +83,7 @@ class ModelConfig:
   lora_rank: int = _key('sharing.lora_rank')
   lora_targets: tuple[str, ...] = _key('sharing.lora_targets', _targets, ','.join)
   lora_scale: float = _key('sharing.lora_scale')
+  lora_layers: str = _key('sharing.lora_layers')
   remat: str = _key('remat')
   scan_unroll: int = _key('scan_unroll')
   scan_layers: bool = _key('scan_layers')
@@ -126,6 +128,7 @@ class ModelConfig:
     _choice('model.param_dtype', self.param_dtype, DTYPES)
     for t in self.lora_targets:
       _choice('model.sharing.lora_targets', t, LORA_TARGETS)
+    _choice('model.sharing.lora_layers', self.lora_layers, LORA_LAYERS)
     for name in ('vocab_size', 'd_model', 'num_layers', 'num_heads', 'mlp_dim', 'scan_unroll'):
       if getattr(self, name) < 1:
         raise ConfigError(f'model.{name}={getattr(self, name)} must be >= 1')
@@ -148,7 +151,21 @@ class ModelConfig:
     if not self.scan_layers and (self.lora_rank or self.untie_norms):
       raise ConfigError('model.scan_layers=False reuses one module per shared set, so it cannot '
                         'hold per-layer parts; valid: lora_rank=0 and untie_norms=False')
-    self.plan  # raises ConfigError for impossible sharing
+    plan = self.plan  # raises ConfigError for impossible sharing
+    if self.lora_rank and self.lora_layers == 'shared' and \
+        not any(s.shared for s in plan.segments):
+      raise ConfigError(f'model.sharing.lora_rank={self.lora_rank} with lora_layers=shared puts '
+                        f'LoRA on shared layers only, and scheme {self.scheme!r} shares none; '
+                        f'valid: lora_layers=all or lora_rank=0')
+    return self
+
+  def segment_cfg(self, seg: sharing.Segment) -> 'ModelConfig':
+    """The config a plan segment's blocks are built with: without depth-wise LoRA where
+    lora_layers='shared' and the segment shares no set (Relaxed Recursive Transformers,
+    arXiv:2410.20672, relax only the looped layers; the unique first / last layers of middle
+    schemes get none)."""
+    if self.lora_rank and self.lora_layers == 'shared' and not seg.shared:
+      return dataclasses.replace(self, lora_rank=0)
     return self
 
   @classmethod
