@@ -81,15 +81,25 @@ def test_crms_conversion_refuses_a_stream_that_is_not_zero_mean():
     convert.ln_to_rms(cfg, init_variables(DecoderLM(cfg), jax.random.key(0)))
 
 
-def test_convert_cli_on_a_trained_pre_ln_checkpoint(tmp_path):
+@pytest.mark.parametrize('tied', [False, True])
+def test_convert_cli_on_a_trained_pre_ln_checkpoint(tmp_path, tied):
   """Train a Pre-LN model, convert (convert.py once, the library once), evaluate each workdir
-  with eval.py's code."""
+  with eval.py's code. Tied: the library conversions only (the CLI path is the same code)."""
   c = tiny_config.get_config()
   c.model.norm.kind = 'layernorm'
+  c.model.tie_embeddings = tied
   c.train.steps = 12
   src = str(tmp_path / 'ln')
   train_lib.train_and_evaluate(c, src)
   base = workdir_lib.evaluate_workdir(src)['eval_loss']
+  if tied:
+    for to in ('rmsnorm', 'crmsnorm'):
+      opts = defaults.conversion_config()
+      opts.to = to
+      workdir_lib.convert_workdir(src, str(tmp_path / to), opts)
+      out = workdir_lib.evaluate_workdir(str(tmp_path / to))
+      assert abs(out['eval_loss'] - base) <= 1e-4, (to, out['eval_loss'], base)
+    return
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   cli = subprocess.run([sys.executable, os.path.join(root, 'convert.py'), '--workdir', src,
                         '--out', str(tmp_path / 'crmsnorm'), '--config.to=crmsnorm'],
@@ -164,14 +174,19 @@ def test_full_rank_svd_lora_reproduces_the_untied_model(scheme, K, lora_layers, 
       assert float(jnp.max(jnp.abs(DecoderLM(lcfg).apply(lv, toks) - ref))) > 1e-3
 
 
-def test_stepwise_recursive_copies_the_picked_layers():
-  cfg = _cfg(norm='rmsnorm', num_layers=6)
+@pytest.mark.parametrize('tied', [False, True])
+def test_stepwise_recursive_copies_the_picked_layers(tied):
+  cfg = _cfg(norm='rmsnorm', num_layers=6, tie_embeddings=tied)
   v = init_variables(DecoderLM(cfg), jax.random.key(2))
   rcfg, rv = convert.to_recursive(cfg, v, scheme='cycle', num_unique=3, init='stepwise')
   from sharenet.models import layout
   src, dst = layout.unique_sets(v['params'], cfg), layout.unique_sets(rv['params'], rcfg)
   for p in src:
     np.testing.assert_array_equal(dst[p], src[p][np.asarray([0, 2, 5])])
+  outside = lambda t: {p: x for p, x in flatten_dict(t['params']).items() if p[0] != 'stack'}
+  assert outside(rv).keys() == outside(v).keys()   # embedding (tied or not), final norm, readout
+  for p, x in outside(v).items():
+    np.testing.assert_array_equal(outside(rv)[p], x)
 
 
 # ----------------------------------------------------------------------------- invariances
