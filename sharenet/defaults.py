@@ -182,9 +182,21 @@ def renamed(raw: Any) -> dict[str, Any]:
   return raw
 
 
+# Keys whose runs written before them behaved unlike today's default: a config whose group
+# exists but lacks the key gets the old behaviour, so old workdirs restore as they were built.
+BEFORE_KEY = {('model', 'sharing', 'lora_layers'): 'all'}
+
+
 def complete(raw: Any) -> ml_collections.ConfigDict:
   """`raw` (a config or a config.json's dict, maybe older than some keys) over the defaults."""
-  return ml_collections.ConfigDict(_merge(default_config().to_dict(), renamed(raw)))
+  raw = renamed(raw)
+  for (*groups, key), old in BEFORE_KEY.items():
+    node = raw
+    for g in groups:
+      node = node.get(g) if isinstance(node, dict) else None
+    if isinstance(node, dict) and key not in node:
+      node[key] = old
+  return ml_collections.ConfigDict(_merge(default_config().to_dict(), raw))
 
 
 def fill(group: str, partial: Any = None) -> ml_collections.ConfigDict:

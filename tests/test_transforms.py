@@ -189,6 +189,14 @@ def test_stepwise_recursive_copies_the_picked_layers(tied):
     np.testing.assert_array_equal(outside(rv)[p], x)
 
 
+def test_recursive_conversion_rejects_an_unknown_lora_layers():
+  cfg = _cfg(norm='rmsnorm', num_layers=6)
+  v = jax.eval_shape(lambda: init_variables(DecoderLM(cfg), jax.random.key(0)))
+  with pytest.raises(ConfigError, match='config.lora_layers=.middle. is unknown; valid: shared'):
+    convert.to_recursive(cfg, v, scheme='cycle', num_unique=3, init='stepwise', lora_rank=2,
+                         lora_layers='middle')
+
+
 # ----------------------------------------------------------------------------- invariances
 
 def _leaf(shape, axes, role='reader', path=('params', 'w', 'kernel')):
