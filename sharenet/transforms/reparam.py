@@ -199,7 +199,8 @@ class ReparamChain:
       if r not in KERNEL_ROLES:
         raise ConfigError(f'transforms.reparam_roles: {r!r} is unknown; valid: '
                           f'{", ".join(KERNEL_ROLES)}')
-    make = {'zero_mean_writers': lambda: ZeroMeanWriters(tied_embeddings), 'weight_std': WeightStandardization,
+    make = {'zero_mean_writers': lambda: ZeroMeanWriters(tied_embeddings),
+            'weight_std': WeightStandardization,
             'weight_norm': WeightNorm, 'sigma_reparam': lambda: SigmaReparam(sigma_iters),
             'scale_vectors': ScaleVectors}
     self.steps = [make[n]() for n in names]
