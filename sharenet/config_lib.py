@@ -30,7 +30,7 @@ def _positive(section: Any, prefix: str, *names: str) -> None:
 
 def validate(config: Any, process_count: int | None = None) -> ModelConfig:
   """Checks model, train, data, mesh and parametrization fields; returns the ModelConfig."""
-  mcfg = ModelConfig.from_config(config.model)
+  mcfg = ModelConfig.from_config(config.model, config.train.seq_len)
   t = config.train
   _positive(t, 'train', 'steps', 'batch_size', 'seq_len', 'grad_accum', 'eval_batch_size',
             'log_every', 'checkpoint_every', 'keep_checkpoints')

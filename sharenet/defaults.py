@@ -51,11 +51,16 @@ def default_config() -> ml_collections.ConfigDict:
   s.lora_rank = 0             # depth-wise LoRA rank (Relaxed Recursive Transformers); 0 = off
   s.lora_targets = 'q,v'      # any of q,k,v,o,mlp_in,mlp_out
   s.lora_scale = 1.0          # alpha / r
+  s.lora_layers = 'shared'    # shared: LoRA on the applied layers of shared sets only (RRT: not
+                              # on the unique first / last layers of middle schemes) | all
   m.norm = n = ml_collections.ConfigDict()
   n.kind = 'rmsnorm'          # layernorm | rmsnorm | crmsnorm | scalenorm | dyt | none
   n.placement = 'pre'         # pre | post | peri
   n.qk_norm = 'none'          # none | rms | l2 (l2: learned scalar replaces 1/sqrt(d_head))
-  n.qk_scale_init = 0.0       # l2 QK-norm gain init; 0 -> log2(max_len^2 - max_len)
+  n.qk_scale_init = 0.0       # l2 QK-norm gain init; 0 -> log2(L^2 - L), L = qk_norm_len
+  n.qk_norm_len = 0           # L of that init: the *training* sequence length (Henry et al.);
+                              # 0 -> train.seq_len (ModelConfig.from_config fills it; a model
+                              # section read without a train section: the default seq_len)
   n.dyt_alpha = 0.5           # DyT's initial alpha
   n.fixnorm = False           # FixNorm: unit-norm embedding rows x sqrt(d_model)
   n.eps = 1e-6
@@ -150,6 +155,7 @@ def conversion_config() -> ml_collections.ConfigDict:
   c.init = 'stepwise'         # recursive: stepwise | average | lower
   c.lora_rank = 0             # recursive: depth-wise LoRA rank; 0 = off
   c.lora_init = 'zero'        # zero | svd (truncated SVD of each layer's residual)
+  c.lora_layers = 'shared'    # recursive: shared (LoRA on shared layers only, RRT) | all
   c.lora_targets = ''         # comma list of q,k,v,o,mlp_in,mlp_out; '' -> the source's
   c.untie_norms = False       # recursive: norm gains per applied layer
   return c
@@ -176,9 +182,21 @@ def renamed(raw: Any) -> dict[str, Any]:
   return raw
 
 
+# Keys whose runs written before them behaved unlike today's default: a config whose group
+# exists but lacks the key gets the old behaviour, so old workdirs restore as they were built.
+BEFORE_KEY = {('model', 'sharing', 'lora_layers'): 'all'}
+
+
 def complete(raw: Any) -> ml_collections.ConfigDict:
   """`raw` (a config or a config.json's dict, maybe older than some keys) over the defaults."""
-  return ml_collections.ConfigDict(_merge(default_config().to_dict(), renamed(raw)))
+  raw = renamed(raw)
+  for (*groups, key), old in BEFORE_KEY.items():
+    node = raw
+    for g in groups:
+      node = node.get(g) if isinstance(node, dict) else None
+    if isinstance(node, dict) and key not in node:
+      node[key] = old
+  return ml_collections.ConfigDict(_merge(default_config().to_dict(), raw))
 
 
 def fill(group: str, partial: Any = None) -> ml_collections.ConfigDict:

@@ -33,6 +33,13 @@ class Segment:
   def num_applied(self) -> int:
     return len(self.pattern) if self.order == 'gather' else self.num_sets * self.repeats
 
+  @property
+  def shared(self) -> bool:
+    """True if some stored set of this segment is applied more than once."""
+    if self.order == 'gather':
+      return len(set(self.pattern)) < len(self.pattern)
+    return self.repeats > 1
+
   def local_indices(self) -> tuple[int, ...]:
     if self.order == 'gather':
       return self.pattern

@@ -42,7 +42,7 @@ def restore_state(config: ml_collections.ConfigDict, workdir: str,
   Reads only; nothing in the workdir is moved or written. A checkpoint that does not fit
   `config` is one ConfigError line.
   """
-  mcfg = ModelConfig.from_config(config.model)
+  mcfg = ModelConfig.from_config(config.model, config.train.seq_len)
   exp = train_lib.setup(config, mcfg)
   abstract = jax.eval_shape(
       lambda: train_lib.init_state(exp.model, exp.tx, jax.random.key(0), exp.tr, exp.pz))
@@ -134,7 +134,7 @@ def convert_workdir(workdir: str, out: str, opts: Any) -> dict[str, Any]:
     new_cfg, new_vars = convert.to_recursive(
         cfg, variables, scheme=opts.scheme, num_unique=opts.num_unique, init=opts.init,
         lora_rank=opts.lora_rank, lora_init=opts.lora_init, lora_targets=targets,
-        untie_norms=opts.untie_norms)
+        untie_norms=opts.untie_norms, lora_layers=opts.lora_layers)
   raw = config.to_dict()
   raw['model'] = new_cfg.to_config()
   raw['transforms']['reparam'] = ''     # folded into the converted weights

@@ -133,6 +133,10 @@ def test_an_old_workdir_config_is_completed_from_the_defaults():
       64, 'layernorm', 1e-6, 7)
   assert c.parametrization.kind == 'sp' and c.transforms.reparam == ''
   assert ModelConfig.from_config(c.model).d_model == 64
+  # A run written before model.sharing.lora_layers put LoRA on every layer: it keeps doing so.
+  old['model']['sharing'] = {'scheme': 'middle_cycle', 'lora_rank': 2}
+  assert defaults.complete(old).model.sharing.lora_layers == 'all'
+  assert defaults.default_config().model.sharing.lora_layers == 'shared'
 
 
 def _imports(path):

@@ -65,7 +65,22 @@ def randomize_lora_b(variables, seed=1):
 
 # ---- parameter counts ---------------------------------------------------------------------
 
-def expected_params(cfg: ModelConfig) -> int:
+def lora_layer_count(cfg: ModelConfig) -> int:
+  """Applied layers holding LoRA: all, or (lora_layers='shared', RRT) those whose set another
+  applied layer of the same scan segment also uses; from the plan index alone."""
+  if not cfg.lora_rank:
+    return 0
+  if cfg.lora_layers == 'all':
+    return cfg.num_layers
+  n, start = 0, 0
+  for seg in cfg.plan.segments:
+    idx = cfg.plan.index[start:start + seg.num_applied]
+    n += len(idx) if len(set(idx)) < len(idx) else 0
+    start += seg.num_applied
+  return n
+
+
+def expected_params(cfg: ModelConfig, lora_layers: int | None = None) -> int:
   """Counts from the plan and the layer shapes alone, independent of the module tree."""
   D, F, V, H, K, Dh = (cfg.d_model, cfg.mlp_dim, cfg.vocab_size, cfg.num_heads, cfg.kv_heads,
                        cfg.head_dim)
@@ -78,13 +93,13 @@ def expected_params(cfg: ModelConfig) -> int:
   per_layer = n_norms * norm_size if cfg.untie_norms else 0
   lora_shapes = {'q': (D, H * Dh), 'k': (D, K * Dh), 'v': (D, K * Dh), 'o': (H * Dh, D),
                  'mlp_in': (D, F), 'mlp_out': (F, D)}
-  if cfg.lora_rank:
-    per_layer += sum((n_in if t == 'mlp_in' else 1) * cfg.lora_rank * sum(lora_shapes[t])
-                     for t in cfg.lora_targets)
+  lora = sum((n_in if t == 'mlp_in' else 1) * cfg.lora_rank * sum(lora_shapes[t])
+             for t in cfg.lora_targets)
   U, L = max(cfg.plan.index) + 1, cfg.num_layers
   outer = V * D + (0 if cfg.tie_embeddings else D * V) + (0 if cfg.norm_placement == 'post'
                                                           else norm_size)
-  return outer + U * block_tied + L * per_layer
+  n_lora = lora_layer_count(cfg) if lora_layers is None else lora_layers
+  return outer + U * block_tied + L * per_layer + n_lora * lora
 
 
 @pytest.mark.parametrize('scheme', SCHEMES)
@@ -94,11 +109,14 @@ def expected_params(cfg: ModelConfig) -> int:
          tie_embeddings=True, num_kv_heads=2, qk_norm='rms', mlp='gelu',
          lora_targets=('k', 'o', 'mlp_out'))])
 def test_stored_param_count_matches_plan(scheme, extra):
+  if scheme == 'untied' and extra.get('lora_rank'):
+    extra = dict(extra, lora_layers='all')   # 'shared' LoRA needs a shared layer (own test)
   cfg = tiny(scheme, **extra)
   shapes = jax.eval_shape(lambda: init(cfg))
   assert accounting.params_unique(shapes) == expected_params(cfg)
   untied = dataclasses.replace(cfg, scheme='untied', num_unique=0, repeats=0, pattern='')
-  assert accounting.params_applied(shapes, cfg) == expected_params(untied)
+  assert accounting.params_applied(shapes, cfg) == expected_params(untied,
+                                                                   lora_layer_count(cfg))
 
 
 def test_flops_per_token_counts_applied_depth():
@@ -154,21 +172,53 @@ def test_tied_gradient_is_sum_of_untied_gradients(scheme, lora):
 
 # ---- depth-wise LoRA ----------------------------------------------------------------------
 
+@pytest.mark.parametrize('lora_layers', ['shared', 'all'])
+@pytest.mark.parametrize('scheme', ['middle_cycle', 'middle_sequence', 'sandwich', 'cycle',
+                                    'explicit'])
+def test_lora_sits_on_shared_sets_only_under_shared(scheme, lora_layers):
+  """Relaxed Recursive Transformers (arXiv:2410.20672) relax the looped layers only: under
+  lora_layers='shared' the unique first and last layers of middle schemes hold no LoRA; 'all'
+  puts it on every applied layer."""
+  cfg = tiny(scheme, lora_rank=2, lora_targets=('q', 'mlp_out'), lora_layers=lora_layers)
+  per_layer = jax.eval_shape(lambda: init(cfg))[PER_LAYER]
+  holders = {p[1]: p for p in flatten_dict(per_layer) if p[-1] in ('lora_a', 'lora_b')}
+  middle = scheme in ('middle_cycle', 'middle_sequence', 'sandwich')
+  n_seg = 3 if middle else 1
+  want = {'segment_1'} if middle and lora_layers == 'shared' else \
+      {f'segment_{i}' for i in range(n_seg)}
+  assert set(holders) == want
+  # LoRA factors per applied layer that holds them: 6 - 2 unique layers under 'shared'.
+  lora = layout.applied_per_layer(init(cfg)[PER_LAYER], cfg)[('attn', 'q', 'lora_a')]
+  held = [l for l in range(6) if np.any(np.asarray(lora[l]) != 0)]
+  assert held == ([1, 2, 3, 4] if middle and lora_layers == 'shared' else list(range(6)))
+
+
+def test_shared_lora_without_a_shared_layer_is_one_line_error():
+  with pytest.raises(ConfigError, match='lora_layers=all or lora_rank=0'):
+    tiny('untied', lora_rank=2)
+  with pytest.raises(ConfigError, match='model.sharing.lora_layers'):
+    tiny('cycle', lora_rank=2, lora_layers='middle')
+  assert tiny('untied', lora_rank=2, lora_layers='all').lora_rank == 2
+
+
+@pytest.mark.parametrize('lora_layers', ['shared', 'all'])
 @pytest.mark.parametrize('scheme', ['middle_cycle'])
-def test_zero_lora_equals_strict_plan(scheme):
+def test_zero_lora_equals_strict_plan(scheme, lora_layers):
   strict = tiny(scheme)
-  relaxed = dataclasses.replace(strict, lora_rank=4,
+  relaxed = dataclasses.replace(strict, lora_rank=4, lora_layers=lora_layers,
                                 lora_targets=('q', 'k', 'v', 'o', 'mlp_in', 'mlp_out'))
   v_strict = init(strict)
   v_relaxed = init(relaxed)
   v_relaxed = {'params': v_strict['params'], PER_LAYER: v_relaxed[PER_LAYER]}
   toks = tokens()
   np.testing.assert_array_equal(apply(strict, v_strict, toks), apply(relaxed, v_relaxed, toks))
-  # LoRA factors are per applied layer, and each applied layer got its own draw of A.
+  # LoRA factors are per applied layer, and each layer holding LoRA got its own draw of A
+  # (layers without LoRA read as zeros).
   lora = layout.applied_per_layer(v_relaxed[PER_LAYER], relaxed)
   a = lora[('attn', 'q', 'lora_a')]
   assert a.shape[0] == relaxed.num_layers
-  assert len({np.asarray(a[l]).tobytes() for l in range(a.shape[0])}) == relaxed.num_layers
+  draws = {np.asarray(a[l]).tobytes() for l in range(a.shape[0]) if np.any(a[l] != 0)}
+  assert len(draws) == lora_layer_count(relaxed) == (4 if lora_layers == 'shared' else 6)
 
 
 # ---- causality, shapes, remat ---------------------------------------------------------------

@@ -8,6 +8,8 @@ import pytest
 from flax.core import meta
 from flax.traverse_util import flatten_dict, unflatten_dict
 
+from sharenet import defaults
+from sharenet.errors import ConfigError
 from sharenet.models import DecoderLM, ModelConfig, init_variables
 from sharenet.norms import KINDS, PER_LAYER, Norm
 
@@ -139,14 +141,49 @@ def test_scale_invariant_norms(kind):
     np.testing.assert_allclose(jnp.linalg.norm(norm.apply(v, x), axis=-1), 4.0, rtol=1e-5)
 
 
-def test_l2_qk_norm_logits_are_bounded_by_the_gain():
-  cfg = _cfg(norm='rmsnorm', qk_norm='l2', max_len=16)
-  v = init_variables(DecoderLM(cfg), jax.random.key(0))
-  flat = flatten_dict(v['params'])
+def test_l2_qk_norm_gain_starts_from_the_training_length():
+  """g_0 = log2(L^2 - L) with L the training sequence length (Henry et al., arXiv:2010.04245,
+  section 3), not the position limit max_len."""
+  cfg = _cfg(norm='rmsnorm', qk_norm='l2', max_len=2048, qk_norm_len=16)
+  flat = flatten_dict(init_variables(DecoderLM(cfg), jax.random.key(0))['params'])
   scales = [x for p, x in flat.items() if p[-1] == 'qk_scale']
   assert scales and all(np.allclose(s, math.log2(16 * 16 - 16)) for s in scales)
-  out = DecoderLM(cfg).apply(v, _tokens())
-  assert bool(jnp.all(jnp.isfinite(out)))
+  c = defaults.default_config()
+  c.model.norm.qk_norm, c.model.max_len, c.train.seq_len = 'l2', 4096, 32
+  assert ModelConfig.from_config(c.model, c.train.seq_len).qk_norm_len == 32
+  c.model.norm.qk_norm_len = 24   # an explicit L wins
+  assert ModelConfig.from_config(c.model, c.train.seq_len).qk_norm_len == 24
+  with pytest.raises(ConfigError, match='qk_norm_len'):
+    _cfg(qk_norm='l2', qk_norm_len=1)
+
+
+@pytest.mark.parametrize('gain', [None, 3.0, 40.0])
+def test_l2_qk_norm_logits_are_bounded_by_the_gain(gain):
+  """|logit| = g |q_hat . k_hat| <= g for every head and position pair, with q_hat, k_hat the
+  unit vectors the module produced; the module's own logits (their sown mean |.|) match
+  g q_hat . k_hat, also after g is changed."""
+  cfg = _cfg(norm='rmsnorm', qk_norm='l2', qk_norm_len=16, position='none', num_heads=4,
+             num_kv_heads=2)
+  v = init_variables(DecoderLM(cfg), jax.random.key(0))
+  flat = dict(flatten_dict(v['params']))
+  if gain is not None:
+    flat = {p: (jnp.full_like(x, gain) if p[-1] == 'qk_scale' else x) for p, x in flat.items()}
+  g = np.asarray([x for p, x in flat.items() if p[-1] == 'qk_scale'][0], np.float64)  # (L,)
+  v = {**v, 'params': unflatten_dict(flat)}
+  toks = jax.random.randint(jax.random.key(3), (3, 12), 0, 64)
+  _, st = DecoderLM(cfg).apply(v, toks, capture_intermediates=True, mutable=['intermediates'])
+  attn = st['intermediates']['stack']['segment_0']['level']['block']['attn']
+  q = np.asarray(attn['q_norm']['__call__'][0][0], np.float64)   # (L, B, T, H, D)
+  k = np.asarray(attn['k_norm']['__call__'][0][0], np.float64)   # (L, B, T, K, D)
+  np.testing.assert_allclose(np.linalg.norm(q, axis=-1), 1.0, atol=1e-5)
+  np.testing.assert_allclose(np.linalg.norm(k, axis=-1), 1.0, atol=1e-5)
+  k = np.repeat(k, q.shape[3] // k.shape[3], axis=3)             # query head h reads kv h // G
+  logits = g[:, None, None, None, None] * np.einsum('lbthd,lbshd->lbhts', q, k)
+  causal = np.tril(np.ones((12, 12), bool))
+  assert np.all(np.abs(logits) <= g[:, None, None, None, None] * (1 + 1e-5))
+  mean_abs = np.abs(logits)[..., causal].mean(axis=(1, 2, 3))    # per layer
+  np.testing.assert_allclose(np.asarray(attn['attn_logits'][0][0]), mean_abs, rtol=1e-4)
+  assert bool(jnp.all(jnp.isfinite(DecoderLM(cfg).apply(v, toks))))
 
 
 def test_fixnorm_embeddings_have_norm_sqrt_d_at_the_input():

@@ -99,3 +99,19 @@ def test_bad_plans_raise_one_line(kwargs, match):
 
 def test_every_scheme_listed():
   assert set(L6_TABLE) | {'explicit'} == set(SCHEMES)
+
+
+@pytest.mark.parametrize('scheme', sorted(L6_TABLE))
+def test_segment_is_shared_iff_one_of_its_sets_repeats(scheme):
+  """Segment.shared (where lora_layers='shared' puts depth-wise LoRA, RRT arXiv:2410.20672):
+  true exactly when a set index repeats among the segment's applied layers of the literal
+  table. Embedding tying plays no part in plans, so these tests have no tied variant."""
+  plan = make_plan(scheme, 6, **_kwargs(scheme, 6, 2))
+  start = 0
+  for seg in plan.segments:
+    rows = L6_TABLE[scheme][start:start + seg.num_applied]
+    assert seg.shared == (len(set(rows)) < len(rows)), (scheme, rows)
+    start += seg.num_applied
+  middle = scheme in ('middle_cycle', 'middle_sequence', 'sandwich')
+  assert [s.shared for s in plan.segments] == ([False, True, False] if middle else
+                                               [scheme not in ('untied',)])

@@ -50,9 +50,9 @@ def _tokens(T=10, vocab=64):
   return jax.random.randint(jax.random.key(7), (2, T), 0, vocab)
 
 
-@pytest.mark.parametrize('tied,position,scheme', [(False, 'learned', 'untied'),
-                                                   (True, 'rope', 'untied'),
-                                                   (False, 'rope', 'cycle')])
+@pytest.mark.parametrize('tied', [False, True])
+@pytest.mark.parametrize('position,scheme', [('learned', 'untied'), ('rope', 'untied'),
+                                             ('rope', 'cycle')])
 def test_ln_rms_crms_conversion_is_exact_in_float64(tied, position, scheme):
   with jax.enable_x64(True):
     cfg = _cfg(tie_embeddings=tied, position=position, max_len=16, dtype='float64',
@@ -81,15 +81,25 @@ def test_crms_conversion_refuses_a_stream_that_is_not_zero_mean():
     convert.ln_to_rms(cfg, init_variables(DecoderLM(cfg), jax.random.key(0)))
 
 
-def test_convert_cli_on_a_trained_pre_ln_checkpoint(tmp_path):
+@pytest.mark.parametrize('tied', [False, True])
+def test_convert_cli_on_a_trained_pre_ln_checkpoint(tmp_path, tied):
   """Train a Pre-LN model, convert (convert.py once, the library once), evaluate each workdir
-  with eval.py's code."""
+  with eval.py's code. Tied: the library conversions only (the CLI path is the same code)."""
   c = tiny_config.get_config()
   c.model.norm.kind = 'layernorm'
+  c.model.tie_embeddings = tied
   c.train.steps = 12
   src = str(tmp_path / 'ln')
   train_lib.train_and_evaluate(c, src)
   base = workdir_lib.evaluate_workdir(src)['eval_loss']
+  if tied:
+    for to in ('rmsnorm', 'crmsnorm'):
+      opts = defaults.conversion_config()
+      opts.to = to
+      workdir_lib.convert_workdir(src, str(tmp_path / to), opts)
+      out = workdir_lib.evaluate_workdir(str(tmp_path / to))
+      assert abs(out['eval_loss'] - base) <= 1e-4, (to, out['eval_loss'], base)
+    return
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   cli = subprocess.run([sys.executable, os.path.join(root, 'convert.py'), '--workdir', src,
                         '--out', str(tmp_path / 'crmsnorm'), '--config.to=crmsnorm'],
@@ -135,32 +145,56 @@ def test_recursive_init_source_layers(L, K, scheme, init, expected):
   assert convert.source_layers(_cfg(num_layers=L), K, scheme, init) == expected
 
 
-@pytest.mark.parametrize('scheme,K', [('cycle', 3), ('middle_cycle', 4)])
-def test_full_rank_svd_lora_reproduces_the_untied_model(scheme, K):
-  cfg = _cfg(norm='rmsnorm', num_layers=6, d_model=32, num_heads=4, mlp_dim=48)
+@pytest.mark.parametrize('scheme,K,lora_layers,lora_scale,tied', [
+    ('cycle', 3, 'shared', 1.0, False), ('cycle', 3, 'shared', 2.0, True),
+    ('middle_cycle', 4, 'shared', 0.5, False), ('middle_cycle', 4, 'shared', 2.0, True),
+    ('middle_cycle', 4, 'all', 1.0, False), ('middle_cycle', 4, 'all', 0.5, True)])
+def test_full_rank_svd_lora_reproduces_the_untied_model(scheme, K, lora_layers, lora_scale, tied):
+  """RRT's SVD init (arXiv:2410.20672): at full rank, shared W + scale * A_l B_l == W_l for any
+  lora_scale, with LoRA only where lora_layers puts it (middle_cycle 'shared': the unique first
+  and last layers hold none and are copied exactly); each scheme tied and untied."""
+  cfg = _cfg(norm='rmsnorm', num_layers=6, d_model=32, num_heads=4, mlp_dim=48,
+             lora_scale=lora_scale, tie_embeddings=tied)
   v = _randomize_norms(init_variables(DecoderLM(cfg), jax.random.key(1)))
   toks = _tokens()
   ref = DecoderLM(cfg).apply(v, toks)
   kw = dict(scheme=scheme, num_unique=K, init='average', lora_targets=LORA_TARGETS,
-            untie_norms=True)
+            untie_norms=True, lora_layers=lora_layers)
   rcfg, rv = convert.to_recursive(cfg, v, lora_rank=32, lora_init='svd', **kw)
-  rcfg = dataclasses.replace(rcfg, lora_scale=1.0)
+  assert rcfg.lora_scale == lora_scale and rcfg.lora_layers == lora_layers
+  holders = {p[1] for p in flatten_dict(rv['per_layer']) if p[-1].startswith('lora_')}
+  n_seg = len(rcfg.plan.segments)
+  assert holders == ({'segment_1'} if scheme == 'middle_cycle' and lora_layers == 'shared'
+                     else {f'segment_{i}' for i in range(n_seg)})
   out = DecoderLM(rcfg).apply(rv, toks)
   assert float(jnp.max(jnp.abs(out - ref))) <= 1e-4
-  if scheme == 'cycle':   # strict sharing and truncated rank are not exact (not vacuous)
+  if scheme == 'cycle' and lora_scale == 1.0:   # strict sharing / truncated rank are not exact
     for rank in (0, 4):
       lcfg, lv = convert.to_recursive(cfg, v, lora_rank=rank, lora_init='svd', **kw)
       assert float(jnp.max(jnp.abs(DecoderLM(lcfg).apply(lv, toks) - ref))) > 1e-3
 
 
-def test_stepwise_recursive_copies_the_picked_layers():
-  cfg = _cfg(norm='rmsnorm', num_layers=6)
+@pytest.mark.parametrize('tied', [False, True])
+def test_stepwise_recursive_copies_the_picked_layers(tied):
+  cfg = _cfg(norm='rmsnorm', num_layers=6, tie_embeddings=tied)
   v = init_variables(DecoderLM(cfg), jax.random.key(2))
   rcfg, rv = convert.to_recursive(cfg, v, scheme='cycle', num_unique=3, init='stepwise')
   from sharenet.models import layout
   src, dst = layout.unique_sets(v['params'], cfg), layout.unique_sets(rv['params'], rcfg)
   for p in src:
     np.testing.assert_array_equal(dst[p], src[p][np.asarray([0, 2, 5])])
+  outside = lambda t: {p: x for p, x in flatten_dict(t['params']).items() if p[0] != 'stack'}
+  assert outside(rv).keys() == outside(v).keys()   # embedding (tied or not), final norm, readout
+  for p, x in outside(v).items():
+    np.testing.assert_array_equal(outside(rv)[p], x)
+
+
+def test_recursive_conversion_rejects_an_unknown_lora_layers():
+  cfg = _cfg(norm='rmsnorm', num_layers=6)
+  v = jax.eval_shape(lambda: init_variables(DecoderLM(cfg), jax.random.key(0)))
+  with pytest.raises(ConfigError, match='config.lora_layers=.middle. is unknown; valid: shared'):
+    convert.to_recursive(cfg, v, scheme='cycle', num_unique=3, init='stepwise', lora_rank=2,
+                         lora_layers='middle')
 
 
 # ----------------------------------------------------------------------------- invariances
@@ -251,24 +285,75 @@ def test_nap_keeps_matrix_norms_at_their_initial_values():
                          flatten_dict(states[-1].params)[('params', 'readout', 'kernel')])
 
 
+def _torch_rows(leaf, x):
+  """(sets, units, unit length): each stacked set as PyTorch stores it, one row per unit.
+
+  A kernel (in..., out...) is a Linear weight (out, in): units are output features; LoRA
+  A (in..., r) and B (r, out...) likewise; an embedding / position table is already (rows,
+  embed); a vector or scalar is one unit (NFNets' unitwise_norm of a bias or gain).
+  """
+  n = leaf.num_stack
+  sets = int(np.prod(x.shape[:n])) if n else 1
+  x = np.asarray(x).reshape((sets,) + x.shape[n:])
+  if leaf.role in ('reader', 'writer', 'readout', 'lora'):
+    fan_in = int(np.prod(x.shape[1:1 + leaf.num_in]))
+    return x.reshape(sets, fan_in, -1).transpose(0, 2, 1)
+  if leaf.role in ('embedding', 'pos_embed'):
+    return x
+  return x.reshape(sets, 1, -1)
+
+
+def _from_torch_rows(leaf, rows, shape):
+  if leaf.role in ('reader', 'writer', 'readout', 'lora'):
+    rows = rows.transpose(0, 2, 1)
+  return rows.reshape(shape)
+
+
 def test_agc_clips_each_unit_to_its_ratio():
+  """Unit-wise AGC (Brock et al., arXiv:2102.06171, eq. 3, units = rows of the PyTorch weight):
+  every unit's ||G_i|| / max(||W_i||, eps) ends <= lambda, clipped units keep their direction
+  at ratio exactly lambda, units under lambda are untouched, the final linear layer is not
+  clipped. Ratios are computed here from the PyTorch-layout rows, not the library's axes."""
   c = tiny_config.get_config()
+  c.model.sharing.scheme, c.model.num_layers, c.model.sharing.repeats = 'cycle', 4, 2
+  c.model.sharing.lora_rank = 2
+  c.model.position = 'learned'
   model = DecoderLM(ModelConfig.from_config(c.model))
   tr = Transforms({'updates': 'agc'}, model)
-  from sharenet.transforms.update import agc, unit_axes
+  from sharenet.transforms.update import agc
+  lam, eps = 0.01, 1e-3
   params = init_variables(model, jax.random.key(0))
-  grads = jax.tree.map(lambda p: 10.0 * jax.random.normal(jax.random.key(1), p.shape), params)
-  tx = agc(0.01, 1e-3, tr.infos)
-  clipped, _ = tx.update(grads, tx.init(params), params)
-  flat_u, flat_p = flatten_dict(clipped), flatten_dict(params)
+  flat_p = flatten_dict(params)
+  rng = np.random.default_rng(0)
+  grads, target = {}, {}
   for path, leaf in tr.infos.items():
-    ax = unit_axes(leaf, len(leaf.shape))
-    un = jnp.sqrt(jnp.sum(flat_u[path] ** 2, axis=ax))
-    pn = jnp.maximum(jnp.sqrt(jnp.sum(flat_p[path] ** 2, axis=ax)), 1e-3)
+    w = _torch_rows(leaf, flat_p[path])
+    g = rng.standard_normal(w.shape)
+    # Per unit a target ratio alternating below and above lambda.
+    t = np.where(np.arange(w.shape[1]) % 2 == 0, 0.3 * lam, 30 * lam)[None, :]
+    wn = np.maximum(np.linalg.norm(w, axis=-1), eps)
+    g *= (t * wn / np.linalg.norm(g, axis=-1))[..., None]
+    target[path] = t * np.ones(w.shape[:2])
+    grads[path] = jnp.asarray(_from_torch_rows(leaf, g, flat_p[path].shape), jnp.float32)
+  tx = agc(lam, eps, tr.infos)
+  clipped, _ = tx.update(unflatten_dict(grads), tx.init(params), params)
+  flat_u = flatten_dict(clipped)
+  checked = set()
+  for path, leaf in tr.infos.items():
+    g0, g1 = _torch_rows(leaf, grads[path]), _torch_rows(leaf, flat_u[path])
+    wn = np.maximum(np.linalg.norm(_torch_rows(leaf, flat_p[path]), axis=-1), eps)
+    ratio = np.linalg.norm(g1, axis=-1) / wn
     if leaf.role == 'readout':
-      assert float(jnp.max(un / pn)) > 0.02     # not clipped
-    else:
-      assert float(jnp.max(un / pn)) <= 0.01 * (1 + 1e-5)
+      np.testing.assert_array_equal(g1, g0)
+      continue
+    below = target[path] <= lam
+    np.testing.assert_allclose(g1[below], g0[below], rtol=1e-6)
+    np.testing.assert_allclose(ratio[~below], lam, rtol=1e-4)
+    cos = np.sum(g1 * g0, -1) / (np.linalg.norm(g1, axis=-1) * np.linalg.norm(g0, axis=-1))
+    np.testing.assert_allclose(cos[~below], 1.0, rtol=1e-5)
+    if (~below).any():
+      checked.add(leaf.role)
+  assert {'reader', 'writer', 'embedding', 'pos_embed', 'lora'} <= checked
 
 
 def test_adamp_update_is_orthogonal_to_a_weight_feeding_a_norm():
@@ -299,6 +384,113 @@ def test_adamp_update_is_orthogonal_to_a_weight_feeding_a_norm():
   assert abs(float(jnp.sum(w * d) / (jnp.linalg.norm(w) * jnp.linalg.norm(d)))) > 1e-3
 
 
+def _clovaai_adamp(w_t, grads_t, b1, b2, eps, wd, delta, wd_ratio):
+  """AdamP as clovaai/AdamP adamp.py writes it, in numpy, on one PyTorch-layout tensor (rows =
+  output channels) held fixed: returns the last step's update u (p <- p - lr * u; the lr factor
+  and its bias correction are applied by the caller) and the branch taken."""
+  m, v = np.zeros_like(w_t), np.zeros_like(w_t)
+  for t, g in enumerate(grads_t, 1):
+    m = b1 * m + (1 - b1) * g
+    v = b2 * v + (1 - b2) * g * g
+    denom = np.sqrt(v) / np.sqrt(1 - b2 ** t) + eps
+    perturb = m / denom
+    ratio, branch = 1.0, 'none'
+    for name, view in (('channel', lambda x: x.reshape(x.shape[0], -1)),
+                       ('layer', lambda x: x.reshape(1, -1))):
+      gv, wv = view(g), view(w_t)
+      cos = np.abs(np.sum(gv * wv, 1)) / (np.maximum(np.linalg.norm(gv, axis=1), eps) *
+                                          np.maximum(np.linalg.norm(wv, axis=1), eps))
+      if cos.max() < delta / math.sqrt(wv.shape[1]):
+        expand = (-1,) + (1,) * (w_t.ndim - 1)
+        p_n = w_t / (np.linalg.norm(wv, axis=1).reshape(expand) + eps)
+        perturb = perturb - p_n * view(p_n * perturb).sum(1).reshape(expand)
+        ratio, branch = wd_ratio, name
+        break
+    u = perturb / (1 - b1 ** t) + wd * ratio * w_t
+  return u, branch
+
+
+def _adamp_case(kind, rows, cols, rng, delta):
+  """(w, g) in PyTorch layout (rows = output channels): 'channel' = every row's |cos| is half
+  the per-channel threshold with one sign (so the whole-tensor |cos| is that value too, above
+  its smaller threshold); 'layer' = row 0 parallel, row 1 antiparallel, the rest orthogonal
+  (whole |cos| 0, channel max 1); 'none' = g close to w."""
+  w = rng.standard_normal((rows, cols))
+  noise = rng.standard_normal((rows, cols))
+  ortho = noise - w * (np.sum(noise * w, 1, keepdims=True) / np.sum(w * w, 1, keepdims=True))
+  ortho *= (np.linalg.norm(w, axis=1) / np.linalg.norm(ortho, axis=1))[:, None]
+  if kind == 'channel':
+    c = 0.5 * delta / math.sqrt(cols)
+    g = c * w + math.sqrt(1 - c * c) * ortho
+  elif kind == 'layer':
+    g = ortho.copy()
+    w[1] *= np.linalg.norm(w[0]) / np.linalg.norm(w[1])
+    g[0], g[1] = w[0], -w[1]
+  else:
+    g = w + 0.1 * noise
+  return w, g
+
+
+# (leaf shape, axes, role, num_in, ours -> PyTorch layout of one set)
+ADAMP_LAYOUTS = {
+    'kernel': ((8, 16), ('embed', 'mlp'), 'reader', 1, lambda x: x.T),       # Linear (out, in)
+    'readout': ((8, 24), ('embed', 'vocab'), 'readout', 1, lambda x: x.T),
+    'lora_b': ((4, 16), ('lora', 'embed'), 'lora', 1, lambda x: x.T),        # Linear(r, out)
+    'embedding': ((24, 8), ('vocab', 'embed'), 'embedding', 1, lambda x: x),  # nn.Embedding
+}
+
+
+@pytest.mark.parametrize('layout', sorted(ADAMP_LAYOUTS))
+def test_adamp_matches_the_reference_per_channel_and_whole_tensor(layout):
+  """scale_by_adamp against clovaai's algorithm written out in numpy: a stacked leaf whose
+  set 0 triggers only the per-channel test, set 1 only the whole-tensor test and set 2 neither;
+  weight decay is multiplied by wd_ratio exactly on the projected sets."""
+  shape, axes, role, num_in, to_torch = ADAMP_LAYOUTS[layout]
+  b1, b2, eps, wd, delta, wd_ratio = 0.9, 0.999, 1e-8, 0.1, 0.1, 0.25
+  leaf = Leaf(('params', 'w', 'kernel'), ('layers',) + axes, (3,) + shape, role, num_in)
+  rng = np.random.default_rng(0)
+  ws, gs, want = [], [], []
+  for kind in ('channel', 'layer', 'none'):
+    rows, cols = to_torch(np.zeros(shape)).shape
+    w_t, g_t = _adamp_case(kind, rows, cols, rng, delta)
+    u_t, branch = _clovaai_adamp(w_t, [g_t, 0.7 * g_t], b1, b2, eps, wd, delta, wd_ratio)
+    assert branch == kind                        # the constructed case is the intended one
+    ws.append(to_torch(w_t))                     # our layout (the maps are involutions)
+    gs.append(to_torch(g_t))
+    want.append(to_torch(u_t))
+  with jax.enable_x64(True):
+    params = {'params': {'w': {'kernel': jnp.asarray(np.stack(ws))}}}
+    tx = scale_by_adamp(b1, b2, eps, wd, lambda p: jax.tree.map(lambda _: True, p),
+                        {leaf.path: leaf}, delta, wd_ratio)
+    state = tx.init(params)
+    for g in (np.stack(gs), 0.7 * np.stack(gs)):
+      u, state = tx.update({'params': {'w': {'kernel': jnp.asarray(g)}}}, state, params)
+    got = np.asarray(u['params']['w']['kernel'])
+  np.testing.assert_allclose(got, np.stack(want), rtol=1e-6, atol=1e-9)
+  # Not vacuous: on the projected sets the result differs from plain AdamW (delta = 0).
+  for i in range(2):
+    w_t, g_t = to_torch(ws[i]), to_torch(gs[i])
+    u_plain, branch = _clovaai_adamp(w_t, [g_t, 0.7 * g_t], b1, b2, eps, wd, 0.0, wd_ratio)
+    assert branch == 'none' and np.max(np.abs(to_torch(u_plain) - got[i])) > 1e-2
+
+
+def test_adamp_leaves_vectors_and_scalars_unprojected():
+  """Only tensors with more than one (non-stack) dimension are projected (adamp.py:
+  len(p.shape) > 1): a stacked norm gain gets the plain AdamW step."""
+  leaf = Leaf(('params', 'n', 'scale'), ('layers', 'embed'), (2, 8), 'norm_in', 0)
+  rng = np.random.default_rng(1)
+  w = rng.standard_normal((2, 8))
+  g = rng.standard_normal((2, 8))
+  g[0] -= w[0] * (g[0] @ w[0]) / (w[0] @ w[0])       # orthogonal: would look scale-invariant
+  tx = scale_by_adamp(0.9, 0.999, 1e-8, 0.1, lambda p: jax.tree.map(lambda _: True, p),
+                      {leaf.path: leaf})
+  params = {'params': {'n': {'scale': jnp.asarray(w, jnp.float32)}}}
+  u, _ = tx.update({'params': {'n': {'scale': jnp.asarray(g, jnp.float32)}}}, tx.init(params),
+                   params)
+  expected = g / (np.abs(g) + 1e-8) + 0.1 * w          # first Adam step + full decay
+  np.testing.assert_allclose(np.asarray(u['params']['n']['scale']), expected, rtol=1e-5)
+
+
 TRAINABLE_TRANSFORMS = [
     {'reparam': 'weight_norm'}, {'reparam': 'sigma_reparam'}, {'reparam': 'weight_std'},
     {'reparam': 'zero_mean_writers'}, {'reparam': 'scale_vectors'},
@@ -314,11 +506,13 @@ def test_each_transform_trains_under_cycle_sharing(kw):
   assert losses[-1] < losses[0]
 
 
+@pytest.mark.parametrize('tied', [False, True])
 @pytest.mark.parametrize('reparams', ['weight_norm', 'sigma_reparam', 'zero_mean_writers',
                                       'scale_vectors'])
-def test_function_preserving_reparams_leave_the_initial_model_unchanged(reparams):
+def test_function_preserving_reparams_leave_the_initial_model_unchanged(reparams, tied):
   c = tiny_config.get_config()
   c.model.norm.kind = 'layernorm'   # zero-mean writers preserve Pre-LN models (Jiang et al.)
+  c.model.tie_embeddings = c.model.center_embedding = tied
   model = DecoderLM(ModelConfig.from_config(c.model))
   tr = Transforms({'reparam': reparams}, model)
   v = init_variables(model, jax.random.key(0))
@@ -328,13 +522,17 @@ def test_function_preserving_reparams_leave_the_initial_model_unchanged(reparams
                              rtol=1e-4, atol=1e-4)
 
 
-def test_zero_mean_writers_train_like_pre_ln_in_float64():
+@pytest.mark.parametrize('tied', [False, True])
+def test_zero_mean_writers_train_like_pre_ln_in_float64(tied):
   """Pre-LN and Pre-RMSNorm with forward-recentred writers, from the same raw weights, follow
   the same Adam trajectory (Jiang et al., arXiv:2305.14858). LN biases stay at 0
-  (they have no RMSNorm counterpart); the gains are random and trained in both."""
+  (they have no RMSNorm counterpart); the gains are random and trained in both. Tied: the
+  RMSNorm model recentres the embedded vectors (model.center_embedding) and its readout reads
+  the raw table, as the Pre-LN model's does."""
   with jax.enable_x64(True):
-    cfg_ln = _cfg(dtype='float64', param_dtype='float64')
-    cfg_rms = dataclasses.replace(cfg_ln, norm='rmsnorm')
+    cfg_ln = _cfg(dtype='float64', param_dtype='float64', tie_embeddings=tied,
+                  embed_init_std=0.5)
+    cfg_rms = dataclasses.replace(cfg_ln, norm='rmsnorm', center_embedding=tied)
     v = init_variables(DecoderLM(cfg_ln), jax.random.key(0))
     flat = flatten_dict(_randomize_norms(v)['params'])
     flat = {p: (jnp.zeros_like(x) if p[-1] == 'bias' else x) for p, x in flat.items()}

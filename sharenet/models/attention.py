@@ -53,9 +53,10 @@ class CausalAttention(nn.Module):
     B, T = x_BTD.shape[:2]
     q_BTKGD = q_BTHD.reshape(B, T, K, H // K, Dh)
     if c.qk_norm == 'l2':
-      # Henry et al. (arXiv:2010.04245): one learned scalar per attention module replaces
-      # 1/sqrt(d_head), initialised to log2(L^2 - L) for the typical sequence length L.
-      L = c.max_len
+      # Henry et al. (arXiv:2010.04245), section 3: one learned scalar per attention module
+      # replaces 1/sqrt(d_head), initialised to log2(L^2 - L) with L the sequence length of the
+      # training data (train.seq_len here, via model.norm.qk_norm_len), not the position limit.
+      L = c.qk_len
       init = c.qk_scale_init or math.log2(L * L - L)
       scale = param(self, 'qk_scale', (), (), 'scalar', init=nn.initializers.constant(init),
                     dtype=pdt, branch=BRANCH).astype(dt)

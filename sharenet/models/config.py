@@ -16,7 +16,9 @@ LOWERINGS = ('nested', 'flat')
 REMATS = ('none', 'full', 'dots', 'dots_no_batch', 'save_names', 'offload_dots', 'except_attn')
 DTYPES = ('float32', 'bfloat16', 'float64')
 LORA_TARGETS = ('q', 'k', 'v', 'o', 'mlp_in', 'mlp_out')
+LORA_LAYERS = ('shared', 'all')
 _DEFAULTS = defaults.default_config().model
+_TRAIN_SEQ_LEN = defaults.default_config().train.seq_len
 
 
 def _choice(field: str, value: Any, valid: tuple[str, ...]) -> None:
@@ -68,6 +70,7 @@ class ModelConfig:
   norm_eps: float = _key('norm.eps')
   dyt_alpha: float = _key('norm.dyt_alpha')
   qk_scale_init: float = _key('norm.qk_scale_init')
+  qk_norm_len: int = _key('norm.qk_norm_len')
   fixnorm: bool = _key('norm.fixnorm')
   center_embedding: bool = _key('center_embedding')
   reader_bias: bool = _key('reader_bias')
@@ -80,6 +83,7 @@ class ModelConfig:
   lora_rank: int = _key('sharing.lora_rank')
   lora_targets: tuple[str, ...] = _key('sharing.lora_targets', _targets, ','.join)
   lora_scale: float = _key('sharing.lora_scale')
+  lora_layers: str = _key('sharing.lora_layers')
   remat: str = _key('remat')
   scan_unroll: int = _key('scan_unroll')
   scan_layers: bool = _key('scan_layers')
@@ -91,6 +95,16 @@ class ModelConfig:
   @property
   def head_dim(self) -> int:
     return self.head_dim_override or self.d_model // self.num_heads
+
+  @property
+  def qk_len(self) -> int:
+    """L of the l2 QK-norm gain init log2(L^2 - L): the training sequence length.
+
+    model.norm.qk_norm_len, which from_config fills from train.seq_len; still 0 only in a
+    ModelConfig built without a train section (benchmarks, tests), which takes the default
+    config's train.seq_len.
+    """
+    return self.qk_norm_len or _TRAIN_SEQ_LEN
 
   @property
   def kv_heads(self) -> int:
@@ -114,6 +128,7 @@ class ModelConfig:
     _choice('model.param_dtype', self.param_dtype, DTYPES)
     for t in self.lora_targets:
       _choice('model.sharing.lora_targets', t, LORA_TARGETS)
+    _choice('model.sharing.lora_layers', self.lora_layers, LORA_LAYERS)
     for name in ('vocab_size', 'd_model', 'num_layers', 'num_heads', 'mlp_dim', 'scan_unroll'):
       if getattr(self, name) < 1:
         raise ConfigError(f'model.{name}={getattr(self, name)} must be >= 1')
@@ -127,17 +142,38 @@ class ModelConfig:
                         f'{self.num_heads}')
     if self.position == 'rope' and self.head_dim % 2:
       raise ConfigError(f'model.position=rope needs an even head_dim, got {self.head_dim}')
+    if self.qk_norm == 'l2' and not self.qk_scale_init and self.qk_len < 2:
+      raise ConfigError(f'model.norm.qk_norm_len={self.qk_norm_len}: the l2 QK-norm gain starts '
+                        f'at log2(L^2 - L) with L the training sequence length; valid: L >= 2 '
+                        f'(0 in a config means train.seq_len) or model.norm.qk_scale_init > 0')
     if self.lora_rank < 0:
       raise ConfigError(f'model.sharing.lora_rank={self.lora_rank} must be >= 0')
     if not self.scan_layers and (self.lora_rank or self.untie_norms):
       raise ConfigError('model.scan_layers=False reuses one module per shared set, so it cannot '
                         'hold per-layer parts; valid: lora_rank=0 and untie_norms=False')
-    self.plan  # raises ConfigError for impossible sharing
+    plan = self.plan  # raises ConfigError for impossible sharing
+    if self.lora_rank and self.lora_layers == 'shared' and \
+        not any(s.shared for s in plan.segments):
+      raise ConfigError(f'model.sharing.lora_rank={self.lora_rank} with lora_layers=shared puts '
+                        f'LoRA on shared layers only, and scheme {self.scheme!r} shares none; '
+                        f'valid: lora_layers=all or lora_rank=0')
+    return self
+
+  def segment_cfg(self, seg: sharing.Segment) -> 'ModelConfig':
+    """The config a plan segment's blocks are built with: without depth-wise LoRA where
+    lora_layers='shared' and the segment shares no set (Relaxed Recursive Transformers,
+    arXiv:2410.20672, relax only the looped layers; the unique first / last layers of middle
+    schemes get none)."""
+    if self.lora_rank and self.lora_layers == 'shared' and not seg.shared:
+      return dataclasses.replace(self, lora_rank=0)
     return self
 
   @classmethod
-  def from_config(cls, m: Any) -> 'ModelConfig':
-    """Builds from the `config.model` ConfigDict (every key; old workdirs: defaults.complete)."""
+  def from_config(cls, m: Any, seq_len: int | None = None) -> 'ModelConfig':
+    """Builds from the `config.model` ConfigDict (every key; old workdirs: defaults.complete).
+
+    `seq_len` (the config's train.seq_len) fills model.norm.qk_norm_len=0 (see `qk_len`).
+    """
     kw = {}
     for f in dataclasses.fields(cls):
       if 'key' not in f.metadata:
@@ -149,6 +185,8 @@ class ModelConfig:
                             f'configs/default.py (sharenet.defaults.complete fills old ones)')
         value = value[k]
       kw[f.name] = f.metadata['parse'](value) if f.metadata['parse'] else value
+    if not kw.get('qk_norm_len') and seq_len:
+      kw['qk_norm_len'] = int(seq_len)
     return cls(**kw).validate()
 
   def to_config(self) -> dict[str, Any]:

@@ -37,17 +37,24 @@ def unique_sets(params: Tree, cfg: ModelConfig) -> dict[tuple, jnp.ndarray]:
 
 
 def applied_per_layer(per_layer: Tree, cfg: ModelConfig) -> dict[tuple, jnp.ndarray]:
-  """Per-layer variables in applied-layer order: {path: (L, ...)}."""
+  """Per-layer variables in applied-layer order: {path: (L, ...)}.
+
+  A part a segment does not hold (LoRA on an unshared segment under lora_layers='shared')
+  reads as zeros there, which is what an absent LoRA computes.
+  """
   segs = _segment_leaves(per_layer)
   if not segs:
     return {}
+  lead = lambda seg: 1 if seg.order == 'gather' else 2   # (R, K) cycle, (K, R) sequence
   out = {}
-  for p in segs[0]:
+  for p in sorted({p for leaves in segs.values() for p in leaves}):
+    i0, seg0 = next((i, s) for i, s in enumerate(cfg.plan.segments) if p in segs.get(i, {}))
+    inner = segs[i0][p].shape[lead(seg0):]
     parts = []
     for i, seg in enumerate(cfg.plan.segments):
-      leaf = segs[i][p]
-      lead = 1 if seg.order == 'gather' else 2   # (R, K) for cycle, (K, R) for sequence
-      parts.append(leaf.reshape((-1,) + leaf.shape[lead:]))
+      leaf = segs.get(i, {}).get(p)
+      parts.append(jnp.zeros((seg.num_applied,) + inner, segs[i0][p].dtype) if leaf is None
+                   else leaf.reshape((-1,) + leaf.shape[lead(seg):]))
     out[p] = jnp.concatenate(parts)
   return out
 
@@ -60,7 +67,8 @@ def applied_params(params: Tree, cfg: ModelConfig) -> dict[tuple, jnp.ndarray]:
 
 def to_untied(variables: Tree, cfg: ModelConfig) -> tuple[ModelConfig, Tree]:
   """The untied model (and its variables) computing the same function as `variables`."""
-  ucfg = dataclasses.replace(cfg, scheme='untied', num_unique=0, repeats=0, pattern='')
+  ucfg = dataclasses.replace(cfg, scheme='untied', num_unique=0, repeats=0, pattern='',
+                             lora_layers='all')   # absent LoRA parts become zeros
   variables = nn.unbox(variables)
   prefix = ('stack', 'segment_0', 'level', 'block')
   params = {k: v for k, v in flatten_dict(variables['params']).items() if k[0] != 'stack'}
@@ -97,6 +105,6 @@ def from_applied_per_layer(per_layer: Tree, layers: dict[tuple, Any], cfg: Model
   for i, seg in enumerate(cfg.plan.segments):
     n = seg.num_applied
     per_segment[i] = {p: v[start:start + n].reshape(template[i][p].shape)
-                      for p, v in layers.items()}
+                      for p, v in layers.items() if p in template.get(i, {})}
     start += n
   return _replace_stack(per_layer, per_segment)

@@ -4,7 +4,8 @@ Inside a segment, a collection that is *broadcast* across a scan is tied and a c
 with `variable_axes` is per iteration. 'params' is stacked over the K unique
 sets and broadcast over the R repeats; PER_LAYER (untied norm gains, depth-wise LoRA) is
 scanned at every level, so it holds one entry per applied layer. Compile time therefore does
-not grow with R.
+not grow with R. Under model.sharing.lora_layers='shared' (the default) a segment that shares
+no set (the unique first / last layers of middle schemes) is built without LoRA.
 
 `model.scan_lowering='flat'` lowers the same regular segment as one scan over its R*K applied
 layers instead: the K stored sets are gathered into an applied-depth stack for the forward pass
@@ -179,8 +180,9 @@ class Stack(nn.Module):
         x_BTD, _ = blocks[u](x_BTD, positions_T)
       return x_BTD
     for i, seg in enumerate(self.cfg.plan.segments):
+      cfg = self.cfg.segment_cfg(seg)   # no LoRA on unshared segments under lora_layers=shared
       if seg.order == 'gather':
-        x_BTD, _ = GatherSegment(self.cfg, seg.pattern, name=f'segment_{i}')(x_BTD, positions_T)
+        x_BTD, _ = GatherSegment(cfg, seg.pattern, name=f'segment_{i}')(x_BTD, positions_T)
       else:
-        x_BTD, _ = _Level(self.cfg, segment_levels(seg), name=f'segment_{i}')(x_BTD, positions_T)
+        x_BTD, _ = _Level(cfg, segment_levels(seg), name=f'segment_{i}')(x_BTD, positions_T)
     return x_BTD

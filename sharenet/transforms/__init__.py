@@ -33,7 +33,8 @@ class Transforms:
     t = defaults.fill('transforms', tcfg)
     self.infos: dict[tuple, Leaf] = leaf_infos(model)
     self.reparam = ReparamChain(_names(t.reparam), self.infos, t.reparam_paths,
-                                int(t.sigma_iters), _names(t.reparam_roles))
+                                int(t.sigma_iters), _names(t.reparam_roles),
+                                tied_embeddings=model.cfg.tie_embeddings)
     self.projection = t.project or 'none'
     if self.projection not in project_lib.PROJECTIONS:
       raise ConfigError(f'transforms.project={self.projection!r} is unknown; valid: '
@@ -51,7 +52,8 @@ class Transforms:
         not cfg.center_embedding:
       raise ConfigError('transforms.reparam=zero_mean_writers with model.tie_embeddings=True '
                         'would recentre the readout too; valid: model.center_embedding=True '
-                        '(recentres the embedded vectors instead)')
+                        '(recentres the embedded vectors in the forward pass; the tied table '
+                        'itself stays raw)')
 
   @property
   def reparam_names(self) -> tuple[str, ...]:

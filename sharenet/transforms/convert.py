@@ -19,7 +19,8 @@ the recursive conversion follows Relaxed Recursive Transformers (arXiv:2410.2067
                  will use the set) or Lower (the first K layers; middle schemes 1..K-2 plus the
                  verbatim first and last); optional depth-wise LoRA from the truncated SVD of each
                  applied layer's residual W_l - W_shared, exact at full rank for any
-                 lora_scale (B is divided by it).
+                 lora_scale (B is divided by it), on the layers that hold LoRA
+                 (model.sharing.lora_layers: shared = RRT's looped layers only, or all).
 
 CLI: python convert.py --workdir SRC --out DST --config.to=rmsnorm|crmsnorm|recursive [...]
 (sharenet.workdir_lib.convert_workdir) writes DST/config.json and a checkpoint (fresh optimizer
@@ -38,6 +39,7 @@ from flax.traverse_util import flatten_dict, unflatten_dict
 
 from sharenet.errors import ConfigError
 from sharenet.models import DecoderLM, ModelConfig, init_variables, layout, param_table
+from sharenet.models.config import LORA_LAYERS
 from sharenet.params import KERNEL_ROLES, NORM_ROLES, PER_LAYER, ParamInfo
 
 INITS = ('stepwise', 'average', 'lower')
@@ -264,7 +266,8 @@ def source_layers(cfg: ModelConfig, num_unique: int, scheme: str, init: str) -> 
 
 def to_recursive(cfg: ModelConfig, variables: Any, scheme: str, num_unique: int, init: str,
                  lora_rank: int = 0, lora_init: str = 'zero', lora_targets: tuple = (),
-                 untie_norms: bool = False, seed: int = 0) -> tuple[ModelConfig, Any]:
+                 untie_norms: bool = False, seed: int = 0, lora_layers: str = 'shared'
+                 ) -> tuple[ModelConfig, Any]:
   """Untied -> recursive with `num_unique` stored sets (see the module docstring)."""
   _require(cfg.scheme == 'untied', f'config.to=recursive needs an untied source, got {cfg.scheme}')
   _require(scheme in RECURSIVE_SCHEMES,
@@ -273,9 +276,12 @@ def to_recursive(cfg: ModelConfig, variables: Any, scheme: str, num_unique: int,
   _require(lora_init in ('zero', 'svd'),
            f'config.lora_init={lora_init!r} is unknown; valid: zero, svd')
   _require(not cfg.lora_rank, 'the source already has depth-wise LoRA; valid: lora_rank=0')
+  _require(lora_layers in LORA_LAYERS, f'config.lora_layers={lora_layers!r} is unknown; valid: '
+           f'{", ".join(LORA_LAYERS)}')
   new_cfg = dataclasses.replace(
       cfg, scheme=scheme, num_unique=num_unique, repeats=0, pattern='', lora_rank=lora_rank,
-      lora_targets=tuple(lora_targets) or cfg.lora_targets, untie_norms=untie_norms).validate()
+      lora_targets=tuple(lora_targets) or cfg.lora_targets, untie_norms=untie_norms,
+      lora_layers=lora_layers).validate()
   plan = new_cfg.plan
   src = {p: v for p, v in layout.applied_params(variables['params'], cfg).items()}
   if PER_LAYER in variables:
@@ -297,6 +303,9 @@ def to_recursive(cfg: ModelConfig, variables: Any, scheme: str, num_unique: int,
       if p in norms:                 # untied norm parameters: each applied layer's own
         layers[p] = src[p]
     if lora_rank and lora_init == 'svd':
+      # Factors for every applied layer; from_applied_per_layer keeps only the layers that hold
+      # LoRA (lora_layers=shared: not the unique first / last layers, copied exactly, so their
+      # residual is zero and they need none).
       layers.update(svd_lora(src, sets, plan.index, new_cfg))
     out[PER_LAYER] = layout.from_applied_per_layer(target[PER_LAYER], layers, new_cfg)
   return new_cfg, out

@@ -143,12 +143,19 @@ class ZeroMeanWriters(Reparam):
   learned positions. This is the training-time form of the Pre-LN == Pre-RMSNorm equivalence
   (Jiang et al., arXiv:2305.14858): a reparam, not a projection, so AdamW sees Pre-LN's
   gradients. Flax kernels are (in, out), so the mean is over the *last* axis.
+
+  A tied table (`tied=True`) is never selected: it is also the readout, which must see the raw
+  table; the model recentres the embedded vectors in its forward pass instead
+  (model.center_embedding, required by Transforms).
   """
   name = 'zero_mean_writers'
   kernel_only = False
 
+  def __init__(self, tied: bool = False):
+    self.tied = tied
+
   def selects(self, leaf, pattern, roles=()):
-    return leaf.writes
+    return leaf.writes and not (self.tied and leaf.role == 'embedding')
 
   def apply(self, w, extras, state, leaf):
     return w - jnp.mean(w, axis=leaf.embed_axis(), keepdims=True)
@@ -178,7 +185,7 @@ class ReparamChain:
   """The configured reparameterizations, composed left to right on the effective tree."""
 
   def __init__(self, names: Sequence[str], infos: dict[tuple, Leaf], paths_regex: str = 'kernel$',
-               sigma_iters: int = 1, roles: Sequence[str] = ()):
+               sigma_iters: int = 1, roles: Sequence[str] = (), tied_embeddings: bool = False):
     for n in names:
       if n not in REPARAMS:
         raise ConfigError(f'transforms.reparam: {n!r} is unknown; valid: {", ".join(REPARAMS)}')
@@ -192,7 +199,8 @@ class ReparamChain:
       if r not in KERNEL_ROLES:
         raise ConfigError(f'transforms.reparam_roles: {r!r} is unknown; valid: '
                           f'{", ".join(KERNEL_ROLES)}')
-    make = {'zero_mean_writers': ZeroMeanWriters, 'weight_std': WeightStandardization,
+    make = {'zero_mean_writers': lambda: ZeroMeanWriters(tied_embeddings),
+            'weight_std': WeightStandardization,
             'weight_norm': WeightNorm, 'sigma_reparam': lambda: SigmaReparam(sigma_iters),
             'scale_vectors': ScaleVectors}
     self.steps = [make[n]() for n in names]

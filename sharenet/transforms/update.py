@@ -16,10 +16,19 @@ UPDATES = ('agc', 'adamp')
 
 
 def unit_axes(leaf: Leaf | None, ndim: int) -> tuple[int, ...]:
-  """Axes summed for one unit's norm: a kernel's fan-in dims; other leaves' non-stack dims."""
+  """Axes of one unit's vector: a row of the PyTorch-layout weight, i.e. one output unit.
+
+  PyTorch stores a Linear weight as (out, in) and a unit is a row, `x.view(x.size(0), -1)`;
+  our kernels are (stack..., in..., out...), so a unit's vector runs over the fan-in axes.
+  LoRA A (in..., r) and B (r, out...) are kernels too (torch Linear(in, r), Linear(r, out)).
+  An embedding table (vocab, embed) and learned positions (length, embed) have PyTorch's
+  nn.Embedding layout already: a unit is a row, its vector runs over 'embed'. Other leaves
+  (norm gains, biases, scalars): all non-stack dims. Stack axes ('layers', 'repeats') index
+  separate tensors and never belong to a unit.
+  """
   if leaf is None:
     return tuple(range(ndim))
-  if leaf.role in KERNEL_ROLES:
+  if leaf.role in KERNEL_ROLES + ('lora',):
     return tuple(range(leaf.num_stack, leaf.num_stack + leaf.num_in))
   if leaf.role in ('embedding', 'pos_embed'):
     return (leaf.embed_axis(),)
@@ -49,16 +58,28 @@ class AdamPState(NamedTuple):
   adam: Any
 
 
+def _cosine(x: jax.Array, y: jax.Array, axes: tuple[int, ...], eps: float) -> jax.Array:
+  """|cos(x, y)| over `axes` (torch.nn.functional.cosine_similarity with eps), kept dims."""
+  nx = jnp.maximum(jnp.sqrt(jnp.sum(x * x, axes, keepdims=True)), eps)
+  ny = jnp.maximum(jnp.sqrt(jnp.sum(y * y, axes, keepdims=True)), eps)
+  return jnp.abs(jnp.sum(x * y, axes, keepdims=True)) / (nx * ny)
+
+
 def scale_by_adamp(b1: float, b2: float, eps: float, weight_decay: float, decay_mask: Any,
                    infos: dict[tuple, Leaf], delta: float = 0.1, wd_ratio: float = 0.1
                    ) -> optax.GradientTransformation:
   """Adam direction with AdamP's projection (Heo et al., arXiv:2006.08217) and decoupled decay.
 
-  For a matrix whose gradient is nearly orthogonal to the weight (max |cos| over its output
-  units < delta / sqrt(fan_in), else over the whole matrix < delta / sqrt(size)), the weight
-  looks scale-invariant: the radial component of the Adam step is removed (p -= w_hat <w_hat, p>
-  in that view) and its weight decay is multiplied by wd_ratio. Stacked sets are separate
-  matrices. The result still needs scale_by_learning_rate (and a sign flip) after it.
+  As the authors' code (clovaai/AdamP, adamp.py `_projection`) does for every parameter with
+  more than one dimension (here: more than one non-stack dimension, so kernels, LoRA factors,
+  embedding tables, learned positions and the readout; not gains, biases, scalars or reparam
+  gains): if max over units of |cos(grad_i, w_i)| < delta / sqrt(unit size), with units the
+  per-output-channel vectors of `unit_axes` (PyTorch's x.view(x.size(0), -1)), the weight looks
+  scale-invariant per channel; otherwise the whole tensor is tested with delta / sqrt(size).
+  The first test that passes removes the radial part of the Adam step in its view
+  (p -= w_hat <w_hat, p>, w_hat = w / (||w|| + eps)) and multiplies that tensor's weight decay
+  by wd_ratio. Each stacked set ('layers', 'repeats') is tested and projected as its own tensor.
+  The result still needs scale_by_learning_rate (and a sign flip) after it.
   """
   adam = optax.scale_by_adam(b1, b2, eps)
 
@@ -66,26 +87,22 @@ def scale_by_adamp(b1: float, b2: float, eps: float, weight_decay: float, decay_
     return AdamPState(adam.init(params))
 
   def project(p, g, w, leaf):
-    if leaf is None or leaf.role not in KERNEL_ROLES:
+    if leaf is None or len(w.shape) - leaf.num_stack < 2:
       return p, 1.0
-    shape = w.shape
-    m_w, m_g, m_p = (leaf.as_matrix(x) for x in (w, g, p))
+    rest = tuple(range(leaf.num_stack, w.ndim))          # one tensor's axes (stack excluded)
 
-    def cos_and_proj(axes, dim):
-      wn = m_w / jnp.maximum(jnp.sqrt(jnp.sum(m_w * m_w, axes, keepdims=True)), 1e-8)
-      gn = m_g / jnp.maximum(jnp.sqrt(jnp.sum(m_g * m_g, axes, keepdims=True)), 1e-8)
-      cos = jnp.abs(jnp.sum(wn * gn, axes, keepdims=True))
-      stack_axes = tuple(range(leaf.num_stack, m_w.ndim))
-      invariant = jnp.max(cos, axis=stack_axes, keepdims=True) < delta / math.sqrt(dim)
-      proj = m_p - wn * jnp.sum(wn * m_p, axes, keepdims=True)
-      return invariant, proj
+    def test_and_project(axes):
+      size = math.prod(w.shape[a] for a in axes)
+      cos = _cosine(g, w, axes, eps)
+      hit = jnp.max(cos, axis=rest, keepdims=True) < delta / math.sqrt(size)
+      w_hat = w / (jnp.sqrt(jnp.sum(w * w, axes, keepdims=True)) + eps)
+      return hit, p - w_hat * jnp.sum(w_hat * p, axes, keepdims=True)
 
-    unit_inv, unit_proj = cos_and_proj((-2,), leaf.fan_in)
-    whole_inv, whole_proj = cos_and_proj((-2, -1), leaf.fan_in * leaf.fan_out)
-    out = jnp.where(unit_inv, unit_proj, jnp.where(whole_inv, whole_proj, m_p))
-    ratio = jnp.where(unit_inv | whole_inv, wd_ratio, 1.0)
-    return out.reshape(shape), ratio.reshape(leaf.stack_shape + (1,) * (len(shape) -
-                                                                      leaf.num_stack))
+    unit_hit, unit_proj = test_and_project(unit_axes(leaf, w.ndim))
+    whole_hit, whole_proj = test_and_project(rest)
+    out = jnp.where(unit_hit, unit_proj, jnp.where(whole_hit, whole_proj, p))
+    ratio = jnp.where(unit_hit | whole_hit, wd_ratio, 1.0)
+    return out, ratio
 
   def update_fn(grads, state, params):
     steps, adam_state = adam.update(grads, state.adam, params)
