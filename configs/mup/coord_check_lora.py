@@ -23,8 +23,8 @@ def get_config():
   sh.lora_targets = 'q,v,o,mlp_in,mlp_out'
   s = c.study
   s.axes = 'width'
-  s.steps = 5                 # LoRA B starts at zero: A gets its first update at step 2
-  s.seeds = 2
-  s.width_values = '64,128,256,512'          # base_d_model = the first
-  s.width_variants = 'sp,mup,mup_table3'
+  s.steps = 10                # LoRA B starts at zero: A gets its first update at step 2
+  s.seeds = 1
+  s.width_values = '64,128,256'              # base_d_model = the first
+  s.width_variants = 'sp,mup'
   return c
