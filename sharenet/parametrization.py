@@ -42,7 +42,7 @@ have finite fan-in and infinite fan-out, "output weights" infinite fan-in and fi
 Why it is width-consistent: x has Theta(1) coordinates, so with A's Table 8 rule x A is
 Theta(1/sqrt(d)) at init and its Adam update d * eta / m = Theta(1); z = x A has r (finite)
 coordinates, and B, an input weight, maps Theta(1) coordinates to Theta(1) coordinates with
-Theta(eta) updates. Under SP x dA grows ~ d (checked in docs/results/mup/coord_check_width_lora.png).
+Theta(eta) updates. Under SP x dA grows ~ d (measured: configs/mup/coord_check_lora.py).
 CompleteP treats both factors as block parameters (LR x m_L^(alpha-1), eps, WD and, for the B of a
 branch output, the branch multiplier).
 

@@ -466,7 +466,8 @@ def test_presets_match_the_papers_tables(kind, alpha):
 def test_lora_factors_follow_tp5_input_output_columns(kind):
   """Depth-wise LoRA: A (fan-in = width, fan-out = rank r) is a TP5 output weight, B (fan-in = r,
   fan-out = width) an input weight (Table 3 / Table 8 above); under CompleteP both are block
-  parameters (Table 1: LR m_L^(alpha-1), eps m_N^-1 m_L^-alpha, B of a branch output x m_L^-alpha)."""
+  parameters (Table 1: LR m_L^(alpha-1), eps m_N^-1 m_L^-alpha; a branch output's B x m_L^-alpha).
+  """
   table = TP5_TABLE['table3' if kind == 'mup_table3' else 'table8']
   alpha = 0.5
   for d in (D_BASE, 4 * D_BASE):

@@ -6,10 +6,28 @@ activations it records mean|x A| ('lora_xa') and mean|scale x A B| ('lora_out', 
 added to each kernel's output). Rules for the factors: sharenet/parametrization.py docstring
 (A = TP5 output weight, B = input weight).
 
-Command:   nice -n 5 python -m sharenet.studies.coord_check --config configs/mup/coord_check_lora.py \
-               --out docs/results/mup/lora
-Runtime:   (filled in after the measured run)
-Result:    (filled in after the measured run)
+Command:   nice -n 5 python -m sharenet.studies.coord_check \
+               --config configs/mup/coord_check_lora.py --out docs/results/mup/lora
+           then the focused figure coord_check_width_lora.png (lora_xa, lora_out, residual):
+           python -c "import json; from sharenet.studies import coord_check as cc; \
+             r = json.load(open('docs/results/mup/lora/coord_check.json'))['width']; \
+             cc.plot_activations(r, 'width', ['lora_xa', 'lora_out', 'residual'], \
+             'docs/results/mup/lora/coord_check_width_lora.png')"
+Runtime:   648 s wall (nice 5, 2-core CPU shared with 4 other jobs; compile dominates, 1-2.5 min
+           per point). With --config.study.width_variants=sp:lr=0.04,mup:lr=0.04 and
+           --out docs/results/mup/lora/lr_0.04: 618 s.
+Result:    (measured 2026-12-01, widths 64-256, slope of log mean|x| vs log width per step)
+           lr 1e-2: mup lora_xa -0.49 at t=0 (x A at init ~ d^-1/2: an output weight's init term,
+             the transient TP5 / microsoft/mup allow for the logits) shrinking to -0.33 at t=10;
+             lora_out -0.49 (t=1) -> -0.28 (t=10); its growth over init is width-independent
+             (lora_xa t=10 minus t=0: +0.39 / +0.30 / +0.34). residual / mlp_out <= 0.10 / 0.14.
+             sp (control): lora_xa +0.01 (t=1) -> +1.63 (t=10), lora_out -0.08 -> +1.57
+             (growth over init +0.39 / +0.93 / +9.75), residual +2.73.
+           lr 0.04 (above the base model's stable LR; the whole model drifts): mup lora_xa / lora_out
+             within -0.2..+0.13 for t = 3..7, then +0.5 (residual -0.77..+0.29); sp +2.0..+4.3.
+           So the muP LoRA rule removes SP's width blow-up; the remaining negative slope is the
+           shrinking init term of x A, which 10 steps at these LRs do not wash out (B starts at
+           zero, so A is first updated at step 2); it is not flat within 0.1 here.
 """
 from configs.mup import coord_check
 
