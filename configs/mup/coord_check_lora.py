@@ -23,8 +23,9 @@ Result:    (measured 2026-12-01, widths 64-256, slope of log mean|x| vs log widt
              (lora_xa t=10 minus t=0: +0.39 / +0.30 / +0.34). residual / mlp_out <= 0.10 / 0.14.
              sp (control): lora_xa +0.01 (t=1) -> +1.63 (t=10), lora_out -0.08 -> +1.57
              (growth over init +0.39 / +0.93 / +9.75), residual +2.73.
-           lr 0.04 (above the base model's stable LR; the whole model drifts): mup lora_xa / lora_out
-             within -0.2..+0.13 for t = 3..7, then +0.5 (residual -0.77..+0.29); sp +2.0..+4.3.
+           lr 0.04 (above the base model's stable LR; the whole model drifts): mup lora_xa and
+             lora_out within -0.25..+0.17 for t = 3..7, +0.29..+0.58 for t = 8..10 (residual
+             -0.77..+0.29); sp +2.0..+4.3 from t = 2.
            So the muP LoRA rule removes SP's width blow-up; the remaining negative slope is the
            shrinking init term of x A, which 10 steps at these LRs do not wash out (B starts at
            zero, so A is first updated at step 2); it is not flat within 0.1 here.
