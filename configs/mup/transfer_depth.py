@@ -15,6 +15,10 @@ Result:    (measured 2026-12-01; 50 steps, 1 seed, so +-0.3 in log2 is within no
            mup's optimum falls steadily (-0.23 log2 per depth doubling, 0.69 over 2 -> 16) and its
            loss gets worse with depth; completep moves once, 2 -> 4 (the depth-2 basin is flat from
            2^-7 to 2^-5), then stays within 0.05 from 4 to 16 while its loss does not degrade.
+           alpha 0.5 (--config.study.depth_variants=completep:base_depth=2:depth_alpha=0.5
+           --out docs/results/mup/depth/alpha_0.5, 453 s at a lower load):
+                      -6.80 / -5.83 / -5.65 / -5.86  (loss 2.624 / 2.593 / 2.593 / 2.604)
+           i.e. the same one-step move 2 -> 4 and 0.21 spread from 4 to 16 (vs 0.05 at alpha 1).
 """
 from configs.mup import transfer
 
