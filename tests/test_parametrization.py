@@ -493,3 +493,36 @@ def test_lora_factors_follow_tp5_input_output_columns(kind):
       assert (b.init_std, b.fwd_mult) == (None, pytest.approx(branch, rel=1e-12))
       assert b.lr_mult == pytest.approx(depth_lr, rel=1e-12)
       assert b.eps_mult == pytest.approx(eps, rel=1e-12)
+
+
+def test_lora_a_feature_update_is_width_independent_under_mup_not_sp():
+  """The derivation for LoRA A (module docstring): after one Adam step the feature update
+  x (A_1 - A_0) (effective weights) is Theta(1) in width under mup and grows ~ width under sp.
+  Measured on the first layer's query LoRA (its input, norm(embedding), does not depend on LoRA),
+  with B set nonzero so that A gets a gradient at step 1."""
+  from sharenet.models.layers import INTERMEDIATES
+  sizes = {}
+  for kind in ('sp', 'mup'):
+    for d in (D_BASE, 8 * D_BASE):
+      cfg = _paper_model(d, 2, scheme='cycle', num_unique=1, lora_rank=2, lora_targets=('q',))
+      pz = P.Parametrization(cfg, P.Settings(kind, base_d_model=D_BASE))
+      model = DecoderLM(pz.cfg)
+      v = pz.init(init_variables(model, jax.random.key(0)))
+      v = jax.tree_util.tree_map_with_path(
+          lambda p, x: jnp.full_like(x, 0.1) if 'lora_b' in str(p[-1]) else x, v)
+      tx = optim.make_optimizer(train_cfg(weight_decay=0.0, grad_clip=0.0),
+                                multipliers=pz.opt_multipliers(), table=param_table(cfg))
+      toks = tokens(B=1, T=5)   # few tokens: the gradient aligns with each one's x (LLN in d)
+      g = jax.grad(loss_fn)(v, model, pz.forward, toks)
+      u, _ = tx.update(g, tx.init(v), v)
+      # Parameters whose only LoRA A is the step's change: x (A_1 - A_0) is what lora_xa sows.
+      delta = jax.tree_util.tree_map_with_path(
+          lambda p, x, dx: dx if 'lora_a' in str(p[-1]) else x, v, u)
+      _, inter = model.apply(pz.forward(delta), toks[:, :-1], mutable=[INTERMEDIATES])
+      xa = [x for p, x in flatten_dict(inter).items() if p[-1] == 'lora_xa'][0]
+      sizes[kind, d] = float(jnp.ravel(xa[0] if isinstance(xa, tuple) else xa)[0])
+  mup_ratio = sizes['mup', 8 * D_BASE] / sizes['mup', D_BASE]
+  sp_ratio = sizes['sp', 8 * D_BASE] / sizes['sp', D_BASE]
+  # Theta(1) under mup (d * eta / m, m = d / d_base): |slope| < 1/3 over 8x; ~ d under sp.
+  assert 0.5 < mup_ratio < 2.0, sizes
+  assert sp_ratio > 4.0, sizes
