@@ -29,7 +29,7 @@ not scaled by R (Adam normalises the summed per-use gradient; our derivation, no
 
 Depth-wise LoRA factors (role 'lora'; Relaxed Recursive Transformers, arXiv:2410.20672): the
 delta x A B of a kernel, A: (in..., r), B: (r, out...), rank r fixed as width grows. muP sorts a
-matrix by which of its dims are infinite (TP5 Section 3 / Table 3 and Table 8: "input weights"
+matrix by which of its dims are infinite (the columns of TP5 Tables 3 and 8: "input weights"
 have finite fan-in and infinite fan-out, "output weights" infinite fan-in and finite fan-out,
 "hidden weights" both infinite). So A (fan-in = width, fan-out = r) is an output weight and B
 (fan-in = r, fan-out = width) an input weight:
