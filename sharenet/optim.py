@@ -8,7 +8,8 @@ exactly as for a config with that train.lr.
 Decay is role-masked (train.decay_roles) by the model's role table (sharenet/params.py). With a
 parametrization's per-leaf multipliers (sharenet/parametrization.py) the Adam part is: Adam with
 per-leaf eps -> per-leaf LR multipliers -> decoupled decay with per-leaf multipliers (not scaled
-by the LR multiplier) -> the LR schedule. With every multiplier 1 it is bit-identical to
+by the LR multiplier; `OptMultipliers.wd`, e.g. CompleteP's depth correction, see
+sharenet/parametrization.py) -> the LR schedule. With every multiplier 1 it is bit-identical to
 optax.adamw (asserted in tests/test_parametrization.py).
 """
 from __future__ import annotations
@@ -164,9 +165,9 @@ def make_chain(t: Any, transforms: Any = None, multipliers: Any = None,
   """The optimizer at peak LR `peak_lr` (default train.lr); its LR is `lr_schedule(t, peak_lr)`.
 
   `transforms` (sharenet.transforms.Transforms) adds AGC / AdamP / a post-step projection;
-  `multipliers` (parametrization.OptMultipliers) adds per-leaf LR / eps multipliers. Decay
-  is `lr(t) * weight_decay * p` (lr-coupled, independent of the per-leaf LR multiplier), or
-  with `independent_wd` `(lr(t) / lr_peak) * weight_decay * p`, on
+  `multipliers` (parametrization.OptMultipliers) adds per-leaf LR / eps / WD multipliers. Decay
+  is `lr(t) * weight_decay * wd_mult * p` (lr-coupled, independent of the per-leaf LR
+  multiplier), or with `independent_wd` `(lr(t) / lr_peak) * weight_decay * wd_mult * p`, on
   the leaves whose role train.decay_roles names; roles come from `table` (models.param_table)
   or else `transforms.infos`, one of which is needed when weight_decay > 0. Leaves the
   parametrization does not know (transform gains) get multiplier 1.
@@ -203,8 +204,10 @@ def make_chain(t: Any, transforms: Any = None, multipliers: Any = None,
     wd = t.weight_decay / (t.lr if peak_lr is None else peak_lr) if multipliers.independent_wd \
         else t.weight_decay
     flat_lr, flat_eps = flatten_dict(multipliers.lr), flatten_dict(multipliers.eps)
+    flat_wd = {} if multipliers.wd is None else flatten_dict(multipliers.wd)
     decayed = lambda path: table is not None and params_lib.role_at(table, path) in roles
-    wd_of = lambda path: wd if decayed(path) else 0.0   # the role mask alone decides
+    # The role mask alone decides which leaves decay; the multiplier only how strongly.
+    wd_of = lambda path: wd * flat_wd.get(path, 1.0) if decayed(path) else 0.0
     parts += [scale_by_adam_tree_eps(t.b1, t.b2, lambda path: t.eps * flat_eps.get(path, 1.0)),
               scale_and_decay(lambda path: flat_lr.get(path, 1.0), wd_of),
               optax.scale_by_learning_rate(lr_schedule(t, peak_lr))]

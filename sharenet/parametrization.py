@@ -12,21 +12,59 @@ Presets (papers in docs/references.md):
               forward 1/fan_in; Adam LR: embedding d^-1/2, hidden fan_in^-1/2 L^-1/2, trunk norm
               gains L^-1/2, readout 1; attention 1/d_head. Absolute (not base-relative) rules;
               the unit-scaled residual/attention/loss ops of u-muP are not implemented.
-  completep   mup plus the CompleteP depth rule (arXiv:2505.01618, alpha = depth_alpha): residual
-              branches x m_L^-alpha, hidden LR x m_L^(alpha-1), trunk vector LR x
-              m_L^(alpha-1), hidden Adam eps x m_d^-1 m_L^-alpha; m_L = unique sets / base_depth.
+  completep   mup plus CompleteP, Table 1 of Dey et al. (arXiv:2505.01618), column alpha
+              (= depth_alpha; 1 is CompleteP, 0.5 the Depth-muP branch rule), m_L = unique sets /
+              base_depth, m_N = m_d. Residual blocks: branch x m_L^-alpha ("MHA / MLP Residual");
+              hidden LR eta m_N^-1 m_L^(alpha-1); hidden-bias and pre-LN LR eta m_L^(alpha-1);
+              "AdamW eps (residual blocks)" eps m_N^-1 m_L^-alpha on every block parameter (hidden
+              matrices, biases, norm gains, LoRA factors); hidden WD lambda m_N (torch AdamW).
+              Outside the blocks the table keeps the muP column: embedding LR / init / eps base;
+              final-norm LR base; unembedding init and LR base, forward 1/m_N; eps base (the row
+              covers residual blocks only; the reference code, EleutherAI/nanoGPT-mup branch
+              completep model.py configure_optimizers, scales its single eps for all groups, but its
+              embedding is tied and the table is what we follow).
 Loop rule (any preset; Wang et al., arXiv:2606.18524; no settled rule): the residual branches of a
 block applied R times get x 1/R (`inv_R`) or x 1/sqrt(R) (`inv_sqrt_R`); Adam LR and eps are
 not scaled by R (Adam normalises the summed per-use gradient; our derivation, not a published rule).
+
+Depth-wise LoRA factors (role 'lora'; Relaxed Recursive Transformers, arXiv:2410.20672): the
+delta x A B of a kernel, A: (in..., r), B: (r, out...), rank r fixed as width grows. muP sorts a
+matrix by which of its dims are infinite (the columns of TP5 Tables 3 and 8: "input weights"
+have finite fan-in and infinite fan-out, "output weights" infinite fan-in and finite fan-out,
+"hidden weights" both infinite). So A (fan-in = width, fan-out = r) is an output weight and B
+(fan-in = r, fan-out = width) an input weight:
+  A, mup / completep (Table 8): init std constant in width (SP 1/sqrt(fan_in) x sqrt(m)), forward
+    multiplier 1/m, Adam LR eta; mup_table3 (Table 3): init std SP x 1/sqrt(m) (var ~ 1/fan_in^2),
+    no multiplier, Adam LR eta/m. The two are one dynamics under Adam's abc-symmetry. m = A's
+    fan-in multiplier (d_model or mlp_dim over the base's).
+  B: init var 1/fan_in with fan_in = r finite, Adam LR eta: SP's rule already (B is zero-initialised
+    as in LoRA, which every column allows).
+Why it is width-consistent: x has Theta(1) coordinates, so with A's Table 8 rule x A is
+Theta(1/sqrt(d)) at init and its Adam update d * eta / m = Theta(1); z = x A has r (finite)
+coordinates, and B, an input weight, maps Theta(1) coordinates to Theta(1) coordinates with
+Theta(eta) updates. Under SP x dA grows ~ d (measured: configs/mup/coord_check_lora.py).
+CompleteP treats both factors as block parameters (LR x m_L^(alpha-1), eps, WD and, for the B of a
+branch output, the branch multiplier).
 
 Forward multipliers on weights are applied as a reparametrization inside the loss
 (`forward(params)`: W_eff = A * w, checkpoints keep raw w); residual-branch
 multipliers are folded into the branch's output projection (o, wo: x + eps f(x) = x + f with
 eps W_out, exact for pre/post norm). Model-level scalars (attention scale, logits multiplier)
-go into ModelConfig. Weight decay convention: decoupled, `decay = lr(t) * wd * p` on the
-leaves train.decay_roles selects, not scaled by the per-leaf LR multiplier (microsoft/mup
-MuAdamW's lambda*m / CompleteP), or with wd_mode='independent' `decay = (lr(t)/lr_peak) * wd * p`
-(u-muP / Lingle). `LeafRule.wd_mult` only reports whether the default roles decay a leaf.
+go into ModelConfig.
+
+Weight decay convention: decoupled, `decay = lr(t) * wd * wd_mult * p` on the leaves
+train.decay_roles selects, not scaled by the per-leaf LR multiplier; with wd_mode='independent'
+`decay = (lr(t)/lr_peak) * wd * wd_mult * p` (u-muP / Lingle). torch AdamW decays
+lr_group(t) * wd_group * p with lr_group = eta(t) * lr_mult, so a paper's group weight decay
+wd_group = lambda * k is ours with wd_mult = lr_mult * k:
+  microsoft/mup MuAdamW and CompleteP Table 1 muP column, hidden: lr_mult = 1/m_N, wd_group =
+    lambda m_N -> wd_mult = 1 (every preset at alpha = 1 and at the base depth needs nothing);
+  CompleteP Table 1 alpha column, hidden: lr_mult = m_N^-1 m_L^(alpha-1), wd_group = lambda m_N
+    -> wd_mult = m_L^(alpha-1) (!= 1 only for alpha != 1 away from the base depth);
+  embedding (reference code: wd lambda, LR eta) -> 1; norm gains and biases get no decay in the
+    reference code; if train.decay_roles decays them, torch's lr coupling gives the block ones
+    wd_mult = lr_mult = m_L^(alpha-1), the same factor, which we use for every block parameter.
+`LeafRule.decays` reports whether the default roles (matrices) decay a leaf.
 
 Roles, fan-in axes and SP init stds come from the role table recorded where each parameter is
 created (sharenet/params.py, `models.param_table`); fan-in multipliers from global shapes of the
@@ -109,19 +147,21 @@ class LeafRule:
   init_std: float | None     # absolute std after scaling (None: constant init, ones / zeros)
   fwd_mult: float
   lr_mult: float
-  wd_mult: float             # 1 where the default train.decay_roles (matrices) decays, else 0
+  wd_mult: float             # decay multiplier where train.decay_roles decays (module docstring)
   eps_mult: float
+  decays: bool               # the default train.decay_roles (matrices) decays this leaf
 
 
 class OptMultipliers(NamedTuple):
   """Per-leaf optimizer multiplier trees (python floats) for optim.make_optimizer.
 
-  No preset scales weight decay per leaf: which leaves decay is the optimizer's role mask
-  (train.decay_roles) alone.
+  Which leaves decay is the optimizer's role mask (train.decay_roles) alone; `wd` (None: all 1)
+  scales the decay of the leaves it selects.
   """
   lr: Any
   eps: Any
   independent_wd: bool
+  wd: Any = None
 
 
 def base_config(cfg: ModelConfig, s: Settings) -> ModelConfig:
@@ -153,7 +193,16 @@ def _role(info: params_lib.ParamInfo, axes: tuple) -> tuple[str, tuple[int, ...]
     if unknown:
       raise ConfigError(f'parameter {info.key}: logical axes {unknown} are neither width '
                         f'{sorted(WIDTH_AXES)} nor finite {sorted(FINITE_AXES | SCAN_AXES)}')
+  if role == 'lora' and ('lora' in axes[:info.num_in]) == ('lora' in axes[info.num_in:]):
+    raise ConfigError(f'parameter {info.key}: a LoRA factor needs the rank axis \'lora\' on '
+                      f'exactly one side (A: in... -> lora, B: lora -> out...); got {axes}')
   return role, tuple(range(info.num_in)) if role != 'vector' else ()
+
+
+def _lora_reads_width(info: params_lib.ParamInfo) -> bool:
+  """LoRA A (fan-in = width, fan-out = rank): a muP output weight; B (rank -> width) an input
+  weight (module docstring)."""
+  return 'lora' not in info.axes[info.num_stack:info.num_stack + info.num_in]
 
 
 def _repeats(path: Path, cfg: ModelConfig, loop_rule: str) -> int:
@@ -243,13 +292,20 @@ class Parametrization:
                             f'does not vary with base_d_model (vary mlp_dim / heads too)')
       R = _repeats(path, cfg, self.settings.loop_rule)
       init_scale, fwd, lr, eps = self._table(info, role, fan_in, m, R)
-      decayed = info.role in params_lib.MATRIX_ROLES
       sp_std = info.init_std
       rules[path] = LeafRule(
           path=path, axes=axes, role=role, fan_in=fan_in, fan_in_mult=m, repeats=R,
           init_scale=init_scale, init_std=None if sp_std is None else sp_std * init_scale,
-          fwd_mult=fwd, lr_mult=lr, wd_mult=1.0 if decayed else 0.0, eps_mult=eps)
+          fwd_mult=fwd, lr_mult=lr, wd_mult=self._wd_mult(info), eps_mult=eps,
+          decays=info.role in params_lib.MATRIX_ROLES)
     return rules
+
+  def _wd_mult(self, info: params_lib.ParamInfo) -> float:
+    """Decay multiplier in our convention (module docstring): CompleteP Table 1's hidden WD
+    lambda m_N at LR eta m_N^-1 m_L^(alpha-1) is m_L^(alpha-1) on every block parameter."""
+    if self.settings.kind == 'completep' and info.branch is not None:
+      return self.m_L ** (self.settings.depth_alpha - 1)
+    return 1.0
 
   def _table(self, info: params_lib.ParamInfo, role: str, fan_in: int, m: float, R: int):
     """(init_scale, fwd_mult, lr_mult, eps_mult) of the preset's table for one leaf."""
@@ -268,6 +324,14 @@ class Parametrization:
           init = self.m_d ** 0.5                               # std 1/sqrt(d_base) (TP5 Table 8)
         if s.readout_zero_init:
           init = 0.0
+      elif role == 'lora' and _lora_reads_width(info):        # A: a TP5 output weight
+        if k == 'mup_table3':
+          init, lr = m ** -0.5, 1.0 / m                        # Table 3: var 1/fan_in^2, eta/m
+        else:
+          init, fwd = m ** 0.5, 1.0 / m                        # Table 8: std const, mult 1/m
+      # LoRA B (rank -> width) is a TP5 input weight: SP's init and LR already (module docstring).
+      # TODO(umup): LoRA rows for u-muP belong in the umup branch below (A: readout-like, B:
+      # embedding-like by the same finite / infinite fan-in logic); none are set there yet.
     elif k == 'umup':
       L = self.cfg.num_layers     # u-muP DepthSequential counts applied blocks
       if role == 'embedding':
@@ -278,15 +342,12 @@ class Parametrization:
         init, fwd = fan_in ** 0.5, 1.0 / fan_in
       elif role == 'vector' and trunk:
         lr = L ** -0.5
-    if k == 'completep':
+    if k == 'completep' and trunk:   # CompleteP Table 1, alpha column: every block parameter
       a, mL = s.depth_alpha, self.m_L
-      if role == 'hidden':
-        lr *= mL ** (a - 1)
-        eps = 1.0 / (self.m_d * mL ** a)                       # AdamW eps x m_d^-1 m_L^-alpha
-      elif role == 'vector' and trunk:
-        lr *= mL ** (a - 1)
-      if trunk and _is_branch_out(info):
-        fwd *= mL ** -a                                        # x + m_L^-alpha f(x)
+      lr *= mL ** (a - 1)                    # hidden (x m_N^-1 above), hidden bias, pre-LN LR
+      eps = 1.0 / (self.m_d * mL ** a)       # "AdamW eps (residual blocks)": m_N^-1 m_L^-alpha
+      if _is_branch_out(info):
+        fwd *= mL ** -a                      # X + m_L^-alpha MHA(LN(X)), same for the MLP
     if s.loop_rule != 'none' and trunk and _is_branch_out(info) and R > 1:
       fwd *= 1.0 / R if s.loop_rule == 'inv_R' else R ** -0.5   # Wang et al., arXiv:2606.18524
     return init, fwd, lr, eps
@@ -318,17 +379,19 @@ class Parametrization:
 
   def opt_multipliers(self) -> OptMultipliers | None:
     """Per-leaf LR / WD / eps trees; None when they are exactly plain AdamW's (SP)."""
-    plain = all(r.lr_mult == 1.0 and r.eps_mult == 1.0 for r in self.rules.values())
+    plain = all(r.lr_mult == 1.0 and r.eps_mult == 1.0 and r.wd_mult == 1.0
+                for r in self.rules.values())
     if plain and self.settings.wd_mode == 'lr_coupled':
       return None
+    wd = None if all(r.wd_mult == 1.0 for r in self.rules.values()) else self.tree('wd_mult')
     return OptMultipliers(self.tree('lr_mult'), self.tree('eps_mult'),
-                          self.settings.wd_mode == 'independent')
+                          self.settings.wd_mode == 'independent', wd)
 
   def describe(self) -> list[dict[str, Any]]:
     """One row per leaf plus a row of model-level scalars (for config.json and reports)."""
     rows = [{'path': '/'.join(r.path), 'axes': list(r.axes), **{
         f: getattr(r, f) for f in ('role', 'fan_in', 'fan_in_mult', 'repeats', 'init_std',
-                                   'fwd_mult', 'lr_mult', 'wd_mult', 'eps_mult')}}
+                                   'fwd_mult', 'lr_mult', 'wd_mult', 'eps_mult', 'decays')}}
             for r in self.rules.values()]
     rows.append({'path': '<model>', 'attn_scale': self.cfg.attn_scale or self.cfg.head_dim ** -0.5,
                  'logits_mult': self.cfg.logits_mult, 'm_d': self.m_d, 'm_L': self.m_L})

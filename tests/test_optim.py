@@ -213,3 +213,24 @@ def test_adam_tree_eps_is_per_leaf():
     ref = _updates(optax.scale_by_adam(0.9, 0.95, eps=e), grads)[-1]
     np.testing.assert_array_equal(mine[name], ref[name])
   assert float(jnp.max(jnp.abs(mine['w']))) < 0.1 < float(jnp.max(jnp.abs(mine['b'])))
+
+
+def test_per_leaf_wd_multiplier_scales_decay_only_where_the_mask_decays(variables, table):
+  """OptMultipliers.wd: a zero-gradient step decays p by lr * wd * wd_mult on the leaves the
+  role mask decays, and by nothing elsewhere, whatever their multiplier; LR multipliers do not
+  enter the decay (lr-coupled) and wd / lr_peak replaces wd (independent)."""
+  from sharenet.parametrization import OptMultipliers
+  ones = jax.tree.map(lambda _: 1.0, variables)
+  wd_tree = jax.tree.map(lambda _: 0.25, variables)
+  lr_tree = jax.tree.map(lambda _: 3.0, variables)
+  zeros = jax.tree.map(jnp.zeros_like, variables)
+  for independent, per_step in ((False, PEAK * 0.1 * 0.25), (True, 0.1 * 0.25)):
+    t = _train(schedule='constant', warmup_steps=0)
+    tx = optim.make_optimizer(t, multipliers=OptMultipliers(lr_tree, ones, independent, wd_tree),
+                              table=table)
+    u, _ = jax.jit(tx.update)(zeros, tx.init(variables), variables)
+    mask = flatten_dict(optim.decay_mask(variables, table))
+    for path, x in flatten_dict(u).items():
+      p = flatten_dict(variables)[path]
+      want = -per_step * p if mask[path] else jnp.zeros_like(p)
+      np.testing.assert_allclose(x, want, rtol=1e-5, atol=1e-12, err_msg=str(path))

@@ -90,11 +90,8 @@ def expected(kind, name, path, d, cfg, m_L=1.0, alpha=1.0, loop='none', R=2):
       e.update(init=d ** 0.5, fwd=1 / d)
     elif trunk and name.endswith('norm'):
       e.update(lr=L ** -0.5)
-  if kind == 'completep':
-    if hidden:
-      e.update(lr=e['lr'] * m_L ** (alpha - 1), eps=1 / (md * m_L ** alpha))
-    elif trunk and name.endswith('norm'):
-      e.update(lr=e['lr'] * m_L ** (alpha - 1))
+  if kind == 'completep' and trunk:   # every block parameter (CompleteP Table 1)
+    e.update(lr=e['lr'] * m_L ** (alpha - 1), eps=1 / (md * m_L ** alpha))
     if name in ('o', 'wo'):
       e['fwd'] *= m_L ** -alpha
   if loop != 'none' and name in ('o', 'wo'):
@@ -117,7 +114,9 @@ def test_rule_table_matches_analytic(kind, loop):
       got = dict(init=r.init_scale, fwd=r.fwd_mult, lr=r.lr_mult, eps=r.eps_mult, std=r.init_std)
       for k, v in e.items():
         assert got[k] == (None if v is None else pytest.approx(v, rel=1e-12)), (d, path, k)
-      assert r.wd_mult == (1.0 if path[-1] in ('kernel', 'embedding') else 0.0)
+      assert r.decays == (path[-1] in ('kernel', 'embedding'))
+      trunk_cp = kind == 'completep' and 'stack' in path
+      assert r.wd_mult == pytest.approx(2.0 ** (0.5 - 1) if trunk_cp else 1.0, rel=1e-12)
       assert 'layers' not in r.axes or r.fan_in_mult in (1.0, d / D0)
       seen.add(name)
     assert {'q', 'o', 'wo', 'embedding', 'readout', 'attn_norm', 'final_norm'} <= seen
@@ -338,3 +337,192 @@ def test_bad_settings_one_line_error(settings, cfg_kw, match):
   with pytest.raises(ConfigError, match=match) as e:
     P.Parametrization(tiny(64, **cfg_kw), P.Settings(**settings))
   assert '\n' not in str(e.value)
+
+
+# ---- the papers' tables, written out (independent of the code's rule table) -------------------
+#
+# TP5 = Yang et al., "Tensor Programs V" (arXiv:2203.03466), Table 3 (muP for SGD / Adam) and
+# Table 8 (its equivalent form with multipliers, "compatible with input/output weight sharing"),
+# columns input weights & all biases | output weights | hidden weights. Entries are powers of the
+# column's fan_in; TP5 states them up to width-independent constants, which microsoft/mup (and
+# this code) anchor so that the base width equals SP. Each triple: (init var, multiplier, Adam LR).
+#   Table 3:  (1/fan_in, 1, 1)   | (1/fan_in^2, 1, 1/fan_in) | (1/fan_in, 1, 1/fan_in)
+#   Table 8:  (1/fan_in, 1, 1)   | (1, 1/fan_in, 1)          | (1/fan_in, 1, 1/fan_in)
+# An input weight's fan_in is finite (vocab for the embedding, 1 for biases and norm gains): its
+# entries do not change with width. Attention logits are q.k / d_head (TP5 Section 4, "1/d
+# attention"). Neither table has an Adam eps, weight decay or depth rule: those are 1 / absent.
+TP5_TABLE = {
+    'table3': {'input': (-1, 0, 0), 'output': (-2, 0, -1), 'hidden': (-1, 0, -1)},
+    'table8': {'input': (-1, 0, 0), 'output': (0, -1, 0), 'hidden': (-1, 0, -1)},
+}
+# CompleteP = Dey et al., "Don't be lazy: CompleteP enables compute-efficient deep transformers"
+# (arXiv:2505.01618), Table 1, column alpha (m_N = width / base width, m_L = depth / base depth):
+#   Embed init var / LR:       sigma_base^2 / eta_base
+#   Pre-LN init var / LR:      sigma_base^2 / eta_base m_L^(alpha-1)
+#   Hidden init var / LR:      sigma_base^2 m_N^-1 / eta_base m_N^-1 m_L^(alpha-1)
+#   Hidden bias LR:            eta_base m_L^(alpha-1)
+#   Hidden WD (AdamW):         lambda_base m_N
+#   MHA / MLP residual:        X + m_L^-alpha F(LN(X))
+#   Final-LN init var / LR:    sigma_base^2 / eta_base
+#   Unembed init var / LR / fwd: sigma_base^2 / eta_base / X W^T m_N^-1
+#   AdamW eps (residual blocks): eps_base m_N^-1 m_L^-alpha
+# WD is torch AdamW's: a group decays by lr_group(t) * wd_group per step; the embedding group
+# keeps lambda_base and norms / biases get 0 (the paper's code, EleutherAI/nanoGPT-mup branch
+# completep, model.py configure_optimizers).
+D_BASE, L_BASE, VOCAB, ETA, LAMBDA = 32, 2, 64, 1e-2, 0.1
+
+
+def _paper_model(d, L, **kw):
+  return ModelConfig(**{**dict(vocab_size=VOCAB, d_model=d, num_layers=L, num_heads=4,
+                               mlp_dim=2 * d, scheme='untied', reader_bias=True, remat='none'),
+                        **kw}).validate()
+
+
+def _leaf(pz, *suffix):
+  return next(r for p, r in pz.rules.items() if p[-len(suffix):] == suffix)
+
+
+def _torch_decay(pz, cfg):
+  """Per leaf, -update / (eta * lambda * p) of one zero-gradient step of our optimizer."""
+  shapes = {p: i.shape for p, i in param_table(cfg).items()}
+  ones = {p: jnp.ones(s) for p, s in shapes.items()}
+  tx = optim.make_optimizer(train_cfg(lr=ETA, weight_decay=LAMBDA, grad_clip=0.0),
+                            multipliers=pz.opt_multipliers(), table=param_table(cfg))
+  from flax.traverse_util import unflatten_dict
+  v = unflatten_dict(ones)
+  u, _ = tx.update(jax.tree.map(jnp.zeros_like, v), tx.init(v), v)
+  return {p: float(-x.ravel()[0]) / (ETA * LAMBDA) for p, x in flatten_dict(u).items()}
+
+
+def _paper_rows(kind, d, L, alpha):
+  """{leaf: (init std, total forward multiplier, Adam LR mult, eps mult, decay per eta*lambda)}
+  from the tables above, for this repository's leaves (SP std: 1/sqrt(fan_in) kernels, 1 for
+  the embedding, constant 1 / 0 for gains / biases)."""
+  table = TP5_TABLE['table3' if kind == 'mup_table3' else 'table8']
+  m_N, m_L = d / D_BASE, L / L_BASE
+  cp = kind == 'completep'
+  rows = {}
+  # (leaf suffix, TP5 column, fan_in at width d, fan_in at the base, SP std at the base, in block)
+  leaves = [(('embed', 'embedding'), 'input', VOCAB, VOCAB, 1.0, False),
+            (('readout', 'kernel'), 'output', d, D_BASE, D_BASE ** -0.5, False),
+            (('readout', 'bias'), 'input', 1, 1, None, False),
+            (('final_norm', 'scale'), 'input', 1, 1, None, False),
+            (('attn', 'q', 'kernel'), 'hidden', d, D_BASE, D_BASE ** -0.5, True),
+            (('attn', 'o', 'kernel'), 'hidden', d, D_BASE, D_BASE ** -0.5, True),
+            (('mlp', 'wo', 'kernel'), 'hidden', 2 * d, 2 * D_BASE, (2 * D_BASE) ** -0.5, True),
+            (('attn', 'q', 'bias'), 'input', 1, 1, None, True),
+            (('attn_norm', 'scale'), 'input', 1, 1, None, True)]
+  for suffix, col, fan_in, fan_in0, std0, block in leaves:
+    var_p, mult_p, lr_p = table[col]
+    ratio = fan_in / fan_in0
+    std = None if std0 is None else std0 * ratio ** (var_p / 2)
+    mult = ratio ** mult_p
+    lr = ratio ** lr_p
+    eps = 1.0
+    matrix = std is not None
+    # torch AdamW: microsoft/mup MuAdamW sets wd_group = lambda * m for a group at LR eta / m
+    # (CompleteP's muP column: hidden WD lambda m_N), so lr_group * wd_group = eta * lambda.
+    decay = 1.0 if matrix else 0.0
+    if cp and block:
+      lr *= m_L ** (alpha - 1)
+      eps = m_N ** -1 * m_L ** -alpha
+      if matrix:
+        decay = (m_N ** -1 * m_L ** (alpha - 1)) * m_N      # lr_group * wd_group / (eta lambda)
+      if suffix[-2] in ('o', 'wo'):
+        mult *= m_L ** -alpha
+    rows[suffix] = (std, mult, lr, eps, decay)
+  return rows
+
+
+@pytest.mark.parametrize('kind, alpha', [('mup', 1.0), ('mup_table3', 1.0), ('completep', 1.0),
+                                         ('completep', 0.5)])
+def test_presets_match_the_papers_tables(kind, alpha):
+  """Each preset at two widths and two depths (one != the base depth) against TP5 Table 3 / 8
+  and CompleteP Table 1, written out above: init std, forward multiplier (readout via the
+  logits, residual branches via o / wo), Adam LR, Adam eps, weight decay, attention scale."""
+  for d in (D_BASE, 4 * D_BASE):
+    for L in (L_BASE, 8):
+      cfg = _paper_model(d, L)
+      pz = P.Parametrization(cfg, P.Settings(kind, base_d_model=D_BASE, base_depth=L_BASE,
+                                             depth_alpha=alpha))
+      decay = _torch_decay(pz, cfg)
+      for suffix, (std, mult, lr, eps, dec) in _paper_rows(kind, d, L, alpha).items():
+        r = _leaf(pz, *suffix)
+        got_mult = r.fwd_mult * (pz.cfg.logits_mult / cfg.logits_mult
+                                 if suffix == ('readout', 'kernel') else 1.0)
+        where = (kind, alpha, d, L, suffix)
+        assert r.init_std == (None if std is None else pytest.approx(std, rel=1e-12)), where
+        assert got_mult == pytest.approx(mult, rel=1e-12), where
+        assert r.lr_mult == pytest.approx(lr, rel=1e-12), where
+        assert r.eps_mult == pytest.approx(eps, rel=1e-12), where
+        assert decay[r.path] == pytest.approx(dec, rel=1e-5), where
+      d_head, d_head0 = d // 4, D_BASE // 4
+      assert pz.cfg.attn_scale == pytest.approx(d_head0 ** -0.5 * d_head0 / d_head, rel=1e-12)
+      model_row = pz.describe()[-1]
+      assert (model_row['m_d'], model_row['m_L']) == (d / D_BASE, L / L_BASE)
+
+
+@pytest.mark.parametrize('kind', ['mup', 'mup_table3', 'completep'])
+def test_lora_factors_follow_tp5_input_output_columns(kind):
+  """Depth-wise LoRA: A (fan-in = width, fan-out = rank r) is a TP5 output weight, B (fan-in = r,
+  fan-out = width) an input weight (Table 3 / Table 8 above); under CompleteP both are block
+  parameters (Table 1: LR m_L^(alpha-1), eps m_N^-1 m_L^-alpha; a branch output's B x m_L^-alpha).
+  """
+  table = TP5_TABLE['table3' if kind == 'mup_table3' else 'table8']
+  alpha = 0.5
+  for d in (D_BASE, 4 * D_BASE):
+    L = 8
+    cfg = _paper_model(d, L, scheme='cycle', num_unique=4, lora_rank=2,
+                       lora_targets=('q', 'o', 'mlp_out'))
+    pz = P.Parametrization(cfg, P.Settings(kind, base_d_model=D_BASE, base_depth=L_BASE,
+                                           depth_alpha=alpha))
+    m_N, m_L = d / D_BASE, 4 / L_BASE             # m_L counts unique sets
+    for mod, fan_in, fan_in0 in (('q', d, D_BASE), ('o', d, D_BASE), ('wo', 2 * d, 2 * D_BASE)):
+      ratio = fan_in / fan_in0
+      var_p, mult_p, lr_p = table['output']
+      a = _leaf(pz, mod, 'lora_a')
+      depth_lr = m_L ** (alpha - 1) if kind == 'completep' else 1.0
+      eps = m_N ** -1 * m_L ** -alpha if kind == 'completep' else 1.0
+      assert a.init_std == pytest.approx(fan_in0 ** -0.5 * ratio ** (var_p / 2), rel=1e-12)
+      assert a.fwd_mult == pytest.approx(ratio ** mult_p, rel=1e-12)
+      assert a.lr_mult == pytest.approx(ratio ** lr_p * depth_lr, rel=1e-12)
+      assert a.eps_mult == pytest.approx(eps, rel=1e-12)
+      b = _leaf(pz, mod, 'lora_b')
+      var_p, mult_p, lr_p = table['input']     # fan_in = r: finite, no width dependence
+      branch = m_L ** -alpha if kind == 'completep' and mod in ('o', 'wo') else 1.0
+      assert (b.init_std, b.fwd_mult) == (None, pytest.approx(branch, rel=1e-12))
+      assert b.lr_mult == pytest.approx(depth_lr, rel=1e-12)
+      assert b.eps_mult == pytest.approx(eps, rel=1e-12)
+
+
+def test_lora_a_feature_update_is_width_independent_under_mup_not_sp():
+  """The derivation for LoRA A (module docstring): after one Adam step the feature update
+  x (A_1 - A_0) (effective weights) is Theta(1) in width under mup and grows ~ width under sp.
+  Measured on the first layer's query LoRA (its input, norm(embedding), does not depend on LoRA),
+  with B set nonzero so that A gets a gradient at step 1."""
+  from sharenet.models.layers import INTERMEDIATES
+  sizes = {}
+  for kind in ('sp', 'mup'):
+    for d in (D_BASE, 8 * D_BASE):
+      cfg = _paper_model(d, 2, scheme='cycle', num_unique=1, lora_rank=2, lora_targets=('q',))
+      pz = P.Parametrization(cfg, P.Settings(kind, base_d_model=D_BASE))
+      model = DecoderLM(pz.cfg)
+      v = pz.init(init_variables(model, jax.random.key(0)))
+      v = jax.tree_util.tree_map_with_path(
+          lambda p, x: jnp.full_like(x, 0.1) if 'lora_b' in str(p[-1]) else x, v)
+      tx = optim.make_optimizer(train_cfg(weight_decay=0.0, grad_clip=0.0),
+                                multipliers=pz.opt_multipliers(), table=param_table(cfg))
+      toks = tokens(B=1, T=5)   # few tokens: the gradient aligns with each one's x (LLN in d)
+      g = jax.grad(loss_fn)(v, model, pz.forward, toks)
+      u, _ = tx.update(g, tx.init(v), v)
+      # Parameters whose only LoRA A is the step's change: x (A_1 - A_0) is what lora_xa sows.
+      delta = jax.tree_util.tree_map_with_path(
+          lambda p, x, dx: dx if 'lora_a' in str(p[-1]) else x, v, u)
+      _, inter = model.apply(pz.forward(delta), toks[:, :-1], mutable=[INTERMEDIATES])
+      xa = [x for p, x in flatten_dict(inter).items() if p[-1] == 'lora_xa'][0]
+      sizes[kind, d] = float(jnp.ravel(xa[0] if isinstance(xa, tuple) else xa)[0])
+  mup_ratio = sizes['mup', 8 * D_BASE] / sizes['mup', D_BASE]
+  sp_ratio = sizes['sp', 8 * D_BASE] / sizes['sp', D_BASE]
+  # Theta(1) under mup (d * eta / m, m = d / d_base): |slope| < 1/3 over 8x; ~ d under sp.
+  assert 0.5 < mup_ratio < 2.0, sizes
+  assert sp_ratio > 4.0, sizes

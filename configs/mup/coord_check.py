@@ -13,6 +13,10 @@ Result:    (measured 2026-11-30; max |slope of log mean|x| vs log x| over steps 
            repeats 1-8 (width 128, stack output): no rule +0.76..+1.24, inv_sqrt_R +0.30..+0.44,
              inv_R -0.01..-0.13.
            depth 2-16: mup +0.41..+1.31, completep alpha=1 -0.13..-0.28, alpha=0.5 +0.01..-0.24.
+           Rerun 2026-12-01 with CompleteP's eps on every block parameter (completep alpha=1 only,
+           --config.study.axes=depth --config.study.depth_variants=completep:base_depth=2
+           --out docs/results/mup/depth/coord_check, 381 s): residual -0.15..-0.29,
+           residual_final -0.13..-0.28 (attn_out / mlp_out ~ -1: branch outputs after x m_L^-1).
 """
 import ml_collections
 

@@ -74,7 +74,10 @@ class Dense(nn.Module):
                 init=nn.initializers.zeros, collection=PER_LAYER, dtype=self.param_dtype,
                 num_in=1, branch=self.branch, writes=writes)
       xa = x2 @ a.reshape(fan_in, r).astype(self.dtype)
-      y = y + self.lora_scale * (xa @ b.reshape(r, fan_out).astype(self.dtype))
+      delta = self.lora_scale * (xa @ b.reshape(r, fan_out).astype(self.dtype))
+      sow_l1(self, 'lora_xa', xa)          # coordinate checks of the LoRA factors
+      sow_l1(self, 'lora_out', delta)
+      y = y + delta
     y = y.reshape(batch + out_shape)
     if self.use_bias:
       bias = param(self, 'bias', out_shape, out_axes, 'bias', init=nn.initializers.zeros,

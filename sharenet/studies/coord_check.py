@@ -134,6 +134,37 @@ def plot(result: dict[str, Any], axis: str, path: str) -> None:
   plt.close(fig)
 
 
+def plot_activations(result: dict[str, Any], axis: str, acts: list[str], path: str) -> None:
+  """One panel per (variant, activation): mean|x| against the axis, one line per step t."""
+  import matplotlib
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt
+  variants, xs = list(result['variants']), result['xs']
+  fig, axes = plt.subplots(len(variants), len(acts), figsize=(3.6 * len(acts),
+                           2.9 * len(variants)), squeeze=False)
+  for i, v in enumerate(variants):
+    r = result['variants'][v]
+    steps = len(r['slopes'][acts[0]])
+    cmap = plt.get_cmap('viridis')
+    for j, a in enumerate(acts):
+      ax = axes[i, j]
+      for t in range(steps):
+        ys = [np.mean(r['l1'][str(x)][a][t]) for x in xs]
+        if all(y > 0 for y in ys):
+          ax.plot(xs, ys, marker='o', ms=3, color=cmap(t / max(1, steps - 1)), label=f't={t}')
+      ax.set_xscale('log', base=2)
+      ax.set_yscale('log')
+      last = r['slopes'][a][-1]
+      ax.set_title(f'{v}: {a} (slope at t={steps - 1}: {last:+.2f})', fontsize=8)
+      if v.startswith('sp'):
+        ax.set_facecolor('#eeeeee')
+      ax.set_xlabel(axis)
+  axes[0, -1].legend(fontsize=6, loc='center left', bbox_to_anchor=(1.0, 0.5))
+  fig.tight_layout()
+  fig.savefig(path, dpi=90)
+  plt.close(fig)
+
+
 def main(config: Any, out_dir: str) -> dict[str, Any]:
   def annotate(res: dict[str, Any]) -> None:
     res['max_abs_slope_t_ge_1'] = summary(res)
