@@ -281,6 +281,13 @@ class Parametrization:
           path=path, axes=axes, role=role, fan_in=fan_in, fan_in_mult=m, repeats=R,
           init_scale=init_scale, init_std=None if sp_std is None else sp_std * init_scale,
           fwd_mult=fwd, lr_mult=lr, wd_mult=1.0 if decayed else 0.0, eps_mult=eps)
+    if self.settings.kind == 'umup':
+      # u-muP's Linear scales its whole output, bias included: (x W + b) / sqrt(fan_in)
+      # (unit_scaling.functional.linear), so a bias takes its kernel's forward multiplier.
+      for path, r in rules.items():
+        kernel = rules.get(path[:-1] + ('kernel',))
+        if path[-1] == 'bias' and kernel is not None:
+          rules[path] = dataclasses.replace(r, fwd_mult=r.fwd_mult * kernel.fwd_mult)
     return rules
 
   def _table(self, info: params_lib.ParamInfo, role: str, fan_in: int, m: float, R: int):
