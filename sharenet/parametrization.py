@@ -16,9 +16,13 @@ Presets (papers in docs/references.md):
               branches by u-muP's tau rule (Appendix G; residual_mult, residual_attn_ratio; the
               rule counts applied layers, a shared set gets one tau per application), attention
               output x its empirical unit scale (depends on the call's sequence length, causal),
+              SwiGLU / GELU x their empirical unit scales, biases x their Linear's output scale,
               and the loss backward as u-muP's cross_entropy (training only; reported loss is the
-              true mean cross entropy). wd_mode=auto -> independent.
-              Gradients are in u-muP's units: train.grad_clip applies to those (see loss_fn).
+              true mean cross entropy). wd_mode=auto -> independent. Not exposed: u-muP's
+              attn/loss softmax mults (1) and its per-tensor weight-gradient scales (1/sqrt(batch),
+              embedding sqrt(vocab/batch): constants Adam ignores but for eps).
+              Gradients are in u-muP's units (~tokens x vocab/sqrt(vocab-1) x the mean loss's):
+              train.grad_clip applies to those, so clip 1.0 clips every step (use 0).
   completep   mup plus the CompleteP depth rule (arXiv:2505.01618, alpha = depth_alpha): residual
               branches x m_L^-alpha, hidden LR x m_L^(alpha-1), trunk vector LR x
               m_L^(alpha-1), hidden Adam eps x m_d^-1 m_L^-alpha; m_L = unique sets / base_depth.

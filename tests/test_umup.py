@@ -155,7 +155,7 @@ def test_shared_set_gets_one_tau_per_application():
 
 # ---- (b) unit scale at init ---------------------------------------------------------------------
 
-def _fake_lm(logits):
+def _fake_lm():
   """A stand-in model whose `apply` returns the given logits (so d loss / d logits is a grad)."""
   return types.SimpleNamespace(apply=lambda params, tokens, mutable=(): (params, {}))
 
@@ -163,7 +163,7 @@ def _fake_lm(logits):
 def logits_grad(logits_BTV, tokens_BT1, pz):
   """d train_lib.loss_fn / d logits, the loss hook and reduction exactly as training uses them."""
   fake_pz = types.SimpleNamespace(loss_grad_scale=pz.loss_grad_scale, has_forward=False)
-  f = lambda lg: train_lib.loss_fn(lg, None, tokens_BT1, model=_fake_lm(lg), pz=fake_pz)[0]
+  f = lambda lg: train_lib.loss_fn(lg, None, tokens_BT1, model=_fake_lm(), pz=fake_pz)[0]
   return jax.grad(f)(logits_BTV)
 
 
@@ -219,7 +219,7 @@ def test_loss_value_is_cross_entropy_and_its_logit_gradient_unit_scaled():
   logits = jax.random.normal(jax.random.key(0), (B, T, V))
   toks = jax.random.randint(jax.random.key(1), (B, T + 1), 0, V)
   fake_pz = types.SimpleNamespace(loss_grad_scale=pz.loss_grad_scale, has_forward=False)
-  loss, _ = train_lib.loss_fn(logits, None, toks, model=_fake_lm(logits), pz=fake_pz)
+  loss, _ = train_lib.loss_fn(logits, None, toks, model=_fake_lm(), pz=fake_pz)
   p = jax.nn.softmax(logits.astype(jnp.float64) if jax.config.jax_enable_x64 else logits)
   onehot = jax.nn.one_hot(toks[:, 1:], V)
   want_loss = -jnp.mean(jnp.sum(onehot * jnp.log(p), axis=-1))

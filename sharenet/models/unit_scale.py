@@ -3,6 +3,9 @@
 Reference: graphcore-research/unit-scaling (unit_scaling/scale.py, functional.py,
 core/functional.py). Scales are parameter-free scalars; the backward scale of an op is not the
 derivative of its forward scale (unit scaling's convention), hence the custom VJP.
+
+The attention scale uses the sequence length of the call, as the reference does: a model trained
+at length T evaluates at another length with another scale (no decoding path uses it today).
 """
 from __future__ import annotations
 
