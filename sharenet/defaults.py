@@ -121,7 +121,12 @@ def default_config() -> ml_collections.ConfigDict:
   p.depth_alpha = 1.0         # completep: residual branch x m_L^-alpha
   p.loop_rule = 'none'        # none | inv_R | inv_sqrt_R: branch multiplier of a block applied
                               # R times
-  p.wd_mode = 'lr_coupled'    # lr_coupled: decay lr(t)*wd*p per leaf | independent: (lr(t)/lr)*wd*p
+  p.wd_mode = 'auto'          # lr_coupled: decay lr(t)*wd*p per leaf | independent: (lr(t)/lr)*wd*p
+                              # | auto: independent for umup (u-muP's default), else lr_coupled.
+                              # independent decays wd per step at peak LR: the lr_coupled
+                              # equivalent is wd = lr * train.weight_decay (0.1 -> 10%/step)
+  p.residual_mult = 1.0       # umup tau rule: branch / embedding variance contribution
+  p.residual_attn_ratio = 1.0 # umup tau rule: attention / MLP branch contribution
   p.readout_zero_init = False
   p.query_zero_init = False
 

@@ -10,14 +10,21 @@ import jax.numpy as jnp
 import optax
 
 from sharenet import data
-from sharenet.models import DecoderLM
+from sharenet.models import DecoderLM, unit_scale
 
 
 def token_nll(model: DecoderLM, params: Any, tokens_BT1: jax.Array,
-              mutable: Sequence[str] = ()) -> tuple[jax.Array, Any]:
+              mutable: Sequence[str] = (), logits_grad_scale: float = 1.0
+              ) -> tuple[jax.Array, Any]:
   """Per-position next-token negative log-likelihood (B, T), and the sown `mutable` collections
-  ({} if none): the one loss that training (train_lib.loss_fn) and evaluation share."""
+  ({} if none): the one loss that training (train_lib.loss_fn) and evaluation share.
+
+  `logits_grad_scale` multiplies only the gradient reaching the logits (u-muP's unit-scaled
+  cross entropy, vocab / sqrt(vocab - 1)); the values are unchanged.
+  """
   logits_BTV, aux = model.apply(params, tokens_BT1[:, :-1], mutable=list(mutable))
+  if logits_grad_scale != 1.0:
+    logits_BTV = unit_scale.scale_bwd(logits_BTV, logits_grad_scale)
   nll_BT = optax.softmax_cross_entropy_with_integer_labels(logits_BTV, tokens_BT1[:, 1:])
   return nll_BT, aux
 

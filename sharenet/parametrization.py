@@ -8,10 +8,21 @@ Presets (papers in docs/references.md):
               Works with tied embeddings (the 1/m_d sits on the logits, not on the tensor).
   mup_table3  TP5 Table 3 / Lingle (arXiv:2404.05728): readout init std ~ 1/d (SP x 1/sqrt(m_d)), no
               readout multiplier, readout LR / m_d. Untied readouts only.
-  umup        u-muP (arXiv:2407.17465): unit init everywhere; hidden forward 1/sqrt(fan_in), readout
-              forward 1/fan_in; Adam LR: embedding d^-1/2, hidden fan_in^-1/2 L^-1/2, trunk norm
-              gains L^-1/2, readout 1; attention 1/d_head. Absolute (not base-relative) rules;
-              the unit-scaled residual/attention/loss ops of u-muP are not implemented.
+  umup        u-muP (arXiv:2407.17465; reference code graphcore-research/unit-scaling): unit init
+              everywhere; hidden forward 1/sqrt(fan_in), readout forward 1/fan_in; Adam LR:
+              embedding d^-1/2, hidden fan_in^-1/2 L^-1/2, trunk norm gains / biases L^-1/2,
+              readout 1 (L = applied layers); attention logits 1/d_head. Absolute (not
+              base-relative) rules. Unit-scaled ops (sharenet/models/unit_scale.py): residual
+              branches by u-muP's tau rule (Appendix G; residual_mult, residual_attn_ratio; the
+              rule counts applied layers, a shared set gets one tau per application), attention
+              output x its empirical unit scale (depends on the call's sequence length, causal),
+              SwiGLU / GELU x their empirical unit scales, biases x their Linear's output scale,
+              and the loss backward as u-muP's cross_entropy (training only; reported loss is the
+              true mean cross entropy). wd_mode=auto -> independent. Not exposed: u-muP's
+              attn/loss softmax mults (1) and its per-tensor weight-gradient scales (1/sqrt(batch),
+              embedding sqrt(vocab/batch): constants Adam ignores but for eps).
+              Gradients are in u-muP's units (~tokens x vocab/sqrt(vocab-1) x the mean loss's):
+              train.grad_clip applies to those, so clip 1.0 clips every step (use 0).
   completep   mup plus CompleteP, Table 1 of Dey et al. (arXiv:2505.01618), column alpha
               (= depth_alpha; 1 is CompleteP, 0.5 the Depth-muP branch rule), m_L = unique sets /
               base_depth, m_N = m_d. Residual blocks: branch x m_L^-alpha ("MHA / MLP Residual");
@@ -85,11 +96,11 @@ from flax.traverse_util import flatten_dict, unflatten_dict
 from sharenet import defaults
 from sharenet import params as params_lib
 from sharenet.errors import ConfigError
-from sharenet.models import ModelConfig, param_table
+from sharenet.models import ModelConfig, param_table, unit_scale
 
 KINDS = ('sp', 'mup', 'mup_table3', 'umup', 'completep')
 LOOP_RULES = ('none', 'inv_R', 'inv_sqrt_R')
-WD_MODES = ('lr_coupled', 'independent')
+WD_MODES = ('auto', 'lr_coupled', 'independent')   # auto: independent for umup, else lr_coupled
 WIDTH_AXES = frozenset({'embed', 'mlp', 'heads', 'kv_heads', 'head_dim'})
 SCAN_AXES = frozenset({'layers', 'repeats'})
 FINITE_AXES = frozenset({'vocab', 'length', 'lora'})
@@ -112,6 +123,8 @@ class Settings:
   depth_alpha: float = _DEFAULTS.depth_alpha      # completep alpha (0.5: Depth-muP branch rule)
   loop_rule: str = _DEFAULTS.loop_rule
   wd_mode: str = _DEFAULTS.wd_mode
+  residual_mult: float = _DEFAULTS.residual_mult              # umup tau rule
+  residual_attn_ratio: float = _DEFAULTS.residual_attn_ratio  # umup tau rule
   readout_zero_init: bool = _DEFAULTS.readout_zero_init
   query_zero_init: bool = _DEFAULTS.query_zero_init
 
@@ -121,6 +134,9 @@ class Settings:
       if value not in valid:
         raise ConfigError(f'parametrization.{field}={value!r} is unknown; valid: '
                           f'{", ".join(valid)}')
+    for field in ('residual_mult', 'residual_attn_ratio'):
+      if not getattr(self, field) > 0:
+        raise ConfigError(f'parametrization.{field}={getattr(self, field)} must be > 0')
     for field in ('base_d_model', 'base_num_heads', 'base_depth'):
       if getattr(self, field) < 0:
         raise ConfigError(f'parametrization.{field}={getattr(self, field)} must be >= 0 '
@@ -132,6 +148,13 @@ class Settings:
     """From a `config.parametrization` group; keys it lacks take the defaults."""
     p = defaults.fill('parametrization', p)
     return cls(**{f.name: p[f.name] for f in dataclasses.fields(cls)}).validate()
+
+  @property
+  def independent_wd(self) -> bool:
+    """wd_mode resolved: 'auto' is independent for umup (u-muP's default), lr_coupled else."""
+    if self.wd_mode == 'auto':
+      return self.kind == 'umup'
+    return self.wd_mode == 'independent'
 
 
 @dataclasses.dataclass(frozen=True)
@@ -239,6 +262,9 @@ class Parametrization:
                         f'(one tensor cannot carry both roles); valid with '
                         f'model.tie_embeddings=True: sp, mup, completep')
     branch_rules = s.kind == 'completep' or s.loop_rule != 'none'
+    if s.kind == 'umup' and cfg.norm_placement == 'post':
+      raise ConfigError('parametrization.kind=umup: u-muP\'s residual rule needs the stream '
+                        'outside the norms; valid: model.norm.placement=pre or peri')
     if branch_rules and cfg.norm_placement == 'peri':
       raise ConfigError('parametrization: depth/loop branch multipliers are cancelled by peri '
                         'norms; valid: model.norm.placement=pre or post')
@@ -246,7 +272,9 @@ class Parametrization:
     self.m_d = cfg.d_model / self.base_cfg.d_model
     self.m_L = cfg.plan.num_unique / (s.base_depth or cfg.plan.num_unique)
     self.cfg = dataclasses.replace(cfg, attn_scale=self._attn_scale(cfg),
-                                   logits_mult=self._logits_mult(cfg))
+                                   logits_mult=self._logits_mult(cfg), **self._unit_ops())
+    # u-muP cross entropy's backward scale on the logits (train_lib.loss_fn); 1 = plain loss.
+    self.loss_grad_scale = unit_scale.loss_grad_scale(cfg.vocab_size) if s.kind == 'umup' else 1.0
     self.rules = self._rules(cfg)
 
   # ---- model-level scalars -------------------------------------------------------------------
@@ -259,6 +287,14 @@ class Parametrization:
       return 1.0 / dh                       # mult / d_head with mult 1 (u-muP)
     # 1/d_head written as alpha/d_head, alpha = sqrt(dh0): SP at base (microsoft/mup README's 8/d)
     return dh0 ** -0.5 * (dh0 / dh)
+
+  def _unit_ops(self) -> dict[str, Any]:
+    """u-muP's unit-scaled residual rule and attention (ModelConfig fields)."""
+    s = self.settings
+    if s.kind != 'umup':
+      return {}
+    return dict(umup_residual=unit_scale.residual_alphas(s.residual_mult, s.residual_attn_ratio),
+                umup_ops=True)
 
   def _logits_mult(self, cfg: ModelConfig) -> float:
     if self.settings.kind in ('mup', 'completep'):
@@ -298,6 +334,13 @@ class Parametrization:
           init_scale=init_scale, init_std=None if sp_std is None else sp_std * init_scale,
           fwd_mult=fwd, lr_mult=lr, wd_mult=self._wd_mult(info), eps_mult=eps,
           decays=info.role in params_lib.MATRIX_ROLES)
+    if self.settings.kind == 'umup':
+      # u-muP's Linear scales its whole output, bias included: (x W + b) / sqrt(fan_in)
+      # (unit_scaling.functional.linear), so a bias takes its kernel's forward multiplier.
+      for path, r in rules.items():
+        kernel = rules.get(path[:-1] + ('kernel',))
+        if path[-1] == 'bias' and kernel is not None:
+          rules[path] = dataclasses.replace(r, fwd_mult=r.fwd_mult * kernel.fwd_mult)
     return rules
 
   def _wd_mult(self, info: params_lib.ParamInfo) -> float:
@@ -381,11 +424,11 @@ class Parametrization:
     """Per-leaf LR / WD / eps trees; None when they are exactly plain AdamW's (SP)."""
     plain = all(r.lr_mult == 1.0 and r.eps_mult == 1.0 and r.wd_mult == 1.0
                 for r in self.rules.values())
-    if plain and self.settings.wd_mode == 'lr_coupled':
+    if plain and not self.settings.independent_wd:
       return None
     wd = None if all(r.wd_mult == 1.0 for r in self.rules.values()) else self.tree('wd_mult')
     return OptMultipliers(self.tree('lr_mult'), self.tree('eps_mult'),
-                          self.settings.wd_mode == 'independent', wd)
+                          self.settings.independent_wd, wd)
 
   def describe(self) -> list[dict[str, Any]]:
     """One row per leaf plus a row of model-level scalars (for config.json and reports)."""
@@ -394,7 +437,11 @@ class Parametrization:
                                    'fwd_mult', 'lr_mult', 'wd_mult', 'eps_mult', 'decays')}}
             for r in self.rules.values()]
     rows.append({'path': '<model>', 'attn_scale': self.cfg.attn_scale or self.cfg.head_dim ** -0.5,
-                 'logits_mult': self.cfg.logits_mult, 'm_d': self.m_d, 'm_L': self.m_L})
+                 'logits_mult': self.cfg.logits_mult, 'm_d': self.m_d, 'm_L': self.m_L,
+                 'umup_residual': list(self.cfg.umup_residual),
+                 'umup_ops': self.cfg.umup_ops,
+                 'loss_grad_scale': self.loss_grad_scale,
+                 'independent_wd': self.settings.independent_wd})
     return rows
 
 

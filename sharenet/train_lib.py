@@ -24,6 +24,7 @@ from sharenet.metrics import MetricsWriter
 from sharenet.models import (TRAINABLE, DecoderLM, ModelConfig, accounting, init_variables,
                              logical_axes)
 from sharenet.transforms import Transforms
+from sharenet.models import unit_scale
 
 
 @flax.struct.dataclass
@@ -79,9 +80,20 @@ def setup(config: Any, mcfg: ModelConfig) -> Experiment:
 def loss_fn(params: Any, tstate: Any, batch_BT1: jax.Array, *, model: DecoderLM,
             tr: Transforms | None = None, pz: parametrization.Parametrization | None = None,
             mutable: Sequence[str] = ()) -> tuple[jax.Array, Any]:
-  """Mean next-token NLL under the `effective` params, and the sown `mutable` collections."""
-  nll_BT, aux = eval_lib.token_nll(model, effective(params, tstate, tr, pz), batch_BT1, mutable)
-  return jnp.mean(nll_BT), aux
+  """Mean next-token NLL under the `effective` params, and the sown `mutable` collections.
+
+  Under u-muP (`pz.loss_grad_scale` != 1) the value is the same mean, but its backward is u-muP's
+  cross entropy (unit_scaling.functional.cross_entropy: sum reduction, mean as a forward-only
+  scale, logits gradient x vocab / sqrt(vocab - 1)): per-token logit gradients are unit scale, so
+  every gradient is N vocab / sqrt(vocab - 1) times the mean loss's (N tokens in the batch;
+  Adam is invariant to that factor except through eps and train.grad_clip).
+  """
+  s = 1.0 if pz is None else pz.loss_grad_scale
+  nll_BT, aux = eval_lib.token_nll(model, effective(params, tstate, tr, pz), batch_BT1, mutable,
+                                   logits_grad_scale=s)
+  if s == 1.0:
+    return jnp.mean(nll_BT), aux
+  return unit_scale.scale_fwd(jnp.sum(nll_BT), 1.0 / nll_BT.size), aux
 
 
 def train_step(state: TrainState, batch_BT1: jax.Array, *, model: DecoderLM,

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from sharenet.models.config import ModelConfig
+from sharenet.models import unit_scale
 from sharenet.models.layers import Dense, rope, sow_l1
 from sharenet.norms import Norm
 from sharenet.params import param
@@ -51,6 +52,9 @@ class CausalAttention(nn.Module):
         q_BTHD, ('activation_batch', 'activation_length', 'activation_heads', None))
 
     B, T = x_BTD.shape[:2]
+    if c.umup_ops:   # u-muP's unit-scaled attention (models/unit_scale.py)
+      s_att = unit_scale.attention_output_scale(T, Dh, (c.attn_scale or Dh ** -0.5) * Dh)
+      q_BTHD, k_BTKD, v_BTKD = (unit_scale.scale_bwd(t, s_att) for t in (q_BTHD, k_BTKD, v_BTKD))
     q_BTKGD = q_BTHD.reshape(B, T, K, H // K, Dh)
     if c.qk_norm == 'l2':
       # Henry et al. (arXiv:2010.04245), section 3: one learned scalar per attention module
@@ -70,6 +74,8 @@ class CausalAttention(nn.Module):
     probs_BKGTS = checkpoint_name(jax.nn.softmax(logits_BKGTS, axis=-1).astype(dt), 'attn_probs')
     out_BTKGD = jnp.einsum('bkgts,bskd->btkgd', probs_BKGTS, v_BTKD)
     out_BTHD = out_BTKGD.reshape(B, T, H, Dh)
+    if c.umup_ops:
+      out_BTHD = unit_scale.scale_fwd(out_BTHD, s_att)
     rank = c.lora_rank if 'o' in c.lora_targets else 0
     out_BTD = Dense((c.d_model,), ('heads', 'head_dim'), ('embed',), role='writer', branch=BRANCH,
                     lora_rank=rank, lora_scale=c.lora_scale, dtype=dt, param_dtype=pdt,

@@ -1,4 +1,13 @@
-"""Transformer block with pre / post / peri norm placement."""
+"""Transformer block with pre / post / peri norm placement.
+
+Under u-muP (`cfg.umup_residual` = (alpha_attn, alpha_mlp), set by the parametrization) each
+branch is applied as u-muP's residual_split / residual_add with the tau of its index among the
+applied branches (arXiv:2407.17465 Appendix G, unit_scaling.core.functional
+.transformer_residual_scaling_rule): x <- (x + tau f(x)) / sqrt(1 + tau^2), so the stream stays
+unit scale. The carry is then (x, applied layer index): shared sets applied several times get
+one tau per application, i.e. the rule counts applied layers as u-muP's TransformerStack counts
+its slots.
+"""
 from __future__ import annotations
 
 import flax.linen as nn
@@ -9,17 +18,21 @@ from sharenet.models.attention import BRANCH as ATTN, CausalAttention
 from sharenet.models.config import ModelConfig
 from sharenet.models.layers import sow_l1
 from sharenet.models.mlp import BRANCH as MLP, Mlp
+from sharenet.models import unit_scale
 from sharenet.norms import PER_LAYER, Norm
 
 ACT_AXES = ('activation_batch', 'activation_length', 'activation_embed')
 
 
 class Block(nn.Module):
-  """One layer; returns (x, None) so it can be the body of nn.scan."""
+  """One layer; returns (carry, None) so it can be the body of nn.scan.
+
+  The carry is x (B, T, D), or (x, applied layer index) under u-muP's residual rule.
+  """
   cfg: ModelConfig
 
   @nn.compact
-  def __call__(self, x_BTD: jax.Array, positions_T: jax.Array):
+  def __call__(self, carry, positions_T: jax.Array):
     c = self.cfg
 
     def norm(name, branch, role='norm_in'):
@@ -30,6 +43,21 @@ class Block(nn.Module):
     a, m = ATTN, MLP
 
     attn, mlp = CausalAttention(c, name='attn'), Mlp(c, name='mlp')
+    if c.umup_residual:                # u-muP: pre or peri (post rejected by the parametrization)
+      x_BTD, layer = carry
+      if c.norm_placement == 'pre':
+        f_attn = lambda x: attn(norm('attn_norm', a)(x), positions_T)
+        f_mlp = lambda x: mlp(norm('mlp_norm', m)(x))
+      else:
+        f_attn = lambda x: norm('attn_out_norm', a, 'norm_out')(
+            attn(norm('attn_norm', a)(x), positions_T))
+        f_mlp = lambda x: norm('mlp_out_norm', m, 'norm_out')(mlp(norm('mlp_norm', m)(x)))
+      for i, f in ((2 * layer, f_attn), (2 * layer + 1, f_mlp)):
+        tau = unit_scale.residual_tau(i, c.num_layers, c.umup_residual)
+        x_BTD = unit_scale.residual_apply(f, x_BTD, tau).astype(x_BTD.dtype)
+      sow_l1(self, 'residual', x_BTD)
+      return (nn.with_logical_constraint(x_BTD, ACT_AXES), layer + 1), None
+    x_BTD = carry
     if c.norm_placement == 'pre':      # x + f(N(x))
       x_BTD = x_BTD + attn(norm('attn_norm', a)(x_BTD), positions_T)
       x_BTD = x_BTD + mlp(norm('mlp_norm', m)(x_BTD))

@@ -62,6 +62,11 @@ class ModelConfig:
   max_len: int = _key('max_len')
   attn_scale: float = _key('attn_scale')
   logits_mult: float = 1.0         # set by the parametrization (muP readout: 1/m), not a key
+  # Set by parametrization.kind=umup, not keys: u-muP residual rule (alpha_attn, alpha_mlp),
+  # () = plain residual; umup_ops: unit-scaled attention and MLP nonlinearity
+  # (sharenet/models/unit_scale.py).
+  umup_residual: tuple[float, ...] = ()
+  umup_ops: bool = False
   tie_embeddings: bool = _key('tie_embeddings')
   embed_init_std: float = _key('embed_init_std')
   norm: str = _key('norm.kind')

@@ -38,7 +38,10 @@ class DecoderLM(nn.Module):
     # A zero-valued hook so tests and coordinate checks can take d(out)/d(embedded input).
     x_BTD = self.perturb('embedded', x_BTD)
     sow_l1(self, 'embed_out', x_BTD)
-    x_BTD = Stack(c, name='stack')(x_BTD, jnp.arange(T))
+    if c.umup_residual:   # u-muP's residual rule carries the applied layer index (block.py)
+      x_BTD, _ = Stack(c, name='stack')((x_BTD, jnp.zeros((), jnp.int32)), jnp.arange(T))
+    else:
+      x_BTD = Stack(c, name='stack')(x_BTD, jnp.arange(T))
     if c.norm_placement != 'post':
       x_BTD = Norm(c.norm, c.norm_eps, param_dtype=pdt, dyt_alpha=c.dyt_alpha, role='norm_out',
                    name='final_norm')(x_BTD)

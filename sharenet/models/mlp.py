@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from sharenet.models import unit_scale
 from sharenet.models.config import ModelConfig
 from sharenet.models.layers import Dense, sow_l1
 
@@ -28,7 +29,10 @@ class Mlp(nn.Module):
                    lora_scale=c.lora_scale, use_bias=c.reader_bias, dtype=dt, param_dtype=pdt,
                    name=name)
 
-    if c.mlp == 'swiglu':
+    if c.umup_ops:   # u-muP's unit-scaled nonlinearities (models/unit_scale.py)
+      h_BTF = (unit_scale.silu_glu(dense_in('wi_up')(x_BTD), dense_in('wi_gate')(x_BTD))
+               if c.mlp == 'swiglu' else unit_scale.gelu(dense_in('wi')(x_BTD)))
+    elif c.mlp == 'swiglu':
       h_BTF = nn.silu(dense_in('wi_gate')(x_BTD)) * dense_in('wi_up')(x_BTD)
     else:
       h_BTF = nn.gelu(dense_in('wi')(x_BTD))
