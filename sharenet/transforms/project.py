@@ -26,7 +26,14 @@
                               ScaleNorm g, the l2 QK-norm logit scale); LoRA factors (B starts at
                               zero, so it has no initial norm to keep).
                 The paper's projection may also run every k steps (it reports every step and
-                every 1,000 steps alike); here it runs every step.
+                every 1,000 steps alike); here it runs every step. Attention: the paper's
+                part 1 targets elementwise nonlinearities; the softmax normalises over keys
+                itself, so `nap` does not require QK-norm. Without it W_q and W_k are not
+                scale-invariant and their projection bounds the attention logits' scale (a
+                constraint, as for the writers, which feed the residual stream rather than a
+                norm); model.norm.qk_norm=rms makes them scale-invariant as well. Decoupled
+                weight decay only shrinks a matrix radially, which the projection undoes: on
+                projected leaves it has no effect (it still acts on the readout).
   norm_project  the projection alone, as `nap` was before it had part 1: every matrix with an
                 'embed' axis (readout and embedding included, LoRA excluded) rescaled to its
                 initial Frobenius norm; no norm gains. Runs whose config.json says `nap` without a
