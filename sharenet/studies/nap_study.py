@@ -32,6 +32,10 @@ GROUPS = {'mlp_in': ('reader', ('wi', 'wi_gate', 'wi_up')), 'attn_qkv': ('reader
           'writers': ('writer', None), 'readout': ('readout', None)}
 
 
+def _g6(x) -> float:   # 6 significant digits keep the JSON small
+  return float(f'{float(x):.6g}')
+
+
 def _group_paths(infos) -> dict[str, list[tuple]]:
   out = {}
   for g, (role, modules) in GROUPS.items():
@@ -76,9 +80,9 @@ def run_one(base: Any, variant: str) -> dict[str, Any]:
   for s in range(t.steps):
     new, m = step_fn(state, jnp.asarray(next(it)))
     st = jax.device_get(stats(state.params, new.params, init))
-    rows.append({'step': s + 1, 'loss': float(m['loss']),
-                 **{f'{g}_norm': float(v[0]) for g, v in st.items()},
-                 **{f'{g}_angular': float(v[1]) for g, v in st.items()}})
+    rows.append({'step': s + 1, 'loss': _g6(m['loss']),
+                 **{f'{g}_norm': _g6(v[0]) for g, v in st.items()},
+                 **{f'{g}_angular': _g6(v[1]) for g, v in st.items()}})
     state = new
   ev = eval_lib.evaluate(exp.model, train_lib.effective_params(state, exp.tr, exp.pz),
                          config.data, t.seq_len, t.eval_batch_size)
