@@ -122,7 +122,7 @@ def test_nap_leaves_the_layers_the_paper_does_not_project_as_the_optimizer_left_
                                 tr).params
   updates = jax.tree.map(lambda p: 0.3 * jax.random.normal(jax.random.key(5), p.shape), params)
   tx = projection('nap', tr.infos)
-  projected, _ = tx.update(updates, tx.init(params), params)
+  projected, _ = jax.jit(tx.update)(updates, tx.init(params), params)
   raw, out, before = flatten_dict(updates), flatten_dict(projected), flatten_dict(params)
   # The final layer (readout, or the tied table), the final norm feeding it, biases, scalars.
   free = [p for p, l in tr.infos.items()
