@@ -13,7 +13,7 @@ from flax.traverse_util import flatten_dict
 
 from sharenet import defaults, optim, train_lib
 from sharenet.errors import ConfigError
-from sharenet.models import DecoderLM
+from sharenet.models import DecoderLM, init_variables
 from sharenet.models.config import ModelConfig
 from sharenet.models.mlp import Mlp
 from sharenet.transforms import Transforms
@@ -118,8 +118,7 @@ def test_nap_leaves_the_layers_the_paper_does_not_project_as_the_optimizer_left_
   c.transforms.project = 'nap'
   model = DecoderLM(ModelConfig.from_config(c.model))
   tr = Transforms(c.transforms, model)
-  params = train_lib.init_state(model, optim.make_optimizer(c.train, tr), jax.random.key(0),
-                                tr).params
+  params = init_variables(model, jax.random.key(0))
   updates = jax.tree.map(lambda p: 0.3 * jax.random.normal(jax.random.key(5), p.shape), params)
   tx = projection('nap', tr.infos)
   projected, _ = jax.jit(tx.update)(updates, tx.init(params), params)
