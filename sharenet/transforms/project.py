@@ -16,8 +16,9 @@
                               layer); each stacked set separately;
                   jointly     the gain and offset of each norm inside a block (pre-norms,
                               QK-norm, the pre-activation norms, peri output norms): one joint
-                              norm per norm module, kept at its initial value (the paper's joint
-                              scale/offset treatment);
+                              norm per norm module, kept at its initial value (the paper treats
+                              scale/offset apart from the weights, by joint normalization or by
+                              regularization; this is the first);
                   left free   the readout, and the embedding table when it is tied to the
                               readout (the final layer, which is not followed by a norm and
                               whose scale sets the logits' temperature); the final norm's gain,
@@ -33,7 +34,11 @@
                 constraint, as for the writers, which feed the residual stream rather than a
                 norm); model.norm.qk_norm=rms makes them scale-invariant as well. Decoupled
                 weight decay only shrinks a matrix radially, which the projection undoes: on
-                projected leaves it has no effect (it still acts on the readout).
+                projected leaves it has no effect (it still acts on the readout). The paper
+                states the recipe for MLPs, CNNs, ResNets and transformers in general terms; its
+                mapping onto this pre-norm decoder (the embedding as the input layer, the final
+                norm free with the readout, writers projected although only jointly
+                scale-invariant through the residual stream) is ours.
   norm_project  the projection alone, as `nap` was before it had part 1: every matrix with an
                 'embed' axis (readout and embedding included, LoRA excluded) rescaled to its
                 initial Frobenius norm; no norm gains. Runs whose config.json says `nap` without a
