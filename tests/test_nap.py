@@ -6,7 +6,6 @@ import functools
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax.traverse_util import flatten_dict
