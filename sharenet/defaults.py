@@ -63,6 +63,8 @@ def default_config() -> ml_collections.ConfigDict:
                               # section read without a train section: the default seq_len)
   n.dyt_alpha = 0.5           # DyT's initial alpha
   n.fixnorm = False           # FixNorm: unit-norm embedding rows x sqrt(d_model)
+  n.pre_activation = 'none'   # none | layernorm | rmsnorm: norm on the MLP hidden
+                              # pre-activations (gate and value of SwiGLU), NaP's part 1
   n.eps = 1e-6
 
   c.train = t = ml_collections.ConfigDict()
@@ -104,7 +106,8 @@ def default_config() -> ml_collections.ConfigDict:
   tr.reparam_paths = 'kernel$'  # regex over '/'-joined paths selecting kernels to reparametrize
   tr.reparam_roles = ''       # and/or kernel roles: reader, writer, readout ('' = any)
   tr.sigma_iters = 1          # sigma-reparam power iterations per step
-  tr.project = 'none'         # post-step projection: none | ngpt | nap
+  tr.project = 'none'         # post-step projection: none | ngpt | nap (Normalize-and-Project;
+                              # needs model.norm.pre_activation) | norm_project (matrices only)
   tr.updates = ''             # comma list: agc, adamp
   tr.agc_clip = 0.01          # AGC lambda
   tr.agc_eps = 1e-3
@@ -179,11 +182,19 @@ RENAMED = {('transforms', 'update'): 'updates'}   # .update is ConfigDict's meth
 
 
 def renamed(raw: Any) -> dict[str, Any]:
-  """A copy of `raw` (a config or a config.json's dict) with old key names (RENAMED) updated."""
+  """A copy of `raw` (a config or a config.json's dict) with old key names (RENAMED) updated.
+
+  A run written before model.norm.pre_activation existed with transforms.project=nap trained
+  the projection alone, which is now called norm_project.
+  """
   raw = copy.deepcopy(raw.to_dict() if hasattr(raw, 'to_dict') else raw)
   for (group, old), new in RENAMED.items():
     if isinstance(raw.get(group), dict) and old in raw[group]:
       raw[group].setdefault(new, raw[group].pop(old))
+  norm = raw.get('model', {}).get('norm', {}) if isinstance(raw.get('model'), dict) else {}
+  if (isinstance(raw.get('transforms'), dict) and raw['transforms'].get('project') == 'nap'
+      and isinstance(norm, dict) and norm and 'pre_activation' not in norm):
+    raw['transforms']['project'] = 'norm_project'
   return raw
 
 

@@ -115,7 +115,7 @@ def convert_workdir(workdir: str, out: str, opts: Any) -> dict[str, Any]:
   if config.transforms.project == 'ngpt':
     raise ConfigError('conversions of a model trained with transforms.project=ngpt are not '
                       'function-preserving (its projection would re-normalise the converted '
-                      'matrices); valid: a source with project=none or nap')
+                      'matrices); valid: a source with project=none, nap or norm_project')
   if config.parametrization.kind != 'sp':
     raise ConfigError(f'conversions support parametrization.kind=sp, got '
                       f'{config.parametrization.kind} (its forward multipliers would be folded '

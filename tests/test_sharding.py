@@ -26,7 +26,7 @@ LAYOUTS = {'data=8': (8, 1, 1), 'fsdp=8': (1, 8, 1), 'data=2,fsdp=4': (2, 4, 1),
            'data=2,fsdp=2,tensor=2': (2, 2, 2)}
 # Parameter transforms add trainable gains, non-trainable state and optimizer state of their own.
 TRANSFORMS = {'transforms.reparam': 'weight_norm,sigma_reparam', 'transforms.project': 'nap',
-              'transforms.updates': 'agc'}
+              'model.norm.pre_activation': 'layernorm', 'transforms.updates': 'agc'}
 
 
 def write_corpus(directory: str) -> str:

@@ -274,8 +274,8 @@ def test_ngpt_projection_keeps_rows_unit_norm_after_every_step():
     np.testing.assert_allclose(_embed_axis_norms(tr, s.params), 1.0, atol=1e-6)
 
 
-def test_nap_keeps_matrix_norms_at_their_initial_values():
-  tr, states, _ = _tiny_state({'project': 'nap'}, lr=3e-2)
+def test_norm_project_keeps_matrix_norms_at_their_initial_values():
+  tr, states, _ = _tiny_state({'project': 'norm_project'}, lr=3e-2)
   norms = lambda p: [float(jnp.linalg.norm(flatten_dict(p)[path])) for path, leaf in
                      tr.infos.items() if leaf.role in ('reader', 'writer', 'embedding')]
   n0 = norms(states[0].params)
@@ -494,7 +494,7 @@ def test_adamp_leaves_vectors_and_scalars_unprojected():
 TRAINABLE_TRANSFORMS = [
     {'reparam': 'weight_norm'}, {'reparam': 'sigma_reparam'}, {'reparam': 'weight_std'},
     {'reparam': 'zero_mean_writers'}, {'reparam': 'scale_vectors'},
-    {'reparam': 'zero_mean_writers,weight_norm'}, {'project': 'ngpt'}, {'project': 'nap'},
+    {'reparam': 'zero_mean_writers,weight_norm'}, {'project': 'ngpt'}, {'project': 'norm_project'},
     {'updates': 'agc'}, {'updates': 'adamp'},
 ]
 
@@ -603,7 +603,7 @@ def test_mup_composes_with_transforms_and_scalar_norm_params():
   c.model.sharing.scheme, c.model.num_layers, c.model.sharing.repeats = 'cycle', 4, 2
   c.parametrization.kind, c.parametrization.base_d_model = 'mup', 16
   c.transforms.reparam = 'weight_norm'
-  c.transforms.project = 'nap'
+  c.transforms.project = 'norm_project'
   from sharenet import config_lib
   model, tx, pz, tr = train_lib.setup(c, config_lib.validate(c))
   state = train_lib.init_state(model, tx, jax.random.key(0), tr, pz)

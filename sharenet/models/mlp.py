@@ -1,4 +1,14 @@
-"""Feed-forward block: SwiGLU or GELU."""
+"""Feed-forward block: SwiGLU or GELU, optionally with a norm on the hidden pre-activations.
+
+`model.norm.pre_activation` (layernorm | rmsnorm) is part 1 of Normalize-and-Project (Lyle et
+al., "Normalization and effective learning rates in reinforcement learning", NeurIPS 2024,
+arXiv:2407.01800): a normalization layer before each nonlinearity, so the loss no longer
+depends on the scale of the kernel feeding it. GELU: h = gelu(N(x W_in)). SwiGLU: the gate
+nonlinearity silu and the product gate * value are both nonlinear in the input projections,
+so each input projection gets its own norm, h = silu(N_g(x W_gate)) * N_u(x W_up), and the
+MLP output is invariant to the scale of W_gate and of W_up. The norms' gains (and LayerNorm
+offsets) are hidden-width vectors with role norm_in on branch 'mlp'.
+"""
 from __future__ import annotations
 
 import flax.linen as nn
@@ -9,6 +19,7 @@ from jax.ad_checkpoint import checkpoint_name
 from sharenet.models import unit_scale
 from sharenet.models.config import ModelConfig
 from sharenet.models.layers import Dense, sow_l1
+from sharenet.norms import PER_LAYER, Norm
 
 BRANCH = 'mlp'
 
@@ -29,13 +40,20 @@ class Mlp(nn.Module):
                    lora_scale=c.lora_scale, use_bias=c.reader_bias, dtype=dt, param_dtype=pdt,
                    name=name)
 
-    if c.umup_ops:   # u-muP's unit-scaled nonlinearities (models/unit_scale.py)
-      h_BTF = (unit_scale.silu_glu(dense_in('wi_up')(x_BTD), dense_in('wi_gate')(x_BTD))
-               if c.mlp == 'swiglu' else unit_scale.gelu(dense_in('wi')(x_BTD)))
-    elif c.mlp == 'swiglu':
-      h_BTF = nn.silu(dense_in('wi_gate')(x_BTD)) * dense_in('wi_up')(x_BTD)
+    def pre_act(name):   # identity unless model.norm.pre_activation is set
+      if c.pre_activation_norm == 'none':
+        return lambda h: h
+      return Norm(c.pre_activation_norm, c.norm_eps, PER_LAYER if c.untie_norms else 'params',
+                  axis_name='mlp', param_dtype=pdt, role='norm_in', branch=BRANCH, name=name)
+
+    if c.mlp == 'swiglu':
+      gate = pre_act('gate_norm')(dense_in('wi_gate')(x_BTD))
+      up = pre_act('up_norm')(dense_in('wi_up')(x_BTD))
+      # u-muP's unit-scaled nonlinearities (models/unit_scale.py) under parametrization umup
+      h_BTF = unit_scale.silu_glu(up, gate) if c.umup_ops else nn.silu(gate) * up
     else:
-      h_BTF = nn.gelu(dense_in('wi')(x_BTD))
+      h = pre_act('pre_act_norm')(dense_in('wi')(x_BTD))
+      h_BTF = unit_scale.gelu(h) if c.umup_ops else nn.gelu(h)
     h_BTF = checkpoint_name(h_BTF, 'mlp_hidden')
     sow_l1(self, 'mlp_hidden', h_BTF)
     h_BTF = nn.with_logical_constraint(h_BTF, ('activation_batch', 'activation_length',

@@ -48,6 +48,10 @@ class Transforms:
     self.adamp_delta = float(t.adamp_delta)
     self.adamp_wd_ratio = float(t.adamp_wd_ratio)
     cfg = model.cfg
+    if self.projection == 'nap' and cfg.pre_activation_norm == 'none':
+      raise ConfigError('transforms.project=nap (Normalize-and-Project) needs a norm before the '
+                        'MLP nonlinearity; valid: model.norm.pre_activation=layernorm or rmsnorm '
+                        '(or transforms.project=norm_project for the projection alone)')
     if 'zero_mean_writers' in self.reparam_names and cfg.tie_embeddings and \
         not cfg.center_embedding:
       raise ConfigError('transforms.reparam=zero_mean_writers with model.tie_embeddings=True '
