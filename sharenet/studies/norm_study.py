@@ -45,7 +45,9 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     'weight_std': ('reparam', {'transforms.reparam': 'weight_std'}),
     'scale_vectors': ('reparam', {'transforms.reparam': 'scale_vectors'}),
     'ngpt_projection': ('projection', {'transforms.project': 'ngpt', 'train.weight_decay': 0.0}),
-    'nap': ('projection', {'transforms.project': 'nap'}),
+    'nap': ('projection', {'transforms.project': 'nap',                # Lyle et al.'s two parts
+                           'model.norm.pre_activation': 'layernorm'}),
+    'norm_project': ('projection', {'transforms.project': 'norm_project'}),
     'agc': ('update', {'transforms.updates': 'agc'}),
     'adamp': ('update', {'transforms.updates': 'adamp'}),
 }
