@@ -92,3 +92,26 @@ def test_norm_study_table_reports_mean_spread_and_paired_differences():
   # a difference of +-0.01 around a mean of 0.1 over 3 seeds: t = 0.1 / (0.01 / sqrt 3) = 17.3
   assert norm_study.paired_difference({0: 1.11, 1: 1.10, 2: 1.09}, {0: 1.0, 1: 1.0, 2: 1.0})[3]
   assert not norm_study.paired_difference({0: 1.1}, {0: 1.0})[3]      # one seed: never resolved
+
+
+def test_crms_isotropic_init_makes_the_implied_coordinate_one_of_many():
+  """iid writer rows: the implied coordinate -sum z has sqrt(n) times a stored coordinate's std;
+  after the isotropic init it has the same std as every stored one (covariance I - 11^T/(n+1))."""
+  import jax
+  import numpy as np
+  from sharenet.params import ParamInfo
+  from sharenet.studies import crms_init
+  n, rows = 64, 20000
+  w = jax.random.normal(jax.random.key(0), (rows, n))
+  infos = {('params', 'embed', 'embedding'): ParamInfo(('params', 'embed', 'embedding'),
+                                                     ('vocab', 'embed'), (rows, n), 'embedding')}
+  v = {'params': {'embed': {'embedding': w}}}
+  assert abs(crms_init.ratios(v, infos)['embed/embedding'][0] / n ** 0.5 - 1) < 0.05
+  iso = np.asarray(crms_init.isotropic(v, infos)['params']['embed']['embedding'])
+  assert abs(crms_init.ratios({'params': {'embed': {'embedding': iso}}},
+                              infos)['embed/embedding'][0] - 1) < 0.05
+  full = np.concatenate([iso, -iso.sum(-1, keepdims=True)], -1)      # the (n+1)-vectors
+  cov = np.cov(full, rowvar=False)
+  target = np.eye(n + 1) - 1 / (n + 1)
+  assert np.abs(np.diag(cov) - np.diag(target)).max() < 0.05          # every coordinate alike
+  assert np.abs(cov - target).max() < 0.05
