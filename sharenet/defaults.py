@@ -53,6 +53,9 @@ def default_config() -> ml_collections.ConfigDict:
   s.lora_scale = 1.0          # alpha / r
   s.lora_layers = 'shared'    # shared: LoRA on the applied layers of shared sets only (RRT: not
                               # on the unique first / last layers of middle schemes) | all
+  s.lora_zero = 'b'           # factor that starts at zero: b (LoRA, RRT: B = 0, A ~ 1/sqrt(fan_in))
+                              # | a (A = 0, B ~ 1/sqrt(r): x A starts at 0, like a zero-init
+                              # readout, so a muP width coordinate check of x A has no init term)
   m.norm = n = ml_collections.ConfigDict()
   n.kind = 'rmsnorm'          # layernorm | rmsnorm | crmsnorm | scalenorm | dyt | none
   n.placement = 'pre'         # pre | post | peri

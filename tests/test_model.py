@@ -221,6 +221,31 @@ def test_zero_lora_equals_strict_plan(scheme, lora_layers):
   assert len(draws) == lora_layer_count(relaxed) == (4 if lora_layers == 'shared' else 6)
 
 
+def test_lora_zero_a_starts_a_at_zero_and_b_at_one_over_sqrt_rank():
+  """lora_zero='a': A = 0 (x A starts at 0), B ~ N(0, 1/r); the model starts as the strict plan
+  and A, not B, gets the first gradient (B's gradient is A^T x^T g = 0)."""
+  strict = tiny('cycle')
+  relaxed = dataclasses.replace(strict, lora_rank=8, lora_zero='a', lora_layers='all',
+                                lora_targets=('q', 'v', 'mlp_in'))
+  v = init(relaxed)
+  v_strict = {'params': v['params']}
+  toks = tokens()
+  np.testing.assert_allclose(apply(relaxed, v, toks), apply(strict, v_strict, toks), atol=1e-6)
+  flat = flatten_dict(v[PER_LAYER])
+  for path, x in flat.items():
+    x = np.asarray(x)
+    if path[-1] == 'lora_a':
+      assert not np.any(x)
+    elif path[-1] == 'lora_b':
+      assert abs(x.std() - 8 ** -0.5) < 0.1 * 8 ** -0.5, path
+  grads = jax.grad(loss_fn)(v, DecoderLM(relaxed), tokens(T=13))
+  g = flatten_dict(grads[PER_LAYER])
+  assert all(np.any(np.asarray(x)) for p, x in g.items() if p[-1] == 'lora_a')
+  assert not any(np.any(np.asarray(x)) for p, x in g.items() if p[-1] == 'lora_b')
+  with pytest.raises(ConfigError, match="model.sharing.lora_zero='c' is unknown; valid: b, a"):
+    tiny('cycle', lora_rank=2, lora_zero='c')
+
+
 # ---- causality, shapes, remat ---------------------------------------------------------------
 
 @pytest.mark.parametrize('scheme', SCHEMES)

@@ -28,7 +28,11 @@ Result:    (measured 2026-12-01, widths 64-256, slope of log mean|x| vs log widt
              -0.77..+0.29); sp +2.0..+4.3 from t = 2.
            So the muP LoRA rule removes SP's width blow-up; the remaining negative slope is the
            shrinking init term of x A, which 10 steps at these LRs do not wash out (B starts at
-           zero, so A is first updated at step 2); it is not flat within 0.1 here.
+           zero, so A is first updated at step 2); it is not flat within 0.1 with B = 0 at init.
+           A zero-initialised instead (--config.model.sharing.lora_zero=a: A = 0, B ~ N(0, 1/r);
+           --out docs/results/mup/lora/a_zero, 252 s): x A has no init term and the muP curves are
+           flat: slope per step t = 1..10, mup lora_xa +0.06 .. -0.08 (max |.| 0.11), lora_out
+           -0.07 .. +0.07, residual <= 0.11; sp lora_xa +0.74 -> +2.59, lora_out +0.69 -> +2.63.
 """
 from configs.mup import coord_check
 

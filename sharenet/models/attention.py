@@ -30,7 +30,8 @@ class CausalAttention(nn.Module):
     def proj(name, heads, axis, use=None):
       rank = c.lora_rank if name in c.lora_targets else 0
       return Dense((heads, Dh), ('embed',), (axis, 'head_dim'), branch=BRANCH, use=use,
-                   lora_rank=rank, lora_scale=c.lora_scale, use_bias=c.reader_bias, dtype=dt,
+                   lora_rank=rank, lora_scale=c.lora_scale,
+                   lora_zero=c.lora_zero, use_bias=c.reader_bias, dtype=dt,
                    param_dtype=pdt, name=name)
 
     q_BTHD = checkpoint_name(proj('q', H, 'heads', 'query')(x_BTD), 'query_proj')
@@ -78,7 +79,8 @@ class CausalAttention(nn.Module):
       out_BTHD = unit_scale.scale_fwd(out_BTHD, s_att)
     rank = c.lora_rank if 'o' in c.lora_targets else 0
     out_BTD = Dense((c.d_model,), ('heads', 'head_dim'), ('embed',), role='writer', branch=BRANCH,
-                    lora_rank=rank, lora_scale=c.lora_scale, dtype=dt, param_dtype=pdt,
+                    lora_rank=rank, lora_scale=c.lora_scale,
+                    lora_zero=c.lora_zero, dtype=dt, param_dtype=pdt,
                     name='o')(out_BTHD)
     sow_l1(self, 'attn_out', out_BTD)
     return checkpoint_name(out_BTD, 'out_proj')

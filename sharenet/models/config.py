@@ -18,6 +18,7 @@ REMATS = ('none', 'full', 'dots', 'dots_no_batch', 'save_names', 'offload_dots',
 DTYPES = ('float32', 'bfloat16', 'float64')
 LORA_TARGETS = ('q', 'k', 'v', 'o', 'mlp_in', 'mlp_out')
 LORA_LAYERS = ('shared', 'all')
+LORA_ZERO = ('b', 'a')      # which depth-wise LoRA factor starts at zero
 _DEFAULTS = defaults.default_config().model
 _TRAIN_SEQ_LEN = defaults.default_config().train.seq_len
 
@@ -91,6 +92,7 @@ class ModelConfig:
   lora_targets: tuple[str, ...] = _key('sharing.lora_targets', _targets, ','.join)
   lora_scale: float = _key('sharing.lora_scale')
   lora_layers: str = _key('sharing.lora_layers')
+  lora_zero: str = _key('sharing.lora_zero')
   remat: str = _key('remat')
   scan_unroll: int = _key('scan_unroll')
   scan_layers: bool = _key('scan_layers')
@@ -137,6 +139,7 @@ class ModelConfig:
     for t in self.lora_targets:
       _choice('model.sharing.lora_targets', t, LORA_TARGETS)
     _choice('model.sharing.lora_layers', self.lora_layers, LORA_LAYERS)
+    _choice('model.sharing.lora_zero', self.lora_zero, LORA_ZERO)
     for name in ('vocab_size', 'd_model', 'num_layers', 'num_heads', 'mlp_dim', 'scan_unroll'):
       if getattr(self, name) < 1:
         raise ConfigError(f'model.{name}={getattr(self, name)} must be >= 1')

@@ -48,6 +48,7 @@ class Dense(nn.Module):
   init_std: float | None = None        # None -> 1/sqrt(fan_in)
   lora_rank: int = 0
   lora_scale: float = 1.0
+  lora_zero: str = 'b'                 # factor initialised to zero: 'b' (LoRA) or 'a'
   use_bias: bool = False
   dtype: jnp.dtype = jnp.float32
   param_dtype: jnp.dtype = jnp.float32
@@ -68,11 +69,14 @@ class Dense(nn.Module):
     y = x2 @ kernel.reshape(fan_in, fan_out).astype(self.dtype)
     if self.lora_rank:
       r = self.lora_rank
-      a = param(self, 'lora_a', in_shape + (r,), in_axes + ('lora',), 'lora', std=fan_in ** -0.5,
+      zeros = nn.initializers.zeros   # one factor starts at zero, so the delta does
+      a_init = dict(init=zeros) if self.lora_zero == 'a' else dict(std=fan_in ** -0.5)
+      b_init = dict(std=r ** -0.5) if self.lora_zero == 'a' else dict(init=zeros)
+      a = param(self, 'lora_a', in_shape + (r,), in_axes + ('lora',), 'lora', **a_init,
                 collection=PER_LAYER, dtype=self.param_dtype, num_in=n_in, branch=self.branch)
-      b = param(self, 'lora_b', (r,) + out_shape, ('lora',) + out_axes, 'lora',
-                init=nn.initializers.zeros, collection=PER_LAYER, dtype=self.param_dtype,
-                num_in=1, branch=self.branch, writes=writes)
+      b = param(self, 'lora_b', (r,) + out_shape, ('lora',) + out_axes, 'lora', **b_init,
+                collection=PER_LAYER, dtype=self.param_dtype, num_in=1, branch=self.branch,
+                writes=writes)
       xa = x2 @ a.reshape(fan_in, r).astype(self.dtype)
       delta = self.lora_scale * (xa @ b.reshape(r, fan_out).astype(self.dtype))
       sow_l1(self, 'lora_xa', xa)          # coordinate checks of the LoRA factors

@@ -37,7 +37,8 @@ class Mlp(nn.Module):
 
     def dense_in(name):
       return Dense((c.mlp_dim,), ('embed',), ('mlp',), branch=BRANCH, lora_rank=r_in,
-                   lora_scale=c.lora_scale, use_bias=c.reader_bias, dtype=dt, param_dtype=pdt,
+                   lora_scale=c.lora_scale,
+                   lora_zero=c.lora_zero, use_bias=c.reader_bias, dtype=dt, param_dtype=pdt,
                    name=name)
 
     def pre_act(name):   # identity unless model.norm.pre_activation is set
@@ -59,6 +60,7 @@ class Mlp(nn.Module):
     h_BTF = nn.with_logical_constraint(h_BTF, ('activation_batch', 'activation_length',
                                                'activation_mlp'))
     out = Dense((c.d_model,), ('mlp',), ('embed',), role='writer', branch=BRANCH, lora_rank=r_out,
-                lora_scale=c.lora_scale, dtype=dt, param_dtype=pdt, name='wo')(h_BTF)
+                lora_scale=c.lora_scale,
+                lora_zero=c.lora_zero, dtype=dt, param_dtype=pdt, name='wo')(h_BTF)
     sow_l1(self, 'mlp_out', out)
     return checkpoint_name(out, 'mlp_out')
