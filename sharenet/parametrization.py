@@ -373,8 +373,6 @@ class Parametrization:
         else:
           init, fwd = m ** 0.5, 1.0 / m                        # Table 8: std const, mult 1/m
       # LoRA B (rank -> width) is a TP5 input weight: SP's init and LR already (module docstring).
-      # TODO(umup): LoRA rows for u-muP belong in the umup branch below (A: readout-like, B:
-      # embedding-like by the same finite / infinite fan-in logic); none are set there yet.
     elif k == 'umup':
       L = self.cfg.num_layers     # u-muP DepthSequential counts applied blocks
       if role == 'embedding':
@@ -385,6 +383,10 @@ class Parametrization:
         init, fwd = fan_in ** 0.5, 1.0 / fan_in
       elif role == 'vector' and trunk:
         lr = L ** -0.5
+      elif role == 'lora':
+        raise ConfigError('parametrization.kind=umup has no rule for depth-wise LoRA factors (u-muP '
+                          'defines none); valid: model.sharing.lora_rank=0, or kind sp, mup, '
+                          'mup_table3, completep')
     if k == 'completep' and trunk:   # CompleteP Table 1, alpha column: every block parameter
       a, mL = s.depth_alpha, self.m_L
       lr *= mL ** (a - 1)                    # hidden (x m_N^-1 above), hidden bias, pre-LN LR

@@ -96,6 +96,7 @@ def test_weight_decay_auto_resolves_without_overriding_an_explicit_choice():
     (dict(residual_mult=0.0), {}, r'residual_mult=0.0 must be > 0'),
     (dict(residual_attn_ratio=-1.0), {}, r'residual_attn_ratio=-1.0 must be > 0'),
     ({}, dict(norm_placement='post'), r'kind=umup.*valid: model.norm.placement=pre or peri'),
+    ({}, dict(lora_rank=2), r'kind=umup has no rule for depth-wise LoRA factors.*valid: model'),
 ])
 def test_bad_umup_settings_one_line_error(settings, cfg_kw, match):
   with pytest.raises(ConfigError, match=match) as e:
