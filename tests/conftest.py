@@ -86,3 +86,14 @@ def train_cmd():
 def subprocess_env():
   """Environment for a subprocess running repository code; read-only (extend a dict() copy)."""
   return types.MappingProxyType(make_subprocess_env())
+
+
+@pytest.fixture(autouse=True, scope='module')
+def _release_compiled_programs():
+  """Drops jax's in-memory caches (traced and compiled programs) after each test module.
+
+  One pytest process otherwise keeps every executable of the suite alive (8.4 GB resident by
+  test_transforms); the persistent compilation cache still serves later modules from disk.
+  """
+  yield
+  jax.clear_caches()
