@@ -17,6 +17,8 @@ Result:    (measured 2026-11-30; max |slope of log mean|x| vs log x| over steps 
            --config.study.axes=depth --config.study.depth_variants=completep:base_depth=2
            --out docs/results/mup/depth/coord_check, 381 s): residual -0.15..-0.29,
            residual_final -0.13..-0.28 (attn_out / mlp_out ~ -1: branch outputs after x m_L^-1).
+           The umup:lr=0.5 curves in coord_check.json predate u-muP's unit-scaled ops; the full
+           scheme's check is configs/mup/coord_check_umup.py (docs/results/mup/umup/).
 """
 import ml_collections
 
