@@ -32,6 +32,7 @@ import numpy as np
 from flax.traverse_util import flatten_dict, unflatten_dict
 
 from sharenet.studies import common
+from sharenet.studies.norm_study import SCHEMES
 
 INITS = ('iid', 'isotropic')
 WRITER_ROLES = ('writer', 'embedding', 'pos_embed')
@@ -106,7 +107,6 @@ def main(config: Any, out: str) -> int:
   schemes = common.parse_list(config.study.schemes, str)
   rows = []
   for scheme in schemes:
-    from sharenet.studies.norm_study import SCHEMES
     c = common.with_overrides(config, {**SCHEMES[scheme], 'model.norm.kind': 'crmsnorm',
                                        'train.progress': False, 'train.checkpoint_every': 50,
                                        'train.keep_checkpoints': 10})
