@@ -38,7 +38,13 @@ def default_config() -> ml_collections.ConfigDict:
   m.scan_split_transpose = True  # weight grads of stacked sets as a map after the backward loop
   m.scan_lowering = 'nested'  # nested | flat: tied plans as nested scans, or one scan over
                               # gathered sets
-  m.dtype = 'float32'         # compute dtype: float32 | bfloat16
+  m.dtype = 'float32'         # compute dtype: float32 | bfloat16 (parameters, norm statistics,
+                              # softmax, logits and loss stay float32; docs/accelerators.md)
+  m.kernels = 'auto'          # auto | xla | pallas: Pallas kernels (sharenet/kernels/) for the
+                              # fused residual-add + norm and attention; auto = Pallas on GPU/TPU
+                              # where the shapes allow, XLA otherwise; pallas on CPU = interpret
+  m.attention = 'auto'        # auto | xla | cudnn | pallas: attention back-end; auto follows
+                              # model.kernels; cudnn = jax.nn.dot_product_attention on cuDNN (GPU)
   m.param_dtype = 'float32'
   m.sharing = s = ml_collections.ConfigDict()
   s.scheme = 'untied'         # untied | universal | cycle | sequence | middle_cycle |

@@ -21,7 +21,8 @@ RESTORE_MODES = ('auto', 'params')
 STATE_FREE = ('train.steps', 'train.log_every', 'train.eval_every', 'train.eval_batch_size',
               'train.checkpoint_every', 'train.keep_checkpoints', 'train.progress',
               'train.restore', 'train.grad_accum', 'model.remat', 'model.scan_unroll',
-              'model.scan_lowering', 'model.scan_split_transpose', 'dry_run', 'mesh.')
+              'model.scan_lowering', 'model.scan_split_transpose', 'model.kernels',
+              'model.attention', 'dry_run', 'mesh.')
 # Change which windows the train iterator yields from its saved position, or (num_workers) the
 # shape of its saved state.
 DATA_STREAM = ('data.source', 'data.path', 'data.seed', 'data.num_workers', 'train.seed',

@@ -6,6 +6,7 @@ from typing import Any, Callable
 
 from sharenet import defaults, sharing
 from sharenet.errors import ConfigError
+from sharenet.kernels import ATTENTIONS, KERNELS
 
 NORMS = ('layernorm', 'rmsnorm', 'crmsnorm', 'scalenorm', 'dyt', 'none')
 PLACEMENTS = ('pre', 'post', 'peri')
@@ -100,6 +101,8 @@ class ModelConfig:
   scan_lowering: str = _key('scan_lowering')
   dtype: str = _key('dtype')
   param_dtype: str = _key('param_dtype')
+  kernels: str = _key('kernels')
+  attention: str = _key('attention')
 
   @property
   def head_dim(self) -> int:
@@ -136,6 +139,8 @@ class ModelConfig:
     _choice('model.scan_lowering', self.scan_lowering, LOWERINGS)
     _choice('model.dtype', self.dtype, DTYPES)
     _choice('model.param_dtype', self.param_dtype, DTYPES)
+    _choice('model.kernels', self.kernels, KERNELS)
+    _choice('model.attention', self.attention, ATTENTIONS)
     for t in self.lora_targets:
       _choice('model.sharing.lora_targets', t, LORA_TARGETS)
     _choice('model.sharing.lora_layers', self.lora_layers, LORA_LAYERS)

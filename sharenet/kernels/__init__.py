@@ -1,0 +1,65 @@
+"""Pallas kernels for the hot paths, each beside a pure-jnp reference with the same signature.
+
+One switch picks the implementation: `model.kernels = auto | xla | pallas`.
+
+  auto    Pallas on GPU / TPU where the shapes allow, the XLA reference otherwise (the CPU default
+          is therefore unchanged: plain XLA).
+  xla     always the reference.
+  pallas  always the kernel; on a CPU it runs in Pallas interpret mode (slow: for tests).
+
+A shape a kernel cannot take falls back to the reference with a one-line note on stderr (once per
+kernel and reason), under `auto` and `pallas` alike: never silently.
+
+`model.attention = auto | xla | cudnn | pallas` picks the attention back-end on its own; `auto`
+follows `model.kernels`. See docs/accelerators.md.
+"""
+from __future__ import annotations
+
+import sys
+
+import jax
+
+from sharenet.errors import ConfigError
+
+KERNELS = ('auto', 'xla', 'pallas')
+ATTENTIONS = ('auto', 'xla', 'cudnn', 'pallas')
+ACCELERATORS = ('gpu', 'tpu')
+
+_noted: set[tuple[str, str]] = set()
+
+
+def backend() -> str:
+  """The default backend's platform: cpu | gpu | tpu."""
+  return jax.default_backend()
+
+
+def use_pallas(kernels: str) -> bool:
+  """Whether `model.kernels` asks for the Pallas kernel on this backend (before shape checks)."""
+  if kernels not in KERNELS:
+    raise ConfigError(f'model.kernels={kernels!r} is unknown; valid: {", ".join(KERNELS)}')
+  return kernels == 'pallas' or (kernels == 'auto' and backend() in ACCELERATORS)
+
+
+def interpret() -> bool:
+  """Pallas interpret mode: the only way a kernel runs on a CPU."""
+  return backend() not in ACCELERATORS
+
+
+def attention_backend(attention: str, kernels: str) -> str:
+  """The attention implementation to use: xla | cudnn | pallas."""
+  if attention not in ATTENTIONS:
+    raise ConfigError(f'model.attention={attention!r} is unknown; valid: {", ".join(ATTENTIONS)}')
+  if attention == 'auto':
+    return 'pallas' if use_pallas(kernels) else 'xla'
+  if attention == 'cudnn' and backend() != 'gpu':
+    raise ConfigError(f'model.attention=cudnn needs an NVIDIA GPU (this backend is {backend()}); '
+                      f'valid here: auto, xla, pallas')
+  return attention
+
+
+def note_fallback(kernel: str, reason: str) -> None:
+  """One line on stderr, once per (kernel, reason): the reference runs instead of the kernel."""
+  if (kernel, reason) not in _noted:
+    _noted.add((kernel, reason))
+    print(f'sharenet: {kernel} kernel cannot take {reason}; using the XLA reference',
+          file=sys.stderr, flush=True)
