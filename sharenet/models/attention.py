@@ -1,4 +1,8 @@
-"""Causal self-attention: multi-head or grouped-query, RoPE, configurable scale, QK-norm."""
+"""Causal self-attention: multi-head or grouped-query, RoPE, configurable scale, QK-norm.
+
+The softmax(q k^T) v core runs on the back-end `model.attention` / `model.kernels` pick
+(sharenet/kernels/attention.py); projections, QK-norm, RoPE and u-muP scaling stay here.
+"""
 from __future__ import annotations
 
 import math
@@ -8,6 +12,8 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from sharenet import kernels
+from sharenet.kernels import attention as attention_kernel
 from sharenet.models.config import ModelConfig
 from sharenet.models import unit_scale
 from sharenet.models.layers import Dense, rope, sow_l1
@@ -56,7 +62,6 @@ class CausalAttention(nn.Module):
     if c.umup_ops:   # u-muP's unit-scaled attention (models/unit_scale.py)
       s_att = unit_scale.attention_output_scale(T, Dh, (c.attn_scale or Dh ** -0.5) * Dh)
       q_BTHD, k_BTKD, v_BTKD = (unit_scale.scale_bwd(t, s_att) for t in (q_BTHD, k_BTKD, v_BTKD))
-    q_BTKGD = q_BTHD.reshape(B, T, K, H // K, Dh)
     if c.qk_norm == 'l2':
       # Henry et al. (arXiv:2010.04245), section 3: one learned scalar per attention module
       # replaces 1/sqrt(d_head), initialised to log2(L^2 - L) with L the sequence length of the
@@ -67,14 +72,26 @@ class CausalAttention(nn.Module):
                     dtype=pdt, branch=BRANCH).astype(dt)
     else:
       scale = c.attn_scale or Dh ** -0.5
-    logits_BKGTS = jnp.einsum('btkgd,bskd->bkgts', q_BTKGD * scale, k_BTKD)
-    causal_TS = jnp.tril(jnp.ones((T, T), dtype=bool))
-    sow_l1(self, 'attn_logits', logits_BKGTS, causal_TS)
-    logits_BKGTS = jnp.where(causal_TS[None, None, None], logits_BKGTS.astype(jnp.float32), -1e30)
-    logits_BKGTS = checkpoint_name(logits_BKGTS, 'attn_logits')
-    probs_BKGTS = checkpoint_name(jax.nn.softmax(logits_BKGTS, axis=-1).astype(dt), 'attn_probs')
-    out_BTKGD = jnp.einsum('bkgts,bskd->btkgd', probs_BKGTS, v_BTKD)
-    out_BTHD = out_BTKGD.reshape(B, T, H, Dh)
+    impl = kernels.attention_backend(c.attention, c.kernels)
+    if impl == 'xla':
+      # kernels.attention.reference is this arithmetic; kept inline for the 'attn_logits' sow
+      # (coordinate checks) and the checkpoint names the remat policies select (models/stack.py).
+      q_BTKGD = q_BTHD.reshape(B, T, K, H // K, Dh)
+      logits_BKGTS = jnp.einsum('btkgd,bskd->bkgts', q_BTKGD * scale, k_BTKD)
+      causal_TS = jnp.tril(jnp.ones((T, T), dtype=bool))
+      sow_l1(self, 'attn_logits', logits_BKGTS, causal_TS)
+      logits_BKGTS = jnp.where(causal_TS[None, None, None], logits_BKGTS.astype(jnp.float32),
+                               -1e30)
+      logits_BKGTS = checkpoint_name(logits_BKGTS, 'attn_logits')
+      probs_BKGTS = checkpoint_name(jax.nn.softmax(logits_BKGTS, axis=-1).astype(dt),
+                                    'attn_probs')
+      out_BTKGD = jnp.einsum('bkgts,bskd->btkgd', probs_BKGTS, v_BTKD)
+      out_BTHD = out_BTKGD.reshape(B, T, H, Dh)
+    else:
+      # A fused kernel (FlashAttention, Dao et al., arXiv:2205.14135) never materializes the
+      # (T, T) logits: no 'attn_logits' sow (coordinate checks need model.attention=xla) and no
+      # 'attn_logits' / 'attn_probs' checkpoint names (except_attn then saves everything else).
+      out_BTHD = attention_kernel.attention(q_BTHD, k_BTKD, v_BTKD, scale=scale, impl=impl)
     if c.umup_ops:
       out_BTHD = unit_scale.scale_fwd(out_BTHD, s_att)
     rank = c.lora_rank if 'o' in c.lora_targets else 0

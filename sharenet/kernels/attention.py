@@ -1,0 +1,211 @@
+"""Causal attention: the XLA reference and the fused (FlashAttention-style) back-ends.
+
+FlashAttention (Dao et al., "FlashAttention: Fast and Memory-Efficient Exact Attention with
+IO-Awareness", arXiv:2205.14135) computes softmax(q k^T) v block by block with an online softmax,
+so the (T, S) logits never reach memory; the backward pass recomputes them from q, k and the
+saved log-sum-exp. Every back-end here computes the same function as `reference`:
+
+  xla     `reference`: the einsum attention of sharenet/models/attention.py (float32 logits).
+  pallas  GPU, and CPU in Pallas interpret mode: the FlashAttention kernel jax ships in
+          `jax.experimental.pallas.ops.gpu.attention.mha` (Pallas forward, Pallas backward
+          through its custom VJP). TPU: `jax.experimental.pallas.ops.tpu.flash_attention`.
+  cudnn   `jax.nn.dot_product_attention(implementation='cudnn')`, cuDNN's fused flash attention
+          (NVIDIA GPUs; bf16 / fp16 only).
+
+Layout everywhere: q [B, T, H, Dh], k and v [B, T, K, Dh] with K kv heads dividing H
+(grouped-query attention: query head h reads kv head h // (H // K)); the output is [B, T, H, Dh]
+in q's dtype. Queries and keys share positions 0..T-1 (self-attention).
+
+`scale` multiplies the logits. It may be a traced array (the l2 QK-norm's learned `qk_scale`,
+Henry et al., arXiv:2010.04245): the kernels take only a static `sm_scale`, so q is multiplied by
+`scale` before the call and the kernel runs with sm_scale=1.0; the gradient of `scale` flows
+through that product.
+"""
+from __future__ import annotations
+
+import sys
+
+import jax
+import jax.numpy as jnp
+
+from sharenet import kernels
+from sharenet.errors import ConfigError
+
+IMPLS = ('xla', 'cudnn', 'pallas')
+
+# Kernels take q pre-multiplied by `scale`, so masked logits are exactly this in every back-end.
+MASK_VALUE = -1e30
+
+_notes: set[str] = set()
+
+
+def _note(message: str) -> None:
+  """One line on stderr, once per message: a kernel runs, but not exactly as asked."""
+  if message not in _notes:
+    _notes.add(message)
+    print(f'sharenet: {message}', file=sys.stderr, flush=True)
+
+
+def reference(q_BTHD: jax.Array, k_BTKD: jax.Array, v_BTKD: jax.Array, *, scale,
+              causal: bool = True) -> jax.Array:
+  """softmax(scale * q k^T, masked) v with float32 logits and softmax; output in q's dtype.
+
+  The same arithmetic as the model's XLA path (sharenet/models/attention.py): q * scale in q's
+  dtype, the grouped einsum, logits cast to float32, masked positions set to -1e30, softmax in
+  float32 and cast back to q's dtype before the value einsum.
+  """
+  B, T, H, Dh = q_BTHD.shape
+  S, K = k_BTKD.shape[1], k_BTKD.shape[2]
+  dt = q_BTHD.dtype
+  q_BTKGD = q_BTHD.reshape(B, T, K, H // K, Dh)
+  logits_BKGTS = jnp.einsum('btkgd,bskd->bkgts', q_BTKGD * scale, k_BTKD).astype(jnp.float32)
+  if causal:
+    causal_TS = jnp.tril(jnp.ones((T, S), dtype=bool))
+    logits_BKGTS = jnp.where(causal_TS[None, None, None], logits_BKGTS, MASK_VALUE)
+  probs_BKGTS = jax.nn.softmax(logits_BKGTS, axis=-1).astype(dt)
+  out_BTKGD = jnp.einsum('bkgts,bskd->btkgd', probs_BKGTS, v_BTKD)
+  return out_BTKGD.reshape(B, T, H, Dh)
+
+
+def attention(q_BTHD: jax.Array, k_BTKD: jax.Array, v_BTKD: jax.Array, *, scale,
+              impl: str) -> jax.Array:
+  """Causal self-attention by back-end `impl` (xla | cudnn | pallas); see the module docstring.
+
+  `impl` is what `sharenet.kernels.attention_backend(cfg.attention, cfg.kernels)` resolves to.
+  A shape a back-end cannot take runs `reference` instead, with a one-line note on stderr.
+  """
+  _check_shapes(q_BTHD, k_BTKD, v_BTKD)
+  if impl == 'xla':
+    return reference(q_BTHD, k_BTKD, v_BTKD, scale=scale)
+  if impl == 'cudnn':
+    return cudnn_attention(q_BTHD, k_BTKD, v_BTKD, scale=scale)
+  if impl == 'pallas':
+    if kernels.backend() == 'tpu':
+      return pallas_tpu_attention(q_BTHD, k_BTKD, v_BTKD, scale=scale)
+    return pallas_gpu_attention(q_BTHD, k_BTKD, v_BTKD, scale=scale,
+                                interpret=kernels.interpret())
+  raise ConfigError(f'attention implementation {impl!r} is unknown; valid: {", ".join(IMPLS)}')
+
+
+def _check_shapes(q_BTHD, k_BTKD, v_BTKD) -> None:
+  if q_BTHD.ndim != 4 or k_BTKD.shape != v_BTKD.shape or k_BTKD.ndim != 4:
+    raise ValueError(f'attention wants q [B,T,H,Dh] and k, v [B,T,K,Dh]; got q {q_BTHD.shape}, '
+                     f'k {k_BTKD.shape}, v {v_BTKD.shape}')
+  (B, T, H, Dh), (Bk, S, K, Dhk) = q_BTHD.shape, k_BTKD.shape
+  if (B, T, Dh) != (Bk, S, Dhk) or H % K:
+    raise ValueError(f'attention wants matching B, T, Dh and K dividing H; got q {q_BTHD.shape}, '
+                     f'k {k_BTKD.shape}')
+
+
+def _repeat_kv(x_BTKD: jax.Array, num_heads: int) -> jax.Array:
+  """[B,T,K,Dh] -> [B,T,H,Dh], kv head h // (H // K) for query head h (GQA for MHA kernels).
+
+  The copy costs H/K times the kv memory; its gradient sums over each group, as GQA's does.
+  """
+  K = x_BTKD.shape[2]
+  return x_BTKD if K == num_heads else jnp.repeat(x_BTKD, num_heads // K, axis=2)
+
+
+def _pad_time(x_BTND: jax.Array, T_pad: int) -> jax.Array:
+  T = x_BTND.shape[1]
+  return x_BTND if T == T_pad else jnp.pad(x_BTND, ((0, 0), (0, T_pad - T), (0, 0), (0, 0)))
+
+
+def gpu_block(T: int) -> tuple[int, int]:
+  """(padded T, block size) for the GPU kernel: a power of two >= 16 up to 128, then 128-multiples.
+
+  The kernel needs T divisible by its blocks; Triton's dot wants tiles of at least 16.
+  """
+  if T <= 128:
+    block = max(16, 1 << (T - 1).bit_length())
+    return block, block
+  return -(-T // 128) * 128, 128
+
+
+def pallas_gpu_attention(q_BTHD: jax.Array, k_BTKD: jax.Array, v_BTKD: jax.Array, *, scale,
+                         interpret: bool = False) -> jax.Array:
+  """Causal attention by jax's Pallas FlashAttention GPU kernel (`ops.gpu.attention.mha`).
+
+  That kernel is multi-head only, so kv heads are repeated to H for GQA (see `_repeat_kv`). T is
+  padded with zeros up to a block multiple (`gpu_block`): padded keys sit after every real query,
+  so the causal mask hides them, and the padded query rows are sliced off (their cotangent is
+  zero). `interpret=True` runs the same kernel in Pallas interpret mode (CPU).
+  """
+  from jax.experimental.pallas.ops.gpu import attention as gpu_attention
+  B, T, H, Dh = q_BTHD.shape
+  if not interpret and not 16 <= Dh <= 256:
+    kernels.note_fallback('pallas attention', f'head_dim={Dh} (valid: 16..256)')
+    return reference(q_BTHD, k_BTKD, v_BTKD, scale=scale)
+  T_pad, block = gpu_block(T)
+  bwd_block = min(32, block)
+  sizes = gpu_attention.BlockSizes(block_q=block, block_k=block, block_q_dkv=bwd_block,
+                                   block_kv_dkv=bwd_block, block_q_dq=bwd_block,
+                                   block_kv_dq=bwd_block)
+  q = _pad_time((q_BTHD * scale).astype(q_BTHD.dtype), T_pad)
+  k = _pad_time(_repeat_kv(k_BTKD, H), T_pad)
+  v = _pad_time(_repeat_kv(v_BTKD, H), T_pad)
+  out_BTHD = gpu_attention.mha(q, k, v, None, sm_scale=1.0, causal=True, block_sizes=sizes,
+                               interpret=interpret)
+  return out_BTHD[:, :T]
+
+
+def tpu_block(T: int) -> tuple[int, int]:
+  """(padded T, block size) for the TPU kernel: 128-multiples (the lane width), block <= 512."""
+  T_pad = -(-T // 128) * 128
+  block = next(b for b in (512, 256, 128) if T_pad % b == 0)
+  return T_pad, block
+
+
+def pallas_tpu_attention(q_BTHD: jax.Array, k_BTKD: jax.Array, v_BTKD: jax.Array, *,
+                         scale) -> jax.Array:
+  """Causal attention by jax's Pallas FlashAttention TPU kernel (`ops.tpu.flash_attention`).
+
+  Layout [B, H, T, Dh] inside; kv heads repeated to H (the kernel is multi-head only); T padded
+  to a multiple of 128 (`tpu_block`), hidden by the causal mask and sliced off as on GPU. On a
+  CPU it runs only under `jax.experimental.pallas.tpu.force_tpu_interpret_mode` (tests).
+  """
+  from jax.experimental.pallas.ops.tpu import flash_attention as tpu_flash
+  B, T, H, Dh = q_BTHD.shape
+  T_pad, block = tpu_block(T)
+  sizes = tpu_flash.BlockSizes(
+      block_q=block, block_k_major=block, block_k=block, block_b=1,
+      block_q_major_dkv=block, block_k_major_dkv=block, block_k_dkv=block, block_q_dkv=block,
+      block_k_major_dq=block, block_k_dq=block, block_q_dq=block)
+  q = _pad_time((q_BTHD * scale).astype(q_BTHD.dtype), T_pad)
+  k = _pad_time(_repeat_kv(k_BTKD, H), T_pad)
+  v = _pad_time(_repeat_kv(v_BTKD, H), T_pad)
+  to_BHTD = lambda x: jnp.swapaxes(x, 1, 2)
+  out_BHTD = tpu_flash.flash_attention(to_BHTD(q), to_BHTD(k), to_BHTD(v), causal=True,
+                                       sm_scale=1.0, block_sizes=sizes)
+  return to_BHTD(out_BHTD)[:, :T]
+
+
+def cudnn_head_dim_limit() -> int:
+  """cuDNN flash attention's largest bf16/fp16 head_dim: 256 on Hopper (sm_90) and later, else 128."""
+  cc = getattr(jax.devices()[0], 'compute_capability', '0')
+  return 256 if float(cc) >= 9.0 else 128
+
+
+def cudnn_attention(q_BTHD: jax.Array, k_BTKD: jax.Array, v_BTKD: jax.Array, *,
+                    scale) -> jax.Array:
+  """Causal attention by cuDNN's fused flash attention via `jax.nn.dot_product_attention`.
+
+  GQA is native there (k, v keep K heads). cuDNN takes bf16 / fp16 only: float32 inputs are cast
+  to bfloat16 (noted once on stderr) and the output cast back, so float32 models lose precision
+  inside attention on this back-end. head_dim must be a multiple of 8 and at most
+  `cudnn_head_dim_limit()`; otherwise the reference runs (noted).
+  """
+  Dh = q_BTHD.shape[-1]
+  limit = cudnn_head_dim_limit()
+  if Dh % 8 or Dh > limit:
+    kernels.note_fallback('cudnn attention', f'head_dim={Dh} (valid: multiples of 8 up to {limit})')
+    return reference(q_BTHD, k_BTKD, v_BTKD, scale=scale)
+  dt = q_BTHD.dtype
+  q_BTHD = (q_BTHD * scale).astype(dt)
+  if dt not in (jnp.bfloat16, jnp.float16):
+    _note(f'cudnn attention takes bf16/fp16 only; casting {dt} q, k, v to bfloat16 '
+          f'(output cast back to {dt})')
+    q_BTHD, k_BTKD, v_BTKD = (x.astype(jnp.bfloat16) for x in (q_BTHD, k_BTKD, v_BTKD))
+  out_BTHD = jax.nn.dot_product_attention(q_BTHD, k_BTKD, v_BTKD, scale=1.0, is_causal=True,
+                                          implementation='cudnn')
+  return out_BTHD.astype(dt)
