@@ -191,10 +191,12 @@ MODEL_CASES = {
 def test_model_pallas_matches_xla(case):
   """Same loss and gradients (every parameter, the learned qk_scale included) as the XLA path.
 
-  T = 13 query positions (12 after the shift) exercise the padding to the 16-wide block.
+  model.attention=pallas with model.kernels=xla isolates the attention kernel from the other
+  Pallas kernels (model.kernels=pallas selects it too: test_pallas_trains_like_xla). T = 13
+  query positions (12 after the shift) exercise the padding to the 16-wide block.
   """
-  xla_cfg = tiny_model(kernels='xla', **MODEL_CASES[case])
-  ker_cfg = dataclasses.replace(xla_cfg, kernels='pallas')
+  xla_cfg = tiny_model(kernels='xla', attention='xla', **MODEL_CASES[case])
+  ker_cfg = dataclasses.replace(xla_cfg, attention='pallas')
   variables = init_variables(DecoderLM(xla_cfg), jax.random.key(0))
   toks = jax.random.randint(jax.random.key(1), (2, 13), 0, 64)
   grad_fn = jax.jit(jax.value_and_grad(model_loss), static_argnums=1)
@@ -216,7 +218,7 @@ def test_model_pallas_does_not_sow_attn_logits():
   toks = jnp.zeros((1, 8), jnp.int32)
   names = {}
   for k in ('xla', 'pallas'):
-    model = DecoderLM(tiny_model(kernels=k))
+    model = DecoderLM(tiny_model(kernels='xla', attention=k))
     variables = jax.eval_shape(lambda: init_variables(model, jax.random.key(0)))
     _, state = jax.eval_shape(
         lambda v: model.apply(v, toks, mutable=['intermediates']), variables)
