@@ -33,7 +33,7 @@ from sharenet.errors import ConfigError
 
 IMPLS = ('xla', 'cudnn', 'pallas')
 
-# Kernels take q pre-multiplied by `scale`, so masked logits are exactly this in every back-end.
+# The reference's (and the model's XLA path's) masked logit; exp underflows to exactly 0.
 MASK_VALUE = -1e30
 
 _notes: set[str] = set()
