@@ -161,3 +161,26 @@ def test_checkpoint_resumes_in_the_other_dtype(tiny_config, tmp_path, capsys, lo
     assert abs(got[s] - ref[s]) <= 0.02, (s, got[s], ref[s])
   if first == 'float32':   # the first 10 steps are the reference run's own
     assert [got[s] for s in range(1, 11)] == [ref[s] for s in range(1, 11)]
+
+
+def test_einsum_f32_keeps_the_product_unrounded_and_its_gradients_low_precision():
+  from sharenet.models.layers import einsum_f32
+  ka, kb, kg = jax.random.split(jax.random.key(0), 3)
+  a = jax.random.normal(ka, (3, 5, 16)).astype(jnp.bfloat16)
+  b = jax.random.normal(kb, (16, 7)).astype(jnp.bfloat16)
+  g = jax.random.normal(kg, (3, 5, 7))
+  y, vjp = jax.vjp(lambda a, b: einsum_f32('...i,io->...o', a, b), a, b)
+  # bf16 x bf16 products are exact in float32: only the summation order differs.
+  exact = jnp.einsum('tsi,io->tso', a.astype(jnp.float32), b.astype(jnp.float32))
+  assert y.dtype == jnp.float32
+  assert float(jnp.max(jnp.abs(y - exact))) <= 1e-5 * float(jnp.max(jnp.abs(exact)))
+  # Rounded to bf16 the logits would be ~2^-9 off: einsum_f32 is far closer than that.
+  assert float(jnp.max(jnp.abs(exact.astype(jnp.bfloat16).astype(jnp.float32) - exact))) > 1e-3
+  da, db = vjp(g)
+  assert da.dtype == db.dtype == jnp.bfloat16
+  g16 = g.astype(jnp.bfloat16).astype(jnp.float32)
+  da_ref = jnp.einsum('tso,io->tsi', g16, b.astype(jnp.float32))
+  db_ref = jnp.einsum('tso,tsi->io', g16, a.astype(jnp.float32))
+  for got, ref in ((da, da_ref), (db, db_ref)):
+    assert float(jnp.max(jnp.abs(got.astype(jnp.float32) - ref))) <= 2 ** -7 * float(
+        jnp.max(jnp.abs(ref)))
