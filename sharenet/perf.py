@@ -1,10 +1,119 @@
-"""Matmul-relative MFU: model FLOP/s over the FLOP/s of a large jitted jnp.dot, same process."""
+"""Model FLOP utilisation: against the hardware peak where it is published, else a measured matmul.
+
+Two figures, named for what they divide by:
+
+- `mfu`: standard MFU (PaLM, arXiv:2204.02311, appendix B): model FLOP/s (train FLOPs on applied
+  depth, attention included: `models.accounting.flops_per_token`) over the dense peak FLOP/s of
+  all devices for the compute dtype, from `PEAKS`. Logged only on an accelerator in `PEAKS`.
+- `mfu_vs_matmul`: the same model FLOP/s over the FLOP/s of a large jitted jnp.dot measured in
+  the same process (`matmul_peak_flops`). Logged on CPU, where no peak is published for the
+  host, and on an accelerator that `PEAKS` does not know (with a one-time note).
+
+Peaks are per chip (one jax device on every kind listed), dense (NVIDIA's datasheets print the
+2:4 structured-sparsity figure as well, twice the dense one; MFU uses the dense one):
+  NVIDIA H100 SXM5 / H200: bf16 989.4, TF32 494.7, fp32 (no tensor cores) 66.9 TFLOP/s
+    (NVIDIA H100 Tensor Core GPU Architecture whitepaper, H100 SXM5 table; the H200 is the same
+    GH100 compute with HBM3e: NVIDIA H200 datasheet).
+  NVIDIA A100 (SXM4 and PCIe, 40 and 80 GB): bf16 312, TF32 156, fp32 19.5 TFLOP/s
+    (NVIDIA A100 Tensor Core GPU datasheet).
+  TPU v4 275, v5e 197, v5p 459, v6e (Trillium) 918 bf16 TFLOP/s per chip (Cloud TPU system
+    architecture pages: cloud.google.com/tpu/docs/v4, v5e, v5p-training, v6e).
+
+float32 models: jax's default matmul precision computes float32 dots as TF32 on NVIDIA tensor
+cores and as one bfloat16 MXU pass on TPU (jax docs, "Matmul precision"), so a float32 model is
+measured against the TF32 peak on GPU and the bf16 peak on TPU. Under a higher
+`jax_default_matmul_precision` ('float32' / 'highest', 'tensorfloat32' / 'high') the GPU peak is
+the fp32 CUDA-core figure or TF32; TPU publishes no multi-pass figure, so MFU is not logged there
+(mfu_vs_matmul instead, with a note).
+"""
 from __future__ import annotations
 
 import time
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+
+TFLOPS = 1e12
+# device_kind substring (lower case) -> {'bf16', 'tf32', 'fp32'} dense TFLOP/s per chip.
+# Order matters: the first substring found in the device kind wins ('v5 lite' before 'v5').
+PEAKS: tuple[tuple[str, str, dict[str, float]], ...] = (
+    # (match, name, peaks)
+    ('h100 80gb hbm3', 'NVIDIA H100 SXM', {'bf16': 989.4, 'tf32': 494.7, 'fp32': 66.9}),
+    ('h100 sxm', 'NVIDIA H100 SXM', {'bf16': 989.4, 'tf32': 494.7, 'fp32': 66.9}),
+    ('h200', 'NVIDIA H200', {'bf16': 989.4, 'tf32': 494.7, 'fp32': 66.9}),
+    ('a100', 'NVIDIA A100', {'bf16': 312.0, 'tf32': 156.0, 'fp32': 19.5}),
+    ('tpu v4', 'TPU v4', {'bf16': 275.0}),
+    ('tpu v5 lite', 'TPU v5e', {'bf16': 197.0}),
+    ('tpu v5e', 'TPU v5e', {'bf16': 197.0}),
+    ('tpu v5p', 'TPU v5p', {'bf16': 459.0}),
+    ('tpu v5', 'TPU v5p', {'bf16': 459.0}),
+    ('tpu v6 lite', 'TPU v6e', {'bf16': 918.0}),
+    ('tpu v6e', 'TPU v6e', {'bf16': 918.0}),
+)
+
+
+def known_device(device_kind: str) -> tuple[str, dict[str, float]] | None:
+  """(name, dense TFLOP/s per chip by arithmetic) of a device kind in PEAKS, else None."""
+  kind = device_kind.lower()
+  for match, name, peaks in PEAKS:
+    if match in kind:
+      return name, peaks
+  return None
+
+
+def matmul_arithmetic(device_kind: str, dtype: str, precision: str | None = None) -> str:
+  """The arithmetic a `dtype` matmul runs in on this device: 'bf16' | 'tf32' | 'fp32'.
+
+  bfloat16 operands: 'bf16'. float32 operands follow `precision`
+  (jax_default_matmul_precision; None = jax's default): TPU's default is one bf16 pass, NVIDIA's
+  TF32 (jax docs, "Matmul precision"); 'tensorfloat32' / 'high' -> TF32; 'float32' / 'highest'
+  -> fp32.
+  """
+  if jnp.dtype(dtype) == jnp.bfloat16:
+    return 'bf16'
+  p = (precision or 'default').lower()
+  if p in ('float32', 'highest', 'f32_f32_f32'):
+    return 'fp32'
+  if p in ('tensorfloat32', 'high', 'tf32_tf32_f32'):
+    return 'tf32'
+  if p in ('bfloat16', 'fastest', 'bf16_bf16_f32'):
+    return 'bf16'
+  return 'bf16' if 'tpu' in device_kind.lower() else 'tf32'
+
+
+def peak_flops(device_kind: str, dtype: str, precision: str | None = None) -> float | None:
+  """Dense peak FLOP/s of one chip of `device_kind` for `dtype` matmuls, or None if unknown."""
+  known = known_device(device_kind)
+  if known is None:
+    return None
+  tflops = known[1].get(matmul_arithmetic(device_kind, dtype, precision))
+  return None if tflops is None else tflops * TFLOPS
+
+
+class Reference(NamedTuple):
+  """What model FLOP/s are divided by: the metric `name`, the FLOP/s, and a note (or None)."""
+  name: str      # 'mfu' (hardware peak) | 'mfu_vs_matmul' (measured jnp.dot)
+  flops: float   # FLOP/s of all devices ('mfu') or of the measured matmul ('mfu_vs_matmul')
+  note: str | None
+
+
+def mfu_reference(dtype: str = 'float32') -> Reference:
+  """The MFU denominator for a model computing in `dtype` on this process's devices."""
+  device = jax.devices()[0]
+  kind = device.device_kind
+  precision = jax.config.jax_default_matmul_precision
+  peak = peak_flops(kind, dtype, precision)
+  if peak is not None:
+    return Reference('mfu', peak * jax.device_count(), None)
+  matmul = matmul_peak_flops(dtype=dtype)
+  if device.platform == 'cpu':
+    return Reference('mfu_vs_matmul', matmul, None)
+  why = ('no published peak for this device' if known_device(kind) is None else
+         f'no published peak for {matmul_arithmetic(kind, dtype, precision)} matmuls')
+  return Reference('mfu_vs_matmul', matmul,
+                   f'{kind!r}: {why}; logging mfu_vs_matmul (model FLOP/s over a measured '
+                   f'{dtype} jnp.dot) instead of mfu')
 
 
 def matmul_peak_flops(n: int = 2048, dtype: str = 'float32', repeats: int = 5) -> float:

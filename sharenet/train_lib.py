@@ -341,7 +341,9 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, float]:
   # Saved with every checkpoint: a resume compares against the config that wrote the state.
   record = {**resume.config_dict(config), 'param_shapes': shapes}
 
-  peak = perf.matmul_peak_flops()
+  mfu_ref = perf.mfu_reference(mcfg.dtype)
+  if mfu_ref.note:
+    _note(f'note: {mfu_ref.note}')
   writer = MetricsWriter(workdir)
   stop = {'sigterm': False}
   old_handler = signal.signal(signal.SIGTERM, lambda *_: stop.update(sigterm=True))
@@ -356,37 +358,50 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, float]:
   bar = _progress(t, start)
   last = {}
   tokens_per_step = t.batch_size * t.seq_len
-  window_t0, window_steps = time.perf_counter(), 0
-  step = start
+  window = {'t0': time.perf_counter(), 'steps': 0}
+
+  def settle(step: int, metrics: dict[str, Any]) -> None:
+    """Reads step `step`'s metrics (the host waits for that step here, not at dispatch):
+    raises NonFiniteLoss naming the step; writes the log row at log steps."""
+    loss, gnorm = read_step_metrics(step, metrics, mngr.latest_step())
+    window['steps'] += 1
+    if step % t.log_every == 0 or step == t.steps:
+      tps = window['steps'] * tokens_per_step / (time.perf_counter() - window['t0'])
+      row = dict(loss=loss, lr=float(schedule(step - 1)), grad_norm=gnorm, tokens_per_sec=tps,
+                 **{mfu_ref.name: tps * flops_tok / mfu_ref.flops})
+      writer.write(step, **row)
+      last.clear()
+      last.update(row)
+      if bar is not None:
+        bar.set_postfix(loss=f'{loss:.3f}', tok_s=f'{tps:,.0f}')
+      window.update(t0=time.perf_counter(), steps=0)
+
+  # The host runs one step ahead: it dispatches step n+1, then reads step n's metrics, so the
+  # device always has the next step queued. A step whose state is used (checkpoint, eval, the
+  # last step, SIGTERM) is read before that use: a saved state is known finite.
+  step, pending = start, None   # pending: (step, metrics) dispatched but not read yet
   try:
     while step < t.steps:
-      # Each process holds its rows of the global batch (see sharenet/data/pipeline.py).
-      batch = jax.make_array_from_process_local_data(batch_sharding, next(train_iter),
-                                                     batch_shape)
-      with sharding.activate(mesh, rules):
-        state, metrics = step_fn(state, batch)
+      state, metrics = dispatch(step_fn, state, next(train_iter), batch_sharding, batch_shape,
+                                mesh, rules)
       step += 1
-      loss, gnorm = float(metrics['loss']), float(metrics['grad_norm'])
-      if not (math.isfinite(loss) and math.isfinite(gnorm)):
-        raise NonFiniteLoss(f'non-finite loss ({loss}) or gradient norm ({gnorm}) at step {step}; '
-                            f'stopping without saving it (last checkpoint: '
-                            f'{mngr.latest_step()})')
-      window_steps += 1
-      if step % t.log_every == 0 or step == t.steps:
-        dt = time.perf_counter() - window_t0
-        tps = window_steps * tokens_per_step / dt
-        last = dict(loss=loss, lr=float(schedule(step - 1)), grad_norm=gnorm, tokens_per_sec=tps,
-                    mfu=tps * flops_tok / peak)
-        writer.write(step, **last)
-        if bar is not None:
-          bar.set_postfix(loss=f'{loss:.3f}', tok_s=f'{tps:,.0f}')
-        window_t0, window_steps = time.perf_counter(), 0
+      if pending is not None:
+        settle(*pending)
+      pending = (step, metrics)
+      evaluate = bool(t.eval_every) and step % t.eval_every == 0 and step != t.steps
+      save = step % t.checkpoint_every == 0 or step == t.steps or stop['sigterm']
+      if evaluate or save:
+        settle(*pending)
+        pending = None
       if bar is not None:
         bar.update(1)
-      if t.eval_every and step % t.eval_every == 0 and step != t.steps:
+      if evaluate:
         last.update(run_eval(step))
-        window_t0 = time.perf_counter()
-      if step % t.checkpoint_every == 0 or step == t.steps or stop['sigterm']:
+        window['t0'] = time.perf_counter()
+      if save:
+        if not _params_finite(state.params):
+          raise NonFiniteLoss(f'non-finite parameters after step {step}; stopping without '
+                              f'saving them (last checkpoint: {mngr.latest_step()})')
         checkpoint.save(mngr, step, state, train_iter, record)
       if stop['sigterm']:
         mngr.wait_until_finished()
@@ -402,6 +417,42 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, float]:
     if bar is not None:
       bar.close()
     signal.signal(signal.SIGTERM, old_handler)
+
+
+def dispatch(step_fn: Callable, state: TrainState, host_batch: Any, batch_sharding: Any,
+             batch_shape: tuple[int, ...], mesh: Any, rules: Any
+             ) -> tuple[TrainState, dict[str, Any]]:
+  """Uploads this process's rows of a batch and enqueues one train step; returns device arrays.
+
+  Reads nothing from the device (host-to-device only), so it returns as soon as the step is
+  queued; tests/test_loop_async.py runs the train loop with this function under a
+  device-to-host transfer guard.
+  """
+  # Each process holds its rows of the global batch (see sharenet/data/pipeline.py).
+  batch = jax.make_array_from_process_local_data(batch_sharding, host_batch, batch_shape)
+  with sharding.activate(mesh, rules):
+    return step_fn(state, batch)
+
+
+def read_step_metrics(step: int, metrics: dict[str, Any], last_checkpoint: int | None
+                      ) -> tuple[float, float]:
+  """(loss, grad_norm) of step `step` as floats (a device-to-host read that waits for the step);
+  NonFiniteLoss naming the step if either is not finite."""
+  loss, gnorm = float(metrics['loss']), float(metrics['grad_norm'])
+  if not (math.isfinite(loss) and math.isfinite(gnorm)):
+    raise NonFiniteLoss(f'non-finite loss ({loss}) or gradient norm ({gnorm}) at step {step}; '
+                        f'stopping without saving it (last checkpoint: {last_checkpoint})')
+  return loss, gnorm
+
+
+@jax.jit
+def _all_finite(tree: Any) -> jax.Array:
+  return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
+
+
+def _params_finite(params: Any) -> bool:
+  """Whether every parameter is finite (one scalar read; before a checkpoint is written)."""
+  return bool(_all_finite(params))
 
 
 def _progress(t: Any, start: int):

@@ -1,6 +1,7 @@
 """Dense (with optional depth-wise LoRA), embedding and rotary positions."""
 from __future__ import annotations
 
+import functools
 import math
 from typing import Sequence
 
@@ -32,6 +33,36 @@ def sow_l1(module: nn.Module, name: str, x: jax.Array, mask: jax.Array | None = 
   module.sow(INTERMEDIATES, name, stat)
 
 
+def low_precision(dtype: jnp.dtype) -> bool:
+  """A compute dtype narrower than float32 (bfloat16): the mixed-precision path."""
+  return jnp.finfo(dtype).bits < 32
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def einsum_f32(subscripts: str, a: jax.Array, b: jax.Array) -> jax.Array:
+  """einsum of low-precision operands with a float32 result (float32 accumulation, no rounding
+  of the output to the operands' dtype); the backward casts the float32 cotangent back to the
+  operands' dtype, so both gradient matmuls run on low-precision operands as well.
+
+  For outputs that must stay float32 under model.dtype=bfloat16 (the logits): a plain
+  preferred_element_type=float32 would put float32 x bfloat16 matmuls in the backward pass.
+  """
+  return jnp.einsum(subscripts, a, b, preferred_element_type=jnp.float32)
+
+
+def _einsum_f32_fwd(subscripts, a, b):
+  return einsum_f32(subscripts, a, b), (a, b)
+
+
+def _einsum_f32_bwd(subscripts, res, g):
+  a, b = res
+  _, vjp = jax.vjp(lambda a, b: jnp.einsum(subscripts, a, b), a, b)
+  return vjp(g.astype(jnp.result_type(a, b)))
+
+
+einsum_f32.defvjp(_einsum_f32_fwd, _einsum_f32_bwd)
+
+
 class Dense(nn.Module):
   """y = x W (+ scale * x A B): contracts the last `len(in_axes)` dims of x.
 
@@ -52,6 +83,7 @@ class Dense(nn.Module):
   use_bias: bool = False
   dtype: jnp.dtype = jnp.float32
   param_dtype: jnp.dtype = jnp.float32
+  float32_out: bool = False            # low-precision dtype: float32 result (einsum_f32)
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
@@ -66,7 +98,11 @@ class Dense(nn.Module):
                    use=self.use)
     batch = x.shape[:-n_in]
     x2 = x.reshape(batch + (fan_in,)).astype(self.dtype)
-    y = x2 @ kernel.reshape(fan_in, fan_out).astype(self.dtype)
+    w = kernel.reshape(fan_in, fan_out).astype(self.dtype)
+    if self.float32_out and low_precision(self.dtype):
+      y = einsum_f32('...i,io->...o', x2, w)
+    else:
+      y = x2 @ w
     if self.lora_rank:
       r = self.lora_rank
       zeros = nn.initializers.zeros   # one factor starts at zero, so the delta does
@@ -119,15 +155,26 @@ class Embed(nn.Module):
     return x * math.sqrt(self.features) if self.fixnorm else x
 
   def attend(self, x: jax.Array) -> jax.Array:
-    return x @ self._table().T.astype(self.dtype)
+    """Tied-readout logits x E^T; float32 under a low-precision dtype (einsum_f32)."""
+    table = self._table().astype(self.dtype)
+    if low_precision(self.dtype):
+      return einsum_f32('...d,vd->...v', x.astype(self.dtype), table)
+    return x @ table.T
 
 
 def rope(x_BTHD: jax.Array, positions_T: jax.Array, base: float) -> jax.Array:
-  """Rotary embedding (rotate-half convention) over the last axis."""
+  """Rotary embedding (rotate-half convention) over the last axis.
+
+  Angles, sin and cos are float32; the rotation runs in float32, or in the activations' own
+  dtype when that is narrower (bfloat16: sin and cos are rounded to it, as MaxText does), so no
+  float32 copy of q and k is made.
+  """
   d = x_BTHD.shape[-1]
+  ct = x_BTHD.dtype if low_precision(x_BTHD.dtype) else jnp.float32
   freq = base ** (-jnp.arange(0, d, 2, dtype=jnp.float32) / d)
   angle_TF = positions_T[:, None].astype(jnp.float32) * freq[None, :]
-  sin, cos = jnp.sin(angle_TF)[None, :, None, :], jnp.cos(angle_TF)[None, :, None, :]
-  x1, x2 = jnp.split(x_BTHD.astype(jnp.float32), 2, axis=-1)
+  sin = jnp.sin(angle_TF).astype(ct)[None, :, None, :]
+  cos = jnp.cos(angle_TF).astype(ct)[None, :, None, :]
+  x1, x2 = jnp.split(x_BTHD.astype(ct), 2, axis=-1)
   out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
   return out.astype(x_BTHD.dtype)

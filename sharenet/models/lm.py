@@ -54,12 +54,13 @@ class DecoderLM(nn.Module):
         logits_BTV = logits_BTV + bias_V[None, None].astype(logits_BTV.dtype)
     else:
       logits_BTV = Dense((c.vocab_size,), ('embed',), ('vocab',), role='readout',
-                         use_bias=c.reader_bias, dtype=dt, param_dtype=pdt,
+                         use_bias=c.reader_bias, dtype=dt, param_dtype=pdt, float32_out=True,
                          name='readout')(x_BTD)
     if c.logits_mult != 1.0:   # muP readout multiplier (microsoft/mup MuReadout)
       logits_BTV = logits_BTV * c.logits_mult
     sow_l1(self, 'logits', logits_BTV)
-    # float32 logits for low-precision models; float64 stays float64 (exactness tests).
+    # float32 logits: a low-precision model's readout already returns them unrounded
+    # (layers.einsum_f32); float64 stays float64 (exactness tests).
     logits_BTV = logits_BTV.astype(jnp.promote_types(logits_BTV.dtype, jnp.float32))
     return nn.with_logical_constraint(logits_BTV,
                                       ('activation_batch', 'activation_length', 'activation_vocab'))
