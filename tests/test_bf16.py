@@ -87,8 +87,15 @@ def test_bf16_train_step_jaxpr(tiny_config, remat):
     ins = [v.aval.dtype for v in e.invars]
     out = e.outvars[0].aval
     assert ins == [bf16, bf16], (ins, _where(e))
-    assert out.dtype == bf16 or (out.dtype == f32 and out.shape[-1] == V), (out, _where(e))
-  assert any(e.outvars[0].aval.dtype == f32 for e in dots), 'the readout should give float32'
+    # float32 results: the readout's logits [.., V] and the attention scores (rank 5: B, K and
+    # the free dims T, S and G in dot_general's order).
+    scores = out.ndim == 5 and list(out.shape[2:]).count(T) == 2
+    assert out.dtype == bf16 or (out.dtype == f32 and (out.shape[-1] == V or scores)), (
+        out, _where(e))
+  assert any(e.outvars[0].aval.dtype == f32 and e.outvars[0].aval.shape[-1] == V
+             for e in dots), 'the readout should give float32'
+  assert any(e.outvars[0].aval.dtype == f32 and e.outvars[0].aval.ndim == 5
+             for e in dots), 'the attention scores should be float32 (einsum_f32)'
   avals = [v.aval for e in eqns for v in (*e.invars, *e.outvars) if hasattr(v.aval, 'dtype')]
   assert not [a for a in avals if a.dtype == jnp.float64]
   # Ops with sub-jaxprs (scan, remat, custom_vjp) only pass on what their bodies computed,

@@ -51,14 +51,16 @@ def reference(q_BTHD: jax.Array, k_BTKD: jax.Array, v_BTKD: jax.Array, *, scale,
   """softmax(scale * q k^T, masked) v with float32 logits and softmax; output in q's dtype.
 
   The same arithmetic as the model's XLA path (sharenet/models/attention.py): q * scale in q's
-  dtype, the grouped einsum, logits cast to float32, masked positions set to -1e30, softmax in
-  float32 and cast back to q's dtype before the value einsum.
+  dtype, the grouped einsum with a float32 result (never rounded to q's dtype), masked
+  positions set to -1e30, softmax in float32 and cast back to q's dtype before the value
+  einsum.
   """
   B, T, H, Dh = q_BTHD.shape
   S, K = k_BTKD.shape[1], k_BTKD.shape[2]
   dt = q_BTHD.dtype
   q_BTKGD = q_BTHD.reshape(B, T, K, H // K, Dh)
-  logits_BKGTS = jnp.einsum('btkgd,bskd->bkgts', q_BTKGD * scale, k_BTKD).astype(jnp.float32)
+  from sharenet.models.layers import einsum_f32   # here: models imports this module
+  logits_BKGTS = einsum_f32('btkgd,bskd->bkgts', q_BTKGD * scale, k_BTKD)
   if causal:
     causal_TS = jnp.tril(jnp.ones((T, S), dtype=bool))
     logits_BKGTS = jnp.where(causal_TS[None, None, None], logits_BKGTS, MASK_VALUE)

@@ -16,7 +16,7 @@ from sharenet import kernels
 from sharenet.kernels import attention as attention_kernel
 from sharenet.models.config import ModelConfig
 from sharenet.models import unit_scale
-from sharenet.models.layers import Dense, rope, sow_l1
+from sharenet.models.layers import Dense, einsum_f32, rope, sow_l1
 from sharenet.norms import Norm
 from sharenet.params import param
 
@@ -77,7 +77,8 @@ class CausalAttention(nn.Module):
       # kernels.attention.reference is this arithmetic; kept inline for the 'attn_logits' sow
       # (coordinate checks) and the checkpoint names the remat policies select (models/stack.py).
       q_BTKGD = q_BTHD.reshape(B, T, K, H // K, Dh)
-      logits_BKGTS = jnp.einsum('btkgd,bskd->bkgts', q_BTKGD * scale, k_BTKD)
+      # float32 logits from (bf16) operands: the softmax never sees logits rounded to bf16.
+      logits_BKGTS = einsum_f32('btkgd,bskd->bkgts', q_BTKGD * scale, k_BTKD)
       causal_TS = jnp.tril(jnp.ones((T, T), dtype=bool))
       sow_l1(self, 'attn_logits', logits_BKGTS, causal_TS)
       logits_BKGTS = jnp.where(causal_TS[None, None, None], logits_BKGTS.astype(jnp.float32),
