@@ -34,6 +34,8 @@ from sharenet.kernels.note_fallback):
     D is the whole row, block_rows is a multiple of 8, the statistics are (N, 1) columns and
     the partial gains (blocks, 1, D); a block keeps at most TPU_BLOCK_BYTES of float32 (VMEM).
   * CPU: interpret mode only (sharenet.kernels.interpret), ~500x slower than jnp: tests.
+The tests (tests/test_kernels_norms.py) run interpret mode only; the rules above are Triton's
+and Mosaic's block rules, not yet checked by a compile on either accelerator.
 """
 from __future__ import annotations
 
@@ -207,16 +209,21 @@ def _bwd_kernel(*refs, kind, has_bias):
       ds = ds - jnp.mean(dxh, axis=-1, keepdims=True)
   ds = rstd * ds + dso_ref[...].astype(ct)
   dx_ref[...] = ds.astype(dx_ref.dtype)
-  dg_ref[...] = jnp.sum(dy * xh, axis=0, keepdims=True).reshape(dg_ref.shape)
+  dg_ref[...] = jnp.sum(dy * xh, axis=0, keepdims=True)
   if has_bias:
-    db_ref[...] = jnp.sum(dy, axis=0, keepdims=True).reshape(db_ref.shape)
+    db_ref[...] = jnp.sum(dy, axis=0, keepdims=True)
 
 
 def _compiler_params():
+  """Triton: 4 warps (a block holds <= GPU_BLOCK_ELEMENTS). Mosaic: row blocks are independent
+  (each backward block writes its own partial gain row), so the grid may split across cores."""
+  if K.interpret():
+    return None
   if K.backend() == 'gpu':
-    from jax.experimental.pallas import triton as plgpu
-    return plgpu.CompilerParams(num_warps=4)
-  return None
+    from jax.experimental.pallas import triton as pltriton
+    return pltriton.CompilerParams(num_warps=4)
+  from jax.experimental.pallas import tpu as pltpu
+  return pltpu.CompilerParams(dimension_semantics=('parallel',))
 
 
 def _rows(a, n_pad):
@@ -238,7 +245,9 @@ def _vec_spec(d):
 
 
 def _partial_spec(d):
-  return pl.BlockSpec((1, 1, d), lambda i: (i, 0, 0))
+  """Block i's partial gain row of a (blocks, 1, D) array; the leading dim is squeezed, so the
+  kernel sees (1, D), whose dims equal the array's last two (Mosaic's rule)."""
+  return pl.BlockSpec((None, 1, d), lambda i: (i, 0, 0))
 
 
 def _forward(x, residual, gain, bias, kind, eps, block_rows):
@@ -342,23 +351,27 @@ def add_norm(x, residual, gain, bias, *, kind: str, eps: float, block_rows: int 
   if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
     raise ValueError(f'add_norm: residual {residual.shape} {residual.dtype} must match x '
                      f'{x.shape} {x.dtype}')
-  if block_rows is not None and not _pow2(block_rows):
-    raise ValueError(f'add_norm: block_rows={block_rows} must be a power of two')
+  if block_rows is not None and (not _pow2(block_rows) or
+                                 (K.backend() == 'tpu' and block_rows % 8)):
+    raise ValueError(f'add_norm: block_rows={block_rows} must be a power of two (a multiple of '
+                     f'8 on TPU)')
   d = x.shape[-1]
   if gain is None:
     gain = jnp.ones((d,), _compute_dtype(x.dtype))
   return _add_norm(x, residual, gain, bias, kind, float(eps), block_rows, residual is not None)
 
 
-def add_norm_auto(x, residual, gain, bias, *, kind: str, eps: float, kernels: str):
-  """`add_norm` where `use_pallas(kernels)` and the shape fits, else `reference_add_norm`
-  (with a one-line note when the kernel was asked for but cannot take the shape)."""
+def add_norm_auto(x, residual, gain, bias, *, kind: str, eps: float, kernels: str,
+                  block_rows: int | None = None):
+  """`add_norm` where `use_pallas(kernels)` (model.kernels) and the shape fits, else
+  `reference_add_norm` (with a one-line note when the kernel was asked for but cannot take
+  the shape)."""
   _check_kind(kind)
   if K.use_pallas(kernels):
     reason = unsupported(x.shape)
     if reason is None and residual is not None and residual.dtype != x.dtype:
       reason = f'a residual of dtype {residual.dtype} beside x of {x.dtype}'
     if reason is None:
-      return add_norm(x, residual, gain, bias, kind=kind, eps=eps)
+      return add_norm(x, residual, gain, bias, kind=kind, eps=eps, block_rows=block_rows)
     K.note_fallback(f'add_norm ({kind})', reason)
   return reference_add_norm(x, residual, gain, bias, kind=kind, eps=eps)
