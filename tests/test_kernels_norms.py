@@ -269,3 +269,14 @@ def test_pre_norm_block_fuses_the_attention_residual(monkeypatch):
   assert PER_LAYER in xla_shapes
   # nn.scan traces the block body once per scan level; the final norm once.
   assert calls.count(True) >= 1 and calls.count(True) == calls.count(False) - 1
+
+
+@pytest.mark.parametrize('placement, umup', [('peri', ()), ('pre', (0.5, 0.5))])
+def test_model_pallas_other_placements(placement, umup):
+  """Peri-norm (norms on branch outputs too) and u-muP's residual rule (pre-norm, no fused add)
+  run every norm through the unfused kernel; the same loss and gradients as xla."""
+  cfg = _model_cfg('layernorm', 'cycle', norm_placement=placement, umup_residual=umup)
+  v = init_variables(DecoderLM(cfg), jax.random.key(1))
+  tokens = jax.random.randint(jax.random.key(0), (2, 8), 0, 64)
+  _assert_same(*_loss_and_grad(v, dataclasses.replace(cfg, kernels='pallas'), tokens),
+               *_loss_and_grad(v, cfg, tokens))
