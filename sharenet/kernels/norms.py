@@ -109,13 +109,14 @@ def _pow2(n: int) -> bool:
 
 
 def block_rows_for(n_rows: int, d: int, platform: str | None = None) -> int:
-  """Rows per block: as many as the platform's block budget allows, at most MAX_BLOCK_ROWS,
-  a power of two >= 8 on GPU / TPU (8 is also Mosaic's sublane tile), and not past N rounded up.
+  """Rows per block: as many as the platform's block budget allows, at most MAX_BLOCK_ROWS and
+  max(8, N), rounded down to a power of two (Triton); >= 8 except on GPU (Mosaic's sublane
+  tile). Interpret mode on CPU takes the TPU budget: few grid steps, which is what costs there.
   """
   platform = platform or K.backend()
   if platform == 'gpu':
     rows = max(1, GPU_BLOCK_ELEMENTS // d)
-  else:   # TPU budget; interpret mode on CPU uses it too (fewer grid steps: faster there)
+  else:
     rows = max(8, TPU_BLOCK_BYTES // (4 * d))
   rows = min(rows, MAX_BLOCK_ROWS, max(8, n_rows))
   return 1 << (rows.bit_length() - 1)    # round down to a power of two
