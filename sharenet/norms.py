@@ -9,6 +9,11 @@ Formulas (papers in docs/references.md):
   dyt        gamma * tanh(alpha * x) + beta, one scalar alpha (init 0.5)   (Zhu et al.)
   l2         x / max(||x||_2, eps) with no gain (QK-norm of Henry et al.: the gain is a
              scalar in the attention logits instead)
+
+`Norm(..., kernels=...)` follows model.kernels (sharenet/kernels/__init__.py): on the Pallas
+path layernorm, rmsnorm and crmsnorm run sharenet/kernels/norms.py's fused kernel, which also
+takes the residual add before the norm (`Norm(...)(x, residual)` -> (x + residual, y)); the
+other kinds, and the default kernels='xla', run the jnp code below.
 """
 from __future__ import annotations
 
@@ -18,6 +23,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from sharenet import kernels as kernel_lib
+from sharenet.kernels import norms as norm_kernels
 from sharenet.params import PER_LAYER, param  # PER_LAYER re-exported for the model modules
 
 KINDS = ('layernorm', 'rmsnorm', 'crmsnorm', 'scalenorm', 'dyt', 'l2', 'none')
@@ -27,6 +34,11 @@ class Norm(nn.Module):
   """One activation norm over the last axis; `kind` is one of KINDS.
 
   `role` (norm_in | norm_out) and `branch` are recorded on its parameters (sharenet/params.py).
+  `kernels` is model.kernels: where it selects Pallas, the kinds in norm_kernels.KINDS use the
+  fused kernel, with the same parameters (names, collection, roles).
+
+  Called as norm(x) -> y, or norm(x, residual) -> (s, y) with s = x + residual and y = norm(s),
+  fused into one pass on the kernel path.
   """
   kind: str = 'rmsnorm'
   eps: float = 1e-6
@@ -36,9 +48,28 @@ class Norm(nn.Module):
   dyt_alpha: float = 0.5
   role: str = 'norm_in'
   branch: str | None = None
+  kernels: str = 'xla'
 
   @nn.compact
-  def __call__(self, x: jax.Array) -> jax.Array:
+  def __call__(self, x: jax.Array, residual: jax.Array | None = None):
+    if self.kind in norm_kernels.KINDS and kernel_lib.use_pallas(self.kernels):
+      d = x.shape[-1]
+      vec = lambda name, use: param(
+          self, name, (d,), (self.axis_name,), self.role,
+          init=nn.initializers.ones if use == 'gain' else nn.initializers.zeros,
+          collection=self.collection, dtype=self.param_dtype, branch=self.branch, use=use)
+      gain = vec('scale', 'gain')
+      bias = vec('bias', 'shift') if self.kind == 'layernorm' else None
+      s, y = norm_kernels.add_norm_auto(x, residual, gain, bias,
+                                        kind=self.kind, eps=self.eps, kernels=self.kernels)
+      return y if residual is None else (s, y)
+    if residual is not None:
+      s = x + residual
+      return s, self._norm(s)
+    return self._norm(x)
+
+  def _norm(self, x: jax.Array) -> jax.Array:
+    """The jnp norm (called from __call__, so its parameters are created in its scope)."""
     if self.kind == 'none':
       return x
     if self.kind not in KINDS:

@@ -7,6 +7,10 @@ applied branches (arXiv:2407.17465 Appendix G, unit_scaling.core.functional
 unit scale. The carry is then (x, applied layer index): shared sets applied several times get
 one tau per application, i.e. the rule counts applied layers as u-muP's TransformerStack counts
 its slots.
+
+Every norm follows model.kernels. Where that selects the Pallas kernels, the pre-norm block
+fuses the attention branch's residual add with the MLP norm (x, h = mlp_norm(x, attn_out):
+sharenet/kernels/norms.py), one pass over the stream instead of two.
 """
 from __future__ import annotations
 
@@ -19,6 +23,8 @@ from sharenet.models.config import ModelConfig
 from sharenet.models.layers import sow_l1
 from sharenet.models.mlp import BRANCH as MLP, Mlp
 from sharenet.models import unit_scale
+from sharenet import kernels as kernel_lib
+from sharenet.kernels import norms as norm_kernels
 from sharenet.norms import PER_LAYER, Norm
 
 ACT_AXES = ('activation_batch', 'activation_length', 'activation_embed')
@@ -38,7 +44,7 @@ class Block(nn.Module):
     def norm(name, branch, role='norm_in'):
       return Norm(c.norm, c.norm_eps, PER_LAYER if c.untie_norms else 'params',
                   param_dtype=jnp.dtype(c.param_dtype), dyt_alpha=c.dyt_alpha, role=role,
-                  branch=branch, name=name)
+                  branch=branch, kernels=c.kernels, name=name)
 
     a, m = ATTN, MLP
 
@@ -58,7 +64,12 @@ class Block(nn.Module):
       sow_l1(self, 'residual', x_BTD)
       return (nn.with_logical_constraint(x_BTD, ACT_AXES), layer + 1), None
     x_BTD = carry
-    if c.norm_placement == 'pre':      # x + f(N(x))
+    fuse = c.norm in norm_kernels.KINDS and kernel_lib.use_pallas(c.kernels)
+    if c.norm_placement == 'pre' and fuse:   # the same, the first add fused with the MLP norm
+      attn_BTD = attn(norm('attn_norm', a)(x_BTD), positions_T)
+      x_BTD, h_BTD = norm('mlp_norm', m)(x_BTD, attn_BTD)
+      x_BTD = x_BTD + mlp(h_BTD)
+    elif c.norm_placement == 'pre':    # x + f(N(x))
       x_BTD = x_BTD + attn(norm('attn_norm', a)(x_BTD), positions_T)
       x_BTD = x_BTD + mlp(norm('mlp_norm', m)(x_BTD))
     elif c.norm_placement == 'post':   # N(x + f(x))

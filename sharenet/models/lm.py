@@ -44,7 +44,7 @@ class DecoderLM(nn.Module):
       x_BTD = Stack(c, name='stack')(x_BTD, jnp.arange(T))
     if c.norm_placement != 'post':
       x_BTD = Norm(c.norm, c.norm_eps, param_dtype=pdt, dyt_alpha=c.dyt_alpha, role='norm_out',
-                   name='final_norm')(x_BTD)
+                   kernels=c.kernels, name='final_norm')(x_BTD)
       sow_l1(self, 'final_norm_out', x_BTD)
     if c.tie_embeddings:
       logits_BTV = embed.attend(x_BTD)
