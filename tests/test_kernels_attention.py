@@ -231,10 +231,17 @@ def test_model_pallas_does_not_sow_attn_logits():
 
 # ---- training: 5 steps of the tiny config -------------------------------------------------
 
+# model.kernels=pallas runs the attention and the fused residual-add + norm kernels: each norm
+# kind the kernel family takes, under an untied and a tied (cycle) plan, and GQA.
 TRAIN_CASES = {
-    'untied': {'model.sharing.scheme': 'untied'},
-    'cycle_gqa': {'model.sharing.scheme': 'cycle', 'model.num_layers': 2,
-                  'model.sharing.repeats': 2, 'model.num_kv_heads': 1},
+    'untied_rmsnorm': {'model.sharing.scheme': 'untied'},
+    'untied_layernorm': {'model.sharing.scheme': 'untied', 'model.norm.kind': 'layernorm'},
+    'untied_crmsnorm_gqa': {'model.sharing.scheme': 'untied', 'model.norm.kind': 'crmsnorm',
+                            'model.num_kv_heads': 1},
+    'cycle_gqa_layernorm_untied_norms': {
+        'model.sharing.scheme': 'cycle', 'model.num_layers': 2, 'model.sharing.repeats': 2,
+        'model.num_kv_heads': 1, 'model.norm.kind': 'layernorm',
+        'model.sharing.untie_norms': True},
 }
 
 
