@@ -116,6 +116,26 @@ def mfu_reference(dtype: str = 'float32') -> Reference:
                    f'{dtype} jnp.dot) instead of mfu')
 
 
+# device_kind substring (lower case) -> HBM bandwidth in bytes/s per chip, for memory-bound
+# kernels (benchmarks/accelerator.py reports the fused norms as a fraction of it). First match
+# wins. NVIDIA H200 datasheet (4.8 TB/s), H100 SXM5 whitepaper table (3.35 TB/s), A100
+# datasheet (40 GB: 1,555 GB/s; 80 GB SXM4: 2,039 GB/s; 80 GB PCIe: 1,935 GB/s); Cloud TPU
+# system architecture pages (v4 1,200 GB/s, v5e 819 GB/s, v5p 2,765 GB/s, v6e 1,640 GB/s).
+HBM_BYTES_PER_S: tuple[tuple[str, float], ...] = (
+    ('h200', 4.8e12), ('h100 80gb hbm3', 3.35e12), ('h100 sxm', 3.35e12),
+    ('a100-sxm4-80gb', 2.039e12), ('a100 80gb pcie', 1.935e12), ('a100', 1.555e12),
+    ('tpu v4', 1.2e12), ('tpu v5 lite', 0.819e12), ('tpu v5e', 0.819e12),
+    ('tpu v5p', 2.765e12), ('tpu v5', 2.765e12), ('tpu v6 lite', 1.64e12),
+    ('tpu v6e', 1.64e12),
+)
+
+
+def hbm_bandwidth(device_kind: str) -> float | None:
+  """Peak HBM bytes/s of one chip of `device_kind`, or None where none is published (CPU)."""
+  kind = device_kind.lower()
+  return next((bw for match, bw in HBM_BYTES_PER_S if match in kind), None)
+
+
 def matmul_peak_flops(n: int = 2048, dtype: str = 'float32', repeats: int = 5) -> float:
   """Best-of-`repeats` FLOP/s of an (n, n) @ (n, n) jitted matmul on the default device."""
   a = jax.random.normal(jax.random.key(0), (n, n), dtype)
