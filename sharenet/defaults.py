@@ -108,6 +108,8 @@ def default_config() -> ml_collections.ConfigDict:
   d.path = ''                 # glob of text files, or a uint16 .bin token file
   d.seed = -1                 # shuffle seed; -1 -> train.seed
   d.num_workers = 0
+  d.tokenizer = 'bytes'       # bytes | sentencepiece:PATH | hf:PATH (sharenet/data/tokenizer.py);
+                              # the tokenizer of prepared shards (python -m sharenet.data.prepare)
 
   c.transforms = tr = ml_collections.ConfigDict()   # sharenet/transforms
   tr.reparam = ''             # comma list, applied in order: zero_mean_writers, weight_std,

@@ -1,0 +1,291 @@
+"""Tokenizes a text corpus into ArrayRecord shards, one record per document.
+
+  python -m sharenet.data.prepare --input 'GLOB' --tokenizer SPEC --out DIR \
+      [--shards N] [--val_shards M] [--val_fraction F] [--workers W]
+  python -m sharenet.data.prepare --input stdlib --tokenizer SPEC --out DIR
+
+Documents: one file matched by `--input` (a recursive glob; files only, sorted) is one
+document, decoded as UTF-8 (an invalid byte becomes U+FFFD, counted in the summary).
+`--input stdlib` is the embedded corpus (sharenet/data/corpus.py): the stdlib `.py` files.
+
+Splits: a document is validation iff `int(sha1(SPLIT_SALT + relpath)[:16], 16) / 2**64 <
+val_fraction`, relpath relative to the matched files' common directory ('/'-separated), so a
+file keeps its split when others are added. For stdlib the split is `corpus.is_val_file`
+(the split the byte-level runs use) and --val_fraction does not apply.
+
+Shards: within a split, documents in sorted relpath order go round-robin to
+`min(N, documents)` shards (M for validation; no shard is empty, an empty split has none):
+document k -> shard k mod n, in order. Tokenization runs in `--workers` spawned processes
+(order preserved), so the output does not depend on W.
+
+On-disk format ("sharenet-arrayrecord-v1", read by sharenet/data/pipeline.py):
+  DIR/{split}-{i:05d}-of-{n:05d}.array_record   ArrayRecord files (options `group_size:1`, so
+      each record is read on its own), one record per document:
+      np.asarray(ids + [eod_id], '<u4').tobytes()
+  DIR/meta.json  {"format": "sharenet-arrayrecord-v1", "tokenizer": SPEC as given,
+      "vocab_size": int, "eod_id": int, "dtype": "uint32",
+      "splits": {"train" | "validation": {"shards": [file names relative to DIR],
+                 "documents": int, "tokens": int (EOD included), "bytes": int (UTF-8 bytes of
+                 the documents' text)}}}
+  DIR/progress.json  the arguments and the finished shards with their counts.
+
+Restartable: a shard is written to a `.tmp` name, renamed when complete, then listed in
+progress.json; a re-run with the same arguments skips listed shards and writes the rest, and
+the result is byte-identical to an uninterrupted run. A re-run with other arguments (input
+files and sizes, tokenizer and its file's contents, shard counts, val_fraction) into the same
+DIR is a one-line error; --workers may change.
+"""
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import multiprocessing
+import os
+import sys
+from typing import Any, Callable
+
+import numpy as np
+
+from sharenet.data import corpus
+from sharenet.data import tokenizer as tokenizer_lib
+from sharenet.errors import ConfigError
+
+FORMAT = 'sharenet-arrayrecord-v1'
+SPLITS = ('train', 'validation')
+SPLIT_SALT = 'sharenet-prepare-v1:'
+WRITER_OPTIONS = 'group_size:1'
+_BATCH_DOCS = 16   # documents per worker task
+
+
+def shard_name(split: str, i: int, n: int) -> str:
+  return f'{split}-{i:05d}-of-{n:05d}.array_record'
+
+
+def is_val_path(relpath: str, val_fraction: float) -> bool:
+  """The glob-input split rule: a salted sha1 of the relative path, as a fraction of 2**64."""
+  digest = hashlib.sha1((SPLIT_SALT + relpath.replace(os.sep, '/')).encode()).hexdigest()
+  return int(digest[:16], 16) / 2**64 < val_fraction
+
+
+def list_documents(input_glob: str, val_fraction: float) -> tuple[str, dict[str, list[str]]]:
+  """(root, {'train': relpaths, 'validation': relpaths}), each sorted."""
+  if input_glob == 'stdlib':
+    root, relpaths = corpus.stdlib_files()
+    is_val = corpus.is_val_file
+  else:
+    files = sorted(os.path.abspath(f) for f in glob.glob(os.path.expanduser(input_glob),
+                                                         recursive=True) if os.path.isfile(f))
+    if not files:
+      raise ConfigError(f'--input={input_glob!r} matches no files; give a glob of text files '
+                        f'(quoted) or stdlib')
+    root = os.path.commonpath(files) if len(files) > 1 else os.path.dirname(files[0])
+    relpaths = [os.path.relpath(f, root) for f in files]
+    is_val = lambda rel: is_val_path(rel, val_fraction)  # noqa: E731
+  docs = {'train': [], 'validation': []}
+  for rel in relpaths:
+    docs['validation' if is_val(rel) else 'train'].append(rel)
+  if not docs['train']:
+    raise ConfigError(f'--input={input_glob!r}: all {len(relpaths)} documents went to validation '
+                      f'(--val_fraction={val_fraction}); the train split needs one')
+  return root, docs
+
+
+def _file_digest(path: str) -> str:
+  h = hashlib.sha256()
+  with open(path, 'rb') as f:
+    for chunk in iter(lambda: f.read(1 << 20), b''):
+      h.update(chunk)
+  return h.hexdigest()
+
+
+def _fingerprint(input_glob: str, spec: str, root: str, docs: dict[str, list[str]],
+                 shards: int, val_shards: int, val_fraction: float) -> dict[str, Any]:
+  """Everything the output depends on (not --workers); a re-run must match it."""
+  listing = hashlib.sha256()
+  for split in SPLITS:
+    for rel in docs[split]:
+      size = os.path.getsize(os.path.join(root, rel))
+      listing.update(f'{split}\0{rel}\0{size}\n'.encode())
+  _, _, tok_path = spec.partition(':')
+  return {'input': input_glob, 'tokenizer': spec,
+          'tokenizer_file_sha256': _file_digest(os.path.expanduser(tok_path)) if tok_path else '',
+          'documents_sha256': listing.hexdigest(), 'shards': shards, 'val_shards': val_shards,
+          'val_fraction': val_fraction if input_glob != 'stdlib' else None}
+
+
+# Worker side: each process loads the tokenizer once (spawned, so nothing forked from a parent
+# that may hold JAX or tokenizers threads).
+_WORKER_TOKENIZER: tokenizer_lib.Tokenizer | None = None
+
+
+def _init_worker(spec: str) -> None:
+  global _WORKER_TOKENIZER
+  _WORKER_TOKENIZER = tokenizer_lib.load(spec)
+
+
+def _read_text(path: str) -> tuple[str, bool]:
+  try:
+    with open(path, 'rb') as f:
+      raw = f.read()
+  except OSError as e:
+    raise ConfigError(f'cannot read document {path}: {e.strerror or e}') from None
+  text = raw.decode('utf-8', errors='replace')
+  return text, len(text.encode('utf-8')) != len(raw)
+
+
+def _encode_files(paths: list[str]) -> list[tuple[bytes, int, int, bool]]:
+  """(record bytes, tokens incl. EOD, UTF-8 bytes, had invalid UTF-8) per path."""
+  tok = _WORKER_TOKENIZER
+  texts, invalid = zip(*(_read_text(p) for p in paths))
+  out = []
+  for text, ids, bad in zip(texts, tok.encode_batch(texts), invalid):
+    record = np.append(ids.astype('<u4'), np.asarray([tok.eod_id], '<u4'))
+    out.append((record.tobytes(), len(record), len(text.encode('utf-8')), bad))
+  return out
+
+
+def _write_json(path: str, obj: Any) -> None:
+  tmp = path + '.tmp'
+  with open(tmp, 'w') as f:
+    f.write(json.dumps(obj, indent=2, sort_keys=True) + '\n')
+  os.replace(tmp, path)
+
+
+def _load_progress(out: str, fingerprint: dict[str, Any]) -> dict[str, Any]:
+  path = os.path.join(out, 'progress.json')
+  if not os.path.exists(path):
+    if os.path.isdir(out) and os.listdir(out):
+      raise ConfigError(f'--out={out} is a non-empty directory without progress.json; give a new '
+                        f'or empty directory')
+    return {'args': fingerprint, 'done': {}}
+  with open(path) as f:
+    progress = json.load(f)
+  if progress.get('args') != fingerprint:
+    old = progress.get('args', {})
+    diff = sorted(k for k in set(old) | set(fingerprint) if old.get(k) != fingerprint.get(k))
+    raise ConfigError(f'--out={out} was prepared with other arguments (differ: {", ".join(diff)});'
+                      f' re-run with the same ones to finish it, or use a new --out')
+  return progress
+
+
+def prepare(input_glob: str, spec: str, out: str, shards: int = 8, val_shards: int = 1,
+            val_fraction: float = 0.01, workers: int = 1, progress_bar: bool = False,
+            on_shard_done: Callable[[str], None] | None = None) -> dict[str, Any]:
+  """Writes the shards and meta.json of `input_glob` into `out`; returns the meta dict.
+
+  `on_shard_done(name)` runs after each shard this call writes (tests use it to interrupt).
+  Returns meta plus, under key 'written' (not in meta.json), the shards this call wrote.
+  """
+  if shards < 1 or val_shards < 1:
+    raise ConfigError(f'--shards={shards} and --val_shards={val_shards} must be >= 1')
+  if not 0 <= val_fraction < 1:
+    raise ConfigError(f'--val_fraction={val_fraction} must be in [0, 1)')
+  if workers < 1:
+    raise ConfigError(f'--workers={workers} must be >= 1')
+  tok = tokenizer_lib.load(spec, '--tokenizer')
+  root, docs = list_documents(input_glob, val_fraction)
+  fingerprint = _fingerprint(input_glob, spec, root, docs, shards, val_shards, val_fraction)
+  progress = _load_progress(out, fingerprint)
+  os.makedirs(out, exist_ok=True)
+
+  plan = []   # (split, name, document paths) of every shard, in order
+  for split, requested in zip(SPLITS, (shards, val_shards)):
+    n = min(requested, len(docs[split]))
+    for i in range(n):
+      plan.append((split, shard_name(split, i, n),
+                   [os.path.join(root, rel) for rel in docs[split][i::n]]))
+  todo = [(s, name, paths) for s, name, paths in plan
+          if name not in progress['done'] or not os.path.exists(os.path.join(out, name))]
+
+  written, invalid_utf8 = [], 0
+  if todo:
+    from tqdm import tqdm
+    bar = tqdm(total=sum(len(p) for _, _, p in todo), unit='doc', disable=not progress_bar,
+               desc=f'prepare {os.path.basename(os.path.normpath(out))}', file=sys.stderr)
+    pool = (multiprocessing.get_context('spawn').Pool(workers, _init_worker, (spec,))
+            if workers > 1 else None)
+    if pool is None:
+      _init_worker(spec)
+    try:
+      for split, name, paths in todo:
+        invalid_utf8 += _write_shard(out, name, paths, pool, bar, progress, split)
+        written.append(name)
+        if on_shard_done is not None:
+          on_shard_done(name)
+    finally:
+      bar.close()
+      if pool is not None:
+        pool.terminate()
+        pool.join()
+
+  meta = {'format': FORMAT, 'tokenizer': spec, 'vocab_size': tok.vocab_size,
+          'eod_id': tok.eod_id, 'dtype': 'uint32', 'splits': {}}
+  for split in SPLITS:
+    names = [name for s, name, _ in plan if s == split]
+    counts = [progress['done'][name] for name in names]
+    meta['splits'][split] = {'shards': names,
+                             **{k: sum(c[k] for c in counts)
+                                for k in ('documents', 'tokens', 'bytes')}}
+  _write_json(os.path.join(out, 'meta.json'), meta)
+  if invalid_utf8:
+    print(f'note: {invalid_utf8} documents had invalid UTF-8 bytes (read as U+FFFD)',
+          file=sys.stderr)
+  return {**meta, 'written': written}
+
+
+def _write_shard(out: str, name: str, paths: list[str], pool: Any, bar: Any,
+                 progress: dict[str, Any], split: str) -> int:
+  """Writes one shard (temp name, then rename) and records it in progress.json."""
+  from array_record.python.array_record_module import ArrayRecordWriter
+  batches = [paths[i:i + _BATCH_DOCS] for i in range(0, len(paths), _BATCH_DOCS)]
+  results = pool.imap(_encode_files, batches) if pool is not None else map(_encode_files, batches)
+  tmp = os.path.join(out, name + '.tmp')
+  writer = ArrayRecordWriter(tmp, WRITER_OPTIONS)
+  counts = {'documents': 0, 'tokens': 0, 'bytes': 0}
+  invalid = 0
+  try:
+    for batch in results:
+      for record, n_tokens, n_bytes, bad in batch:
+        writer.write(record)
+        counts['documents'] += 1
+        counts['tokens'] += n_tokens
+        counts['bytes'] += n_bytes
+        invalid += bad
+      bar.update(len(batch))
+  finally:
+    writer.close()
+  os.replace(tmp, os.path.join(out, name))
+  progress['done'][name] = {'split': split, **counts}
+  _write_json(os.path.join(out, 'progress.json'), progress)
+  return invalid
+
+
+def main(argv: list[str]) -> None:
+  del argv
+  if _INPUT.value == 'stdlib' and flags.FLAGS['val_fraction'].present:
+    raise ConfigError('--val_fraction does not apply to --input stdlib (its split is '
+                      'corpus.is_val_file)')
+  meta = prepare(_INPUT.value, _TOKENIZER.value, _OUT.value, _SHARDS.value, _VAL_SHARDS.value,
+                 _VAL_FRACTION.value, _WORKERS.value, progress_bar=True)
+  for split, s in meta['splits'].items():
+    print(f'{split}: {s["documents"]} documents, {s["tokens"]} tokens, {s["bytes"]} bytes, '
+          f'{len(s["shards"])} shards')
+  print(f'wrote {len(meta["written"])} shards; {os.path.join(_OUT.value, "meta.json")}')
+
+
+if __name__ == '__main__':
+  from absl import flags
+
+  from sharenet import config_lib
+  _INPUT = flags.DEFINE_string('input', None, "Quoted glob of text files (one file = one "
+                               "document), or 'stdlib' for the embedded corpus.", required=True)
+  _TOKENIZER = flags.DEFINE_string('tokenizer', 'bytes', 'bytes | sentencepiece:PATH | hf:PATH.')
+  _OUT = flags.DEFINE_string('out', None, 'Output directory.', required=True)
+  _SHARDS = flags.DEFINE_integer('shards', 8, 'Train shards (fewer if fewer documents).')
+  _VAL_SHARDS = flags.DEFINE_integer('val_shards', 1, 'Validation shards.')
+  _VAL_FRACTION = flags.DEFINE_float('val_fraction', 0.01, 'Expected fraction of documents in '
+                                     'validation (by a hash of the path); not for stdlib.')
+  _WORKERS = flags.DEFINE_integer('workers', os.cpu_count() or 1,
+                                  'Tokenizer processes; 1 tokenizes in this process.')
+  config_lib.run(main)
