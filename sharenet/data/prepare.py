@@ -229,7 +229,7 @@ def prepare(input_glob: str, spec: str, out: str, shards: int = 8, val_shards: i
                                 for k in ('documents', 'tokens', 'bytes')}}
   _write_json(os.path.join(out, 'meta.json'), meta)
   if invalid_utf8:
-    print(f'note: {invalid_utf8} documents had invalid UTF-8 bytes (read as U+FFFD)',
+    print(f'note: {invalid_utf8} document(s) had invalid UTF-8 bytes (read as U+FFFD)',
           file=sys.stderr)
   return {**meta, 'written': written}
 

@@ -1,0 +1,203 @@
+"""python -m sharenet.data.prepare: the on-disk format (meta.json and one ArrayRecord record per
+document), counts checked against the source files, determinism, restarts, one-line errors."""
+import glob
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from array_record.python.array_record_module import ArrayRecordReader
+
+from sharenet.data import corpus
+from sharenet.data import prepare
+from sharenet.data import train_tokenizer
+from sharenet.errors import ConfigError
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+INVALID_UTF8 = b'caf\xe9 latin-1\n'   # 0xE9 alone is not UTF-8 -> U+FFFD (3 bytes)
+
+
+@pytest.fixture
+def docs_dir(tmp_path):
+  """12 small text files in nested folders (non-ASCII, an empty one, one invalid UTF-8)."""
+  root = tmp_path / 'docs'
+  contents = {f'a/doc{i:02d}.txt': (f'document {i}: ' + 'héllo ✓ ' * i + '\n').encode()
+              for i in range(9)}
+  contents['b/c/deep.txt'] = 'deep 日本語\n\tend'.encode()
+  contents['b/empty.txt'] = b''
+  contents['b/latin1.txt'] = INVALID_UTF8
+  for rel, data in contents.items():
+    (root / rel).parent.mkdir(parents=True, exist_ok=True)
+    (root / rel).write_bytes(data)
+  return root, contents
+
+
+def _records(path):
+  reader = ArrayRecordReader(str(path))
+  out = [np.frombuffer(r, '<u4') for r in reader.read_all()]
+  reader.close()
+  return out
+
+
+def _files(directory):
+  return {os.path.relpath(p, directory): open(p, 'rb').read()
+          for p in glob.glob(os.path.join(directory, '*'))}
+
+
+def _utf8_size(data):
+  return len(data.decode('utf-8', errors='replace').encode())
+
+
+def test_meta_counts_and_every_document_once(docs_dir, tmp_path):
+  root, contents = docs_dir
+  out = tmp_path / 'out'
+  meta = prepare.prepare(f'{root}/**/*.txt', 'bytes', str(out), shards=3, val_shards=2,
+                         val_fraction=0.3)
+  on_disk = json.loads((out / 'meta.json').read_text())
+  assert on_disk == {k: v for k, v in meta.items() if k != 'written'}
+  assert set(on_disk) == {'format', 'tokenizer', 'vocab_size', 'eod_id', 'dtype', 'splits'}
+  assert (on_disk['format'], on_disk['tokenizer'], on_disk['vocab_size'], on_disk['eod_id'],
+          on_disk['dtype']) == ('sharenet-arrayrecord-v1', 'bytes', 257, 256, 'uint32')
+  seen = {}
+  for split, info in on_disk['splits'].items():
+    assert set(info) == {'shards', 'documents', 'tokens', 'bytes'}
+    n = len(info['shards'])
+    assert info['shards'] == [f'{split}-{i:05d}-of-{n:05d}.array_record' for i in range(n)]
+    records = [r for name in info['shards'] for r in _records(out / name)]
+    assert all(len(_records(out / name)) for name in info['shards'])  # no shard is empty
+    assert info['documents'] == len(records)
+    assert info['tokens'] == sum(len(r) for r in records)
+    for r in records:
+      assert r[-1] == 256 and 256 not in r[:-1].tolist()
+      text = r[:-1].astype(np.uint8).tobytes()
+      seen.setdefault(text, []).append(split)
+    want = [rel for rel in contents if prepare.is_val_path(rel, 0.3) == (split == 'validation')]
+    assert info['documents'] == len(want) > 0
+    assert info['bytes'] == sum(_utf8_size(contents[rel]) for rel in want)
+  # Byte ids are the documents' UTF-8: each file's text appears in exactly one record.
+  expected = [d.decode('utf-8', errors='replace').encode() for d in contents.values()]
+  assert sorted(seen) == sorted(expected)
+  assert all(len(v) == 1 for v in seen.values())
+  total_bytes = sum(s['bytes'] for s in on_disk['splits'].values())
+  assert total_bytes == sum(len(d) for d in contents.values()) + 2   # U+FFFD is 3 bytes, not 1
+
+
+def test_shards_are_round_robin_in_path_order(docs_dir, tmp_path):
+  root, contents = docs_dir
+  prepare.prepare(f'{root}/**/*.txt', 'bytes', str(tmp_path / 'out'), shards=4, val_fraction=0)
+  meta = json.loads((tmp_path / 'out' / 'meta.json').read_text())
+  assert meta['splits']['validation'] == {'shards': [], 'documents': 0, 'tokens': 0, 'bytes': 0}
+  order = sorted(contents)
+  for i, name in enumerate(meta['splits']['train']['shards']):
+    got = [r[:-1].astype(np.uint8).tobytes() for r in _records(tmp_path / 'out' / name)]
+    assert got == [contents[rel].decode('utf-8', 'replace').encode() for rel in order[i::4]]
+
+
+def test_hf_tokenized_records_decode_to_the_documents(docs_dir, tmp_path):
+  root, contents = docs_dir
+  spec = train_tokenizer.train_to_dir([d.decode('utf-8', 'replace') for d in contents.values()],
+                                      300, str(tmp_path / 'tok'))
+  from sharenet.data import tokenizer as tokenizer_lib
+  tok = tokenizer_lib.load(spec)
+  meta = prepare.prepare(f'{root}/**/*.txt', spec, str(tmp_path / 'out'), shards=2,
+                         val_fraction=0.3)
+  assert (meta['tokenizer'], meta['vocab_size'], meta['eod_id']) == (spec, 300, tok.eod_id)
+  texts = []
+  for info in meta['splits'].values():
+    for name in info['shards']:
+      for r in _records(tmp_path / 'out' / name):
+        assert r[-1] == tok.eod_id
+        texts.append(tok.decode(r[:-1]))
+  assert sorted(texts) == sorted(d.decode('utf-8', 'replace') for d in contents.values())
+
+
+def test_reruns_are_byte_identical_and_skip_finished_shards(docs_dir, tmp_path):
+  root, _ = docs_dir
+  args = dict(input_glob=f'{root}/**/*.txt', spec='bytes', shards=3, val_fraction=0.3)
+  full = prepare.prepare(out=str(tmp_path / 'full'), **args)
+  assert len(full['written']) == 4
+  again = prepare.prepare(out=str(tmp_path / 'full'), **args)
+  assert again['written'] == []
+
+  class Interrupt(Exception):
+    pass
+
+  def stop(name):
+    raise Interrupt(name)
+
+  part = tmp_path / 'part'
+  with pytest.raises(Interrupt):
+    prepare.prepare(out=str(part), on_shard_done=stop, **args)
+  first = full['splits']['train']['shards'][0]
+  assert json.loads((part / 'progress.json').read_text())['done'].keys() == {first}
+  assert not (part / 'meta.json').exists()
+  # A half-written shard of a killed run is redone, not trusted.
+  (part / (full['splits']['train']['shards'][1] + '.tmp')).write_bytes(b'partial')
+  stat = os.stat(part / first)
+  resumed = prepare.prepare(out=str(part), **args)
+  assert resumed['written'] == full['written'][1:]
+  assert (os.stat(part / first).st_mtime_ns, os.stat(part / first).st_ino) == (
+      stat.st_mtime_ns, stat.st_ino)
+  assert _files(part) == _files(tmp_path / 'full')   # no .tmp left; progress.json equal too
+
+
+def test_other_arguments_into_the_same_dir_is_one_line(docs_dir, tmp_path):
+  root, _ = docs_dir
+  prepare.prepare(f'{root}/**/*.txt', 'bytes', str(tmp_path / 'out'), shards=2)
+  with pytest.raises(ConfigError, match=r'prepared with other arguments \(differ: shards\)'):
+    prepare.prepare(f'{root}/**/*.txt', 'bytes', str(tmp_path / 'out'), shards=3)
+  (root / 'a' / 'doc00.txt').write_text('changed length')
+  with pytest.raises(ConfigError, match=r'differ: documents_sha256'):
+    prepare.prepare(f'{root}/**/*.txt', 'bytes', str(tmp_path / 'out'), shards=2)
+  (tmp_path / 'other').mkdir()
+  (tmp_path / 'other' / 'x').write_text('')
+  with pytest.raises(ConfigError, match='non-empty directory without progress.json'):
+    prepare.prepare(f'{root}/**/*.txt', 'bytes', str(tmp_path / 'other'))
+
+
+@pytest.mark.parametrize('kwargs,match', [
+    (dict(input_glob='{root}/*.nothing'), 'matches no files'),
+    (dict(shards=0), '--shards=0'),
+    (dict(val_fraction=1.0), r'--val_fraction=1.0 must be in \[0, 1\)'),
+    (dict(val_fraction=-0.1), r'--val_fraction=-0.1 must be in \[0, 1\)'),
+    (dict(val_fraction=0.999999), 'the train split needs one'),
+    (dict(spec='hf:/nonexistent.json'), "--tokenizer='hf:/nonexistent.json': no such file"),
+])
+def test_bad_input_is_a_one_line_config_error(docs_dir, tmp_path, kwargs, match):
+  root, _ = docs_dir
+  args = dict(input_glob=f'{root}/**/*.txt', spec='bytes', out=str(tmp_path / 'out'))
+  args.update({k: v.format(root=root) if isinstance(v, str) else v for k, v in kwargs.items()})
+  with pytest.raises(ConfigError, match=match) as e:
+    prepare.prepare(**args)
+  assert '\n' not in str(e.value)
+
+
+def test_an_unreadable_document_is_one_line(tmp_path):
+  with pytest.raises(ConfigError, match=f'cannot read document {tmp_path}/gone.txt: No such file'):
+    prepare._read_text(str(tmp_path / 'gone.txt'))
+
+
+def test_stdlib_input_uses_the_corpus_split():
+  root, docs = prepare.list_documents('stdlib', 0.5)
+  assert root == corpus.stdlib_files()[0]
+  assert docs['validation'] == [r for r in corpus.stdlib_files()[1] if corpus.is_val_file(r)]
+  assert docs['train'] == [r for r in corpus.stdlib_files()[1] if not corpus.is_val_file(r)]
+
+
+def test_cli_with_worker_processes_matches_in_process_output(docs_dir, tmp_path):
+  root, _ = docs_dir
+  prepare.prepare(f'{root}/**/*.txt', 'bytes', str(tmp_path / 'inproc'), shards=2,
+                  val_fraction=0.3, workers=1)
+  cmd = [sys.executable, '-m', 'sharenet.data.prepare', f'--input={root}/**/*.txt',
+         '--tokenizer=bytes', f'--out={tmp_path / "cli"}', '--shards=2', '--val_fraction=0.3',
+         '--workers=2']
+  proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+  assert proc.returncode == 0, proc.stderr
+  assert 'wrote 3 shards' in proc.stdout
+  assert _files(tmp_path / 'cli') == _files(tmp_path / 'inproc')
+  bad = subprocess.run(cmd[:4] + [f'--out={tmp_path / "x"}', '--shards=0'], cwd=ROOT,
+                       capture_output=True, text=True)
+  assert bad.returncode == 2
+  assert bad.stderr.strip().splitlines() == ['error: --shards=0 and --val_shards=1 must be >= 1']
