@@ -201,3 +201,14 @@ def test_cli_with_worker_processes_matches_in_process_output(docs_dir, tmp_path)
                        capture_output=True, text=True)
   assert bad.returncode == 2
   assert bad.stderr.strip().splitlines() == ['error: --shards=0 and --val_shards=1 must be >= 1']
+
+
+def test_cli_an_unquoted_glob_is_one_line(docs_dir, tmp_path):
+  root, contents = docs_dir
+  files = sorted(str(root / rel) for rel in contents if rel.startswith('a/'))
+  proc = subprocess.run([sys.executable, '-m', 'sharenet.data.prepare', '--input', *files,
+                         f'--out={tmp_path / "out"}'], cwd=ROOT, capture_output=True, text=True)
+  assert proc.returncode == 2
+  assert len(proc.stderr.strip().splitlines()) == 1
+  assert 'unexpected arguments' in proc.stderr and 'quote the --input glob' in proc.stderr
+  assert not (tmp_path / 'out').exists()

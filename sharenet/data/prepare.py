@@ -34,6 +34,10 @@ progress.json; a re-run with the same arguments skips listed shards and writes t
 the result is byte-identical to an uninterrupted run. A re-run with other arguments (input
 files and sizes, tokenizer and its file's contents, shard counts, val_fraction) into the same
 DIR is a one-line error; --workers may change.
+
+Cost on the shared 2-core development CPU, `--input stdlib --shards 4` (1790 files, 31.5 MB):
+bytes tokenizer 6 s with 2 workers (14 MB of shards, zstd); the 4096-id BPE of train_tokenizer
+34 s with 1 worker and 18 s with 2 (9.4 M tokens, 3.36 bytes per token; 8.5 MB), identical files.
 """
 from __future__ import annotations
 
@@ -262,7 +266,9 @@ def _write_shard(out: str, name: str, paths: list[str], pool: Any, bar: Any,
 
 
 def main(argv: list[str]) -> None:
-  del argv
+  if len(argv) > 1:
+    raise ConfigError(f'unexpected arguments {" ".join(argv[1:3])}...; quote the --input glob '
+                      f"so the shell does not expand it: --input 'DIR/**/*.txt'")
   if _INPUT.value == 'stdlib' and flags.FLAGS['val_fraction'].present:
     raise ConfigError('--val_fraction does not apply to --input stdlib (its split is '
                       'corpus.is_val_file)')
