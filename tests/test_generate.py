@@ -172,6 +172,51 @@ def test_buckets_and_left_padding():
   assert gen.decode(gen.encode('né') + [0xff]) == 'né\\xff'
 
 
+# ----------------------------------------------------------------------------- 2-device mesh
+
+MESH_PLAN = {'model.num_layers': 4, 'model.sharing.scheme': 'cycle',
+             'model.sharing.num_unique': 2}
+MESHES = {'tensor=2': (1, 1, 2), 'fsdp=2': (1, 2, 1), 'data=2': (2, 1, 1)}
+
+
+def _mesh_tokens(tiny_config, mesh_sizes=None):
+  """Greedy and sampled tokens of a cycle model, its params sharded over `mesh_sizes`
+  ((data, fsdp, tensor)) under the logical rules, or on one device (None)."""
+  import contextlib
+  from sharenet import sharding
+  from sharenet.models.lm import logical_axes
+  model, variables = _experiment(tiny_config, MESH_PLAN)
+  ctx = contextlib.nullcontext()
+  if mesh_sizes is not None:
+    c = tiny_config(**MESH_PLAN)
+    c.mesh.data, c.mesh.fsdp, c.mesh.tensor = mesh_sizes
+    mesh, rules = sharding.make_mesh(c.mesh), sharding.rules_of(c.mesh)
+    specs = sharding.param_specs(logical_axes(model), variables, mesh, rules)
+    variables = jax.tree.map(lambda x, s: jax.device_put(x, jax.NamedSharding(mesh, s)),
+                             variables, specs)
+    split = [x for x in jax.tree.leaves(variables) if x.sharding.shard_shape(x.shape) != x.shape]
+    assert bool(split) == (mesh_sizes != (2, 1, 1))   # data=2: replicated params
+    ctx = sharding.activate(mesh, rules)
+  with ctx:
+    greedy = gen.generate(model, variables, PROMPTS, 8, temperature=0.0).tokens
+    sampled = gen.generate(model, variables, PROMPTS, 8, temperature=1.0, top_k=40,
+                           rng=jax.random.key(3)).tokens
+  return {'greedy': greedy, 'sampled': sampled}
+
+
+def test_two_devices_give_the_tokens_of_one(tiny_config, repo_root, subprocess_env, tmp_path):
+  out = tmp_path / 'tokens.json'
+  env = dict(subprocess_env)
+  env['XLA_FLAGS'] = env.get('XLA_FLAGS', '') + ' --xla_force_host_platform_device_count=2'
+  res = subprocess.run([sys.executable, __file__, str(out)], env=env, capture_output=True,
+                       text=True, timeout=600)
+  assert res.returncode == 0, res.stderr[-3000:]
+  got = json.loads(out.read_text())
+  want = _mesh_tokens(tiny_config)
+  for name in MESHES:
+    assert got[name] == want, name
+
+
 # ----------------------------------------------------------------------------- command line
 
 
@@ -235,3 +280,13 @@ def test_cli_bad_input_is_one_line_exit_2(case, workdir, repo_root, subprocess_e
   assert res.returncode == 2, res.stderr[-2000:]
   lines = res.stderr.strip().splitlines()
   assert len(lines) == 1 and lines[0].startswith('error:') and match in lines[0], lines
+
+
+if __name__ == '__main__':   # the 2-device subprocess of test_two_devices_give_the_tokens_of_one
+  sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+  import conftest
+  assert jax.device_count() == 2, jax.devices()
+  result = {name: _mesh_tokens(conftest.make_tiny_config, sizes)
+            for name, sizes in MESHES.items()}
+  with open(sys.argv[1], 'w') as f:
+    json.dump(result, f)
