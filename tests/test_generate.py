@@ -38,7 +38,10 @@ PLANS = {
                          'model.max_len': 64},
     'layernorm_l2qk_mup': {'model.norm.kind': 'layernorm', 'model.norm.qk_norm': 'l2',
                            'parametrization.kind': 'mup', 'model.num_kv_heads': 1},
+    'umup_cycle': {'model.num_layers': 4, 'model.sharing.scheme': 'cycle',
+                   'model.sharing.num_unique': 2, 'parametrization.kind': 'umup'},
 }
+SEQ_LEN = 32   # configs/tiny.py train.seq_len
 
 
 def _experiment(tiny_config, overrides, seed=0):
@@ -60,8 +63,10 @@ def _experiment(tiny_config, overrides, seed=0):
 
 def _greedy_by_recomputation(model, variables, prompt, n):
   """argmax of a full (uncached) forward on the growing sequence, n times. The sequence is
-  right-padded to one length (causal: the padding does not change earlier logits)."""
-  width = len(prompt) + n
+  right-padded to the training length (causal: the padding does not change earlier logits;
+  u-muP's attention output scale is the training length's, as in the cached pass)."""
+  width = SEQ_LEN
+  assert len(prompt) + n <= width
   forward = jax.jit(lambda v, t: model.apply(v, t))
   seq = list(prompt)
   for _ in range(n):
@@ -114,6 +119,15 @@ def test_end_token_stops_a_sequence(tiny_config):
   eos = greedy[3]
   out = gen.generate(model, variables, PROMPTS[:1], 8, temperature=0.0, eos_id=eos).tokens[0]
   assert out == greedy[:greedy.index(eos)]
+
+
+def test_one_program_per_prompt_bucket(tiny_config):
+  model, variables = _experiment(tiny_config, {})
+  first = gen.generate(model, variables, [[1] * 5, [2] * 2], 4, temperature=0.0)
+  same_bucket = gen.generate(model, variables, [[3] * 7, [4] * 8], 4, temperature=0.0)
+  other_bucket = gen.generate(model, variables, [[3] * 9, [4] * 2], 4, temperature=0.0)
+  assert first.compile_seconds > 0 and other_bucket.compile_seconds > 0
+  assert same_bucket.compile_seconds == 0
 
 
 # A hand-made distribution, deliberately not sorted by token id.
