@@ -38,6 +38,7 @@ PLANS = {
                          'model.max_len': 64},
     'layernorm_l2qk_mup': {'model.norm.kind': 'layernorm', 'model.norm.qk_norm': 'l2',
                            'parametrization.kind': 'mup', 'model.num_kv_heads': 1},
+    'fused_norm_kernels': {'model.kernels': 'pallas'},   # Pallas residual-add + norm (interpret)
     'umup_cycle': {'model.num_layers': 4, 'model.sharing.scheme': 'cycle',
                    'model.sharing.num_unique': 2, 'parametrization.kind': 'umup'},
 }
