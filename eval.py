@@ -39,7 +39,7 @@ def _prompts() -> list[str]:
   if _PROMPT_FILE.value is not None:
     try:
       with open(_PROMPT_FILE.value, encoding='utf-8') as f:
-        prompts = [line.rstrip('\n') for line in f]
+        prompts = [line.rstrip('\r\n') for line in f]
     except OSError as e:
       raise ConfigError(f'--prompt_file {_PROMPT_FILE.value}: {e.strerror}') from None
     if not prompts:
