@@ -96,6 +96,32 @@ def evaluate_workdir(workdir: str, step: int | None = None,
   return out
 
 
+class ForGeneration(NamedTuple):
+  """A restored workdir ready for sharenet.generate: the model, the variables it applies
+  (effective params: transforms and parametrization multipliers resolved once), the config."""
+  model: DecoderLM
+  variables: Any
+  config: ml_collections.ConfigDict
+  step: int
+
+
+def load_for_generation(workdir: str, step: int | None = None,
+                        overrides: dict[str, Any] | None = None) -> ForGeneration:
+  """Restores the latest (or `step`) checkpoint for generation (eval.py --prompt).
+
+  Generation decodes bytes, so a model trained on a token corpus (data.source=bin, whose
+  tokenizer the workdir does not record) is a ConfigError.
+  """
+  config = load_config(workdir)
+  config.update_from_flattened_dict(overrides or {})
+  if data.vocab_size(config.data) is None:
+    raise ConfigError(f'--workdir {workdir} was trained on token ids (data.source=bin) whose '
+                      f'tokenizer is not recorded; generation supports byte-level models')
+  state, step, (model, _, pz, tr) = restore_state(config, workdir, step)
+  variables = jax.jit(train_lib.effective_params, static_argnums=(1, 2))(state, tr, pz)
+  return ForGeneration(model, variables, config, int(step))
+
+
 CONVERSIONS = ('rmsnorm', 'crmsnorm', 'recursive')
 
 

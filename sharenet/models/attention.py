@@ -6,6 +6,7 @@ The softmax(q k^T) v core runs on the back-end `model.attention` / `model.kernel
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import flax.linen as nn
 import jax
@@ -23,12 +24,42 @@ from sharenet.params import param
 BRANCH = 'attn'
 
 
+class DecodeStep(NamedTuple):
+  """What every applied layer of one cached forward pass shares (broadcast across the scans).
+
+  The new tokens are written to cache slots [index, index + T). Positions are per sequence, so
+  left-padded prompts of different lengths decode together: `positions_BT` are the new tokens'
+  absolute positions (padding: 0; only its keys are masked), `key_positions_BS` the position of
+  every cache slot after the write (-1: empty or padding). A query attends to the keys whose
+  position is in [0, its own position].
+  """
+  index: jax.Array              # () int32: first cache slot written
+  positions_BT: jax.Array       # (B, T) int32
+  key_positions_BS: jax.Array   # (B, S) int32
+
+
+class LayerCache(NamedTuple):
+  """One applied layer's keys and values (after QK-norm and RoPE), S cache slots."""
+  k_BSKD: jax.Array
+  v_BSKD: jax.Array
+
+
+def _rope_per_sequence(x_BTHD: jax.Array, positions_BT: jax.Array, base: float) -> jax.Array:
+  return jax.vmap(lambda x, p: rope(x[None], p, base)[0])(x_BTHD, positions_BT)
+
+
 class CausalAttention(nn.Module):
   """Attention with shape-suffixed names: B batch, T/S query/key time, K kv heads, G group."""
   cfg: ModelConfig
 
   @nn.compact
-  def __call__(self, x_BTD: jax.Array, positions_T: jax.Array) -> jax.Array:
+  def __call__(self, x_BTD: jax.Array, positions_T: jax.Array | None,
+               cache: LayerCache | None = None, step: DecodeStep | None = None):
+    """-> out (B, T, D); with a `cache` (and its `step`): (out, updated cache).
+
+    The cached path (generation, sharenet/generate.py) ignores `positions_T`, writes this
+    call's keys and values into `cache` at `step.index` and attends over the whole cache.
+    """
     c = self.cfg
     H, K, Dh = c.num_heads, c.kv_heads, c.head_dim
     dt, pdt = jnp.dtype(c.dtype), jnp.dtype(c.param_dtype)
@@ -52,7 +83,10 @@ class CausalAttention(nn.Module):
                     name='q_norm')(q_BTHD)
       k_BTKD = Norm(kind, c.norm_eps, axis_name='head_dim', param_dtype=pdt, branch=BRANCH,
                     name='k_norm')(k_BTKD)
-    if c.position == 'rope':
+    if c.position == 'rope' and cache is not None:
+      q_BTHD = _rope_per_sequence(q_BTHD, step.positions_BT, c.rope_base)
+      k_BTKD = _rope_per_sequence(k_BTKD, step.positions_BT, c.rope_base)
+    elif c.position == 'rope':
       q_BTHD = rope(q_BTHD, positions_T, c.rope_base)
       k_BTKD = rope(k_BTKD, positions_T, c.rope_base)
     q_BTHD = nn.with_logical_constraint(
@@ -60,7 +94,10 @@ class CausalAttention(nn.Module):
 
     B, T = x_BTD.shape[:2]
     if c.umup_ops:   # u-muP's unit-scaled attention (models/unit_scale.py)
-      s_att = unit_scale.attention_output_scale(T, Dh, (c.attn_scale or Dh ** -0.5) * Dh)
+      # Its output scale is a constant of the forward's length T; a cached forward sees a part
+      # of the sequence, so it takes the training length's (model.norm.qk_norm_len).
+      s_att = unit_scale.attention_output_scale(T if cache is None else c.qk_len, Dh,
+                                                (c.attn_scale or Dh ** -0.5) * Dh)
       q_BTHD, k_BTKD, v_BTKD = (unit_scale.scale_bwd(t, s_att) for t in (q_BTHD, k_BTKD, v_BTKD))
     if c.qk_norm == 'l2':
       # Henry et al. (arXiv:2010.04245), section 3: one learned scalar per attention module
@@ -73,7 +110,24 @@ class CausalAttention(nn.Module):
     else:
       scale = c.attn_scale or Dh ** -0.5
     impl = kernels.attention_backend(c.attention, c.kernels)
-    if impl == 'xla':
+    if cache is not None:
+      # Generation: the XLA arithmetic over the cache, whatever model.attention says (the fused
+      # kernels take a causal T x T mask, not per-sequence key positions).
+      cache = LayerCache(
+          jax.lax.dynamic_update_slice_in_dim(cache.k_BSKD, k_BTKD.astype(cache.k_BSKD.dtype),
+                                              step.index, axis=1),
+          jax.lax.dynamic_update_slice_in_dim(cache.v_BSKD, v_BTKD.astype(cache.v_BSKD.dtype),
+                                              step.index, axis=1))
+      q_BTKGD = q_BTHD.reshape(B, T, K, H // K, Dh)
+      logits_BKGTS = einsum_f32('btkgd,bskd->bkgts', q_BTKGD * scale, cache.k_BSKD)
+      key_pos_B1S = step.key_positions_BS[:, None, :]
+      visible_BTS = (key_pos_B1S >= 0) & (key_pos_B1S <= step.positions_BT[:, :, None])
+      logits_BKGTS = jnp.where(visible_BTS[:, None, None], logits_BKGTS.astype(jnp.float32),
+                               -1e30)
+      probs_BKGTS = jax.nn.softmax(logits_BKGTS, axis=-1).astype(dt)
+      out_BTKGD = jnp.einsum('bkgts,bskd->btkgd', probs_BKGTS, cache.v_BSKD)
+      out_BTHD = out_BTKGD.reshape(B, T, H, Dh)
+    elif impl == 'xla':
       # kernels.attention.reference is this arithmetic; kept inline for the 'attn_logits' sow
       # (coordinate checks) and the checkpoint names the remat policies select (models/stack.py).
       q_BTKGD = q_BTHD.reshape(B, T, K, H // K, Dh)
@@ -101,4 +155,5 @@ class CausalAttention(nn.Module):
                     lora_zero=c.lora_zero, dtype=dt, param_dtype=pdt,
                     name='o')(out_BTHD)
     sow_l1(self, 'attn_out', out_BTD)
-    return checkpoint_name(out_BTD, 'out_proj')
+    out_BTD = checkpoint_name(out_BTD, 'out_proj')
+    return out_BTD if cache is None else (out_BTD, cache)

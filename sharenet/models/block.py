@@ -18,7 +18,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from sharenet.models.attention import BRANCH as ATTN, CausalAttention
+from sharenet.models.attention import BRANCH as ATTN, CausalAttention, DecodeStep, LayerCache
 from sharenet.models.config import ModelConfig
 from sharenet.models.layers import sow_l1
 from sharenet.models.mlp import BRANCH as MLP, Mlp
@@ -33,13 +33,17 @@ ACT_AXES = ('activation_batch', 'activation_length', 'activation_embed')
 class Block(nn.Module):
   """One layer; returns (carry, None) so it can be the body of nn.scan.
 
-  The carry is x (B, T, D), or (x, applied layer index) under u-muP's residual rule.
+  The carry is x (B, T, D), or (x, applied layer index) under u-muP's residual rule. With a
+  `cache` (this applied layer's LayerCache, models/attention.py) and its `step`, it returns
+  (carry, updated cache) instead: nn.scan stacks the caches, one per applied layer.
   """
   cfg: ModelConfig
 
   @nn.compact
-  def __call__(self, carry, positions_T: jax.Array):
+  def __call__(self, carry, positions_T: jax.Array | None, cache: LayerCache | None = None,
+               step: DecodeStep | None = None):
     c = self.cfg
+    updated = []   # the attention's updated cache, when given one
 
     def norm(name, branch, role='norm_in'):
       return Norm(c.norm, c.norm_eps, PER_LAYER if c.untie_norms else 'params',
@@ -48,7 +52,15 @@ class Block(nn.Module):
 
     a, m = ATTN, MLP
 
-    attn, mlp = CausalAttention(c, name='attn'), Mlp(c, name='mlp')
+    attention, mlp = CausalAttention(c, name='attn'), Mlp(c, name='mlp')
+
+    def attn(h_BTD, positions_T):
+      if cache is None:
+        return attention(h_BTD, positions_T)
+      out_BTD, new_cache = attention(h_BTD, positions_T, cache, step)
+      updated.append(new_cache)
+      return out_BTD
+
     if c.umup_residual:                # u-muP: pre or peri (post rejected by the parametrization)
       x_BTD, layer = carry
       if c.norm_placement == 'pre':
@@ -62,7 +74,7 @@ class Block(nn.Module):
         tau = unit_scale.residual_tau(i, c.num_layers, c.umup_residual)
         x_BTD = unit_scale.residual_apply(f, x_BTD, tau).astype(x_BTD.dtype)
       sow_l1(self, 'residual', x_BTD)
-      return (nn.with_logical_constraint(x_BTD, ACT_AXES), layer + 1), None
+      return (nn.with_logical_constraint(x_BTD, ACT_AXES), layer + 1), (updated or [None])[0]
     x_BTD = carry
     fuse = c.norm in norm_kernels.KINDS and kernel_lib.use_pallas(c.kernels)
     if c.norm_placement == 'pre' and fuse:   # the same, the first add fused with the MLP norm
@@ -80,4 +92,4 @@ class Block(nn.Module):
           attn(norm('attn_norm', a)(x_BTD), positions_T))
       x_BTD = x_BTD + norm('mlp_out_norm', m, 'norm_out')(mlp(norm('mlp_norm', m)(x_BTD)))
     sow_l1(self, 'residual', x_BTD)
-    return nn.with_logical_constraint(x_BTD, ACT_AXES), None
+    return nn.with_logical_constraint(x_BTD, ACT_AXES), (updated or [None])[0]

@@ -2,43 +2,80 @@
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from sharenet.models.attention import DecodeStep, LayerCache
 from sharenet.models.block import ACT_AXES
 from sharenet.models.config import ModelConfig
 from sharenet.models.layers import Dense, Embed, sow_l1
-from sharenet.models.stack import Stack
+from sharenet.models.stack import Stack, init_cache as init_layer_caches
 from sharenet import params
 from sharenet.norms import PER_LAYER, Norm
 
 TRAINABLE = ('params', PER_LAYER)
 
 
+class KVCache(NamedTuple):
+  """The generation state of DecoderLM: keys and values of every applied layer (`layers`, one
+  LayerCache per plan segment stacked over its applied layers: models/stack.py), the absolute
+  position held in every slot (-1: empty or padding) and the next slot to write."""
+  layers: tuple[LayerCache, ...]
+  key_positions_BS: jax.Array   # (B, S) int32
+  index: jax.Array              # () int32
+
+
+def init_cache(cfg: ModelConfig, batch_size: int, num_slots: int) -> KVCache:
+  """An empty cache of `num_slots` positions per sequence, in the model's compute dtype."""
+  return KVCache(init_layer_caches(cfg, batch_size, num_slots),
+                 jnp.full((batch_size, num_slots), -1, jnp.int32), jnp.zeros((), jnp.int32))
+
+
 class DecoderLM(nn.Module):
-  """tokens (B, T) int -> logits (B, T, V) float32."""
+  """tokens (B, T) int -> logits (B, T, V) float32.
+
+  With a `cache` (init_cache) the call is one step of cached generation: `tokens_BT` are the
+  next T tokens of each sequence, `positions_BT` their absolute positions (-1 marks padding,
+  e.g. the left-padding of a shorter prompt); it returns (logits, updated cache), and each
+  token attends to itself and the cached tokens of lower position of its own sequence.
+  """
   cfg: ModelConfig
 
   @nn.compact
-  def __call__(self, tokens_BT: jax.Array) -> jax.Array:
+  def __call__(self, tokens_BT: jax.Array, cache: KVCache | None = None,
+               positions_BT: jax.Array | None = None):
     c = self.cfg
     dt, pdt = jnp.dtype(c.dtype), jnp.dtype(c.param_dtype)
     T = tokens_BT.shape[1]
+    step = None
+    if cache is not None:
+      key_pos_BS = jax.lax.dynamic_update_slice_in_dim(cache.key_positions_BS, positions_BT,
+                                                       cache.index, axis=1)
+      step = DecodeStep(cache.index, jnp.maximum(positions_BT, 0), key_pos_BS)
     embed = Embed(c.vocab_size, c.d_model, c.embed_init_std, c.fixnorm, dt, pdt, name='embed')
     x_BTD = embed(tokens_BT)
     if c.position == 'learned':
       pos_TD = params.param(self, 'pos_embed', (c.max_len, c.d_model), ('length', 'embed'),
                             'pos_embed', std=0.02, dtype=pdt, num_in=1, writes=True)
-      x_BTD = x_BTD + pos_TD[None, :T].astype(dt)
+      if step is None:
+        x_BTD = x_BTD + pos_TD[None, :T].astype(dt)
+      else:
+        x_BTD = x_BTD + jnp.take(pos_TD, step.positions_BT, axis=0).astype(dt)
     if c.center_embedding:   # zero-mean writer for tied tables
       x_BTD = x_BTD - jnp.mean(x_BTD, axis=-1, keepdims=True)
     x_BTD = nn.with_logical_constraint(x_BTD, ACT_AXES)
     # A zero-valued hook so tests and coordinate checks can take d(out)/d(embedded input).
     x_BTD = self.perturb('embedded', x_BTD)
     sow_l1(self, 'embed_out', x_BTD)
-    if c.umup_residual:   # u-muP's residual rule carries the applied layer index (block.py)
+    if step is not None:   # cached generation: positions come with the step
+      carry = (x_BTD, jnp.zeros((), jnp.int32)) if c.umup_residual else x_BTD
+      carry, layer_caches = Stack(c, name='stack')(carry, None, cache.layers, step)
+      x_BTD = carry[0] if c.umup_residual else carry
+      cache = KVCache(layer_caches, step.key_positions_BS, cache.index + T)
+    elif c.umup_residual:   # u-muP's residual rule carries the applied layer index (block.py)
       x_BTD, _ = Stack(c, name='stack')((x_BTD, jnp.zeros((), jnp.int32)), jnp.arange(T))
     else:
       x_BTD = Stack(c, name='stack')(x_BTD, jnp.arange(T))
@@ -62,8 +99,9 @@ class DecoderLM(nn.Module):
     # float32 logits: a low-precision model's readout already returns them unrounded
     # (layers.einsum_f32); float64 stays float64 (exactness tests).
     logits_BTV = logits_BTV.astype(jnp.promote_types(logits_BTV.dtype, jnp.float32))
-    return nn.with_logical_constraint(logits_BTV,
-                                      ('activation_batch', 'activation_length', 'activation_vocab'))
+    logits_BTV = nn.with_logical_constraint(
+        logits_BTV, ('activation_batch', 'activation_length', 'activation_vocab'))
+    return logits_BTV if cache is None else (logits_BTV, cache)
 
 
 def init_boxed(model: DecoderLM, rng: jax.Array, batch_size: int = 1, seq_len: int = 8):

@@ -14,6 +14,12 @@ stored tree is identical to the nested one and checkpoints move freely between t
 R*K transient copies of the set weights (and their per-use gradients) and buys one loop instead
 of two; compile time stays flat in R as well (README "Results"; benchmarks/step_bench.py and
 benchmarks/compile_bench.py measure both).
+
+Generation passes a KV cache through the same scans (sharenet/generate.py): one `LayerCache`
+per applied layer, never per stored set (tied layers share weights, not keys and values). Each
+segment's caches are stacked along a leading axis of its applied layers and scanned like
+PER_LAYER: reshaped to the nesting's (outer, inner) lengths for nested scans, flat for the
+gathered lowering. The step information (`DecodeStep`) is broadcast to every level.
 """
 from __future__ import annotations
 
@@ -24,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from sharenet.models.attention import DecodeStep, LayerCache
 from sharenet.models.block import Block
 from sharenet.models.config import ModelConfig
 from sharenet.models.layers import INTERMEDIATES
@@ -56,24 +63,41 @@ def _block_cls(cfg: ModelConfig):
 
 
 def _scan(target, length: int, stacked: bool, axis_name: str, unroll: int,
-          split_transpose: bool = True):
+          split_transpose: bool = True, decode: bool = False):
   """Scan `target` `length` times; stacked -> params per iteration, else params broadcast.
+
+  `decode`: the body takes (carry, positions, cache, step) with the cache scanned over its
+  leading axis (one entry per iteration) and the step broadcast; the updated caches come back
+  stacked as the scan's output.
 
   `split_transpose` (jax's experimental lax.scan option) moves the weight-gradient part of the
   backward scan into a map after the loop, which makes the scanned train step faster on
   XLA:CPU (README "Results", benchmarks/step_bench.py).
   """
+  in_axes = (nn.broadcast,) + ((0, nn.broadcast) if decode else ())
   if stacked:
     return nn.scan(target, variable_axes={'params': 0, PER_LAYER: 0, INTERMEDIATES: 0},
-                   split_rngs={'params': True, PER_LAYER: True}, in_axes=(nn.broadcast,),
+                   split_rngs={'params': True, PER_LAYER: True}, in_axes=in_axes,
                    length=length, unroll=min(unroll, length),
                    metadata_params={nn.PARTITION_NAME: axis_name},
                    _split_transpose=split_transpose)
   return nn.scan(target, variable_axes={PER_LAYER: 0, INTERMEDIATES: 0},
                  variable_broadcast='params',
-                 split_rngs={'params': False, PER_LAYER: True}, in_axes=(nn.broadcast,),
+                 split_rngs={'params': False, PER_LAYER: True}, in_axes=in_axes,
                  length=length, unroll=min(unroll, length),
                  metadata_params={nn.PARTITION_NAME: axis_name})
+
+
+def _decode_args(cache: LayerCache | None, step: DecodeStep | None) -> tuple:
+  """The extra scanned arguments of a cached forward pass (none without a cache)."""
+  return () if cache is None else (cache, step)
+
+
+def _reshape_leading(cache: LayerCache | None, n_lead: int, shape: tuple[int, ...]):
+  """Regroups the first `n_lead` axes of every cache leaf as `shape` (None stays None)."""
+  if cache is None:
+    return None
+  return jax.tree.map(lambda a: a.reshape(shape + a.shape[n_lead:]), cache)
 
 
 def _map_leading(tree, value_fn, names_fn):
@@ -91,24 +115,28 @@ class _Level(nn.Module):
   levels: tuple[tuple[int, bool, str], ...]   # (length, stacked, axis_name), outermost first
 
   @nn.compact
-  def __call__(self, x_BTD: jax.Array, positions_T: jax.Array):
+  def __call__(self, x_BTD: jax.Array, positions_T: jax.Array | None,
+               cache: LayerCache | None = None, step: DecodeStep | None = None):
+    """-> (x, None), or (x, updated cache) for a `cache` with leading axes = level lengths."""
     (length, stacked, axis), rest = self.levels[0], self.levels[1:]
+    lengths = tuple(n for n, _, _ in self.levels)
     if rest and self.cfg.scan_lowering == 'flat':
       # One scan over the applied layers; stored layout unchanged (see module docstring).
-      lengths = tuple(n for n, _, _ in self.levels)
       (pos,) = [i for i, (_, s, _) in enumerate(self.levels) if s]
       pattern = np.unravel_index(np.arange(math.prod(lengths)), lengths)[pos]
-      return GatherSegment(self.cfg, tuple(int(k) for k in pattern),
-                           tuple((n, a) for n, _, a in self.levels), name='level')(
-                               x_BTD, positions_T)
+      flat = _reshape_leading(cache, len(lengths), (math.prod(lengths),))
+      x_BTD, flat = GatherSegment(self.cfg, tuple(int(k) for k in pattern),
+                                  tuple((n, a) for n, _, a in self.levels), name='level')(
+                                      x_BTD, positions_T, *_decode_args(flat, step))
+      return x_BTD, _reshape_leading(flat, 1, lengths)
+    decode = cache is not None
     if rest:
       body = _scan(_Level, length, stacked, axis, self.cfg.scan_unroll,
-                   self.cfg.scan_split_transpose)(self.cfg, rest, name='level')
+                   self.cfg.scan_split_transpose, decode)(self.cfg, rest, name='level')
     else:
       body = _scan(_block_cls(self.cfg), length, stacked, axis, self.cfg.scan_unroll,
-                   self.cfg.scan_split_transpose)(self.cfg, name='block')
-    x_BTD, _ = body(x_BTD, positions_T)
-    return x_BTD, None
+                   self.cfg.scan_split_transpose, decode)(self.cfg, name='block')
+    return body(x_BTD, positions_T, *_decode_args(cache, step))
 
 
 class GatherSegment(nn.Module):
@@ -125,7 +153,9 @@ class GatherSegment(nn.Module):
   per_layer_levels: tuple[tuple[int, str], ...] = ()
 
   @nn.compact
-  def __call__(self, x_BTD: jax.Array, positions_T: jax.Array):
+  def __call__(self, x_BTD: jax.Array, positions_T: jax.Array | None,
+               cache: LayerCache | None = None, step: DecodeStep | None = None):
+    """-> (x, None), or (x, updated cache) for a `cache` with one leading applied-layer axis."""
     L = len(self.pattern)
     levels = self.per_layer_levels or ((L, 'layers'),)
     lengths, axes = tuple(n for n, _ in levels), tuple(a for _, a in levels)
@@ -148,15 +178,14 @@ class GatherSegment(nn.Module):
       return fn
 
     scanned = _scan(_block_cls(self.cfg), L, True, 'layers', self.cfg.scan_unroll,
-                    self.cfg.scan_split_transpose)
+                    self.cfg.scan_split_transpose, cache is not None)
     # init only while initializing: with init=True flax treats *any* mutable collection (e.g.
     # sown 'intermediates') as initialization and runs the scan on the un-gathered pool.
     mapped = nn.map_variables(
         scanned, ['params', PER_LAYER],
         trans_in_fn=remap(self.pattern, len(lengths), (L,), ('layers',)),
         trans_out_fn=remap(first_use, 1, lengths, axes), init=self.is_initializing())
-    x_BTD, _ = mapped(self.cfg, name='block')(x_BTD, positions_T)
-    return x_BTD, None
+    return mapped(self.cfg, name='block')(x_BTD, positions_T, *_decode_args(cache, step))
 
 
 def segment_levels(seg: Segment) -> tuple[tuple[int, bool, str], ...]:
@@ -166,23 +195,57 @@ def segment_levels(seg: Segment) -> tuple[tuple[int, bool, str], ...]:
   return ((seg.num_sets, True, 'layers'), (seg.repeats, False, 'repeats'))
 
 
+def init_cache(cfg: ModelConfig, batch_size: int, num_slots: int,
+               dtype: jnp.dtype | None = None) -> tuple[LayerCache, ...]:
+  """An empty KV cache: per plan segment, a LayerCache stacked over its applied layers
+  (leaves (applied layers, B, S, kv heads, head_dim)), so sum of the leading axes is
+  cfg.num_layers whatever the sharing plan."""
+  dt = jnp.dtype(dtype or cfg.dtype)
+  def one(n):
+    shape = (n, batch_size, num_slots, cfg.kv_heads, cfg.head_dim)
+    return LayerCache(jnp.zeros(shape, dt), jnp.zeros(shape, dt))
+  return tuple(one(seg.num_applied) for seg in cfg.plan.segments)
+
+
 class Stack(nn.Module):
-  """Applies cfg.num_layers layers, storing only the plan's unique sets."""
+  """Applies cfg.num_layers layers, storing only the plan's unique sets.
+
+  With a `cache` (init_cache's structure) and its `step`: returns (x, updated cache).
+  """
   cfg: ModelConfig
 
   @nn.compact
-  def __call__(self, x_BTD: jax.Array, positions_T: jax.Array) -> jax.Array:
+  def __call__(self, x_BTD: jax.Array, positions_T: jax.Array | None,
+               cache: tuple[LayerCache, ...] | None = None, step: DecodeStep | None = None):
+    segments = self.cfg.plan.segments
+    new_cache = []
     if not self.cfg.scan_layers:
       # Python loop baseline (benchmarks): one module per unique set, reused where tied.
       blocks = [_block_cls(self.cfg)(self.cfg, name=f'set_{u}')
                 for u in range(self.cfg.plan.num_unique)]
-      for u in self.cfg.plan.index:
-        x_BTD, _ = blocks[u](x_BTD, positions_T)
-      return x_BTD
-    for i, seg in enumerate(self.cfg.plan.segments):
+      layer = 0
+      for i, seg in enumerate(segments):
+        layer_caches = []
+        for j in range(seg.num_applied):
+          u = self.cfg.plan.index[layer]
+          layer += 1
+          one = None if cache is None else jax.tree.map(lambda a: a[j], cache[i])
+          x_BTD, one = blocks[u](x_BTD, positions_T, *_decode_args(one, step))
+          layer_caches.append(one)
+        if cache is not None:
+          new_cache.append(jax.tree.map(lambda *a: jnp.stack(a), *layer_caches))
+      return x_BTD if cache is None else (x_BTD, tuple(new_cache))
+    for i, seg in enumerate(segments):
       cfg = self.cfg.segment_cfg(seg)   # no LoRA on unshared segments under lora_layers=shared
       if seg.order == 'gather':
-        x_BTD, _ = GatherSegment(cfg, seg.pattern, name=f'segment_{i}')(x_BTD, positions_T)
+        x_BTD, seg_cache = GatherSegment(cfg, seg.pattern, name=f'segment_{i}')(
+            x_BTD, positions_T, *_decode_args(None if cache is None else cache[i], step))
       else:
-        x_BTD, _ = _Level(cfg, segment_levels(seg), name=f'segment_{i}')(x_BTD, positions_T)
-    return x_BTD
+        levels = segment_levels(seg)
+        lengths = tuple(n for n, _, _ in levels)
+        nested = None if cache is None else _reshape_leading(cache[i], 1, lengths)
+        x_BTD, seg_cache = _Level(cfg, levels, name=f'segment_{i}')(
+            x_BTD, positions_T, *_decode_args(nested, step))
+        seg_cache = _reshape_leading(seg_cache, len(lengths), (seg.num_applied,))
+      new_cache.append(seg_cache)
+    return x_BTD if cache is None else (x_BTD, tuple(new_cache))
