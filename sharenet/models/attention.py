@@ -28,7 +28,9 @@ class CausalAttention(nn.Module):
   cfg: ModelConfig
 
   @nn.compact
-  def __call__(self, x_BTD: jax.Array, positions_T: jax.Array) -> jax.Array:
+  def __call__(self, x_BTD: jax.Array, positions_T: jax.Array,
+               segment_ids_BT: jax.Array | None = None) -> jax.Array:
+    """`segment_ids_BT` (optional): query t attends key s only if s <= t and their ids are equal."""
     c = self.cfg
     H, K, Dh = c.num_heads, c.kv_heads, c.head_dim
     dt, pdt = jnp.dtype(c.dtype), jnp.dtype(c.param_dtype)
@@ -80,9 +82,11 @@ class CausalAttention(nn.Module):
       # float32 logits from (bf16) operands: the softmax never sees logits rounded to bf16.
       logits_BKGTS = einsum_f32('btkgd,bskd->bkgts', q_BTKGD * scale, k_BTKD)
       causal_TS = jnp.tril(jnp.ones((T, T), dtype=bool))
-      sow_l1(self, 'attn_logits', logits_BKGTS, causal_TS)
-      logits_BKGTS = jnp.where(causal_TS[None, None, None], logits_BKGTS.astype(jnp.float32),
-                               -1e30)
+      mask_BKGTS = causal_TS[None, None, None]
+      if segment_ids_BT is not None:   # packed documents: no attention across them
+        mask_BKGTS = mask_BKGTS & attention_kernel.same_segment(segment_ids_BT)[:, None, None]
+      sow_l1(self, 'attn_logits', logits_BKGTS, mask_BKGTS)
+      logits_BKGTS = jnp.where(mask_BKGTS, logits_BKGTS.astype(jnp.float32), -1e30)
       logits_BKGTS = checkpoint_name(logits_BKGTS, 'attn_logits')
       probs_BKGTS = checkpoint_name(jax.nn.softmax(logits_BKGTS, axis=-1).astype(dt),
                                     'attn_probs')
@@ -92,7 +96,8 @@ class CausalAttention(nn.Module):
       # A fused kernel (FlashAttention, Dao et al., arXiv:2205.14135) never materializes the
       # (T, T) logits: no 'attn_logits' sow (coordinate checks need model.attention=xla) and no
       # 'attn_logits' / 'attn_probs' checkpoint names (except_attn then saves everything else).
-      out_BTHD = attention_kernel.attention(q_BTHD, k_BTKD, v_BTKD, scale=scale, impl=impl)
+      out_BTHD = attention_kernel.attention(q_BTHD, k_BTKD, v_BTKD, scale=scale, impl=impl,
+                                            segment_ids_BT=segment_ids_BT)
     if c.umup_ops:
       out_BTHD = unit_scale.scale_fwd(out_BTHD, s_att)
     rank = c.lora_rank if 'o' in c.lora_targets else 0

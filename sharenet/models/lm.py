@@ -18,11 +18,15 @@ TRAINABLE = ('params', PER_LAYER)
 
 
 class DecoderLM(nn.Module):
-  """tokens (B, T) int -> logits (B, T, V) float32."""
+  """tokens (B, T) int -> logits (B, T, V) float32.
+
+  `segment_ids_BT` (optional, int): attention stays within equal ids (packed documents,
+  sharenet/data/arrayrecord.py). Positions stay 0..T-1 across the window either way.
+  """
   cfg: ModelConfig
 
   @nn.compact
-  def __call__(self, tokens_BT: jax.Array) -> jax.Array:
+  def __call__(self, tokens_BT: jax.Array, segment_ids_BT: jax.Array | None = None) -> jax.Array:
     c = self.cfg
     dt, pdt = jnp.dtype(c.dtype), jnp.dtype(c.param_dtype)
     T = tokens_BT.shape[1]
@@ -39,9 +43,10 @@ class DecoderLM(nn.Module):
     x_BTD = self.perturb('embedded', x_BTD)
     sow_l1(self, 'embed_out', x_BTD)
     if c.umup_residual:   # u-muP's residual rule carries the applied layer index (block.py)
-      x_BTD, _ = Stack(c, name='stack')((x_BTD, jnp.zeros((), jnp.int32)), jnp.arange(T))
+      x_BTD, _ = Stack(c, name='stack')((x_BTD, jnp.zeros((), jnp.int32)), jnp.arange(T),
+                                    segment_ids_BT)
     else:
-      x_BTD = Stack(c, name='stack')(x_BTD, jnp.arange(T))
+      x_BTD = Stack(c, name='stack')(x_BTD, jnp.arange(T), segment_ids_BT)
     if c.norm_placement != 'post':
       x_BTD = Norm(c.norm, c.norm_eps, param_dtype=pdt, dyt_alpha=c.dyt_alpha, role='norm_out',
                    kernels=c.kernels, name='final_norm')(x_BTD)

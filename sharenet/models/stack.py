@@ -65,13 +65,15 @@ def _scan(target, length: int, stacked: bool, axis_name: str, unroll: int,
   """
   if stacked:
     return nn.scan(target, variable_axes={'params': 0, PER_LAYER: 0, INTERMEDIATES: 0},
-                   split_rngs={'params': True, PER_LAYER: True}, in_axes=(nn.broadcast,),
+                   split_rngs={'params': True, PER_LAYER: True},
+                   in_axes=(nn.broadcast, nn.broadcast),
                    length=length, unroll=min(unroll, length),
                    metadata_params={nn.PARTITION_NAME: axis_name},
                    _split_transpose=split_transpose)
   return nn.scan(target, variable_axes={PER_LAYER: 0, INTERMEDIATES: 0},
                  variable_broadcast='params',
-                 split_rngs={'params': False, PER_LAYER: True}, in_axes=(nn.broadcast,),
+                 split_rngs={'params': False, PER_LAYER: True},
+                 in_axes=(nn.broadcast, nn.broadcast),
                  length=length, unroll=min(unroll, length),
                  metadata_params={nn.PARTITION_NAME: axis_name})
 
@@ -91,7 +93,7 @@ class _Level(nn.Module):
   levels: tuple[tuple[int, bool, str], ...]   # (length, stacked, axis_name), outermost first
 
   @nn.compact
-  def __call__(self, x_BTD: jax.Array, positions_T: jax.Array):
+  def __call__(self, x_BTD: jax.Array, positions_T: jax.Array, segment_ids_BT=None):
     (length, stacked, axis), rest = self.levels[0], self.levels[1:]
     if rest and self.cfg.scan_lowering == 'flat':
       # One scan over the applied layers; stored layout unchanged (see module docstring).
@@ -100,14 +102,14 @@ class _Level(nn.Module):
       pattern = np.unravel_index(np.arange(math.prod(lengths)), lengths)[pos]
       return GatherSegment(self.cfg, tuple(int(k) for k in pattern),
                            tuple((n, a) for n, _, a in self.levels), name='level')(
-                               x_BTD, positions_T)
+                               x_BTD, positions_T, segment_ids_BT)
     if rest:
       body = _scan(_Level, length, stacked, axis, self.cfg.scan_unroll,
                    self.cfg.scan_split_transpose)(self.cfg, rest, name='level')
     else:
       body = _scan(_block_cls(self.cfg), length, stacked, axis, self.cfg.scan_unroll,
                    self.cfg.scan_split_transpose)(self.cfg, name='block')
-    x_BTD, _ = body(x_BTD, positions_T)
+    x_BTD, _ = body(x_BTD, positions_T, segment_ids_BT)
     return x_BTD, None
 
 
@@ -125,7 +127,7 @@ class GatherSegment(nn.Module):
   per_layer_levels: tuple[tuple[int, str], ...] = ()
 
   @nn.compact
-  def __call__(self, x_BTD: jax.Array, positions_T: jax.Array):
+  def __call__(self, x_BTD: jax.Array, positions_T: jax.Array, segment_ids_BT=None):
     L = len(self.pattern)
     levels = self.per_layer_levels or ((L, 'layers'),)
     lengths, axes = tuple(n for n, _ in levels), tuple(a for _, a in levels)
@@ -155,7 +157,7 @@ class GatherSegment(nn.Module):
         scanned, ['params', PER_LAYER],
         trans_in_fn=remap(self.pattern, len(lengths), (L,), ('layers',)),
         trans_out_fn=remap(first_use, 1, lengths, axes), init=self.is_initializing())
-    x_BTD, _ = mapped(self.cfg, name='block')(x_BTD, positions_T)
+    x_BTD, _ = mapped(self.cfg, name='block')(x_BTD, positions_T, segment_ids_BT)
     return x_BTD, None
 
 
@@ -171,18 +173,21 @@ class Stack(nn.Module):
   cfg: ModelConfig
 
   @nn.compact
-  def __call__(self, x_BTD: jax.Array, positions_T: jax.Array) -> jax.Array:
+  def __call__(self, x_BTD: jax.Array, positions_T: jax.Array, segment_ids_BT=None
+               ) -> jax.Array:
     if not self.cfg.scan_layers:
       # Python loop baseline (benchmarks): one module per unique set, reused where tied.
       blocks = [_block_cls(self.cfg)(self.cfg, name=f'set_{u}')
                 for u in range(self.cfg.plan.num_unique)]
       for u in self.cfg.plan.index:
-        x_BTD, _ = blocks[u](x_BTD, positions_T)
+        x_BTD, _ = blocks[u](x_BTD, positions_T, segment_ids_BT)
       return x_BTD
     for i, seg in enumerate(self.cfg.plan.segments):
       cfg = self.cfg.segment_cfg(seg)   # no LoRA on unshared segments under lora_layers=shared
       if seg.order == 'gather':
-        x_BTD, _ = GatherSegment(cfg, seg.pattern, name=f'segment_{i}')(x_BTD, positions_T)
+        x_BTD, _ = GatherSegment(cfg, seg.pattern, name=f'segment_{i}')(x_BTD, positions_T,
+                                                                      segment_ids_BT)
       else:
-        x_BTD, _ = _Level(cfg, segment_levels(seg), name=f'segment_{i}')(x_BTD, positions_T)
+        x_BTD, _ = _Level(cfg, segment_levels(seg), name=f'segment_{i}')(x_BTD, positions_T,
+                                                                    segment_ids_BT)
     return x_BTD
