@@ -231,3 +231,21 @@ def test_resume_after_kill_is_bit_identical_on_arrayrecord(corpus_dir, tmp_path,
   ref, resumed = losses(ref_dir), losses(workdir)
   assert len(ref) == 16
   assert [resumed[s] for s in range(9, 17)] == [ref[s] for s in range(9, 17)]
+
+
+def test_train_step_consumes_segment_ids_and_splits_them_for_grad_accum(corpus_dir, tiny_config):
+  from sharenet import train_lib
+  from sharenet.models import ModelConfig as MC
+  c = tiny_config(**{'model.d_model': 16, 'model.num_layers': 1, 'model.mlp_dim': 32,
+                     'model.kernels': 'xla', 'model.attention': 'xla', 'train.seq_len': 16})
+  exp = train_lib.setup(c, MC.from_config(c.model, 16))
+  state = train_lib.init_state(exp.model, exp.tx, jax.random.key(0), exp.tr, exp.pz)
+  batch = next(data.make_train_iterator(_cfg(corpus_dir, segment_mask=True), 16, 4, seed=2))
+  assert batch['segment_ids'].max() > 0   # some window holds two documents
+  masked = train_lib.loss_fn(state.params, state.tstate, batch, model=exp.model)[0]
+  plain = train_lib.loss_fn(state.params, state.tstate, batch['tokens'], model=exp.model)[0]
+  assert abs(float(masked) - float(plain)) > 1e-6
+  out = [jax.jit(train_lib.make_train_step(exp, g))(state, batch)[1] for g in (1, 2)]
+  np.testing.assert_allclose(out[1]['loss'], out[0]['loss'], rtol=1e-5)
+  np.testing.assert_allclose(out[1]['grad_norm'], out[0]['grad_norm'], rtol=1e-4)
+  np.testing.assert_allclose(out[0]['loss'], masked, rtol=1e-6)
