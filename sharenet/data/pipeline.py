@@ -1,12 +1,15 @@
 """Training stream (grain), evaluation batches and up-front config validation.
 
 This docstring describes the in-memory sources (stdlib, text, bin). `data.source=arrayrecord`
-streams packed documents instead (sharenet/data/arrayrecord.py) and differs in three ways:
-windows do not overlap (each token is in exactly one window per epoch), each process reads and
-packs only its own slice of the documents (so the global batch, the processes' batches
-concatenated in process order, depends on the process count: a run resumes only with the same
-one, as grain's per-process checkpoints already require), and with `data.segment_mask` a batch is
-{'tokens', 'segment_ids'} instead of one array. Evaluation and checkpointing are the same.
+streams packed documents instead (sharenet/data/arrayrecord.py) and differs in four ways:
+windows do not overlap (each token is in exactly one window per epoch); each process reads and
+packs only its own record slice, slice p of P for the processes holding batch rows
+[p*B/P, (p+1)*B/P) (`sharding.process_rows`), so the global batch, the processes' batches
+concatenated in process order, depends on the process count (a run resumes only with the same
+one, as grain's per-process checkpoints already require); with `data.num_workers` > 0 each worker
+packs its own sub-slice, so the stream is another one than with 0 workers; and with
+`data.segment_mask` a batch is {'tokens', 'segment_ids'} instead of one array. Evaluation and
+checkpointing are the same.
 
 Training: the train split is cut into `(len - 1) // seq_len` windows of `seq_len + 1` tokens
 with stride `seq_len` (window i = tokens[i*L : i*L + L + 1]), so inputs `w[:, :-1]` and targets
