@@ -34,8 +34,9 @@ def token_nll(model: DecoderLM, params: Any, batch_BT1: Any,
   cross entropy, vocab / sqrt(vocab - 1)); the values are unchanged.
   """
   tokens_BT1, segment_ids_BT1 = split_batch(batch_BT1)
-  segment_ids_BT = None if segment_ids_BT1 is None else segment_ids_BT1[:, :-1]
-  logits_BTV, aux = model.apply(params, tokens_BT1[:, :-1], segment_ids_BT, mutable=list(mutable))
+  inputs = (tokens_BT1[:, :-1],) if segment_ids_BT1 is None else (tokens_BT1[:, :-1],
+                                                                  segment_ids_BT1[:, :-1])
+  logits_BTV, aux = model.apply(params, *inputs, mutable=list(mutable))
   if logits_grad_scale != 1.0:
     logits_BTV = unit_scale.scale_bwd(logits_BTV, logits_grad_scale)
   nll_BT = optax.softmax_cross_entropy_with_integer_labels(logits_BTV, tokens_BT1[:, 1:])

@@ -249,3 +249,38 @@ def test_train_step_consumes_segment_ids_and_splits_them_for_grad_accum(corpus_d
   np.testing.assert_allclose(out[1]['loss'], out[0]['loss'], rtol=1e-5)
   np.testing.assert_allclose(out[1]['grad_norm'], out[0]['grad_norm'], rtol=1e-4)
   np.testing.assert_allclose(out[0]['loss'], masked, rtol=1e-6)
+
+
+def test_attention_kernels_with_segment_ids_equal_per_document_attention():
+  """reference, Pallas GPU (interpret) and Pallas TPU (TPU interpret) with segment ids == causal
+  attention run on each document separately (outputs and gradients)."""
+  from jax.experimental.pallas import tpu as pltpu
+  from sharenet.kernels import attention as attn
+  B, T, H, K, Dh = 1, 13, 2, 1, 16
+  q, k, v, ct = (jax.random.normal(jax.random.key(i), (B, T, n, Dh))
+                 for i, n in enumerate((H, K, K, H)))
+  bounds = [0, 5, 6, 13]   # documents [0, 5), [5, 6), [6, 13)
+  seg = jnp.asarray(np.repeat(np.arange(3), np.diff(bounds))[None], jnp.int32)
+  per_doc = lambda q, k, v: jnp.concatenate(
+      [attn.reference(q[:, a:b], k[:, a:b], v[:, a:b], scale=0.5)
+       for a, b in zip(bounds[:-1], bounds[1:])], axis=1)
+  kernels_ = {
+      'reference': lambda q, k, v: attn.reference(q, k, v, scale=0.5, segment_ids_BT=seg),
+      'pallas_gpu': lambda q, k, v: attn.pallas_gpu_attention(q, k, v, scale=0.5, interpret=True,
+                                                             segment_ids_BT=seg),
+      'pallas_tpu': lambda q, k, v: attn.pallas_tpu_attention(q, k, v, scale=0.5,
+                                                             segment_ids_BT=seg)}
+  grads = lambda f: jax.grad(lambda *a: jnp.sum(f(*a) * ct), argnums=(0, 1, 2))(q, k, v)
+  want, want_g = per_doc(q, k, v), grads(per_doc)
+  for name, f in kernels_.items():
+    if name == 'pallas_tpu':
+      try:
+        with pltpu.force_tpu_interpret_mode(pltpu.InterpretParams()):
+          out, g = f(q, k, v), grads(f)
+      finally:
+        pltpu.reset_tpu_interpret_mode_state()
+    else:
+      out, g = f(q, k, v), grads(f)
+    np.testing.assert_allclose(out, want, atol=2e-5, err_msg=name)
+    for a, b in zip(g, want_g):
+      np.testing.assert_allclose(a, b, atol=1e-4, err_msg=name)

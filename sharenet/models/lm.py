@@ -44,7 +44,7 @@ class DecoderLM(nn.Module):
     sow_l1(self, 'embed_out', x_BTD)
     if c.umup_residual:   # u-muP's residual rule carries the applied layer index (block.py)
       x_BTD, _ = Stack(c, name='stack')((x_BTD, jnp.zeros((), jnp.int32)), jnp.arange(T),
-                                    segment_ids_BT)
+                                        segment_ids_BT)
     else:
       x_BTD = Stack(c, name='stack')(x_BTD, jnp.arange(T), segment_ids_BT)
     if c.norm_placement != 'post':
