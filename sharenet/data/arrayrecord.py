@@ -218,4 +218,5 @@ def write_meta(path: str, splits: dict[str, dict[str, Any]], vocab_size: int, eo
          'dtype': 'uint32', 'splits': splits}
   with open(os.path.join(path, 'meta.json'), 'w') as f:
     json.dump(doc, f, indent=2)
-  _read_meta.cache_clear()
+  _read_meta.cache_clear()   # a rewritten directory is read anew
+  _split_tokens.cache_clear()
