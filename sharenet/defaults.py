@@ -104,12 +104,15 @@ def default_config() -> ml_collections.ConfigDict:
                               # with a fresh optimizer state (sharenet/resume.py)
 
   c.data = d = ml_collections.ConfigDict()
-  d.source = 'stdlib'         # stdlib | text | bin
-  d.path = ''                 # glob of text files, or a uint16 .bin token file
+  d.source = 'stdlib'         # stdlib | text | bin | arrayrecord
+  d.path = ''                 # glob of text files, a .bin token file, or an arrayrecord directory
+  d.bin_dtype = 'uint16'      # bin token ids: uint16 (nanoGPT) | uint32
   d.seed = -1                 # shuffle seed; -1 -> train.seed
   d.num_workers = 0
   d.tokenizer = 'bytes'       # bytes | sentencepiece:PATH | hf:PATH (sharenet/data/tokenizer.py);
                               # the tokenizer of prepared shards (python -m sharenet.data.prepare)
+  d.segment_mask = False      # arrayrecord: batches carry segment ids, attention stays within
+                              # each packed document (sharenet/data/arrayrecord.py)
 
   c.transforms = tr = ml_collections.ConfigDict()   # sharenet/transforms
   tr.reparam = ''             # comma list, applied in order: zero_mean_writers, weight_std,

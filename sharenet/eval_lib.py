@@ -13,16 +13,30 @@ from sharenet import data
 from sharenet.models import DecoderLM, unit_scale
 
 
-def token_nll(model: DecoderLM, params: Any, tokens_BT1: jax.Array,
+def split_batch(batch: Any) -> tuple[jax.Array, jax.Array | None]:
+  """(tokens (B, T+1), segment ids (B, T+1) or None) of a batch: one token array, or the
+  {'tokens', 'segment_ids'} dict of data.segment_mask (sharenet/data/arrayrecord.py)."""
+  if isinstance(batch, dict):
+    return batch['tokens'], batch['segment_ids']
+  return batch, None
+
+
+def token_nll(model: DecoderLM, params: Any, batch_BT1: Any,
               mutable: Sequence[str] = (), logits_grad_scale: float = 1.0
               ) -> tuple[jax.Array, Any]:
   """Per-position next-token negative log-likelihood (B, T), and the sown `mutable` collections
   ({} if none): the one loss that training (train_lib.loss_fn) and evaluation share.
 
+  `batch_BT1` is a token array (B, T+1) or, with data.segment_mask, {'tokens', 'segment_ids'}
+  (`split_batch`): the model then attends only within each packed document.
+
   `logits_grad_scale` multiplies only the gradient reaching the logits (u-muP's unit-scaled
   cross entropy, vocab / sqrt(vocab - 1)); the values are unchanged.
   """
-  logits_BTV, aux = model.apply(params, tokens_BT1[:, :-1], mutable=list(mutable))
+  tokens_BT1, segment_ids_BT1 = split_batch(batch_BT1)
+  inputs = (tokens_BT1[:, :-1],) if segment_ids_BT1 is None else (tokens_BT1[:, :-1],
+                                                                  segment_ids_BT1[:, :-1])
+  logits_BTV, aux = model.apply(params, *inputs, mutable=list(mutable))
   if logits_grad_scale != 1.0:
     logits_BTV = unit_scale.scale_bwd(logits_BTV, logits_grad_scale)
   nll_BT = optax.softmax_cross_entropy_with_integer_labels(logits_BTV, tokens_BT1[:, 1:])
@@ -30,17 +44,21 @@ def token_nll(model: DecoderLM, params: Any, tokens_BT1: jax.Array,
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _eval_step(model: DecoderLM, params: Any, tokens_BT1: jax.Array, mask_BT: jax.Array):
-  nll_BT, _ = token_nll(model, params, tokens_BT1)
+def _eval_step(model: DecoderLM, params: Any, batch_BT1: Any, mask_BT: jax.Array):
+  nll_BT, _ = token_nll(model, params, batch_BT1)
   return jnp.sum(nll_BT * mask_BT), jnp.sum(mask_BT)
 
 
 def evaluate(model: DecoderLM, params: Any, data_cfg: Any, seq_len: int,
              batch_size: int) -> dict[str, float]:
-  """eval_loss (nats/token) and eval_bits_per_byte over every validation token."""
+  """eval_loss (nats/token) and eval_bits_per_byte over every validation token.
+
+  Bytes per token: 1 for byte sources, meta.json's validation bytes / tokens for arrayrecord;
+  `bin` has none, so its 'bits per byte' is bits per token.
+  """
   total, count = 0.0, 0.0
-  for tokens, mask in data.eval_batches(data_cfg, seq_len, batch_size):
-    s, n = _eval_step(model, params, tokens, mask)
+  for batch, mask in data.eval_batches(data_cfg, seq_len, batch_size):
+    s, n = _eval_step(model, params, batch, mask)
     total += float(s)   # host-side float64 accumulation: identical in train.py and eval.py
     count += float(n)
   loss = total / count

@@ -103,7 +103,7 @@ def left_pad(prompts: Sequence[Sequence[int]], length: int) -> tuple[np.ndarray,
 
 def _step(model: DecoderLM, variables: Any, tokens_BT, cache, positions_BT):
   """One cached forward pass: (last position's logits (B, V), updated cache)."""
-  logits_BTV, cache = model.apply(variables, tokens_BT, cache, positions_BT)
+  logits_BTV, cache = model.apply(variables, tokens_BT, cache=cache, positions_BT=positions_BT)
   return logits_BTV[:, -1], cache
 
 

@@ -27,7 +27,8 @@ STATE_FREE = ('train.steps', 'train.log_every', 'train.eval_every', 'train.eval_
 # (float32) either way, so a float32 checkpoint resumes under bfloat16 and back.
 # Change which windows the train iterator yields from its saved position, or (num_workers) the
 # shape of its saved state.
-DATA_STREAM = ('data.source', 'data.path', 'data.seed', 'data.num_workers', 'train.seed',
+DATA_STREAM = ('data.source', 'data.path', 'data.bin_dtype', 'data.seed', 'data.num_workers',
+               'data.segment_mask', 'train.seed',
                'train.batch_size', 'train.seq_len')
 # Sections of config.json that are the config (the rest is derived: shapes, counts, tables).
 SECTIONS = ('model', 'train', 'data', 'transforms', 'parametrization', 'mesh', 'dry_run')

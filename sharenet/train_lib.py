@@ -115,14 +115,15 @@ def train_step(state: TrainState, batch_BT1: jax.Array, *, model: DecoderLM,
       functools.partial(loss_fn, model=model, tr=tr, pz=pz, mutable=mutable), has_aux=True)
   if grad_accum == 1:
     (loss, aux), grads = grad_fn(state.params, tstate, batch_BT1)
-  else:
-    micro = batch_BT1.reshape((grad_accum, -1) + batch_BT1.shape[1:])
+  else:   # a batch is an array or, with data.segment_mask, a dict of them (eval_lib.split_batch)
+    micro = jax.tree.map(lambda x: x.reshape((grad_accum, -1) + x.shape[1:]), batch_BT1)
 
     def body(acc, b):
       return jax.tree.map(jnp.add, acc, grad_fn(state.params, tstate, b)), None
 
     zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype),
-                         jax.eval_shape(grad_fn, state.params, tstate, micro[0]))
+                         jax.eval_shape(grad_fn, state.params, tstate,
+                                        jax.tree.map(lambda x: x[0], micro)))
     ((loss, aux), grads), _ = jax.lax.scan(body, zeros, micro)
     loss, aux, grads = jax.tree.map(lambda x: x / grad_accum, (loss, aux, grads))
   updates, opt_state = tx.update(grads, state.opt_state, state.params)
@@ -298,9 +299,10 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, float]:
                     out_shardings=(shardings, replicated), donate_argnums=0)
   if config.dry_run:
     with sharding.activate(mesh, rules):
-      compiled = step_fn.lower(sharding.with_shardings(abstract, shardings),
-                               jax.ShapeDtypeStruct(batch_shape, jnp.int32,
-                                                    sharding=batch_sharding)).compile()
+      spec = jax.ShapeDtypeStruct(batch_shape, jnp.int32, sharding=batch_sharding)
+      if config.data.segment_mask:
+        spec = {'tokens': spec, 'segment_ids': spec}
+      compiled = step_fn.lower(sharding.with_shardings(abstract, shardings), spec).compile()
     return sharding.report(abstract, shardings, logical, compiled, notes)
   if jax.process_index() == 0:
     for note in notes:
@@ -428,8 +430,10 @@ def dispatch(step_fn: Callable, state: TrainState, host_batch: Any, batch_shardi
   queued; tests/test_loop_async.py runs the train loop with this function under a
   device-to-host transfer guard.
   """
-  # Each process holds its rows of the global batch (see sharenet/data/pipeline.py).
-  batch = jax.make_array_from_process_local_data(batch_sharding, host_batch, batch_shape)
+  # Each process holds its rows of the global batch (see sharenet/data/pipeline.py); with
+  # data.segment_mask the batch is a dict of tokens and segment ids, each of batch_shape.
+  batch = jax.tree.map(
+      lambda x: jax.make_array_from_process_local_data(batch_sharding, x, batch_shape), host_batch)
   with sharding.activate(mesh, rules):
     return step_fn(state, batch)
 

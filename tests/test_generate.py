@@ -93,8 +93,8 @@ def test_one_cache_per_applied_layer(tiny_config):
   model, variables = _experiment(tiny_config, PLANS['cycle_2x3'])
   cache = init_cache(model.cfg, 1, 4)
   assert sum(c.k_BSKD.shape[0] for c in cache.layers) == 6
-  _, cache = model.apply(variables, jnp.array([[1, 2, 3, 4]]), cache,
-                         jnp.arange(4, dtype=jnp.int32)[None])
+  _, cache = model.apply(variables, jnp.array([[1, 2, 3, 4]]), cache=cache,
+                         positions_BT=jnp.arange(4, dtype=jnp.int32)[None])
   (k_LBSKD,) = [c.k_BSKD for c in cache.layers]
   assert int(cache.index) == 4
   # layers 0, 2, 4 apply set 0: same weights, different caches

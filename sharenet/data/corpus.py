@@ -10,9 +10,15 @@ Sources (`data.source`):
   text: `data.path` is a glob of plain-text files, same by-file rule with paths relative to
     the files' common directory. If that rule leaves either split empty (always so for one
     file), the last 1 % of the concatenated bytes is validation instead.
-  bin: `data.path` is a flat uint16 token file (nanoGPT `train.bin`), memory-mapped. Validation
-    is the same file name with `train` -> `val` if that file exists, else the last 1 %.
-    Token ids are not bytes, so `bytes_per_token` is None and bits-per-token is reported.
+  bin: `data.path` is a flat token file (nanoGPT `train.bin`), memory-mapped, of
+    `data.bin_dtype` ids: uint16 (nanoGPT's) or uint32 (vocabularies over 65536); the file does
+    not say which, so the key does. Validation is the same file name with `train` -> `val` if
+    that file exists, else the last 1 %. Token ids are not bytes, so `bytes_per_token` is None
+    and bits-per-token is reported.
+  arrayrecord: `data.path` is a directory of tokenized documents in ArrayRecord shards with a
+    meta.json (sharenet/data/arrayrecord.py); training streams it (never whole in memory), so
+    `load_splits` does not serve it. Its meta.json gives the vocab size and the validation
+    bytes per token, so bits per byte is real bits per byte.
 """
 from __future__ import annotations
 
@@ -27,7 +33,8 @@ import numpy as np
 
 from sharenet.errors import ConfigError
 
-SOURCES = ('stdlib', 'text', 'bin')
+SOURCES = ('stdlib', 'text', 'bin', 'arrayrecord')
+BIN_DTYPES = ('uint16', 'uint32')
 BYTE_VOCAB = 256
 _VAL_MODULUS = 50  # 1 in 50 files; 1 in 100 left too few validation bytes.
 
@@ -44,8 +51,18 @@ def source_and_path(data_cfg: Any) -> tuple[str, str]:
   if source not in SOURCES:
     raise ConfigError(f'data.source={source!r} is unknown; valid choices: {", ".join(SOURCES)}')
   if source != 'stdlib' and not path:
-    raise ConfigError(f'data.path is empty but data.source={source!r} needs a file glob')
+    what = 'a directory' if source == 'arrayrecord' else 'a file glob'
+    raise ConfigError(f'data.path is empty but data.source={source!r} needs {what}')
   return source, path
+
+
+def bin_dtype(data_cfg: Any) -> str:
+  """`data.bin_dtype` (uint16 | uint32), raising ConfigError for another."""
+  name = get_field(data_cfg, 'bin_dtype')
+  if name not in BIN_DTYPES:
+    raise ConfigError(f'data.bin_dtype={name!r} is unknown; valid choices: '
+                      f'{", ".join(BIN_DTYPES)}')
+  return name
 
 
 def is_val_file(relpath: str) -> bool:
@@ -96,43 +113,66 @@ def _load_text(path: str) -> tuple[np.ndarray, np.ndarray]:
   return _tail_split(np.concatenate([train, val]))
 
 
-def _memmap(path: str) -> np.ndarray:
-  if os.path.getsize(path) % 2:
-    raise ConfigError(f'data.path={path!r} has an odd byte count; expected flat uint16 tokens')
-  return np.memmap(path, dtype=np.uint16, mode='r')
+def _memmap(path: str, dtype: str) -> np.ndarray:
+  size = np.dtype(dtype).itemsize
+  if os.path.getsize(path) % size:
+    raise ConfigError(f'data.path={path!r} has {os.path.getsize(path)} bytes, not a multiple of '
+                      f'{size}: not flat {dtype} tokens (data.bin_dtype; valid choices: '
+                      f'{", ".join(BIN_DTYPES)})')
+  return np.memmap(path, dtype=np.dtype(dtype).newbyteorder('<'), mode='r')
 
 
-def _load_bin(path: str) -> tuple[np.ndarray, np.ndarray]:
+def _load_bin(path: str, dtype: str) -> tuple[np.ndarray, np.ndarray]:
   files = _match(path)
   if len(files) != 1:
     raise ConfigError(f'data.path={path!r} matches {len(files)} files; data.source=bin needs one')
   head, name = os.path.split(files[0])
   val_path = os.path.join(head, name.replace('train', 'val'))
   if 'train' in name and os.path.isfile(val_path) and os.path.getsize(val_path):
-    return _memmap(files[0]), _memmap(val_path)
-  return _tail_split(_memmap(files[0]))
+    return _memmap(files[0], dtype), _memmap(val_path, dtype)
+  return _tail_split(_memmap(files[0], dtype))
 
 
 @functools.lru_cache(maxsize=4)
-def _load(source: str, path: str) -> tuple[np.ndarray, np.ndarray]:
+def _load(source: str, path: str, dtype: str = 'uint16') -> tuple[np.ndarray, np.ndarray]:
   if source == 'stdlib':
     return _read(*stdlib_files())
-  return _load_text(path) if source == 'text' else _load_bin(path)
+  return _load_text(path) if source == 'text' else _load_bin(path, dtype)
+
+
+def _source_key(data_cfg: Any) -> tuple[str, str, str]:
+  """(source, path, bin dtype): what identifies an in-memory corpus."""
+  source, path = source_and_path(data_cfg)
+  if source == 'arrayrecord':
+    raise ConfigError('data.source=arrayrecord streams its train split and is not loaded whole; '
+                      'valid here: stdlib, text, bin')
+  return source, path, bin_dtype(data_cfg) if source == 'bin' else 'uint16'
 
 
 def load_splits(data_cfg: Any) -> tuple[np.ndarray, np.ndarray]:
-  """Returns (train_tokens, val_tokens) as read-only 1-D arrays (uint8, or uint16 for bin)."""
-  return _load(*source_and_path(data_cfg))
+  """Returns (train_tokens, val_tokens) as read-only 1-D arrays (uint8, or data.bin_dtype for
+  bin). Not for arrayrecord (ConfigError): see sharenet/data/arrayrecord.py."""
+  return _load(*_source_key(data_cfg))
 
 
 def bytes_per_token(data_cfg: Any) -> float | None:
-  """1.0 for byte sources; None for `bin`, where bits-per-byte is really bits-per-token."""
-  return None if source_and_path(data_cfg)[0] == 'bin' else 1.0
+  """1.0 for byte sources; meta.json's validation bytes / tokens for arrayrecord; None for
+  `bin`, where bits-per-byte is really bits-per-token."""
+  source, path = source_and_path(data_cfg)
+  if source == 'arrayrecord':
+    from sharenet.data import arrayrecord
+    return arrayrecord.bytes_per_token(path)
+  return None if source == 'bin' else 1.0
 
 
 def vocab_size(data_cfg: Any) -> int | None:
-  """256 for byte sources; None for `bin`, whose vocab comes from the model config."""
-  return None if source_and_path(data_cfg)[0] == 'bin' else BYTE_VOCAB
+  """256 for byte sources; meta.json's for arrayrecord; None for `bin`, whose vocab comes from
+  the model config."""
+  source, path = source_and_path(data_cfg)
+  if source == 'arrayrecord':
+    from sharenet.data import arrayrecord
+    return int(arrayrecord.meta(path)['vocab_size'])
+  return None if source == 'bin' else BYTE_VOCAB
 
 
 def max_token(tokens: np.ndarray, sample: int = 1 << 22) -> int:
@@ -141,22 +181,27 @@ def max_token(tokens: np.ndarray, sample: int = 1 << 22) -> int:
   return int(tokens[::stride].max()) if len(tokens) else -1
 
 
-def _counts(tokens: np.ndarray, chunk: int = 1 << 24) -> np.ndarray:
+def _counts(tokens: np.ndarray, size: int, chunk: int = 1 << 24) -> np.ndarray:
   # Chunked: bincount casts to intp, 8x the memory of a whole uint8 corpus or big memmap.
-  counts = np.zeros(np.iinfo(tokens.dtype).max + 1, np.int64)
+  counts = np.zeros(size, np.int64)
   for i in range(0, len(tokens), chunk):
     counts += np.bincount(tokens[i:i + chunk], minlength=len(counts))
   return counts
 
 
 @functools.lru_cache(maxsize=4)
-def _unigram_bits(source: str, path: str) -> float:
-  train, val = (_counts(t) for t in _load(source, path))
+def _unigram_bits(source: str, path: str, dtype: str) -> float:
+  splits = _load(source, path, dtype)
+  size = max(BYTE_VOCAB, *(int(t.max()) + 1 for t in splits if len(t)))
+  train, val = (_counts(t, size) for t in splits)
   vocab = max(BYTE_VOCAB, int(np.flatnonzero(train + val).max()) + 1)
   log_p = np.log2((train[:vocab] + 1.0) / (train.sum() + vocab))  # add-one smoothing
   return float(-(val[:vocab] * log_p).sum() / val.sum())
 
 
-def unigram_bits_per_byte(data_cfg: Any) -> float:
-  """Cross-entropy (bits) of validation under the add-one-smoothed train unigram."""
-  return _unigram_bits(*source_and_path(data_cfg))
+def unigram_bits_per_byte(data_cfg: Any) -> float | None:
+  """Cross-entropy (bits) of validation under the add-one-smoothed train unigram; None for
+  arrayrecord (counting a streamed train split is a full pass over it)."""
+  if source_and_path(data_cfg)[0] == 'arrayrecord':
+    return None
+  return _unigram_bits(*_source_key(data_cfg))

@@ -1,5 +1,16 @@
 """Training stream (grain), evaluation batches and up-front config validation.
 
+This docstring describes the in-memory sources (stdlib, text, bin). `data.source=arrayrecord`
+streams packed documents instead (sharenet/data/arrayrecord.py) and differs in four ways:
+windows do not overlap (each token is in exactly one window per epoch); each process reads and
+packs only its own record slice, slice p of P for the processes holding batch rows
+[p*B/P, (p+1)*B/P) (`sharding.process_rows`), so the global batch, the processes' batches
+concatenated in process order, depends on the process count (a run resumes only with the same
+one, as grain's per-process checkpoints already require); with `data.num_workers` > 0 each worker
+packs its own sub-slice, so the stream is another one than with 0 workers; and with
+`data.segment_mask` a batch is {'tokens', 'segment_ids'} instead of one array. Evaluation and
+checkpointing are the same.
+
 Training: the train split is cut into `(len - 1) // seq_len` windows of `seq_len + 1` tokens
 with stride `seq_len` (window i = tokens[i*L : i*L + L + 1]), so inputs `w[:, :-1]` and targets
 `w[:, 1:]` tile the split contiguously. Window indices are shuffled with `seed` (reshuffled every
@@ -38,7 +49,7 @@ from typing import Any, Iterator
 import grain
 import numpy as np
 
-from sharenet.data import corpus
+from sharenet.data import arrayrecord, corpus
 from sharenet.errors import ConfigError
 
 
@@ -51,8 +62,11 @@ def _seed(data_cfg: Any, seed: int) -> int:
 class _Windows(grain.transforms.Map):
   """Maps a batch of window indices to int32 token windows of shape (B, seq_len + 1)."""
 
-  def __init__(self, source: str, path: str, seq_len: int):
-    self._cfg, self._seq_len, self._tokens = {'source': source, 'path': path}, seq_len, None
+  def __init__(self, data_cfg: Any, seq_len: int):
+    source, path = corpus.source_and_path(data_cfg)
+    self._cfg = {'source': source, 'path': path,
+                 'bin_dtype': corpus.get_field(data_cfg, 'bin_dtype')}
+    self._seq_len, self._tokens = seq_len, None
 
   def __getstate__(self) -> dict[str, Any]:
     # Worker processes reload (cached) instead of pickling the corpus or a memmap's contents.
@@ -68,20 +82,27 @@ class _Windows(grain.transforms.Map):
 def make_train_iterator(data_cfg: Any, seq_len: int, batch_size: int, seed: int,
                         process_index: int = 0,
                         process_count: int = 1) -> grain.DatasetIterator:
-  """Infinite, checkpointable iterator of int32 (batch_size // process_count, seq_len + 1)."""
+  """Infinite, checkpointable iterator of int32 (batch_size // process_count, seq_len + 1)
+  (with arrayrecord and data.segment_mask, a dict of such 'tokens' and 'segment_ids')."""
   if batch_size % process_count:
     raise ConfigError(f'train.batch_size={batch_size} is not divisible by '
                       f'process_count={process_count}')
   source, path = corpus.source_and_path(data_cfg)
-  num_windows = (len(corpus.load_splits(data_cfg)[0]) - 1) // seq_len
-  ds = (grain.MapDataset.range(num_windows)
-        .shuffle(seed=_seed(data_cfg, seed))
-        .repeat()
-        .batch(batch_size // process_count, drop_remainder=True)
-        [process_index::process_count]
-        .map(_Windows(source, path, seq_len)))
-  # Data is in memory (or mmapped) and gathering is cheap: reading threads only add GIL churn.
-  it_ds = ds.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
+  _check_segment_mask(data_cfg, source)
+  if source == 'arrayrecord':
+    it_ds = arrayrecord.train_dataset(path, seq_len, batch_size // process_count,
+                                      _seed(data_cfg, seed), process_index, process_count,
+                                      corpus.get_field(data_cfg, 'segment_mask'))
+  else:
+    num_windows = (len(corpus.load_splits(data_cfg)[0]) - 1) // seq_len
+    ds = (grain.MapDataset.range(num_windows)
+          .shuffle(seed=_seed(data_cfg, seed))
+          .repeat()
+          .batch(batch_size // process_count, drop_remainder=True)
+          [process_index::process_count]
+          .map(_Windows(data_cfg, seq_len)))
+    # Data is in memory (or mmapped) and gathering is cheap: reading threads only add GIL churn.
+    it_ds = ds.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
   num_workers = corpus.get_field(data_cfg, 'num_workers')
   if num_workers > 0:
     it_ds = it_ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=num_workers))
@@ -98,9 +119,23 @@ def checkpoint_restore_args(it: grain.DatasetIterator) -> Any:
   return grain.checkpoint.CheckpointRestore(it)
 
 
+def _check_segment_mask(data_cfg: Any, source: str) -> None:
+  if corpus.get_field(data_cfg, 'segment_mask') and source != 'arrayrecord':
+    raise ConfigError(f'data.segment_mask=True needs documents (data.source=arrayrecord); '
+                      f'data.source={source!r} is one token stream')
+
+
+def _val_tokens(data_cfg: Any) -> np.ndarray:
+  """The validation split as one token array (arrayrecord: its documents in record order)."""
+  source, path = corpus.source_and_path(data_cfg)
+  if source == 'arrayrecord':
+    return arrayrecord.split_tokens(path, 'validation')
+  return corpus.load_splits(data_cfg)[1]
+
+
 def num_eval_tokens(data_cfg: Any) -> int:
   """Number of predicted validation tokens: all but the split's first token."""
-  return len(corpus.load_splits(data_cfg)[1]) - 1
+  return len(_val_tokens(data_cfg)) - 1
 
 
 def num_eval_batches(data_cfg: Any, seq_len: int, batch_size: int) -> int:
@@ -109,8 +144,12 @@ def num_eval_batches(data_cfg: Any, seq_len: int, batch_size: int) -> int:
 
 
 def eval_batches(data_cfg: Any, seq_len: int, batch_size: int, process_index: int = 0,
-                 process_count: int = 1) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+                 process_count: int = 1) -> Iterator[tuple[Any, np.ndarray]]:
   """Yields (tokens (B, seq_len+1) int32, mask (B, seq_len) float32) covering validation once.
+
+  arrayrecord: the validation documents concatenated in record order (unshuffled, each ending
+  in the end-of-document id) are that token array; with data.segment_mask the first item is
+  {'tokens', 'segment_ids'} (arrayrecord.segment_ids of each window, as in training).
 
   Windows use stride seq_len, so window j predicts val[j*L+1 : j*L+L+1] and only val[0] is
   never a target: mask.sum() over all batches == num_eval_tokens. The last window is
@@ -121,7 +160,11 @@ def eval_batches(data_cfg: Any, seq_len: int, batch_size: int, process_index: in
   if batch_size % process_count:
     raise ConfigError(f'eval batch_size={batch_size} is not divisible by '
                       f'process_count={process_count}')
-  val = corpus.load_splits(data_cfg)[1]
+  val = _val_tokens(data_cfg)
+  source, path = corpus.source_and_path(data_cfg)
+  _check_segment_mask(data_cfg, source)
+  eod_id = (arrayrecord.meta(path)['eod_id']
+            if corpus.get_field(data_cfg, 'segment_mask') else None)
   local = batch_size // process_count
   span = np.arange(seq_len + 1)
   for b in range(num_eval_batches(data_cfg, seq_len, batch_size)):
@@ -129,7 +172,11 @@ def eval_batches(data_cfg: Any, seq_len: int, batch_size: int, process_index: in
     pos = rows[:, None] * seq_len + span
     valid = pos < len(val)
     tokens = np.where(valid, val[np.minimum(pos, len(val) - 1)], 0).astype(np.int32)
-    yield tokens, valid[:, 1:].astype(np.float32)
+    mask = valid[:, 1:].astype(np.float32)
+    if eod_id is None:
+      yield tokens, mask
+    else:
+      yield {'tokens': tokens, 'segment_ids': arrayrecord.segment_ids(tokens, eod_id)}, mask
 
 
 def validate_data_config(data_cfg: Any, seq_len: int, batch_size: int, process_count: int = 1,
@@ -137,7 +184,8 @@ def validate_data_config(data_cfg: Any, seq_len: int, batch_size: int, process_c
   """Raises ConfigError (one line naming the field) before anything is compiled.
 
   `vocab_size` (the model's) is optional: byte sources need >= 256; for `bin` the largest
-  token id in a strided ~4M-token sample of each split (all of it below 8M) must be below it.
+  token id in a strided ~4M-token sample of each split (all of it below 8M) must be below it;
+  for arrayrecord it must equal meta.json's vocab_size.
   """
   source, path = corpus.source_and_path(data_cfg)
   if batch_size <= 0 or batch_size % process_count:
@@ -148,6 +196,12 @@ def validate_data_config(data_cfg: Any, seq_len: int, batch_size: int, process_c
   num_workers = corpus.get_field(data_cfg, 'num_workers')
   if num_workers is not None and num_workers < 0:
     raise ConfigError(f'data.num_workers={num_workers} must be >= 0')
+  _check_segment_mask(data_cfg, source)
+  if source == 'arrayrecord':
+    _validate_arrayrecord(path, seq_len, process_count, vocab_size)
+    return
+  if source == 'bin':
+    corpus.bin_dtype(data_cfg)
   for name, tokens in zip(('train', 'validation'), corpus.load_splits(data_cfg)):
     if seq_len + 1 > len(tokens):
       raise ConfigError(f'train.seq_len={seq_len} is too long: seq_len + 1 exceeds the '
@@ -158,3 +212,21 @@ def validate_data_config(data_cfg: Any, seq_len: int, batch_size: int, process_c
       if top >= vocab_size:
         raise ConfigError(f'vocab_size={vocab_size} is too small: {name} tokens of '
                           f'data.source={source!r} reach id {top}; need vocab_size > {top}')
+
+
+def _validate_arrayrecord(path: str, seq_len: int, process_count: int,
+                          vocab_size: int | None) -> None:
+  """meta.json's vocab equals the model's; every process has documents; validation fits a window."""
+  meta = arrayrecord.meta(path)
+  if vocab_size is not None and vocab_size != meta['vocab_size']:
+    raise ConfigError(f'model.vocab_size={vocab_size} does not match vocab_size='
+                      f'{meta["vocab_size"]} of data.path={path!r} (meta.json); set '
+                      f'--config.model.vocab_size={meta["vocab_size"]}')
+  train, val = meta['splits']['train'], meta['splits']['validation']
+  if train['documents'] < process_count:
+    raise ConfigError(f'data.path={path!r} has {train["documents"]} train documents, fewer than '
+                      f'the {process_count} processes that each read a slice of them')
+  if seq_len + 1 > val['tokens']:
+    raise ConfigError(f'train.seq_len={seq_len} is too long: seq_len + 1 exceeds the '
+                      f'{val["tokens"]} validation tokens of data.path={path!r}; use '
+                      f'train.seq_len <= {val["tokens"] - 1}')

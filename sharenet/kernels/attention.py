@@ -16,6 +16,10 @@ Layout everywhere: q [B, T, H, Dh], k and v [B, T, K, Dh] with K kv heads dividi
 (grouped-query attention: query head h reads kv head h // (H // K)); the output is [B, T, H, Dh]
 in q's dtype. Queries and keys share positions 0..T-1 (self-attention).
 
+Segment ids (optional, [B, T] int; packed documents, sharenet/data/arrayrecord.py): query t
+attends key s only if s <= t and segment_ids[t] == segment_ids[s]. The Pallas kernels take them
+natively (GPU `mha(segment_ids=...)`, TPU `SegmentIds(q, kv)`); cudnn runs the reference (noted).
+
 `scale` multiplies the logits. It may be a traced array (the l2 QK-norm's learned `qk_scale`,
 Henry et al., arXiv:2010.04245): the kernels take only a static `sm_scale`, so q is multiplied by
 `scale` before the call and the kernel runs with sm_scale=1.0; the gradient of `scale` flows
@@ -46,8 +50,13 @@ def _note(message: str) -> None:
     print(f'sharenet: {message}', file=sys.stderr, flush=True)
 
 
+def same_segment(segment_ids_BT: jax.Array) -> jax.Array:
+  """[B, T, T] bool: whether query t and key s lie in the same segment."""
+  return segment_ids_BT[:, :, None] == segment_ids_BT[:, None, :]
+
+
 def reference(q_BTHD: jax.Array, k_BTKD: jax.Array, v_BTKD: jax.Array, *, scale,
-              causal: bool = True) -> jax.Array:
+              causal: bool = True, segment_ids_BT: jax.Array | None = None) -> jax.Array:
   """softmax(scale * q k^T, masked) v with float32 logits and softmax; output in q's dtype.
 
   The same arithmetic as the model's XLA path (sharenet/models/attention.py): q * scale in q's
@@ -64,28 +73,35 @@ def reference(q_BTHD: jax.Array, k_BTKD: jax.Array, v_BTKD: jax.Array, *, scale,
   if causal:
     causal_TS = jnp.tril(jnp.ones((T, S), dtype=bool))
     logits_BKGTS = jnp.where(causal_TS[None, None, None], logits_BKGTS, MASK_VALUE)
+  if segment_ids_BT is not None:
+    logits_BKGTS = jnp.where(same_segment(segment_ids_BT)[:, None, None], logits_BKGTS,
+                             MASK_VALUE)
   probs_BKGTS = jax.nn.softmax(logits_BKGTS, axis=-1).astype(dt)
   out_BTKGD = jnp.einsum('bkgts,bskd->btkgd', probs_BKGTS, v_BTKD)
   return out_BTKGD.reshape(B, T, H, Dh)
 
 
 def attention(q_BTHD: jax.Array, k_BTKD: jax.Array, v_BTKD: jax.Array, *, scale,
-              impl: str) -> jax.Array:
+              impl: str, segment_ids_BT: jax.Array | None = None) -> jax.Array:
   """Causal self-attention by back-end `impl` (xla | cudnn | pallas); see the module docstring.
 
   `impl` is what `sharenet.kernels.attention_backend(cfg.attention, cfg.kernels)` resolves to.
   A shape a back-end cannot take runs `reference` instead, with a one-line note on stderr.
   """
   _check_shapes(q_BTHD, k_BTKD, v_BTKD)
+  seg = {'segment_ids_BT': segment_ids_BT}
   if impl == 'xla':
-    return reference(q_BTHD, k_BTKD, v_BTKD, scale=scale)
+    return reference(q_BTHD, k_BTKD, v_BTKD, scale=scale, **seg)
   if impl == 'cudnn':
+    if segment_ids_BT is not None:
+      kernels.note_fallback('cudnn attention', 'segment_ids (data.segment_mask)')
+      return reference(q_BTHD, k_BTKD, v_BTKD, scale=scale, **seg)
     return cudnn_attention(q_BTHD, k_BTKD, v_BTKD, scale=scale)
   if impl == 'pallas':
     if kernels.backend() == 'tpu':
-      return pallas_tpu_attention(q_BTHD, k_BTKD, v_BTKD, scale=scale)
+      return pallas_tpu_attention(q_BTHD, k_BTKD, v_BTKD, scale=scale, **seg)
     return pallas_gpu_attention(q_BTHD, k_BTKD, v_BTKD, scale=scale,
-                                interpret=kernels.interpret())
+                                interpret=kernels.interpret(), **seg)
   raise ConfigError(f'attention implementation {impl!r} is unknown; valid: {", ".join(IMPLS)}')
 
 
@@ -125,7 +141,8 @@ def gpu_block(T: int) -> tuple[int, int]:
 
 
 def pallas_gpu_attention(q_BTHD: jax.Array, k_BTKD: jax.Array, v_BTKD: jax.Array, *, scale,
-                         interpret: bool = False) -> jax.Array:
+                         interpret: bool = False,
+                         segment_ids_BT: jax.Array | None = None) -> jax.Array:
   """Causal attention by jax's Pallas FlashAttention GPU kernel (`ops.gpu.attention.mha`).
 
   That kernel is multi-head only, so kv heads are repeated to H for GQA (see `_repeat_kv`). T is
@@ -137,7 +154,7 @@ def pallas_gpu_attention(q_BTHD: jax.Array, k_BTKD: jax.Array, v_BTKD: jax.Array
   B, T, H, Dh = q_BTHD.shape
   if not interpret and not 16 <= Dh <= 256:
     kernels.note_fallback('pallas attention', f'head_dim={Dh} (valid: 16..256)')
-    return reference(q_BTHD, k_BTKD, v_BTKD, scale=scale)
+    return reference(q_BTHD, k_BTKD, v_BTKD, scale=scale, segment_ids_BT=segment_ids_BT)
   T_pad, block = gpu_block(T)
   bwd_block = min(32, block)
   sizes = gpu_attention.BlockSizes(block_q=block, block_k=block, block_q_dkv=bwd_block,
@@ -146,9 +163,17 @@ def pallas_gpu_attention(q_BTHD: jax.Array, k_BTKD: jax.Array, v_BTKD: jax.Array
   q = _pad_time((q_BTHD * scale).astype(q_BTHD.dtype), T_pad)
   k = _pad_time(_repeat_kv(k_BTKD, H), T_pad)
   v = _pad_time(_repeat_kv(v_BTKD, H), T_pad)
-  out_BTHD = gpu_attention.mha(q, k, v, None, sm_scale=1.0, causal=True, block_sizes=sizes,
+  seg_BT = None if segment_ids_BT is None else _pad_segments(segment_ids_BT, T_pad)
+  out_BTHD = gpu_attention.mha(q, k, v, seg_BT, sm_scale=1.0, causal=True, block_sizes=sizes,
                                interpret=interpret)
   return out_BTHD[:, :T]
+
+
+def _pad_segments(segment_ids_BT: jax.Array, T_pad: int) -> jax.Array:
+  """int32 segment ids padded with -1 to T_pad: padded keys, after every real query, stay
+  hidden by the causal mask; padded query rows are sliced off."""
+  T = segment_ids_BT.shape[1]
+  return jnp.pad(segment_ids_BT.astype(jnp.int32), ((0, 0), (0, T_pad - T)), constant_values=-1)
 
 
 def tpu_block(T: int) -> tuple[int, int]:
@@ -159,7 +184,7 @@ def tpu_block(T: int) -> tuple[int, int]:
 
 
 def pallas_tpu_attention(q_BTHD: jax.Array, k_BTKD: jax.Array, v_BTKD: jax.Array, *,
-                         scale) -> jax.Array:
+                         scale, segment_ids_BT: jax.Array | None = None) -> jax.Array:
   """Causal attention by jax's Pallas FlashAttention TPU kernel (`ops.tpu.flash_attention`).
 
   Layout [B, H, T, Dh] inside; kv heads repeated to H (the kernel is multi-head only); T padded
@@ -177,8 +202,12 @@ def pallas_tpu_attention(q_BTHD: jax.Array, k_BTKD: jax.Array, v_BTKD: jax.Array
   k = _pad_time(_repeat_kv(k_BTKD, H), T_pad)
   v = _pad_time(_repeat_kv(v_BTKD, H), T_pad)
   to_BHTD = lambda x: jnp.swapaxes(x, 1, 2)
-  out_BHTD = tpu_flash.flash_attention(to_BHTD(q), to_BHTD(k), to_BHTD(v), causal=True,
-                                       sm_scale=1.0, block_sizes=sizes)
+  seg = None
+  if segment_ids_BT is not None:
+    seg_BT = _pad_segments(segment_ids_BT, T_pad)
+    seg = tpu_flash.SegmentIds(q=seg_BT, kv=seg_BT)
+  out_BHTD = tpu_flash.flash_attention(to_BHTD(q), to_BHTD(k), to_BHTD(v), segment_ids=seg,
+                                       causal=True, sm_scale=1.0, block_sizes=sizes)
   return to_BHTD(out_BHTD)[:, :T]
 
 

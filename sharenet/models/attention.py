@@ -54,8 +54,12 @@ class CausalAttention(nn.Module):
 
   @nn.compact
   def __call__(self, x_BTD: jax.Array, positions_T: jax.Array | None,
-               cache: LayerCache | None = None, step: DecodeStep | None = None):
+               segment_ids_BT: jax.Array | None = None, cache: LayerCache | None = None,
+               step: DecodeStep | None = None):
     """-> out (B, T, D); with a `cache` (and its `step`): (out, updated cache).
+
+    `segment_ids_BT` (optional, packed documents): query t attends key s only if s <= t and
+    their ids are equal.
 
     The cached path (generation, sharenet/generate.py) ignores `positions_T`, writes this
     call's keys and values into `cache` at `step.index` and attends over the whole cache.
@@ -134,9 +138,11 @@ class CausalAttention(nn.Module):
       # float32 logits from (bf16) operands: the softmax never sees logits rounded to bf16.
       logits_BKGTS = einsum_f32('btkgd,bskd->bkgts', q_BTKGD * scale, k_BTKD)
       causal_TS = jnp.tril(jnp.ones((T, T), dtype=bool))
-      sow_l1(self, 'attn_logits', logits_BKGTS, causal_TS)
-      logits_BKGTS = jnp.where(causal_TS[None, None, None], logits_BKGTS.astype(jnp.float32),
-                               -1e30)
+      mask_BKGTS = causal_TS[None, None, None]
+      if segment_ids_BT is not None:   # packed documents: no attention across them
+        mask_BKGTS = mask_BKGTS & attention_kernel.same_segment(segment_ids_BT)[:, None, None]
+      sow_l1(self, 'attn_logits', logits_BKGTS, mask_BKGTS)
+      logits_BKGTS = jnp.where(mask_BKGTS, logits_BKGTS.astype(jnp.float32), -1e30)
       logits_BKGTS = checkpoint_name(logits_BKGTS, 'attn_logits')
       probs_BKGTS = checkpoint_name(jax.nn.softmax(logits_BKGTS, axis=-1).astype(dt),
                                     'attn_probs')
@@ -146,7 +152,8 @@ class CausalAttention(nn.Module):
       # A fused kernel (FlashAttention, Dao et al., arXiv:2205.14135) never materializes the
       # (T, T) logits: no 'attn_logits' sow (coordinate checks need model.attention=xla) and no
       # 'attn_logits' / 'attn_probs' checkpoint names (except_attn then saves everything else).
-      out_BTHD = attention_kernel.attention(q_BTHD, k_BTKD, v_BTKD, scale=scale, impl=impl)
+      out_BTHD = attention_kernel.attention(q_BTHD, k_BTKD, v_BTKD, scale=scale, impl=impl,
+                                            segment_ids_BT=segment_ids_BT)
     if c.umup_ops:
       out_BTHD = unit_scale.scale_fwd(out_BTHD, s_att)
     rank = c.lora_rank if 'o' in c.lora_targets else 0

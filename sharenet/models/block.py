@@ -40,8 +40,8 @@ class Block(nn.Module):
   cfg: ModelConfig
 
   @nn.compact
-  def __call__(self, carry, positions_T: jax.Array | None, cache: LayerCache | None = None,
-               step: DecodeStep | None = None):
+  def __call__(self, carry, positions_T: jax.Array | None, segment_ids_BT=None,
+               cache: LayerCache | None = None, step: DecodeStep | None = None):
     c = self.cfg
     updated = []   # the attention's updated cache, when given one
 
@@ -54,21 +54,21 @@ class Block(nn.Module):
 
     attention, mlp = CausalAttention(c, name='attn'), Mlp(c, name='mlp')
 
-    def attn(h_BTD, positions_T):
+    def attn(h_BTD, positions_T, segment_ids_BT):
       if cache is None:
-        return attention(h_BTD, positions_T)
-      out_BTD, new_cache = attention(h_BTD, positions_T, cache, step)
+        return attention(h_BTD, positions_T, segment_ids_BT)
+      out_BTD, new_cache = attention(h_BTD, positions_T, segment_ids_BT, cache, step)
       updated.append(new_cache)
       return out_BTD
 
     if c.umup_residual:                # u-muP: pre or peri (post rejected by the parametrization)
       x_BTD, layer = carry
       if c.norm_placement == 'pre':
-        f_attn = lambda x: attn(norm('attn_norm', a)(x), positions_T)
+        f_attn = lambda x: attn(norm('attn_norm', a)(x), positions_T, segment_ids_BT)
         f_mlp = lambda x: mlp(norm('mlp_norm', m)(x))
       else:
         f_attn = lambda x: norm('attn_out_norm', a, 'norm_out')(
-            attn(norm('attn_norm', a)(x), positions_T))
+            attn(norm('attn_norm', a)(x), positions_T, segment_ids_BT))
         f_mlp = lambda x: norm('mlp_out_norm', m, 'norm_out')(mlp(norm('mlp_norm', m)(x)))
       for i, f in ((2 * layer, f_attn), (2 * layer + 1, f_mlp)):
         tau = unit_scale.residual_tau(i, c.num_layers, c.umup_residual)
@@ -78,18 +78,18 @@ class Block(nn.Module):
     x_BTD = carry
     fuse = c.norm in norm_kernels.KINDS and kernel_lib.use_pallas(c.kernels)
     if c.norm_placement == 'pre' and fuse:   # the same, the first add fused with the MLP norm
-      attn_BTD = attn(norm('attn_norm', a)(x_BTD), positions_T)
+      attn_BTD = attn(norm('attn_norm', a)(x_BTD), positions_T, segment_ids_BT)
       x_BTD, h_BTD = norm('mlp_norm', m)(x_BTD, attn_BTD)
       x_BTD = x_BTD + mlp(h_BTD)
     elif c.norm_placement == 'pre':    # x + f(N(x))
-      x_BTD = x_BTD + attn(norm('attn_norm', a)(x_BTD), positions_T)
+      x_BTD = x_BTD + attn(norm('attn_norm', a)(x_BTD), positions_T, segment_ids_BT)
       x_BTD = x_BTD + mlp(norm('mlp_norm', m)(x_BTD))
     elif c.norm_placement == 'post':   # N(x + f(x))
-      x_BTD = norm('attn_norm', a)(x_BTD + attn(x_BTD, positions_T))
+      x_BTD = norm('attn_norm', a)(x_BTD + attn(x_BTD, positions_T, segment_ids_BT))
       x_BTD = norm('mlp_norm', m)(x_BTD + mlp(x_BTD))
     else:                              # peri: x + N_out(f(N_in(x)))
       x_BTD = x_BTD + norm('attn_out_norm', a, 'norm_out')(
-          attn(norm('attn_norm', a)(x_BTD), positions_T))
+          attn(norm('attn_norm', a)(x_BTD), positions_T, segment_ids_BT))
       x_BTD = x_BTD + norm('mlp_out_norm', m, 'norm_out')(mlp(norm('mlp_norm', m)(x_BTD)))
     sow_l1(self, 'residual', x_BTD)
     return nn.with_logical_constraint(x_BTD, ACT_AXES), (updated or [None])[0]

@@ -41,12 +41,15 @@ class DecoderLM(nn.Module):
   next T tokens of each sequence, `positions_BT` their absolute positions (-1 marks padding,
   e.g. the left-padding of a shorter prompt); it returns (logits, updated cache), and each
   token attends to itself and the cached tokens of lower position of its own sequence.
+
+  `segment_ids_BT` (optional, int): attention stays within equal ids (packed documents,
+  sharenet/data/arrayrecord.py). Positions stay 0..T-1 across the window either way.
   """
   cfg: ModelConfig
 
   @nn.compact
-  def __call__(self, tokens_BT: jax.Array, cache: KVCache | None = None,
-               positions_BT: jax.Array | None = None):
+  def __call__(self, tokens_BT: jax.Array, segment_ids_BT: jax.Array | None = None,
+               cache: KVCache | None = None, positions_BT: jax.Array | None = None):
     c = self.cfg
     dt, pdt = jnp.dtype(c.dtype), jnp.dtype(c.param_dtype)
     T = tokens_BT.shape[1]
@@ -72,13 +75,15 @@ class DecoderLM(nn.Module):
     sow_l1(self, 'embed_out', x_BTD)
     if step is not None:   # cached generation: positions come with the step
       carry = (x_BTD, jnp.zeros((), jnp.int32)) if c.umup_residual else x_BTD
-      carry, layer_caches = Stack(c, name='stack')(carry, None, cache.layers, step)
+      carry, layer_caches = Stack(c, name='stack')(carry, None, segment_ids_BT, cache.layers,
+                                                   step)
       x_BTD = carry[0] if c.umup_residual else carry
       cache = KVCache(layer_caches, step.key_positions_BS, cache.index + T)
     elif c.umup_residual:   # u-muP's residual rule carries the applied layer index (block.py)
-      x_BTD, _ = Stack(c, name='stack')((x_BTD, jnp.zeros((), jnp.int32)), jnp.arange(T))
+      x_BTD, _ = Stack(c, name='stack')((x_BTD, jnp.zeros((), jnp.int32)), jnp.arange(T),
+                                        segment_ids_BT)
     else:
-      x_BTD = Stack(c, name='stack')(x_BTD, jnp.arange(T))
+      x_BTD = Stack(c, name='stack')(x_BTD, jnp.arange(T), segment_ids_BT)
     if c.norm_placement != 'post':
       x_BTD = Norm(c.norm, c.norm_eps, param_dtype=pdt, dyt_alpha=c.dyt_alpha, role='norm_out',
                    kernels=c.kernels, name='final_norm')(x_BTD)

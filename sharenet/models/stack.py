@@ -66,15 +66,15 @@ def _scan(target, length: int, stacked: bool, axis_name: str, unroll: int,
           split_transpose: bool = True, decode: bool = False):
   """Scan `target` `length` times; stacked -> params per iteration, else params broadcast.
 
-  `decode`: the body takes (carry, positions, cache, step) with the cache scanned over its
-  leading axis (one entry per iteration) and the step broadcast; the updated caches come back
-  stacked as the scan's output.
+  The body takes (carry, positions, segment ids), both broadcast; `decode` adds (cache, step),
+  the cache scanned over its leading axis (one entry per iteration) and the step broadcast; the
+  updated caches come back stacked as the scan's output.
 
   `split_transpose` (jax's experimental lax.scan option) moves the weight-gradient part of the
   backward scan into a map after the loop, which makes the scanned train step faster on
   XLA:CPU (README "Results", benchmarks/step_bench.py).
   """
-  in_axes = (nn.broadcast,) + ((0, nn.broadcast) if decode else ())
+  in_axes = (nn.broadcast, nn.broadcast) + ((0, nn.broadcast) if decode else ())
   if stacked:
     return nn.scan(target, variable_axes={'params': 0, PER_LAYER: 0, INTERMEDIATES: 0},
                    split_rngs={'params': True, PER_LAYER: True}, in_axes=in_axes,
@@ -115,7 +115,7 @@ class _Level(nn.Module):
   levels: tuple[tuple[int, bool, str], ...]   # (length, stacked, axis_name), outermost first
 
   @nn.compact
-  def __call__(self, x_BTD: jax.Array, positions_T: jax.Array | None,
+  def __call__(self, x_BTD: jax.Array, positions_T: jax.Array | None, segment_ids_BT=None,
                cache: LayerCache | None = None, step: DecodeStep | None = None):
     """-> (x, None), or (x, updated cache) for a `cache` with leading axes = level lengths."""
     (length, stacked, axis), rest = self.levels[0], self.levels[1:]
@@ -127,7 +127,8 @@ class _Level(nn.Module):
       flat = _reshape_leading(cache, len(lengths), (math.prod(lengths),))
       x_BTD, flat = GatherSegment(self.cfg, tuple(int(k) for k in pattern),
                                   tuple((n, a) for n, _, a in self.levels), name='level')(
-                                      x_BTD, positions_T, *_decode_args(flat, step))
+                                      x_BTD, positions_T, segment_ids_BT,
+                                      *_decode_args(flat, step))
       return x_BTD, _reshape_leading(flat, 1, lengths)
     decode = cache is not None
     if rest:
@@ -136,7 +137,7 @@ class _Level(nn.Module):
     else:
       body = _scan(_block_cls(self.cfg), length, stacked, axis, self.cfg.scan_unroll,
                    self.cfg.scan_split_transpose, decode)(self.cfg, name='block')
-    return body(x_BTD, positions_T, *_decode_args(cache, step))
+    return body(x_BTD, positions_T, segment_ids_BT, *_decode_args(cache, step))
 
 
 class GatherSegment(nn.Module):
@@ -153,7 +154,7 @@ class GatherSegment(nn.Module):
   per_layer_levels: tuple[tuple[int, str], ...] = ()
 
   @nn.compact
-  def __call__(self, x_BTD: jax.Array, positions_T: jax.Array | None,
+  def __call__(self, x_BTD: jax.Array, positions_T: jax.Array | None, segment_ids_BT=None,
                cache: LayerCache | None = None, step: DecodeStep | None = None):
     """-> (x, None), or (x, updated cache) for a `cache` with one leading applied-layer axis."""
     L = len(self.pattern)
@@ -185,7 +186,8 @@ class GatherSegment(nn.Module):
         scanned, ['params', PER_LAYER],
         trans_in_fn=remap(self.pattern, len(lengths), (L,), ('layers',)),
         trans_out_fn=remap(first_use, 1, lengths, axes), init=self.is_initializing())
-    return mapped(self.cfg, name='block')(x_BTD, positions_T, *_decode_args(cache, step))
+    return mapped(self.cfg, name='block')(x_BTD, positions_T, segment_ids_BT,
+                                          *_decode_args(cache, step))
 
 
 def segment_levels(seg: Segment) -> tuple[tuple[int, bool, str], ...]:
@@ -215,7 +217,7 @@ class Stack(nn.Module):
   cfg: ModelConfig
 
   @nn.compact
-  def __call__(self, x_BTD: jax.Array, positions_T: jax.Array | None,
+  def __call__(self, x_BTD: jax.Array, positions_T: jax.Array | None, segment_ids_BT=None,
                cache: tuple[LayerCache, ...] | None = None, step: DecodeStep | None = None):
     segments = self.cfg.plan.segments
     new_cache = []
@@ -230,7 +232,7 @@ class Stack(nn.Module):
           u = self.cfg.plan.index[layer]
           layer += 1
           one = None if cache is None else jax.tree.map(lambda a: a[j], cache[i])
-          x_BTD, one = blocks[u](x_BTD, positions_T, *_decode_args(one, step))
+          x_BTD, one = blocks[u](x_BTD, positions_T, segment_ids_BT, *_decode_args(one, step))
           layer_caches.append(one)
         if cache is not None:
           new_cache.append(jax.tree.map(lambda *a: jnp.stack(a), *layer_caches))
@@ -239,13 +241,14 @@ class Stack(nn.Module):
       cfg = self.cfg.segment_cfg(seg)   # no LoRA on unshared segments under lora_layers=shared
       if seg.order == 'gather':
         x_BTD, seg_cache = GatherSegment(cfg, seg.pattern, name=f'segment_{i}')(
-            x_BTD, positions_T, *_decode_args(None if cache is None else cache[i], step))
+            x_BTD, positions_T, segment_ids_BT,
+            *_decode_args(None if cache is None else cache[i], step))
       else:
         levels = segment_levels(seg)
         lengths = tuple(n for n, _, _ in levels)
         nested = None if cache is None else _reshape_leading(cache[i], 1, lengths)
         x_BTD, seg_cache = _Level(cfg, levels, name=f'segment_{i}')(
-            x_BTD, positions_T, *_decode_args(nested, step))
+            x_BTD, positions_T, segment_ids_BT, *_decode_args(nested, step))
         seg_cache = _reshape_leading(seg_cache, len(lengths), (seg.num_applied,))
       new_cache.append(seg_cache)
     return x_BTD if cache is None else (x_BTD, tuple(new_cache))

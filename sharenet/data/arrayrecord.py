@@ -1,0 +1,222 @@
+"""`data.source=arrayrecord`: tokenized documents in ArrayRecord shards, packed by grain.
+
+Format (`sharenet-arrayrecord-v1`, written by `python -m sharenet.data.prepare`): `data.path` is a
+directory holding `meta.json`
+
+  {"format": "sharenet-arrayrecord-v1", "tokenizer": SPEC, "vocab_size": V, "eod_id": E,
+   "dtype": "uint32", "splits": {"train": {"shards": [names], "documents": N, "tokens": T,
+   "bytes": U}, "validation": {...}}}
+
+and shards `{split}-{i:05d}-of-{n:05d}.array_record`. One record is one document: its token ids
+followed by the end-of-document id E, little-endian uint32. `tokens` counts E; `bytes` counts the
+UTF-8 bytes of the documents' text, so validation bytes / validation tokens is the bytes per
+token that turns bits per token into bits per byte.
+
+Training stream (`train_dataset`): the train records (all shards, in shard order, as one index
+space) are sliced record-wise, process p of P taking records p, p + P, p + 2P, ...: the slices are
+disjoint and together cover every record. Each process shuffles its slice with the data seed
+(reshuffled every epoch by grain's `repeat`), concatenates the documents of that endless sequence
+(each already ends in E) and cuts the token stream into windows of `seq_len + 1` tokens with no
+overlap: every token of an epoch is in exactly one window, and epochs run into each other without
+a gap or a padded window. Packing documents into fixed-length rows this way is the standard
+recipe (Raffel et al., "Exploring the Limits of Transfer Learning with a Unified Text-to-Text
+Transformer", arXiv:1910.10683, section 3.1.2; Brown et al., "Language Models are Few-Shot
+Learners", arXiv:2005.14165, section 2.3).
+
+With `data.segment_mask=True` a window also carries segment ids, the index of the document each
+token belongs to within the window (0, 1, ...; an end-of-document token belongs to the document
+it ends), and attention does not cross them (sharenet/models/attention.py). Positions stay the
+window's 0..T-1 (not document-relative).
+
+The packing iterator's state is its parent's state before the current document plus the offset
+into it, so `get_state` / `set_state` resume the exact token stream (and stay small).
+"""
+from __future__ import annotations
+
+import functools
+import json
+import os
+from typing import Any, Sequence
+
+import grain
+import numpy as np
+
+from sharenet.errors import ConfigError
+
+FORMAT = 'sharenet-arrayrecord-v1'
+SPLITS = ('train', 'validation')
+DTYPE = np.dtype('<u4')
+
+
+@functools.lru_cache(maxsize=8)
+def _read_meta(path: str) -> dict[str, Any]:
+  meta_path = os.path.join(path, 'meta.json')
+  if not os.path.isfile(meta_path):
+    raise ConfigError(f'data.path={path!r} has no meta.json; data.source=arrayrecord needs a '
+                      f'directory written by `python -m sharenet.data.prepare`')
+  with open(meta_path) as f:
+    meta = json.load(f)
+  if meta.get('format') != FORMAT:
+    raise ConfigError(f'{meta_path} has format {meta.get("format")!r}; valid: {FORMAT!r}')
+  if meta.get('dtype') != 'uint32':
+    raise ConfigError(f'{meta_path} has dtype {meta.get("dtype")!r}; valid: \'uint32\'')
+  for split in SPLITS:
+    info = meta.get('splits', {}).get(split)
+    if not info or not info.get('shards') or not info.get('documents'):
+      raise ConfigError(f'{meta_path} lists no {split} documents; valid: a prepared directory '
+                        f'with both splits ({", ".join(SPLITS)})')
+    for name in info['shards']:
+      if not os.path.isfile(os.path.join(path, name)):
+        raise ConfigError(f'{meta_path} lists shard {name!r}, which is missing')
+  return meta
+
+
+def meta(path: str) -> dict[str, Any]:
+  """The directory's meta.json (validated: format, dtype, both splits, shards present)."""
+  return _read_meta(os.path.abspath(os.path.expanduser(path)))
+
+
+def shard_paths(path: str, split: str) -> list[str]:
+  """Absolute paths of `split`'s shards in meta.json's order."""
+  root = os.path.abspath(os.path.expanduser(path))
+  return [os.path.join(root, name) for name in meta(path)['splits'][split]['shards']]
+
+
+def bytes_per_token(path: str) -> float:
+  """Validation UTF-8 bytes / validation tokens (end-of-document ids included)."""
+  info = meta(path)['splits']['validation']
+  return info['bytes'] / info['tokens']
+
+
+def decode(record: bytes) -> np.ndarray:
+  """One record -> its uint32 token ids (the document's, then the end-of-document id)."""
+  return np.frombuffer(record, DTYPE)
+
+
+def source(path: str, split: str) -> grain.sources.ArrayRecordDataSource:
+  """Random access to `split`'s records over all its shards (one index space, shard order)."""
+  return grain.sources.ArrayRecordDataSource(shard_paths(path, split))
+
+
+@functools.lru_cache(maxsize=4)
+def _split_tokens(root: str, split: str) -> np.ndarray:
+  src = source(root, split)
+  parts = [decode(src[i]) for i in range(len(src))]
+  return np.concatenate(parts) if parts else np.zeros((0,), DTYPE)
+
+
+def split_tokens(path: str, split: str) -> np.ndarray:
+  """All of `split`'s documents concatenated in record order (uint32; for validation-sized
+  splits: it is read into memory)."""
+  return _split_tokens(os.path.abspath(os.path.expanduser(path)), split)
+
+
+def segment_ids(windows_BW: np.ndarray, eod_id: int) -> np.ndarray:
+  """int32 document index of every token within its window: the number of end-of-document ids
+  strictly before it (an end-of-document id belongs to the document it ends)."""
+  eod_BW = (np.asarray(windows_BW) == eod_id).astype(np.int32)
+  return np.cumsum(eod_BW, axis=-1, dtype=np.int32) - eod_BW
+
+
+class _PackIterator(grain.DatasetIterator):
+  """Concatenates the parent's documents and yields windows of `window` tokens (no overlap)."""
+
+  def __init__(self, parent: grain.DatasetIterator, window: int):
+    super().__init__(parent)
+    self._window = window
+    self._doc_state = parent.get_state()   # the parent's state before `_doc` was read
+    self._doc, self._offset, self._has_doc = np.zeros((0,), DTYPE), 0, False
+
+  def __next__(self) -> np.ndarray:
+    out_W = np.empty((self._window,), DTYPE)
+    filled = 0
+    while filled < self._window:
+      if self._offset == len(self._doc):
+        self._doc_state = self._parent.get_state()
+        self._doc, self._offset, self._has_doc = next(self._parent), 0, True
+      n = min(self._window - filled, len(self._doc) - self._offset)
+      out_W[filled:filled + n] = self._doc[self._offset:self._offset + n]
+      filled += n
+      self._offset += n
+    return out_W
+
+  def get_state(self) -> dict[str, Any]:
+    return {'doc_state': self._doc_state, 'offset': self._offset, 'has_doc': self._has_doc}
+
+  def set_state(self, state: dict[str, Any]) -> None:
+    self._parent.set_state(state['doc_state'])
+    self._doc_state, self._offset = state['doc_state'], int(state['offset'])
+    self._has_doc = bool(state['has_doc'])
+    self._doc = next(self._parent) if self._has_doc else np.zeros((0,), DTYPE)
+
+
+class PackDataset(grain.IterDataset):
+  """`parent` (an IterDataset of 1-D uint32 documents) packed into windows of `window` tokens."""
+
+  def __init__(self, parent: grain.IterDataset, window: int):
+    super().__init__(parent)
+    self._window = window
+
+  def __iter__(self) -> _PackIterator:
+    return _PackIterator(self._parent.__iter__(), self._window)
+
+
+class _ToBatch(grain.transforms.Map):
+  """uint32 (B, W) windows -> int32 tokens, or {'tokens', 'segment_ids'} with the segment mask."""
+
+  def __init__(self, eod_id: int | None):
+    self._eod_id = eod_id
+
+  def map(self, windows_BW: np.ndarray) -> Any:
+    tokens_BW = np.asarray(windows_BW, np.int32)
+    if self._eod_id is None:
+      return tokens_BW
+    return {'tokens': tokens_BW, 'segment_ids': segment_ids(windows_BW, self._eod_id)}
+
+
+def train_dataset(path: str, seq_len: int, local_batch: int, seed: int, process_index: int = 0,
+                  process_count: int = 1, segment_mask: bool = False) -> grain.IterDataset:
+  """Endless batches (local_batch, seq_len + 1) of this process's packed slice (module doc)."""
+  docs = (grain.MapDataset.source(source(path, 'train'))[process_index::process_count]
+          .shuffle(seed=seed)
+          .repeat()
+          .map(decode))
+  # One record read per document; reading threads only add GIL churn at these sizes.
+  it_ds = docs.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
+  eod_id = meta(path)['eod_id'] if segment_mask else None
+  return (PackDataset(it_ds, seq_len + 1)
+          .batch(local_batch, drop_remainder=True)
+          .map(_ToBatch(eod_id)))
+
+
+def write_split(path: str, split: str, documents: Sequence[Sequence[int]], eod_id: int,
+                num_shards: int = 1) -> dict[str, Any]:
+  """Writes `documents` (token-id lists, without the end-of-document id) as `split`'s shards
+  under `path`, in contiguous runs: shard s of n holds documents [s*N/n, (s+1)*N/n). Returns the
+  split's meta.json entry without `bytes` (the caller knows the text). For fixtures and
+  benchmarks; real corpora use `python -m sharenet.data.prepare`."""
+  from array_record.python.array_record_module import ArrayRecordWriter
+  os.makedirs(path, exist_ok=True)
+  names, tokens = [], 0
+  bounds = np.linspace(0, len(documents), num_shards + 1).astype(int)
+  for s in range(num_shards):
+    name = f'{split}-{s:05d}-of-{num_shards:05d}.array_record'
+    writer = ArrayRecordWriter(os.path.join(path, name), 'group_size:1')
+    for doc in documents[bounds[s]:bounds[s + 1]]:
+      record = np.asarray(list(doc) + [eod_id], DTYPE)
+      tokens += len(record)
+      writer.write(record.tobytes())
+    writer.close()
+    names.append(name)
+  return {'shards': names, 'documents': len(documents), 'tokens': tokens}
+
+
+def write_meta(path: str, splits: dict[str, dict[str, Any]], vocab_size: int, eod_id: int,
+               tokenizer: Any = 'test') -> None:
+  """Writes meta.json for `splits` ({split: write_split's entry plus 'bytes'})."""
+  doc = {'format': FORMAT, 'tokenizer': tokenizer, 'vocab_size': vocab_size, 'eod_id': eod_id,
+         'dtype': 'uint32', 'splits': splits}
+  with open(os.path.join(path, 'meta.json'), 'w') as f:
+    json.dump(doc, f, indent=2)
+  _read_meta.cache_clear()   # a rewritten directory is read anew
+  _split_tokens.cache_clear()
