@@ -30,7 +30,8 @@ _TOP_K = flags.DEFINE_integer('top_k', 0, 'Sample from the k most likely tokens;
 _TOP_P = flags.DEFINE_float('top_p', 1.0, 'Nucleus sampling mass; 1: off.')
 _SEED = flags.DEFINE_integer('seed', 0, 'Sampling seed.')
 _NUM_SAMPLES = flags.DEFINE_integer('num_samples', 1, 'Samples per prompt.')
-_EOS = flags.DEFINE_integer('eos_id', None, 'Stop a sample at this token (byte); default: none.')
+_EOS = flags.DEFINE_integer('eos_id', None, 'Stop a sample at this token id; default: none for '
+                            'byte models, the end-of-document id for arrayrecord shards.')
 
 
 def _prompts() -> list[str]:
@@ -56,20 +57,27 @@ def _prompts() -> list[str]:
 def _generate(overrides) -> None:
   import jax
   from sharenet import generate, workdir_lib
+  from sharenet.data import tokenizer as tokenizer_lib
   prompts = _prompts()
   if _NUM_SAMPLES.value < 1:
     raise ConfigError(f'--num_samples={_NUM_SAMPLES.value} must be >= 1')
   if _TEMPERATURE.value < 0:
     raise ConfigError(f'--temperature={_TEMPERATURE.value} must be >= 0 (0: greedy)')
   loaded = workdir_lib.load_for_generation(_WORKDIR.value, _STEP.value, overrides)
-  batch = [generate.encode(p) for p in prompts for _ in range(_NUM_SAMPLES.value)]
+  tok = loaded.tokenizer
+  byte_level = isinstance(tok, tokenizer_lib.ByteTokenizer)
+  encode = generate.encode if byte_level else (lambda p: [int(t) for t in tok.encode(p)])
+  decode = generate.decode if byte_level else tok.decode
+  # Shards end every document with the end-of-document id: a sample stops there by default.
+  eos = _EOS.value if _EOS.value is not None or byte_level else tok.eod_id
+  batch = [encode(p) for p in prompts for _ in range(_NUM_SAMPLES.value)]
   out = generate.generate(loaded.model, loaded.variables, batch, _MAX_NEW.value,
                           temperature=_TEMPERATURE.value, top_k=_TOP_K.value,
                           top_p=_TOP_P.value, rng=jax.random.key(_SEED.value),
-                          eos_id=_EOS.value)
+                          eos_id=eos)
   for i, tokens in enumerate(out.tokens):
     print(json.dumps({'prompt': prompts[i // _NUM_SAMPLES.value],
-                      'sample': i % _NUM_SAMPLES.value, 'text': generate.decode(tokens),
+                      'sample': i % _NUM_SAMPLES.value, 'text': decode(tokens),
                       'num_tokens': len(tokens), 'step': loaded.step,
                       'tokens_per_sec': round(out.tokens_per_sec, 1),
                       'compile_sec': round(out.compile_seconds, 2)}))

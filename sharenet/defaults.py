@@ -109,8 +109,9 @@ def default_config() -> ml_collections.ConfigDict:
   d.bin_dtype = 'uint16'      # bin token ids: uint16 (nanoGPT) | uint32
   d.seed = -1                 # shuffle seed; -1 -> train.seed
   d.num_workers = 0
-  d.tokenizer = 'bytes'       # bytes | sentencepiece:PATH | hf:PATH (sharenet/data/tokenizer.py);
-                              # the tokenizer of prepared shards (python -m sharenet.data.prepare)
+  d.tokenizer = 'auto'        # auto | bytes | sentencepiece:PATH | hf:PATH: the data's tokenizer
+                              # (sharenet/data/tokenizer.py for_data): auto = bytes for stdlib /
+                              # text, the shards' own for arrayrecord, none for bin
   d.segment_mask = False      # arrayrecord: batches carry segment ids, attention stays within
                               # each packed document (sharenet/data/arrayrecord.py)
 

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
+from sharenet.data import tokenizer as tokenizer_lib
 from sharenet import checkpoint, data, defaults, eval_lib, optim, resume, sharding, train_lib
 from sharenet.errors import ConfigError
 from sharenet.models import DecoderLM, ModelConfig
@@ -103,23 +104,27 @@ class ForGeneration(NamedTuple):
   variables: Any
   config: ml_collections.ConfigDict
   step: int
+  tokenizer: Any   # data/tokenizer.py Tokenizer: encodes prompts, decodes samples
 
 
 def load_for_generation(workdir: str, step: int | None = None,
                         overrides: dict[str, Any] | None = None) -> ForGeneration:
   """Restores the latest (or `step`) checkpoint for generation (eval.py --prompt).
 
-  Generation decodes bytes, so a model trained on a token corpus (data.source=bin, whose
-  tokenizer the workdir does not record) is a ConfigError.
+  Prompts and samples go through the data's tokenizer (data/tokenizer.py for_data: bytes, or
+  the shards' own for arrayrecord); a model trained on `bin` token ids needs
+  --config.data.tokenizer=hf:PATH (or sentencepiece:PATH) to name it, else a ConfigError.
   """
   config = load_config(workdir)
   config.update_from_flattened_dict(overrides or {})
-  if data.vocab_size(config.data) is None:
-    raise ConfigError(f'--workdir {workdir} was trained on token ids (data.source=bin) whose '
-                      f'tokenizer is not recorded; generation supports byte-level models')
+  tok = tokenizer_lib.for_data(config.data)
+  if tok is None:
+    raise ConfigError(f'--workdir {workdir} was trained on token ids (data.source=bin) of an '
+                      f'unnamed tokenizer; valid: --config.data.tokenizer=hf:PATH or '
+                      f'sentencepiece:PATH (the tokenizer that made them)')
   state, step, (model, _, pz, tr) = restore_state(config, workdir, step)
   variables = jax.jit(train_lib.effective_params, static_argnums=(1, 2))(state, tr, pz)
-  return ForGeneration(model, variables, config, int(step))
+  return ForGeneration(model, variables, config, int(step), tok)
 
 
 CONVERSIONS = ('rmsnorm', 'crmsnorm', 'recursive')

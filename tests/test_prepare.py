@@ -57,7 +57,8 @@ def test_meta_counts_and_every_document_once(docs_dir, tmp_path):
                          val_fraction=0.3)
   on_disk = json.loads((out / 'meta.json').read_text())
   assert on_disk == {k: v for k, v in meta.items() if k != 'written'}
-  assert set(on_disk) == {'format', 'tokenizer', 'vocab_size', 'eod_id', 'dtype', 'splits'}
+  assert set(on_disk) == {'format', 'tokenizer', 'tokenizer_source', 'vocab_size', 'eod_id',
+                          'dtype', 'splits'}
   assert (on_disk['format'], on_disk['tokenizer'], on_disk['vocab_size'], on_disk['eod_id'],
           on_disk['dtype']) == ('sharenet-arrayrecord-v1', 'bytes', 257, 256, 'uint32')
   seen = {}
@@ -103,7 +104,11 @@ def test_hf_tokenized_records_decode_to_the_documents(docs_dir, tmp_path):
   tok = tokenizer_lib.load(spec)
   meta = prepare.prepare(f'{root}/**/*.txt', spec, str(tmp_path / 'out'), shards=2,
                          val_fraction=0.3)
-  assert (meta['tokenizer'], meta['vocab_size'], meta['eod_id']) == (spec, 300, tok.eod_id)
+  assert (meta['tokenizer'], meta['tokenizer_source'], meta['vocab_size'], meta['eod_id']) == (
+      'hf:tokenizer.json', spec, 300, tok.eod_id)
+  # The shard directory carries its own copy of the tokenizer, named relative to it.
+  own = tokenizer_lib.load(meta['tokenizer'], base_dir=str(tmp_path / 'out'))
+  assert own.encode("def f(x):\n  return x").tolist() == tok.encode('def f(x):\n  return x').tolist()
   texts = []
   for info in meta['splits'].values():
     for name in info['shards']:

@@ -172,3 +172,35 @@ def test_train_tokenizer_cli_rejects_a_vocab_without_merges(tmp_path):
   assert proc.returncode == 2
   assert proc.stderr.strip() == ('error: --vocab_size=257 must be > 257 (256 bytes, '
                                  '<|endoftext|> and at least one merge)')
+
+
+def test_the_data_names_its_tokenizer(hf_path, tmp_path):
+  """data.tokenizer=auto follows the data; an explicit value must agree with it."""
+  import ml_collections
+  from sharenet.data import prepare, tokenizer as tokenizer_lib
+  from sharenet.errors import ConfigError
+  docs = tmp_path / 'docs'
+  docs.mkdir()
+  for i in range(4):
+    (docs / f'{i}.txt').write_text(f'document {i}: ' + TRAIN_TEXT[:200])
+  out = tmp_path / 'shards'
+  prepare.prepare(f'{docs}/*.txt', f'hf:{hf_path}', str(out), shards=2, val_fraction=0.3)
+
+  def data(source, path='', spec='auto'):
+    return ml_collections.ConfigDict({'source': source, 'path': path, 'tokenizer': spec})
+
+  shards = tokenizer_lib.for_data(data('arrayrecord', str(out)))
+  assert shards.spec == 'hf:tokenizer.json'   # the shard directory's own copy
+  assert shards.encode(TRAIN_TEXT[:80]).tolist() == \
+      tokenizer_lib.load(f'hf:{hf_path}').encode(TRAIN_TEXT[:80]).tolist()
+  assert tokenizer_lib.for_data(data('arrayrecord', str(out), 'hf:tokenizer.json')).vocab_size \
+      == shards.vocab_size
+  assert isinstance(tokenizer_lib.for_data(data('stdlib')), tokenizer_lib.ByteTokenizer)
+  assert tokenizer_lib.for_data(data('bin', 'x.bin')) is None
+  assert tokenizer_lib.for_data(data('bin', 'x.bin', f'hf:{hf_path}')).vocab_size == \
+      shards.vocab_size
+  for bad, match in ((data('arrayrecord', str(out), 'bytes'), 'contradicts the shards'),
+                     (data('stdlib', spec=f'hf:{hf_path}'), 'is read as UTF-8 bytes')):
+    with pytest.raises(ConfigError, match=match) as e:
+      tokenizer_lib.data_spec(bad)
+    assert '\n' not in str(e.value)

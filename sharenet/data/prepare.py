@@ -46,6 +46,7 @@ import hashlib
 import json
 import multiprocessing
 import os
+import shutil
 import sys
 from typing import Any, Callable
 
@@ -116,6 +117,17 @@ def _fingerprint(input_glob: str, spec: str, root: str, docs: dict[str, list[str
           'tokenizer_file_sha256': _file_digest(os.path.expanduser(tok_path)) if tok_path else '',
           'documents_sha256': listing.hexdigest(), 'shards': shards, 'val_shards': val_shards,
           'val_fraction': val_fraction if input_glob != 'stdlib' else None}
+
+
+def _copy_tokenizer(spec: str, out: str) -> str:
+  """The shards' tokenizer spec, relative to `out`: a file tokenizer is copied into it, so the
+  directory stands alone wherever it is mounted (tokenizer.load resolves it against `out`)."""
+  kind, _, path = spec.partition(':')
+  if spec == 'bytes':
+    return spec
+  name = 'tokenizer.json' if kind == 'hf' else 'tokenizer.model'
+  shutil.copyfile(os.path.expanduser(path), os.path.join(out, name))
+  return f'{kind}:{name}'
 
 
 # Worker side: each process loads the tokenizer once (spawned, so nothing forked from a parent
@@ -223,7 +235,8 @@ def prepare(input_glob: str, spec: str, out: str, shards: int = 8, val_shards: i
         pool.terminate()
         pool.join()
 
-  meta = {'format': FORMAT, 'tokenizer': spec, 'vocab_size': tok.vocab_size,
+  meta = {'format': FORMAT, 'tokenizer': _copy_tokenizer(spec, out),
+          'tokenizer_source': spec, 'vocab_size': tok.vocab_size,
           'eod_id': tok.eod_id, 'dtype': 'uint32', 'splits': {}}
   for split in SPLITS:
     names = [name for s, name, _ in plan if s == split]

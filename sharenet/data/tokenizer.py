@@ -163,9 +163,10 @@ class SentencePieceTokenizer(Tokenizer):
     return self._sp.decode(ids)
 
 
-def load(spec: str, name: str = 'data.tokenizer') -> Tokenizer:
+def load(spec: str, name: str = 'data.tokenizer', base_dir: str | None = None) -> Tokenizer:
   """The tokenizer for `data.tokenizer` = bytes | sentencepiece:PATH | hf:PATH; errors name the
-  setting as `name` (e.g. '--tokenizer' on a command line)."""
+  setting as `name` (e.g. '--tokenizer' on a command line). A relative PATH is relative to
+  `base_dir` when given (a shard directory's meta.json names its own copy)."""
   if not isinstance(spec, str) or not spec:
     raise _bad(str(spec), 'empty or not a string', name)
   if spec == 'bytes':
@@ -176,6 +177,42 @@ def load(spec: str, name: str = 'data.tokenizer') -> Tokenizer:
   if not path:
     raise _bad(spec, f'{kind}: needs a file path', name)
   path = os.path.expanduser(path)
+  if base_dir is not None and not os.path.isabs(path):
+    path = os.path.join(base_dir, path)
   if not os.path.isfile(path):
     raise _bad(spec, f'no such file {path}', name)
   return (HFTokenizer if kind == 'hf' else SentencePieceTokenizer)(spec, path, name)
+
+
+def data_spec(data_cfg: Any) -> tuple[str | None, str | None]:
+  """(spec, base_dir) of a run's tokenizer, without loading it; ConfigError on a contradiction.
+
+  `data.tokenizer` = auto (default) takes what the data implies: bytes for the byte sources
+  (stdlib, text), the shards' own tokenizer for arrayrecord (meta.json, a path relative to the
+  shard directory), and none for `bin` (token ids of an unknown tokenizer: name it, e.g.
+  hf:PATH, to generate from such a model). An explicit value that contradicts the data is a
+  ConfigError. Training never needs the tokenizer; generation does (`for_data`).
+  """
+  from sharenet.data import corpus   # here: corpus imports the pipeline's modules
+  spec = corpus.get_field(data_cfg, 'tokenizer') or 'auto'
+  source, path = corpus.source_and_path(data_cfg)
+  if source == 'arrayrecord':
+    from sharenet.data import arrayrecord
+    shards = arrayrecord.meta(path)['tokenizer']
+    if spec not in ('auto', shards):
+      raise ConfigError(f'data.tokenizer={spec!r} contradicts the shards in data.path={path!r}, '
+                        f'which were tokenized with {shards!r}; valid: auto or {shards!r}')
+    return shards, os.path.expanduser(path)
+  if source == 'bin':
+    return (None if spec == 'auto' else spec), None
+  if spec not in ('auto', 'bytes'):
+    raise ConfigError(f'data.tokenizer={spec!r}: data.source={source!r} is read as UTF-8 bytes; '
+                      f'valid: auto or bytes (tokenize text with python -m '
+                      f'sharenet.data.prepare and train on data.source=arrayrecord)')
+  return 'bytes', None
+
+
+def for_data(data_cfg: Any) -> Tokenizer | None:
+  """The loaded tokenizer of a run's data (see `data_spec`), or None for unnamed `bin` ids."""
+  spec, base_dir = data_spec(data_cfg)
+  return None if spec is None else load(spec, 'data.tokenizer', base_dir=base_dir)
