@@ -141,11 +141,12 @@ def empty_slots(model: DecoderLM, batch: int, num_positions: int, max_new_tokens
                jnp.zeros((batch,), bool), jnp.zeros((batch, max_new_tokens), jnp.int32), zi, zi)
 
 
-def _loop_one(model: DecoderLM, block_params: Any, num_sets: int, h_D, depth, pos, k_LSKD,
-              v_LSKD, key_pos_S):
-  """One sequence, one loop (K blocks) at loop `depth` for the token at `pos` (vmapped)."""
+def _loop_one(model: DecoderLM, block_params: Any, num_sets: int, h_D, depth, pos, run,
+              k_LSKD, v_LSKD, key_pos_S):
+  """One sequence, one loop (K blocks) at loop `depth` for the token at `pos` (vmapped over the
+  slots). A slot that does not `run` keeps its cache; only the token's column is written."""
   cfg = model.cfg.segment_cfg(model.cfg.plan.segments[0])
-  key_pos_S = key_pos_S.at[pos].set(pos)
+  key_pos_S = jnp.where(run, key_pos_S.at[pos].set(pos), key_pos_S)
   step = DecodeStep(pos, pos[None, None], key_pos_S[None])
   start = depth * num_sets
   k_KSKD = jax.lax.dynamic_slice_in_dim(k_LSKD, start, num_sets, axis=0)
@@ -158,20 +159,26 @@ def _loop_one(model: DecoderLM, block_params: Any, num_sets: int, h_D, depth, po
     return x_11D, (cache.k_BSKD[0], cache.v_BSKD[0])
 
   x_11D, (k_KSKD, v_KSKD) = jax.lax.scan(body, h_D[None, None], (block_params, k_KSKD, v_KSKD))
-  k_LSKD = jax.lax.dynamic_update_slice_in_dim(k_LSKD, k_KSKD, start, axis=0)
-  v_LSKD = jax.lax.dynamic_update_slice_in_dim(v_LSKD, v_KSKD, start, axis=0)
-  return x_11D[0, 0], k_LSKD, v_LSKD, key_pos_S
+
+  def write(kv_LSKD, new_KSKD):
+    at = (start, pos, 0, 0)
+    old_K1KD = jax.lax.dynamic_slice(kv_LSKD, at, (num_sets, 1) + kv_LSKD.shape[2:])
+    new_K1KD = jax.lax.dynamic_slice_in_dim(new_KSKD, pos, 1, axis=1)
+    return jax.lax.dynamic_update_slice(kv_LSKD, jnp.where(run, new_K1KD, old_K1KD), at)
+
+  return x_11D[0, 0], write(k_LSKD, k_KSKD), write(v_LSKD, v_KSKD), key_pos_S
 
 
-def _copy_deeper(kv_LSKD, depth, pos, num_sets: int):
-  """Fills the cache of the loops after `depth` at `pos` with loop `depth`'s entries."""
+def _copy_deeper(kv_LSKD, depth, pos, exited, num_sets: int):
+  """If `exited`: fills the cache of the loops after `depth` at `pos` with loop `depth`'s."""
   L = kv_LSKD.shape[0]
-  col_LKD = kv_LSKD[:, pos]
+  at = (0, pos, 0, 0)
+  col_L1KD = jax.lax.dynamic_slice(kv_LSKD, at, (L, 1) + kv_LSKD.shape[2:])
   layer_L = jnp.arange(L)
   src_L = depth * num_sets + layer_L % num_sets
-  filled_LKD = jnp.where((layer_L >= (depth + 1) * num_sets)[:, None, None], col_LKD[src_L],
-                         col_LKD)
-  return kv_LSKD.at[:, pos].set(filled_LKD)
+  deeper_L = exited & (layer_L >= (depth + 1) * num_sets)
+  filled_L1KD = jnp.where(deeper_L[:, None, None, None], col_L1KD[src_L], col_L1KD)
+  return jax.lax.dynamic_update_slice(kv_LSKD, filled_L1KD, at)
 
 
 def _tick(variables, st: Slots, threshold, eos_id, *, model: DecoderLM, sync: bool) -> Slots:
@@ -181,19 +188,16 @@ def _tick(variables, st: Slots, threshold, eos_id, *, model: DecoderLM, sync: bo
   block_params = variables['params']['stack']['segment_0']['level']['block']
   run_B = st.active_B & ~st.hold_B
   loop = jax.vmap(functools.partial(_loop_one, model, block_params, K))
-  h_BD, k, v, key_pos_BS = loop(st.h_BD, st.depth_B, st.pos_B, st.k_BLSKD, st.v_BLSKD,
-                                st.key_pos_BS)
+  h_BD, k_BLSKD, v_BLSKD, key_pos_BS = loop(st.h_BD, st.depth_B, st.pos_B, run_B, st.k_BLSKD,
+                                            st.v_BLSKD, st.key_pos_BS)
   logits_BV = readout(model, variables, h_BD[:, None])[:, 0]
   conf_B = jnp.max(jax.nn.softmax(logits_BV, axis=-1), axis=-1)
   token_B = jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
   confident_B = (conf_B >= threshold) & (threshold < 1.0)
   exit_B = run_B & (confident_B | (st.depth_B == R - 1))
   copy = jax.vmap(functools.partial(_copy_deeper, num_sets=K))
-  k = jnp.where(exit_B[:, None, None, None, None], copy(k, st.depth_B, st.pos_B), k)
-  v = jnp.where(exit_B[:, None, None, None, None], copy(v, st.depth_B, st.pos_B), v)
-  keep5 = run_B[:, None, None, None, None]
-  k_BLSKD, v_BLSKD = jnp.where(keep5, k, st.k_BLSKD), jnp.where(keep5, v, st.v_BLSKD)
-  key_pos_BS = jnp.where(run_B[:, None], key_pos_BS, st.key_pos_BS)
+  k_BLSKD = copy(k_BLSKD, st.depth_B, st.pos_B, exit_B)
+  v_BLSKD = copy(v_BLSKD, st.depth_B, st.pos_B, exit_B)
 
   out_BN = jnp.where(exit_B[:, None] & (jnp.arange(N)[None] == st.count_B[:, None]),
                      token_B[:, None], st.out_BN)
