@@ -1,7 +1,7 @@
 """Inference for recursive (cycle-shared) models: per-sequence early exit after any loop of the
 shared block, and continuous depth-wise batching.
 
-Relaxed Recursive Transformers (Bae et al., arXiv:2410.20672, section 3.3 "Continuous
+Relaxed Recursive Transformers (Bae et al., arXiv:2410.20672, the section on "continuous
 depth-wise batching and early exiting"): a cycle model applies the same K stored sets R times, so
 one "loop" (one pass over the K sets) is the same function at every depth. After each loop the
 shared readout (final norm + unembedding, the model's own) gives exit logits; a sequence whose

@@ -16,9 +16,9 @@ PROMPTS = ([3, 141, 59, 26, 5], [27, 18], [7], [9, 9, 9, 9, 9, 9, 9, 9, 9, 1], [
 NEW = 8
 
 
-def _model(tiny_config, repeats=R, readout_scale=1.0):
+def _model(tiny_config, repeats=R, readout_scale=1.0, **overrides):
   config = tiny_config(**{'model.num_layers': K * repeats, 'model.sharing.scheme': 'cycle',
-                          'model.sharing.num_unique': K})
+                          'model.sharing.num_unique': K, **overrides})
   model = DecoderLM(ModelConfig.from_config(config.model, config.train.seq_len))
   variables = init_variables(model, jax.random.key(0))
   # A sharper readout so that confidences spread over (0, 1) and exits happen at every depth.
@@ -39,6 +39,16 @@ def sharp(tiny_config):
 
 def test_never_exit_is_plain_greedy(cycle):
   model, variables = cycle
+  _never_exit_is_plain_greedy(model, variables)
+
+
+def test_never_exit_is_plain_greedy_flat_learned(tiny_config):
+  """The gathered lowering (same stored sets) and learned positions (the embedding side)."""
+  _never_exit_is_plain_greedy(*_model(tiny_config, **{
+      'model.scan_lowering': 'flat', 'model.position': 'learned', 'model.max_len': 64}))
+
+
+def _never_exit_is_plain_greedy(model, variables):
   plain = gen.generate(model, variables, PROMPTS, NEW, temperature=0).tokens
   out = ri.generate_early_exit(model, variables, PROMPTS, NEW, exit_threshold=1.0)
   assert out.tokens == plain
@@ -55,6 +65,24 @@ def test_always_exit_is_the_one_loop_model(cycle, tiny_config):
   assert out.exit_depths == [1.0] * len(PROMPTS)
   full = gen.generate(model, variables, PROMPTS, NEW, temperature=0).tokens
   assert truncated != full   # the two ends differ, so each comparison could fail
+
+
+def test_first_token_exits_where_the_truncated_readout_is_confident(sharp, tiny_config):
+  """The first new token (no earlier exits in the cache): the exit depth is the first r whose
+  r-loop model (the same sets applied r times, a full uncached forward) puts probability >= 0.9
+  on its argmax, and the token is that argmax (R and the full model's argmax if none does)."""
+  model, variables = sharp
+  truncated = [_model(tiny_config, repeats=r)[0] for r in range(1, R + 1)]
+  depths = set()
+  for p in PROMPTS:
+    for r, m in enumerate(truncated, 1):
+      probs = jax.nn.softmax(m.apply(variables, np.asarray([p], np.int32))[0, -1])
+      if probs.max() >= 0.9 or r == R:
+        break
+    out = ri.generate_early_exit(model, variables, [p], 1, exit_threshold=0.9)
+    assert out.exit_depths == [r] and out.tokens == [[int(np.argmax(probs))]]
+    depths.add(r)
+  assert len(depths) > 1   # the prompts exit at different depths
 
 
 def test_early_exit_batch_equals_each_prompt_alone(sharp):
