@@ -23,12 +23,12 @@ Position limit: learned positions have model.max_len rows; RoPE would extrapolat
 lengths it was trained on, so generation holds every position below model.max_len for both
 (model.position=none has no limit). prompt + max_new_tokens > model.max_len is a ConfigError.
 
-Seam for recursive models (a later task): the decode step `_step` applies every applied layer
-of the plan to every sequence. Early exit (stop recursing once a token's hidden state has
-converged) or depth-wise batching (Mixture-of-Recursions, arXiv:2507.10524: different tokens at
-different recursion depths in one batch) would replace `_step` with one that scans the shared
-block per recursion with a per-sequence active mask, and would fill the caches of skipped
-applications (e.g. by copying the last computed layer's keys and values).
+Recursive models: the decode step `_step` applies every applied layer of the plan to every
+sequence. sharenet/recursive_inference.py serves cycle models loop by loop instead: per-sequence
+early exit after any loop of the shared block (Relaxed Recursive Transformers, arXiv:2410.20672)
+and continuous depth-wise batching (slots at different loop depths in one batched application of
+the shared block), filling the caches of skipped loops by copying the last computed loop's keys
+and values. With exit_threshold=1.0 it gives this module's greedy tokens.
 """
 from __future__ import annotations
 
