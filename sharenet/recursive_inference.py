@@ -81,7 +81,8 @@ def check_recursive(model: DecoderLM, variables: Any) -> tuple[int, int]:
 
 
 def _stack_replaced(fn):
-  """Intercepts DecoderLM's call of its Stack: `fn(carry, positions, cache, step)` runs instead."""
+  """Intercepts DecoderLM's call of its Stack: `fn(carry, positions, segment_ids, cache, step)`
+  runs instead."""
   def interceptor(next_fun, args, kwargs, context):
     if isinstance(context.module, Stack) and context.method_name == '__call__':
       return fn(*args, **kwargs)
@@ -95,13 +96,14 @@ def embed(model: DecoderLM, variables: Any, tokens_BT: jax.Array,
   B, T = tokens_BT.shape
   captured = []
 
-  def take(carry, positions, cache, step):
+  def take(carry, positions, segment_ids, cache, step):
     captured.append(carry)
     return carry, cache
 
   dummy = KVCache((), jnp.full((B, T), -1, jnp.int32), jnp.zeros((), jnp.int32))
   with _stack_replaced(take):
-    model.apply(variables, tokens_BT, dummy, positions_BT)   # the unused readout is dead code
+    # the unused readout is dead code
+    model.apply(variables, tokens_BT, cache=dummy, positions_BT=positions_BT)
   return captured[0]
 
 
@@ -109,9 +111,9 @@ def readout(model: DecoderLM, variables: Any, h_BTD: jax.Array) -> jax.Array:
   """The shared exit head: the model's final norm and unembedding applied to `h_BTD`."""
   B, T, _ = h_BTD.shape
   dummy = KVCache((), jnp.full((B, T), -1, jnp.int32), jnp.zeros((), jnp.int32))
-  with _stack_replaced(lambda carry, positions, cache, step: (h_BTD, cache)):
-    logits_BTV, _ = model.apply(variables, jnp.zeros((B, T), jnp.int32), dummy,
-                                jnp.zeros((B, T), jnp.int32))
+  with _stack_replaced(lambda carry, positions, segment_ids, cache, step: (h_BTD, cache)):
+    logits_BTV, _ = model.apply(variables, jnp.zeros((B, T), jnp.int32), cache=dummy,
+                                positions_BT=jnp.zeros((B, T), jnp.int32))
   return logits_BTV
 
 
@@ -154,7 +156,7 @@ def _loop_one(model: DecoderLM, block_params: Any, num_sets: int, h_D, depth, po
 
   def body(x_11D, inputs):
     p, k_SKD, v_SKD = inputs
-    x_11D, cache = Block(cfg).apply({'params': p}, x_11D, None,
+    x_11D, cache = Block(cfg).apply({'params': p}, x_11D, None, None,
                                     LayerCache(k_SKD[None], v_SKD[None]), step)
     return x_11D, (cache.k_BSKD[0], cache.v_BSKD[0])
 
@@ -243,7 +245,7 @@ _run_jit = jax.jit(_run, static_argnames=('model', 'sync'))
 def _prefill(variables, tokens_1P, positions_1P, *, model: DecoderLM, num_positions: int):
   """Cached full-depth forward of a right-padded prompt prefix: (k, v) (L, S, Kh, Dh), key_pos."""
   cache = init_cache(model.cfg, 1, num_positions)
-  _, cache = model.apply(variables, tokens_1P, cache, positions_1P)
+  _, cache = model.apply(variables, tokens_1P, cache=cache, positions_BT=positions_1P)
   return cache.layers[0].k_BSKD[:, 0], cache.layers[0].v_BSKD[:, 0], cache.key_positions_BS[0]
 
 
