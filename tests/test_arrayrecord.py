@@ -55,45 +55,63 @@ def _cfg(path, **kw):
   return {'source': 'arrayrecord', 'path': path, **kw}
 
 
-def _stream_docs(path, seq_len, batch, num_batches, pi=0, pc=1, seed=7):
-  """This process's packed token stream cut back into documents (each ending in EOD)."""
+def _row_streams(path, seq_len, batch, num_batches, pi=0, pc=1, seed=7):
+  """Per batch row: (its packed token stream, that stream cut back into documents)."""
   it = data.make_train_iterator(_cfg(path), seq_len, batch * pc, seed, pi, pc)
   windows = [next(it) for _ in range(num_batches)]
   for w in windows:
     assert w.shape == (batch, seq_len + 1) and w.dtype == np.int32
-  stream = np.concatenate([w.reshape(-1) for w in windows])
-  cuts = np.flatnonzero(stream == EOD)
-  docs = [bytes(stream[a + 1:b].astype(np.uint8)).decode()
-          for a, b in zip(np.concatenate([[-1], cuts[:-1]]), cuts)]
-  return stream, docs
+  out = []
+  for r in range(batch):
+    stream = np.concatenate([w[r] for w in windows])
+    cuts = np.flatnonzero(stream == EOD)
+    docs = [bytes(stream[a + 1:b].astype(np.uint8)).decode()
+            for a, b in zip(np.concatenate([[-1], cuts[:-1]]), cuts)]
+    out.append((stream, docs))
+  return out
 
 
 def test_two_processes_read_disjoint_slices_covering_each_epoch(corpus_dir):
   texts = _documents(40)
-  total = sum(len(t.encode()) + 1 for t in texts)
+  batch = 2
   seen = []
   for pi in range(2):
-    # Enough windows for more than two epochs of this process's ~half of the tokens.
-    _, docs = _stream_docs(corpus_dir, 15, 2, math.ceil(1.3 * total / 32), pi, 2)
-    n = 20   # records pi, pi + 2, ...: 20 per process
-    assert sorted(docs[:n]) == sorted(texts[pi::2])           # epoch 1: its slice, once each
-    assert sorted(docs[n:2 * n]) == sorted(texts[pi::2])      # epoch 2: again, once each
-    assert docs[:n] != docs[n:2 * n]                          # reshuffled
-    seen += docs[:n]
-  assert sorted(seen) == sorted(texts)                        # disjoint, union = every document
+    mine = texts[pi::2]          # records pi, pi + 2, ...: 20 per process
+    longest = max(sum(len(t.encode()) + 1 for t in mine[r::batch]) for r in range(batch))
+    # Enough windows for more than two epochs of the longest row.
+    rows = _row_streams(corpus_dir, 15, batch, math.ceil(2.2 * longest / 16), pi, 2)
+    for r, (_, docs) in enumerate(rows):
+      own = mine[r::batch]       # row r packs documents r, r + B, ... of the process's slice
+      n = len(own)
+      assert sorted(docs[:n]) == sorted(own)              # epoch 1: its documents, once each
+      assert sorted(docs[n:2 * n]) == sorted(own)         # epoch 2: again, once each
+      assert docs[:n] != docs[n:2 * n]                    # reshuffled
+      seen += docs[:n]
+  assert sorted(seen) == sorted(texts)                    # disjoint, union = every document
 
 
 def test_packing_keeps_every_token_once_per_epoch(corpus_dir):
   texts = _documents(40)
-  tokens_per_epoch = sum(len(t.encode()) + 1 for t in texts)
-  stream, docs = _stream_docs(corpus_dir, 31, 4, math.ceil(2 * tokens_per_epoch / 128) + 1)
-  # Non-overlapping windows: the stream is the documents concatenated, each token once.
-  epoch = np.concatenate([list(t.encode()) + [EOD] for t in docs[:40]])
-  assert sorted(docs[:40]) == sorted(texts)
-  np.testing.assert_array_equal(stream[:tokens_per_epoch], epoch)
-  assert collections.Counter(stream[:tokens_per_epoch].tolist()) == collections.Counter(
-      np.concatenate([list(t.encode()) + [EOD] for t in texts]).tolist())
-  assert sorted(docs[40:80]) == sorted(texts)   # the next epoch follows without a gap
+  batch = 4
+  per_row = [texts[r::batch] for r in range(batch)]
+  longest = max(sum(len(t.encode()) + 1 for t in own) for own in per_row)
+  rows = _row_streams(corpus_dir, 31, batch, math.ceil(2 * longest / 32) + 1)
+  for own, (stream, docs) in zip(per_row, rows):
+    n = len(own)
+    tokens_per_epoch = sum(len(t.encode()) + 1 for t in own)
+    # Non-overlapping windows: the row's stream is its documents concatenated, each token once.
+    epoch = np.concatenate([list(t.encode()) + [EOD] for t in docs[:n]])
+    assert sorted(docs[:n]) == sorted(own)
+    np.testing.assert_array_equal(stream[:tokens_per_epoch], epoch)
+    assert sorted(docs[n:2 * n]) == sorted(own)   # the next epoch follows without a gap
+
+
+def test_a_batch_mixes_documents(corpus_dir):
+  """Rows are separate streams: the first windows of a batch start different documents."""
+  batch = next(data.make_train_iterator(_cfg(corpus_dir), 15, 4, seed=7))
+  # Every document starts 'doc <i>: '; a row's first window starts its first document.
+  firsts = [bytes(row[:8].astype(np.uint8)).decode().split(':')[0] for row in batch]
+  assert all(f.startswith('doc ') for f in firsts) and len(set(firsts)) == 4
 
 
 def test_state_resumes_mid_document(corpus_dir):

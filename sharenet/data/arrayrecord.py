@@ -14,11 +14,14 @@ token that turns bits per token into bits per byte.
 
 Training stream (`train_dataset`): the train records (all shards, in shard order, as one index
 space) are sliced record-wise, process p of P taking records p, p + P, p + 2P, ...: the slices are
-disjoint and together cover every record. Each process shuffles its slice with the data seed
-(reshuffled every epoch by grain's `repeat`), concatenates the documents of that endless sequence
-(each already ends in E) and cuts the token stream into windows of `seq_len + 1` tokens with no
-overlap: every token of an epoch is in exactly one window, and epochs run into each other without
-a gap or a padded window. Packing documents into fixed-length rows this way is the standard
+disjoint and together cover every record. Each of the process's B batch rows is its own packed
+stream over the documents r, r + B, r + 2B, ... of that slice: the row shuffles its documents with
+the data seed (reshuffled every epoch by grain's `repeat`), concatenates them (each already ends
+in E) and cuts the token stream into windows of `seq_len + 1` tokens with no overlap. Every token
+of a row's epoch is in exactly one of its windows, epochs run into each other without a gap or a
+padded window, and a batch holds B different documents (one stream cut into consecutive
+windows would fill a batch with consecutive windows of one long document: correlated rows and a
+much worse model at equal steps). Packing documents into fixed-length rows this way is the standard
 recipe (Raffel et al., "Exploring the Limits of Transfer Learning with a Unified Text-to-Text
 Transformer", arXiv:1910.10683, section 3.1.2; Brown et al., "Language Models are Few-Shot
 Learners", arXiv:2005.14165, section 2.3).
@@ -174,19 +177,26 @@ class _ToBatch(grain.transforms.Map):
     return {'tokens': tokens_BW, 'segment_ids': segment_ids(windows_BW, self._eod_id)}
 
 
+def _stack(rows: tuple[np.ndarray, ...]) -> np.ndarray:
+  return np.stack(rows)
+
+
 def train_dataset(path: str, seq_len: int, local_batch: int, seed: int, process_index: int = 0,
                   process_count: int = 1, segment_mask: bool = False) -> grain.IterDataset:
-  """Endless batches (local_batch, seq_len + 1) of this process's packed slice (module doc)."""
-  docs = (grain.MapDataset.source(source(path, 'train'))[process_index::process_count]
-          .shuffle(seed=seed)
-          .repeat()
-          .map(decode))
-  # One record read per document; reading threads only add GIL churn at these sizes.
-  it_ds = docs.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
+  """Endless batches (local_batch, seq_len + 1): one packed stream per row (module doc)."""
+  slice_ = grain.MapDataset.source(source(path, 'train'))[process_index::process_count]
+  if len(slice_) < local_batch:
+    raise ConfigError(f'data.path={path!r}: process {process_index} has {len(slice_)} train '
+                      f'documents, fewer than its {local_batch} batch rows (one packed stream '
+                      f'per row); valid: a smaller train.batch_size or more documents')
+  rows = []
+  for r in range(local_batch):
+    docs = slice_[r::local_batch].shuffle(seed=seed + 7919 * r).repeat().map(decode)
+    # One record read per document; reading threads only add GIL churn at these sizes.
+    it_ds = docs.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
+    rows.append(PackDataset(it_ds, seq_len + 1))
   eod_id = meta(path)['eod_id'] if segment_mask else None
-  return (PackDataset(it_ds, seq_len + 1)
-          .batch(local_batch, drop_remainder=True)
-          .map(_ToBatch(eod_id)))
+  return grain.experimental.ZipIterDataset(parents=rows).map(_stack).map(_ToBatch(eod_id))
 
 
 def write_split(path: str, split: str, documents: Sequence[Sequence[int]], eod_id: int,

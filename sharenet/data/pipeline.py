@@ -2,7 +2,8 @@
 
 This docstring describes the in-memory sources (stdlib, text, bin). `data.source=arrayrecord`
 streams packed documents instead (sharenet/data/arrayrecord.py) and differs in four ways:
-windows do not overlap (each token is in exactly one window per epoch); each process reads and
+windows do not overlap (each token is in exactly one window per epoch), and each batch row is
+its own packed stream over every B-th document of the process's slice; each process reads and
 packs only its own record slice, slice p of P for the processes holding batch rows
 [p*B/P, (p+1)*B/P) (`sharding.process_rows`), so the global batch, the processes' batches
 concatenated in process order, depends on the process count (a run resumes only with the same
