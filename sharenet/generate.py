@@ -154,6 +154,17 @@ def _aval_key(tree: Any) -> Any:
                         for a in leaves)
 
 
+def check_prompts(cfg: Any, prompts: Sequence[Sequence[int]], eos_id: int | None) -> None:
+  """ConfigError unless every prompt is non-empty token ids of the vocabulary (and eos_id too)."""
+  if eos_id is not None and not 0 <= eos_id < cfg.vocab_size:
+    raise ConfigError(f'eos_id={eos_id} must be a token id in [0, {cfg.vocab_size})')
+  for p in prompts:
+    if len(p) == 0:
+      raise ConfigError('a prompt is empty; valid: at least one token')
+    if min(p) < 0 or max(p) >= cfg.vocab_size:
+      raise ConfigError(f'a prompt has token ids outside [0, vocab_size={cfg.vocab_size})')
+
+
 def validate(cfg: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int,
              temperature: float, top_k: int, top_p: float, eos_id: int | None) -> None:
   """One ConfigError line for settings generation cannot honour."""
@@ -167,13 +178,8 @@ def validate(cfg: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int,
     raise ConfigError(f'top_k={top_k} must be in [0, vocab_size={cfg.vocab_size}] (0: off)')
   if not 0 < top_p <= 1:
     raise ConfigError(f'top_p={top_p} must be in (0, 1] (1: off)')
-  if eos_id is not None and not 0 <= eos_id < cfg.vocab_size:
-    raise ConfigError(f'eos_id={eos_id} must be a token id in [0, {cfg.vocab_size})')
+  check_prompts(cfg, prompts, eos_id)
   for p in prompts:
-    if len(p) == 0:
-      raise ConfigError('a prompt is empty; valid: at least one token')
-    if min(p) < 0 or max(p) >= cfg.vocab_size:
-      raise ConfigError(f'a prompt has token ids outside [0, vocab_size={cfg.vocab_size})')
     if cfg.position != 'none' and len(p) + max_new_tokens > cfg.max_len:
       raise ConfigError(
           f'a prompt of {len(p)} tokens + max_new_tokens={max_new_tokens} exceeds '

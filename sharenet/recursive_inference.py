@@ -52,7 +52,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sharenet.errors import ConfigError
-from sharenet.generate import bucket
+from sharenet.generate import bucket, check_prompts
 from sharenet.models import DecoderLM
 from sharenet.models.attention import DecodeStep, LayerCache
 from sharenet.models.block import Block
@@ -288,13 +288,8 @@ def _validate(model: DecoderLM, variables: Any, prompts, max_new_tokens: int,
     raise ConfigError(f'exit_threshold={exit_threshold} must be in [0, 1] (1: never exit early)')
   if max_new_tokens < 1:
     raise ConfigError(f'max_new_tokens={max_new_tokens} must be >= 1')
-  if eos_id is not None and not 0 <= eos_id < c.vocab_size:
-    raise ConfigError(f'eos_id={eos_id} must be a token id in [0, {c.vocab_size})')
+  check_prompts(c, prompts, eos_id)
   for p in prompts:
-    if len(p) == 0:
-      raise ConfigError('a prompt is empty; valid: at least one token')
-    if min(p) < 0 or max(p) >= c.vocab_size:
-      raise ConfigError(f'a prompt has token ids outside [0, vocab_size={c.vocab_size})')
     if len(p) + max_new_tokens - 1 > num_positions:
       raise ConfigError(f'a prompt of {len(p)} tokens + max_new_tokens={max_new_tokens} needs '
                         f'{len(p) + max_new_tokens - 1} cache positions, have {num_positions}')
