@@ -15,7 +15,6 @@ from absl import flags, logging
 from ml_collections import config_flags
 
 from sharenet import config_lib, defaults
-from sharenet.errors import ConfigError
 
 _WORKDIR = flags.DEFINE_string('workdir', None, 'A train.py workdir.', required=True)
 _STEP = flags.DEFINE_integer('step', None, 'Checkpoint step (default: latest readable).')
@@ -34,53 +33,14 @@ _EOS = flags.DEFINE_integer('eos_id', None, 'Stop a sample at this token id; def
                             'byte models, the end-of-document id for arrayrecord shards.')
 
 
-def _prompts() -> list[str]:
-  if _PROMPT.value is not None and _PROMPT_FILE.value is not None:
-    raise ConfigError('--prompt and --prompt_file are exclusive; pass one')
-  if _PROMPT_FILE.value is not None:
-    try:
-      with open(_PROMPT_FILE.value, encoding='utf-8') as f:
-        prompts = [line.rstrip('\r\n') for line in f]
-    except OSError as e:
-      raise ConfigError(f'--prompt_file {_PROMPT_FILE.value}: {e.strerror}') from None
-    if not prompts:
-      raise ConfigError(f'--prompt_file {_PROMPT_FILE.value} holds no prompt')
-  else:
-    prompts = [_PROMPT.value]
-  for i, p in enumerate(prompts):
-    if not p:
-      where = f' (line {i + 1} of --prompt_file)' if _PROMPT_FILE.value is not None else ''
-      raise ConfigError(f'empty prompt{where}; valid: at least one character')
-  return prompts
-
-
 def _generate(overrides) -> None:
-  import jax
-  from sharenet import generate, workdir_lib
-  from sharenet.data import tokenizer as tokenizer_lib
-  prompts = _prompts()
-  if _NUM_SAMPLES.value < 1:
-    raise ConfigError(f'--num_samples={_NUM_SAMPLES.value} must be >= 1')
-  if _TEMPERATURE.value < 0:
-    raise ConfigError(f'--temperature={_TEMPERATURE.value} must be >= 0 (0: greedy)')
-  loaded = workdir_lib.load_for_generation(_WORKDIR.value, _STEP.value, overrides)
-  tok = loaded.tokenizer
-  byte_level = isinstance(tok, tokenizer_lib.ByteTokenizer)
-  encode = generate.encode if byte_level else (lambda p: [int(t) for t in tok.encode(p)])
-  decode = generate.decode if byte_level else tok.decode
-  # Shards end every document with the end-of-document id: a sample stops there by default.
-  eos = _EOS.value if _EOS.value is not None or byte_level else tok.eod_id
-  batch = [encode(p) for p in prompts for _ in range(_NUM_SAMPLES.value)]
-  out = generate.generate(loaded.model, loaded.variables, batch, _MAX_NEW.value,
-                          temperature=_TEMPERATURE.value, top_k=_TOP_K.value,
-                          top_p=_TOP_P.value, rng=jax.random.key(_SEED.value),
-                          eos_id=eos)
-  for i, tokens in enumerate(out.tokens):
-    print(json.dumps({'prompt': prompts[i // _NUM_SAMPLES.value],
-                      'sample': i % _NUM_SAMPLES.value, 'text': decode(tokens),
-                      'num_tokens': len(tokens), 'step': loaded.step,
-                      'tokens_per_sec': round(out.tokens_per_sec, 1),
-                      'compile_sec': round(out.compile_seconds, 2)}))
+  from sharenet import workdir_lib
+  prompts = workdir_lib.read_prompts(_PROMPT.value, _PROMPT_FILE.value)
+  for row in workdir_lib.generate_from_workdir(
+      _WORKDIR.value, _STEP.value, overrides, prompts, max_new_tokens=_MAX_NEW.value,
+      temperature=_TEMPERATURE.value, top_k=_TOP_K.value, top_p=_TOP_P.value,
+      seed=_SEED.value, num_samples=_NUM_SAMPLES.value, eos_id=_EOS.value):
+    print(json.dumps(row))
 
 
 def main(argv):

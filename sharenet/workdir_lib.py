@@ -127,6 +127,58 @@ def load_for_generation(workdir: str, step: int | None = None,
   return ForGeneration(model, variables, config, int(step), tok)
 
 
+def read_prompts(prompt: str | None, prompt_file: str | None) -> list[str]:
+  """eval.py's --prompt or --prompt_file (one prompt per line) as a list; ConfigError if empty."""
+  if prompt is not None and prompt_file is not None:
+    raise ConfigError('--prompt and --prompt_file are exclusive; pass one')
+  if prompt_file is not None:
+    try:
+      with open(prompt_file, encoding='utf-8') as f:
+        prompts = [line.rstrip('\r\n') for line in f]
+    except OSError as e:
+      raise ConfigError(f'--prompt_file {prompt_file}: {e.strerror}') from None
+    if not prompts:
+      raise ConfigError(f'--prompt_file {prompt_file} holds no prompt')
+  else:
+    prompts = [prompt]
+  for i, p in enumerate(prompts):
+    if not p:
+      where = f' (line {i + 1} of --prompt_file)' if prompt_file is not None else ''
+      raise ConfigError(f'empty prompt{where}; valid: at least one character')
+  return prompts
+
+
+def generate_from_workdir(workdir: str, step: int | None, overrides: dict[str, Any],
+                          prompts: list[str], *, max_new_tokens: int, temperature: float,
+                          top_k: int, top_p: float, seed: int, num_samples: int,
+                          eos_id: int | None) -> list[dict[str, Any]]:
+  """eval.py --prompt: `num_samples` continuations of every prompt, one JSON-able row each.
+
+  Prompts are encoded and samples decoded with the data's tokenizer; byte models show invalid
+  UTF-8 as \\xNN; shards' models stop at the end-of-document id unless `eos_id` is given.
+  """
+  from sharenet import generate
+  if num_samples < 1:
+    raise ConfigError(f'--num_samples={num_samples} must be >= 1')
+  if temperature < 0:
+    raise ConfigError(f'--temperature={temperature} must be >= 0 (0: greedy)')
+  loaded = load_for_generation(workdir, step, overrides)
+  tok = loaded.tokenizer
+  byte_level = isinstance(tok, tokenizer_lib.ByteTokenizer)
+  encode = generate.encode if byte_level else (lambda p: [int(t) for t in tok.encode(p)])
+  decode = generate.decode if byte_level else tok.decode
+  eos = eos_id if eos_id is not None or byte_level else tok.eod_id
+  batch = [encode(p) for p in prompts for _ in range(num_samples)]
+  out = generate.generate(loaded.model, loaded.variables, batch, max_new_tokens,
+                          temperature=temperature, top_k=top_k, top_p=top_p,
+                          rng=jax.random.key(seed), eos_id=eos)
+  return [{'prompt': prompts[i // num_samples], 'sample': i % num_samples,
+           'text': decode(tokens), 'num_tokens': len(tokens), 'step': loaded.step,
+           'tokens_per_sec': round(out.tokens_per_sec, 1),
+           'compile_sec': round(out.compile_seconds, 2)}
+          for i, tokens in enumerate(out.tokens)]
+
+
 CONVERSIONS = ('rmsnorm', 'crmsnorm', 'recursive')
 
 
