@@ -115,3 +115,19 @@ def test_crms_isotropic_init_makes_the_implied_coordinate_one_of_many():
   target = np.eye(n + 1) - 1 / (n + 1)
   assert np.abs(np.diag(cov) - np.diag(target)).max() < 0.05          # every coordinate alike
   assert np.abs(cov - target).max() < 0.05
+
+
+def test_a_run_stopped_by_sigterm_ends_the_study_without_a_row(tmp_path, monkeypatch, capsys):
+  """train_and_evaluate returns without eval results after a SIGTERM (checkpoint saved): the study
+  exits with one line and records nothing, so a rerun resumes the cell instead of skipping it."""
+  from sharenet import train_lib
+  monkeypatch.setattr(train_lib, 'train_and_evaluate', lambda config, workdir: {'loss': 1.5})
+  out = str(tmp_path / 'study')
+  config = common.with_overrides(
+      norm_study_config.get_config(),
+      {**TINY, 'study.schemes': 'cycle', 'study.variants': 'dyt', 'study.seeds': '0'})
+  with pytest.raises(SystemExit) as stop:
+    norm_study.main(config, out)
+  assert stop.value.code == 143
+  assert 'stopped before its final evaluation (SIGTERM)' in capsys.readouterr().err
+  assert not os.path.exists(os.path.join(out, 'norm_study.json'))

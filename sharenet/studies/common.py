@@ -51,6 +51,17 @@ def parse_variant(spec: str) -> tuple[str, dict[str, Any]]:
   return spec, out
 
 
+def completed(res: dict[str, Any], workdir: str) -> dict[str, Any]:
+  """`res` of train_lib.train_and_evaluate if the run reached its final evaluation; a run stopped
+  early (SIGTERM: checkpoint saved, no eval) exits the study with one line instead of recording
+  a row without results. Rerunning the same command resumes it from its checkpoint."""
+  if 'eval_loss' not in res:
+    print(f'sharenet: {workdir} stopped before its final evaluation (SIGTERM); checkpoint kept, '
+          f'rerun the same command to resume', file=sys.stderr, flush=True)
+    raise SystemExit(143)
+  return res
+
+
 def fixed_batch(data_cfg: Any, batch: int, seq_len: int, seed: int = 0) -> np.ndarray:
   """`batch` windows of seq_len + 1 tokens at random (seeded) offsets of the train split."""
   train, _ = data.load_splits(data_cfg)

@@ -94,7 +94,7 @@ def run_one(config: Any, kind: str, workdir: str) -> dict[str, Any]:
     infos = param_table(exp.model.cfg)
     row = {'init': kind, 'ratios': {0: ratios(init(exp.model, jax.random.key(config.train.seed)),
                                               infos)}}
-    res = train_lib.train_and_evaluate(config, workdir)
+    res = common.completed(train_lib.train_and_evaluate(config, workdir), workdir)
   row['eval_bits_per_byte'] = res['eval_bits_per_byte']
   every = config.train.checkpoint_every
   for step in range(every, config.train.steps + 1, every):

@@ -76,7 +76,7 @@ def run_one(base: Any, scheme: str, variant: str, out: str, seed: int) -> dict[s
   row = {'scheme': scheme, 'variant': variant, 'seed': seed, 'kind': VARIANTS[variant][0],
          'steps': config.train.steps}
   try:
-    res = train_lib.train_and_evaluate(config, workdir)
+    res = common.completed(train_lib.train_and_evaluate(config, workdir), workdir)
     row.update(status='ok', eval_bits_per_byte=res.get('eval_bits_per_byte'),
                eval_loss=res.get('eval_loss'), final_loss=res.get('loss'))
     if not row['eval_loss'] <= math.log(config.model.vocab_size) + 1.0:
