@@ -1,0 +1,188 @@
+"""sharenet's train step side by side with a PyTorch eager GPT of the same shape and FLOPs.
+
+Command: python -m benchmarks.peer_compare [--config.torch_python=PATH/TO/venv/bin/python]
+             [--config.widths=256,512] [--config.out=benchmarks/results/peer_compare.json]
+Runtime: ~10 min on the 2-core CPU (defaults). torch is not a sharenet dependency: the
+reference (benchmarks/torch_reference.py) runs as a worker subprocess under
+`--config.torch_python` (default: this interpreter, if it can import torch); without torch the
+script measures sharenet alone and says so.
+
+Shape (the issue's): byte vocabulary, 8 layers, d_model/64 heads, SwiGLU with mlp 3 x d_model,
+seq 256, batch 8, float32, AdamW. The two models' FLOPs per token (sharenet:
+models/accounting.py; reference: the same count over its modules) must agree within 2 %, or
+the script stops.
+
+Timing is interleaved: each round times `steps` train steps of every sharenet variant (the
+untied model under each remat in `remats`), then `steps` of the reference, so slow drift of the
+machine hits both alike; each side's matmul rate (float32 2048^3, jnp.dot and torch.matmul) is
+measured in the same run. Reported per width: tokens/s (median over rounds; sharenet at its
+fastest remat), the paired ratio sharenet / reference per round (median and min-max), model
+GFLOP/s and its fraction of each library's matmul rate.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import jax
+import ml_collections
+
+from benchmarks import steps
+from sharenet import config_lib, perf
+
+REFERENCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'torch_reference.py')
+
+
+def options() -> ml_collections.ConfigDict:
+  o = ml_collections.ConfigDict()
+  o.widths = '256,512'           # d_model values, comma list
+  o.layers = 8
+  o.seq_len = 256
+  o.batch = 8
+  o.remats = 'dots_no_batch,dots'   # sharenet remat policies tried; the fastest is reported
+  o.rounds = 5                   # interleaved rounds
+  o.steps = 3                    # timed steps per library per round
+  o.torch_python = ''            # interpreter that can import torch ('' = this one)
+  o.torch_threads = 0            # torch.set_num_threads (0 = torch's default)
+  o.out = ''                     # JSON results file ('' = print only)
+  return o
+
+
+_OPTIONS = config_lib.define_config_dict('config', options(), 'Benchmark options.')
+
+
+class TorchWorker:
+  """benchmarks/torch_reference.py --worker, driven over stdin / stdout."""
+
+  def __init__(self, python: str, d_model: int, layers: int, seq_len: int, batch: int,
+               threads: int):
+    args = [python, REFERENCE, '--worker', f'--d_model={d_model}', f'--layers={layers}',
+            f'--heads={max(1, d_model // 64)}', f'--mlp_dim={3 * d_model}',
+            f'--seq_len={seq_len}', f'--batch={batch}', f'--threads={threads}']
+    self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    self.header = self._read()
+
+  def _read(self) -> dict:
+    line = self.proc.stdout.readline()
+    if not line:
+      raise RuntimeError(f'the PyTorch reference exited (code {self.proc.wait()}); run '
+                         f'{REFERENCE} by hand to see why')
+    return json.loads(line)
+
+  def ask(self, command: str) -> dict:
+    self.proc.stdin.write(command + '\n')
+    self.proc.stdin.flush()
+    return self._read()
+
+  def close(self) -> None:
+    if self.proc.poll() is None:
+      self.proc.stdin.write('quit\n')
+      self.proc.stdin.flush()
+      self.proc.wait(timeout=60)
+
+
+def torch_python(option: str) -> str | None:
+  """The interpreter to run the reference with, or None if it cannot import torch."""
+  python = option or sys.executable
+  ok = subprocess.run([python, '-c', 'import torch'], capture_output=True).returncode == 0
+  if not ok and option:
+    raise SystemExit(f'error: config.torch_python={option!r} cannot import torch; valid: an '
+                     f'interpreter with torch installed (e.g. a separate virtual environment)')
+  return python if ok else None
+
+
+def spread(xs: list[float]) -> tuple[float, float, float]:
+  return statistics.median(xs), min(xs), max(xs)
+
+
+def compare(d: int, args, python: str | None) -> dict:
+  remats = [r for r in args.remats.split(',') if r]
+  variants = {}
+  for remat in remats:
+    v = steps.build(d, 'untied', remat, 'nested', args.seq_len, args.batch, 'float32',
+                         num_layers=args.layers)
+    steps.run_step(v)                                   # warm-up
+    variants[remat] = v
+  flops_tok = next(iter(variants.values()))['flops_tok']
+  worker = None
+  if python:
+    worker = TorchWorker(python, d, args.layers, args.seq_len, args.batch, args.torch_threads)
+    ref_flops = worker.header['flops_per_token']
+    if abs(ref_flops / flops_tok - 1) > 0.02:
+      worker.close()
+      raise SystemExit(f'error: FLOPs per token differ by more than 2 % (sharenet {flops_tok:.4g}, '
+                       f'reference {ref_flops:.4g}); the two models are not the same shape')
+  jax_mm, torch_mm = perf.matmul_peak_flops(), 0.0
+  if worker:
+    torch_mm = worker.ask('matmul')['matmul_flops']
+  rounds = []
+  for _ in range(args.rounds):
+    r = {remat: statistics.median([steps.run_step(v) for _ in range(args.steps)])
+         for remat, v in variants.items()}
+    if worker:
+      r['torch'] = statistics.median(worker.ask(f'steps {args.steps}')['times'])
+    rounds.append(r)
+  jax_mm = max(jax_mm, perf.matmul_peak_flops())
+  if worker:
+    torch_mm = max(torch_mm, worker.ask('matmul')['matmul_flops'])
+    worker.close()
+  tokens = args.batch * args.seq_len
+  best = min(remats, key=lambda m: statistics.median([r[m] for r in rounds]))
+  sn_s = statistics.median([r[best] for r in rounds])
+  row = {'d_model': d, 'layers': args.layers, 'seq_len': args.seq_len, 'batch': args.batch,
+         'flops_per_token': flops_tok, 'sharenet_remat': best,
+         'sharenet_tokens_per_sec': round(tokens / sn_s, 1),
+         'sharenet_tokens_per_sec_by_remat': {m: round(tokens / statistics.median(
+             [r[m] for r in rounds]), 1) for m in remats},
+         'sharenet_gflops': round(tokens / sn_s * flops_tok / 1e9, 1),
+         'jax_matmul_gflops': round(jax_mm / 1e9, 1),
+         'sharenet_fraction_of_matmul': round(tokens / sn_s * flops_tok / jax_mm, 3),
+         'step_ms': {k: [round(1e3 * r[k], 1) for r in rounds] for k in rounds[0]}}
+  if worker:
+    t_s = statistics.median([r['torch'] for r in rounds])
+    med, lo, hi = spread([r['torch'] / r[best] for r in rounds])
+    row.update({'torch_tokens_per_sec': round(tokens / t_s, 1),
+                'torch_gflops': round(tokens / t_s * flops_tok / 1e9, 1),
+                'torch_matmul_gflops': round(torch_mm / 1e9, 1),
+                'torch_fraction_of_matmul': round(tokens / t_s * flops_tok / torch_mm, 3),
+                'ratio': round(med, 3), 'ratio_min_max': [round(lo, 3), round(hi, 3)],
+                'torch': worker.header['torch'], 'torch_threads': worker.header['threads']})
+  return row
+
+
+def main(argv):
+  del argv
+  args = _OPTIONS.value
+  python = torch_python(args.torch_python)
+  if python is None:
+    print('peer_compare: torch is not importable here; measuring sharenet alone (pass '
+          '--config.torch_python=PATH to a python with torch)', file=sys.stderr, flush=True)
+  rows = []
+  for d in [int(w) for w in args.widths.split(',') if w]:
+    rows.append(compare(d, args, python))
+    print(json.dumps(rows[-1]), flush=True)
+  print(f'\n| d_model | sharenet tokens/s (remat) | PyTorch eager tokens/s | sharenet / PyTorch '
+        f'(median, min-max) | model GFLOP/s sharenet / PyTorch | matmul GFLOP/s jax / torch |')
+  print('|---|---|---|---|---|---|')
+  for r in rows:
+    if 'ratio' in r:
+      print(f"| {r['d_model']} | {r['sharenet_tokens_per_sec']:,.0f} ({r['sharenet_remat']}) | "
+            f"{r['torch_tokens_per_sec']:,.0f} | {r['ratio']:.2f}x ({r['ratio_min_max'][0]:.2f}-"
+            f"{r['ratio_min_max'][1]:.2f}) | {r['sharenet_gflops']:.0f} / {r['torch_gflops']:.0f} "
+            f"| {r['jax_matmul_gflops']:.0f} / {r['torch_matmul_gflops']:.0f} |")
+    else:
+      print(f"| {r['d_model']} | {r['sharenet_tokens_per_sec']:,.0f} ({r['sharenet_remat']}) | "
+            f"- | - | {r['sharenet_gflops']:.0f} / - | {r['jax_matmul_gflops']:.0f} / - |")
+  if args.out:
+    os.makedirs(os.path.dirname(args.out) or '.', exist_ok=True)
+    with open(args.out, 'w') as f:
+      json.dump({'device': jax.devices()[0].device_kind, 'date': time.strftime('%Y-%m-%d'),
+                 'rows': rows, 'args': args.to_dict()}, f, indent=2)
+
+
+if __name__ == '__main__':
+  config_lib.run(main)
