@@ -56,8 +56,9 @@ def test_norm_study_workers_sharing_one_out_keep_every_row(tmp_path):
   path = str(tmp_path / 'norm_study.json')
   row = lambda s, v, bpb: {'scheme': s, 'variant': v, 'status': 'ok', 'eval_bits_per_byte': bpb}
   json.dump([row('untied', 'rmsnorm', 2.2)], open(path, 'w'))   # written by the other worker
-  norm_study._append_row(path, row('cycle', 'dyt', 2.3))
-  rows = norm_study._append_row(path, row('untied', 'rmsnorm', 2.1))
+  key = lambda r: norm_study._key(r, 0)
+  common.append_row(path, row('cycle', 'dyt', 2.3), key)
+  rows = common.append_row(path, row('untied', 'rmsnorm', 2.1), key)
   assert sorted((r['scheme'], r['variant'], r['eval_bits_per_byte']) for r in rows) == [
       ('cycle', 'dyt', 2.3), ('untied', 'rmsnorm', 2.1)]
   assert json.load(open(path)) == rows

@@ -62,6 +62,26 @@ def completed(res: dict[str, Any], workdir: str) -> dict[str, Any]:
   return res
 
 
+def append_row(path: str, row: dict[str, Any], key: Callable[[dict[str, Any]], Any]
+               ) -> list[dict[str, Any]]:
+  """Adds `row` to the JSON list at `path` under an exclusive lock, replacing the row with the
+  same `key(row)`, and returns the merged list.
+
+  Several study processes may share one --out (e.g. one pinned to each core with `taskset`, each
+  given its own variants): each re-reads the file under the lock, so no row is lost.
+  """
+  import fcntl
+  with open(path + '.lock', 'w') as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    rows = json.load(open(path)) if os.path.exists(path) else []
+    rows = [r for r in rows if key(r) != key(row)]
+    rows.append(row)
+    with open(path + '.tmp', 'w') as f:
+      json.dump(rows, f, indent=1)
+    os.replace(path + '.tmp', path)
+  return rows
+
+
 def fixed_batch(data_cfg: Any, batch: int, seq_len: int, seed: int = 0) -> np.ndarray:
   """`batch` windows of seq_len + 1 tokens at random (seeded) offsets of the train split."""
   train, _ = data.load_splits(data_cfg)

@@ -176,24 +176,6 @@ def plot(rows: list[dict[str, Any]], out: str, path: str, base_seed: int = 0) ->
   plt.close(fig)
 
 
-def _append_row(path: str, row: dict[str, Any], base_seed: int = 0) -> list[dict[str, Any]]:
-  """Adds `row` to the JSON list at `path` under an exclusive lock and returns the merged list.
-
-  Several study processes may share one --out (e.g. one pinned to each core with `taskset`, each
-  given its own --variants): each re-reads the file under the lock, so no row is lost.
-  """
-  import fcntl
-  with open(path + '.lock', 'w') as lock:
-    fcntl.flock(lock, fcntl.LOCK_EX)
-    rows = json.load(open(path)) if os.path.exists(path) else []
-    rows = [r for r in rows if _key(r, base_seed) != _key(row, base_seed)]
-    rows.append(row)
-    with open(path + '.tmp', 'w') as f:
-      json.dump(rows, f, indent=1)
-    os.replace(path + '.tmp', path)
-  return rows
-
-
 def main(config: Any, out: str) -> int:
   """Runs config.study's schemes x variants not yet in OUT/norm_study.json; 1 if any row is bad."""
   from sharenet.errors import ConfigError
@@ -221,7 +203,7 @@ def main(config: Any, out: str) -> int:
           continue
         row = run_one(base, s, v, out, seed)
         print(json.dumps(row), flush=True)
-        rows = _append_row(path, row, seed0)
+        rows = common.append_row(path, row, lambda r: _key(r, seed0))
   rows = json.load(open(path)) if os.path.exists(path) else rows  # rows other workers added
   with open(os.path.join(out, 'norm_study.md'), 'w') as f:
     f.write(to_markdown(rows, seed0))
