@@ -45,6 +45,10 @@ def default_config() -> ml_collections.ConfigDict:
                               # where the shapes allow, XLA otherwise; pallas on CPU = interpret
   m.attention = 'auto'        # auto | xla | cudnn | pallas: attention back-end; auto follows
                               # model.kernels; cudnn = jax.nn.dot_product_attention on cuDNN (GPU)
+  m.dense_grad = 'auto'       # auto | xla | rows: how dense layers' weight gradients are formed;
+                              # rows = one 2-D matmul x^T g over the flattened rows (what XLA:CPU
+                              # runs without transposing the cotangent, README "CPU speed"), xla =
+                              # jax's own transpose rule; auto = rows on CPU, xla on GPU / TPU
   m.param_dtype = 'float32'
   m.sharing = s = ml_collections.ConfigDict()
   s.scheme = 'untied'         # untied | universal | cycle | sequence | middle_cycle |

@@ -22,6 +22,7 @@ import jax
 from sharenet.errors import ConfigError
 
 KERNELS = ('auto', 'xla', 'pallas')
+DENSE_GRADS = ('auto', 'xla', 'rows')
 ATTENTIONS = ('auto', 'xla', 'cudnn', 'pallas')
 ACCELERATORS = ('gpu', 'tpu')
 
@@ -38,6 +39,14 @@ def use_pallas(kernels: str) -> bool:
   if kernels not in KERNELS:
     raise ConfigError(f'model.kernels={kernels!r} is unknown; valid: {", ".join(KERNELS)}')
   return kernels == 'pallas' or (kernels == 'auto' and backend() in ACCELERATORS)
+
+
+def rows_weight_grad(dense_grad: str) -> bool:
+  """Whether `model.dense_grad` asks for the flattened-rows weight gradient (layers.matmul_rows):
+  `rows`, or `auto` on a CPU, where XLA:CPU otherwise transposes the cotangent in a slow fusion."""
+  if dense_grad not in DENSE_GRADS:
+    raise ConfigError(f'model.dense_grad={dense_grad!r} is unknown; valid: {", ".join(DENSE_GRADS)}')
+  return dense_grad == 'rows' or (dense_grad == 'auto' and backend() == 'cpu')
 
 
 def interpret() -> bool:

@@ -73,7 +73,7 @@ class CausalAttention(nn.Module):
       return Dense((heads, Dh), ('embed',), (axis, 'head_dim'), branch=BRANCH, use=use,
                    lora_rank=rank, lora_scale=c.lora_scale,
                    lora_zero=c.lora_zero, use_bias=c.reader_bias, dtype=dt,
-                   param_dtype=pdt, name=name)
+                   param_dtype=pdt, dense_grad=c.dense_grad, name=name)
 
     q_BTHD = checkpoint_name(proj('q', H, 'heads', 'query')(x_BTD), 'query_proj')
     k_BTKD = checkpoint_name(proj('k', K, 'kv_heads')(x_BTD), 'key_proj')
@@ -160,7 +160,7 @@ class CausalAttention(nn.Module):
     out_BTD = Dense((c.d_model,), ('heads', 'head_dim'), ('embed',), role='writer', branch=BRANCH,
                     lora_rank=rank, lora_scale=c.lora_scale,
                     lora_zero=c.lora_zero, dtype=dt, param_dtype=pdt,
-                    name='o')(out_BTHD)
+                    dense_grad=c.dense_grad, name='o')(out_BTHD)
     sow_l1(self, 'attn_out', out_BTD)
     out_BTD = checkpoint_name(out_BTD, 'out_proj')
     return out_BTD if cache is None else (out_BTD, cache)

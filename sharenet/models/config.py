@@ -6,7 +6,7 @@ from typing import Any, Callable
 
 from sharenet import defaults, sharing
 from sharenet.errors import ConfigError
-from sharenet.kernels import ATTENTIONS, KERNELS
+from sharenet.kernels import ATTENTIONS, DENSE_GRADS, KERNELS
 
 NORMS = ('layernorm', 'rmsnorm', 'crmsnorm', 'scalenorm', 'dyt', 'none')
 PLACEMENTS = ('pre', 'post', 'peri')
@@ -102,6 +102,7 @@ class ModelConfig:
   dtype: str = _key('dtype')
   param_dtype: str = _key('param_dtype')
   kernels: str = _key('kernels')
+  dense_grad: str = _key('dense_grad')
   attention: str = _key('attention')
 
   @property
@@ -140,6 +141,7 @@ class ModelConfig:
     _choice('model.dtype', self.dtype, DTYPES)
     _choice('model.param_dtype', self.param_dtype, DTYPES)
     _choice('model.kernels', self.kernels, KERNELS)
+    _choice('model.dense_grad', self.dense_grad, DENSE_GRADS)
     _choice('model.attention', self.attention, ATTENTIONS)
     for t in self.lora_targets:
       _choice('model.sharing.lora_targets', t, LORA_TARGETS)

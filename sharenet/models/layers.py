@@ -9,6 +9,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from sharenet import kernels as kernel_lib
 from sharenet.params import PER_LAYER, param
 
 
@@ -63,6 +64,33 @@ def _einsum_f32_bwd(subscripts, res, g):
 einsum_f32.defvjp(_einsum_f32_fwd, _einsum_f32_bwd)
 
 
+@jax.custom_vjp
+def matmul_rows(x: jax.Array, w: jax.Array) -> jax.Array:
+  """x (..., i) @ w (i, o), whose weight gradient is one 2-D matmul over the flattened rows:
+  dw = x_(N, i)^T g_(N, o), dx = g w^T.
+
+  The same product and the same gradients as `x @ w` (up to the order of float additions); only
+  the program differs. jax's own transpose rule leaves XLA:CPU a dot whose cotangent operand it
+  lays out transposed, in a loop fusion with the elementwise backward that runs several times
+  slower than the matmul itself (a train step spent ~40 % of its time there: README "CPU speed",
+  benchmarks/peer_compare.py). model.dense_grad selects it (auto: on CPU).
+  """
+  return x @ w
+
+
+def _matmul_rows_fwd(x, w):
+  return x @ w, (x, w)
+
+
+def _matmul_rows_bwd(res, g):
+  x, w = res
+  dw = x.reshape(-1, x.shape[-1]).T @ g.reshape(-1, g.shape[-1])
+  return g @ w.T, dw
+
+
+matmul_rows.defvjp(_matmul_rows_fwd, _matmul_rows_bwd)
+
+
 class Dense(nn.Module):
   """y = x W (+ scale * x A B): contracts the last `len(in_axes)` dims of x.
 
@@ -84,6 +112,7 @@ class Dense(nn.Module):
   dtype: jnp.dtype = jnp.float32
   param_dtype: jnp.dtype = jnp.float32
   float32_out: bool = False            # low-precision dtype: float32 result (einsum_f32)
+  dense_grad: str = 'xla'              # model.dense_grad: auto | xla | rows (matmul_rows)
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
@@ -101,6 +130,8 @@ class Dense(nn.Module):
     w = kernel.reshape(fan_in, fan_out).astype(self.dtype)
     if self.float32_out and low_precision(self.dtype):
       y = einsum_f32('...i,io->...o', x2, w)
+    elif kernel_lib.rows_weight_grad(self.dense_grad):
+      y = matmul_rows(x2, w)
     else:
       y = x2 @ w
     if self.lora_rank:

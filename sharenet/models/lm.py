@@ -97,7 +97,7 @@ class DecoderLM(nn.Module):
     else:
       logits_BTV = Dense((c.vocab_size,), ('embed',), ('vocab',), role='readout',
                          use_bias=c.reader_bias, dtype=dt, param_dtype=pdt, float32_out=True,
-                         name='readout')(x_BTD)
+                         dense_grad=c.dense_grad, name='readout')(x_BTD)
     if c.logits_mult != 1.0:   # muP readout multiplier (microsoft/mup MuReadout)
       logits_BTV = logits_BTV * c.logits_mult
     sow_l1(self, 'logits', logits_BTV)

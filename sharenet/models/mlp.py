@@ -39,7 +39,7 @@ class Mlp(nn.Module):
       return Dense((c.mlp_dim,), ('embed',), ('mlp',), branch=BRANCH, lora_rank=r_in,
                    lora_scale=c.lora_scale,
                    lora_zero=c.lora_zero, use_bias=c.reader_bias, dtype=dt, param_dtype=pdt,
-                   name=name)
+                   dense_grad=c.dense_grad, name=name)
 
     def pre_act(name):   # identity unless model.norm.pre_activation is set
       if c.pre_activation_norm == 'none':
@@ -61,6 +61,7 @@ class Mlp(nn.Module):
                                                'activation_mlp'))
     out = Dense((c.d_model,), ('mlp',), ('embed',), role='writer', branch=BRANCH, lora_rank=r_out,
                 lora_scale=c.lora_scale,
-                lora_zero=c.lora_zero, dtype=dt, param_dtype=pdt, name='wo')(h_BTF)
+                lora_zero=c.lora_zero, dtype=dt, param_dtype=pdt, dense_grad=c.dense_grad,
+                name='wo')(h_BTF)
     sow_l1(self, 'mlp_out', out)
     return checkpoint_name(out, 'mlp_out')
