@@ -13,11 +13,13 @@ models/accounting.py; reference: the same count over its modules) must agree wit
 the script stops.
 
 Timing is interleaved: each round times `steps` train steps of every sharenet variant (the
-untied model under each remat in `remats`), then `steps` of the reference, so slow drift of the
+untied model under each dense_grad x remat in `dense_grads`, `remats`), then `steps` of the
+reference, so slow drift of the
 machine hits both alike; each side's matmul rate (float32 2048^3, jnp.dot and torch.matmul) is
 measured in the same run. Reported per width: tokens/s (median over rounds; sharenet at its
 fastest remat), the paired ratio sharenet / reference per round (median and min-max), model
-GFLOP/s and its fraction of each library's matmul rate.
+GFLOP/s and its fraction of each library's matmul rate; every sharenet variant's tokens/s
+(dense_grad=xla is the weight-gradient program before model.dense_grad existed).
 """
 from __future__ import annotations
 
@@ -44,6 +46,7 @@ def options() -> ml_collections.ConfigDict:
   o.seq_len = 256
   o.batch = 8
   o.remats = 'dots_no_batch,dots'   # sharenet remat policies tried; the fastest is reported
+  o.dense_grads = 'auto,xla'     # model.dense_grad values tried (auto = rows on CPU); ditto
   o.rounds = 5                   # interleaved rounds
   o.steps = 3                    # timed steps per library per round
   o.torch_python = ''            # interpreter that can import torch ('' = this one)
@@ -100,13 +103,15 @@ def spread(xs: list[float]) -> tuple[float, float, float]:
 
 
 def compare(d: int, args, python: str | None) -> dict:
-  remats = [r for r in args.remats.split(',') if r]
+  names = [f'{dg}/{remat}' for dg in args.dense_grads.split(',') if dg
+           for remat in args.remats.split(',') if remat]   # 'dense_grad/remat'
   variants = {}
-  for remat in remats:
+  for name in names:
+    dg, remat = name.split('/')
     v = steps.build(d, 'untied', remat, 'nested', args.seq_len, args.batch, 'float32',
-                         num_layers=args.layers)
+                    num_layers=args.layers, dense_grad=dg)
     steps.run_step(v)                                   # warm-up
-    variants[remat] = v
+    variants[name] = v
   flops_tok = next(iter(variants.values()))['flops_tok']
   worker = None
   if python:
@@ -121,8 +126,8 @@ def compare(d: int, args, python: str | None) -> dict:
     torch_mm = worker.ask('matmul')['matmul_flops']
   rounds = []
   for _ in range(args.rounds):
-    r = {remat: statistics.median([steps.run_step(v) for _ in range(args.steps)])
-         for remat, v in variants.items()}
+    r = {name: statistics.median([steps.run_step(v) for _ in range(args.steps)])
+         for name, v in variants.items()}
     if worker:
       r['torch'] = statistics.median(worker.ask(f'steps {args.steps}')['times'])
     rounds.append(r)
@@ -131,13 +136,13 @@ def compare(d: int, args, python: str | None) -> dict:
     torch_mm = max(torch_mm, worker.ask('matmul')['matmul_flops'])
     worker.close()
   tokens = args.batch * args.seq_len
-  best = min(remats, key=lambda m: statistics.median([r[m] for r in rounds]))
+  best = min(names, key=lambda m: statistics.median([r[m] for r in rounds]))
   sn_s = statistics.median([r[best] for r in rounds])
   row = {'d_model': d, 'layers': args.layers, 'seq_len': args.seq_len, 'batch': args.batch,
-         'flops_per_token': flops_tok, 'sharenet_remat': best,
+         'flops_per_token': flops_tok, 'sharenet_variant': best,
          'sharenet_tokens_per_sec': round(tokens / sn_s, 1),
-         'sharenet_tokens_per_sec_by_remat': {m: round(tokens / statistics.median(
-             [r[m] for r in rounds]), 1) for m in remats},
+         'sharenet_tokens_per_sec_by_variant': {m: round(tokens / statistics.median(
+             [r[m] for r in rounds]), 1) for m in names},
          'sharenet_gflops': round(tokens / sn_s * flops_tok / 1e9, 1),
          'jax_matmul_gflops': round(jax_mm / 1e9, 1),
          'sharenet_fraction_of_matmul': round(tokens / sn_s * flops_tok / jax_mm, 3),
@@ -165,17 +170,17 @@ def main(argv):
   for d in [int(w) for w in args.widths.split(',') if w]:
     rows.append(compare(d, args, python))
     print(json.dumps(rows[-1]), flush=True)
-  print(f'\n| d_model | sharenet tokens/s (remat) | PyTorch eager tokens/s | sharenet / PyTorch '
+  print(f'\n| d_model | sharenet tokens/s (dense_grad/remat) | PyTorch eager tokens/s | sharenet / PyTorch '
         f'(median, min-max) | model GFLOP/s sharenet / PyTorch | matmul GFLOP/s jax / torch |')
   print('|---|---|---|---|---|---|')
   for r in rows:
     if 'ratio' in r:
-      print(f"| {r['d_model']} | {r['sharenet_tokens_per_sec']:,.0f} ({r['sharenet_remat']}) | "
+      print(f"| {r['d_model']} | {r['sharenet_tokens_per_sec']:,.0f} ({r['sharenet_variant']}) | "
             f"{r['torch_tokens_per_sec']:,.0f} | {r['ratio']:.2f}x ({r['ratio_min_max'][0]:.2f}-"
             f"{r['ratio_min_max'][1]:.2f}) | {r['sharenet_gflops']:.0f} / {r['torch_gflops']:.0f} "
             f"| {r['jax_matmul_gflops']:.0f} / {r['torch_matmul_gflops']:.0f} |")
     else:
-      print(f"| {r['d_model']} | {r['sharenet_tokens_per_sec']:,.0f} ({r['sharenet_remat']}) | "
+      print(f"| {r['d_model']} | {r['sharenet_tokens_per_sec']:,.0f} ({r['sharenet_variant']}) | "
             f"- | - | {r['sharenet_gflops']:.0f} / - | {r['jax_matmul_gflops']:.0f} / - |")
   if args.out:
     os.makedirs(os.path.dirname(args.out) or '.', exist_ok=True)

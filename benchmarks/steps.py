@@ -15,12 +15,12 @@ SCHEMES = {'untied': {}, 'cycle': {'num_unique': 4}, 'universal': {}}
 
 
 def build(d_model: int, scheme: str, remat: str, layers: str, seq_len: int, batch: int,
-          dtype: str, num_layers: int = 8):
+          dtype: str, num_layers: int = 8, dense_grad: str = 'auto'):
   """layers: 'nested' | 'flat' (model.scan_lowering) or 'unrolled' (Python loop)."""
   config = default.get_config()
   m = config.model
   m.d_model, m.num_heads, m.mlp_dim = d_model, max(1, d_model // 64), 3 * d_model
-  m.num_layers = num_layers
+  m.num_layers, m.dense_grad = num_layers, dense_grad
   m.remat, m.scan_layers, m.dtype = remat, layers != 'unrolled', dtype
   m.scan_lowering = 'nested' if layers == 'unrolled' else layers
   m.sharing.scheme = scheme

@@ -11,7 +11,8 @@ import pytest
 from conftest import ROOT, make_subprocess_env
 
 TINY = ['--config.widths=64', '--config.layers=2', '--config.seq_len=16', '--config.batch=2',
-        '--config.rounds=2', '--config.steps=1', '--config.remats=dots']
+        '--config.rounds=2', '--config.steps=1', '--config.remats=dots',
+        '--config.dense_grads=auto,xla']
 
 
 def test_peer_compare_runs_and_writes_its_rows(tmp_path):
@@ -21,8 +22,9 @@ def test_peer_compare_runs_and_writes_its_rows(tmp_path):
                         capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stderr[-3000:]
   (row,) = json.loads(out.read_text())['rows']
-  assert row['d_model'] == 64 and row['sharenet_remat'] == 'dots'
-  assert len(row['step_ms']['dots']) == 2 and row['sharenet_tokens_per_sec'] > 0
+  assert row['d_model'] == 64 and row['sharenet_variant'] in ('auto/dots', 'xla/dots')
+  assert set(row['sharenet_tokens_per_sec_by_variant']) == {'auto/dots', 'xla/dots'}
+  assert len(row['step_ms']['auto/dots']) == 2 and row['sharenet_tokens_per_sec'] > 0
   assert 0 < row['sharenet_fraction_of_matmul'] < 1.5
   if importlib.util.find_spec('torch') is None:
     assert 'torch is not importable here' in proc.stderr and 'ratio' not in row
