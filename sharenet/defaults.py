@@ -43,8 +43,10 @@ def default_config() -> ml_collections.ConfigDict:
   m.kernels = 'auto'          # auto | xla | pallas: Pallas kernels (sharenet/kernels/) for the
                               # fused residual-add + norm and attention; auto = Pallas on GPU/TPU
                               # where the shapes allow, XLA otherwise; pallas on CPU = interpret
-  m.attention = 'auto'        # auto | xla | cudnn | pallas: attention back-end; auto follows
-                              # model.kernels; cudnn = jax.nn.dot_product_attention on cuDNN (GPU)
+  m.attention = 'auto'        # auto | xla | chunked | cudnn | pallas: attention back-end; auto
+                              # follows model.kernels on GPU/TPU and is chunked on CPU (causal
+                              # query chunks: no upper-triangle logits); cudnn =
+                              # jax.nn.dot_product_attention on cuDNN (GPU)
   m.dense_grad = 'auto'       # auto | xla | rows: how dense layers' weight gradients are formed;
                               # rows = one 2-D matmul x^T g over the flattened rows (what XLA:CPU
                               # runs without transposing the cotangent, README "CPU speed"), xla =

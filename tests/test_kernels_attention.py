@@ -69,6 +69,51 @@ def test_reference_matches_definition():
   assert rel_err(out, naive_attention(q, k, v, 0.3)) < 1e-5
 
 
+# ---- the chunked back-end (the CPU default) ---------------------------------------------------
+
+@pytest.mark.parametrize('shape', SHAPES, ids=lambda s: 'B{}T{}H{}K{}D{}'.format(*s))
+@pytest.mark.parametrize('chunk', [1, 5, 8])
+def test_chunked_reference_values_and_grads(shape, chunk):
+  """Causal query chunks (ragged last chunk included) give the unchunked values and gradients,
+  with packed-document segment ids too; and the definition's values."""
+  q, k, v = qkv(*shape)
+  B, T = shape[:2]
+  ct = jax.random.normal(jax.random.key(3), q.shape)
+  seg = jnp.asarray(np.repeat(np.arange(3), -(-T // 3))[:T][None].repeat(B, 0))
+  for segment_ids in (None, seg):
+    full = loss_and_grads(functools.partial(attn.reference, segment_ids_BT=segment_ids))
+    chunked = loss_and_grads(functools.partial(attn.reference, segment_ids_BT=segment_ids,
+                                               chunk=chunk))
+    (l0, g0), (l1, g1) = full(q, k, v, 0.3, ct), chunked(q, k, v, 0.3, ct)
+    assert rel_err(l1, l0) < 1e-4     # sums of signed terms (loss, d scale): float32 order
+    for a, b in zip(g1, g0):
+      assert rel_err(a, b) < 1e-4
+  out = attn.reference(q, k, v, scale=0.3, chunk=chunk)
+  assert rel_err(out, naive_attention(q, k, v, 0.3)) < 1e-5
+
+
+def test_attention_auto_is_chunked_on_cpu_and_the_model_still_sows_attn_logits():
+  assert kernels.attention_backend('auto', 'auto') == 'chunked'
+  assert kernels.attention_backend('auto', 'xla') == 'chunked'
+  assert kernels.attention_backend('xla', 'auto') == 'xla'
+  toks = jax.random.randint(jax.random.key(1), (2, 200), 0, 64)   # 2 chunks of CPU_CHUNK
+  cfgs = {a: tiny_model(attention=a, num_kv_heads=2) for a in ('xla', 'chunked')}
+  variables = init_variables(DecoderLM(cfgs['xla']), jax.random.key(0))
+  grad_fn = jax.jit(jax.value_and_grad(model_loss), static_argnums=1)
+  (l0, g0), (l1, g1) = (grad_fn(variables, DecoderLM(cfgs[a]), toks) for a in ('xla', 'chunked'))
+  assert abs(float(l1) - float(l0)) < 1e-6
+  for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g0)):
+    assert rel_err(a, b) < 1e-5
+  sown = {}
+  for a, cfg in cfgs.items():   # a coordinate check sees the same statistic under both
+    _, state = DecoderLM(cfg).apply(variables, toks, mutable=['intermediates'])
+    sown[a] = [np.asarray(x) for p, x in jax.tree_util.tree_leaves_with_path(state)
+               if 'attn_logits' in jax.tree_util.keystr(p)]
+  assert sown['chunked'] and len(sown['chunked']) == len(sown['xla'])
+  for a, b in zip(sown['chunked'], sown['xla']):
+    np.testing.assert_allclose(a, b, rtol=1e-6)
+
+
 # ---- Pallas kernel vs reference -------------------------------------------------------------
 
 @pytest.mark.parametrize('shape', SHAPES, ids=lambda s: 'B{}T{}H{}K{}D{}'.format(*s))
@@ -161,7 +206,7 @@ def test_cudnn_on_cpu_is_one_config_error():
 def test_unknown_attention_is_config_error():
   with pytest.raises(ConfigError, match=r"model.attention='flash'.*valid"):
     tiny_model(attention='flash')
-  with pytest.raises(ConfigError, match=r'valid: xla, cudnn, pallas'):
+  with pytest.raises(ConfigError, match=r'valid: xla, chunked, cudnn, pallas'):
     attn.attention(*qkv(1, 4, 2, 2, 8), scale=1.0, impl='flash')
 
 

@@ -2,16 +2,18 @@
 
 One switch picks the implementation: `model.kernels = auto | xla | pallas`.
 
-  auto    Pallas on GPU / TPU where the shapes allow, the XLA reference otherwise (the CPU default
-          is therefore unchanged: plain XLA).
+  auto    Pallas on GPU / TPU where the shapes allow, the XLA reference otherwise (no Pallas on
+          a CPU).
   xla     always the reference.
   pallas  always the kernel; on a CPU it runs in Pallas interpret mode (slow: for tests).
 
 A shape a kernel cannot take falls back to the reference with a one-line note on stderr (once per
 kernel and reason), under `auto` and `pallas` alike: never silently.
 
-`model.attention = auto | xla | cudnn | pallas` picks the attention back-end on its own; `auto`
-follows `model.kernels`. See docs/accelerators.md.
+`model.attention = auto | xla | chunked | cudnn | pallas` picks the attention back-end on its own;
+`auto` follows `model.kernels` on GPU / TPU and is the chunked XLA attention on a CPU.
+`model.dense_grad = auto | xla | rows` picks how dense layers form weight gradients (rows on a
+CPU). See docs/accelerators.md and README "CPU speed".
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ from sharenet.errors import ConfigError
 
 KERNELS = ('auto', 'xla', 'pallas')
 DENSE_GRADS = ('auto', 'xla', 'rows')
-ATTENTIONS = ('auto', 'xla', 'cudnn', 'pallas')
+ATTENTIONS = ('auto', 'xla', 'chunked', 'cudnn', 'pallas')
 ACCELERATORS = ('gpu', 'tpu')
 
 _noted: set[tuple[str, str]] = set()
@@ -55,14 +57,19 @@ def interpret() -> bool:
 
 
 def attention_backend(attention: str, kernels: str) -> str:
-  """The attention implementation to use: xla | cudnn | pallas."""
+  """The attention implementation to use: xla | chunked | cudnn | pallas.
+
+  auto: Pallas where model.kernels selects it (GPU / TPU), the chunked XLA attention on a CPU
+  (kernels/attention.py; the same function, faster on XLA:CPU), plain XLA otherwise."""
   if attention not in ATTENTIONS:
     raise ConfigError(f'model.attention={attention!r} is unknown; valid: {", ".join(ATTENTIONS)}')
   if attention == 'auto':
-    return 'pallas' if use_pallas(kernels) else 'xla'
+    if use_pallas(kernels):
+      return 'pallas'
+    return 'chunked' if backend() == 'cpu' else 'xla'
   if attention == 'cudnn' and backend() != 'gpu':
     raise ConfigError(f'model.attention=cudnn needs an NVIDIA GPU (this backend is {backend()}); '
-                      f'valid here: auto, xla, pallas')
+                      f'valid here: auto, xla, chunked, pallas')
   return attention
 
 

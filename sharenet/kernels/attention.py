@@ -6,6 +6,11 @@ so the (T, S) logits never reach memory; the backward pass recomputes them from 
 saved log-sum-exp. Every back-end here computes the same function as `reference`:
 
   xla     `reference`: the einsum attention of sharenet/models/attention.py (float32 logits).
+  chunked `reference` in query chunks of CPU_CHUNK: chunk i computes its logits against keys
+          0..end of chunk i only, so the causal upper triangle beyond each chunk is never
+          computed (at T = 256 a quarter of the logits, at T = 2048 about half) and no (T, T)
+          array is formed. The same function (each query row's softmax sees all of its keys);
+          the CPU default (model.attention=auto; README "CPU speed").
   pallas  GPU, and CPU in Pallas interpret mode: the FlashAttention kernel jax ships in
           `jax.experimental.pallas.ops.gpu.attention.mha` (Pallas forward, Pallas backward
           through its custom VJP). TPU: `jax.experimental.pallas.ops.tpu.flash_attention`.
@@ -28,14 +33,19 @@ through that product.
 from __future__ import annotations
 
 import sys
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from sharenet import kernels
 from sharenet.errors import ConfigError
 
-IMPLS = ('xla', 'cudnn', 'pallas')
+IMPLS = ('xla', 'chunked', 'cudnn', 'pallas')
+# Query rows per chunk of the chunked back-end: 64 and 128 were equally fast at T = 256 on the
+# 2-core CPU, 128 fastest at T = 512 (fwd + bwd, 1.6x the unchunked reference at both).
+CPU_CHUNK = 128
 
 # The reference's (and the model's XLA path's) masked logit; exp underflows to exactly 0.
 MASK_VALUE = -1e30
@@ -56,42 +66,66 @@ def same_segment(segment_ids_BT: jax.Array) -> jax.Array:
 
 
 def reference(q_BTHD: jax.Array, k_BTKD: jax.Array, v_BTKD: jax.Array, *, scale,
-              causal: bool = True, segment_ids_BT: jax.Array | None = None) -> jax.Array:
+              causal: bool = True, segment_ids_BT: jax.Array | None = None, chunk: int = 0,
+              observe: Callable[[jax.Array, jax.Array], None] | None = None) -> jax.Array:
   """softmax(scale * q k^T, masked) v with float32 logits and softmax; output in q's dtype.
 
-  The same arithmetic as the model's XLA path (sharenet/models/attention.py): q * scale in q's
-  dtype, the grouped einsum with a float32 result (never rounded to q's dtype), masked
+  The arithmetic of the model's XLA path (sharenet/models/attention.py calls this): q * scale
+  in q's dtype, the grouped einsum with a float32 result (never rounded to q's dtype), masked
   positions set to -1e30, softmax in float32 and cast back to q's dtype before the value
-  einsum.
+  einsum. The logits and probabilities carry the checkpoint names 'attn_logits' / 'attn_probs'
+  (remat policy except_attn).
+
+  `chunk` > 0 (causal only): query rows in chunks of `chunk`, each against the keys up to its
+  last row (the `chunked` back-end). `observe(logits, mask)` sees the whole (B, K, G, T, S)
+  logits before masking and their mask (None: no mask) for coordinate checks; it needs chunk = 0.
   """
   B, T, H, Dh = q_BTHD.shape
   S, K = k_BTKD.shape[1], k_BTKD.shape[2]
   dt = q_BTHD.dtype
-  q_BTKGD = q_BTHD.reshape(B, T, K, H // K, Dh)
+  if chunk and (not causal or observe is not None):
+    raise ValueError('attention: chunk > 0 needs causal=True and no observe')
+  chunk = chunk or T
+  q_BTKGD = q_BTHD.reshape(B, T, K, H // K, Dh) * scale
   from sharenet.models.layers import einsum_f32   # here: models imports this module
-  logits_BKGTS = einsum_f32('btkgd,bskd->bkgts', q_BTKGD * scale, k_BTKD)
-  if causal:
-    causal_TS = jnp.tril(jnp.ones((T, S), dtype=bool))
-    logits_BKGTS = jnp.where(causal_TS[None, None, None], logits_BKGTS, MASK_VALUE)
-  if segment_ids_BT is not None:
-    logits_BKGTS = jnp.where(same_segment(segment_ids_BT)[:, None, None], logits_BKGTS,
-                             MASK_VALUE)
-  probs_BKGTS = jax.nn.softmax(logits_BKGTS, axis=-1).astype(dt)
-  out_BTKGD = jnp.einsum('bkgts,bskd->btkgd', probs_BKGTS, v_BTKD)
+  outs = []
+  for start in range(0, T, chunk):
+    stop = min(T, start + chunk)
+    keys = stop if chunk < T else S           # keys past the chunk's last query are masked
+    logits_BKGCS = einsum_f32('btkgd,bskd->bkgts', q_BTKGD[:, start:stop], k_BTKD[:, :keys])
+    mask_BKGCS = None
+    if causal:
+      rows, cols = jnp.arange(start, stop), jnp.arange(keys)
+      mask_BKGCS = (rows[:, None] >= cols[None, :])[None, None, None]
+    if segment_ids_BT is not None:
+      same = (segment_ids_BT[:, start:stop, None] == segment_ids_BT[:, None, :keys])
+      same = same[:, None, None]
+      mask_BKGCS = same if mask_BKGCS is None else mask_BKGCS & same
+    if observe is not None:
+      observe(logits_BKGCS, mask_BKGCS)
+    if mask_BKGCS is not None:
+      logits_BKGCS = jnp.where(mask_BKGCS, logits_BKGCS, MASK_VALUE)
+    logits_BKGCS = checkpoint_name(logits_BKGCS, 'attn_logits')
+    probs_BKGCS = checkpoint_name(jax.nn.softmax(logits_BKGCS, axis=-1).astype(dt),
+                                  'attn_probs')
+    outs.append(jnp.einsum('bkgts,bskd->btkgd', probs_BKGCS, v_BTKD[:, :keys]))
+  out_BTKGD = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)
   return out_BTKGD.reshape(B, T, H, Dh)
 
 
 def attention(q_BTHD: jax.Array, k_BTKD: jax.Array, v_BTKD: jax.Array, *, scale,
               impl: str, segment_ids_BT: jax.Array | None = None) -> jax.Array:
-  """Causal self-attention by back-end `impl` (xla | cudnn | pallas); see the module docstring.
+  """Causal self-attention by back-end `impl` (xla | chunked | cudnn | pallas); see the module
+  docstring.
 
   `impl` is what `sharenet.kernels.attention_backend(cfg.attention, cfg.kernels)` resolves to.
   A shape a back-end cannot take runs `reference` instead, with a one-line note on stderr.
   """
   _check_shapes(q_BTHD, k_BTKD, v_BTKD)
   seg = {'segment_ids_BT': segment_ids_BT}
-  if impl == 'xla':
-    return reference(q_BTHD, k_BTKD, v_BTKD, scale=scale, **seg)
+  if impl in ('xla', 'chunked'):
+    return reference(q_BTHD, k_BTKD, v_BTKD, scale=scale, **seg,
+                     chunk=CPU_CHUNK if impl == 'chunked' else 0)
   if impl == 'cudnn':
     if segment_ids_BT is not None:
       kernels.note_fallback('cudnn attention', 'segment_ids (data.segment_mask)')

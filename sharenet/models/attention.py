@@ -17,7 +17,7 @@ from sharenet import kernels
 from sharenet.kernels import attention as attention_kernel
 from sharenet.models.config import ModelConfig
 from sharenet.models import unit_scale
-from sharenet.models.layers import Dense, einsum_f32, rope, sow_l1
+from sharenet.models.layers import INTERMEDIATES, Dense, einsum_f32, rope, sow_l1
 from sharenet.norms import Norm
 from sharenet.params import param
 
@@ -131,23 +131,17 @@ class CausalAttention(nn.Module):
       probs_BKGTS = jax.nn.softmax(logits_BKGTS, axis=-1).astype(dt)
       out_BTKGD = jnp.einsum('bkgts,bskd->btkgd', probs_BKGTS, cache.v_BSKD)
       out_BTHD = out_BTKGD.reshape(B, T, H, Dh)
-    elif impl == 'xla':
-      # kernels.attention.reference is this arithmetic; kept inline for the 'attn_logits' sow
-      # (coordinate checks) and the checkpoint names the remat policies select (models/stack.py).
-      q_BTKGD = q_BTHD.reshape(B, T, K, H // K, Dh)
-      # float32 logits from (bf16) operands: the softmax never sees logits rounded to bf16.
-      logits_BKGTS = einsum_f32('btkgd,bskd->bkgts', q_BTKGD * scale, k_BTKD)
-      causal_TS = jnp.tril(jnp.ones((T, T), dtype=bool))
-      mask_BKGTS = causal_TS[None, None, None]
-      if segment_ids_BT is not None:   # packed documents: no attention across them
-        mask_BKGTS = mask_BKGTS & attention_kernel.same_segment(segment_ids_BT)[:, None, None]
-      sow_l1(self, 'attn_logits', logits_BKGTS, mask_BKGTS)
-      logits_BKGTS = jnp.where(mask_BKGTS, logits_BKGTS.astype(jnp.float32), -1e30)
-      logits_BKGTS = checkpoint_name(logits_BKGTS, 'attn_logits')
-      probs_BKGTS = checkpoint_name(jax.nn.softmax(logits_BKGTS, axis=-1).astype(dt),
-                                    'attn_probs')
-      out_BTKGD = jnp.einsum('bkgts,bskd->btkgd', probs_BKGTS, v_BTKD)
-      out_BTHD = out_BTKGD.reshape(B, T, H, Dh)
+    elif impl in ('xla', 'chunked'):
+      # kernels.attention.reference: float32 logits from (bf16) operands, so the softmax never
+      # sees logits rounded to bf16, and the checkpoint names the remat policies select
+      # (models/stack.py). `chunked` (the CPU default) splits the queries into causal chunks; a
+      # coordinate check (mutable 'intermediates') takes the unchunked path, the same function,
+      # to sow the whole 'attn_logits'.
+      observe = self.is_mutable_collection(INTERMEDIATES)
+      out_BTHD = attention_kernel.reference(
+          q_BTHD, k_BTKD, v_BTKD, scale=scale, segment_ids_BT=segment_ids_BT,
+          chunk=attention_kernel.CPU_CHUNK if impl == 'chunked' and not observe else 0,
+          observe=(lambda l, m: sow_l1(self, 'attn_logits', l, m)) if observe else None)
     else:
       # A fused kernel (FlashAttention, Dao et al., arXiv:2205.14135) never materializes the
       # (T, T) logits: no 'attn_logits' sow (coordinate checks need model.attention=xla) and no
