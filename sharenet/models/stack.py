@@ -32,6 +32,8 @@ import numpy as np
 
 from sharenet.models.attention import DecodeStep, LayerCache
 from sharenet.models.block import Block
+from sharenet.errors import ConfigError
+from sharenet.models import routing
 from sharenet.models.config import ModelConfig
 from sharenet.models.layers import INTERMEDIATES
 from sharenet.norms import PER_LAYER
@@ -190,6 +192,30 @@ class GatherSegment(nn.Module):
                                           *_decode_args(cache, step))
 
 
+class RoutedSegment(nn.Module):
+  """A cycle segment whose R recursions are routed per token (models/routing.py).
+
+  Each recursion calls the same inner scan over the K stacked sets (`level`, stored exactly as
+  in the plain nested segment: segment_i/level/block/...) on its own static subset, so the
+  program holds R scans of different lengths instead of one scan over R; the routers sit
+  beside it (segment_i/router).
+  """
+  cfg: ModelConfig
+  seg: Segment
+
+  @nn.compact
+  def __call__(self, x_BTD: jax.Array, positions_T: jax.Array | None, segment_ids_BT=None):
+    c = self.cfg
+    if c.umup_residual:
+      raise ConfigError(f'model.routing.kind={c.routing!r}: the u-muP residual rule is not '
+                        f'routed; valid: another parametrization.kind')
+    level = _Level(c, segment_levels(self.seg)[1:], name='level')
+    fn = routing.expert_choice if c.routing == 'expert_choice' else routing.token_choice
+    sow = lambda name, value: self.sow(routing.ROUTING, name, value)
+    return fn(x_BTD, positions_T, segment_ids_BT, cfg=c, router=routing.Router(c, name='router'),
+              level=level, sow=sow)
+
+
 def segment_levels(seg: Segment) -> tuple[tuple[int, bool, str], ...]:
   """Nesting of a regular segment: cycle = repeats(outer, tied) x sets; sequence = reverse."""
   if seg.order == 'cycle':
@@ -239,6 +265,12 @@ class Stack(nn.Module):
       return x_BTD if cache is None else (x_BTD, tuple(new_cache))
     for i, seg in enumerate(segments):
       cfg = self.cfg.segment_cfg(seg)   # no LoRA on unshared segments under lora_layers=shared
+      if i == self.cfg.routed_segment:
+        if cache is not None:
+          raise ConfigError(f'model.routing.kind={cfg.routing!r}: cached generation of a '
+                            f'routed model is not implemented; valid: routing.kind=none')
+        x_BTD = RoutedSegment(cfg, seg, name=f'segment_{i}')(x_BTD, positions_T, segment_ids_BT)
+        continue
       if seg.order == 'gather':
         x_BTD, seg_cache = GatherSegment(cfg, seg.pattern, name=f'segment_{i}')(
             x_BTD, positions_T, segment_ids_BT,
