@@ -101,7 +101,9 @@ def expert_choice(h_BTD: jax.Array, positions_T: jax.Array | None,
     x_BND = _rows(h_BTD, cand_BN)
     logits_BN = router.expert_logits(x_BND, r)
     gate_BN = cfg.alpha * jax.nn.sigmoid(logits_BN)
-    _, top_BK = jax.lax.top_k(gate_BN, k)
+    # Top-k by a stable sort: exact ties (equal tokens score equally before any layer mixes
+    # them) go to the earlier token.
+    top_BK = jnp.argsort(-gate_BN, axis=1, stable=True)[:, :k]
     top_BK = jnp.sort(top_BK, axis=1)                  # causal order among the kept tokens
     sel_BK = _rows(cand_BN, top_BK)                    # their positions in the sequence
     f_BKD, _ = level(_rows(x_BND, top_BK), None if pos_BT is None else _rows(pos_BT, sel_BK),
