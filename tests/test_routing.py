@@ -108,6 +108,23 @@ def test_routing_keys_round_trip_and_default_is_none(tiny_config):
   assert (token.alpha, token.aux_loss_coeff) == (1.0, 0.1)
 
 
+def test_example_config_validates(repo_root):
+  sys.path.insert(0, repo_root)
+  from configs import mor_tiny
+  mcfg = config_lib.validate(mor_tiny.get_config())
+  assert (mcfg.routing, mcfg.scheme, mcfg.recursions, mcfg.routed_segment) == \
+      ('expert_choice', 'middle_cycle', 3, 1)
+
+
+def test_unrouted_model_has_no_router_and_sows_nothing():
+  cfg = tiny_cfg(routing='none')
+  model = DecoderLM(cfg)
+  v = init_variables(model, jax.random.key(0), 1, 8)
+  assert 'router' not in v['params']['stack']['segment_0']
+  _, sown = model.apply(v, jnp.zeros((1, 8), jnp.int32), mutable=[routing.ROUTING])
+  assert not sown
+
+
 def test_generation_of_a_routed_model_is_rejected():
   with pytest.raises(ConfigError, match='generation of a routed model'):
     generate.validate(tiny_cfg(), [[1, 2]], 4, 1.0, 0, 1.0, None)
@@ -252,6 +269,39 @@ def test_kept_tokens_attend_among_themselves_at_their_own_positions():
       f = run(h1[b:b + 1, keep], jnp.asarray(keep))[0]
       want = np.asarray(h1[b]).copy()
       want[keep] += g1[b, keep][:, None] * np.asarray(f)
+      np.testing.assert_allclose(got[b], want, rtol=1e-10, atol=1e-10)
+
+
+def test_token_choice_model_runs_each_recursion_on_its_tokens_alone():
+  """The routed model (one scan over recursions, masked at full length) equals running each
+  recursion's active tokens as a subsequence alone through the plain K-layer stack at their
+  original positions, exits leaving with x_in + alpha p_exit f (float64)."""
+  with jax.enable_x64(True):
+    cfg = tiny_cfg(num_layers=6, num_unique=2, routing='token_choice', dtype='float64',
+                   param_dtype='float64')                            # K = 2, R = 3
+    plain = dataclasses.replace(cfg, num_layers=2, routing='none').validate()
+    v = init_variables(DecoderLM(cfg), jax.random.key(0), B, T)
+    stack = v['params']['stack']
+    plain_stack = {'segment_0': {'level': stack['segment_0']['level']}}
+    run = lambda x, pos: np.asarray(Stack(plain).apply({'params': plain_stack}, x, pos))
+    h = jax.random.normal(jax.random.key(4), (B, T, D), jnp.float64)
+    got = np.asarray(Stack(cfg).apply({'params': stack}, h, jnp.arange(T)))
+    logits = np.asarray(h) @ np.asarray(stack['segment_0']['router']['kernel']).T
+    p = np.exp(logits - logits.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    exit_ = p.argmax(-1)
+    assert len(set(exit_.ravel())) == 3
+    for b in range(B):
+      cur, want = np.asarray(h[b]).copy(), np.zeros((T, D))
+      for r in range(3):
+        idx = np.where(exit_[b] >= r)[0]
+        if not len(idx):
+          break
+        f = run(jnp.asarray(cur[idx])[None], jnp.asarray(idx))[0]
+        for j, t in enumerate(idx):
+          if exit_[b, t] == r:
+            want[t] = np.asarray(h[b, t]) + p[b, t, r] * f[j]
+        cur[idx] = f
       np.testing.assert_allclose(got[b], want, rtol=1e-10, atol=1e-10)
 
 

@@ -17,7 +17,9 @@ Token choice (`token_choice`): one router before the first recursion scores the 
 g = alpha * softmax(W h); a token's exit recursion is its top-1 depth. Recursion r runs the
 tokens whose exit is >= r (attention among them); a token that has not exited carries the raw
 block output on, and the one exiting at r leaves with x_in + g_exit * f(...), x_in the
-segment's input. Balancing: Switch-style loss R * sum_i P_i f_i (P_i the mean router
+segment's input. The R recursions have one shape, so they run as one scan (compile time flat
+in R); expert choice's subsets have R different static shapes, so R scans. Balancing:
+Switch-style loss R * sum_i P_i f_i (P_i the mean router
 probability of depth i, f_i the fraction of tokens exiting there). Shapes stay static by
 running every token through every recursion with the inactive ones masked out of attention
 (each its own attention segment) and discarded: the executed FLOPs are those of the plain
@@ -25,7 +27,7 @@ recursive model (models/accounting.py).
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import flax.linen as nn
 import jax
@@ -118,33 +120,60 @@ def expert_choice(h_BTD: jax.Array, positions_T: jax.Array | None,
   return h_BTD
 
 
+class TokenRoutes(NamedTuple):
+  """What every token-choice recursion reads (broadcast across the scan over recursions)."""
+  x_in_BTD: jax.Array    # the segment's input
+  exit_BT: jax.Array     # exit recursion of each token
+  w_BT1: jax.Array       # its gate alpha * p_exit
+  base_BT: jax.Array     # attention segment of the active tokens (packed documents, or 0)
+  alone_BT: jax.Array    # -1 - t: an exited token is its own attention segment
+
+
+def token_recursion(level: Callable, r: jax.Array | int, carry: tuple[jax.Array, jax.Array],
+                    routes: TokenRoutes, positions_T: jax.Array | None
+                    ) -> tuple[jax.Array, jax.Array]:
+  """Token-choice recursion r on (current states, outputs) at full length: the tokens whose
+  exit is >= r run `level` attending among themselves (an exited token is its own segment, so
+  no active token sees it; its own row is discarded); a token exiting at r leaves with
+  x_in + g * f, the others carry f on."""
+  cur_BTD, out_BTD = carry
+  active_BT = routes.exit_BT >= r
+  seg_BT = jnp.where(active_BT, routes.base_BT, routes.alone_BT)
+  f_BTD, _ = level(cur_BTD, positions_T, seg_BT)
+  out_BTD = jnp.where((routes.exit_BT == r)[:, :, None], routes.x_in_BTD + routes.w_BT1 * f_BTD,
+                      out_BTD)
+  return jnp.where(active_BT[:, :, None], f_BTD, cur_BTD), out_BTD
+
+
 def token_choice(h_BTD: jax.Array, positions_T: jax.Array | None,
                  segment_ids_BT: jax.Array | None, *, cfg: ModelConfig, router: Router,
-                 level: Callable, sow: Callable[[str, jax.Array], Any]) -> jax.Array:
+                 sow: Callable[[str, jax.Array], Any], level: Callable | None = None,
+                 recurse: Callable | None = None) -> jax.Array:
   """R token-choice recursions (masked at full length); sows aux_loss_0 (balancing) and
-  capacity_r (fraction of tokens that run recursion r)."""
+  capacity_r (fraction of tokens that run recursion r).
+
+  `recurse(carry, routes, positions_T) -> out` runs all R `token_recursion`s (the model: one
+  scan over recursions, models/stack.py); without it, a Python loop over `level` does.
+  """
   B, T, _ = h_BTD.shape
   R = cfg.recursions
   logits_BTR = router.token_logits(h_BTD)
   probs_BTR = jax.nn.softmax(logits_BTR, axis=-1)
   exit_BT = jnp.argmax(probs_BTR, axis=-1)
   w_BT1 = cfg.alpha * jnp.take_along_axis(probs_BTR, exit_BT[:, :, None], axis=2)
-  w_BT1 = w_BT1.astype(h_BTD.dtype)
   frac_R = jnp.mean(jax.nn.one_hot(exit_BT, R, dtype=jnp.float32), axis=(0, 1))
   sow('aux_loss_0', R * jnp.sum(jnp.mean(probs_BTR, axis=(0, 1)) * frac_R))
+  for r in range(R):
+    sow(f'capacity_{r}', jnp.mean((exit_BT >= r).astype(jnp.float32)))
   base_BT = jnp.zeros((B, T), jnp.int32) if segment_ids_BT is None else segment_ids_BT
   alone_BT = jnp.broadcast_to(-1 - jnp.arange(T, dtype=base_BT.dtype)[None], (B, T))
-  x_in, cur, out = h_BTD, h_BTD, h_BTD
+  routes = TokenRoutes(h_BTD, exit_BT, w_BT1.astype(h_BTD.dtype), base_BT, alone_BT)
+  if recurse is not None:
+    return recurse((h_BTD, h_BTD), routes, positions_T)
+  carry = (h_BTD, h_BTD)
   for r in range(R):
-    active_BT = exit_BT >= r
-    # An inactive token is its own attention segment: no active token sees it, and its own
-    # (discarded) row attends to itself only.
-    seg_BT = jnp.where(active_BT, base_BT, alone_BT)
-    f_BTD, _ = level(cur, positions_T, seg_BT)
-    out = jnp.where((exit_BT == r)[:, :, None], x_in + w_BT1 * f_BTD, out)
-    cur = jnp.where(active_BT[:, :, None], f_BTD, cur)
-    sow(f'capacity_{r}', jnp.mean(active_BT.astype(jnp.float32)))
-  return out
+    carry = token_recursion(level, r, carry, routes, positions_T)
+  return carry[1]
 
 
 def collected(routing_vars: Any) -> dict[str, jax.Array]:

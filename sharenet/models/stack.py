@@ -209,11 +209,39 @@ class RoutedSegment(nn.Module):
     if c.umup_residual:
       raise ConfigError(f'model.routing.kind={c.routing!r}: the u-muP residual rule is not '
                         f'routed; valid: another parametrization.kind')
-    level = _Level(c, segment_levels(self.seg)[1:], name='level')
-    fn = routing.expert_choice if c.routing == 'expert_choice' else routing.token_choice
     sow = lambda name, value: self.sow(routing.ROUTING, name, value)
-    return fn(x_BTD, positions_T, segment_ids_BT, cfg=c, router=routing.Router(c, name='router'),
-              level=level, sow=sow)
+    router = routing.Router(c, name='router')
+    if c.routing == 'expert_choice':
+      return routing.expert_choice(x_BTD, positions_T, segment_ids_BT, cfg=c, router=router,
+                                   level=_Level(c, segment_levels(self.seg)[1:], name='level'),
+                                   sow=sow)
+    # Token choice: every recursion has the full shape, so one scan over them (params
+    # broadcast, as the plain nested segment's outer scan over repeats).
+    body = nn.scan(_TokenRecursion, variable_axes={PER_LAYER: 0, INTERMEDIATES: 0},
+                   variable_broadcast='params', split_rngs={'params': False, PER_LAYER: True},
+                   in_axes=(0, nn.broadcast, nn.broadcast), length=self.seg.repeats,
+                   metadata_params={nn.PARTITION_NAME: 'repeats'})(c, self.seg.num_sets,
+                                                                  name='level')
+
+    def recurse(carry, routes, positions):
+      (_, out_BTD), _ = body(carry, jnp.arange(self.seg.repeats), routes, positions)
+      return out_BTD
+    return routing.token_choice(x_BTD, positions_T, segment_ids_BT, cfg=c, router=router,
+                                sow=sow, recurse=recurse)
+
+
+class _TokenRecursion(nn.Module):
+  """One token-choice recursion (the body of RoutedSegment's scan over recursions): the K-layer
+  scan, stored as the plain nested segment's (segment_i/level/block)."""
+  cfg: ModelConfig
+  num_sets: int
+
+  @nn.compact
+  def __call__(self, carry, r, routes, positions_T):
+    c = self.cfg
+    block = _scan(_block_cls(c), self.num_sets, True, 'layers', c.scan_unroll,
+                  c.scan_split_transpose)(c, name='block')
+    return routing.token_recursion(block, r, carry, routes, positions_T), None
 
 
 def segment_levels(seg: Segment) -> tuple[tuple[int, bool, str], ...]:
