@@ -4,7 +4,7 @@ R = 3 times) with expert-choice routing at the reference's default capacities 1,
 
 Command:   python train.py --config configs/mor_tiny.py --workdir runs/mor_tiny
            (token choice: add --config.model.routing.kind=token_choice)
-Runtime:   ~30 s on the 2-core CPU under background load (compile dominates); token choice ~25 s.
+Runtime:   ~30 s on the 2-core CPU under background load (compile dominates), either router.
 Result:    train loss 6.28 -> 3.97 in 40 steps, eval_loss 3.242 nats (4.677 bits/byte);
            train FLOPs/token 445,530 vs 589,824 for the same plan unrouted (eval_loss 3.213);
            token choice eval_loss 3.216, FLOPs/token 590,400 (executed: it runs masked at full

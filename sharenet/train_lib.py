@@ -87,6 +87,10 @@ def loss_fn(params: Any, tstate: Any, batch_BT1: jax.Array, *, model: DecoderLM,
   scale, logits gradient x vocab / sqrt(vocab - 1)): per-token logit gradients are unit scale, so
   every gradient is N vocab / sqrt(vocab - 1) times the mean loss's (N tokens in the batch;
   Adam is invariant to that factor except through eps and train.grad_clip).
+
+  A routed model (model.routing, Mixture-of-Recursions) adds its weighted auxiliary losses to
+  the value (eval_loss never has them) and reports them and the realised capacities as
+  `routing_*` entries of the returned collections (models/routing.py aux_loss).
   """
   s = 1.0 if pz is None else pz.loss_grad_scale
   routed = model.cfg.routing != 'none'

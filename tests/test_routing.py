@@ -128,6 +128,9 @@ def test_unrouted_model_has_no_router_and_sows_nothing():
 def test_generation_of_a_routed_model_is_rejected():
   with pytest.raises(ConfigError, match='generation of a routed model'):
     generate.validate(tiny_cfg(), [[1, 2]], 4, 1.0, 0, 1.0, None)
+  from sharenet import recursive_inference
+  with pytest.raises(ConfigError, match='routes them'):
+    recursive_inference.check_recursive(DecoderLM(tiny_cfg()), {})
 
 
 # ---- expert choice on the routing function --------------------------------------------------

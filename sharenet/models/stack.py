@@ -195,10 +195,11 @@ class GatherSegment(nn.Module):
 class RoutedSegment(nn.Module):
   """A cycle segment whose R recursions are routed per token (models/routing.py).
 
-  Each recursion calls the same inner scan over the K stacked sets (`level`, stored exactly as
-  in the plain nested segment: segment_i/level/block/...) on its own static subset, so the
-  program holds R scans of different lengths instead of one scan over R; the routers sit
-  beside it (segment_i/router).
+  The K stacked sets are stored exactly as in the plain nested segment (segment_i/level/block),
+  the routers beside them (segment_i/router). Expert choice calls the inner scan over the K sets
+  once per recursion on that recursion's subset, R static lengths, so the program holds R scans
+  (compile time grows with R); token choice runs all recursions at full length, so one scan
+  over the recursions around the inner scan, as the plain segment.
   """
   cfg: ModelConfig
   seg: Segment
