@@ -1,11 +1,16 @@
 """Lowering + compile time of the train step for a 2-layer block repeated R times.
 
 Command: python -m benchmarks.compile_bench [--config.d_model=256]
-             [--config.lowering=nested|flat]   (from the repository root)
+             [--config.lowering=nested|flat]
+             [--config.routing=none|expert_choice|token_choice]   (from the repository root)
 Prints one JSON line per R (minimum over interleaved passes) and the ratio
 compile(R=16) / compile(R=1). Both lowerings keep the traced program the same size for every R
 (nested: repeats are an outer scan; flat: one scan over 2R layers with a gather), so the ratio
 should stay near 1 (target <= 1.5). Runtime ~1.5 min on the 2-core CPU.
+
+`--config.routing` routes the R recursions (Mixture-of-Recursions, docs/routing.md): each
+recursion is then its own scan (expert choice: over a subset of a different static length), so
+the program grows with R and the ratio is expected to grow with it; this measures by how much.
 """
 from __future__ import annotations
 
@@ -22,13 +27,14 @@ from sharenet.models import ModelConfig
 
 
 def measure(repeats: int, d_model: int, seq_len: int, batch: int,
-            lowering: str = 'nested') -> dict:
+            lowering: str = 'nested', routing: str = 'none') -> dict:
   config = default.get_config()
   m = config.model
   m.d_model, m.num_heads, m.mlp_dim = d_model, max(1, d_model // 64), 3 * d_model
   m.num_layers = 2 * repeats
   m.sharing.scheme, m.sharing.num_unique = 'cycle', 2
   m.scan_lowering = lowering
+  m.routing.kind = routing
   mcfg = ModelConfig.from_config(m)
   exp = train_lib.setup(config, mcfg)
   state = jax.eval_shape(lambda: train_lib.init_state(exp.model, exp.tx, jax.random.key(0),
@@ -51,6 +57,7 @@ def options() -> ml_collections.ConfigDict:
   o.batch = 8
   o.passes = 3          # interleaved passes; the minimum per R is kept
   o.lowering = 'nested'  # model.scan_lowering: nested | flat
+  o.routing = 'none'     # model.routing.kind: none | expert_choice | token_choice
   return o
 
 
@@ -63,7 +70,7 @@ def main(argv):
   jax.config.update('jax_enable_compilation_cache', False)  # measure real compiles
   measure(1, 64, 16, 2)  # warm up tracing machinery so R=1 is not charged for imports
   # Compile time on a shared 2-core machine jitters by ~20%: interleave passes, keep the minimum.
-  passes = [[measure(r, args.d_model, args.seq_len, args.batch, args.lowering)
+  passes = [[measure(r, args.d_model, args.seq_len, args.batch, args.lowering, args.routing)
              for r in (1, 2, 4, 8, 16)]
             for _ in range(args.passes)]
   rows = [{**ps[0], **{k: min(p[k] for p in ps) for k in ('lower_s', 'compile_s', 'total_s')}}

@@ -68,6 +68,19 @@ def default_config() -> ml_collections.ConfigDict:
   s.lora_zero = 'b'           # factor that starts at zero: b (LoRA, RRT: B = 0, A ~ 1/sqrt(fan_in))
                               # | a (A = 0, B ~ 1/sqrt(r): x A starts at 0, like a zero-init
                               # readout, so a muP width coordinate check of x A has no init term)
+  m.routing = rt = ml_collections.ConfigDict()   # Mixture-of-Recursions (docs/routing.md)
+  rt.kind = 'none'            # none | expert_choice | token_choice: per-token recursion depth over
+                              # the shared segment (sharing.scheme cycle | middle_cycle only)
+  rt.capacity = ''            # expert_choice: comma list, fraction of the sequence each recursion
+                              # keeps (non-increasing, in (0, 1]); '' -> (R - r) / R
+  rt.router = 'linear'        # linear | mlp (2-layer GELU, hidden 2 * d_model)
+  rt.alpha = 0.0              # gate scale; 0 -> the reference's: 0.1 expert_choice, 1.0 token_choice
+  rt.aux_loss = -1.0          # aux loss coefficient; -1 -> expert_choice BCE 0.001, token_choice
+                              # balancing 0.1; 0 = off (never added to eval_loss)
+  rt.capacity_warmup_steps = 0  # must be 0: a continuous capacity warmup changes the static
+                                # subset sizes every step (docs/routing.md)
+  rt.balancing = 'loss'       # token_choice: loss (Switch-style); bias (loss-free) is rejected
+                              # for now (docs/routing.md)
   m.norm = n = ml_collections.ConfigDict()
   n.kind = 'rmsnorm'          # layernorm | rmsnorm | crmsnorm | scalenorm | dyt | none
   n.placement = 'pre'         # pre | post | peri

@@ -230,7 +230,7 @@ def _lora_reads_width(info: params_lib.ParamInfo) -> bool:
 
 def _repeats(path: Path, cfg: ModelConfig, loop_rule: str) -> int:
   """Applications per step of the stored tensor at `path` (1 outside the stack)."""
-  if 'stack' not in path:
+  if 'stack' not in path or 'router' in path:   # routers: each row applied once
     return 1
   seg_name = path[path.index('stack') + 1]
   if not seg_name.startswith('segment_'):

@@ -71,6 +71,9 @@ def check_recursive(model: DecoderLM, variables: Any) -> tuple[int, int]:
                       f'{[s.order for s in segs]}')
   if not c.scan_layers:
     raise ConfigError('recursive inference needs model.scan_layers=True')
+  if c.routing != 'none':
+    raise ConfigError(f'recursive inference runs every loop on every token; model.routing.kind='
+                      f'{c.routing!r} routes them (docs/routing.md); valid: routing.kind=none')
   if c.umup_residual:
     raise ConfigError('recursive inference does not support parametrization.kind=umup (its '
                       'residual rule depends on the applied layer index); valid: sp, mup')

@@ -24,7 +24,7 @@ from sharenet.metrics import MetricsWriter
 from sharenet.models import (TRAINABLE, DecoderLM, ModelConfig, accounting, init_variables,
                              logical_axes)
 from sharenet.transforms import Transforms
-from sharenet.models import unit_scale
+from sharenet.models import routing, unit_scale
 
 
 @flax.struct.dataclass
@@ -87,10 +87,22 @@ def loss_fn(params: Any, tstate: Any, batch_BT1: jax.Array, *, model: DecoderLM,
   scale, logits gradient x vocab / sqrt(vocab - 1)): per-token logit gradients are unit scale, so
   every gradient is N vocab / sqrt(vocab - 1) times the mean loss's (N tokens in the batch;
   Adam is invariant to that factor except through eps and train.grad_clip).
+
+  A routed model (model.routing, Mixture-of-Recursions) adds its weighted auxiliary losses to
+  the value (eval_loss never has them) and reports them and the realised capacities as
+  `routing_*` entries of the returned collections (models/routing.py aux_loss).
   """
   s = 1.0 if pz is None else pz.loss_grad_scale
+  routed = model.cfg.routing != 'none'
+  if routed:   # Mixture-of-Recursions: its aux losses join the training loss (not eval_loss)
+    mutable = tuple(mutable) + (routing.ROUTING,)
   nll_BT, aux = eval_lib.token_nll(model, effective(params, tstate, tr, pz), batch_BT1, mutable,
                                    logits_grad_scale=s)
+  if routed:
+    aux = dict(aux)
+    router_loss, router_metrics = routing.aux_loss(model.cfg, aux.pop(routing.ROUTING))
+    aux.update(router_metrics)
+    return jnp.mean(nll_BT) + router_loss, aux
   if s == 1.0:
     return jnp.mean(nll_BT), aux
   return unit_scale.scale_fwd(jnp.sum(nll_BT), 1.0 / nll_BT.size), aux
@@ -370,7 +382,8 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, float]:
     if step % t.log_every == 0 or step == t.steps:
       tps = window['steps'] * tokens_per_step / (time.perf_counter() - window['t0'])
       row = dict(loss=loss, lr=float(schedule(step - 1)), grad_norm=gnorm, tokens_per_sec=tps,
-                 **{mfu_ref.name: tps * flops_tok / mfu_ref.flops})
+                 **{mfu_ref.name: tps * flops_tok / mfu_ref.flops},
+                 **{k: float(v) for k, v in metrics.items() if k.startswith('routing_')})
       writer.write(step, **row)
       last.clear()
       last.update(row)

@@ -29,7 +29,7 @@ def params_applied(variables: Any, cfg: ModelConfig) -> int:
   for c in ('params', PER_LAYER):
     for path, x in flatten_dict(variables.get(c, {})).items():
       n = math.prod(x.shape)
-      if c == 'params' and path[0] == 'stack':
+      if c == 'params' and path[0] == 'stack' and 'router' not in path:   # routers: stored once
         seg = segs[int(path[1].removeprefix('segment_'))]
         n = n // seg.num_sets * seg.num_applied
       total += n
@@ -44,10 +44,41 @@ def matmul_params_per_layer(cfg: ModelConfig) -> int:
              if i.branch is not None and i.role in ('reader', 'writer', 'lora'))
 
 
+def router_flops(cfg: ModelConfig, seq_len: int) -> float:
+  """Forward FLOPs per token of the routers (models/routing.py): expert choice scores the
+  candidates of each recursion (all T, then the k_{r-1} kept), token choice every token once."""
+  D, R = cfg.d_model, cfg.recursions
+  if cfg.routing == 'expert_choice':
+    per_row = 2 * D * 2 * D + 2 * 2 * D if cfg.routing_router == 'mlp' else 2 * D
+    caps = cfg.capacity_tokens(seq_len)
+    candidates = (seq_len,) + caps[:-1]
+    return per_row * sum(candidates) / seq_len
+  return 2 * D * 2 * D + 2 * 2 * D * R if cfg.routing_router == 'mlp' else 2 * D * R
+
+
 def flops_per_token(cfg: ModelConfig, seq_len: int, train: bool = True) -> float:
-  """Model FLOPs per token on applied depth; causal attention counted at half (MaxText)."""
+  """Model FLOPs per token on applied depth; causal attention counted at half (MaxText).
+
+  Routed models (model.routing): expert choice counts only the tokens each recursion keeps,
+  k_r / T of the matmuls and attention at the subset length k_r, plus the routers. Token
+  choice runs every token through every recursion with the exited ones masked (static shapes),
+  so its count is the executed FLOPs of the plain recursive model plus the router; the FLOPs
+  its routing would need are data-dependent (train metrics routing_capacity_r give the
+  realised fractions).
+  """
+  if cfg.routing == 'expert_choice':
+    P, T = matmul_params_per_layer(cfg), seq_len
+    HD = cfg.num_heads * cfg.head_dim
+    routed = cfg.plan.segments[cfg.routed_segment]
+    fwd = 2 * cfg.d_model * cfg.vocab_size + router_flops(cfg, T)
+    fwd += (cfg.num_layers - routed.num_applied) * (2 * P + 2 * T * HD)
+    for k in cfg.capacity_tokens(T):   # recursion r: k_r of T tokens, attention over k_r
+      fwd += routed.num_sets * (k / T) * (2 * P + 2 * k * HD)
+    return 3 * fwd if train else fwd
   matmul = cfg.num_layers * matmul_params_per_layer(cfg) + cfg.d_model * cfg.vocab_size
   # QK^T and PV: 2 * 2 * T * H * Dh per token per layer, halved for the causal mask.
   attn = cfg.num_layers * 2 * seq_len * cfg.num_heads * cfg.head_dim
   fwd = 2 * matmul + attn
+  if cfg.routing == 'token_choice':
+    fwd += router_flops(cfg, seq_len)
   return 3 * fwd if train else fwd

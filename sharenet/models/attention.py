@@ -61,6 +61,9 @@ class CausalAttention(nn.Module):
     `segment_ids_BT` (optional, packed documents): query t attends key s only if s <= t and
     their ids are equal.
 
+    `positions_T` is (T,), or (B, T) for per-row positions (the gathered token subsets of
+    Mixture-of-Recursions routing, models/routing.py).
+
     The cached path (generation, sharenet/generate.py) ignores `positions_T`, writes this
     call's keys and values into `cache` at `step.index` and attends over the whole cache.
     """
@@ -90,6 +93,9 @@ class CausalAttention(nn.Module):
     if c.position == 'rope' and cache is not None:
       q_BTHD = _rope_per_sequence(q_BTHD, step.positions_BT, c.rope_base)
       k_BTKD = _rope_per_sequence(k_BTKD, step.positions_BT, c.rope_base)
+    elif c.position == 'rope' and positions_T.ndim == 2:   # per-row positions (routed subsets)
+      q_BTHD = _rope_per_sequence(q_BTHD, positions_T, c.rope_base)
+      k_BTKD = _rope_per_sequence(k_BTKD, positions_T, c.rope_base)
     elif c.position == 'rope':
       q_BTHD = rope(q_BTHD, positions_T, c.rope_base)
       k_BTKD = rope(k_BTKD, positions_T, c.rope_base)

@@ -20,6 +20,10 @@ DTYPES = ('float32', 'bfloat16', 'float64')
 LORA_TARGETS = ('q', 'k', 'v', 'o', 'mlp_in', 'mlp_out')
 LORA_LAYERS = ('shared', 'all')
 LORA_ZERO = ('b', 'a')      # which depth-wise LoRA factor starts at zero
+ROUTINGS = ('none', 'expert_choice', 'token_choice')
+ROUTED_SCHEMES = ('cycle', 'middle_cycle')   # Mixture-of-Recursions routes these (its code too)
+ROUTERS = ('linear', 'mlp')
+BALANCINGS = ('loss', 'bias')
 _DEFAULTS = defaults.default_config().model
 _TRAIN_SEQ_LEN = defaults.default_config().train.seq_len
 
@@ -104,6 +108,13 @@ class ModelConfig:
   kernels: str = _key('kernels')
   dense_grad: str = _key('dense_grad')
   attention: str = _key('attention')
+  routing: str = _key('routing.kind')
+  routing_capacity: str = _key('routing.capacity')
+  routing_router: str = _key('routing.router')
+  routing_alpha: float = _key('routing.alpha')
+  routing_aux_loss: float = _key('routing.aux_loss')
+  routing_capacity_warmup_steps: int = _key('routing.capacity_warmup_steps')
+  routing_balancing: str = _key('routing.balancing')
 
   @property
   def head_dim(self) -> int:
@@ -127,6 +138,90 @@ class ModelConfig:
   def plan(self) -> sharing.SharingPlan:
     return sharing.make_plan(self.scheme, self.num_layers, self.num_unique, self.repeats,
                              self.pattern)
+
+  @property
+  def routed_segment(self) -> int | None:
+    """Index of the plan segment whose recursions are routed (None without routing)."""
+    if self.routing == 'none':
+      return None
+    return 1 if self.scheme == 'middle_cycle' else 0
+
+  @property
+  def recursions(self) -> int:
+    """R: passes through the routed segment's K stored sets."""
+    return self.plan.segments[self.routed_segment].repeats
+
+  @property
+  def capacities(self) -> tuple[float, ...]:
+    """Expert choice: fraction of the sequence kept at each recursion ('' -> (R - r) / R)."""
+    R = self.recursions
+    if not self.routing_capacity.strip():
+      return tuple((R - r) / R for r in range(R))
+    try:
+      return tuple(float(c) for c in self.routing_capacity.replace(' ', '').split(',') if c)
+    except ValueError:
+      raise ConfigError(f'model.routing.capacity={self.routing_capacity!r}: expected a comma '
+                        f'list of {R} fractions, e.g. "1,0.5"') from None
+
+  def capacity_tokens(self, seq_len: int) -> tuple[int, ...]:
+    """Expert choice: k_r = max(1, int(c_r * T)) tokens kept at recursion r (the reference's
+    rule, applied to the full sequence length T)."""
+    return tuple(max(1, int(c * seq_len)) for c in self.capacities)
+
+  @property
+  def alpha(self) -> float:
+    """Router gate scale (model.routing.alpha; 0 -> 0.1 expert choice, 1.0 token choice)."""
+    return self.routing_alpha or (0.1 if self.routing == 'expert_choice' else 1.0)
+
+  @property
+  def aux_loss_coeff(self) -> float:
+    """Aux loss coefficient (model.routing.aux_loss; -1 -> 0.001 BCE, 0.1 balancing)."""
+    if self.routing_aux_loss >= 0:
+      return self.routing_aux_loss
+    return 0.001 if self.routing == 'expert_choice' else 0.1
+
+  def _validate_routing(self) -> None:
+    _choice('model.routing.kind', self.routing, ROUTINGS)
+    if self.routing == 'none':
+      return
+    _choice('model.routing.router', self.routing_router, ROUTERS)
+    _choice('model.routing.balancing', self.routing_balancing, BALANCINGS)
+    if self.scheme not in ROUTED_SCHEMES:
+      raise ConfigError(f'model.routing.kind={self.routing!r} routes the recursions of a shared '
+                        f'cycle; model.sharing.scheme={self.scheme!r} has none; valid schemes: '
+                        f'{", ".join(ROUTED_SCHEMES)}')
+    for bad, why in (
+        (self.lora_rank or self.untie_norms, 'per-layer parts (lora_rank, untie_norms) are not '
+         'routed; valid: lora_rank=0, untie_norms=False'),
+        (not self.scan_layers, 'it needs model.scan_layers=True'),
+        (self.scan_lowering != 'nested', 'each recursion is its own scan over the K sets; '
+         'valid: model.scan_lowering=nested'),
+        (self.umup_residual, 'the u-muP residual rule is not routed; valid: another '
+         'parametrization.kind')):
+      if bad:
+        raise ConfigError(f'model.routing.kind={self.routing!r}: {why}')
+    caps = self.capacities
+    R = self.recursions
+    if self.routing == 'token_choice' and self.routing_capacity.strip():
+      raise ConfigError(f'model.routing.capacity={self.routing_capacity!r}: token_choice picks '
+                        f'each token\'s depth itself; valid: \'\' (capacity is expert_choice\'s)')
+    if len(caps) != R or not all(0 < c <= 1 for c in caps) or \
+        any(b > a for a, b in zip(caps, caps[1:])):
+      raise ConfigError(f'model.routing.capacity={self.routing_capacity!r}: needs {R} fractions '
+                        f'(one per recursion) in (0, 1], non-increasing; got {caps}')
+    if self.routing_alpha < 0:
+      raise ConfigError(f'model.routing.alpha={self.routing_alpha} must be >= 0 (0: default)')
+    if self.routing_aux_loss < 0 and self.routing_aux_loss != -1:
+      raise ConfigError(f'model.routing.aux_loss={self.routing_aux_loss} must be >= 0, or -1 '
+                        f'(the default coefficient)')
+    if self.routing_capacity_warmup_steps:
+      raise ConfigError(f'model.routing.capacity_warmup_steps='
+                        f'{self.routing_capacity_warmup_steps}: a capacity warmup changes the '
+                        f'static subset sizes every step (one compile each); valid: 0')
+    if self.routing == 'token_choice' and self.routing_balancing == 'bias':
+      raise ConfigError('model.routing.balancing=bias (loss-free balancing) needs a '
+                        'non-trainable bias carried through the train step, not implemented; '
+                        'valid: loss')
 
   def validate(self) -> 'ModelConfig':
     """Raises ConfigError with one line naming the bad field; returns self."""
@@ -175,6 +270,7 @@ class ModelConfig:
       raise ConfigError(f'model.sharing.lora_rank={self.lora_rank} with lora_layers=shared puts '
                         f'LoRA on shared layers only, and scheme {self.scheme!r} shares none; '
                         f'valid: lora_layers=all or lora_rank=0')
+    self._validate_routing()
     return self
 
   def segment_cfg(self, seg: sharing.Segment) -> 'ModelConfig':

@@ -32,6 +32,8 @@ import numpy as np
 
 from sharenet.models.attention import DecodeStep, LayerCache
 from sharenet.models.block import Block
+from sharenet.errors import ConfigError
+from sharenet.models import routing
 from sharenet.models.config import ModelConfig
 from sharenet.models.layers import INTERMEDIATES
 from sharenet.norms import PER_LAYER
@@ -190,6 +192,59 @@ class GatherSegment(nn.Module):
                                           *_decode_args(cache, step))
 
 
+class RoutedSegment(nn.Module):
+  """A cycle segment whose R recursions are routed per token (models/routing.py).
+
+  The K stacked sets are stored exactly as in the plain nested segment (segment_i/level/block),
+  the routers beside them (segment_i/router). Expert choice calls the inner scan over the K sets
+  once per recursion on that recursion's subset, R static lengths, so the program holds R scans
+  (compile time grows with R); token choice runs all recursions at full length, so one scan
+  over the recursions around the inner scan, as the plain segment.
+  """
+  cfg: ModelConfig
+  seg: Segment
+
+  @nn.compact
+  def __call__(self, x_BTD: jax.Array, positions_T: jax.Array | None, segment_ids_BT=None):
+    c = self.cfg
+    if c.umup_residual:
+      raise ConfigError(f'model.routing.kind={c.routing!r}: the u-muP residual rule is not '
+                        f'routed; valid: another parametrization.kind')
+    sow = lambda name, value: self.sow(routing.ROUTING, name, value)
+    router = routing.Router(c, name='router')
+    if c.routing == 'expert_choice':
+      return routing.expert_choice(x_BTD, positions_T, segment_ids_BT, cfg=c, router=router,
+                                   level=_Level(c, segment_levels(self.seg)[1:], name='level'),
+                                   sow=sow)
+    # Token choice: every recursion has the full shape, so one scan over them (params
+    # broadcast, as the plain nested segment's outer scan over repeats).
+    body = nn.scan(_TokenRecursion, variable_axes={PER_LAYER: 0, INTERMEDIATES: 0},
+                   variable_broadcast='params', split_rngs={'params': False, PER_LAYER: True},
+                   in_axes=(0, nn.broadcast, nn.broadcast), length=self.seg.repeats,
+                   metadata_params={nn.PARTITION_NAME: 'repeats'})(c, self.seg.num_sets,
+                                                                  name='level')
+
+    def recurse(carry, routes, positions):
+      (_, out_BTD), _ = body(carry, jnp.arange(self.seg.repeats), routes, positions)
+      return out_BTD
+    return routing.token_choice(x_BTD, positions_T, segment_ids_BT, cfg=c, router=router,
+                                sow=sow, recurse=recurse)
+
+
+class _TokenRecursion(nn.Module):
+  """One token-choice recursion (the body of RoutedSegment's scan over recursions): the K-layer
+  scan, stored as the plain nested segment's (segment_i/level/block)."""
+  cfg: ModelConfig
+  num_sets: int
+
+  @nn.compact
+  def __call__(self, carry, r, routes, positions_T):
+    c = self.cfg
+    block = _scan(_block_cls(c), self.num_sets, True, 'layers', c.scan_unroll,
+                  c.scan_split_transpose)(c, name='block')
+    return routing.token_recursion(block, r, carry, routes, positions_T), None
+
+
 def segment_levels(seg: Segment) -> tuple[tuple[int, bool, str], ...]:
   """Nesting of a regular segment: cycle = repeats(outer, tied) x sets; sequence = reverse."""
   if seg.order == 'cycle':
@@ -239,6 +294,12 @@ class Stack(nn.Module):
       return x_BTD if cache is None else (x_BTD, tuple(new_cache))
     for i, seg in enumerate(segments):
       cfg = self.cfg.segment_cfg(seg)   # no LoRA on unshared segments under lora_layers=shared
+      if i == self.cfg.routed_segment:
+        if cache is not None:
+          raise ConfigError(f'model.routing.kind={cfg.routing!r}: cached generation of a '
+                            f'routed model is not implemented; valid: routing.kind=none')
+        x_BTD = RoutedSegment(cfg, seg, name=f'segment_{i}')(x_BTD, positions_T, segment_ids_BT)
+        continue
       if seg.order == 'gather':
         x_BTD, seg_cache = GatherSegment(cfg, seg.pattern, name=f'segment_{i}')(
             x_BTD, positions_T, segment_ids_BT,

@@ -1,0 +1,419 @@
+"""Mixture-of-Recursions routing (sharenet/models/routing.py, arXiv:2507.10524).
+
+The invariants of expert choice and token choice are checked on the routing functions with a
+token-wise stand-in for the K-layer scan and a fixed linear router (numpy recomputes what they
+should do); the model-level tests use the real blocks. The 8-device run is this file's
+`__main__` in a subprocess (as tests/test_sharding.py).
+"""
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from sharenet import config_lib, generate, train_lib
+from sharenet.errors import ConfigError
+from sharenet.models import DecoderLM, ModelConfig, accounting, init_variables, routing
+from sharenet.models.stack import Stack
+
+B, T, D = 2, 16, 32
+
+
+def tiny_cfg(**kw) -> ModelConfig:
+  base = dict(d_model=D, num_layers=4, num_heads=2, mlp_dim=64, scheme='cycle', num_unique=2,
+              remat='none', routing='expert_choice')
+  return ModelConfig(**{**base, **kw}).validate()
+
+
+class FixedRouter:
+  """Router stand-in: logits = x . w[r] (expert choice) or x W^T (token choice)."""
+
+  def __init__(self, w_RD):
+    self.w_RD = jnp.asarray(w_RD)
+
+  def expert_logits(self, x_BND, r):
+    return x_BND @ self.w_RD[r]
+
+  def token_logits(self, x_BTD):
+    return jnp.einsum('btd,rd->btr', x_BTD, self.w_RD)
+
+
+def tokenwise(x):
+  """Token-wise stand-in for the K-layer stack (numpy and jax)."""
+  return np.tanh(x) * 2.0 + 0.5 if isinstance(x, np.ndarray) else jnp.tanh(x) * 2.0 + 0.5
+
+
+class RecordingLevel:
+  """Stand-in for the K-layer scan: token-wise f (plus 0.01 x position), records its inputs."""
+
+  def __init__(self):
+    self.calls = []
+
+  def __call__(self, x_BKD, pos_BK, seg_BK):
+    self.calls.append((np.asarray(x_BKD), None if pos_BK is None else np.asarray(pos_BK),
+                       None if seg_BK is None else np.asarray(seg_BK)))
+    return tokenwise(x_BKD) + 0.01 * pos_BK[:, :, None].astype(x_BKD.dtype), None
+
+
+def run_expert(cfg, seed=0, segment_ids=None):
+  rng = np.random.default_rng(seed)
+  h = rng.normal(size=(B, T, D)).astype(np.float32)
+  w = rng.normal(size=(cfg.recursions, D)).astype(np.float32)
+  level, sown = RecordingLevel(), {}
+  out = routing.expert_choice(jnp.asarray(h), jnp.arange(T), segment_ids, cfg=cfg,
+                              router=FixedRouter(w), level=level,
+                              sow=lambda k, v: sown.__setitem__(k, np.asarray(v)))
+  return h, w, np.asarray(out), level.calls, sown
+
+
+# ---- config ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize('overrides, match', [
+    (dict(scheme='untied', num_unique=0), 'valid schemes: cycle, middle_cycle'),
+    (dict(scheme='sequence'), 'valid schemes: cycle, middle_cycle'),
+    (dict(routing='mixture'), 'model.routing.kind'),
+    (dict(routing_router='conv'), 'model.routing.router'),
+    (dict(routing_capacity='0.5,1'), 'non-increasing'),
+    (dict(routing_capacity='1'), 'needs 2 fractions'),
+    (dict(routing_capacity='1,0'), r'in \(0, 1\]'),
+    (dict(routing_capacity='1,x'), 'comma list'),
+    (dict(routing_capacity_warmup_steps=10), 'capacity_warmup_steps=10'),
+    (dict(routing='token_choice', routing_balancing='bias'), 'balancing=bias'),
+    (dict(routing='token_choice', routing_capacity='1,0.5'), 'token_choice picks'),
+    (dict(lora_rank=2), 'lora_rank=0'),
+    (dict(scan_lowering='flat'), 'scan_lowering=nested'),
+    (dict(routing_aux_loss=-0.5), 'aux_loss=-0.5'),
+])
+def test_bad_routing_is_one_line_config_error(overrides, match):
+  with pytest.raises(ConfigError, match=match) as e:
+    tiny_cfg(**overrides)
+  assert '\n' not in str(e.value)
+
+
+def test_routing_keys_round_trip_and_default_is_none(tiny_config):
+  c = tiny_config(**{'model.sharing.scheme': 'cycle', 'model.sharing.num_unique': 1,
+                     'model.routing.kind': 'expert_choice', 'model.routing.capacity': '1,0.25'})
+  mcfg = config_lib.validate(c)
+  assert (mcfg.routing, mcfg.capacities, mcfg.alpha, mcfg.aux_loss_coeff) == \
+      ('expert_choice', (1.0, 0.25), 0.1, 0.001)
+  assert ModelConfig.from_config(mcfg.to_config()) == mcfg
+  plain = config_lib.validate(tiny_config())
+  assert plain.routing == 'none' and plain.routed_segment is None
+  token = dataclasses.replace(mcfg, routing='token_choice', routing_capacity='').validate()
+  assert (token.alpha, token.aux_loss_coeff) == (1.0, 0.1)
+
+
+def test_example_config_validates(repo_root):
+  sys.path.insert(0, repo_root)
+  from configs import mor_tiny
+  mcfg = config_lib.validate(mor_tiny.get_config())
+  assert (mcfg.routing, mcfg.scheme, mcfg.recursions, mcfg.routed_segment) == \
+      ('expert_choice', 'middle_cycle', 3, 1)
+
+
+def test_unrouted_model_has_no_router_and_sows_nothing():
+  cfg = tiny_cfg(routing='none')
+  model = DecoderLM(cfg)
+  v = init_variables(model, jax.random.key(0), 1, 8)
+  assert 'router' not in v['params']['stack']['segment_0']
+  _, sown = model.apply(v, jnp.zeros((1, 8), jnp.int32), mutable=[routing.ROUTING])
+  assert not sown
+
+
+def test_generation_of_a_routed_model_is_rejected():
+  with pytest.raises(ConfigError, match='generation of a routed model'):
+    generate.validate(tiny_cfg(), [[1, 2]], 4, 1.0, 0, 1.0, None)
+  from sharenet import recursive_inference
+  with pytest.raises(ConfigError, match='routes them'):
+    recursive_inference.check_recursive(DecoderLM(tiny_cfg()), {})
+
+
+# ---- expert choice on the routing function --------------------------------------------------
+
+def test_expert_choice_subsets_counts_order_and_untouched_tokens():
+  cfg = tiny_cfg(num_layers=6, num_unique=2, routing_capacity='0.75,0.5,0.25')   # R = 3
+  h, w, out, calls, sown = run_expert(cfg)
+  assert cfg.capacity_tokens(T) == (12, 8, 4)
+  prev = [set(range(T))] * B
+  touched = [set() for _ in range(B)]
+  for r, (x, pos, seg) in enumerate(calls):
+    assert x.shape == (B, cfg.capacity_tokens(T)[r], D) and seg is None
+    for b in range(B):
+      assert np.all(np.diff(pos[b]) > 0)                  # causal order, no repeats
+      assert set(pos[b]) <= prev[b]                       # hierarchical subsets
+      prev[b] = set(pos[b])
+      touched[b] |= prev[b]
+    np.testing.assert_allclose(sown[f'capacity_{r}'], cfg.capacity_tokens(T)[r] / T)
+  for b in range(B):
+    idle = sorted(set(range(T)) - touched[b])
+    assert len(idle) == T - 12
+    np.testing.assert_array_equal(out[b, idle], h[b, idle])   # bit for bit
+
+
+def test_expert_choice_matches_a_numpy_recomputation():
+  """Top-k of alpha * sigmoid among the previous survivors, H <- H + g f(H); BCE of the logits
+  against top-k membership, summed over the candidates, divided by batch x candidates."""
+  cfg = tiny_cfg(routing_capacity='0.5,0.25')
+  h, w, out, _, sown = run_expert(cfg, seed=1)
+  want = h.astype(np.float64).copy()
+  bce = np.zeros(2)
+  for b in range(B):
+    cand = np.arange(T)
+    for r, k in enumerate((8, 4)):
+      logits = want[b, cand] @ w[r]
+      gate = 0.1 / (1 + np.exp(-logits))
+      top = np.sort(np.argsort(-gate, kind='stable')[:k])
+      member = np.isin(np.arange(len(cand)), top).astype(np.float64)
+      bce[r] += np.sum(np.maximum(logits, 0) - logits * member +
+                       np.log1p(np.exp(-np.abs(logits)))) / (B * len(cand))
+      sel = cand[top]
+      f = np.tanh(want[b, sel]) * 2 + 0.5 + 0.01 * sel[:, None]
+      want[b, sel] += gate[top][:, None] * f
+      cand = sel
+  np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
+  for r in range(2):
+    np.testing.assert_allclose(sown[f'aux_loss_{r}'], bce[r], rtol=1e-5)
+
+
+def test_expert_choice_passes_segment_ids_of_the_kept_tokens():
+  cfg = tiny_cfg(routing_capacity='0.5,0.5')
+  seg = jnp.asarray(np.repeat(np.arange(4), 4)[None].repeat(B, 0) + 10 * np.arange(B)[:, None])
+  _, _, _, calls, _ = run_expert(cfg, segment_ids=seg)
+  for _, pos, s in calls:
+    np.testing.assert_array_equal(s, np.take_along_axis(np.asarray(seg), pos, axis=1))
+
+
+# ---- token choice on the routing function ---------------------------------------------------
+
+def test_token_choice_exits_outputs_and_balancing_loss():
+  cfg = tiny_cfg(num_layers=6, num_unique=2, routing='token_choice', routing_alpha=0.7)  # R = 3
+  R = cfg.recursions
+  rng = np.random.default_rng(2)
+  h = rng.normal(size=(B, T, D)).astype(np.float32)
+  w = rng.normal(size=(R, D)).astype(np.float32)
+  seen, sown = [], {}
+
+  def level(x, pos, seg):
+    seen.append(np.asarray(seg))
+    return tokenwise(x), None
+
+  out = np.asarray(routing.token_choice(jnp.asarray(h), jnp.arange(T), None, cfg=cfg,
+                                        router=FixedRouter(w), level=level,
+                                        sow=lambda k, v: sown.__setitem__(k, np.asarray(v))))
+  logits = h.astype(np.float64) @ w.T.astype(np.float64)
+  p = np.exp(logits - logits.max(-1, keepdims=True))
+  p /= p.sum(-1, keepdims=True)
+  exit_ = p.argmax(-1)
+  assert len(set(exit_.ravel())) > 1          # the check below sees more than one depth
+  want = np.empty_like(out, dtype=np.float64)
+  for b in range(B):
+    for t in range(T):
+      y = h[b, t].astype(np.float64)
+      for _ in range(exit_[b, t] + 1):
+        y = tokenwise(y)
+      want[b, t] = h[b, t] + 0.7 * p[b, t, exit_[b, t]] * y
+  np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
+  frac = np.stack([(exit_ == i).mean() for i in range(R)])
+  np.testing.assert_allclose(sown['aux_loss_0'], R * np.sum(p.mean((0, 1)) * frac), rtol=1e-5)
+  for r in range(R):
+    active = exit_ >= r
+    np.testing.assert_allclose(sown[f'capacity_{r}'], active.mean())
+    assert np.all(seen[r][active] == 0)                            # one segment of the active
+    np.testing.assert_array_equal(seen[r][~active], (-1 - np.arange(T))[None].repeat(B, 0)[~active])
+
+
+# ---- the real model --------------------------------------------------------------------------
+
+def test_full_capacity_is_the_gated_plain_recursion():
+  """Capacity 1 everywhere: every recursion keeps all tokens in order, so the routed stack is
+  h <- h + g_r F(h) with F the plain model's K-layer stack (the reference's update, whose F
+  includes the residual); computed here from the plain model's Stack (float64)."""
+  with jax.enable_x64(True):
+    cfg = tiny_cfg(num_layers=4, num_unique=2, routing_capacity='1,1', dtype='float64',
+                   param_dtype='float64')
+    plain = dataclasses.replace(cfg, num_layers=2, routing='none', routing_capacity='').validate()
+    model = DecoderLM(cfg)
+    v = init_variables(model, jax.random.key(0), B, T)
+    stack = v['params']['stack']
+    h = jax.random.normal(jax.random.key(1), (B, T, D), jnp.float64)
+    got = Stack(cfg).apply({'params': stack}, h, jnp.arange(T))
+    plain_stack = {'segment_0': {'level': stack['segment_0']['level']}}
+    want = h
+    for r in range(2):
+      f = Stack(plain).apply({'params': plain_stack}, want, jnp.arange(T))
+      g = 0.1 * jax.nn.sigmoid(want @ stack['segment_0']['router']['kernel'][r])
+      want = want + g[:, :, None] * f
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-12, atol=1e-12)
+
+
+def test_kept_tokens_attend_among_themselves_at_their_own_positions():
+  """The K-layer pass of a kept subset equals the plain stack on that subsequence alone (so
+  dropped tokens are invisible), with RoPE at the original positions (float64)."""
+  with jax.enable_x64(True):
+    cfg = tiny_cfg(num_layers=2, num_unique=1, routing_capacity='1,0.5', dtype='float64',
+                   param_dtype='float64')
+    plain = dataclasses.replace(cfg, num_layers=1, routing='none', routing_capacity='').validate()
+    v = init_variables(DecoderLM(cfg), jax.random.key(0), B, T)
+    stack = v['params']['stack']
+    h = jax.random.normal(jax.random.key(3), (B, T, D), jnp.float64)
+    plain_stack = {'segment_0': {'level': stack['segment_0']['level']}}
+    run = lambda x, pos: Stack(plain).apply({'params': plain_stack}, x, pos)
+    got = np.asarray(Stack(cfg).apply({'params': stack}, h, jnp.arange(T)))
+    w = stack['segment_0']['router']['kernel']
+    h1 = h + (0.1 * jax.nn.sigmoid(h @ w[0]))[:, :, None] * run(h, jnp.arange(T))
+    g1 = np.asarray(0.1 * jax.nn.sigmoid(h1 @ w[1]))
+    for b in range(B):
+      keep = np.sort(np.argsort(-g1[b], kind='stable')[:8])
+      f = run(h1[b:b + 1, keep], jnp.asarray(keep))[0]
+      want = np.asarray(h1[b]).copy()
+      want[keep] += g1[b, keep][:, None] * np.asarray(f)
+      np.testing.assert_allclose(got[b], want, rtol=1e-10, atol=1e-10)
+
+
+def test_token_choice_model_runs_each_recursion_on_its_tokens_alone():
+  """The routed model (one scan over recursions, masked at full length) equals running each
+  recursion's active tokens as a subsequence alone through the plain K-layer stack at their
+  original positions, exits leaving with x_in + alpha p_exit f (float64)."""
+  with jax.enable_x64(True):
+    cfg = tiny_cfg(num_layers=6, num_unique=2, routing='token_choice', dtype='float64',
+                   param_dtype='float64')                            # K = 2, R = 3
+    plain = dataclasses.replace(cfg, num_layers=2, routing='none').validate()
+    v = init_variables(DecoderLM(cfg), jax.random.key(0), B, T)
+    stack = v['params']['stack']
+    plain_stack = {'segment_0': {'level': stack['segment_0']['level']}}
+    run = lambda x, pos: np.asarray(Stack(plain).apply({'params': plain_stack}, x, pos))
+    h = jax.random.normal(jax.random.key(4), (B, T, D), jnp.float64)
+    got = np.asarray(Stack(cfg).apply({'params': stack}, h, jnp.arange(T)))
+    logits = np.asarray(h) @ np.asarray(stack['segment_0']['router']['kernel']).T
+    p = np.exp(logits - logits.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    exit_ = p.argmax(-1)
+    assert len(set(exit_.ravel())) == 3
+    for b in range(B):
+      cur, want = np.asarray(h[b]).copy(), np.zeros((T, D))
+      for r in range(3):
+        idx = np.where(exit_[b] >= r)[0]
+        if not len(idx):
+          break
+        f = run(jnp.asarray(cur[idx])[None], jnp.asarray(idx))[0]
+        for j, t in enumerate(idx):
+          if exit_[b, t] == r:
+            want[t] = np.asarray(h[b, t]) + p[b, t, r] * f[j]
+        cur[idx] = f
+      np.testing.assert_allclose(got[b], want, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize('kind, router', [('expert_choice', 'linear'), ('token_choice', 'mlp'),
+                                          ('expert_choice', 'mlp')])
+def test_gradients_reach_every_router(kind, router):
+  cfg = tiny_cfg(num_layers=6, num_unique=2, routing=kind, routing_router=router)
+  model = DecoderLM(cfg)
+  v = init_variables(model, jax.random.key(0), B, T)
+  batch = jax.random.randint(jax.random.key(1), (B, T + 1), 0, cfg.vocab_size)
+  grads = jax.grad(lambda p: train_lib.loss_fn(p, {}, batch, model=model)[0])(v)
+  for name, g in grads['params']['stack']['segment_0']['router'].items():
+    g = np.asarray(g).reshape(g.shape[0], -1)
+    assert np.all(np.abs(g).sum(axis=1) > 0), (name, np.abs(g).sum(axis=1))
+
+
+def test_training_loss_adds_the_weighted_aux_loss_and_eval_does_not():
+  cfg = tiny_cfg(routing_aux_loss=0.5)
+  model = DecoderLM(cfg)
+  v = init_variables(model, jax.random.key(0), B, T)
+  batch = jax.random.randint(jax.random.key(1), (B, T + 1), 0, cfg.vocab_size)
+  loss, metrics = train_lib.loss_fn(v, {}, batch, model=model)
+  from sharenet import eval_lib
+  nll, _ = eval_lib.token_nll(model, v, batch)
+  aux = float(metrics['routing_aux_loss_0'] + metrics['routing_aux_loss_1'])
+  np.testing.assert_allclose(float(loss), float(jnp.mean(nll)) + 0.5 * aux, rtol=1e-6)
+  assert aux > 0
+
+
+def test_accounting_counts_kept_tokens_and_routers_once():
+  cfg = tiny_cfg(num_layers=6, num_unique=2, routing_capacity='1,0.5,0.25')
+  v = init_variables(DecoderLM(cfg), jax.random.key(0), 1, T)
+  plain = dataclasses.replace(cfg, routing='none', routing_capacity='').validate()
+  pv = init_variables(DecoderLM(plain), jax.random.key(0), 1, T)
+  R, K = 3, 2
+  assert accounting.params_unique(v) == accounting.params_unique(pv) + R * D
+  assert accounting.params_applied(v, cfg) == accounting.params_applied(pv, plain) + R * D
+  P = accounting.matmul_params_per_layer(cfg)
+  HD = cfg.num_heads * cfg.head_dim
+  layer = lambda n: (n / T) * (2 * P + 2 * n * HD)
+  want = 2 * D * cfg.vocab_size + sum(K * layer(n) for n in (16, 8, 4))
+  want += 2 * D * (16 + 16 + 8) / T                        # routers score their candidates
+  assert accounting.flops_per_token(cfg, T, train=False) == pytest.approx(want)
+  assert accounting.flops_per_token(cfg, T) == pytest.approx(3 * want)
+  full = dataclasses.replace(cfg, routing_capacity='1,1,1').validate()
+  assert accounting.flops_per_token(full, T, train=False) == pytest.approx(
+      accounting.flops_per_token(plain, T, train=False) + 2 * D * 3)
+
+
+@pytest.mark.parametrize('kind, scheme', [('expert_choice', 'cycle'),
+                                          ('token_choice', 'middle_cycle')])
+def test_five_training_steps(kind, scheme, tiny_config, losses, tmp_path):
+  from sharenet.metrics import read_metrics
+  c = tiny_config(**{'model.num_layers': 4 if scheme == 'cycle' else 5,
+                     'model.sharing.scheme': scheme,
+                     'model.sharing.num_unique': 2 if scheme == 'cycle' else 3,
+                     'model.routing.kind': kind, 'train.steps': 5, 'train.warmup_steps': 1,
+                     'train.checkpoint_every': 5})
+  out = train_lib.train_and_evaluate(c, str(tmp_path))
+  got = losses(str(tmp_path))
+  assert sorted(got) == [1, 2, 3, 4, 5]
+  assert all(np.isfinite(list(got.values())))
+  assert got[5] < got[1], got
+  assert np.isfinite(out['eval_loss'])
+  rows = [r for r in read_metrics(str(tmp_path)) if 'loss' in r]
+  assert 'routing_aux_loss_0' in rows[-1] and 'routing_capacity_1' in rows[-1]
+  config = json.load(open(tmp_path / 'config.json'))
+  assert config['model']['routing']['kind'] == kind
+
+
+# ---- 8 simulated devices ---------------------------------------------------------------------
+
+def _mesh_losses(out_path: str, tmp: str, corpus: str) -> None:
+  """Runs in a subprocess: 4 expert-choice steps on the mesh `data = device count`."""
+  sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+  import conftest
+  n = jax.device_count()
+  c = conftest.make_tiny_config(**{
+      'model.num_layers': 4, 'model.sharing.scheme': 'cycle', 'model.sharing.num_unique': 2,
+      'model.routing.kind': 'expert_choice', 'model.routing.capacity': '0.5,0.25',
+      'data.source': 'bin', 'data.path': corpus,
+      'train.steps': 4, 'train.batch_size': 8, 'train.schedule': 'constant',
+      'train.warmup_steps': 0, 'train.checkpoint_every': 4})
+  c.mesh.data = n
+  train_lib.train_and_evaluate(c, tmp)
+  with open(out_path, 'w') as f:
+    json.dump(conftest.read_losses(tmp), f)
+
+
+def test_eight_devices_match_one(tmp_path, repo_root, subprocess_env):
+  """Random tokens: on text, repeated tokens (indentation) give hidden states that are equal in
+  exact arithmetic, so which of them a top-k keeps is decided by rounding, which differs
+  between shardings (both choices are valid top-k's)."""
+  corpus = str(tmp_path / 'train.bin')
+  np.random.default_rng(0).integers(0, 256, 60_000).astype(np.uint16).tofile(corpus)
+  got = {}
+  for n in (1, 8):
+    e = dict(subprocess_env)
+    e['JAX_PLATFORMS'] = 'cpu'
+    e['XLA_FLAGS'] = e.get('XLA_FLAGS', '') + f' --xla_force_host_platform_device_count={n}'
+    out = tmp_path / f'{n}.json'
+    res = subprocess.run([sys.executable, __file__, str(out), str(tmp_path / f'run{n}'), corpus],
+                         env=e, capture_output=True, text=True, timeout=900, cwd=repo_root)
+    assert res.returncode == 0, res.stderr[-4000:]
+    got[n] = json.loads(out.read_text())
+  assert len(got[1]) == 4
+  for step, want in got[1].items():
+    assert abs(got[8][step] - want) <= 1e-5 * abs(want), (step, got[8][step], want)
+
+
+if __name__ == '__main__':
+  _mesh_losses(sys.argv[1], sys.argv[2], sys.argv[3])
