@@ -46,6 +46,13 @@ def default_config() -> ml_collections.ConfigDict:
   m.attention = 'auto'        # auto | xla | cudnn | pallas: attention back-end; auto follows
                               # model.kernels; cudnn = jax.nn.dot_product_attention on cuDNN (GPU)
   m.param_dtype = 'float32'
+  m.attention_sharing = 'none'  # none | qk_v | q_kv | qkv: attention projections that are one
+                              # (Q-K=V, arXiv:2606.04032): qk_v values are the keys (the KV
+                              # cache holds K only), q_kv queries are the keys, qkv one projection
+                              # (docs/sublayer_sharing.md)
+  m.masa = ma = ml_collections.ConfigDict()   # MASA, matrix atom sharing (arXiv:2508.04581)
+  ma.atoms = 0                # S shared atoms per target kernel, W_l = sum_s c_ls D_s; 0 = off
+  ma.targets = 'q,k,v,o'      # kernels built from atoms: any of q,k,v,o,mlp_in,mlp_out
   m.sharing = s = ml_collections.ConfigDict()
   s.scheme = 'untied'         # untied | universal | cycle | sequence | middle_cycle |
                               # middle_sequence | sandwich | groups | explicit
@@ -161,7 +168,7 @@ def default_config() -> ml_collections.ConfigDict:
       ('activation_mlp', 'tensor'), ('activation_vocab', 'tensor'),
       ('embed', 'fsdp'), ('heads', 'tensor'), ('kv_heads', 'tensor'), ('mlp', 'tensor'),
       ('vocab', 'tensor'), ('head_dim', None), ('length', None), ('lora', None),
-      ('layers', None), ('repeats', None),
+      ('layers', None), ('repeats', None), ('atoms', None),
   )
 
   c.dry_run = False           # print params' shardings and the step's memory, then exit

@@ -102,7 +102,8 @@ KINDS = ('sp', 'mup', 'mup_table3', 'umup', 'completep')
 LOOP_RULES = ('none', 'inv_R', 'inv_sqrt_R')
 WD_MODES = ('auto', 'lr_coupled', 'independent')   # auto: independent for umup, else lr_coupled
 WIDTH_AXES = frozenset({'embed', 'mlp', 'heads', 'kv_heads', 'head_dim'})
-SCAN_AXES = frozenset({'layers', 'repeats'})
+# Leading axes that index separate matrices, never width: scan axes and the MASA atom index.
+SCAN_AXES = frozenset({'layers', 'repeats', 'atoms'})
 FINITE_AXES = frozenset({'vocab', 'length', 'lora'})
 # Preset roles (the rule tables' rows) of the table's roles (sharenet/params.py).
 PRESET_ROLE = {'reader': 'hidden', 'writer': 'hidden', 'readout': 'readout',

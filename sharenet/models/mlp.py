@@ -29,17 +29,19 @@ class Mlp(nn.Module):
   cfg: ModelConfig
 
   @nn.compact
-  def __call__(self, x_BTD: jax.Array) -> jax.Array:
+  def __call__(self, x_BTD: jax.Array, masa: dict[str, jax.Array] | None = None) -> jax.Array:
+    """`masa`: {target: atoms} (models/masa.py); 'mlp_in' / 'mlp_out' form those kernels."""
     c = self.cfg
+    masa = masa or {}
     dt, pdt = jnp.dtype(c.dtype), jnp.dtype(c.param_dtype)
     r_in = c.lora_rank if 'mlp_in' in c.lora_targets else 0
     r_out = c.lora_rank if 'mlp_out' in c.lora_targets else 0
 
     def dense_in(name):
-      return Dense((c.mlp_dim,), ('embed',), ('mlp',), branch=BRANCH, lora_rank=r_in,
-                   lora_scale=c.lora_scale,
-                   lora_zero=c.lora_zero, use_bias=c.reader_bias, dtype=dt, param_dtype=pdt,
-                   name=name)
+      return lambda x: Dense((c.mlp_dim,), ('embed',), ('mlp',), branch=BRANCH, lora_rank=r_in,
+                             lora_scale=c.lora_scale,
+                             lora_zero=c.lora_zero, use_bias=c.reader_bias, dtype=dt,
+                             param_dtype=pdt, name=name)(x, masa.get('mlp_in'))
 
     def pre_act(name):   # identity unless model.norm.pre_activation is set
       if c.pre_activation_norm == 'none':
@@ -61,6 +63,7 @@ class Mlp(nn.Module):
                                                'activation_mlp'))
     out = Dense((c.d_model,), ('mlp',), ('embed',), role='writer', branch=BRANCH, lora_rank=r_out,
                 lora_scale=c.lora_scale,
-                lora_zero=c.lora_zero, dtype=dt, param_dtype=pdt, name='wo')(h_BTF)
+                lora_zero=c.lora_zero, dtype=dt, param_dtype=pdt, name='wo')(
+                    h_BTF, masa.get('mlp_out'))
     sow_l1(self, 'mlp_out', out)
     return checkpoint_name(out, 'mlp_out')
