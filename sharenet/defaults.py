@@ -178,7 +178,7 @@ def default_config() -> ml_collections.ConfigDict:
 def conversion_config() -> ml_collections.ConfigDict:
   """Options of convert.py (sharenet.workdir_lib.convert_workdir)."""
   c = ml_collections.ConfigDict()
-  c.to = ''                   # rmsnorm | crmsnorm | recursive
+  c.to = ''                   # rmsnorm | crmsnorm | recursive | head_shared
   c.scheme = 'cycle'          # recursive: universal | cycle | sequence | middle_cycle |
                               # middle_sequence
   c.num_unique = 0            # recursive: stored sets (middle schemes count first and last), >= 1
@@ -188,6 +188,8 @@ def conversion_config() -> ml_collections.ConfigDict:
   c.lora_layers = 'shared'    # recursive: shared (LoRA on shared layers only, RRT) | all
   c.lora_targets = ''         # comma list of q,k,v,o,mlp_in,mlp_out; '' -> the source's
   c.untie_norms = False       # recursive: norm gains per applied layer
+  c.share_rate = 0.3          # head_shared: fraction of all heads replaced by their best match
+                              # in an earlier layer (DirectShare, arXiv:2402.11819)
   return c
 
 
