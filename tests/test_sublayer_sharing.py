@@ -137,7 +137,8 @@ def test_values_are_keys_cache_holds_k_only_and_decodes_like_a_full_forward(shar
 
 ALL_TARGETS = ('q', 'k', 'v', 'o', 'mlp_in', 'mlp_out')
 KERNEL_OF = {'q': ('attn', 'q'), 'k': ('attn', 'k'), 'v': ('attn', 'v'), 'o': ('attn', 'o'),
-             'mlp_in': ('mlp', 'wi'), 'mlp_out': ('mlp', 'wo')}
+             'wi': ('mlp', 'wi'), 'wi_gate': ('mlp', 'wi_gate'), 'wi_up': ('mlp', 'wi_up'),
+             'wo': ('mlp', 'wo')}
 
 
 def test_masa_one_hot_coefficients_equal_the_untied_model():
@@ -202,10 +203,15 @@ def test_masa_gradients_reach_atoms_and_coefficients():
 
   grads = flatten_dict(jax.grad(loss)(v['params']))
   masa = {p: g for p, g in grads.items() if p[0] == 'masa' or p[-1] == 'masa_coef'}
-  assert len([p for p in masa if p[0] == 'masa']) == 6
-  assert len([p for p in masa if p[-1] == 'masa_coef']) == 7   # swiglu: gate and up
+  # swiglu: wi_gate and wi_up are two projection types, one dictionary each
+  assert {p[-1] for p in masa if p[0] == 'masa'} == {'q', 'k', 'v', 'o', 'wi_gate', 'wi_up',
+                                                     'wo'}
+  assert len([p for p in masa if p[-1] == 'masa_coef']) == 7
   for p, g in masa.items():
     assert float(jnp.max(jnp.abs(g))) > 0, p
+  # FLOPs: one combined matrix per kernel and applied layer, as without MASA
+  assert accounting.matmul_params_per_layer(cfg) == accounting.matmul_params_per_layer(
+      dataclasses.replace(cfg, masa_atoms=0))
 
 
 @pytest.mark.parametrize('kind', ['mup', 'umup'])
@@ -217,8 +223,9 @@ def test_masa_atoms_get_the_hidden_matrix_rules_of_their_kernel(kind):
   masa = P.Parametrization(_cfg(d_model=64, mlp_dim=96, masa_atoms=3,
                                 masa_targets=ALL_TARGETS), settings).rules
   for target, (module, name) in KERNEL_OF.items():
-    names = ('wi_gate',) if name == 'wi' else (name,)
-    (kernel,) = [r for p, r in plain.items() if _block(p) == (module, names[0], 'kernel')]
+    if name == 'wi':   # gelu only
+      continue
+    (kernel,) = [r for p, r in plain.items() if _block(p) == (module, name, 'kernel')]
     atom = masa[('params', 'masa', target)]
     assert atom.role == kernel.role == 'hidden'
     for f in ('fan_in', 'fan_in_mult', 'init_scale', 'lr_mult', 'fwd_mult', 'eps_mult'):

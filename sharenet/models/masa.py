@@ -11,7 +11,7 @@ S (its 66.7% saving of attention parameters corresponds to S = L/3 full-size ato
 the config; the coefficient init is ours (not verified against the paper): a random unit vector
 per set, with atoms drawn at the kernel's default std, so W_l starts at the default init's scale.
 
-The atoms are 'params' of DecoderLM ('masa/<target>'), outside the layer stack, so they are
+The atoms are 'params' of DecoderLM ('masa/<kernel name>': q, k, v, o, wi | wi_gate, wi_up, wo), outside the layer stack, so they are
 stored once whatever the sharing plan; DecoderLM hands them to the Stack, which broadcasts them
 into every scan level (models/stack.py) down to the Dense that combines them. The coefficients
 live inside the blocks and follow the plan (tied sets share them).
@@ -34,36 +34,40 @@ ATOMS = 'atoms'   # logical axis of the dictionary index (a stack axis, never wi
 
 
 def atom_specs(cfg: ModelConfig) -> dict[str, tuple]:
-  """{target: (kernel shape, kernel axes, role, num_in, branch, use)} of the MASA targets."""
+  """{kernel name: (kernel shape, kernel axes, role, num_in, branch, use)} of the kernels the
+  MASA targets name: 'mlp_in' is the MLP's input kernels (SwiGLU: wi_gate and wi_up, one
+  dictionary each, as each is its own projection type), 'mlp_out' its 'wo'."""
   D, H, K, Dh, F = cfg.d_model, cfg.num_heads, cfg.kv_heads, cfg.head_dim, cfg.mlp_dim
+  mlp_in = ('wi_gate', 'wi_up') if cfg.mlp == 'swiglu' else ('wi',)
+  kernels = {'q': ('q',), 'k': ('k',), 'v': ('v',), 'o': ('o',), 'mlp_in': mlp_in,
+             'mlp_out': ('wo',)}
+  reader = lambda axes_out, shape_out, branch, use=None: (
+      (D,) + shape_out, ('embed',) + axes_out, 'reader', 1, branch, use)
   specs = {
-      'q': ((D, H, Dh), ('embed', 'heads', 'head_dim'), 'reader', 1, 'attn', 'query'),
-      'k': ((D, K, Dh), ('embed', 'kv_heads', 'head_dim'), 'reader', 1, 'attn', None),
-      'v': ((D, K, Dh), ('embed', 'kv_heads', 'head_dim'), 'reader', 1, 'attn', None),
+      'q': reader(('heads', 'head_dim'), (H, Dh), 'attn', 'query'),
+      'k': reader(('kv_heads', 'head_dim'), (K, Dh), 'attn'),
+      'v': reader(('kv_heads', 'head_dim'), (K, Dh), 'attn'),
       'o': ((H, Dh, D), ('heads', 'head_dim', 'embed'), 'writer', 2, 'attn', None),
-      'mlp_in': ((D, F), ('embed', 'mlp'), 'reader', 1, 'mlp', None),
-      'mlp_out': ((F, D), ('mlp', 'embed'), 'writer', 1, 'mlp', None),
+      'wo': ((F, D), ('mlp', 'embed'), 'writer', 1, 'mlp', None),
   }
-  return {t: specs[t] for t in cfg.masa}
+  for name in ('wi', 'wi_gate', 'wi_up'):
+    specs[name] = reader(('mlp',), (F,), 'mlp')
+  return {k: specs[k] for t in cfg.masa for k in kernels[t]}
 
 
 class MasaAtoms(nn.Module):
-  """Creates the atoms of every target: returns {target: (S, kernel shape...)}.
-
-  Under a SwiGLU MLP, 'mlp_in' forms both input projections (wi_gate, wi_up) from one
-  dictionary, each with its own coefficients.
-  """
+  """Creates the atoms of every target kernel: returns {kernel name: (S, kernel shape...)}."""
   cfg: ModelConfig
 
   @nn.compact
   def __call__(self) -> dict[str, jax.Array]:
     c = self.cfg
     out = {}
-    for target, (shape, axes, role, num_in, branch, use) in atom_specs(c).items():
+    for name, (shape, axes, role, num_in, branch, use) in atom_specs(c).items():
       fan_in = 1
       for n in shape[:num_in]:
         fan_in *= n
-      out[target] = param(self, target, (c.masa_atoms,) + shape, (ATOMS,) + axes, role,
+      out[name] = param(self, name, (c.masa_atoms,) + shape, (ATOMS,) + axes, role,
                           std=fan_in ** -0.5, dtype=jnp.dtype(c.param_dtype), num_in=num_in,
                           branch=branch, writes=role == 'writer', use=use)
     return out

@@ -30,7 +30,7 @@ class Mlp(nn.Module):
 
   @nn.compact
   def __call__(self, x_BTD: jax.Array, masa: dict[str, jax.Array] | None = None) -> jax.Array:
-    """`masa`: {target: atoms} (models/masa.py); 'mlp_in' / 'mlp_out' form those kernels."""
+    """`masa`: {kernel name: atoms} (models/masa.py) forms those kernels from shared atoms."""
     c = self.cfg
     masa = masa or {}
     dt, pdt = jnp.dtype(c.dtype), jnp.dtype(c.param_dtype)
@@ -41,7 +41,7 @@ class Mlp(nn.Module):
       return lambda x: Dense((c.mlp_dim,), ('embed',), ('mlp',), branch=BRANCH, lora_rank=r_in,
                              lora_scale=c.lora_scale,
                              lora_zero=c.lora_zero, use_bias=c.reader_bias, dtype=dt,
-                             param_dtype=pdt, name=name)(x, masa.get('mlp_in'))
+                             param_dtype=pdt, name=name)(x, masa.get(name))
 
     def pre_act(name):   # identity unless model.norm.pre_activation is set
       if c.pre_activation_norm == 'none':
@@ -64,6 +64,6 @@ class Mlp(nn.Module):
     out = Dense((c.d_model,), ('mlp',), ('embed',), role='writer', branch=BRANCH, lora_rank=r_out,
                 lora_scale=c.lora_scale,
                 lora_zero=c.lora_zero, dtype=dt, param_dtype=pdt, name='wo')(
-                    h_BTF, masa.get('mlp_out'))
+                    h_BTF, masa.get('wo'))
     sow_l1(self, 'mlp_out', out)
     return checkpoint_name(out, 'mlp_out')
