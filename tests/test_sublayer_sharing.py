@@ -182,13 +182,29 @@ def test_masa_atoms_stored_once_under_a_cycle_plan_and_every_lowering():
   # FLOPs: each applied layer multiplies with one combined matrix per target
   assert accounting.matmul_params_per_layer(cfg) == accounting.matmul_params_per_layer(
       untied_cycle)
-  # The same tree runs under the flat lowering (GatherSegment), remat and the Python loop.
+  # The same tree runs under the flat lowering (GatherSegment) and remat.
   v = _perturb(v, 0.05)
   toks = _tokens()
   out = DecoderLM(cfg).apply(v, toks)
   for kw in (dict(scan_lowering='flat'), dict(remat='full')):
     other = dataclasses.replace(cfg, **kw)
     np.testing.assert_allclose(DecoderLM(other).apply(v, toks), out, atol=1e-5, rtol=1e-5)
+  # The Python loop (one module per set, 'stack/set_<u>') stores the atoms once as well and
+  # computes the nested scans' function from the same weights.
+  loop = dataclasses.replace(cfg, scan_layers=False)
+  lv = init_variables(DecoderLM(loop), jax.random.key(0))
+  lflat = dict(flatten_dict(lv['params']))
+  for p in lflat:
+    if p[0] == 'masa':
+      lflat[p] = flatten_dict(v['params'])[p]
+    elif p[0] == 'stack':   # ('stack', 'set_u', ...) <- the nested tree's set u
+      (src,) = [q for q in flatten_dict(v['params']) if q[0] == 'stack' and _block(q) == p[2:]]
+      lflat[p] = flatten_dict(v['params'])[src][int(p[1].removeprefix('set_'))]
+    else:
+      lflat[p] = flatten_dict(v['params'])[p]
+  assert sum(1 for p in lflat if p[0] == 'masa') == 4
+  np.testing.assert_allclose(DecoderLM(loop).apply({'params': unflatten_dict(lflat)}, toks), out,
+                             atol=1e-5, rtol=1e-5)
 
 
 def test_masa_gradients_reach_atoms_and_coefficients():

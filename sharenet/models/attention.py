@@ -28,7 +28,7 @@ from sharenet import kernels
 from sharenet.kernels import attention as attention_kernel
 from sharenet.models.config import ModelConfig
 from sharenet.models import unit_scale
-from sharenet.models.layers import Dense, einsum_f32, rope, sow_l1
+from sharenet.models.layers import Dense, dense_apply, einsum_f32, rope, sow_l1
 from sharenet.norms import Norm
 from sharenet.params import param
 
@@ -92,10 +92,10 @@ class CausalAttention(nn.Module):
 
     def proj(name, heads, axis, use=None):
       rank = c.lora_rank if name in c.lora_targets else 0
-      return lambda x: Dense((heads, Dh), ('embed',), (axis, 'head_dim'), branch=BRANCH, use=use,
-                             lora_rank=rank, lora_scale=c.lora_scale,
-                             lora_zero=c.lora_zero, use_bias=c.reader_bias, dtype=dt,
-                             param_dtype=pdt, name=name)(x, masa.get(name))
+      return lambda x: dense_apply(
+          Dense((heads, Dh), ('embed',), (axis, 'head_dim'), branch=BRANCH, use=use,
+                lora_rank=rank, lora_scale=c.lora_scale, lora_zero=c.lora_zero,
+                use_bias=c.reader_bias, dtype=dt, param_dtype=pdt, name=name), x, masa.get(name))
 
     def qk_norm(name):
       kind = 'rmsnorm' if c.qk_norm == 'rms' else 'l2'
@@ -209,10 +209,10 @@ class CausalAttention(nn.Module):
     if c.umup_ops:
       out_BTHD = unit_scale.scale_fwd(out_BTHD, s_att)
     rank = c.lora_rank if 'o' in c.lora_targets else 0
-    out_BTD = Dense((c.d_model,), ('heads', 'head_dim'), ('embed',), role='writer', branch=BRANCH,
-                    lora_rank=rank, lora_scale=c.lora_scale,
-                    lora_zero=c.lora_zero, dtype=dt, param_dtype=pdt,
-                    name='o')(out_BTHD, masa.get('o'))
+    out_BTD = dense_apply(Dense((c.d_model,), ('heads', 'head_dim'), ('embed',), role='writer',
+                                branch=BRANCH, lora_rank=rank, lora_scale=c.lora_scale,
+                                lora_zero=c.lora_zero, dtype=dt, param_dtype=pdt, name='o'),
+                          out_BTHD, masa.get('o'))
     sow_l1(self, 'attn_out', out_BTD)
     out_BTD = checkpoint_name(out_BTD, 'out_proj')
     return out_BTD if cache is None else (out_BTD, cache)

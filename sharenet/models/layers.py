@@ -69,6 +69,11 @@ def unit_sphere(key: jax.Array, shape: tuple[int, ...], dtype=jnp.float32) -> ja
   return g / jnp.linalg.norm(g, axis=-1, keepdims=True)
 
 
+def dense_apply(dense: nn.Module, x: jax.Array, atoms: jax.Array | None) -> jax.Array:
+  """dense(x), or dense(x, atoms) when the kernel is formed from MASA atoms."""
+  return dense(x) if atoms is None else dense(x, atoms)
+
+
 class Dense(nn.Module):
   """y = x W (+ scale * x A B): contracts the last `len(in_axes)` dims of x.
 

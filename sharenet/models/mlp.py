@@ -18,7 +18,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from sharenet.models import unit_scale
 from sharenet.models.config import ModelConfig
-from sharenet.models.layers import Dense, sow_l1
+from sharenet.models.layers import Dense, dense_apply, sow_l1
 from sharenet.norms import PER_LAYER, Norm
 
 BRANCH = 'mlp'
@@ -38,10 +38,10 @@ class Mlp(nn.Module):
     r_out = c.lora_rank if 'mlp_out' in c.lora_targets else 0
 
     def dense_in(name):
-      return lambda x: Dense((c.mlp_dim,), ('embed',), ('mlp',), branch=BRANCH, lora_rank=r_in,
-                             lora_scale=c.lora_scale,
-                             lora_zero=c.lora_zero, use_bias=c.reader_bias, dtype=dt,
-                             param_dtype=pdt, name=name)(x, masa.get(name))
+      return lambda x: dense_apply(
+          Dense((c.mlp_dim,), ('embed',), ('mlp',), branch=BRANCH, lora_rank=r_in,
+                lora_scale=c.lora_scale, lora_zero=c.lora_zero, use_bias=c.reader_bias,
+                dtype=dt, param_dtype=pdt, name=name), x, masa.get(name))
 
     def pre_act(name):   # identity unless model.norm.pre_activation is set
       if c.pre_activation_norm == 'none':
@@ -61,9 +61,8 @@ class Mlp(nn.Module):
     sow_l1(self, 'mlp_hidden', h_BTF)
     h_BTF = nn.with_logical_constraint(h_BTF, ('activation_batch', 'activation_length',
                                                'activation_mlp'))
-    out = Dense((c.d_model,), ('mlp',), ('embed',), role='writer', branch=BRANCH, lora_rank=r_out,
-                lora_scale=c.lora_scale,
-                lora_zero=c.lora_zero, dtype=dt, param_dtype=pdt, name='wo')(
-                    h_BTF, masa.get('wo'))
+    out = dense_apply(Dense((c.d_model,), ('mlp',), ('embed',), role='writer', branch=BRANCH,
+                            lora_rank=r_out, lora_scale=c.lora_scale, lora_zero=c.lora_zero,
+                            dtype=dt, param_dtype=pdt, name='wo'), h_BTF, masa.get('wo'))
     sow_l1(self, 'mlp_out', out)
     return checkpoint_name(out, 'mlp_out')
