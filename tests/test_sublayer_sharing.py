@@ -133,6 +133,17 @@ def test_values_are_keys_cache_holds_k_only_and_decodes_like_a_full_forward(shar
   assert out == seq[len(prompt):]
 
 
+@pytest.mark.parametrize('sharing', ['qk_v', 'qkv'])
+def test_fused_attention_backend_agrees(sharing):
+  """The Pallas attention kernel (interpret mode on CPU) gets the shared tensors as q / k / v."""
+  cfg = _cfg(num_layers=1, attention_sharing=sharing, attention='xla')
+  v = init_variables(DecoderLM(cfg), jax.random.key(0))
+  toks = _tokens(B=1, T=16)
+  ref = DecoderLM(cfg).apply(v, toks)
+  out = DecoderLM(dataclasses.replace(cfg, attention='pallas')).apply(v, toks)
+  np.testing.assert_allclose(out, ref, atol=1e-5)
+
+
 # ---- MASA ------------------------------------------------------------------------------------
 
 ALL_TARGETS = ('q', 'k', 'v', 'o', 'mlp_in', 'mlp_out')
