@@ -52,6 +52,13 @@ def default_config() -> ml_collections.ConfigDict:
                               # runs without transposing the cotangent, README "CPU speed"), xla =
                               # jax's own transpose rule; auto = rows on CPU, xla on GPU / TPU
   m.param_dtype = 'float32'
+  m.attention_sharing = 'none'  # none | qk_v | q_kv | qkv: attention projections that are one
+                              # (Q-K=V, arXiv:2606.04032): qk_v values are the keys (the KV
+                              # cache holds K only), q_kv queries are the keys, qkv one projection
+                              # (docs/sublayer_sharing.md)
+  m.masa = ma = ml_collections.ConfigDict()   # MASA, matrix atom sharing (arXiv:2508.04581)
+  ma.atoms = 0                # S shared atoms per target kernel, W_l = sum_s c_ls D_s; 0 = off
+  ma.targets = 'q,k,v,o'      # kernels built from atoms: any of q,k,v,o,mlp_in,mlp_out
   m.sharing = s = ml_collections.ConfigDict()
   s.scheme = 'untied'         # untied | universal | cycle | sequence | middle_cycle |
                               # middle_sequence | sandwich | groups | explicit
@@ -180,7 +187,7 @@ def default_config() -> ml_collections.ConfigDict:
       ('activation_mlp', 'tensor'), ('activation_vocab', 'tensor'),
       ('embed', 'fsdp'), ('heads', 'tensor'), ('kv_heads', 'tensor'), ('mlp', 'tensor'),
       ('vocab', 'tensor'), ('head_dim', None), ('length', None), ('lora', None),
-      ('layers', None), ('repeats', None),
+      ('layers', None), ('repeats', None), ('atoms', None),
   )
 
   c.dry_run = False           # print params' shardings and the step's memory, then exit
@@ -190,7 +197,7 @@ def default_config() -> ml_collections.ConfigDict:
 def conversion_config() -> ml_collections.ConfigDict:
   """Options of convert.py (sharenet.workdir_lib.convert_workdir)."""
   c = ml_collections.ConfigDict()
-  c.to = ''                   # rmsnorm | crmsnorm | recursive
+  c.to = ''                   # rmsnorm | crmsnorm | recursive | head_shared
   c.scheme = 'cycle'          # recursive: universal | cycle | sequence | middle_cycle |
                               # middle_sequence
   c.num_unique = 0            # recursive: stored sets (middle schemes count first and last), >= 1
@@ -200,6 +207,8 @@ def conversion_config() -> ml_collections.ConfigDict:
   c.lora_layers = 'shared'    # recursive: shared (LoRA on shared layers only, RRT) | all
   c.lora_targets = ''         # comma list of q,k,v,o,mlp_in,mlp_out; '' -> the source's
   c.untie_norms = False       # recursive: norm gains per applied layer
+  c.share_rate = 0.3          # head_shared: fraction of all heads replaced by their best match
+                              # in an earlier layer (DirectShare, arXiv:2402.11819)
   return c
 
 

@@ -102,7 +102,8 @@ KINDS = ('sp', 'mup', 'mup_table3', 'umup', 'completep')
 LOOP_RULES = ('none', 'inv_R', 'inv_sqrt_R')
 WD_MODES = ('auto', 'lr_coupled', 'independent')   # auto: independent for umup, else lr_coupled
 WIDTH_AXES = frozenset({'embed', 'mlp', 'heads', 'kv_heads', 'head_dim'})
-SCAN_AXES = frozenset({'layers', 'repeats'})
+# Leading axes that index separate matrices, never width: scan axes and the MASA atom index.
+SCAN_AXES = frozenset({'layers', 'repeats', 'atoms'})
 FINITE_AXES = frozenset({'vocab', 'length', 'lora'})
 # Preset roles (the rule tables' rows) of the table's roles (sharenet/params.py).
 PRESET_ROLE = {'reader': 'hidden', 'writer': 'hidden', 'readout': 'readout',
@@ -268,6 +269,14 @@ class Parametrization:
     if branch_rules and cfg.norm_placement == 'peri':
       raise ConfigError('parametrization: depth/loop branch multipliers are cancelled by peri '
                         'norms; valid: model.norm.placement=pre or post')
+    if s.loop_rule != 'none' and cfg.masa:
+      raise ConfigError('parametrization.loop_rule scales the output kernels of a set applied R '
+                        'times, and MASA atoms serve every set; valid: loop_rule=none with '
+                        'model.masa.atoms > 0')
+    if s.query_zero_init and cfg.attention_sharing in ('q_kv', 'qkv'):
+      raise ConfigError(f'parametrization.query_zero_init: under model.attention_sharing='
+                        f'{cfg.attention_sharing} the queries are the keys; valid: '
+                        f'attention_sharing=none|qk_v')
     self.base_cfg = base_config(cfg, s)
     self.m_d = cfg.d_model / self.base_cfg.d_model
     self.m_L = cfg.plan.num_unique / (s.base_depth or cfg.plan.num_unique)

@@ -10,14 +10,16 @@ accounting read that table and never decide a role from a module name.
 Roles:
   embedding   token table (vocab, embed)
   pos_embed   learned positions (length, embed)
-  reader      kernel reading a normalised stream (q, k, v, MLP inputs)
-  writer      kernel whose output is added to the residual stream (attention out, MLP out)
+  reader      kernel reading a normalised stream (q, k, v, MLP inputs); also the MASA atoms that
+              form one (leading 'atoms' axis, sharenet/models/masa.py)
+  writer      kernel whose output is added to the residual stream (attention out, MLP out), or
+              MASA atoms forming one
   readout     the untied head kernel (embed, vocab)
   lora        a depth-wise LoRA factor (A or B)
   norm_in     parameter of a norm on a branch input, or of a QK-norm
   norm_out    parameter of a norm on a branch output, or of the final norm
   bias        bias of a reader kernel or of the logits
-  scalar      a free scalar (l2 QK-norm's logit scale)
+  scalar      a free scalar (l2 QK-norm's logit scale; MASA coefficients, axis 'atoms')
   reparam     gains added by a reparameterization (the REPARAM collection)
 """
 from __future__ import annotations
@@ -35,7 +37,8 @@ from sharenet.errors import ConfigError
 
 PER_LAYER = 'per_layer'   # collection scanned per applied layer while 'params' may be tied
 REPARAM = 'reparam'       # collection of reparameterization gains (sharenet/transforms/reparam.py)
-STACK_AXES = ('layers', 'repeats')
+# Leading axes indexing separate matrices: scan axes, and the MASA atom index (models/masa.py).
+STACK_AXES = ('layers', 'repeats', 'atoms')
 KERNEL_ROLES = ('reader', 'writer', 'readout')
 MATRIX_ROLES = KERNEL_ROLES + ('embedding', 'pos_embed', 'lora')
 ROLES = MATRIX_ROLES + ('norm_in', 'norm_out', 'bias', 'scalar', 'reparam')

@@ -80,6 +80,9 @@ def check_recursive(model: DecoderLM, variables: Any) -> tuple[int, int]:
   if jax.tree.leaves(variables.get(PER_LAYER, {})):
     raise ConfigError('recursive inference needs identical loops: no per-layer collection '
                       '(model.sharing.untie_norms=False, model.sharing.lora_rank=0)')
+  if c.masa or c.values_are_keys:
+    raise ConfigError('recursive inference serves plain blocks and K/V caches; valid: '
+                      'model.masa.atoms=0 and model.attention_sharing=none|q_kv')
   return segs[0].num_sets, segs[0].repeats
 
 

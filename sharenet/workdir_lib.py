@@ -179,7 +179,7 @@ def generate_from_workdir(workdir: str, step: int | None, overrides: dict[str, A
           for i, tokens in enumerate(out.tokens)]
 
 
-CONVERSIONS = ('rmsnorm', 'crmsnorm', 'recursive')
+CONVERSIONS = ('rmsnorm', 'crmsnorm', 'recursive', 'head_shared')
 
 
 def convert_workdir(workdir: str, out: str, opts: Any) -> dict[str, Any]:
@@ -206,12 +206,16 @@ def convert_workdir(workdir: str, out: str, opts: Any) -> dict[str, Any]:
   state, step, exp = restore_state(config, workdir)
   cfg = exp.model.cfg
   variables = jax.device_get(train_lib.effective_params(state, exp.tr))   # reparams resolved
+  extra = {}
   if opts.to == 'rmsnorm':
     new_cfg, new_vars = convert.ln_to_rms(cfg, variables)
   elif opts.to == 'crmsnorm':
     if cfg.norm == 'layernorm':
       cfg, variables = convert.ln_to_rms(cfg, variables)
     new_cfg, new_vars = convert.rms_to_crms(cfg, variables)
+  elif opts.to == 'head_shared':
+    new_cfg, new_vars, extra['head_sharing'] = convert.to_head_shared(cfg, variables,
+                                                                      opts.share_rate)
   else:
     targets = tuple(t for t in opts.lora_targets.replace(' ', '').split(',') if t)
     new_cfg, new_vars = convert.to_recursive(
@@ -238,7 +242,7 @@ def convert_workdir(workdir: str, out: str, opts: Any) -> dict[str, Any]:
   mngr.wait_until_finished()
   mngr.close()
   summary = {**raw, 'converted_from': os.path.abspath(workdir), 'conversion': opts.to,
-             'param_shapes': shapes}
+             'param_shapes': shapes, **extra}
   with open(os.path.join(out, 'config.json'), 'w') as f:
     json.dump(summary, f, indent=2, sort_keys=True, default=str)
   return {'step': step, 'model': raw['model']}

@@ -2,6 +2,17 @@
 
 The softmax(q k^T) v core runs on the back-end `model.attention` / `model.kernels` pick
 (sharenet/kernels/attention.py); projections, QK-norm, RoPE and u-muP scaling stay here.
+
+Projection sharing, model.attention_sharing (Kayyam, Madan Gopal, Lewis, "Do Transformers Need
+Three Projections?", arXiv:2606.04032; docs/sublayer_sharing.md):
+  none  q, k, v projections.
+  qk_v  values are the keys: no 'v' kernel, v = x W_k (the projection, before QK-norm and
+        RoPE, exactly a `none` model with W_v = W_k); the KV cache holds K only.
+  q_kv  queries are the keys: no 'q' kernel; the key tensor after QK-norm (k_norm only) and
+        RoPE is also the query, so the scores are symmetric.
+  qkv   one projection ('k'): queries as in q_kv, values as in qk_v.
+QK-norm and RoPE apply to the shared tensor as they apply to keys today; q_kv and qkv need
+num_kv_heads = num_heads (config check).
 """
 from __future__ import annotations
 
@@ -17,7 +28,7 @@ from sharenet import kernels
 from sharenet.kernels import attention as attention_kernel
 from sharenet.models.config import ModelConfig
 from sharenet.models import unit_scale
-from sharenet.models.layers import INTERMEDIATES, Dense, einsum_f32, rope, sow_l1
+from sharenet.models.layers import INTERMEDIATES, Dense, dense_apply, einsum_f32, rope, sow_l1
 from sharenet.norms import Norm
 from sharenet.params import param
 
@@ -39,9 +50,14 @@ class DecodeStep(NamedTuple):
 
 
 class LayerCache(NamedTuple):
-  """One applied layer's keys and values (after QK-norm and RoPE), S cache slots."""
+  """One applied layer's keys and values (after QK-norm and RoPE), S cache slots.
+
+  Under model.attention_sharing = qk_v | qkv (values are the keys) `k_BSKD` holds the key
+  projection *before* QK-norm and RoPE (it is the values), `v_BSKD` is None, and each step
+  normalises and rotates the cached keys again (models/attention.py).
+  """
   k_BSKD: jax.Array
-  v_BSKD: jax.Array
+  v_BSKD: jax.Array | None
 
 
 def _rope_per_sequence(x_BTHD: jax.Array, positions_BT: jax.Array, base: float) -> jax.Array:
@@ -55,8 +71,11 @@ class CausalAttention(nn.Module):
   @nn.compact
   def __call__(self, x_BTD: jax.Array, positions_T: jax.Array | None,
                segment_ids_BT: jax.Array | None = None, cache: LayerCache | None = None,
-               step: DecodeStep | None = None):
+               step: DecodeStep | None = None, masa: dict[str, jax.Array] | None = None):
     """-> out (B, T, D); with a `cache` (and its `step`): (out, updated cache).
+
+    `masa`: {target: atoms} of the MASA targets (models/masa.py); those kernels are formed from
+    the shared atoms and this module's coefficients.
 
     `segment_ids_BT` (optional, packed documents): query t attends key s only if s <= t and
     their ids are equal.
@@ -71,34 +90,55 @@ class CausalAttention(nn.Module):
     H, K, Dh = c.num_heads, c.kv_heads, c.head_dim
     dt, pdt = jnp.dtype(c.dtype), jnp.dtype(c.param_dtype)
 
+    masa = masa or {}
+    sharing = c.attention_sharing
+
     def proj(name, heads, axis, use=None):
       rank = c.lora_rank if name in c.lora_targets else 0
-      return Dense((heads, Dh), ('embed',), (axis, 'head_dim'), branch=BRANCH, use=use,
-                   lora_rank=rank, lora_scale=c.lora_scale,
-                   lora_zero=c.lora_zero, use_bias=c.reader_bias, dtype=dt,
-                   param_dtype=pdt, dense_grad=c.dense_grad, name=name)
+      return lambda x: dense_apply(
+          Dense((heads, Dh), ('embed',), (axis, 'head_dim'), branch=BRANCH, use=use,
+                lora_rank=rank, lora_scale=c.lora_scale, lora_zero=c.lora_zero,
+                use_bias=c.reader_bias, dtype=dt, param_dtype=pdt, dense_grad=c.dense_grad,
+                name=name), x, masa.get(name))
 
-    q_BTHD = checkpoint_name(proj('q', H, 'heads', 'query')(x_BTD), 'query_proj')
-    k_BTKD = checkpoint_name(proj('k', K, 'kv_heads')(x_BTD), 'key_proj')
-    v_BTKD = checkpoint_name(proj('v', K, 'kv_heads')(x_BTD), 'value_proj')
+    def qk_norm(name):
+      kind = 'rmsnorm' if c.qk_norm == 'rms' else 'l2'
+      return Norm(kind, c.norm_eps, axis_name='head_dim', param_dtype=pdt, branch=BRANCH,
+                  name=name)
+
+    def rotate(x_BTHD, positions):   # positions: (T,) or per sequence (B, T)
+      if c.position != 'rope':
+        return x_BTHD
+      if positions.ndim == 2:
+        return _rope_per_sequence(x_BTHD, positions, c.rope_base)
+      return rope(x_BTHD, positions, c.rope_base)
+
+    if sharing == 'none':   # unchanged arithmetic and tree (bit-identical to before sharing)
+      q_BTHD = checkpoint_name(proj('q', H, 'heads', 'query')(x_BTD), 'query_proj')
+      k_BTKD = checkpoint_name(proj('k', K, 'kv_heads')(x_BTD), 'key_proj')
+      v_BTKD = checkpoint_name(proj('v', K, 'kv_heads')(x_BTD), 'value_proj')
+    else:
+      # The shared tensor is the key projection; q_kv / qkv have K == H (config check).
+      k_BTKD = checkpoint_name(proj('k', K, 'kv_heads')(x_BTD), 'key_proj')
+      q_BTHD = (checkpoint_name(proj('q', H, 'heads', 'query')(x_BTD), 'query_proj')
+                if sharing == 'qk_v' else k_BTKD)
+      v_BTKD = (checkpoint_name(proj('v', K, 'kv_heads')(x_BTD), 'value_proj')
+                if sharing == 'q_kv' else k_BTKD)
     for name, a in (('query', q_BTHD), ('key', k_BTKD), ('value', v_BTKD)):
       sow_l1(self, name, a)
+    shared_qk = sharing in ('q_kv', 'qkv')          # the query is the (normed, rotated) key
+    positions = positions_T if cache is None else step.positions_BT
+    k_norm = qk_norm('k_norm') if c.qk_norm != 'none' else (lambda x: x)
     # rms: a learned gain over head_dim (ViT-22B); l2: unit vectors (Henry et al.).
-    if c.qk_norm != 'none':
-      kind = 'rmsnorm' if c.qk_norm == 'rms' else 'l2'
-      q_BTHD = Norm(kind, c.norm_eps, axis_name='head_dim', param_dtype=pdt, branch=BRANCH,
-                    name='q_norm')(q_BTHD)
-      k_BTKD = Norm(kind, c.norm_eps, axis_name='head_dim', param_dtype=pdt, branch=BRANCH,
-                    name='k_norm')(k_BTKD)
-    if c.position == 'rope' and cache is not None:
-      q_BTHD = _rope_per_sequence(q_BTHD, step.positions_BT, c.rope_base)
-      k_BTKD = _rope_per_sequence(k_BTKD, step.positions_BT, c.rope_base)
-    elif c.position == 'rope' and positions_T.ndim == 2:   # per-row positions (routed subsets)
-      q_BTHD = _rope_per_sequence(q_BTHD, positions_T, c.rope_base)
-      k_BTKD = _rope_per_sequence(k_BTKD, positions_T, c.rope_base)
-    elif c.position == 'rope':
-      q_BTHD = rope(q_BTHD, positions_T, c.rope_base)
-      k_BTKD = rope(k_BTKD, positions_T, c.rope_base)
+    if c.qk_norm != 'none' and not shared_qk:
+      q_BTHD = qk_norm('q_norm')(q_BTHD)
+    k_BTKD_raw = k_BTKD
+    k_BTKD = k_norm(k_BTKD)
+    if not shared_qk:
+      q_BTHD = rotate(q_BTHD, positions)
+    k_BTKD = rotate(k_BTKD, positions)
+    if shared_qk:
+      q_BTHD = k_BTKD
     q_BTHD = nn.with_logical_constraint(
         q_BTHD, ('activation_batch', 'activation_length', 'activation_heads', None))
 
@@ -120,22 +160,32 @@ class CausalAttention(nn.Module):
     else:
       scale = c.attn_scale or Dh ** -0.5
     impl = kernels.attention_backend(c.attention, c.kernels)
-    if cache is not None:
-      # Generation: the XLA arithmetic over the cache, whatever model.attention says (the fused
-      # kernels take a causal T x T mask, not per-sequence key positions).
+    if cache is not None and c.values_are_keys:
+      # Values are the keys: the cache holds the key projection only (before QK-norm and
+      # RoPE); the keys of every slot are normalised and rotated again at their positions.
+      raw_BSKD = jax.lax.dynamic_update_slice_in_dim(
+          cache.k_BSKD, k_BTKD_raw.astype(cache.k_BSKD.dtype), step.index, axis=1)
+      cache = LayerCache(raw_BSKD, None)
+      keys_BSKD = rotate(k_norm(raw_BSKD), jnp.maximum(step.key_positions_BS, 0))
+      values_BSKD = raw_BSKD
+    elif cache is not None:
       cache = LayerCache(
           jax.lax.dynamic_update_slice_in_dim(cache.k_BSKD, k_BTKD.astype(cache.k_BSKD.dtype),
                                               step.index, axis=1),
           jax.lax.dynamic_update_slice_in_dim(cache.v_BSKD, v_BTKD.astype(cache.v_BSKD.dtype),
                                               step.index, axis=1))
+      keys_BSKD, values_BSKD = cache.k_BSKD, cache.v_BSKD
+    if cache is not None:
+      # Generation: the XLA arithmetic over the cache, whatever model.attention says (the fused
+      # kernels take a causal T x T mask, not per-sequence key positions).
       q_BTKGD = q_BTHD.reshape(B, T, K, H // K, Dh)
-      logits_BKGTS = einsum_f32('btkgd,bskd->bkgts', q_BTKGD * scale, cache.k_BSKD)
+      logits_BKGTS = einsum_f32('btkgd,bskd->bkgts', q_BTKGD * scale, keys_BSKD)
       key_pos_B1S = step.key_positions_BS[:, None, :]
       visible_BTS = (key_pos_B1S >= 0) & (key_pos_B1S <= step.positions_BT[:, :, None])
       logits_BKGTS = jnp.where(visible_BTS[:, None, None], logits_BKGTS.astype(jnp.float32),
                                -1e30)
       probs_BKGTS = jax.nn.softmax(logits_BKGTS, axis=-1).astype(dt)
-      out_BTKGD = jnp.einsum('bkgts,bskd->btkgd', probs_BKGTS, cache.v_BSKD)
+      out_BTKGD = jnp.einsum('bkgts,bskd->btkgd', probs_BKGTS, values_BSKD)
       out_BTHD = out_BTKGD.reshape(B, T, H, Dh)
     elif impl in ('xla', 'chunked'):
       # kernels.attention.reference: float32 logits from (bf16) operands, so the softmax never
@@ -157,10 +207,11 @@ class CausalAttention(nn.Module):
     if c.umup_ops:
       out_BTHD = unit_scale.scale_fwd(out_BTHD, s_att)
     rank = c.lora_rank if 'o' in c.lora_targets else 0
-    out_BTD = Dense((c.d_model,), ('heads', 'head_dim'), ('embed',), role='writer', branch=BRANCH,
-                    lora_rank=rank, lora_scale=c.lora_scale,
-                    lora_zero=c.lora_zero, dtype=dt, param_dtype=pdt,
-                    dense_grad=c.dense_grad, name='o')(out_BTHD)
+    out_BTD = dense_apply(Dense((c.d_model,), ('heads', 'head_dim'), ('embed',), role='writer',
+                                branch=BRANCH, lora_rank=rank, lora_scale=c.lora_scale,
+                                lora_zero=c.lora_zero, dtype=dt, param_dtype=pdt,
+                                dense_grad=c.dense_grad, name='o'),
+                          out_BTHD, masa.get('o'))
     sow_l1(self, 'attn_out', out_BTD)
     out_BTD = checkpoint_name(out_BTD, 'out_proj')
     return out_BTD if cache is None else (out_BTD, cache)

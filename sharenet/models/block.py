@@ -36,12 +36,14 @@ class Block(nn.Module):
   The carry is x (B, T, D), or (x, applied layer index) under u-muP's residual rule. With a
   `cache` (this applied layer's LayerCache, models/attention.py) and its `step`, it returns
   (carry, updated cache) instead: nn.scan stacks the caches, one per applied layer.
+  `masa` ({target: atoms}, models/masa.py) is handed to the attention and the MLP.
   """
   cfg: ModelConfig
 
   @nn.compact
   def __call__(self, carry, positions_T: jax.Array | None, segment_ids_BT=None,
-               cache: LayerCache | None = None, step: DecodeStep | None = None):
+               cache: LayerCache | None = None, step: DecodeStep | None = None,
+               masa: dict[str, jax.Array] | None = None):
     c = self.cfg
     updated = []   # the attention's updated cache, when given one
 
@@ -52,12 +54,13 @@ class Block(nn.Module):
 
     a, m = ATTN, MLP
 
-    attention, mlp = CausalAttention(c, name='attn'), Mlp(c, name='mlp')
+    attention, mlp_module = CausalAttention(c, name='attn'), Mlp(c, name='mlp')
+    mlp = lambda h_BTD: mlp_module(h_BTD, masa)
 
     def attn(h_BTD, positions_T, segment_ids_BT):
       if cache is None:
-        return attention(h_BTD, positions_T, segment_ids_BT)
-      out_BTD, new_cache = attention(h_BTD, positions_T, segment_ids_BT, cache, step)
+        return attention(h_BTD, positions_T, segment_ids_BT, masa=masa)
+      out_BTD, new_cache = attention(h_BTD, positions_T, segment_ids_BT, cache, step, masa)
       updated.append(new_cache)
       return out_BTD
 

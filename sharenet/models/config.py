@@ -24,6 +24,13 @@ ROUTINGS = ('none', 'expert_choice', 'token_choice')
 ROUTED_SCHEMES = ('cycle', 'middle_cycle')   # Mixture-of-Recursions routes these (its code too)
 ROUTERS = ('linear', 'mlp')
 BALANCINGS = ('loss', 'bias')
+# Sub-layer sharing (docs/sublayer_sharing.md): which attention projections are one.
+ATTENTION_SHARINGS = ('none', 'qk_v', 'q_kv', 'qkv')
+# The projections each sharing mode stores (qk_v: values are the keys; q_kv: queries are the
+# keys; qkv: one projection, stored as 'k').
+STORED_PROJECTIONS = {'none': ('q', 'k', 'v'), 'qk_v': ('q', 'k'), 'q_kv': ('k', 'v'),
+                      'qkv': ('k',)}
+MASA_TARGETS = ('q', 'k', 'v', 'o', 'mlp_in', 'mlp_out')
 _DEFAULTS = defaults.default_config().model
 _TRAIN_SEQ_LEN = defaults.default_config().train.seq_len
 
@@ -115,6 +122,9 @@ class ModelConfig:
   routing_aux_loss: float = _key('routing.aux_loss')
   routing_capacity_warmup_steps: int = _key('routing.capacity_warmup_steps')
   routing_balancing: str = _key('routing.balancing')
+  attention_sharing: str = _key('attention_sharing')
+  masa_atoms: int = _key('masa.atoms')
+  masa_targets: tuple[str, ...] = _key('masa.targets', _targets, ','.join)
 
   @property
   def head_dim(self) -> int:
@@ -133,6 +143,21 @@ class ModelConfig:
   @property
   def kv_heads(self) -> int:
     return self.num_kv_heads or self.num_heads
+
+  @property
+  def values_are_keys(self) -> bool:
+    """Attention sharing where V is the key projection (qk_v, qkv): the KV cache holds K only."""
+    return self.attention_sharing in ('qk_v', 'qkv')
+
+  @property
+  def projections(self) -> tuple[str, ...]:
+    """The attention and MLP kernels a block stores (names of `lora_targets` / masa targets)."""
+    return STORED_PROJECTIONS[self.attention_sharing] + ('o', 'mlp_in', 'mlp_out')
+
+  @property
+  def masa(self) -> tuple[str, ...]:
+    """Kernels formed from shared MASA atoms (empty when model.masa.atoms = 0)."""
+    return self.masa_targets if self.masa_atoms else ()
 
   @property
   def plan(self) -> sharing.SharingPlan:
@@ -241,6 +266,9 @@ class ModelConfig:
     for t in self.lora_targets:
       _choice('model.sharing.lora_targets', t, LORA_TARGETS)
     _choice('model.sharing.lora_layers', self.lora_layers, LORA_LAYERS)
+    _choice('model.attention_sharing', self.attention_sharing, ATTENTION_SHARINGS)
+    for t in self.masa_targets:
+      _choice('model.masa.targets', t, MASA_TARGETS)
     _choice('model.sharing.lora_zero', self.lora_zero, LORA_ZERO)
     for name in ('vocab_size', 'd_model', 'num_layers', 'num_heads', 'mlp_dim', 'scan_unroll'):
       if getattr(self, name) < 1:
@@ -253,6 +281,22 @@ class ModelConfig:
     if self.num_heads % self.kv_heads:
       raise ConfigError(f'model.num_kv_heads={self.num_kv_heads} must divide model.num_heads='
                         f'{self.num_heads}')
+    if self.attention_sharing in ('q_kv', 'qkv') and self.kv_heads != self.num_heads:
+      raise ConfigError(f'model.attention_sharing={self.attention_sharing} makes the queries the '
+                        f'keys, so it needs as many kv heads as heads; valid: num_kv_heads=0 '
+                        f'(or {self.num_heads}), or attention_sharing=none|qk_v')
+    for field, targets, on in (('sharing.lora_targets', self.lora_targets, self.lora_rank),
+                               ('masa.targets', self.masa_targets, self.masa_atoms)):
+      missing = [t for t in targets if t not in self.projections] if on else []
+      if missing:
+        raise ConfigError(f'model.{field} names {",".join(missing)}, which '
+                          f'model.attention_sharing={self.attention_sharing} does not store; '
+                          f'valid: {",".join(self.projections)}')
+    if self.masa_atoms < 0:
+      raise ConfigError(f'model.masa.atoms={self.masa_atoms} must be >= 0 (0 = off)')
+    if self.masa_atoms and not self.masa_targets:
+      raise ConfigError(f'model.masa.atoms={self.masa_atoms} with no model.masa.targets; valid: '
+                        f'a comma list of {",".join(MASA_TARGETS)}')
     if self.position == 'rope' and self.head_dim % 2:
       raise ConfigError(f'model.position=rope needs an even head_dim, got {self.head_dim}')
     if self.qk_norm == 'l2' and not self.qk_scale_init and self.qk_len < 2:

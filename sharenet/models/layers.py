@@ -91,12 +91,29 @@ def _matmul_rows_bwd(res, g):
 matmul_rows.defvjp(_matmul_rows_fwd, _matmul_rows_bwd)
 
 
+def unit_sphere(key: jax.Array, shape: tuple[int, ...], dtype=jnp.float32) -> jax.Array:
+  """A normal draw scaled to unit l2 norm over the last axis (MASA coefficients)."""
+  g = jax.random.normal(key, shape, dtype)
+  return g / jnp.linalg.norm(g, axis=-1, keepdims=True)
+
+
+def dense_apply(dense: nn.Module, x: jax.Array, atoms: jax.Array | None) -> jax.Array:
+  """dense(x), or dense(x, atoms) when the kernel is formed from MASA atoms."""
+  return dense(x) if atoms is None else dense(x, atoms)
+
+
 class Dense(nn.Module):
   """y = x W (+ scale * x A B): contracts the last `len(in_axes)` dims of x.
 
   The kernel has logical axes `in_axes + out_axes` and `role` reader | writer | readout; LoRA
   factors A (in, r) and B (r, out) live in the per-layer collection so they stay untied when the
   kernel is shared (Relaxed Recursive Transformers, arXiv:2410.20672).
+
+  Called with `atoms` (S, in..., out...), shared matrix atoms (MASA, arXiv:2508.04581;
+  sharenet/models/masa.py), the layer stores no kernel but S coefficients c ('masa_coef', role
+  scalar, stacked per stored set like a kernel) and uses W = sum_s c_s atoms_s. The coefficients
+  start as a random unit vector, so with atoms drawn at the kernel's init std W has exactly the
+  default init's variance (sum_s c_s^2 = 1) and different sets start different.
   """
   features: Sequence[int]
   in_axes: Sequence[str]
@@ -115,16 +132,23 @@ class Dense(nn.Module):
   dense_grad: str = 'xla'              # model.dense_grad: auto | xla | rows (matmul_rows)
 
   @nn.compact
-  def __call__(self, x: jax.Array) -> jax.Array:
+  def __call__(self, x: jax.Array, atoms: jax.Array | None = None) -> jax.Array:
     n_in = len(self.in_axes)
     in_shape, out_shape = x.shape[-n_in:], tuple(self.features)
     fan_in, fan_out = math.prod(in_shape), math.prod(out_shape)
     std = self.init_std if self.init_std is not None else fan_in ** -0.5
     in_axes, out_axes = tuple(self.in_axes), tuple(self.out_axes)
     writes = self.role == 'writer'
-    kernel = param(self, 'kernel', in_shape + out_shape, in_axes + out_axes, self.role, std=std,
-                   dtype=self.param_dtype, num_in=n_in, branch=self.branch, writes=writes,
-                   use=self.use)
+    if atoms is None:
+      kernel = param(self, 'kernel', in_shape + out_shape, in_axes + out_axes, self.role,
+                     std=std, dtype=self.param_dtype, num_in=n_in, branch=self.branch,
+                     writes=writes, use=self.use)
+    else:
+      if atoms.shape[1:] != in_shape + out_shape:
+        raise ValueError(f'MASA atoms {atoms.shape} do not fit the kernel {in_shape + out_shape}')
+      coef = param(self, 'masa_coef', atoms.shape[:1], ('atoms',), 'scalar', init=unit_sphere,
+                   dtype=self.param_dtype, branch=self.branch)
+      kernel = jnp.tensordot(coef, atoms, axes=1)
     batch = x.shape[:-n_in]
     x2 = x.reshape(batch + (fan_in,)).astype(self.dtype)
     w = kernel.reshape(fan_in, fan_out).astype(self.dtype)

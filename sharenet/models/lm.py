@@ -12,6 +12,7 @@ from sharenet.models.attention import DecodeStep, LayerCache
 from sharenet.models.block import ACT_AXES
 from sharenet.models.config import ModelConfig
 from sharenet.models.layers import Dense, Embed, sow_l1
+from sharenet.models.masa import MasaAtoms
 from sharenet.models.stack import Stack, init_cache as init_layer_caches
 from sharenet import params
 from sharenet.norms import PER_LAYER, Norm
@@ -73,17 +74,20 @@ class DecoderLM(nn.Module):
     # A zero-valued hook so tests and coordinate checks can take d(out)/d(embedded input).
     x_BTD = self.perturb('embedded', x_BTD)
     sow_l1(self, 'embed_out', x_BTD)
+    # MASA atoms (models/masa.py): stored here once, handed to every applied layer.
+    masa = MasaAtoms(c, name='masa')() if c.masa else None
     if step is not None:   # cached generation: positions come with the step
       carry = (x_BTD, jnp.zeros((), jnp.int32)) if c.umup_residual else x_BTD
+      extra = {} if masa is None else {'masa': masa}
       carry, layer_caches = Stack(c, name='stack')(carry, None, segment_ids_BT, cache.layers,
-                                                   step)
+                                                   step, **extra)
       x_BTD = carry[0] if c.umup_residual else carry
       cache = KVCache(layer_caches, step.key_positions_BS, cache.index + T)
     elif c.umup_residual:   # u-muP's residual rule carries the applied layer index (block.py)
       x_BTD, _ = Stack(c, name='stack')((x_BTD, jnp.zeros((), jnp.int32)), jnp.arange(T),
-                                        segment_ids_BT)
+                                        segment_ids_BT, masa=masa)
     else:
-      x_BTD = Stack(c, name='stack')(x_BTD, jnp.arange(T), segment_ids_BT)
+      x_BTD = Stack(c, name='stack')(x_BTD, jnp.arange(T), segment_ids_BT, masa=masa)
     if c.norm_placement != 'post':
       x_BTD = Norm(c.norm, c.norm_eps, param_dtype=pdt, dyt_alpha=c.dyt_alpha, role='norm_out',
                    kernels=c.kernels, name='final_norm')(x_BTD)

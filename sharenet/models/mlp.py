@@ -18,7 +18,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from sharenet.models import unit_scale
 from sharenet.models.config import ModelConfig
-from sharenet.models.layers import Dense, sow_l1
+from sharenet.models.layers import Dense, dense_apply, sow_l1
 from sharenet.norms import PER_LAYER, Norm
 
 BRANCH = 'mlp'
@@ -29,17 +29,20 @@ class Mlp(nn.Module):
   cfg: ModelConfig
 
   @nn.compact
-  def __call__(self, x_BTD: jax.Array) -> jax.Array:
+  def __call__(self, x_BTD: jax.Array, masa: dict[str, jax.Array] | None = None) -> jax.Array:
+    """`masa`: {kernel name: atoms} (models/masa.py) forms those kernels from shared atoms."""
     c = self.cfg
+    masa = masa or {}
     dt, pdt = jnp.dtype(c.dtype), jnp.dtype(c.param_dtype)
     r_in = c.lora_rank if 'mlp_in' in c.lora_targets else 0
     r_out = c.lora_rank if 'mlp_out' in c.lora_targets else 0
 
     def dense_in(name):
-      return Dense((c.mlp_dim,), ('embed',), ('mlp',), branch=BRANCH, lora_rank=r_in,
-                   lora_scale=c.lora_scale,
-                   lora_zero=c.lora_zero, use_bias=c.reader_bias, dtype=dt, param_dtype=pdt,
-                   dense_grad=c.dense_grad, name=name)
+      return lambda x: dense_apply(
+          Dense((c.mlp_dim,), ('embed',), ('mlp',), branch=BRANCH, lora_rank=r_in,
+                lora_scale=c.lora_scale, lora_zero=c.lora_zero, use_bias=c.reader_bias,
+                dtype=dt, param_dtype=pdt, dense_grad=c.dense_grad, name=name), x,
+          masa.get(name))
 
     def pre_act(name):   # identity unless model.norm.pre_activation is set
       if c.pre_activation_norm == 'none':
@@ -59,9 +62,9 @@ class Mlp(nn.Module):
     sow_l1(self, 'mlp_hidden', h_BTF)
     h_BTF = nn.with_logical_constraint(h_BTF, ('activation_batch', 'activation_length',
                                                'activation_mlp'))
-    out = Dense((c.d_model,), ('mlp',), ('embed',), role='writer', branch=BRANCH, lora_rank=r_out,
-                lora_scale=c.lora_scale,
-                lora_zero=c.lora_zero, dtype=dt, param_dtype=pdt, dense_grad=c.dense_grad,
-                name='wo')(h_BTF)
+    out = dense_apply(Dense((c.d_model,), ('mlp',), ('embed',), role='writer', branch=BRANCH,
+                            lora_rank=r_out, lora_scale=c.lora_scale, lora_zero=c.lora_zero,
+                            dtype=dt, param_dtype=pdt, dense_grad=c.dense_grad, name='wo'), h_BTF,
+                    masa.get('wo'))
     sow_l1(self, 'mlp_out', out)
     return checkpoint_name(out, 'mlp_out')

@@ -20,6 +20,10 @@ per applied layer, never per stored set (tied layers share weights, not keys and
 segment's caches are stacked along a leading axis of its applied layers and scanned like
 PER_LAYER: reshaped to the nesting's (outer, inner) lengths for nested scans, flat for the
 gathered lowering. The step information (`DecodeStep`) is broadcast to every level.
+
+MASA atoms (models/masa.py) are parameters of DecoderLM, outside the stack; the Stack takes them
+as an argument (`masa`, {target: atoms}) and broadcasts them through every scan level to the
+blocks, so they are stored once whatever the plan and lowering.
 """
 from __future__ import annotations
 
@@ -65,7 +69,7 @@ def _block_cls(cfg: ModelConfig):
 
 
 def _scan(target, length: int, stacked: bool, axis_name: str, unroll: int,
-          split_transpose: bool = True, decode: bool = False):
+          split_transpose: bool = True, decode: bool = False, masa: bool = False):
   """Scan `target` `length` times; stacked -> params per iteration, else params broadcast.
 
   The body takes (carry, positions, segment ids), both broadcast; `decode` adds (cache, step),
@@ -76,7 +80,8 @@ def _scan(target, length: int, stacked: bool, axis_name: str, unroll: int,
   backward scan into a map after the loop, which makes the scanned train step faster on
   XLA:CPU (README "Results", benchmarks/step_bench.py).
   """
-  in_axes = (nn.broadcast, nn.broadcast) + ((0, nn.broadcast) if decode else ())
+  in_axes = (nn.broadcast, nn.broadcast) + ((0, nn.broadcast) if decode or masa else ())
+  in_axes += (nn.broadcast,) if masa else ()   # MASA atoms: the same for every iteration
   if stacked:
     return nn.scan(target, variable_axes={'params': 0, PER_LAYER: 0, INTERMEDIATES: 0},
                    split_rngs={'params': True, PER_LAYER: True}, in_axes=in_axes,
@@ -90,8 +95,11 @@ def _scan(target, length: int, stacked: bool, axis_name: str, unroll: int,
                  metadata_params={nn.PARTITION_NAME: axis_name})
 
 
-def _decode_args(cache: LayerCache | None, step: DecodeStep | None) -> tuple:
-  """The extra scanned arguments of a cached forward pass (none without a cache)."""
+def _decode_args(cache: LayerCache | None, step: DecodeStep | None, masa=None) -> tuple:
+  """The extra scanned arguments of a cached forward pass (none without a cache), then the
+  MASA atoms where there are any."""
+  if masa is not None:
+    return cache, step, masa
   return () if cache is None else (cache, step)
 
 
@@ -99,7 +107,7 @@ def _reshape_leading(cache: LayerCache | None, n_lead: int, shape: tuple[int, ..
   """Regroups the first `n_lead` axes of every cache leaf as `shape` (None stays None)."""
   if cache is None:
     return None
-  return jax.tree.map(lambda a: a.reshape(shape + a.shape[n_lead:]), cache)
+  return jax.tree.map(lambda a: a.reshape(shape + a.shape[n_lead:]), cache)   # v None: kept
 
 
 def _map_leading(tree, value_fn, names_fn):
@@ -118,7 +126,7 @@ class _Level(nn.Module):
 
   @nn.compact
   def __call__(self, x_BTD: jax.Array, positions_T: jax.Array | None, segment_ids_BT=None,
-               cache: LayerCache | None = None, step: DecodeStep | None = None):
+               cache: LayerCache | None = None, step: DecodeStep | None = None, masa=None):
     """-> (x, None), or (x, updated cache) for a `cache` with leading axes = level lengths."""
     (length, stacked, axis), rest = self.levels[0], self.levels[1:]
     lengths = tuple(n for n, _, _ in self.levels)
@@ -130,16 +138,16 @@ class _Level(nn.Module):
       x_BTD, flat = GatherSegment(self.cfg, tuple(int(k) for k in pattern),
                                   tuple((n, a) for n, _, a in self.levels), name='level')(
                                       x_BTD, positions_T, segment_ids_BT,
-                                      *_decode_args(flat, step))
+                                      *_decode_args(flat, step, masa))
       return x_BTD, _reshape_leading(flat, 1, lengths)
-    decode = cache is not None
+    decode, shared = cache is not None, masa is not None
     if rest:
       body = _scan(_Level, length, stacked, axis, self.cfg.scan_unroll,
-                   self.cfg.scan_split_transpose, decode)(self.cfg, rest, name='level')
+                   self.cfg.scan_split_transpose, decode, shared)(self.cfg, rest, name='level')
     else:
       body = _scan(_block_cls(self.cfg), length, stacked, axis, self.cfg.scan_unroll,
-                   self.cfg.scan_split_transpose, decode)(self.cfg, name='block')
-    return body(x_BTD, positions_T, segment_ids_BT, *_decode_args(cache, step))
+                   self.cfg.scan_split_transpose, decode, shared)(self.cfg, name='block')
+    return body(x_BTD, positions_T, segment_ids_BT, *_decode_args(cache, step, masa))
 
 
 class GatherSegment(nn.Module):
@@ -157,7 +165,7 @@ class GatherSegment(nn.Module):
 
   @nn.compact
   def __call__(self, x_BTD: jax.Array, positions_T: jax.Array | None, segment_ids_BT=None,
-               cache: LayerCache | None = None, step: DecodeStep | None = None):
+               cache: LayerCache | None = None, step: DecodeStep | None = None, masa=None):
     """-> (x, None), or (x, updated cache) for a `cache` with one leading applied-layer axis."""
     L = len(self.pattern)
     levels = self.per_layer_levels or ((L, 'layers'),)
@@ -181,7 +189,7 @@ class GatherSegment(nn.Module):
       return fn
 
     scanned = _scan(_block_cls(self.cfg), L, True, 'layers', self.cfg.scan_unroll,
-                    self.cfg.scan_split_transpose, cache is not None)
+                    self.cfg.scan_split_transpose, cache is not None, masa is not None)
     # init only while initializing: with init=True flax treats *any* mutable collection (e.g.
     # sown 'intermediates') as initialization and runs the scan on the un-gathered pool.
     mapped = nn.map_variables(
@@ -189,7 +197,7 @@ class GatherSegment(nn.Module):
         trans_in_fn=remap(self.pattern, len(lengths), (L,), ('layers',)),
         trans_out_fn=remap(first_use, 1, lengths, axes), init=self.is_initializing())
     return mapped(self.cfg, name='block')(x_BTD, positions_T, segment_ids_BT,
-                                          *_decode_args(cache, step))
+                                          *_decode_args(cache, step, masa))
 
 
 class RoutedSegment(nn.Module):
@@ -256,11 +264,12 @@ def init_cache(cfg: ModelConfig, batch_size: int, num_slots: int,
                dtype: jnp.dtype | None = None) -> tuple[LayerCache, ...]:
   """An empty KV cache: per plan segment, a LayerCache stacked over its applied layers
   (leaves (applied layers, B, S, kv heads, head_dim)), so sum of the leading axes is
-  cfg.num_layers whatever the sharing plan."""
+  cfg.num_layers whatever the sharing plan. Values-are-keys sharing (model.attention_sharing
+  qk_v | qkv) holds K only: v is None."""
   dt = jnp.dtype(dtype or cfg.dtype)
   def one(n):
     shape = (n, batch_size, num_slots, cfg.kv_heads, cfg.head_dim)
-    return LayerCache(jnp.zeros(shape, dt), jnp.zeros(shape, dt))
+    return LayerCache(jnp.zeros(shape, dt), None if cfg.values_are_keys else jnp.zeros(shape, dt))
   return tuple(one(seg.num_applied) for seg in cfg.plan.segments)
 
 
@@ -268,12 +277,14 @@ class Stack(nn.Module):
   """Applies cfg.num_layers layers, storing only the plan's unique sets.
 
   With a `cache` (init_cache's structure) and its `step`: returns (x, updated cache).
+  `masa`: the MASA atoms ({target: atoms}, models/masa.py), broadcast to every block.
   """
   cfg: ModelConfig
 
   @nn.compact
   def __call__(self, x_BTD: jax.Array, positions_T: jax.Array | None, segment_ids_BT=None,
-               cache: tuple[LayerCache, ...] | None = None, step: DecodeStep | None = None):
+               cache: tuple[LayerCache, ...] | None = None, step: DecodeStep | None = None,
+               masa=None):
     segments = self.cfg.plan.segments
     new_cache = []
     if not self.cfg.scan_layers:
@@ -287,7 +298,8 @@ class Stack(nn.Module):
           u = self.cfg.plan.index[layer]
           layer += 1
           one = None if cache is None else jax.tree.map(lambda a: a[j], cache[i])
-          x_BTD, one = blocks[u](x_BTD, positions_T, segment_ids_BT, *_decode_args(one, step))
+          x_BTD, one = blocks[u](x_BTD, positions_T, segment_ids_BT,
+                                 *_decode_args(one, step, masa))
           layer_caches.append(one)
         if cache is not None:
           new_cache.append(jax.tree.map(lambda *a: jnp.stack(a), *layer_caches))
@@ -303,13 +315,13 @@ class Stack(nn.Module):
       if seg.order == 'gather':
         x_BTD, seg_cache = GatherSegment(cfg, seg.pattern, name=f'segment_{i}')(
             x_BTD, positions_T, segment_ids_BT,
-            *_decode_args(None if cache is None else cache[i], step))
+            *_decode_args(None if cache is None else cache[i], step, masa))
       else:
         levels = segment_levels(seg)
         lengths = tuple(n for n, _, _ in levels)
         nested = None if cache is None else _reshape_leading(cache[i], 1, lengths)
         x_BTD, seg_cache = _Level(cfg, levels, name=f'segment_{i}')(
-            x_BTD, positions_T, segment_ids_BT, *_decode_args(nested, step))
+            x_BTD, positions_T, segment_ids_BT, *_decode_args(nested, step, masa))
         seg_cache = _reshape_leading(seg_cache, len(lengths), (seg.num_applied,))
       new_cache.append(seg_cache)
     return x_BTD if cache is None else (x_BTD, tuple(new_cache))
