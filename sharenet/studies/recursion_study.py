@@ -66,16 +66,22 @@ def run_one(base: Any, variant: str, out: str, seed: int, budget: float) -> dict
   t0 = time.time()
   res = common.completed(train_lib.train_and_evaluate(config, workdir), workdir)
   summary = json.load(open(os.path.join(workdir, 'config.json')))
-  stack = sum(n for path, n in _leaf_sizes(summary['param_shapes']) if 'stack' in path)
   tps = [r['tokens_per_sec'] for r in read_metrics(workdir) if 'tokens_per_sec' in r][1:]
   t = config.train
   return {'variant': variant, 'seed': seed, 'what': VARIANTS[variant][0], 'steps': steps,
           'tokens': steps * t.batch_size * t.seq_len, 'flops_per_token': flops_tok,
           'train_flops': steps * t.batch_size * t.seq_len * flops_tok,
-          'params_unique': summary['params_unique'], 'params_stack': stack,
+          'params_unique': summary['params_unique'], 'params_stack': stack_params(workdir),
           'eval_bits_per_byte': res['eval_bits_per_byte'], 'eval_loss': res['eval_loss'],
           'tokens_per_sec': round(statistics.median(tps), 1) if tps else None,
           'seconds': round(time.time() - t0, 1)}
+
+
+def stack_params(workdir: str) -> int:
+  """Stored parameters of the layers: the stack's and the MASA atoms the layers share (from the
+  run's config.json), i.e. everything but the embedding, final norm and readout."""
+  shapes = json.load(open(os.path.join(workdir, 'config.json')))['param_shapes']
+  return sum(n for path, n in _leaf_sizes(shapes) if '/stack/' in path or '/masa/' in path)
 
 
 def _leaf_sizes(shapes: Any, prefix: str = '') -> list[tuple[str, int]]:
@@ -148,6 +154,10 @@ def main(config: Any, out: str) -> int:
         row = run_one(base, v, out, seed, budget)
         print(json.dumps(row), flush=True)
         rows = common.append_row(path, row, _key)
+  for r in rows:   # rows written before stack_params counted the MASA atoms
+    workdir = os.path.join(out, f"{r['variant']}-seed{r['seed']}")
+    if os.path.exists(os.path.join(workdir, 'config.json')):
+      r['params_stack'] = stack_params(workdir)
   with open(os.path.join(out, 'recursion_study.md'), 'w') as f:
     f.write(to_markdown(rows))
   plot(rows, os.path.join(out, 'recursion_study.png'))
