@@ -62,6 +62,20 @@ def completed(res: dict[str, Any], workdir: str) -> dict[str, Any]:
   return res
 
 
+def study_names(config: Any, key: str, valid: Any, example: str) -> list[str]:
+  """config.study.<key> as a list of names from `valid` ('all' = every one); a missing study
+  group or an unknown name is a one-line ConfigError naming the valid choices."""
+  from sharenet.errors import ConfigError
+  if 'study' not in config:
+    raise ConfigError(f'the config has no study group; valid: a config like {example}')
+  names = parse_list(config.study[key], str)
+  names = list(valid) if names == ['all'] else names
+  bad = [n for n in names if n not in valid]
+  if bad:
+    raise ConfigError(f'study.{key}: {bad[0]!r} is unknown; valid: {", ".join(valid)}')
+  return names
+
+
 def append_row(path: str, row: dict[str, Any], key: Callable[[dict[str, Any]], Any]
                ) -> list[dict[str, Any]]:
   """Adds `row` to the JSON list at `path` under an exclusive lock, replacing the row with the

@@ -178,18 +178,9 @@ def plot(rows: list[dict[str, Any]], out: str, path: str, base_seed: int = 0) ->
 
 def main(config: Any, out: str) -> int:
   """Runs config.study's schemes x variants not yet in OUT/norm_study.json; 1 if any row is bad."""
-  from sharenet.errors import ConfigError
-  if 'study' not in config:
-    raise ConfigError('the config has no study group (schemes, variants); valid: '
-                      'configs/norm_study.py')
-  schemes = common.parse_list(config.study.schemes, str)
-  variants = common.parse_list(config.study.variants, str)
-  variants = list(VARIANTS) if variants == ['all'] else variants
+  schemes = common.study_names(config, 'schemes', SCHEMES, 'configs/norm_study.py')
+  variants = common.study_names(config, 'variants', VARIANTS, 'configs/norm_study.py')
   seeds = common.parse_list(config.study.seeds, int)
-  for names, valid, key in ((schemes, SCHEMES, 'schemes'), (variants, VARIANTS, 'variants')):
-    bad = [n for n in names if n not in valid]
-    if bad:
-      raise ConfigError(f'study.{key}: {bad[0]!r} is unknown; valid: {", ".join(valid)}')
   base = common.with_overrides(config, {'train.progress': False})
   os.makedirs(out, exist_ok=True)
   path = os.path.join(out, 'norm_study.json')

@@ -130,15 +130,7 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
 
 def main(config: Any, out: str) -> int:
   """Runs config.study's variants x seeds not yet in OUT/recursion_study.json."""
-  from sharenet.errors import ConfigError
-  if 'study' not in config:
-    raise ConfigError('the config has no study group (variants, seeds, base_steps); valid: '
-                      'configs/recursion_study.py')
-  variants = common.parse_list(config.study.variants, str)
-  variants = list(VARIANTS) if variants == ['all'] else variants
-  bad = [v for v in variants if v not in VARIANTS]
-  if bad:
-    raise ConfigError(f'study.variants: {bad[0]!r} is unknown; valid: {", ".join(VARIANTS)}')
+  variants = common.study_names(config, 'variants', VARIANTS, 'configs/recursion_study.py')
   seeds = common.parse_list(config.study.seeds, int)
   base = common.with_overrides(config, {'train.progress': False})
   # the budget: study.base_steps of the base (vanilla) model
