@@ -377,25 +377,33 @@ def test_five_training_steps(kind, scheme, tiny_config, losses, tmp_path):
 
 # ---- 8 simulated devices ---------------------------------------------------------------------
 
-def _mesh_losses(out_path: str, tmp: str, corpus: str) -> None:
-  """Runs in a subprocess: 4 expert-choice steps on the mesh `data = device count`."""
+MESHES = {'data': {'data': 8}, 'data_fsdp_tensor': {'data': 2, 'fsdp': 2, 'tensor': 2}}
+
+
+def _mesh_losses(out_path: str, tmp: str, corpus: str, kind: str, mesh: str) -> None:
+  """Runs in a subprocess: 4 routed steps, on one device or on `mesh` over 8."""
   sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
   import conftest
-  n = jax.device_count()
   c = conftest.make_tiny_config(**{
       'model.num_layers': 4, 'model.sharing.scheme': 'cycle', 'model.sharing.num_unique': 2,
-      'model.routing.kind': 'expert_choice', 'model.routing.capacity': '0.5,0.25',
+      'model.routing.kind': kind,
+      'model.routing.capacity': '0.5,0.25' if kind == 'expert_choice' else '',
       'data.source': 'bin', 'data.path': corpus,
       'train.steps': 4, 'train.batch_size': 8, 'train.schedule': 'constant',
       'train.warmup_steps': 0, 'train.checkpoint_every': 4})
-  c.mesh.data = n
+  if jax.device_count() > 1:
+    for axis, size in MESHES[mesh].items():
+      c.mesh[axis] = size
   train_lib.train_and_evaluate(c, tmp)
   with open(out_path, 'w') as f:
     json.dump(conftest.read_losses(tmp), f)
 
 
-def test_eight_devices_match_one(tmp_path, repo_root, subprocess_env):
-  """Random tokens: on text, repeated tokens (indentation) give hidden states that are equal in
+@pytest.mark.parametrize('kind, mesh', [('expert_choice', 'data_fsdp_tensor'),
+                                        ('token_choice', 'data')])
+def test_eight_devices_match_one(kind, mesh, tmp_path, repo_root, subprocess_env):
+  """Routers replicated, the gathers along the sequence axis sharded with the activations: 8
+  simulated devices give one device's losses. Random tokens: on text, repeated tokens (indentation) give hidden states that are equal in
   exact arithmetic, so which of them a top-k keeps is decided by rounding, which differs
   between shardings (both choices are valid top-k's)."""
   corpus = str(tmp_path / 'train.bin')
@@ -406,8 +414,9 @@ def test_eight_devices_match_one(tmp_path, repo_root, subprocess_env):
     e['JAX_PLATFORMS'] = 'cpu'
     e['XLA_FLAGS'] = e.get('XLA_FLAGS', '') + f' --xla_force_host_platform_device_count={n}'
     out = tmp_path / f'{n}.json'
-    res = subprocess.run([sys.executable, __file__, str(out), str(tmp_path / f'run{n}'), corpus],
-                         env=e, capture_output=True, text=True, timeout=900, cwd=repo_root)
+    res = subprocess.run([sys.executable, __file__, str(out), str(tmp_path / f'run{n}'), corpus,
+                          kind, mesh], env=e, capture_output=True, text=True, timeout=900,
+                         cwd=repo_root)
     assert res.returncode == 0, res.stderr[-4000:]
     got[n] = json.loads(out.read_text())
   assert len(got[1]) == 4
@@ -416,4 +425,4 @@ def test_eight_devices_match_one(tmp_path, repo_root, subprocess_env):
 
 
 if __name__ == '__main__':
-  _mesh_losses(sys.argv[1], sys.argv[2], sys.argv[3])
+  _mesh_losses(*sys.argv[1:6])
