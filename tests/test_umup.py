@@ -157,8 +157,10 @@ def test_shared_set_gets_one_tau_per_application():
 # ---- (b) unit scale at init ---------------------------------------------------------------------
 
 def _fake_lm():
-  """A stand-in model whose `apply` returns the given logits (so d loss / d logits is a grad)."""
-  return types.SimpleNamespace(apply=lambda params, tokens, mutable=(): (params, {}))
+  """A stand-in model whose `apply` returns the given logits (so d loss / d logits is a grad);
+  unrouted, as loss_fn reads model.cfg.routing."""
+  return types.SimpleNamespace(apply=lambda params, tokens, mutable=(): (params, {}),
+                               cfg=types.SimpleNamespace(routing='none'))
 
 
 def logits_grad(logits_BTV, tokens_BT1, pz):
