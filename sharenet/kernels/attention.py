@@ -60,11 +60,6 @@ def _note(message: str) -> None:
     print(f'sharenet: {message}', file=sys.stderr, flush=True)
 
 
-def same_segment(segment_ids_BT: jax.Array) -> jax.Array:
-  """[B, T, T] bool: whether query t and key s lie in the same segment."""
-  return segment_ids_BT[:, :, None] == segment_ids_BT[:, None, :]
-
-
 def reference(q_BTHD: jax.Array, k_BTKD: jax.Array, v_BTKD: jax.Array, *, scale,
               causal: bool = True, segment_ids_BT: jax.Array | None = None, chunk: int = 0,
               observe: Callable[[jax.Array, jax.Array], None] | None = None) -> jax.Array:
