@@ -186,7 +186,11 @@ def main(argv):
     os.makedirs(os.path.dirname(args.out) or '.', exist_ok=True)
     with open(args.out, 'w') as f:
       json.dump({'device': jax.devices()[0].device_kind, 'date': time.strftime('%Y-%m-%d'),
-                 'rows': rows, 'args': args.to_dict()}, f, indent=2)
+                 'rows': rows,
+                 # the interpreter's path is machine-specific: keep its venv-relative tail
+                 'args': {**args.to_dict(), 'torch_python': os.path.join(
+                     *args.torch_python.split(os.sep)[-2:]) if args.torch_python else ''}},
+                f, indent=2)
 
 
 if __name__ == '__main__':
