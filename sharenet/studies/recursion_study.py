@@ -146,10 +146,6 @@ def main(config: Any, out: str) -> int:
         row = run_one(base, v, out, seed, budget)
         print(json.dumps(row), flush=True)
         rows = common.append_row(path, row, _key)
-  for r in rows:   # rows written before stack_params counted the MASA atoms
-    workdir = os.path.join(out, f"{r['variant']}-seed{r['seed']}")
-    if os.path.exists(os.path.join(workdir, 'config.json')):
-      r['params_stack'] = stack_params(workdir)
   with open(os.path.join(out, 'recursion_study.md'), 'w') as f:
     f.write(to_markdown(rows))
   plot(rows, os.path.join(out, 'recursion_study.png'))
