@@ -2,15 +2,18 @@
 
 Command: python -m benchmarks.compile_bench [--config.d_model=256]
              [--config.lowering=nested|flat]
-             [--config.routing=none|expert_choice|token_choice]   (from the repository root)
+             [--config.routing=none|expert_choice|token_choice]
+             [--config.routing_buckets=0|n]   (from the repository root)
 Prints one JSON line per R (minimum over interleaved passes) and the ratio
 compile(R=16) / compile(R=1). Both lowerings keep the traced program the same size for every R
 (nested: repeats are an outer scan; flat: one scan over 2R layers with a gather), so the ratio
 should stay near 1 (target <= 1.5). Runtime ~1.5 min on the 2-core CPU.
 
-`--config.routing` routes the R recursions (Mixture-of-Recursions, docs/routing.md): each
-recursion is then its own scan (expert choice: over a subset of a different static length), so
-the program grows with R and the ratio is expected to grow with it; this measures by how much.
+`--config.routing` routes the R recursions (Mixture-of-Recursions, docs/routing.md). Token
+choice runs one scan over the recursions (ratio near 1). Expert choice with
+`--config.routing_buckets=0` runs each recursion as its own scan over a subset of a different
+static length, so the program grows with R and the ratio with it; with `routing_buckets=n`
+(n <= 1 here, as R starts at 1) it runs n scans whatever R, and the ratio stays near 1.
 """
 from __future__ import annotations
 
@@ -27,7 +30,7 @@ from sharenet.models import ModelConfig
 
 
 def measure(repeats: int, d_model: int, seq_len: int, batch: int,
-            lowering: str = 'nested', routing: str = 'none') -> dict:
+            lowering: str = 'nested', routing: str = 'none', buckets: int = 0) -> dict:
   config = default.get_config()
   m = config.model
   m.d_model, m.num_heads, m.mlp_dim = d_model, max(1, d_model // 64), 3 * d_model
@@ -35,6 +38,7 @@ def measure(repeats: int, d_model: int, seq_len: int, batch: int,
   m.sharing.scheme, m.sharing.num_unique = 'cycle', 2
   m.scan_lowering = lowering
   m.routing.kind = routing
+  m.routing.buckets = buckets
   mcfg = ModelConfig.from_config(m)
   exp = train_lib.setup(config, mcfg)
   state = jax.eval_shape(lambda: train_lib.init_state(exp.model, exp.tx, jax.random.key(0),
@@ -58,6 +62,7 @@ def options() -> ml_collections.ConfigDict:
   o.passes = 3          # interleaved passes; the minimum per R is kept
   o.lowering = 'nested'  # model.scan_lowering: nested | flat
   o.routing = 'none'     # model.routing.kind: none | expert_choice | token_choice
+  o.routing_buckets = 0  # model.routing.buckets (expert_choice): 0 | 1
   return o
 
 
@@ -70,7 +75,8 @@ def main(argv):
   jax.config.update('jax_enable_compilation_cache', False)  # measure real compiles
   measure(1, 64, 16, 2)  # warm up tracing machinery so R=1 is not charged for imports
   # Compile time on a shared 2-core machine jitters by ~20%: interleave passes, keep the minimum.
-  passes = [[measure(r, args.d_model, args.seq_len, args.batch, args.lowering, args.routing)
+  passes = [[measure(r, args.d_model, args.seq_len, args.batch, args.lowering, args.routing,
+                     args.routing_buckets)
              for r in (1, 2, 4, 8, 16)]
             for _ in range(args.passes)]
   rows = [{**ps[0], **{k: min(p[k] for p in ps) for k in ('lower_s', 'compile_s', 'total_s')}}

@@ -86,6 +86,9 @@ def default_config() -> ml_collections.ConfigDict:
                               # balancing 0.1; 0 = off (never added to eval_loss)
   rt.capacity_warmup_steps = 0  # must be 0: a continuous capacity warmup changes the static
                                 # subset sizes every step (docs/routing.md)
+  rt.buckets = 0              # expert_choice scans: 0 -> one per recursion at its own k_r (fewest
+                              # FLOPs, compile time grows with R); n -> n scans over contiguous
+                              # groups, each padded to its first k (compile time flat in R)
   rt.balancing = 'loss'       # token_choice: loss (Switch-style); bias (loss-free) is rejected
                               # for now (docs/routing.md)
   m.norm = n = ml_collections.ConfigDict()

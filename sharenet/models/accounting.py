@@ -39,20 +39,25 @@ def params_applied(variables: Any, cfg: ModelConfig) -> int:
 def matmul_params_per_layer(cfg: ModelConfig) -> int:
   """Weights one applied layer multiplies with (LoRA factors included), from the role table."""
   one = dataclasses.replace(cfg, num_layers=1, scheme='untied', num_unique=0, repeats=0,
-                            pattern='', scan_layers=True)
+                            pattern='', scan_layers=True, routing_buckets=0)
   return sum(math.prod(i.shape[i.num_stack:]) for i in param_table(one).values()
              if i.branch is not None and i.role in ('reader', 'writer', 'lora'))
 
 
 def router_flops(cfg: ModelConfig, seq_len: int) -> float:
   """Forward FLOPs per token of the routers (models/routing.py): expert choice scores the
-  candidates of each recursion (all T, then the k_{r-1} kept), token choice every token once."""
+  candidates of each recursion (all T, then the k_{r-1} kept; bucketed, model.routing.buckets,
+  also every padded token of every recursion in a bucket's scan), token choice every token
+  once."""
   D, R = cfg.d_model, cfg.recursions
   if cfg.routing == 'expert_choice':
     per_row = 2 * D * 2 * D + 2 * 2 * D if cfg.routing_router == 'mlp' else 2 * D
     caps = cfg.capacity_tokens(seq_len)
     candidates = (seq_len,) + caps[:-1]
-    return per_row * sum(candidates) / seq_len
+    rows = sum(candidates[b[0]] for b in cfg.expert_buckets)   # each bucket's first routing
+    if cfg.routing_buckets:   # + the in-scan router of every recursion, over the padded tokens
+      rows += sum(len(b) * caps[b[0]] for b in cfg.expert_buckets)
+    return per_row * rows / seq_len
   return 2 * D * 2 * D + 2 * 2 * D * R if cfg.routing_router == 'mlp' else 2 * D * R
 
 
@@ -60,7 +65,8 @@ def flops_per_token(cfg: ModelConfig, seq_len: int, train: bool = True) -> float
   """Model FLOPs per token on applied depth; causal attention counted at half (MaxText).
 
   Routed models (model.routing): expert choice counts only the tokens each recursion keeps,
-  k_r / T of the matmuls and attention at the subset length k_r, plus the routers. Token
+  k_r / T of the matmuls and attention at the subset length k_r, plus the routers (bucketed,
+  model.routing.buckets: the executed FLOPs, every recursion of a bucket at its first k). Token
   choice runs every token through every recursion with the exited ones masked (static shapes),
   so its count is the executed FLOPs of the plain recursive model plus the router; the FLOPs
   its routing would need are data-dependent (train metrics routing_capacity_r give the
@@ -72,8 +78,10 @@ def flops_per_token(cfg: ModelConfig, seq_len: int, train: bool = True) -> float
     routed = cfg.plan.segments[cfg.routed_segment]
     fwd = 2 * cfg.d_model * cfg.vocab_size + router_flops(cfg, T)
     fwd += (cfg.num_layers - routed.num_applied) * (2 * P + 2 * T * HD)
-    for k in cfg.capacity_tokens(T):   # recursion r: k_r of T tokens, attention over k_r
-      fwd += routed.num_sets * (k / T) * (2 * P + 2 * k * HD)
+    ks = cfg.capacity_tokens(T)
+    for bucket in cfg.expert_buckets:   # each recursion runs the bucket's first k tokens
+      k = ks[bucket[0]]                 # (buckets=0: recursion r alone, k_r of T)
+      fwd += len(bucket) * routed.num_sets * (k / T) * (2 * P + 2 * k * HD)
     return 3 * fwd if train else fwd
   matmul = cfg.num_layers * matmul_params_per_layer(cfg) + cfg.d_model * cfg.vocab_size
   # QK^T and PV: 2 * 2 * T * H * Dh per token per layer, halved for the causal mask.

@@ -122,6 +122,7 @@ class ModelConfig:
   routing_aux_loss: float = _key('routing.aux_loss')
   routing_capacity_warmup_steps: int = _key('routing.capacity_warmup_steps')
   routing_balancing: str = _key('routing.balancing')
+  routing_buckets: int = _key('routing.buckets')
   attention_sharing: str = _key('attention_sharing')
   masa_atoms: int = _key('masa.atoms')
   masa_targets: tuple[str, ...] = _key('masa.targets', _targets, ','.join)
@@ -194,6 +195,18 @@ class ModelConfig:
     return tuple(max(1, int(c * seq_len)) for c in self.capacities)
 
   @property
+  def expert_buckets(self) -> tuple[tuple[int, ...], ...]:
+    """Expert choice: the recursions grouped into the scans that run them. buckets=0: one per
+    recursion (each at its own k_r); n: n contiguous groups, as even as possible with the larger
+    ones last (their padded length k is the smaller), each one scan at its first k."""
+    R, n = self.recursions, self.routing_buckets
+    if not n:
+      return tuple((r,) for r in range(R))
+    sizes = [R // n + (i >= n - R % n) for i in range(n)]
+    starts = [sum(sizes[:i]) for i in range(n)]
+    return tuple(tuple(range(a, a + m)) for a, m in zip(starts, sizes))
+
+  @property
   def alpha(self) -> float:
     """Router gate scale (model.routing.alpha; 0 -> 0.1 expert choice, 1.0 token choice)."""
     return self.routing_alpha or (0.1 if self.routing == 'expert_choice' else 1.0)
@@ -234,6 +247,12 @@ class ModelConfig:
         any(b > a for a, b in zip(caps, caps[1:])):
       raise ConfigError(f'model.routing.capacity={self.routing_capacity!r}: needs {R} fractions '
                         f'(one per recursion) in (0, 1], non-increasing; got {caps}')
+    if self.routing_buckets and self.routing != 'expert_choice':
+      raise ConfigError(f'model.routing.buckets={self.routing_buckets}: buckets group expert '
+                        f'choice\'s recursions (token choice is one scan already); valid: 0')
+    if not 0 <= self.routing_buckets <= R:
+      raise ConfigError(f'model.routing.buckets={self.routing_buckets}: valid: 0 (one scan per '
+                        f'recursion) or 1..{R} (R = {R} recursions)')
     if self.routing_alpha < 0:
       raise ConfigError(f'model.routing.alpha={self.routing_alpha} must be >= 0 (0: default)')
     if self.routing_aux_loss < 0 and self.routing_aux_loss != -1:

@@ -66,13 +66,14 @@ class Router(nn.Module):
       self.w = param(self, 'kernel', (R, 2 * D), ('repeats', 'mlp'), 'reader',
                      std=(2 * D) ** -0.5, dtype=pdt, num_in=1)
 
-  def expert_logits(self, x_BND: jax.Array, r: int) -> jax.Array:
+  def expert_logits(self, x_BND: jax.Array, r: int | jax.Array) -> jax.Array:
     """Recursion r's router logits (B, N), in float32 (float64 stays float64)."""
-    dt = jnp.promote_types(x_BND.dtype, jnp.float32)
-    x = x_BND.astype(dt)
-    if self.cfg.routing_router == 'mlp':
-      x = nn.gelu(x @ self.w_in[r].astype(dt))
-    return x @ self.w[r].astype(dt)
+    return expert_logits(self.expert_weights(), x_BND, r)
+
+  def expert_weights(self) -> tuple[jax.Array | None, jax.Array]:
+    """(MLP input weights or None, output rows): what `expert_logits` reads, as arrays a scan
+    over recursions can broadcast (the bucketed lowering's body, models/stack.py)."""
+    return (self.w_in if self.cfg.routing_router == 'mlp' else None), self.w
 
   def token_logits(self, x_BTD: jax.Array) -> jax.Array:
     """Logits over the R exit depths (B, T, R), in float32 (float64 stays float64)."""
@@ -83,6 +84,17 @@ class Router(nn.Module):
     return jnp.einsum('btd,rd->btr', x, self.w.astype(dt))
 
 
+def expert_logits(weights: tuple[jax.Array | None, jax.Array], x_BND: jax.Array,
+                  r: int | jax.Array) -> jax.Array:
+  """Router logits of recursion r (a Python or traced index into the per-recursion rows)."""
+  w_in, w = weights
+  dt = jnp.promote_types(x_BND.dtype, jnp.float32)
+  x = x_BND.astype(dt)
+  if w_in is not None:
+    x = nn.gelu(x @ w_in[r].astype(dt))
+  return x @ w[r].astype(dt)
+
+
 def _rows(x_BT: jax.Array, idx_BK: jax.Array) -> jax.Array:
   """x[b, idx[b, k]] for (B, T) or (B, T, D) `x`."""
   if x_BT.ndim == 2:
@@ -90,33 +102,125 @@ def _rows(x_BT: jax.Array, idx_BK: jax.Array) -> jax.Array:
   return jnp.take_along_axis(x_BT, idx_BK[:, :, None], axis=1)
 
 
+def _route(h_BTD: jax.Array, cand_BN: jax.Array, r: int, k: int, *, cfg: ModelConfig,
+           router: Router, sow: Callable[[str, jax.Array], Any]
+           ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+  """Recursion r's router over its candidates (indices into T, causal order): keeps the top k
+  by gate; sows aux_loss_r (BCE) and capacity_r. -> (candidate states, kept indices into the
+  candidates, kept indices into T, gates of the candidates), kept indices in causal order."""
+  B, T, _ = h_BTD.shape
+  x_BND = _rows(h_BTD, cand_BN)
+  logits_BN = router.expert_logits(x_BND, r)
+  gate_BN = cfg.alpha * jax.nn.sigmoid(logits_BN)
+  # Top-k by a stable sort: exact ties (equal tokens score equally before any layer mixes
+  # them) go to the earlier token.
+  top_BK = jnp.argsort(-gate_BN, axis=1, stable=True)[:, :k]
+  top_BK = jnp.sort(top_BK, axis=1)                    # causal order among the kept tokens
+  targets_BN = jnp.zeros_like(logits_BN).at[jnp.arange(B)[:, None], top_BK].set(1.0)
+  bce = jnp.sum(optax.sigmoid_binary_cross_entropy(logits_BN, targets_BN)) / logits_BN.size
+  sow(f'aux_loss_{r}', bce)
+  sow(f'capacity_{r}', jnp.asarray(k / T, jnp.float32))
+  return x_BND, top_BK, _rows(cand_BN, top_BK), gate_BN
+
+
+class ExpertSteps(NamedTuple):
+  """Per recursion of a bucket (the scanned input of its scan over recursions)."""
+  r: jax.Array       # recursion index: the router row
+  k: jax.Array       # k_r tokens it keeps
+  n: jax.Array       # k_{r-1} candidates (the BCE's normaliser)
+  first: jax.Array   # the bucket's first recursion, routed before the scan
+
+
+class ExpertKept(NamedTuple):
+  """A bucket's gathered tokens (broadcast across its scan over recursions)."""
+  pos_BK: jax.Array | None   # their original positions (RoPE)
+  base_BK: jax.Array         # their attention segments (packed documents, or 0)
+  alone_BK: jax.Array        # -1 - k: a token out of the recursion is its own segment
+  gate_BK: jax.Array         # the first recursion's gates
+
+
+def expert_recursion(level: Callable, logits: Callable, alpha: float,
+                     carry: tuple[jax.Array, jax.Array], step: ExpertSteps, kept: ExpertKept
+                     ) -> tuple[tuple[jax.Array, jax.Array], jax.Array]:
+  """Expert-choice recursion `step.r` on a bucket's gathered tokens, padded: of the tokens the
+  previous recursion kept (`carry`'s mask), the top step.k by gate run `level`, attending among
+  themselves (each other token is its own attention segment, its row discarded), and are
+  updated by h + g f; the others keep their value. The bucket's first recursion was routed
+  before the scan (every gathered token runs it, at the gates in `kept`). -> ((states, kept
+  mask), BCE aux loss over the candidates; 0 for the first recursion)."""
+  x_BKD, active_BK = carry
+  B, K = active_BK.shape
+  logits_BK = logits(x_BKD, step.r)
+  gate_BK = jnp.where(step.first, kept.gate_BK, alpha * jax.nn.sigmoid(logits_BK))
+  # The same stable top-k as `_route`, as a rank among the candidates (k is traced here).
+  order_BK = jnp.argsort(jnp.where(active_BK, -gate_BK, jnp.inf), axis=1, stable=True)
+  rank_BK = jnp.zeros((B, K), jnp.int32).at[jnp.arange(B)[:, None], order_BK].set(
+      jnp.arange(K, dtype=jnp.int32)[None])
+  keep_BK = active_BK & (rank_BK < step.k)
+  f_BKD, _ = level(x_BKD, kept.pos_BK, jnp.where(keep_BK, kept.base_BK, kept.alone_BK))
+  g_BK1 = gate_BK[:, :, None].astype(f_BKD.dtype)
+  x_BKD = jnp.where(keep_BK[:, :, None], x_BKD + g_BK1 * f_BKD, x_BKD)
+  bce_BK = optax.sigmoid_binary_cross_entropy(logits_BK, keep_BK.astype(logits_BK.dtype))
+  bce = jnp.sum(jnp.where(active_BK, bce_BK, 0.0)) / (B * step.n)
+  return (x_BKD, keep_BK), jnp.where(step.first, jnp.zeros_like(bce), bce)
+
+
 def expert_choice(h_BTD: jax.Array, positions_T: jax.Array | None,
                   segment_ids_BT: jax.Array | None, *, cfg: ModelConfig, router: Router,
-                  level: Callable, sow: Callable[[str, jax.Array], Any]) -> jax.Array:
+                  level: Callable, sow: Callable[[str, jax.Array], Any],
+                  recurse: Callable | None = None) -> jax.Array:
   """R expert-choice recursions of `level` (the K-layer scan: (x, positions, segment ids) ->
-  (x, None)) over `h_BTD`; sows aux_loss_r (BCE) and capacity_r (k_r / T)."""
+  (x, None)) over `h_BTD`; sows aux_loss_r (BCE) and capacity_r (k_r / T).
+
+  model.routing.buckets=0: each recursion runs `level` on its own k_r gathered tokens (R static
+  lengths). Otherwise the recursions of each bucket (cfg.expert_buckets) run as one scan at the
+  bucket's first k, padded and masked (`expert_recursion`): `recurse(carry, steps, kept) ->
+  (carry, BCE per step)` is that scan (the model's, models/stack.py); without it a Python loop
+  over `level` does.
+  """
   B, T, _ = h_BTD.shape
   rows_B1 = jnp.arange(B)[:, None]
   pos_BT = None if positions_T is None else jnp.broadcast_to(positions_T[None], (B, T))
   cand_BN = jnp.broadcast_to(jnp.arange(T)[None], (B, T))   # candidates: indices into T
-  for r, k in enumerate(cfg.capacity_tokens(T)):
-    x_BND = _rows(h_BTD, cand_BN)
-    logits_BN = router.expert_logits(x_BND, r)
-    gate_BN = cfg.alpha * jax.nn.sigmoid(logits_BN)
-    # Top-k by a stable sort: exact ties (equal tokens score equally before any layer mixes
-    # them) go to the earlier token.
-    top_BK = jnp.argsort(-gate_BN, axis=1, stable=True)[:, :k]
-    top_BK = jnp.sort(top_BK, axis=1)                  # causal order among the kept tokens
-    sel_BK = _rows(cand_BN, top_BK)                    # their positions in the sequence
-    f_BKD, _ = level(_rows(x_BND, top_BK), None if pos_BT is None else _rows(pos_BT, sel_BK),
-                     None if segment_ids_BT is None else _rows(segment_ids_BT, sel_BK))
-    g_BK1 = _rows(gate_BN, top_BK)[:, :, None].astype(f_BKD.dtype)
-    h_BTD = h_BTD.at[rows_B1, sel_BK].add(g_BK1 * f_BKD)
-    targets_BN = jnp.zeros_like(logits_BN).at[rows_B1, top_BK].set(1.0)
-    bce = jnp.sum(optax.sigmoid_binary_cross_entropy(logits_BN, targets_BN)) / logits_BN.size
-    sow(f'aux_loss_{r}', bce)
-    sow(f'capacity_{r}', jnp.asarray(k / T, jnp.float32))
-    cand_BN = sel_BK
+  ks = cfg.capacity_tokens(T)
+  for bucket in cfg.expert_buckets:
+    a = bucket[0]
+    x_BND, top_BK, sel_BK, gate_BN = _route(h_BTD, cand_BN, a, ks[a], cfg=cfg, router=router,
+                                            sow=sow)
+    pos_BK = None if pos_BT is None else _rows(pos_BT, sel_BK)
+    if len(bucket) == 1 and not cfg.routing_buckets:
+      f_BKD, _ = level(_rows(x_BND, top_BK), pos_BK,
+                       None if segment_ids_BT is None else _rows(segment_ids_BT, sel_BK))
+      g_BK1 = _rows(gate_BN, top_BK)[:, :, None].astype(f_BKD.dtype)
+      h_BTD = h_BTD.at[rows_B1, sel_BK].add(g_BK1 * f_BKD)
+      cand_BN = sel_BK
+      continue
+    K = ks[a]
+    base_BK = (jnp.zeros((B, K), jnp.int32) if segment_ids_BT is None
+               else _rows(segment_ids_BT, sel_BK))
+    alone_BK = jnp.broadcast_to(-1 - jnp.arange(K, dtype=base_BK.dtype)[None], (B, K))
+    kept = ExpertKept(pos_BK, base_BK, alone_BK, _rows(gate_BN, top_BK))
+    steps = ExpertSteps(jnp.asarray(bucket, jnp.int32),
+                        jnp.asarray([ks[r] for r in bucket], jnp.int32),
+                        jnp.asarray([ks[r - 1] if r else T for r in bucket], jnp.float32),
+                        jnp.arange(len(bucket)) == 0)
+    carry = (_rows(x_BND, top_BK), jnp.ones((B, K), bool))
+    if recurse is not None:
+      carry, bce_M = recurse(carry, steps, kept)
+    else:
+      bces = []
+      for i in range(len(bucket)):
+        carry, bce = expert_recursion(level, router.expert_logits, cfg.alpha, carry,
+                                      jax.tree.map(lambda v: v[i], steps), kept)
+        bces.append(bce)
+      bce_M = jnp.stack(bces)
+    for i, r in enumerate(bucket[1:], 1):
+      sow(f'aux_loss_{r}', bce_M[i])
+      sow(f'capacity_{r}', jnp.asarray(ks[r] / T, jnp.float32))
+    x_BKD, keep_BK = carry
+    h_BTD = h_BTD.at[rows_B1, sel_BK].set(x_BKD)
+    # The last recursion's kept tokens (exactly k of them), in causal order.
+    cand_BN = _rows(sel_BK, jnp.argsort(~keep_BK, axis=1, stable=True)[:, :ks[bucket[-1]]])
   return h_BTD
 
 

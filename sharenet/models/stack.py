@@ -27,6 +27,7 @@ blocks, so they are stored once whatever the plan and lowering.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import flax.linen as nn
@@ -206,8 +207,10 @@ class RoutedSegment(nn.Module):
   The K stacked sets are stored exactly as in the plain nested segment (segment_i/level/block),
   the routers beside them (segment_i/router). Expert choice calls the inner scan over the K sets
   once per recursion on that recursion's subset, R static lengths, so the program holds R scans
-  (compile time grows with R); token choice runs all recursions at full length, so one scan
-  over the recursions around the inner scan, as the plain segment.
+  (compile time grows with R), or, with model.routing.buckets = n, one scan over the recursions
+  of each of n buckets at the bucket's first length (compile time grows with n, not R); token
+  choice runs all recursions at full length, so one scan over the recursions around the inner
+  scan, as the plain segment.
   """
   cfg: ModelConfig
   seg: Segment
@@ -220,10 +223,22 @@ class RoutedSegment(nn.Module):
                         f'routed; valid: another parametrization.kind')
     sow = lambda name, value: self.sow(routing.ROUTING, name, value)
     router = routing.Router(c, name='router')
-    if c.routing == 'expert_choice':
+    if c.routing == 'expert_choice' and not c.routing_buckets:
       return routing.expert_choice(x_BTD, positions_T, segment_ids_BT, cfg=c, router=router,
                                    level=_Level(c, segment_levels(self.seg)[1:], name='level'),
                                    sow=sow)
+    if c.routing == 'expert_choice':
+      # Bucketed: one scan over each bucket's recursions (its length from the scanned steps),
+      # the router rows broadcast into the body; the same instance runs every bucket.
+      body = nn.scan(_ExpertRecursion, variable_axes={PER_LAYER: 0, INTERMEDIATES: 0},
+                     variable_broadcast='params', split_rngs={'params': False, PER_LAYER: True},
+                     in_axes=(0, nn.broadcast, nn.broadcast),
+                     metadata_params={nn.PARTITION_NAME: 'repeats'})(c, self.seg.num_sets,
+                                                                    name='level')
+      weights = router.expert_weights()
+      return routing.expert_choice(
+          x_BTD, positions_T, segment_ids_BT, cfg=c, router=router, level=None, sow=sow,
+          recurse=lambda carry, steps, kept: body(carry, steps, kept, weights))
     # Token choice: every recursion has the full shape, so one scan over them (params
     # broadcast, as the plain nested segment's outer scan over repeats).
     body = nn.scan(_TokenRecursion, variable_axes={PER_LAYER: 0, INTERMEDIATES: 0},
@@ -237,6 +252,21 @@ class RoutedSegment(nn.Module):
       return out_BTD
     return routing.token_choice(x_BTD, positions_T, segment_ids_BT, cfg=c, router=router,
                                 sow=sow, recurse=recurse)
+
+
+class _ExpertRecursion(nn.Module):
+  """One expert-choice recursion of a bucket (the body of RoutedSegment's bucketed scans): the
+  K-layer scan, stored as the plain nested segment's (segment_i/level/block)."""
+  cfg: ModelConfig
+  num_sets: int
+
+  @nn.compact
+  def __call__(self, carry, step, kept, weights):
+    c = self.cfg
+    block = _scan(_block_cls(c), self.num_sets, True, 'layers', c.scan_unroll,
+                  c.scan_split_transpose)(c, name='block')
+    return routing.expert_recursion(block, functools.partial(routing.expert_logits, weights),
+                                    c.alpha, carry, step, kept)
 
 
 class _TokenRecursion(nn.Module):
