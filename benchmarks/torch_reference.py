@@ -14,7 +14,9 @@ torch.nn.functional.scaled_dot_product_attention(is_causal=True), PyTorch's fuse
 
 Worker protocol (--worker): prints one JSON line with the model's FLOPs per token, then answers
 one JSON line per stdin command: `steps N` (times N train steps: {"times": [seconds, ...]}),
-`matmul` (best-of-5 FLOP/s of a float32 2048^3 torch.matmul: {"matmul_flops": x}), `quit`.
+`matmul` (best-of-5 FLOP/s of a float32 2048^3 torch.matmul: {"matmul_flops": x}),
+`profile N` (torch.profiler over N steps: self CPU seconds per step by op category, see
+`profile_steps`: {"profile": {...}}), `quit`.
 """
 from __future__ import annotations
 
@@ -136,6 +138,34 @@ def matmul_flops(n: int = 2048, repeats: int = 5) -> float:
   return 2 * n ** 3 / best
 
 
+# torch op name -> category of benchmarks/step_profile.py (first match wins; the rest is
+# 'elementwise and reductions').
+TORCH_CATEGORIES = (
+    ('matmul', ('aten::mm', 'aten::addmm', 'aten::bmm', 'aten::baddbmm')),
+    ('attention kernel', ('flash_attention', 'scaled_dot_product')),
+    ('optimizer', ('_foreach_', 'adam')),
+    ('copies and transposes', ('aten::copy_', 'aten::clone', 'aten::contiguous', 'aten::cat',
+                               'aten::index_select', 'aten::embedding')),
+)
+
+
+def profile_steps(model, opt, batch, steps: int) -> dict:
+  """Self CPU seconds per step by op category (torch.profiler), and the step's wall time."""
+  from torch.profiler import ProfilerActivity, profile
+  t0 = time.perf_counter()
+  with profile(activities=[ProfilerActivity.CPU]) as prof:
+    for _ in range(steps):
+      train_step(model, opt, batch)
+  wall = (time.perf_counter() - t0) / steps
+  cats: dict[str, float] = {}
+  for ev in prof.key_averages():
+    name = ev.key
+    cat = next((c for c, keys in TORCH_CATEGORIES if any(k in name for k in keys)),
+               'elementwise and reductions')
+    cats[cat] = cats.get(cat, 0.0) + ev.self_cpu_time_total / 1e6 / steps
+  return {'wall_s': wall, 'categories_s': cats}
+
+
 def worker(args) -> None:
   model, opt, batch = make(args)
   train_step(model, opt, batch)      # warm-up (allocator, kernel selection)
@@ -152,11 +182,13 @@ def worker(args) -> None:
         loss = train_step(model, opt, batch)
         times.append(time.perf_counter() - t0)
       print(json.dumps({'times': times, 'loss': loss}), flush=True)
+    elif cmd[0] == 'profile':
+      print(json.dumps({'profile': profile_steps(model, opt, batch, int(cmd[1]))}), flush=True)
     elif cmd[0] == 'matmul':
       print(json.dumps({'matmul_flops': matmul_flops()}), flush=True)
     else:
-      print(json.dumps({'error': f'unknown command {cmd[0]!r}; valid: steps N, matmul, quit'}),
-            flush=True)
+      valid = 'steps N, profile N, matmul, quit'
+      print(json.dumps({'error': f'unknown command {cmd[0]!r}; valid: {valid}'}), flush=True)
 
 
 def parse(argv=None):

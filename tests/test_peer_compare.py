@@ -53,3 +53,31 @@ def test_torch_reference_counts_sharenets_flops_per_token():
     ref = torch_reference.GPT(256, d, layers, max(1, d // 64), 3 * d, seq)
     cfg = ModelConfig(d_model=d, num_layers=layers, num_heads=max(1, d // 64), mlp_dim=3 * d)
     assert ref.flops_per_token(seq) == accounting.flops_per_token(cfg, seq)
+
+
+def test_gemm_floor_times_every_dense_gemm_of_a_step():
+  """The GEMM list is the model's dense matmuls (forward FLOPs equal sharenet's accounting for
+  peer_compare's model), each three times (forward, input and weight gradient), timed in jax."""
+  from benchmarks import gemm_floor
+  from sharenet.models import ModelConfig, accounting
+  d, layers, seq, batch = 64, 2, 32, 2
+  shapes = gemm_floor.gemms(d, layers=layers, seq_len=seq, batch=batch)
+  cfg = ModelConfig(d_model=d, num_layers=layers, num_heads=1, mlp_dim=3 * d)
+  dense = layers * accounting.matmul_params_per_layer(cfg) + d * 256
+  fwd = [s for s in shapes if s[1] == 0]
+  assert sum(2 * M * K * N for _, _, M, K, N in fwd) == 2 * batch * seq * dense
+  assert len(shapes) == 3 * len(fwd) == 3 * (7 * layers + 1)
+  times = gemm_floor.time_jax(shapes[:6], repeats=1)
+  summary = gemm_floor.summarize(shapes[:6], times)
+  assert len(times) == 6 and all(t > 0 for t in times)
+  assert summary['step_gemm_s'] == pytest.approx(sum(times)) and summary['gflop_per_s'] > 0
+
+
+def test_step_profile_categories():
+  from benchmarks import step_profile as sp
+  assert sp.category('ynn_fusion.3', 'fusion') == sp.MATMUL
+  assert sp.category('dot.12', 'dot') == sp.MATMUL
+  assert sp.category('wrapped_broadcast.3', 'fusion') == sp.SCAN
+  assert sp.category('bitcast_dynamic-update-slice_fusion', 'fusion') == sp.SCAN
+  assert sp.category('copy_bitcast_fusion.7', 'fusion') == sp.COPY
+  assert sp.category('add_divide_fusion', 'fusion') == sp.OTHER
