@@ -21,6 +21,30 @@ from sharenet.models.config import ModelConfig
 from sharenet.models.layers import Dense, dense_apply, sow_l1
 from sharenet.norms import PER_LAYER, Norm
 
+
+@jax.custom_vjp
+def swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
+  """silu(gate) * up, with a hand-written backward: d gate = dh up s (1 + gate (1 - s)),
+  d up = dh gate s (s = sigmoid(gate), computed once). The same function as autodiff's; its
+  backward is one elementwise pass where autodiff's is several (the two product-rule terms of
+  silu summed separately): 2.5 % of the d=256 train step on XLA:CPU (README "CPU speed against
+  PyTorch eager"). Reverse mode only (custom_vjp)."""
+  return jax.nn.silu(gate) * up
+
+
+def _swiglu_fwd(gate, up):
+  return swiglu(gate, up), (gate, up)
+
+
+def _swiglu_bwd(res, dh):
+  gate, up = res
+  s = jax.nn.sigmoid(gate)
+  silu = gate * s
+  return dh * up * (s + silu * (1 - s)), dh * silu
+
+
+swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
+
 BRANCH = 'mlp'
 
 
@@ -54,7 +78,7 @@ class Mlp(nn.Module):
       gate = pre_act('gate_norm')(dense_in('wi_gate')(x_BTD))
       up = pre_act('up_norm')(dense_in('wi_up')(x_BTD))
       # u-muP's unit-scaled nonlinearities (models/unit_scale.py) under parametrization umup
-      h_BTF = unit_scale.silu_glu(up, gate) if c.umup_ops else nn.silu(gate) * up
+      h_BTF = unit_scale.silu_glu(up, gate) if c.umup_ops else swiglu(gate, up)
     else:
       h = pre_act('pre_act_norm')(dense_in('wi')(x_BTD))
       h_BTF = unit_scale.gelu(h) if c.umup_ops else nn.gelu(h)
