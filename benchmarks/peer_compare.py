@@ -17,9 +17,10 @@ untied model under each dense_grad x remat in `dense_grads`, `remats`), then `st
 reference, so slow drift of the
 machine hits both alike; each side's matmul rate (float32 2048^3, jnp.dot and torch.matmul) is
 measured in the same run. Reported per width: tokens/s (median over rounds; sharenet at its
-fastest remat), the paired ratio sharenet / reference per round (median and min-max), model
-GFLOP/s and its fraction of each library's matmul rate; every sharenet variant's tokens/s
-(dense_grad=xla is the weight-gradient program before model.dense_grad existed).
+fastest remat and dense_grad in the nested scan), the paired ratio sharenet / reference per
+round (median and min-max), model GFLOP/s and its fraction of each library's matmul rate; every sharenet variant's tokens/s
+(dense_grad=xla is the weight-gradient program before model.dense_grad existed;
+`lowerings=nested,unrolled` adds the Python-loop model, which has no scan buffers).
 """
 from __future__ import annotations
 
@@ -46,6 +47,8 @@ def options() -> ml_collections.ConfigDict:
   o.batch = 8
   o.remats = 'dots_no_batch,dots'   # sharenet remat policies tried; the fastest is reported
   o.dense_grads = 'auto,xla'     # model.dense_grad values tried (auto = rows on CPU); ditto
+  o.lowerings = 'nested'         # layer lowerings timed: nested (the scan, reported) | flat |
+                                 # unrolled (Python loop; reported by variant, never the headline)
   o.rounds = 5                   # interleaved rounds
   o.steps = 3                    # timed steps per library per round
   o.torch_python = ''            # interpreter that can import torch ('' = this one)
@@ -62,13 +65,15 @@ def spread(xs: list[float]) -> tuple[float, float, float]:
 
 
 def compare(d: int, args, python: str | None) -> dict:
-  names = [f'{dg}/{remat}' for dg in args.dense_grads.split(',') if dg
-           for remat in args.remats.split(',') if remat]   # 'dense_grad/remat'
+  # 'dense_grad/remat', '/lowering' appended unless nested
+  names = [f'{dg}/{remat}' + ('' if low == 'nested' else f'/{low}')
+           for low in args.lowerings.split(',') if low
+           for dg in args.dense_grads.split(',') if dg for remat in args.remats.split(',') if remat]
   variants = {}
   for name in names:
-    dg, remat = name.split('/')
-    v = steps.build(d, 'untied', remat, 'nested', args.seq_len, args.batch, 'float32',
-                    num_layers=args.layers, dense_grad=dg)
+    dg, remat, *low = name.split('/')
+    v = steps.build(d, 'untied', remat, low[0] if low else 'nested', args.seq_len, args.batch,
+                    'float32', num_layers=args.layers, dense_grad=dg)
     steps.run_step(v)                                   # warm-up
     variants[name] = v
   flops_tok = next(iter(variants.values()))['flops_tok']
@@ -95,7 +100,8 @@ def compare(d: int, args, python: str | None) -> dict:
     torch_mm = max(torch_mm, worker.ask('matmul')['matmul_flops'])
     worker.close()
   tokens = args.batch * args.seq_len
-  best = min(names, key=lambda m: statistics.median([r[m] for r in rounds]))
+  scanned = [m for m in names if m.count('/') == 1] or names
+  best = min(scanned, key=lambda m: statistics.median([r[m] for r in rounds]))
   sn_s = statistics.median([r[best] for r in rounds])
   row = {'d_model': d, 'layers': args.layers, 'seq_len': args.seq_len, 'batch': args.batch,
          'flops_per_token': flops_tok, 'sharenet_variant': best,

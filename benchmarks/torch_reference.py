@@ -143,7 +143,6 @@ def matmul_flops(n: int = 2048, repeats: int = 5) -> float:
 TORCH_CATEGORIES = (
     ('matmul', ('aten::mm', 'aten::addmm', 'aten::bmm', 'aten::baddbmm')),
     ('attention kernel', ('flash_attention', 'scaled_dot_product')),
-    ('optimizer', ('_foreach_', 'adam')),
     ('copies and transposes', ('aten::copy_', 'aten::clone', 'aten::contiguous', 'aten::cat',
                                'aten::index_select', 'aten::embedding')),
 )

@@ -2,12 +2,13 @@
 
 Command:   python -m sharenet.studies.coord_check --config configs/mup/coord_check.py \
                --out docs/results/mup
-Runtime:   22 min on the 2-core CPU while shared with other jobs (1,339 s for 44 model points;
-           compile dominates, ~15-40 s per point); --config.study.axes=width alone ~10 min.
-Result:    (measured 2026-11-30; max |slope of log mean|x| vs log x| over steps t >= 1)
+Runtime:   3 min 1 s on the idle 2-core CPU (181 s for 44 model points, ~3.5-5 s each;
+           measured 2026-12-01; 22 min on 2026-11-30 while shared with other jobs).
+Result:    (measured 2026-11-30, rerun 2026-12-01 to 2 decimals; max |slope of log mean|x| vs
+           log x| over steps t >= 1)
            width 64-512: mup residual 0.04, attn_out 0.01, mlp_hidden 0.01, mlp_out 0.04,
              embed_out 0.02; lagging: logits 0.42 (t=1; 0.02 by t=4), attn_logits 0.30.
-             sp residual 2.66, mlp_out 2.77, attn_out 1.78 (negative control).
+             sp residual 2.66, mlp_out 2.76, attn_out 1.78 (negative control).
              mup_table3 / completep (base depth) give the same curves as mup (Adam symmetry).
              With readout_zero_init + query_zero_init every activation <= 0.09.
            repeats 1-8 (width 128, stack output): no rule +0.76..+1.24, inv_sqrt_R +0.30..+0.44,

@@ -18,7 +18,8 @@ g = alpha * softmax(W h); a token's exit recursion is its top-1 depth. Recursion
 tokens whose exit is >= r (attention among them); a token that has not exited carries the raw
 block output on, and the one exiting at r leaves with x_in + g_exit * f(...), x_in the
 segment's input. The R recursions have one shape, so they run as one scan (compile time flat
-in R); expert choice's subsets have R different static shapes, so R scans. Balancing:
+in R); expert choice's subsets have R different static shapes, so R scans, unless
+model.routing.buckets groups them into padded, masked scans (`expert_recursion`). Balancing:
 Switch-style loss R * sum_i P_i f_i (P_i the mean router
 probability of depth i, f_i the fraction of tokens exiting there). Shapes stay static by
 running every token through every recursion with the inactive ones masked out of attention

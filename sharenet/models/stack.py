@@ -230,22 +230,13 @@ class RoutedSegment(nn.Module):
     if c.routing == 'expert_choice':
       # Bucketed: one scan over each bucket's recursions (its length from the scanned steps),
       # the router rows broadcast into the body; the same instance runs every bucket.
-      body = nn.scan(_ExpertRecursion, variable_axes={PER_LAYER: 0, INTERMEDIATES: 0},
-                     variable_broadcast='params', split_rngs={'params': False, PER_LAYER: True},
-                     in_axes=(0, nn.broadcast, nn.broadcast),
-                     metadata_params={nn.PARTITION_NAME: 'repeats'})(c, self.seg.num_sets,
-                                                                    name='level')
-      weights = router.expert_weights()
+      body, weights = _recursions(c, self.seg.num_sets), router.expert_weights()
       return routing.expert_choice(
           x_BTD, positions_T, segment_ids_BT, cfg=c, router=router, level=None, sow=sow,
           recurse=lambda carry, steps, kept: body(carry, steps, kept, weights))
     # Token choice: every recursion has the full shape, so one scan over them (params
     # broadcast, as the plain nested segment's outer scan over repeats).
-    body = nn.scan(_TokenRecursion, variable_axes={PER_LAYER: 0, INTERMEDIATES: 0},
-                   variable_broadcast='params', split_rngs={'params': False, PER_LAYER: True},
-                   in_axes=(0, nn.broadcast, nn.broadcast), length=self.seg.repeats,
-                   metadata_params={nn.PARTITION_NAME: 'repeats'})(c, self.seg.num_sets,
-                                                                  name='level')
+    body = _recursions(c, self.seg.num_sets, self.seg.repeats)
 
     def recurse(carry, routes, positions):
       (_, out_BTD), _ = body(carry, jnp.arange(self.seg.repeats), routes, positions)
@@ -254,33 +245,33 @@ class RoutedSegment(nn.Module):
                                 sow=sow, recurse=recurse)
 
 
-class _ExpertRecursion(nn.Module):
-  """One expert-choice recursion of a bucket (the body of RoutedSegment's bucketed scans): the
-  K-layer scan, stored as the plain nested segment's (segment_i/level/block)."""
+def _recursions(cfg: ModelConfig, num_sets: int, length: int | None = None):
+  """A scan over routed recursions (RoutedSegment): params broadcast, as the plain nested
+  segment's outer scan over repeats; scanned input first, then two broadcast arguments; the
+  length from the scanned input unless given."""
+  return nn.scan(_Recursion, variable_axes={PER_LAYER: 0, INTERMEDIATES: 0},
+                 variable_broadcast='params', split_rngs={'params': False, PER_LAYER: True},
+                 in_axes=(0, nn.broadcast, nn.broadcast), length=length,
+                 metadata_params={nn.PARTITION_NAME: 'repeats'})(cfg, num_sets, name='level')
+
+
+class _Recursion(nn.Module):
+  """One routed recursion, the body of `_recursions`: the K-layer scan, stored as the plain
+  nested segment's (segment_i/level/block), inside token choice's update (scanned: the
+  recursion index; broadcast: the routes, the positions) or expert choice's (scanned: the
+  bucket's steps; broadcast: its kept tokens, the router weights); models/routing.py."""
   cfg: ModelConfig
   num_sets: int
 
   @nn.compact
-  def __call__(self, carry, step, kept, weights):
+  def __call__(self, carry, scanned, a, b):
     c = self.cfg
     block = _scan(_block_cls(c), self.num_sets, True, 'layers', c.scan_unroll,
                   c.scan_split_transpose)(c, name='block')
-    return routing.expert_recursion(block, functools.partial(routing.expert_logits, weights),
-                                    c.alpha, carry, step, kept)
-
-
-class _TokenRecursion(nn.Module):
-  """One token-choice recursion (the body of RoutedSegment's scan over recursions): the K-layer
-  scan, stored as the plain nested segment's (segment_i/level/block)."""
-  cfg: ModelConfig
-  num_sets: int
-
-  @nn.compact
-  def __call__(self, carry, r, routes, positions_T):
-    c = self.cfg
-    block = _scan(_block_cls(c), self.num_sets, True, 'layers', c.scan_unroll,
-                  c.scan_split_transpose)(c, name='block')
-    return routing.token_recursion(block, r, carry, routes, positions_T), None
+    if c.routing == 'token_choice':
+      return routing.token_recursion(block, scanned, carry, a, b), None
+    return routing.expert_recursion(block, functools.partial(routing.expert_logits, b), c.alpha,
+                                    carry, scanned, a)
 
 
 def segment_levels(seg: Segment) -> tuple[tuple[int, bool, str], ...]:
