@@ -230,8 +230,8 @@ def test_bucketed_expert_choice_pads_and_equals_one_scan_per_recursion(buckets):
 
 
 def test_bucketed_model_equals_the_per_recursion_model_with_gradients():
-  """The model under buckets 1, 2 and R: same loss, aux losses and gradients (every router
-  row included) as one scan per recursion, on one stored tree (float64)."""
+  """The model under buckets 1 and 2: same loss, aux losses and gradients (every router row
+  included) as one scan per recursion, on one stored tree (float64)."""
   with jax.enable_x64(True):
     cfg = tiny_cfg(num_layers=6, num_unique=2, routing_capacity='0.75,0.5,0.25',
                    routing_router='mlp', dtype='float64', param_dtype='float64')   # R = 3
@@ -244,9 +244,10 @@ def test_bucketed_model_equals_the_per_recursion_model_with_gradients():
           lambda p: train_lib.loss_fn(p, {}, batch, model=model), has_aux=True)(v)
       return loss, metrics, g
     loss0, m0, g0 = run(cfg)
-    for n in (1, 2, 3):
+    for n in (1, 2):     # ((0, 1, 2),) and ((0,), (1, 2)); all singletons: the test above
       c = dataclasses.replace(cfg, routing_buckets=n).validate()
-      assert jax.tree.structure(init_variables(DecoderLM(c), jax.random.key(0), B, T)) == \
+      assert jax.tree.structure(jax.eval_shape(
+          lambda: init_variables(DecoderLM(c), jax.random.key(0), B, T))) == \
           jax.tree.structure(v)
       loss, m, g = run(c)
       np.testing.assert_allclose(float(loss), float(loss0), rtol=1e-12)
