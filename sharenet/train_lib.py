@@ -378,9 +378,10 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, float]:
     """Reads step `step`'s metrics (the host waits for that step here, not at dispatch):
     raises NonFiniteLoss naming the step; writes the log row at log steps."""
     loss, gnorm = read_step_metrics(step, metrics, mngr.latest_step())
-    window['steps'] += 1
+    done = time.perf_counter()   # step `step` has finished: the window ends here, not after
+    window['steps'] += 1         # the host's logging (the next step runs meanwhile)
     if step % t.log_every == 0 or step == t.steps:
-      tps = window['steps'] * tokens_per_step / (time.perf_counter() - window['t0'])
+      tps = window['steps'] * tokens_per_step / (done - window['t0'])
       row = dict(loss=loss, lr=float(schedule(step - 1)), grad_norm=gnorm, tokens_per_sec=tps,
                  **{mfu_ref.name: tps * flops_tok / mfu_ref.flops},
                  **{k: float(v) for k, v in metrics.items() if k.startswith('routing_')})
@@ -389,7 +390,7 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, float]:
       last.update(row)
       if bar is not None:
         bar.set_postfix(loss=f'{loss:.3f}', tok_s=f'{tps:,.0f}')
-      window.update(t0=time.perf_counter(), steps=0)
+      window.update(t0=done, steps=0)
 
   # The host runs one step ahead: it dispatches step n+1, then reads step n's metrics, so the
   # device always has the next step queued. A step whose state is used (checkpoint, eval, the
