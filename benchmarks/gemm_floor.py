@@ -1,6 +1,6 @@
-"""The dense matmuls of one train step, timed alone in jax and in PyTorch: each library's GEMM floor.
+"""The dense matmuls of one train step, timed alone in jax and in PyTorch: each one's GEMM floor.
 
-Command (from the repository root; torch is not a sharenet dependency, see benchmarks/peer_compare.py):
+Command (from the repository root; torch is not a sharenet dependency, see peer_compare.py):
 
     python -m benchmarks.gemm_floor --torch_python /path/to/venv-with-torch/bin/python \
         [--d_model 256,512] [--rounds 3] [--out benchmarks/results/gemm_floor.json]

@@ -18,9 +18,10 @@ reference, so slow drift of the
 machine hits both alike; each side's matmul rate (float32 2048^3, jnp.dot and torch.matmul) is
 measured in the same run. Reported per width: tokens/s (median over rounds; sharenet at its
 fastest remat and dense_grad in the nested scan), the paired ratio sharenet / reference per
-round (median and min-max), model GFLOP/s and its fraction of each library's matmul rate; every sharenet variant's tokens/s
-(dense_grad=xla is the weight-gradient program before model.dense_grad existed;
-`lowerings=nested,unrolled` adds the Python-loop model, which has no scan buffers).
+round (median and min-max), model GFLOP/s and its fraction of each library's matmul rate;
+every sharenet variant's tokens/s (dense_grad=xla is the weight-gradient program before
+model.dense_grad existed; `lowerings=nested,unrolled` adds the Python-loop model, which has no
+scan buffers).
 """
 from __future__ import annotations
 

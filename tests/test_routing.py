@@ -503,10 +503,10 @@ def test_eight_devices_match_one(kind, mesh, tmp_path, repo_root, subprocess_env
     e = dict(subprocess_env)
     e['JAX_PLATFORMS'] = 'cpu'
     # 8 simulated devices on 2 cores: a slow device thread is not a hung collective
-    e['XLA_FLAGS'] = e.get('XLA_FLAGS', '') + (f' --xla_force_host_platform_device_count={n}'
-                                               ' --xla_cpu_collective_timeout_seconds=900'
-                                               ' --xla_cpu_collective_call_terminate_timeout_seconds=900'
-                                               + CPU_SCHEDULER_WORKAROUND)
+    e['XLA_FLAGS'] = (e.get('XLA_FLAGS', '') + f' --xla_force_host_platform_device_count={n}'
+                      ' --xla_cpu_collective_timeout_seconds=900'
+                      ' --xla_cpu_collective_call_terminate_timeout_seconds=900'
+                      + CPU_SCHEDULER_WORKAROUND)
     out = tmp_path / f'{n}.json'
     res = subprocess.run([sys.executable, __file__, str(out), str(tmp_path / f'run{n}'), corpus,
                           kind, mesh], env=e, capture_output=True, text=True, timeout=900,

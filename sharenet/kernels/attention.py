@@ -67,9 +67,9 @@ def reference(q_BTHD: jax.Array, k_BTKD: jax.Array, v_BTKD: jax.Array, *, scale,
 
   The arithmetic of the model's XLA path (sharenet/models/attention.py calls this): q * scale
   in q's dtype, the grouped einsum with a float32 result (never rounded to q's dtype), masked
-  positions set to -1e30 (an additive bias), softmax in float32 and cast back to q's dtype before the value
-  einsum. The logits and probabilities carry the checkpoint names 'attn_logits' / 'attn_probs'
-  (remat policy except_attn).
+  positions set to -1e30 (an additive bias), softmax in float32 and cast back to q's dtype
+  before the value einsum. The logits and probabilities carry the checkpoint names
+  'attn_logits' / 'attn_probs' (remat policy except_attn).
 
   `chunk` > 0 (causal only): query rows in chunks of `chunk`, each against the keys up to its
   last row (the `chunked` back-end). `observe(logits, mask)` sees the whole (B, K, G, T, S)
@@ -102,7 +102,7 @@ def reference(q_BTHD: jax.Array, k_BTKD: jax.Array, v_BTKD: jax.Array, *, scale,
       # An additive 0 / MASK_VALUE bias: the same logits bit for bit (|logits| << 1e30 is
       # absorbed), the same gradients (masked probabilities are exactly 0), and XLA:CPU fuses the
       # add into the softmax where it runs a select as its own pass (3 % of the d=256 train
-      # step on one core, README "CPU speed against PyTorch eager").
+      # step in a one-core A/B, README "CPU speed against PyTorch eager").
       bias = jnp.where(mask_BKGCS, 0.0, MASK_VALUE).astype(logits_BKGCS.dtype)
       logits_BKGCS = logits_BKGCS + bias
     logits_BKGCS = checkpoint_name(logits_BKGCS, 'attn_logits')
