@@ -189,7 +189,7 @@ def expert_choice(h_BTD: jax.Array, positions_T: jax.Array | None,
     x_BND, top_BK, sel_BK, gate_BN = _route(h_BTD, cand_BN, a, ks[a], cfg=cfg, router=router,
                                             sow=sow)
     pos_BK = None if pos_BT is None else _rows(pos_BT, sel_BK)
-    if len(bucket) == 1 and not cfg.routing_buckets:
+    if not cfg.routing_buckets:     # one recursion per bucket, run at its own k_r
       f_BKD, _ = level(_rows(x_BND, top_BK), pos_BK,
                        None if segment_ids_BT is None else _rows(segment_ids_BT, sel_BK))
       g_BK1 = _rows(gate_BN, top_BK)[:, :, None].astype(f_BKD.dtype)
