@@ -136,8 +136,8 @@ def main(argv):
   for d in [int(w) for w in args.widths.split(',') if w]:
     rows.append(compare(d, args, python))
     print(json.dumps(rows[-1]), flush=True)
-  print(f'\n| d_model | sharenet tokens/s (dense_grad/remat) | PyTorch eager tokens/s | sharenet / PyTorch '
-        f'(median, min-max) | model GFLOP/s sharenet / PyTorch | matmul GFLOP/s jax / torch |')
+  print('\n| d_model | sharenet tokens/s (dense_grad/remat) | PyTorch eager tokens/s | sharenet / PyTorch '
+        '(median, min-max) | model GFLOP/s sharenet / PyTorch | matmul GFLOP/s jax / torch |')
   print('|---|---|---|---|---|---|')
   for r in rows:
     if 'ratio' in r:

@@ -8,6 +8,12 @@ from typing import Any
 import jax
 
 
+def note(message: str) -> None:
+  """One line on process 0's stdout, prefixed `sharenet: `."""
+  if jax.process_index() == 0:
+    print(f'sharenet: {message}', flush=True)
+
+
 class MetricsWriter:
   """Appends one JSON object per call to DIR/metrics.jsonl and mirrors scalars to TensorBoard."""
 

@@ -89,7 +89,6 @@ import math
 from typing import Any, NamedTuple
 
 import flax.linen as nn
-import jax
 import jax.numpy as jnp
 from flax.traverse_util import flatten_dict, unflatten_dict
 

@@ -1,4 +1,5 @@
-"""What a resume may change: the workdir's config.json against the resolved config.
+"""Resuming a workdir: what may change (its config.json against the resolved config) and
+`restore_or_init`, which the train loop calls to resume or start fresh.
 
 Fields that cannot change the train state (run length, logging / eval / checkpoint cadence, the
 progress bar, the mesh: a checkpoint reshards onto any mesh) are a one-line note. Fields that
@@ -13,8 +14,14 @@ import json
 import os
 from typing import Any
 
-from sharenet import defaults
+import jax
+import jax.numpy as jnp
+import optax
+
+from sharenet import checkpoint, defaults, optim
 from sharenet.errors import ConfigError
+from sharenet.metrics import note
+from sharenet.models import TRAINABLE
 
 RESTORE_MODES = ('auto', 'params')
 # Cannot change the saved state or the data stream.
@@ -106,3 +113,125 @@ def _short(v: Any) -> str:
 
 WAYS_OUT = ('rerun with the old config, use a new --workdir, or add '
             '--config.train.restore=params to load the parameters with a fresh optimizer state')
+
+
+def check_same_model(workdir: str, prior: dict[str, Any] | None, shapes: dict[str, list[int]],
+                     changes: Changes) -> None:
+  """A workdir holding another model's run fails with one line, not a shape traceback.
+
+  Only the model's own collections count: transform gains may come and go (see train.restore).
+  """
+  model_only = lambda d: {k: v for k, v in d.items() if k.split('/')[0] in TRAINABLE}
+  old_shapes = model_only((prior or {}).get('param_shapes', {}))
+  shapes = model_only(shapes)
+  if old_shapes and old_shapes != shapes:
+    diff = changes.describe({k: v for k, v in changes.fields.items() if k.startswith('model.')})
+    first = next(k for k in sorted(set(old_shapes) | set(shapes))
+                 if old_shapes.get(k) != shapes.get(k))
+    raise ConfigError(
+        f'--workdir {workdir} holds a run of a different model ({diff or "shapes"}; first '
+        f'differing param {first}: {old_shapes.get(first)} vs {shapes.get(first)}); valid: a '
+        f'new --workdir or the old config')
+
+
+def _check_finite_state(state: Any) -> None:
+  if not all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(state.params)):
+    raise ValueError('non-finite parameters')
+
+
+def restore_or_init(config: Any, workdir: str, mngr: Any, target: Any, train_iter: Any,
+                    init: Any, tx: optax.GradientTransformation,
+                    shapes: dict[str, list[int]]) -> tuple[Any, int]:
+  """(state, first step): the workdir's newest readable checkpoint, or a fresh `init()`.
+
+  Never moves or rewrites a readable checkpoint. The config saved with the newest checkpoint
+  (else DIR/config.json) is compared with this one (sharenet/py): a change that makes the
+  checkpoint unrestorable is a ConfigError naming the changed fields, unless train.restore=params
+  asks for its parameters with a fresh optimizer state.
+  """
+  steps = mngr.all_steps()
+  if not steps:
+    return init(), 0
+  t = config.train
+  prior = checkpoint.saved_config(mngr, max(steps)) or read_prior(workdir)
+  changes = Changes(prior, config)
+  check_same_model(workdir, prior, shapes, changes)
+  if changes:
+    note(f'note: resuming with changed fields: {changes.describe(changes.fields)}'
+          + ('' if changes.stateful else ' (none changes the train state)'))
+  params_only = t.restore == 'params' and bool(changes.stateful)
+  data_changed = changes.data_stream
+  if data_changed and not params_only:
+    raise ConfigError(f'--workdir {workdir}: the data stream changed '
+                      f'({changes.describe(data_changed)}), so its checkpoint cannot resume '
+                      f'exactly; valid: {WAYS_OUT}')
+  data_iter = None if data_changed else train_iter
+  try:
+    restored = checkpoint.restore_latest(mngr, target, data_iter, _check_finite_state)
+  except checkpoint.StateMismatch as e:
+    if t.restore != 'params':
+      what = changes.describe(changes.stateful) or 'no recorded config field changed'
+      raise ConfigError(f'--workdir {workdir}: checkpoint {e.step} was written by another config '
+                        f'({what}; {e.detail}); valid: {WAYS_OUT}') from None
+    return _restore_params(mngr, e.step, target, data_iter, init, tx, workdir), e.step
+  if restored is None:
+    note('WARNING: no readable checkpoint is left (each was moved to corrupt_checkpoints/); '
+          'starting from step 0')
+    return init(), 0
+  state, step = restored
+  if params_only:   # the state still fits, but the config changed: keep only the parameters
+    state = state.replace(opt_state=_fresh_opt_state(tx, state.params, step, target))
+    note(f'train.restore=params: loaded the parameters of checkpoint {step}, its transform '
+          f'state{"" if data_changed else " and data position"}; the optimizer state is fresh '
+          f'(its LR schedule continues at step {step})')
+    return state, step
+  # The peak LR lives in the optimizer state: a changed train.lr takes effect from here.
+  opt_state = optim.with_peak_lr(state.opt_state, t.lr)
+  state = state.replace(opt_state=jax.tree.map(lambda new, old: jax.device_put(new, old.sharding),
+                                               opt_state, state.opt_state))
+  note(f'resumed from checkpoint at step {step}')
+  return state, step
+
+
+def _fresh_opt_state(tx: optax.GradientTransformation, params: Any, step: int,
+                     target: Any) -> Any:
+  """A fresh optimizer state for `params` whose LR schedule continues at `step`."""
+  shardings = jax.tree.map(lambda x: x.sharding, target.opt_state)
+  return jax.jit(lambda p: optim.at_step(tx.init(p), step), out_shardings=shardings)(params)
+
+
+def _restore_params(mngr: Any, step: int, target: Any, data_iter: Any, init: Any,
+                    tx: optax.GradientTransformation, workdir: str) -> Any:
+  """train.restore=params: checkpoint `step`'s parameters (and transform state and data
+  position where they still fit) in a fresh state with a fresh optimizer state."""
+  parts = {'step': target.step, 'params': target.params}
+  kept = []
+  try:
+    try:
+      out, data_ok = checkpoint.restore_parts(mngr, step, {**parts, 'tstate': target.tstate},
+                                              data_iter)
+      if jax.tree.leaves(target.tstate):
+        kept.append('transform state')
+    except checkpoint.StateMismatch:
+      out, data_ok = checkpoint.restore_parts(mngr, step, parts, data_iter)
+  except checkpoint.StateMismatch as e:
+    raise ConfigError(f'--workdir {workdir}: train.restore=params: the parameters of checkpoint '
+                      f'{step} do not fit this config ({e.detail}); valid: the old config or a '
+                      f'new --workdir') from None
+  # A transform state that no longer fits starts as a fresh init's (power-iteration vectors).
+  tstate = out['tstate'] if 'tstate' in out else init().tstate
+  state = target.replace(step=out['step'], params=out['params'], tstate=tstate,
+                         opt_state=_fresh_opt_state(tx, out['params'], step, target))
+  try:
+    _check_finite_state(state)
+  except ValueError:
+    raise ConfigError(f'--workdir {workdir}: checkpoint {step} holds non-finite parameters; '
+                      f'valid: an earlier checkpoint (move this one aside) or a new '
+                      f'--workdir') from None
+  if data_ok:
+    kept.append('data position')
+  note(f'train.restore=params: loaded the parameters of checkpoint {step}'
+        + ''.join(f', its {k}' for k in kept) + '; the optimizer state is fresh (its LR '
+        f'schedule continues at step {step})'
+        + ('' if data_ok else '; the data stream starts anew'))
+  return state

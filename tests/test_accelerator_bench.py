@@ -1,6 +1,5 @@
 """benchmarks/accelerator.py --smoke: every section runs at tiny size on the CPU (interpret mode)."""
 import json
-import os
 import subprocess
 import sys
 

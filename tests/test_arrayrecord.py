@@ -4,7 +4,6 @@ Fixtures are tiny datasets written in the sharenet-arrayrecord-v1 format (arrayr
 a few dozen short text documents as bytes, with 0 (absent from the text) as end-of-document id.
 Expectations are computed from the documents themselves, not from the pipeline.
 """
-import collections
 import math
 import os
 import signal

@@ -1,5 +1,4 @@
 """Parametrization presets: rule tables, base-width equivalence, tied gradients, sharding."""
-import dataclasses
 import json
 import os
 import subprocess

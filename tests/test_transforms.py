@@ -1,7 +1,6 @@
 """Normalization variants as parameter transforms: conversions, invariances, training smoke."""
 import dataclasses
 import functools
-import json
 import math
 import os
 import subprocess
