@@ -14,7 +14,7 @@ from sharenet.data import tokenizer as tokenizer_lib
 from sharenet import checkpoint, data, defaults, eval_lib, optim, resume, sharding, train_lib
 from sharenet.errors import ConfigError
 from sharenet.models import DecoderLM, ModelConfig
-from sharenet.transforms import Transforms, convert
+from sharenet.transforms import Transforms, convert, head_share
 
 
 def load_config(workdir: str) -> ml_collections.ConfigDict:
@@ -214,7 +214,7 @@ def convert_workdir(workdir: str, out: str, opts: Any) -> dict[str, Any]:
       cfg, variables = convert.ln_to_rms(cfg, variables)
     new_cfg, new_vars = convert.rms_to_crms(cfg, variables)
   elif opts.to == 'head_shared':
-    new_cfg, new_vars, extra['head_sharing'] = convert.to_head_shared(cfg, variables,
+    new_cfg, new_vars, extra['head_sharing'] = head_share.to_head_shared(cfg, variables,
                                                                       opts.share_rate)
   else:
     targets = tuple(t for t in opts.lora_targets.replace(' ', '').split(',') if t)

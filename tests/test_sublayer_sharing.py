@@ -19,7 +19,7 @@ from sharenet.errors import ConfigError
 from sharenet.models import DecoderLM, ModelConfig, init_variables
 from sharenet.models import accounting
 from sharenet.models.lm import init_cache
-from sharenet.transforms import convert
+from sharenet.transforms import head_share
 
 
 def _cfg(**kw):
@@ -330,7 +330,7 @@ def test_head_similarity_ranking_matches_numpy():
           scores.append((a @ b / np.linalg.norm(a) / np.linalg.norm(b), m, j))
       s, m, j = max(scores, key=lambda t: t[0])
       best[l, h], match[l, h] = s, (m, j)
-  got_match, got_best = convert.head_matches(cfg, v)
+  got_match, got_best = head_share.head_matches(cfg, v)
   assert np.all(np.isneginf(got_best[0]))
   for (l, h), s in best.items():
     assert got_best[l, h] == pytest.approx(s, abs=1e-9)
@@ -338,18 +338,18 @@ def test_head_similarity_ranking_matches_numpy():
   for rate in (0.25, 0.5):
     n = int(rate * L * H)
     top = sorted(best, key=best.get)[-n:]
-    assert convert.replaced_heads(cfg, got_best, rate) == sorted(top)
+    assert head_share.replaced_heads(cfg, got_best, rate) == sorted(top)
 
 
 def test_head_sharing_copies_slices_and_counts():
   cfg, v = _head_model()
   L, H, D, Dh = 3, 4, 32, 8
   toks = _tokens()
-  _, v0, rec0 = convert.to_head_shared(cfg, v, 0.0)
+  _, v0, rec0 = head_share.to_head_shared(cfg, v, 0.0)
   np.testing.assert_array_equal(DecoderLM(cfg).apply(v0, toks), DecoderLM(cfg).apply(v, toks))
   assert rec0['replaced'] == [] and rec0['params_unique'] == accounting.params_unique(v)
   before = _kernels(cfg, v)
-  new_cfg, v1, rec = convert.to_head_shared(cfg, v, 0.5)
+  new_cfg, v1, rec = head_share.to_head_shared(cfg, v, 0.5)
   assert new_cfg == cfg
   after = _kernels(cfg, v1)
   replaced = {(r['layer'], r['head']): (r['source_layer'], r['source_head'])
@@ -383,7 +383,7 @@ def test_head_sharing_copies_slices_and_counts():
 def test_head_sharing_errors(kw, rate, match):
   cfg, v = _head_model(**kw)
   with pytest.raises(ConfigError, match=match):
-    convert.to_head_shared(cfg, v, rate)
+    head_share.to_head_shared(cfg, v, rate)
 
 
 # ---- end to end --------------------------------------------------------------------------------

@@ -21,11 +21,8 @@ the recursive conversion follows Relaxed Recursive Transformers (arXiv:2410.2067
                  applied layer's residual W_l - W_shared, exact at full rank for any
                  lora_scale (B is divided by it), on the layers that hold LoRA
                  (model.sharing.lora_layers: shared = RRT's looped layers only, or all).
-  to_head_shared DirectShare head-wise sharing (Cao, Yang, Zhao, arXiv:2402.11819): the heads
-                 whose W_q, W_k slices best match a head of an earlier layer (cosine) take
-                 that head's Q, K, V, O slices; the top config.share_rate fraction of all
-                 heads is replaced. Not function-preserving; same architecture, the sharing
-                 map (and the unique parameter count) goes to DST/config.json 'head_sharing'.
+
+DirectShare head-wise sharing (config.to=head_shared) lives in transforms/head_share.py.
 
 CLI: python convert.py --workdir SRC --out DST
      --config.to=rmsnorm|crmsnorm|recursive|head_shared [...]
@@ -43,20 +40,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax.traverse_util import flatten_dict, unflatten_dict
 
-from sharenet.errors import ConfigError
+from sharenet.errors import require
 from sharenet.models import DecoderLM, ModelConfig, init_variables, layout, param_table
-from sharenet.models.accounting import params_unique
 from sharenet.models.config import LORA_LAYERS
 from sharenet.params import KERNEL_ROLES, NORM_ROLES, PER_LAYER, ParamInfo
 
 INITS = ('stepwise', 'average', 'lower')
 RECURSIVE_SCHEMES = ('universal', 'cycle', 'sequence', 'middle_cycle', 'middle_sequence')
 Path = tuple[str, ...]
-
-
-def _require(ok: bool, msg: str) -> None:
-  if not ok:
-    raise ConfigError(msg)
 
 
 def _part(table: dict[Path, ParamInfo], module: Path, use: str) -> Path:
@@ -90,7 +81,7 @@ def _writers(table: dict[Path, ParamInfo]) -> list[Path]:
 def _one(table: dict[Path, ParamInfo], role: str, branch: str | None = None) -> Path | None:
   """The path of the only leaf with `role` outside the blocks (None if absent)."""
   paths = [p for p, i in table.items() if i.role == role and i.branch == branch]
-  _require(len(paths) <= 1, f'conversion expects one top-level {role} leaf, got {paths}')
+  require(len(paths) <= 1, f'conversion expects one top-level {role} leaf, got {paths}')
   return paths[0] if paths else None
 
 
@@ -119,10 +110,10 @@ def _fold_bias(flat: dict, kernel_path: tuple, bias_path: tuple, beta, stacked: 
 
 def ln_to_rms(cfg: ModelConfig, variables: Any) -> tuple[ModelConfig, Any]:
   """Pre-LN -> Pre-RMSNorm computing the same function (see the module docstring)."""
-  _require(cfg.norm == 'layernorm', f'config.to=rmsnorm needs a layernorm model, got {cfg.norm}')
-  _require(cfg.norm_placement == 'pre', f'config.to=rmsnorm needs norm placement pre (the '
+  require(cfg.norm == 'layernorm', f'config.to=rmsnorm needs a layernorm model, got {cfg.norm}')
+  require(cfg.norm_placement == 'pre', f'config.to=rmsnorm needs norm placement pre (the '
            f'equivalence uses that only norms read the stream), got {cfg.norm_placement}')
-  _require(not cfg.untie_norms and not cfg.lora_rank,
+  require(not cfg.untie_norms and not cfg.lora_rank,
            'conversion of norms supports untie_norms=False and lora_rank=0 (folding into tied '
            'readers would untie them)')
   new_cfg = dataclasses.replace(cfg, norm='rmsnorm', reader_bias=True,
@@ -179,12 +170,12 @@ def writers_zero_mean(cfg: ModelConfig, variables: Any, tol: float = 1e-5) -> bo
 
 def rms_to_crms(cfg: ModelConfig, variables: Any) -> tuple[ModelConfig, Any]:
   """Pre-RMSNorm over a zero-mean stream -> Pre-CRMSNorm on d_model - 1 coordinates."""
-  _require(cfg.norm == 'rmsnorm' and cfg.norm_placement == 'pre',
+  require(cfg.norm == 'rmsnorm' and cfg.norm_placement == 'pre',
            f'config.to=crmsnorm needs a pre-rmsnorm model, got {cfg.norm_placement}-{cfg.norm}; '
            f'convert a layernorm model with config.to=rmsnorm first')
-  _require(not cfg.untie_norms and not cfg.lora_rank,
+  require(not cfg.untie_norms and not cfg.lora_rank,
            'conversion of norms supports untie_norms=False and lora_rank=0')
-  _require(writers_zero_mean(cfg, variables),
+  require(writers_zero_mean(cfg, variables),
            'the residual writers are not zero-mean, so RMSNorm -> CRMSNorm would change the '
            'function; valid sources: a config.to=rmsnorm conversion or a model trained with '
            'transforms.reparam=zero_mean_writers')
@@ -276,14 +267,14 @@ def to_recursive(cfg: ModelConfig, variables: Any, scheme: str, num_unique: int,
                  untie_norms: bool = False, seed: int = 0, lora_layers: str = 'shared'
                  ) -> tuple[ModelConfig, Any]:
   """Untied -> recursive with `num_unique` stored sets (see the module docstring)."""
-  _require(cfg.scheme == 'untied', f'config.to=recursive needs an untied source, got {cfg.scheme}')
-  _require(scheme in RECURSIVE_SCHEMES,
+  require(cfg.scheme == 'untied', f'config.to=recursive needs an untied source, got {cfg.scheme}')
+  require(scheme in RECURSIVE_SCHEMES,
            f'config.scheme={scheme!r} is unknown; valid: {", ".join(RECURSIVE_SCHEMES)}')
-  _require(init in INITS, f'config.init={init!r} is unknown; valid: {", ".join(INITS)}')
-  _require(lora_init in ('zero', 'svd'),
+  require(init in INITS, f'config.init={init!r} is unknown; valid: {", ".join(INITS)}')
+  require(lora_init in ('zero', 'svd'),
            f'config.lora_init={lora_init!r} is unknown; valid: zero, svd')
-  _require(not cfg.lora_rank, 'the source already has depth-wise LoRA; valid: lora_rank=0')
-  _require(lora_layers in LORA_LAYERS, f'config.lora_layers={lora_layers!r} is unknown; valid: '
+  require(not cfg.lora_rank, 'the source already has depth-wise LoRA; valid: lora_rank=0')
+  require(lora_layers in LORA_LAYERS, f'config.lora_layers={lora_layers!r} is unknown; valid: '
            f'{", ".join(LORA_LAYERS)}')
   new_cfg = dataclasses.replace(
       cfg, scheme=scheme, num_unique=num_unique, repeats=0, pattern='', lora_rank=lora_rank,
@@ -347,108 +338,3 @@ def svd_lora(src: dict, sets: dict, index: tuple, cfg: ModelConfig) -> dict:
     out[ab['a']] = a.reshape((len(index),) + in_shape + (r,))
     out[ab['b']] = b.reshape((len(index), r) + out_shape)
   return out
-
-
-# ---- head-wise sharing (DirectShare) ---------------------------------------------------------
-
-def head_similarity(cfg: ModelConfig, variables: Any) -> np.ndarray:
-  """(L, H, L, H) cosine similarity of every head's concatenated W_q, W_k slices to every
-  other head's (DirectShare's 'qk' matching function, arXiv:2402.11819)."""
-  params = layout.applied_params(variables['params'], cfg)
-  q = np.asarray(params[('attn', 'q', 'kernel')], np.float64)   # (L, D, H, Dh)
-  k = np.asarray(params[('attn', 'k', 'kernel')], np.float64)
-  L, D, H, Dh = q.shape
-  heads = np.concatenate([q.transpose(0, 2, 1, 3).reshape(L, H, D * Dh),
-                          k.transpose(0, 2, 1, 3).reshape(L, H, D * Dh)], axis=-1)
-  unit = heads / np.linalg.norm(heads, axis=-1, keepdims=True)
-  return np.einsum('lhx,mjx->lhmj', unit, unit)
-
-
-def head_matches(cfg: ModelConfig, variables: Any) -> tuple[np.ndarray, np.ndarray]:
-  """(match (L, H, 2) = (layer, head) of each head's best match, its similarity (L, H)).
-
-  As DirectShare's find_match.py: a head of layer l is matched against every head of the
-  layers before it (so layer 0 has no match: similarity -inf), the first maximum in (layer,
-  head) order.
-  """
-  sim = head_similarity(cfg, variables)
-  L, H = sim.shape[:2]
-  match = np.zeros((L, H, 2), np.int64)
-  best = np.full((L, H), -np.inf)
-  for l in range(1, L):
-    flat = sim[l, :, :l].reshape(H, l * H)
-    i = np.argmax(flat, axis=-1)
-    match[l, :, 0], match[l, :, 1] = i // H, i % H
-    best[l] = flat[np.arange(H), i]
-  return match, best
-
-
-def replaced_heads(cfg: ModelConfig, best: np.ndarray, share_rate: float) -> list[tuple[int, int]]:
-  """The int(share_rate * L * H) heads of highest best-match similarity (layer 0 excluded),
-  ties broken as DirectShare's getHeadIndex (a stable ascending sort of heads listed from the
-  last layer down, head 0 first; the last n are taken)."""
-  L, H = best.shape
-  n = int(share_rate * L * H)
-  _require(0 <= share_rate and n <= (L - 1) * H,
-           f'config.share_rate={share_rate} replaces {n} heads, but only the {(L - 1) * H} heads '
-           f'after layer 0 have a match; valid: 0 <= share_rate <= {(L - 1) / L:.4g}')
-  order = [(l, h) for l in range(L - 1, 0, -1) for h in range(H)]
-  ranked = sorted(order, key=lambda lh: best[lh])
-  return sorted(ranked[len(ranked) - n:]) if n else []
-
-
-def to_head_shared(cfg: ModelConfig, variables: Any, share_rate: float
-                   ) -> tuple[ModelConfig, Any, dict[str, Any]]:
-  """DirectShare (Cao, Yang, Zhao, "Head-wise Shareable Attention for Large Language Models",
-  arXiv:2402.11819; reference code zouyingcao/DirectShare): each replaced head takes its match's
-  Q, K, V slices (and biases) and O slice, copied from the source model (a match that is itself
-  replaced still lends its original weights, as the reference copies from the unmodified model).
-
-  Returns (the same architecture, the variables with the copied slices, the sharing record:
-  replaced heads with their source and similarity, the number of distinct heads and the stored
-  parameters once every duplicated head is counted once, `params_unique`).
-  """
-  _require(cfg.scheme == 'untied', f'config.to=head_shared needs an untied source, got '
-           f'{cfg.scheme}')
-  _require(cfg.attention_sharing == 'none' and not cfg.masa and not cfg.lora_rank,
-           'config.to=head_shared needs plain q, k, v, o kernels; valid: '
-           'model.attention_sharing=none, model.masa.atoms=0, model.sharing.lora_rank=0')
-  _require(cfg.kv_heads == cfg.num_heads, f'config.to=head_shared copies whole heads (Q, K, V '
-           f'and O slices); valid: num_kv_heads=0, got {cfg.num_kv_heads}')
-  _require(cfg.qk_norm == 'none', f'config.to=head_shared: a QK-norm gain is per layer, not per '
-           f'head, so a copied head would not compute its match; valid: model.norm.qk_norm=none, '
-           f'got {cfg.qk_norm}')
-  match, best = head_matches(cfg, variables)
-  heads = replaced_heads(cfg, best, share_rate)
-  src = layout.applied_params(variables['params'], cfg)
-  names = [('attn', p, 'kernel') for p in ('q', 'k', 'v')] + [('attn', 'o', 'kernel')]
-  names += [('attn', p, 'bias') for p in ('q', 'k', 'v') if ('attn', p, 'bias') in src]
-  new = {p: np.array(src[p]) for p in names}
-  for l, h in heads:
-    m, j = match[l, h]
-    for p in names:
-      if p[1] == 'o':                           # (L, H, Dh, D)
-        new[p][l, h] = np.asarray(src[p])[m, j]
-      elif p[2] == 'kernel':                    # (L, D, H, Dh)
-        new[p][l, :, h] = np.asarray(src[p])[m, :, j]
-      else:                                     # bias (L, H, Dh)
-        new[p][l, h] = np.asarray(src[p])[m, j]
-  sets = {p: (jnp.asarray(new[p], src[p].dtype) if p in new else v)
-          for p, v in layout.unique_sets(variables['params'], cfg).items()}
-  out = dict(variables)
-  out['params'] = layout.from_unique_sets(variables['params'], sets, cfg)
-  L, H = best.shape
-  origin = {(l, h): (l, h) for l in range(L) for h in range(H)}
-  origin.update({(l, h): tuple(int(i) for i in match[l, h]) for l, h in heads})
-  distinct = len(set(origin.values()))
-  D, Dh = cfg.d_model, cfg.head_dim
-  per_head = 4 * D * Dh + (3 * Dh if ('attn', 'q', 'bias') in src else 0)
-  record = {
-      'method': 'DirectShare (arXiv:2402.11819)', 'share_rate': share_rate,
-      'replaced': [{'layer': l, 'head': h, 'source_layer': int(match[l, h][0]),
-                    'source_head': int(match[l, h][1]), 'similarity': float(best[l, h])}
-                   for l, h in heads],
-      'heads': L * H, 'distinct_heads': distinct,
-      'params_unique': params_unique(variables) - (L * H - distinct) * per_head,
-  }
-  return cfg, out, record
