@@ -512,12 +512,17 @@ def test_lora_a_feature_update_is_width_independent_under_mup_not_sp():
       tx = optim.make_optimizer(train_cfg(weight_decay=0.0, grad_clip=0.0),
                                 multipliers=pz.opt_multipliers(), table=param_table(cfg))
       toks = tokens(B=1, T=5)   # few tokens: the gradient aligns with each one's x (LLN in d)
-      g = jax.grad(loss_fn)(v, model, pz.forward, toks)
-      u, _ = tx.update(g, tx.init(v), v)
-      # Parameters whose only LoRA A is the step's change: x (A_1 - A_0) is what lora_xa sows.
-      delta = jax.tree_util.tree_map_with_path(
-          lambda p, x, dx: dx if 'lora_a' in str(p[-1]) else x, v, u)
-      _, inter = model.apply(pz.forward(delta), toks[:, :-1], mutable=[INTERMEDIATES])
+
+      @jax.jit   # one program per (preset, width), not an op-by-op dispatch of each piece
+      def feature_update(v, toks):
+        g = jax.grad(loss_fn)(v, model, pz.forward, toks)
+        u, _ = tx.update(g, tx.init(v), v)
+        # Parameters whose only LoRA A is the step's change: x (A_1 - A_0) is what lora_xa sows.
+        delta = jax.tree_util.tree_map_with_path(
+            lambda p, x, dx: dx if 'lora_a' in str(p[-1]) else x, v, u)
+        return model.apply(pz.forward(delta), toks[:, :-1], mutable=[INTERMEDIATES])[1]
+
+      inter = feature_update(v, toks)
       xa = [x for p, x in flatten_dict(inter).items() if p[-1] == 'lora_xa'][0]
       sizes[kind, d] = float(jnp.ravel(xa[0] if isinstance(xa, tuple) else xa)[0])
   mup_ratio = sizes['mup', 8 * D_BASE] / sizes['mup', D_BASE]
