@@ -84,6 +84,8 @@ def default_config() -> ml_collections.ConfigDict:
   rt.alpha = 0.0              # gate scale; 0 -> the reference's: 0.1 expert_choice, 1.0 token_choice
   rt.aux_loss = -1.0          # aux loss coefficient; -1 -> expert_choice BCE 0.001, token_choice
                               # balancing 0.1; 0 = off (never added to eval_loss)
+  rt.z_loss = -1.0            # router z-loss coefficient, mean logsumexp(logits)^2; -1 -> the
+                              # reference configs': expert_choice 0, token_choice 1e-5; 0 = off
   rt.capacity_warmup_steps = 0  # must be 0: a continuous capacity warmup changes the static
                                 # subset sizes every step (docs/routing.md)
   rt.buckets = 0              # expert_choice scans: 0 -> one per recursion at its own k_r (fewest

@@ -88,6 +88,7 @@ def run_expert(cfg, seed=0, segment_ids=None):
     (dict(lora_rank=2), 'lora_rank=0'),
     (dict(scan_lowering='flat'), 'scan_lowering=nested'),
     (dict(routing_aux_loss=-0.5), 'aux_loss=-0.5'),
+    (dict(routing_z_loss=-2.0), 'z_loss=-2.0'),
     (dict(routing_buckets=3), r'1\.\.2 \(R = 2'),
     (dict(routing='token_choice', routing_buckets=1), 'token choice is one scan'),
 ])
@@ -101,13 +102,14 @@ def test_routing_keys_round_trip_and_default_is_none(tiny_config):
   c = tiny_config(**{'model.sharing.scheme': 'cycle', 'model.sharing.num_unique': 1,
                      'model.routing.kind': 'expert_choice', 'model.routing.capacity': '1,0.25'})
   mcfg = config_lib.validate(c)
-  assert (mcfg.routing, mcfg.capacities, mcfg.alpha, mcfg.aux_loss_coeff) == \
-      ('expert_choice', (1.0, 0.25), 0.1, 0.001)
+  assert (mcfg.routing, mcfg.capacities, mcfg.alpha, mcfg.aux_loss_coeff, mcfg.z_loss_coeff) == \
+      ('expert_choice', (1.0, 0.25), 0.1, 0.001, 0.0)
   assert ModelConfig.from_config(mcfg.to_config()) == mcfg
   plain = config_lib.validate(tiny_config())
   assert plain.routing == 'none' and plain.routed_segment is None
   token = dataclasses.replace(mcfg, routing='token_choice', routing_capacity='').validate()
-  assert (token.alpha, token.aux_loss_coeff) == (1.0, 0.1)
+  # The reference's configs (conf/pretrain/*mor_token*zloss_1e-5.yaml): alpha 1, coeff 0.1, z 1e-5.
+  assert (token.alpha, token.aux_loss_coeff, token.z_loss_coeff) == (1.0, 0.1, 1e-5)
 
 
 def test_example_config_validates(repo_root):
@@ -159,11 +161,13 @@ def test_expert_choice_subsets_counts_order_and_untouched_tokens():
 
 def test_expert_choice_matches_a_numpy_recomputation():
   """Top-k of alpha * sigmoid among the previous survivors, H <- H + g f(H); BCE of the logits
-  against top-k membership, summed over the candidates, divided by batch x candidates."""
+  against top-k membership, summed over the candidates, divided by batch x candidates; the
+  z-loss (one logit per token: logsumexp = the logit) the mean squared logit of the candidates
+  (the reference's router_z_loss, expert_choice_router.py)."""
   cfg = tiny_cfg(routing_capacity='0.5,0.25')
   h, w, out, _, sown = run_expert(cfg, seed=1)
   want = h.astype(np.float64).copy()
-  bce = np.zeros(2)
+  bce, z = np.zeros(2), np.zeros(2)
   for b in range(B):
     cand = np.arange(T)
     for r, k in enumerate((8, 4)):
@@ -173,6 +177,7 @@ def test_expert_choice_matches_a_numpy_recomputation():
       member = np.isin(np.arange(len(cand)), top).astype(np.float64)
       bce[r] += np.sum(np.maximum(logits, 0) - logits * member +
                        np.log1p(np.exp(-np.abs(logits)))) / (B * len(cand))
+      z[r] += np.sum(logits ** 2) / (B * len(cand))
       sel = cand[top]
       f = np.tanh(want[b, sel]) * 2 + 0.5 + 0.01 * sel[:, None]
       want[b, sel] += gate[top][:, None] * f
@@ -180,6 +185,7 @@ def test_expert_choice_matches_a_numpy_recomputation():
   np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
   for r in range(2):
     np.testing.assert_allclose(sown[f'aux_loss_{r}'], bce[r], rtol=1e-5)
+    np.testing.assert_allclose(sown[f'z_loss_{r}'], z[r], rtol=1e-5)
 
 
 def test_expert_choice_passes_segment_ids_of_the_kept_tokens():
@@ -288,7 +294,12 @@ def test_token_choice_exits_outputs_and_balancing_loss():
       want[b, t] = h[b, t] + 0.7 * p[b, t, exit_[b, t]] * y
   np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
   frac = np.stack([(exit_ == i).mean() for i in range(R)])
-  np.testing.assert_allclose(sown['aux_loss_0'], R * np.sum(p.mean((0, 1)) * frac), rtol=1e-5)
+  # The reference (token_choice_router.py): P_i = mean of router_probs = alpha * softmax,
+  # f_i = R x exit fraction, loss sum_i P_i f_i; z-loss mean logsumexp(logits)^2.
+  np.testing.assert_allclose(sown['aux_loss_0'], R * np.sum(0.7 * p.mean((0, 1)) * frac),
+                             rtol=1e-5)
+  lse = np.log(np.exp(logits).sum(-1))
+  np.testing.assert_allclose(sown['z_loss_0'], np.mean(lse ** 2), rtol=1e-5)
   for r in range(R):
     active = exit_ >= r
     np.testing.assert_allclose(sown[f'capacity_{r}'], active.mean())
@@ -391,7 +402,7 @@ def test_gradients_reach_every_router(kind, router):
 
 
 def test_training_loss_adds_the_weighted_aux_loss_and_eval_does_not():
-  cfg = tiny_cfg(routing_aux_loss=0.5)
+  cfg = tiny_cfg(routing_aux_loss=0.5, routing_z_loss=0.25)
   model = DecoderLM(cfg)
   v = init_variables(model, jax.random.key(0), B, T)
   batch = jax.random.randint(jax.random.key(1), (B, T + 1), 0, cfg.vocab_size)
@@ -399,8 +410,10 @@ def test_training_loss_adds_the_weighted_aux_loss_and_eval_does_not():
   from sharenet import eval_lib
   nll, _ = eval_lib.token_nll(model, v, batch)
   aux = float(metrics['routing_aux_loss_0'] + metrics['routing_aux_loss_1'])
-  np.testing.assert_allclose(float(loss), float(jnp.mean(nll)) + 0.5 * aux, rtol=1e-6)
-  assert aux > 0
+  z = float(metrics['routing_z_loss_0'] + metrics['routing_z_loss_1'])
+  np.testing.assert_allclose(float(loss), float(jnp.mean(nll)) + 0.5 * aux + 0.25 * z,
+                             rtol=1e-6)
+  assert aux > 0 and z > 0
 
 
 def test_accounting_counts_kept_tokens_and_routers_once():

@@ -120,6 +120,7 @@ class ModelConfig:
   routing_router: str = _key('routing.router')
   routing_alpha: float = _key('routing.alpha')
   routing_aux_loss: float = _key('routing.aux_loss')
+  routing_z_loss: float = _key('routing.z_loss')
   routing_capacity_warmup_steps: int = _key('routing.capacity_warmup_steps')
   routing_balancing: str = _key('routing.balancing')
   routing_buckets: int = _key('routing.buckets')
@@ -218,6 +219,14 @@ class ModelConfig:
       return self.routing_aux_loss
     return 0.001 if self.routing == 'expert_choice' else 0.1
 
+  @property
+  def z_loss_coeff(self) -> float:
+    """Router z-loss coefficient (model.routing.z_loss; -1 -> the reference configs': 0 expert
+    choice, 1e-5 token choice)."""
+    if self.routing_z_loss >= 0:
+      return self.routing_z_loss
+    return 0.0 if self.routing == 'expert_choice' else 1e-5
+
   def _validate_routing(self) -> None:
     _choice('model.routing.kind', self.routing, ROUTINGS)
     if self.routing == 'none':
@@ -257,6 +266,9 @@ class ModelConfig:
       raise ConfigError(f'model.routing.alpha={self.routing_alpha} must be >= 0 (0: default)')
     if self.routing_aux_loss < 0 and self.routing_aux_loss != -1:
       raise ConfigError(f'model.routing.aux_loss={self.routing_aux_loss} must be >= 0, or -1 '
+                        f'(the default coefficient)')
+    if self.routing_z_loss < 0 and self.routing_z_loss != -1:
+      raise ConfigError(f'model.routing.z_loss={self.routing_z_loss} must be >= 0, or -1 '
                         f'(the default coefficient)')
     if self.routing_capacity_warmup_steps:
       raise ConfigError(f'model.routing.capacity_warmup_steps='

@@ -20,8 +20,9 @@ block output on, and the one exiting at r leaves with x_in + g_exit * f(...), x_
 segment's input. The R recursions have one shape, so they run as one scan (compile time flat
 in R); expert choice's subsets have R different static shapes, so R scans, unless
 model.routing.buckets groups them into padded, masked scans (`expert_recursion`). Balancing:
-Switch-style loss R * sum_i P_i f_i (P_i the mean router
-probability of depth i, f_i the fraction of tokens exiting there). Shapes stay static by
+Switch-style loss R * sum_i P_i f_i (P_i the mean gate alpha * p_i of depth i, f_i the
+fraction of tokens exiting there). Both routers can add the router z-loss (ST-MoE), on by
+default for token choice at the reference's 1e-5. Shapes stay static by
 running every token through every recursion with the inactive ones masked out of attention
 (each its own attention segment) and discarded: the executed FLOPs are those of the plain
 recursive model (models/accounting.py).
@@ -46,8 +47,8 @@ class Router(nn.Module):
   """Router parameters with one row per recursion (leading 'repeats' axis), so the stored tree
   is the same whichever recursion uses a row.
 
-  linear: w (R, D), no bias (the reference's LinearRouter). mlp: a 2-layer GELU MLP with hidden
-  2 * d_model (expert choice: per recursion (R, D, 2D) and (R, 2D); token choice: one shared
+  linear: w (R, D), no bias (the reference's LinearRouter). mlp: a 2-layer GELU (exact erf, as
+  torch's nn.GELU in the reference's MLPRouter) MLP with hidden 2 * d_model (expert choice: per recursion (R, D, 2D) and (R, 2D); token choice: one shared
   (D, 2D) and a (R, 2D) output with one row per depth).
   """
   cfg: ModelConfig
@@ -81,7 +82,7 @@ class Router(nn.Module):
     dt = jnp.promote_types(x_BTD.dtype, jnp.float32)
     x = x_BTD.astype(dt)
     if self.cfg.routing_router == 'mlp':
-      x = nn.gelu(x @ self.w_in.astype(dt))
+      x = nn.gelu(x @ self.w_in.astype(dt), approximate=False)
     return jnp.einsum('btd,rd->btr', x, self.w.astype(dt))
 
 
@@ -92,7 +93,7 @@ def expert_logits(weights: tuple[jax.Array | None, jax.Array], x_BND: jax.Array,
   dt = jnp.promote_types(x_BND.dtype, jnp.float32)
   x = x_BND.astype(dt)
   if w_in is not None:
-    x = nn.gelu(x @ w_in[r].astype(dt))
+    x = nn.gelu(x @ w_in[r].astype(dt), approximate=False)
   return x @ w[r].astype(dt)
 
 
@@ -107,8 +108,9 @@ def _route(h_BTD: jax.Array, cand_BN: jax.Array, r: int, k: int, *, cfg: ModelCo
            router: Router, sow: Callable[[str, jax.Array], Any]
            ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
   """Recursion r's router over its candidates (indices into T, causal order): keeps the top k
-  by gate; sows aux_loss_r (BCE) and capacity_r. -> (candidate states, kept indices into the
-  candidates, kept indices into T, gates of the candidates), kept indices in causal order."""
+  by gate; sows aux_loss_r (BCE), z_loss_r and capacity_r. -> (candidate states, kept indices
+  into the candidates, kept indices into T, gates of the candidates), kept indices in causal
+  order."""
   B, T, _ = h_BTD.shape
   x_BND = _rows(h_BTD, cand_BN)
   logits_BN = router.expert_logits(x_BND, r)
@@ -120,6 +122,7 @@ def _route(h_BTD: jax.Array, cand_BN: jax.Array, r: int, k: int, *, cfg: ModelCo
   targets_BN = jnp.zeros_like(logits_BN).at[jnp.arange(B)[:, None], top_BK].set(1.0)
   bce = jnp.sum(optax.sigmoid_binary_cross_entropy(logits_BN, targets_BN)) / logits_BN.size
   sow(f'aux_loss_{r}', bce)
+  sow(f'z_loss_{r}', z_loss(logits_BN[:, :, None]))
   sow(f'capacity_{r}', jnp.asarray(k / T, jnp.float32))
   return x_BND, top_BK, _rows(cand_BN, top_BK), gate_BN
 
@@ -128,7 +131,7 @@ class ExpertSteps(NamedTuple):
   """Per recursion of a bucket (the scanned input of its scan over recursions)."""
   r: jax.Array       # recursion index: the router row
   k: jax.Array       # k_r tokens it keeps
-  n: jax.Array       # k_{r-1} candidates (the BCE's normaliser)
+  n: jax.Array       # k_{r-1} candidates (the BCE's and z-loss's normaliser)
   first: jax.Array   # the bucket's first recursion, routed before the scan
 
 
@@ -142,13 +145,14 @@ class ExpertKept(NamedTuple):
 
 def expert_recursion(level: Callable, logits: Callable, alpha: float,
                      carry: tuple[jax.Array, jax.Array], step: ExpertSteps, kept: ExpertKept
-                     ) -> tuple[tuple[jax.Array, jax.Array], jax.Array]:
+                     ) -> tuple[tuple[jax.Array, jax.Array], tuple[jax.Array, jax.Array]]:
   """Expert-choice recursion `step.r` on a bucket's gathered tokens, padded: of the tokens the
   previous recursion kept (`carry`'s mask), the top step.k by gate run `level`, attending among
   themselves (each other token is its own attention segment, its row discarded), and are
   updated by h + g f; the others keep their value. The bucket's first recursion was routed
   before the scan (every gathered token runs it, at the gates in `kept`). -> ((states, kept
-  mask), BCE aux loss over the candidates; 0 for the first recursion)."""
+  mask), (BCE aux loss, z-loss) over the candidates; both 0 for the first recursion, which
+  `_route` sowed)."""
   x_BKD, active_BK = carry
   B, K = active_BK.shape
   logits_BK = logits(x_BKD, step.r)
@@ -163,7 +167,9 @@ def expert_recursion(level: Callable, logits: Callable, alpha: float,
   x_BKD = jnp.where(keep_BK[:, :, None], x_BKD + g_BK1 * f_BKD, x_BKD)
   bce_BK = optax.sigmoid_binary_cross_entropy(logits_BK, keep_BK.astype(logits_BK.dtype))
   bce = jnp.sum(jnp.where(active_BK, bce_BK, 0.0)) / (B * step.n)
-  return (x_BKD, keep_BK), jnp.where(step.first, jnp.zeros_like(bce), bce)
+  z = jnp.sum(jnp.where(active_BK, jnp.square(logits_BK), 0.0)) / (B * step.n)
+  losses = tuple(jnp.where(step.first, jnp.zeros_like(v), v) for v in (bce, z))
+  return (x_BKD, keep_BK), losses
 
 
 def expert_choice(h_BTD: jax.Array, positions_T: jax.Array | None,
@@ -171,12 +177,12 @@ def expert_choice(h_BTD: jax.Array, positions_T: jax.Array | None,
                   level: Callable, sow: Callable[[str, jax.Array], Any],
                   recurse: Callable | None = None) -> jax.Array:
   """R expert-choice recursions of `level` (the K-layer scan: (x, positions, segment ids) ->
-  (x, None)) over `h_BTD`; sows aux_loss_r (BCE) and capacity_r (k_r / T).
+  (x, None)) over `h_BTD`; sows aux_loss_r (BCE), z_loss_r and capacity_r (k_r / T).
 
   model.routing.buckets=0: each recursion runs `level` on its own k_r gathered tokens (R static
   lengths). Otherwise the recursions of each bucket (cfg.expert_buckets) run as one scan at the
   bucket's first k, padded and masked (`expert_recursion`): `recurse(carry, steps, kept) ->
-  (carry, BCE per step)` is that scan (the model's, models/stack.py); without it a Python loop
+  (carry, (BCE, z-loss) per step)` is that scan (the model's, models/stack.py); without it a Python loop
   over `level` does.
   """
   B, T, _ = h_BTD.shape
@@ -207,16 +213,17 @@ def expert_choice(h_BTD: jax.Array, positions_T: jax.Array | None,
                         jnp.arange(len(bucket)) == 0)
     carry = (_rows(x_BND, top_BK), jnp.ones((B, K), bool))
     if recurse is not None:
-      carry, bce_M = recurse(carry, steps, kept)
+      carry, (bce_M, z_M) = recurse(carry, steps, kept)
     else:
-      bces = []
+      per_step = []
       for i in range(len(bucket)):
-        carry, bce = expert_recursion(level, router.expert_logits, cfg.alpha, carry,
-                                      jax.tree.map(lambda v: v[i], steps), kept)
-        bces.append(bce)
-      bce_M = jnp.stack(bces)
+        carry, losses = expert_recursion(level, router.expert_logits, cfg.alpha, carry,
+                                         jax.tree.map(lambda v: v[i], steps), kept)
+        per_step.append(losses)
+      bce_M, z_M = (jnp.stack(v) for v in zip(*per_step))
     for i, r in enumerate(bucket[1:], 1):
       sow(f'aux_loss_{r}', bce_M[i])
+      sow(f'z_loss_{r}', z_M[i])
       sow(f'capacity_{r}', jnp.asarray(ks[r] / T, jnp.float32))
     x_BKD, keep_BK = carry
     h_BTD = h_BTD.at[rows_B1, sel_BK].set(x_BKD)
@@ -254,8 +261,8 @@ def token_choice(h_BTD: jax.Array, positions_T: jax.Array | None,
                  segment_ids_BT: jax.Array | None, *, cfg: ModelConfig, router: Router,
                  sow: Callable[[str, jax.Array], Any], level: Callable | None = None,
                  recurse: Callable | None = None) -> jax.Array:
-  """R token-choice recursions (masked at full length); sows aux_loss_0 (balancing) and
-  capacity_r (fraction of tokens that run recursion r).
+  """R token-choice recursions (masked at full length); sows aux_loss_0 (balancing), z_loss_0
+  and capacity_r (fraction of tokens that run recursion r).
 
   `recurse(carry, routes, positions_T) -> out` runs all R `token_recursion`s (the model: one
   scan over recursions, models/stack.py); without it, a Python loop over `level` does.
@@ -267,7 +274,9 @@ def token_choice(h_BTD: jax.Array, positions_T: jax.Array | None,
   exit_BT = jnp.argmax(probs_BTR, axis=-1)
   w_BT1 = cfg.alpha * jnp.take_along_axis(probs_BTR, exit_BT[:, :, None], axis=2)
   frac_R = jnp.mean(jax.nn.one_hot(exit_BT, R, dtype=jnp.float32), axis=(0, 1))
-  sow('aux_loss_0', R * jnp.sum(jnp.mean(probs_BTR, axis=(0, 1)) * frac_R))
+  # The reference's P_i averages its router_probs, alpha * softmax (token_choice_router.py).
+  sow('aux_loss_0', R * jnp.sum(cfg.alpha * jnp.mean(probs_BTR, axis=(0, 1)) * frac_R))
+  sow('z_loss_0', z_loss(logits_BTR))
   for r in range(R):
     sow(f'capacity_{r}', jnp.mean((exit_BT >= r).astype(jnp.float32)))
   base_BT = jnp.zeros((B, T), jnp.int32) if segment_ids_BT is None else segment_ids_BT
@@ -281,8 +290,15 @@ def token_choice(h_BTD: jax.Array, positions_T: jax.Array | None,
   return carry[1]
 
 
+def z_loss(logits_BNE: jax.Array) -> jax.Array:
+  """Router z-loss (Zoph et al., ST-MoE, arXiv:2202.08906; the MoR reference's router_z_loss):
+  the mean over tokens of logsumexp(logits)^2, the last axis the router's outputs (expert
+  choice has one per token: its logit squared)."""
+  return jnp.mean(jnp.square(jax.nn.logsumexp(logits_BNE, axis=-1)))
+
+
 def collected(routing_vars: Any) -> dict[str, jax.Array]:
-  """{'aux_loss_r' / 'capacity_r': scalar} from the sown ROUTING collection."""
+  """{'aux_loss_r' / 'z_loss_r' / 'capacity_r': scalar} from the sown ROUTING collection."""
   out = {}
   for path, leaf in flatten_dict(routing_vars).items():
     values = leaf if isinstance(leaf, tuple) else (leaf,)
@@ -291,8 +307,9 @@ def collected(routing_vars: Any) -> dict[str, jax.Array]:
 
 
 def aux_loss(cfg: ModelConfig, routing_vars: Any) -> tuple[jax.Array, dict[str, jax.Array]]:
-  """(coefficient x summed aux losses, train metrics 'routing_<name>') of one forward pass."""
+  """(aux coefficient x summed aux losses + z coefficient x summed z-losses, train metrics
+  'routing_<name>', unweighted) of one forward pass."""
   vals = collected(routing_vars)
-  total = sum((v for k, v in vals.items() if k.startswith('aux_loss')), jnp.zeros(()))
+  summed = lambda prefix: sum((v for k, v in vals.items() if k.startswith(prefix)), jnp.zeros(()))
   metrics = {f'routing_{k}': v for k, v in vals.items()}
-  return cfg.aux_loss_coeff * total, metrics
+  return cfg.aux_loss_coeff * summed('aux_loss') + cfg.z_loss_coeff * summed('z_loss'), metrics
