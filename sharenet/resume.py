@@ -145,7 +145,7 @@ def restore_or_init(config: Any, workdir: str, mngr: Any, target: Any, train_ite
   """(state, first step): the workdir's newest readable checkpoint, or a fresh `init()`.
 
   Never moves or rewrites a readable checkpoint. The config saved with the newest checkpoint
-  (else DIR/config.json) is compared with this one (sharenet/py): a change that makes the
+  (else DIR/config.json) is compared with this one (`Changes`): a change that makes the
   checkpoint unrestorable is a ConfigError naming the changed fields, unless train.restore=params
   asks for its parameters with a fresh optimizer state.
   """
@@ -158,7 +158,7 @@ def restore_or_init(config: Any, workdir: str, mngr: Any, target: Any, train_ite
   check_same_model(workdir, prior, shapes, changes)
   if changes:
     note(f'note: resuming with changed fields: {changes.describe(changes.fields)}'
-          + ('' if changes.stateful else ' (none changes the train state)'))
+         + ('' if changes.stateful else ' (none changes the train state)'))
   params_only = t.restore == 'params' and bool(changes.stateful)
   data_changed = changes.data_stream
   if data_changed and not params_only:
@@ -176,14 +176,14 @@ def restore_or_init(config: Any, workdir: str, mngr: Any, target: Any, train_ite
     return _restore_params(mngr, e.step, target, data_iter, init, tx, workdir), e.step
   if restored is None:
     note('WARNING: no readable checkpoint is left (each was moved to corrupt_checkpoints/); '
-          'starting from step 0')
+         'starting from step 0')
     return init(), 0
   state, step = restored
   if params_only:   # the state still fits, but the config changed: keep only the parameters
     state = state.replace(opt_state=_fresh_opt_state(tx, state.params, step, target))
     note(f'train.restore=params: loaded the parameters of checkpoint {step}, its transform '
-          f'state{"" if data_changed else " and data position"}; the optimizer state is fresh '
-          f'(its LR schedule continues at step {step})')
+         f'state{"" if data_changed else " and data position"}; the optimizer state is fresh '
+         f'(its LR schedule continues at step {step})')
     return state, step
   # The peak LR lives in the optimizer state: a changed train.lr takes effect from here.
   opt_state = optim.with_peak_lr(state.opt_state, t.lr)
@@ -231,7 +231,7 @@ def _restore_params(mngr: Any, step: int, target: Any, data_iter: Any, init: Any
   if data_ok:
     kept.append('data position')
   note(f'train.restore=params: loaded the parameters of checkpoint {step}'
-        + ''.join(f', its {k}' for k in kept) + '; the optimizer state is fresh (its LR '
-        f'schedule continues at step {step})'
-        + ('' if data_ok else '; the data stream starts anew'))
+       + ''.join(f', its {k}' for k in kept) + '; the optimizer state is fresh (its LR '
+       f'schedule continues at step {step})'
+       + ('' if data_ok else '; the data stream starts anew'))
   return state

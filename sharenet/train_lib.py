@@ -205,7 +205,7 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, float]:
   target = sharding.with_shardings(abstract, shardings)
   try:
     state, start = resume.restore_or_init(config, workdir, mngr, target, train_iter,
-                                   lambda: init_fn(rng), tx, shapes)
+                                          lambda: init_fn(rng), tx, shapes)
   except BaseException:
     mngr.close()
     raise

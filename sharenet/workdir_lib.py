@@ -215,7 +215,7 @@ def convert_workdir(workdir: str, out: str, opts: Any) -> dict[str, Any]:
     new_cfg, new_vars = convert.rms_to_crms(cfg, variables)
   elif opts.to == 'head_shared':
     new_cfg, new_vars, extra['head_sharing'] = head_share.to_head_shared(cfg, variables,
-                                                                      opts.share_rate)
+                                                                         opts.share_rate)
   else:
     targets = tuple(t for t in opts.lora_targets.replace(' ', '').split(',') if t)
     new_cfg, new_vars = convert.to_recursive(

@@ -188,6 +188,20 @@ def test_expert_choice_matches_a_numpy_recomputation():
     np.testing.assert_allclose(sown[f'z_loss_{r}'], z[r], rtol=1e-5)
 
 
+def test_mlp_router_uses_the_exact_gelu():
+  """The reference's MLPRouter is Linear -> torch nn.GELU() (erf form) -> Linear."""
+  import math
+  rng = np.random.default_rng(4)
+  x = rng.normal(size=(B, 5, D))
+  w_in, w = rng.normal(size=(3, D, 2 * D)) / D ** 0.5, rng.normal(size=(3, 2 * D))
+  with jax.enable_x64(True):
+    got = np.asarray(routing.expert_logits((jnp.asarray(w_in), jnp.asarray(w)),
+                                           jnp.asarray(x), 1))
+  z = x @ w_in[1]
+  gelu = 0.5 * z * (1 + np.vectorize(math.erf)(z / math.sqrt(2)))
+  np.testing.assert_allclose(got, gelu @ w[1], rtol=1e-12, atol=1e-12)
+
+
 def test_expert_choice_passes_segment_ids_of_the_kept_tokens():
   cfg = tiny_cfg(routing_capacity='0.5,0.5')
   seg = jnp.asarray(np.repeat(np.arange(4), 4)[None].repeat(B, 0) + 10 * np.arange(B)[:, None])
@@ -236,11 +250,13 @@ def test_bucketed_expert_choice_pads_and_equals_one_scan_per_recursion(buckets):
 
 
 def test_bucketed_model_equals_the_per_recursion_model_with_gradients():
-  """The model under buckets 1 and 2: same loss, aux losses and gradients (every router row
-  included) as one scan per recursion, on one stored tree (float64)."""
+  """The model under buckets 1 and 2: same loss, aux losses (BCE and z-loss, both weighted into
+  the loss) and gradients (every router row included) as one scan per recursion, on one stored
+  tree (float64)."""
   with jax.enable_x64(True):
     cfg = tiny_cfg(num_layers=6, num_unique=2, routing_capacity='0.75,0.5,0.25',
-                   routing_router='mlp', dtype='float64', param_dtype='float64')   # R = 3
+                   routing_router='mlp', routing_z_loss=0.1, dtype='float64',
+                   param_dtype='float64')   # R = 3
     v = init_variables(DecoderLM(cfg), jax.random.key(0), B, T)
     batch = jax.random.randint(jax.random.key(1), (B, T + 1), 0, cfg.vocab_size)
 

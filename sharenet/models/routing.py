@@ -47,9 +47,10 @@ class Router(nn.Module):
   """Router parameters with one row per recursion (leading 'repeats' axis), so the stored tree
   is the same whichever recursion uses a row.
 
-  linear: w (R, D), no bias (the reference's LinearRouter). mlp: a 2-layer GELU (exact erf, as
-  torch's nn.GELU in the reference's MLPRouter) MLP with hidden 2 * d_model (expert choice: per recursion (R, D, 2D) and (R, 2D); token choice: one shared
-  (D, 2D) and a (R, 2D) output with one row per depth).
+  linear: w (R, D), no bias (the reference's LinearRouter). mlp: a 2-layer GELU MLP with hidden
+  2 * d_model, exact erf GELU as torch's nn.GELU in the reference's MLPRouter (expert choice:
+  per recursion (R, D, 2D) and (R, 2D); token choice: one shared (D, 2D) and a (R, 2D) output
+  with one row per depth).
   """
   cfg: ModelConfig
 
@@ -182,8 +183,8 @@ def expert_choice(h_BTD: jax.Array, positions_T: jax.Array | None,
   model.routing.buckets=0: each recursion runs `level` on its own k_r gathered tokens (R static
   lengths). Otherwise the recursions of each bucket (cfg.expert_buckets) run as one scan at the
   bucket's first k, padded and masked (`expert_recursion`): `recurse(carry, steps, kept) ->
-  (carry, (BCE, z-loss) per step)` is that scan (the model's, models/stack.py); without it a Python loop
-  over `level` does.
+  (carry, (BCE, z-loss) per step)` is that scan (the model's, models/stack.py); without it a
+  Python loop over `level` does.
   """
   B, T, _ = h_BTD.shape
   rows_B1 = jnp.arange(B)[:, None]

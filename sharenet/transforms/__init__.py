@@ -6,7 +6,8 @@ Five kinds behind one config section (`config.transforms`):
   project            post-step projection, last in the optax chain (project.py);
   update             optax transforms reading params: AGC, AdamP (update.py);
   convert            one-shot function-preserving conversions (convert.py; CLI: the top-level
-                     convert.py).
+                     convert.py), and DirectShare head sharing, not function-preserving
+                     (head_share.py).
 """
 from __future__ import annotations
 

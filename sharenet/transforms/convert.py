@@ -112,10 +112,10 @@ def ln_to_rms(cfg: ModelConfig, variables: Any) -> tuple[ModelConfig, Any]:
   """Pre-LN -> Pre-RMSNorm computing the same function (see the module docstring)."""
   require(cfg.norm == 'layernorm', f'config.to=rmsnorm needs a layernorm model, got {cfg.norm}')
   require(cfg.norm_placement == 'pre', f'config.to=rmsnorm needs norm placement pre (the '
-           f'equivalence uses that only norms read the stream), got {cfg.norm_placement}')
+          f'equivalence uses that only norms read the stream), got {cfg.norm_placement}')
   require(not cfg.untie_norms and not cfg.lora_rank,
-           'conversion of norms supports untie_norms=False and lora_rank=0 (folding into tied '
-           'readers would untie them)')
+          'conversion of norms supports untie_norms=False and lora_rank=0 (folding into tied '
+          'readers would untie them)')
   new_cfg = dataclasses.replace(cfg, norm='rmsnorm', reader_bias=True,
                                 center_embedding=cfg.center_embedding or cfg.tie_embeddings)
   table, new_table = param_table(cfg), param_table(new_cfg)
@@ -171,14 +171,14 @@ def writers_zero_mean(cfg: ModelConfig, variables: Any, tol: float = 1e-5) -> bo
 def rms_to_crms(cfg: ModelConfig, variables: Any) -> tuple[ModelConfig, Any]:
   """Pre-RMSNorm over a zero-mean stream -> Pre-CRMSNorm on d_model - 1 coordinates."""
   require(cfg.norm == 'rmsnorm' and cfg.norm_placement == 'pre',
-           f'config.to=crmsnorm needs a pre-rmsnorm model, got {cfg.norm_placement}-{cfg.norm}; '
-           f'convert a layernorm model with config.to=rmsnorm first')
+          f'config.to=crmsnorm needs a pre-rmsnorm model, got {cfg.norm_placement}-{cfg.norm}; '
+          f'convert a layernorm model with config.to=rmsnorm first')
   require(not cfg.untie_norms and not cfg.lora_rank,
-           'conversion of norms supports untie_norms=False and lora_rank=0')
+          'conversion of norms supports untie_norms=False and lora_rank=0')
   require(writers_zero_mean(cfg, variables),
-           'the residual writers are not zero-mean, so RMSNorm -> CRMSNorm would change the '
-           'function; valid sources: a config.to=rmsnorm conversion or a model trained with '
-           'transforms.reparam=zero_mean_writers')
+          'the residual writers are not zero-mean, so RMSNorm -> CRMSNorm would change the '
+          'function; valid sources: a config.to=rmsnorm conversion or a model trained with '
+          'transforms.reparam=zero_mean_writers')
   flat = {('params',) + k: v for k, v in flatten_dict(variables['params']).items()}
   d = cfg.d_model
   new_cfg = dataclasses.replace(cfg, norm='crmsnorm', d_model=d - 1, head_dim_override=cfg.head_dim,
@@ -269,13 +269,13 @@ def to_recursive(cfg: ModelConfig, variables: Any, scheme: str, num_unique: int,
   """Untied -> recursive with `num_unique` stored sets (see the module docstring)."""
   require(cfg.scheme == 'untied', f'config.to=recursive needs an untied source, got {cfg.scheme}')
   require(scheme in RECURSIVE_SCHEMES,
-           f'config.scheme={scheme!r} is unknown; valid: {", ".join(RECURSIVE_SCHEMES)}')
+          f'config.scheme={scheme!r} is unknown; valid: {", ".join(RECURSIVE_SCHEMES)}')
   require(init in INITS, f'config.init={init!r} is unknown; valid: {", ".join(INITS)}')
   require(lora_init in ('zero', 'svd'),
-           f'config.lora_init={lora_init!r} is unknown; valid: zero, svd')
+          f'config.lora_init={lora_init!r} is unknown; valid: zero, svd')
   require(not cfg.lora_rank, 'the source already has depth-wise LoRA; valid: lora_rank=0')
   require(lora_layers in LORA_LAYERS, f'config.lora_layers={lora_layers!r} is unknown; valid: '
-           f'{", ".join(LORA_LAYERS)}')
+          f'{", ".join(LORA_LAYERS)}')
   new_cfg = dataclasses.replace(
       cfg, scheme=scheme, num_unique=num_unique, repeats=0, pattern='', lora_rank=lora_rank,
       lora_targets=tuple(lora_targets) or cfg.lora_targets, untie_norms=untie_norms,

@@ -58,8 +58,8 @@ def replaced_heads(cfg: ModelConfig, best: np.ndarray, share_rate: float) -> lis
   L, H = best.shape
   n = int(share_rate * L * H)
   require(0 <= share_rate and n <= (L - 1) * H,
-           f'config.share_rate={share_rate} replaces {n} heads, but only the {(L - 1) * H} heads '
-           f'after layer 0 have a match; valid: 0 <= share_rate <= {(L - 1) / L:.4g}')
+          f'config.share_rate={share_rate} replaces {n} heads, but only the {(L - 1) * H} heads '
+          f'after layer 0 have a match; valid: 0 <= share_rate <= {(L - 1) / L:.4g}')
   order = [(l, h) for l in range(L - 1, 0, -1) for h in range(H)]
   ranked = sorted(order, key=lambda lh: best[lh])
   return sorted(ranked[len(ranked) - n:]) if n else []
@@ -77,15 +77,15 @@ def to_head_shared(cfg: ModelConfig, variables: Any, share_rate: float
   parameters once every duplicated head is counted once, `params_unique`).
   """
   require(cfg.scheme == 'untied', f'config.to=head_shared needs an untied source, got '
-           f'{cfg.scheme}')
+          f'{cfg.scheme}')
   require(cfg.attention_sharing == 'none' and not cfg.masa and not cfg.lora_rank,
-           'config.to=head_shared needs plain q, k, v, o kernels; valid: '
-           'model.attention_sharing=none, model.masa.atoms=0, model.sharing.lora_rank=0')
+          'config.to=head_shared needs plain q, k, v, o kernels; valid: '
+          'model.attention_sharing=none, model.masa.atoms=0, model.sharing.lora_rank=0')
   require(cfg.kv_heads == cfg.num_heads, f'config.to=head_shared copies whole heads (Q, K, V '
-           f'and O slices); valid: num_kv_heads=0, got {cfg.num_kv_heads}')
+          f'and O slices); valid: num_kv_heads=0, got {cfg.num_kv_heads}')
   require(cfg.qk_norm == 'none', f'config.to=head_shared: a QK-norm gain is per layer, not per '
-           f'head, so a copied head would not compute its match; valid: model.norm.qk_norm=none, '
-           f'got {cfg.qk_norm}')
+          f'head, so a copied head would not compute its match; valid: model.norm.qk_norm=none, '
+          f'got {cfg.qk_norm}')
   match, best = head_matches(cfg, variables)
   heads = replaced_heads(cfg, best, share_rate)
   src = layout.applied_params(variables['params'], cfg)
