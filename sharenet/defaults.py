@@ -81,9 +81,11 @@ def default_config() -> ml_collections.ConfigDict:
   rt.capacity = ''            # expert_choice: comma list, fraction of the sequence each recursion
                               # keeps (non-increasing, in (0, 1]); '' -> (R - r) / R
   rt.router = 'linear'        # linear | mlp (2-layer GELU, hidden 2 * d_model)
-  rt.alpha = 0.0              # gate scale; 0 -> the reference's: 0.1 expert_choice, 1.0 token_choice
+  rt.alpha = 0.0              # gate scale; 0 -> the reference's: 0.1 expert_choice, 1.0
+                              # token_choice
   rt.aux_loss = -1.0          # aux loss coefficient; -1 -> expert_choice BCE 0.001, token_choice
-                              # balancing 0.1; 0 = off (never added to eval_loss)
+                              # balancing loss 0.1 (0 with balancing=bias); 0 = off (never added
+                              # to eval_loss)
   rt.z_loss = -1.0            # router z-loss coefficient, mean logsumexp(logits)^2; -1 -> the
                               # reference configs': expert_choice 0, token_choice 1e-5; 0 = off
   rt.capacity_warmup_steps = 0  # must be 0: a continuous capacity warmup changes the static
@@ -91,8 +93,9 @@ def default_config() -> ml_collections.ConfigDict:
   rt.buckets = 0              # expert_choice scans: 0 -> one per recursion at its own k_r (fewest
                               # FLOPs, compile time grows with R); n -> n scans over contiguous
                               # groups, each padded to its first k (compile time flat in R)
-  rt.balancing = 'loss'       # token_choice: loss (Switch-style); bias (loss-free) is rejected
-                              # for now (docs/routing.md)
+  rt.balancing = 'loss'       # token_choice: loss (Switch-style aux loss) | bias (loss-free: a
+                              # non-trainable bias on the exit scores, updated after every step)
+  rt.bias_rate = 0.001        # balancing=bias: bias_i += bias_rate * sign(1/R - exit fraction_i)
   m.norm = n = ml_collections.ConfigDict()
   n.kind = 'rmsnorm'          # layernorm | rmsnorm | crmsnorm | scalenorm | dyt | none
   n.placement = 'pre'         # pre | post | peri

@@ -43,15 +43,20 @@ def init_state(model: DecoderLM, tx: optax.GradientTransformation, rng: jax.Arra
     params = pz.init(params)
   if tr is not None:
     params, tstate = tr.init(params)
+  tstate = {**tstate, **routing.balance_state(model.cfg)}   # loss-free balancing's bias
   return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params), tstate)
 
 
 def effective(params: Any, tstate: Any, tr: Transforms | None = None,
               pz: parametrization.Parametrization | None = None) -> Any:
   """Stored params -> the variables the model applies: `tr`'s reparameterizations (with their
-  state `tstate`), then `pz`'s forward multipliers."""
+  state `tstate`), then `pz`'s forward multipliers; plus loss-free balancing's non-trainable
+  bias from `tstate` (routing.BALANCE), read but never trained."""
   params = params if tr is None else tr.effective(params, tstate)
-  return params if pz is None or not pz.has_forward else pz.forward(params)
+  params = params if pz is None or not pz.has_forward else pz.forward(params)
+  if tstate and routing.BALANCE in tstate:
+    params = {**params, routing.BALANCE: tstate[routing.BALANCE]}
+  return params
 
 
 def effective_params(state: TrainState, tr: Transforms | None = None,
@@ -140,6 +145,9 @@ def train_step(state: TrainState, batch_BT1: jax.Array, *, model: DecoderLM,
   updates, opt_state = tx.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
   metrics = {'loss': loss, 'grad_norm': optax.global_norm(grads), **aux}
+  if routing.BALANCE in tstate:   # loss-free balancing: after the update, from this step's exits
+    balance = routing.update_balance(model.cfg, tstate[routing.BALANCE], metrics)
+    tstate = {**tstate, routing.BALANCE: balance}
   new = state.replace(step=state.step + 1, params=params, opt_state=opt_state, tstate=tstate)
   return new, metrics
 

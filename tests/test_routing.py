@@ -83,7 +83,9 @@ def run_expert(cfg, seed=0, segment_ids=None):
     (dict(routing_capacity='1,0'), r'in \(0, 1\]'),
     (dict(routing_capacity='1,x'), 'comma list'),
     (dict(routing_capacity_warmup_steps=10), 'capacity_warmup_steps=10'),
-    (dict(routing='token_choice', routing_balancing='bias'), 'balancing=bias'),
+    (dict(routing_balancing='bias'), 'balancing=bias balances token choice'),
+    (dict(routing='token_choice', routing_balancing='bias', routing_bias_rate=0.0),
+     'bias_rate=0.0'),
     (dict(routing='token_choice', routing_capacity='1,0.5'), 'token_choice picks'),
     (dict(lora_rank=2), 'lora_rank=0'),
     (dict(scan_lowering='flat'), 'scan_lowering=nested'),
@@ -323,6 +325,69 @@ def test_token_choice_exits_outputs_and_balancing_loss():
     np.testing.assert_array_equal(seen[r][~active], (-1 - np.arange(T))[None].repeat(B, 0)[~active])
 
 
+def test_loss_free_bias_picks_the_exit_and_leaves_the_gate_unbiased():
+  """Loss-free balancing (the reference's token_choice_router.py, balancing loss_free): the
+  exit is argmax(alpha * p + b), the gate alpha * p_exit without b; exit_r sows the fractions."""
+  cfg = tiny_cfg(num_layers=6, num_unique=2, routing='token_choice', routing_balancing='bias',
+                 routing_alpha=0.5)                                                 # R = 3
+  R = cfg.recursions
+  rng = np.random.default_rng(6)
+  h = rng.normal(size=(B, T, D)).astype(np.float32)
+  w = rng.normal(size=(R, D)).astype(np.float32)
+  bias = np.array([-0.3, 0.05, 0.2], np.float32)        # moves some tokens off their top depth
+  sown = {}
+  out = np.asarray(routing.token_choice(jnp.asarray(h), jnp.arange(T), None, cfg=cfg,
+                                        router=FixedRouter(w),
+                                        level=lambda x, p, s: (tokenwise(x), None),
+                                        sow=lambda k, v: sown.__setitem__(k, np.asarray(v)),
+                                        bias_R=jnp.asarray(bias)))
+  logits = h.astype(np.float64) @ w.T.astype(np.float64)
+  p = np.exp(logits - logits.max(-1, keepdims=True))
+  p /= p.sum(-1, keepdims=True)
+  exit_ = (0.5 * p + bias).argmax(-1)
+  assert (exit_ != p.argmax(-1)).any()                   # the bias changed some exits
+  want = np.empty_like(out, dtype=np.float64)
+  for b in range(B):
+    for t in range(T):
+      y = h[b, t].astype(np.float64)
+      for _ in range(exit_[b, t] + 1):
+        y = tokenwise(y)
+      want[b, t] = h[b, t] + 0.5 * p[b, t, exit_[b, t]] * y
+  np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
+  for r in range(R):
+    np.testing.assert_allclose(sown[f'exit_{r}'], (exit_ == r).mean())
+  assert cfg.aux_loss_coeff == 0.0    # the reference drops the balancing loss under loss_free
+
+
+def test_loss_free_bias_is_state_updated_by_sign_after_each_step():
+  """The bias lives in TrainState.tstate at the model's own path, reaches the forward pass, is
+  never trained, and after each step moves by rate * sign(1/R - f_i) (the reference's
+  trainer_pt.py; rate 0.001 as its configs' u)."""
+  cfg = tiny_cfg(num_layers=6, num_unique=2, routing='token_choice', routing_balancing='bias')
+  model = DecoderLM(cfg)
+  v = model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
+  want = routing.balance_state(cfg)[routing.BALANCE]
+  assert jax.tree.structure(v[routing.BALANCE]) == jax.tree.structure(want)
+  import optax
+  tx = optax.sgd(0.1)
+  state = train_lib.init_state(model, tx, jax.random.key(0))
+  bias0 = state.tstate[routing.BALANCE]
+  assert set(state.params) == {'params'}                  # not a trainable collection
+  batch = jax.random.randint(jax.random.key(1), (B, T + 1), 0, cfg.vocab_size)
+  step = jax.jit(lambda s, b: train_lib.train_step(s, b, model=model, tx=tx))
+  new, metrics = step(state, batch)
+  f = np.array([float(metrics[f'routing_exit_{r}']) for r in range(3)])
+  np.testing.assert_allclose(f.sum(), 1.0, rtol=1e-6)
+  got = jax.tree.leaves(new.tstate[routing.BALANCE])[0]
+  np.testing.assert_allclose(got, jax.tree.leaves(bias0)[0] + 0.001 * np.sign(1 / 3 - f))
+  # The forward pass reads it: a bias that forces every token to depth 0 changes the loss.
+  forced = jax.tree.map(lambda b: b + jnp.array([10.0, 0.0, 0.0]), new.tstate[routing.BALANCE])
+  loss = lambda ts: float(train_lib.loss_fn(new.params, ts, batch, model=model)[0])
+  _, m = train_lib.loss_fn(new.params, {routing.BALANCE: forced}, batch, model=model)
+  assert float(m['routing_exit_0']) == 1.0
+  assert loss({routing.BALANCE: forced}) != loss(new.tstate)
+
+
 # ---- the real model --------------------------------------------------------------------------
 
 def test_full_capacity_is_the_gated_plain_recursion():
@@ -462,14 +527,20 @@ def test_accounting_counts_kept_tokens_and_routers_once():
 
 
 @pytest.mark.parametrize('kind, scheme', [('expert_choice', 'cycle'),
-                                          ('token_choice', 'middle_cycle')])
+                                          ('token_choice', 'middle_cycle'),
+                                          ('token_choice_bias', 'cycle')])
 def test_five_training_steps(kind, scheme, tiny_config, losses, tmp_path):
+  """Each router trains through train.py's loop (token_choice_bias: loss-free balancing, whose
+  bias is checkpointed with the state and used by eval.py's code)."""
+  from sharenet import workdir_lib
   from sharenet.metrics import read_metrics
+  balancing = 'bias' if kind == 'token_choice_bias' else 'loss'
+  kind = 'token_choice' if balancing == 'bias' else kind
   c = tiny_config(**{'model.num_layers': 4 if scheme == 'cycle' else 5,
                      'model.sharing.scheme': scheme,
                      'model.sharing.num_unique': 2 if scheme == 'cycle' else 3,
-                     'model.routing.kind': kind, 'train.steps': 5, 'train.warmup_steps': 1,
-                     'train.checkpoint_every': 5})
+                     'model.routing.kind': kind, 'model.routing.balancing': balancing,
+                     'train.steps': 5, 'train.warmup_steps': 1, 'train.checkpoint_every': 5})
   out = train_lib.train_and_evaluate(c, str(tmp_path))
   got = losses(str(tmp_path))
   assert sorted(got) == [1, 2, 3, 4, 5]
@@ -480,6 +551,13 @@ def test_five_training_steps(kind, scheme, tiny_config, losses, tmp_path):
   assert 'routing_aux_loss_0' in rows[-1] and 'routing_capacity_1' in rows[-1]
   config = json.load(open(tmp_path / 'config.json'))
   assert config['model']['routing']['kind'] == kind
+  if balancing == 'bias':
+    state = workdir_lib.restore_state(workdir_lib.load_config(str(tmp_path)), str(tmp_path)).state
+    bias = np.asarray(jax.tree.leaves(state.tstate[routing.BALANCE])[0])
+    # five sign steps of 0.001 from zero: an odd multiple of 0.001 in [-0.005, 0.005]
+    assert np.allclose(np.abs(bias) * 1000 % 2, 1, atol=1e-4) and np.all(np.abs(bias) <= 0.0051)
+    assert workdir_lib.evaluate_workdir(str(tmp_path))['eval_loss'] == pytest.approx(
+        out['eval_loss'], rel=1e-6)
 
 
 # ---- 8 simulated devices ---------------------------------------------------------------------
@@ -489,14 +567,19 @@ MESHES = {'data': {'data': 8}, 'data_fsdp_tensor': {'data': 2, 'fsdp': 2, 'tenso
 
 def _mesh_losses(out_path: str, tmp: str, corpus: str, kind: str, mesh: str) -> None:
   """Runs in a subprocess: 4 routed steps, on one device or on `mesh` over 8. `kind`
-  'expert_choice_buckets' is expert choice in one bucketed scan (model.routing.buckets=1)."""
+  'expert_choice_buckets' is expert choice in one bucketed scan (model.routing.buckets=1),
+  'token_choice_bias' token choice with loss-free balancing (its bias replicated, updated from
+  the global batch's exit fractions)."""
   sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
   import conftest
   buckets = int(kind == 'expert_choice_buckets')
-  kind = 'expert_choice' if buckets else kind
+  balancing = 'bias' if kind == 'token_choice_bias' else 'loss'
+  kind = {'expert_choice_buckets': 'expert_choice', 'token_choice_bias': 'token_choice'}.get(
+      kind, kind)
   c = conftest.make_tiny_config(**{
       'model.num_layers': 4, 'model.sharing.scheme': 'cycle', 'model.sharing.num_unique': 2,
       'model.routing.kind': kind, 'model.routing.buckets': buckets,
+      'model.routing.balancing': balancing,
       'model.routing.capacity': '0.5,0.25' if kind == 'expert_choice' else '',
       'data.source': 'bin', 'data.path': corpus,
       'train.steps': 4, 'train.batch_size': 8, 'train.schedule': 'constant',
@@ -516,7 +599,7 @@ def _mesh_losses(out_path: str, tmp: str, corpus: str, kind: str, mesh: str) -> 
 CPU_SCHEDULER_WORKAROUND = ' --xla_cpu_enable_concurrency_optimized_scheduler=false'
 
 
-@pytest.mark.parametrize('kind, mesh', [('expert_choice', 'data'), ('token_choice', 'data'),
+@pytest.mark.parametrize('kind, mesh', [('expert_choice', 'data'), ('token_choice_bias', 'data'),
                                         ('expert_choice_buckets', 'data_fsdp_tensor'),
                                         ('token_choice', 'data_fsdp_tensor')])
 def test_eight_devices_match_one(kind, mesh, tmp_path, repo_root, subprocess_env):

@@ -123,6 +123,7 @@ class ModelConfig:
   routing_z_loss: float = _key('routing.z_loss')
   routing_capacity_warmup_steps: int = _key('routing.capacity_warmup_steps')
   routing_balancing: str = _key('routing.balancing')
+  routing_bias_rate: float = _key('routing.bias_rate')
   routing_buckets: int = _key('routing.buckets')
   attention_sharing: str = _key('attention_sharing')
   masa_atoms: int = _key('masa.atoms')
@@ -214,10 +215,19 @@ class ModelConfig:
 
   @property
   def aux_loss_coeff(self) -> float:
-    """Aux loss coefficient (model.routing.aux_loss; -1 -> 0.001 BCE, 0.1 balancing)."""
+    """Aux loss coefficient (model.routing.aux_loss; -1 -> 0.001 BCE, 0.1 balancing loss, 0
+    under loss-free balancing, as the reference drops the loss there)."""
     if self.routing_aux_loss >= 0:
       return self.routing_aux_loss
-    return 0.001 if self.routing == 'expert_choice' else 0.1
+    if self.routing == 'expert_choice':
+      return 0.001
+    return 0.0 if self.loss_free else 0.1
+
+  @property
+  def loss_free(self) -> bool:
+    """Token choice with loss-free balancing (model.routing.balancing=bias): a non-trainable
+    per-depth bias on the exit scores (models/routing.py)."""
+    return self.routing == 'token_choice' and self.routing_balancing == 'bias'
 
   @property
   def z_loss_coeff(self) -> float:
@@ -274,10 +284,11 @@ class ModelConfig:
       raise ConfigError(f'model.routing.capacity_warmup_steps='
                         f'{self.routing_capacity_warmup_steps}: a capacity warmup changes the '
                         f'static subset sizes every step (one compile each); valid: 0')
-    if self.routing == 'token_choice' and self.routing_balancing == 'bias':
-      raise ConfigError('model.routing.balancing=bias (loss-free balancing) needs a '
-                        'non-trainable bias carried through the train step, not implemented; '
-                        'valid: loss')
+    if self.routing_balancing == 'bias' and self.routing != 'token_choice':
+      raise ConfigError('model.routing.balancing=bias balances token choice\'s exit depths; '
+                        'expert choice fixes its capacities; valid: loss')
+    if not self.routing_bias_rate > 0:
+      raise ConfigError(f'model.routing.bias_rate={self.routing_bias_rate} must be > 0')
 
   def validate(self) -> 'ModelConfig':
     """Raises ConfigError with one line naming the bad field; returns self."""

@@ -41,6 +41,9 @@ from sharenet.models.config import ModelConfig
 from sharenet.params import param
 
 ROUTING = 'routing'   # sown collection: per-recursion aux losses and realised capacities
+# Non-trainable collection of loss-free balancing (token choice, model.routing.balancing=bias):
+# the exit-score bias, kept in TrainState.tstate and advanced by `update_balance` after each step.
+BALANCE = 'balance'
 
 
 class Router(nn.Module):
@@ -68,6 +71,12 @@ class Router(nn.Module):
                         num_in=1)
       self.w = param(self, 'kernel', (R, 2 * D), ('repeats', 'mlp'), 'reader',
                      std=(2 * D) ** -0.5, dtype=pdt, num_in=1)
+    if c.loss_free:
+      self.bias = self.variable(BALANCE, 'bias', jnp.zeros, (R,), jnp.float32)
+
+  def exit_bias(self) -> jax.Array | None:
+    """Loss-free balancing's bias on the R exit scores (None without it)."""
+    return self.bias.value if self.cfg.loss_free else None
 
   def expert_logits(self, x_BND: jax.Array, r: int | jax.Array) -> jax.Array:
     """Recursion r's router logits (B, N), in float32 (float64 stays float64)."""
@@ -261,9 +270,14 @@ def token_recursion(level: Callable, r: jax.Array | int, carry: tuple[jax.Array,
 def token_choice(h_BTD: jax.Array, positions_T: jax.Array | None,
                  segment_ids_BT: jax.Array | None, *, cfg: ModelConfig, router: Router,
                  sow: Callable[[str, jax.Array], Any], level: Callable | None = None,
-                 recurse: Callable | None = None) -> jax.Array:
-  """R token-choice recursions (masked at full length); sows aux_loss_0 (balancing), z_loss_0
-  and capacity_r (fraction of tokens that run recursion r).
+                 recurse: Callable | None = None, bias_R: jax.Array | None = None
+                 ) -> jax.Array:
+  """R token-choice recursions (masked at full length); sows aux_loss_0 (balancing), z_loss_0,
+  capacity_r (fraction of tokens that run recursion r) and exit_r (fraction exiting at r).
+
+  `bias_R` (loss-free balancing): added to the scores alpha * p that pick each token's exit;
+  the gate stays alpha * p_exit, unbiased, and no gradient reaches the bias (the reference's
+  token_choice_router.py with balancing loss_free).
 
   `recurse(carry, routes, positions_T) -> out` runs all R `token_recursion`s (the model: one
   scan over recursions, models/stack.py); without it, a Python loop over `level` does.
@@ -272,9 +286,14 @@ def token_choice(h_BTD: jax.Array, positions_T: jax.Array | None,
   R = cfg.recursions
   logits_BTR = router.token_logits(h_BTD)
   probs_BTR = jax.nn.softmax(logits_BTR, axis=-1)
-  exit_BT = jnp.argmax(probs_BTR, axis=-1)
+  scores_BTR = cfg.alpha * probs_BTR
+  if bias_R is not None:
+    scores_BTR = scores_BTR + jax.lax.stop_gradient(bias_R).astype(scores_BTR.dtype)[None, None]
+  exit_BT = jnp.argmax(scores_BTR, axis=-1)
   w_BT1 = cfg.alpha * jnp.take_along_axis(probs_BTR, exit_BT[:, :, None], axis=2)
   frac_R = jnp.mean(jax.nn.one_hot(exit_BT, R, dtype=jnp.float32), axis=(0, 1))
+  for r in range(R):
+    sow(f'exit_{r}', frac_R[r])
   # The reference's P_i averages its router_probs, alpha * softmax (token_choice_router.py).
   sow('aux_loss_0', R * jnp.sum(cfg.alpha * jnp.mean(probs_BTR, axis=(0, 1)) * frac_R))
   sow('z_loss_0', z_loss(logits_BTR))
@@ -291,6 +310,25 @@ def token_choice(h_BTD: jax.Array, positions_T: jax.Array | None,
   return carry[1]
 
 
+def balance_state(cfg: ModelConfig) -> dict[str, Any]:
+  """Loss-free balancing's initial state, as TrainState.tstate holds it: {BALANCE: the model's
+  non-trainable collection (zero bias at the router's path)}; {} without loss-free balancing."""
+  if not cfg.loss_free:
+    return {}
+  path = {'router': {'bias': jnp.zeros((cfg.recursions,), jnp.float32)}}
+  return {BALANCE: {'stack': {f'segment_{cfg.routed_segment}': path}}}
+
+
+def update_balance(cfg: ModelConfig, balance: Any, metrics: dict[str, jax.Array]) -> Any:
+  """One step of loss-free balancing (the reference's trainer_pt.py, after the optimizer step):
+  b_i += bias_rate * sign(1/R - f_i), f_i the step's fraction of tokens exiting at depth i
+  (metrics 'routing_exit_i', averaged over micro-batches and the global batch)."""
+  R = cfg.recursions
+  f_R = jnp.stack([metrics[f'routing_exit_{r}'] for r in range(R)]).astype(jnp.float32)
+  step_R = cfg.routing_bias_rate * jnp.sign(1.0 / R - f_R)
+  return jax.tree.map(lambda b: b + step_R.astype(b.dtype), balance)
+
+
 def z_loss(logits_BNE: jax.Array) -> jax.Array:
   """Router z-loss (Zoph et al., ST-MoE, arXiv:2202.08906; the MoR reference's router_z_loss):
   the mean over tokens of logsumexp(logits)^2, the last axis the router's outputs (expert
@@ -299,7 +337,8 @@ def z_loss(logits_BNE: jax.Array) -> jax.Array:
 
 
 def collected(routing_vars: Any) -> dict[str, jax.Array]:
-  """{'aux_loss_r' / 'z_loss_r' / 'capacity_r': scalar} from the sown ROUTING collection."""
+  """{'aux_loss_r' / 'z_loss_r' / 'capacity_r' / 'exit_r': scalar} from the sown ROUTING
+  collection."""
   out = {}
   for path, leaf in flatten_dict(routing_vars).items():
     values = leaf if isinstance(leaf, tuple) else (leaf,)

@@ -242,7 +242,7 @@ class RoutedSegment(nn.Module):
       (_, out_BTD), _ = body(carry, jnp.arange(self.seg.repeats), routes, positions)
       return out_BTD
     return routing.token_choice(x_BTD, positions_T, segment_ids_BT, cfg=c, router=router,
-                                sow=sow, recurse=recurse)
+                                sow=sow, recurse=recurse, bias_R=router.exit_bias())
 
 
 def _recursions(cfg: ModelConfig, num_sets: int, length: int | None = None):

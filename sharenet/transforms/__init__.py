@@ -78,7 +78,10 @@ class Transforms:
     return self.reparam.apply(variables, tstate)
 
   def update_state(self, variables: Any, tstate: Any) -> Any:
-    return self.reparam.update_state(variables, tstate) if self.reparam else tstate
+    if not self.reparam:
+      return tstate
+    # Other entries of tstate (loss-free balancing's routing.BALANCE) pass through unchanged.
+    return {**tstate, **self.reparam.update_state(variables, tstate)}
 
 
 __all__ = ['Transforms', 'REPARAMS', 'ROLES', 'UPDATES']
