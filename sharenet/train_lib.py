@@ -124,7 +124,8 @@ def train_step(state: TrainState, batch_BT1: jax.Array, *, model: DecoderLM,
   differentiated function), then `pz`'s forward multipliers. The learning rate is the
   optimizer's (optim.make_optimizer: its peak LR is in `state.opt_state`). Metrics: loss,
   grad_norm and the `mutable` collections sown in the forward pass before the update (averaged
-  over micro-batches).
+  over micro-batches). With loss-free routing balancing, the routing bias in `tstate` then moves
+  by the step's exit fractions (models/routing.py update_balance).
   """
   tstate = state.tstate if tr is None else tr.update_state(state.params, state.tstate)
   grad_fn = jax.value_and_grad(
