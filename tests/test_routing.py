@@ -283,6 +283,24 @@ def test_bucketed_model_equals_the_per_recursion_model_with_gradients():
 
 # ---- token choice on the routing function ---------------------------------------------------
 
+def token_choice_numpy(h, w, alpha, bias=0.0):
+  """Token choice recomputed in float64 with the token-wise stand-in: each token exits at
+  argmax(alpha p + bias) and leaves with h + alpha p_exit f^(exit+1)(h). -> (outputs, logits,
+  p, exits)."""
+  logits = h.astype(np.float64) @ w.T.astype(np.float64)
+  p = np.exp(logits - logits.max(-1, keepdims=True))
+  p /= p.sum(-1, keepdims=True)
+  exit_ = (alpha * p + bias).argmax(-1)
+  want = np.empty(h.shape, np.float64)
+  for b in range(h.shape[0]):
+    for t in range(h.shape[1]):
+      y = h[b, t].astype(np.float64)
+      for _ in range(exit_[b, t] + 1):
+        y = tokenwise(y)
+      want[b, t] = h[b, t] + alpha * p[b, t, exit_[b, t]] * y
+  return want, logits, p, exit_
+
+
 def test_token_choice_exits_outputs_and_balancing_loss():
   cfg = tiny_cfg(num_layers=6, num_unique=2, routing='token_choice', routing_alpha=0.7)  # R = 3
   R = cfg.recursions
@@ -298,18 +316,8 @@ def test_token_choice_exits_outputs_and_balancing_loss():
   out = np.asarray(routing.token_choice(jnp.asarray(h), jnp.arange(T), None, cfg=cfg,
                                         router=FixedRouter(w), level=level,
                                         sow=lambda k, v: sown.__setitem__(k, np.asarray(v))))
-  logits = h.astype(np.float64) @ w.T.astype(np.float64)
-  p = np.exp(logits - logits.max(-1, keepdims=True))
-  p /= p.sum(-1, keepdims=True)
-  exit_ = p.argmax(-1)
+  want, logits, p, exit_ = token_choice_numpy(h, w, 0.7)
   assert len(set(exit_.ravel())) > 1          # the check below sees more than one depth
-  want = np.empty_like(out, dtype=np.float64)
-  for b in range(B):
-    for t in range(T):
-      y = h[b, t].astype(np.float64)
-      for _ in range(exit_[b, t] + 1):
-        y = tokenwise(y)
-      want[b, t] = h[b, t] + 0.7 * p[b, t, exit_[b, t]] * y
   np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
   frac = np.stack([(exit_ == i).mean() for i in range(R)])
   # The reference (token_choice_router.py): P_i = mean of router_probs = alpha * softmax,
@@ -341,18 +349,8 @@ def test_loss_free_bias_picks_the_exit_and_leaves_the_gate_unbiased():
                                         level=lambda x, p, s: (tokenwise(x), None),
                                         sow=lambda k, v: sown.__setitem__(k, np.asarray(v)),
                                         bias_R=jnp.asarray(bias)))
-  logits = h.astype(np.float64) @ w.T.astype(np.float64)
-  p = np.exp(logits - logits.max(-1, keepdims=True))
-  p /= p.sum(-1, keepdims=True)
-  exit_ = (0.5 * p + bias).argmax(-1)
+  want, _, p, exit_ = token_choice_numpy(h, w, 0.5, bias)
   assert (exit_ != p.argmax(-1)).any()                   # the bias changed some exits
-  want = np.empty_like(out, dtype=np.float64)
-  for b in range(B):
-    for t in range(T):
-      y = h[b, t].astype(np.float64)
-      for _ in range(exit_[b, t] + 1):
-        y = tokenwise(y)
-      want[b, t] = h[b, t] + 0.5 * p[b, t, exit_[b, t]] * y
   np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
   for r in range(R):
     np.testing.assert_allclose(sown[f'exit_{r}'], (exit_ == r).mean())
