@@ -13,6 +13,7 @@ import shutil
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
@@ -217,3 +218,14 @@ def restore_parts(mngr: ocp.CheckpointManager, step: int, parts: dict[str, Any],
     except Exception:  # noqa: BLE001 - another pipeline's position: the caller starts anew
       pass
   return out, data_ok
+
+
+@jax.jit
+def _all_finite(tree: Any) -> jax.Array:
+  return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
+
+
+def params_finite(params: Any) -> bool:
+  """Whether every parameter is finite (one jitted reduction, one scalar read): checked before
+  a checkpoint is written and after one is restored."""
+  return bool(_all_finite(params))

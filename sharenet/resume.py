@@ -15,7 +15,6 @@ import os
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import optax
 
 from sharenet import checkpoint, defaults, optim
@@ -135,7 +134,7 @@ def check_same_model(workdir: str, prior: dict[str, Any] | None, shapes: dict[st
 
 
 def _check_finite_state(state: Any) -> None:
-  if not all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(state.params)):
+  if not checkpoint.params_finite(state.params):
     raise ValueError('non-finite parameters')
 
 

@@ -295,7 +295,7 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, float]:
         last.update(run_eval(step))
         window['t0'] = time.perf_counter()
       if save:
-        if not _params_finite(state.params):
+        if not checkpoint.params_finite(state.params):
           raise NonFiniteLoss(f'non-finite parameters after step {step}; stopping without '
                               f'saving them (last checkpoint: {mngr.latest_step()})')
         checkpoint.save(mngr, step, state, train_iter, record)
@@ -341,16 +341,6 @@ def read_step_metrics(step: int, metrics: dict[str, Any], last_checkpoint: int |
     raise NonFiniteLoss(f'non-finite loss ({loss}) or gradient norm ({gnorm}) at step {step}; '
                         f'stopping without saving it (last checkpoint: {last_checkpoint})')
   return loss, gnorm
-
-
-@jax.jit
-def _all_finite(tree: Any) -> jax.Array:
-  return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
-
-
-def _params_finite(params: Any) -> bool:
-  """Whether every parameter is finite (one scalar read; before a checkpoint is written)."""
-  return bool(_all_finite(params))
 
 
 def _progress(t: Any, start: int):
