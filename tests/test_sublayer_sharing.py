@@ -341,6 +341,27 @@ def test_head_similarity_ranking_matches_numpy():
     assert head_share.replaced_heads(cfg, got_best, rate) == sorted(top)
 
 
+def _reference_share_hash(selected, match):
+  """zouyingcao/DirectShare direct_share.py, step 1, replayed on head indices: walking the
+  selected heads layer by layer, each appends a copy of its match's original slices and points
+  share_hash of itself and of its match at it. Returns {head: the head its copy came from}."""
+  entries, share_hash = [], {}
+  for l, h in sorted(selected):
+    m, j = (int(i) for i in match[l, h])
+    share_hash[l, h] = share_hash[m, j] = len(entries)
+    entries.append((m, j))
+  return {lh: entries[i] for lh, i in share_hash.items()}
+
+
+def _assert_heads_from(before, after, origin, L, H):
+  for l in range(L):
+    for h in range(H):
+      m, j = origin.get((l, h), (l, h))
+      for n in 'qkv':
+        np.testing.assert_array_equal(after[n][l][:, h], before[n][m][:, j])
+      np.testing.assert_array_equal(after['o'][l][h], before['o'][m][j])
+
+
 def test_head_sharing_copies_slices_and_counts():
   cfg, v = _head_model()
   L, H, D, Dh = 3, 4, 32, 8
@@ -354,15 +375,14 @@ def test_head_sharing_copies_slices_and_counts():
   after = _kernels(cfg, v1)
   replaced = {(r['layer'], r['head']): (r['source_layer'], r['source_head'])
               for r in rec['replaced']}
-  assert len(replaced) == int(0.5 * L * H) == 6 and all(l > 0 for l, _ in replaced)
-  for l in range(L):
-    for h in range(H):
-      m, j = replaced.get((l, h), (l, h))
-      assert m <= l
-      for n in 'qkv':
-        np.testing.assert_array_equal(after[n][l][:, h], before[n][m][:, j])
-      np.testing.assert_array_equal(after['o'][l][h], before['o'][m][j])
-  origins = {replaced.get((l, h), (l, h)) for l in range(L) for h in range(H)}
+  selected = sorted(replaced) + [(r['layer'], r['head']) for r in rec['kept']]
+  assert len(selected) == int(0.5 * L * H) == 6 and all(l > 0 for l, _ in selected)
+  assert all(m < l for (l, _), (m, _) in replaced.items())
+  match, _ = head_share.head_matches(cfg, v)
+  origin = _reference_share_hash(selected, match)
+  assert {lh: o for lh, o in origin.items() if o != lh} == replaced
+  _assert_heads_from(before, after, origin, L, H)
+  origins = {origin.get((l, h), (l, h)) for l in range(L) for h in range(H)}
   assert rec['distinct_heads'] == len(origins)
   assert rec['params_unique'] == (accounting.params_unique(v)
                                   - (L * H - len(origins)) * 4 * D * Dh)
@@ -370,6 +390,34 @@ def test_head_sharing_copies_slices_and_counts():
   assert all(np.array_equal(x, flatten_dict(v)[p]) for p, x in others.items())
   assert float(jnp.max(jnp.abs(DecoderLM(cfg).apply(v1, toks)
                                - DecoderLM(cfg).apply(v, toks)))) > 0
+
+
+def test_head_sharing_chain_keeps_the_middle_head_as_the_reference_does():
+  """Head (2, 0) matches (1, 0), which matches (0, 0), and both are selected: as in the
+  reference, (1, 0) keeps its own weights (its share_hash is last pointed at a copy of itself)
+  and (2, 0) takes (1, 0)'s original weights, not (0, 0)'s."""
+  cfg, v = _head_model(L=3, H=2)
+  flat = flatten_dict(v['params'])
+  rng = np.random.default_rng(0)
+  for n in 'qk':
+    key = ('stack', 'segment_0', 'level', 'block', 'attn', n, 'kernel')
+    w = np.asarray(flat[key]).copy()                      # (L, D, H, Dh)
+    w[1, :, 0] = w[0, :, 0] + 0.1 * rng.standard_normal(w[0, :, 0].shape)
+    w[2, :, 0] = w[1, :, 0] + 0.1 * rng.standard_normal(w[0, :, 0].shape)
+    flat[key] = jnp.asarray(w)
+  v = {**v, 'params': unflatten_dict(flat)}
+  match, best = head_share.head_matches(cfg, v)
+  rate = 2 / 6
+  assert head_share.replaced_heads(cfg, best, rate) == [(1, 0), (2, 0)]
+  assert tuple(match[2, 0]) == (1, 0) and tuple(match[1, 0]) == (0, 0)
+  _, v1, rec = head_share.to_head_shared(cfg, v, rate)
+  assert [(r['layer'], r['head'], r['source_layer'], r['source_head'])
+          for r in rec['replaced']] == [(2, 0, 1, 0)]
+  assert [(r['layer'], r['head']) for r in rec['kept']] == [(1, 0)]
+  assert rec['distinct_heads'] == 5
+  assert _reference_share_hash([(1, 0), (2, 0)], match) == {(0, 0): (0, 0), (1, 0): (1, 0),
+                                                            (2, 0): (1, 0)}
+  _assert_heads_from(_kernels(cfg, v), _kernels(cfg, v1), {(2, 0): (1, 0)}, 3, 2)
 
 
 @pytest.mark.parametrize('kw,rate,match', [

@@ -3,7 +3,8 @@ Attention for Large Language Models", arXiv:2402.11819; reference code zouyingca
 
 The heads whose W_q, W_k slices best match a head of an earlier layer (cosine of the
 concatenated slices) take that head's Q, K, V, O slices; the top `share_rate` fraction of all
-heads is replaced. Not function-preserving: same architecture, and the sharing map (and the
+heads is selected (a selected head that another selected head matches keeps its own weights,
+as in the reference: `head_sources`). Not function-preserving: same architecture, and the sharing map (and the
 unique parameter count) goes to DST/config.json 'head_sharing'. CLI: `python convert.py
 --workdir SRC --out DST --config.to=head_shared --config.share_rate=R` (sharenet/workdir_lib.py).
 """
@@ -65,16 +66,34 @@ def replaced_heads(cfg: ModelConfig, best: np.ndarray, share_rate: float) -> lis
   return sorted(ranked[len(ranked) - n:]) if n else []
 
 
+def head_sources(match: np.ndarray, heads: list[tuple[int, int]]
+                 ) -> tuple[dict[tuple[int, int], tuple[int, int]], list[tuple[int, int]]]:
+  """({replaced head: the head whose original weights it takes}, selected heads that keep
+  their own weights), as DirectShare's direct_share.py resolves chains.
+
+  The reference walks the selected heads layer by layer; each appends one copy of its match's
+  original Q, K, V, O slices (copied from the unmodified model) and points `share_hash` of both
+  the head and its match at that copy. A match lies in an earlier layer, so a selected head
+  that is itself the match of a later selected head (the chain A -> B -> C) is pointed last at
+  a copy of its own weights: B keeps B, A takes B's original weights, C keeps C.
+  """
+  lenders = {(int(match[l, h][0]), int(match[l, h][1])) for l, h in heads}
+  sources = {(l, h): (int(match[l, h][0]), int(match[l, h][1]))
+             for l, h in heads if (l, h) not in lenders}
+  return sources, [lh for lh in heads if lh in lenders]
+
+
 def to_head_shared(cfg: ModelConfig, variables: Any, share_rate: float
                    ) -> tuple[ModelConfig, Any, dict[str, Any]]:
   """DirectShare (Cao, Yang, Zhao, "Head-wise Shareable Attention for Large Language Models",
   arXiv:2402.11819; reference code zouyingcao/DirectShare): each replaced head takes its match's
-  Q, K, V slices (and biases) and O slice, copied from the source model (a match that is itself
-  replaced still lends its original weights, as the reference copies from the unmodified model).
+  Q, K, V slices (and biases) and O slice, copied from the source model; a selected head that
+  is itself a match keeps its own weights, as in the reference (`head_sources`).
 
   Returns (the same architecture, the variables with the copied slices, the sharing record:
-  replaced heads with their source and similarity, the number of distinct heads and the stored
-  parameters once every duplicated head is counted once, `params_unique`).
+  replaced heads with their source and similarity, the selected heads kept as sources, the
+  number of distinct heads and the stored parameters once every duplicated head is counted
+  once, `params_unique`).
   """
   require(cfg.scheme == 'untied', f'config.to=head_shared needs an untied source, got '
           f'{cfg.scheme}')
@@ -91,9 +110,9 @@ def to_head_shared(cfg: ModelConfig, variables: Any, share_rate: float
   src = layout.applied_params(variables['params'], cfg)
   names = [('attn', p, 'kernel') for p in ('q', 'k', 'v')] + [('attn', 'o', 'kernel')]
   names += [('attn', p, 'bias') for p in ('q', 'k', 'v') if ('attn', p, 'bias') in src]
+  sources, kept = head_sources(match, heads)
   new = {p: np.array(src[p]) for p in names}
-  for l, h in heads:
-    m, j = match[l, h]
+  for (l, h), (m, j) in sources.items():
     for p in names:
       if p[1] == 'o':                           # (L, H, Dh, D)
         new[p][l, h] = np.asarray(src[p])[m, j]
@@ -107,15 +126,19 @@ def to_head_shared(cfg: ModelConfig, variables: Any, share_rate: float
   out['params'] = layout.from_unique_sets(variables['params'], sets, cfg)
   L, H = best.shape
   origin = {(l, h): (l, h) for l in range(L) for h in range(H)}
-  origin.update({(l, h): tuple(int(i) for i in match[l, h]) for l, h in heads})
+  origin.update(sources)
   distinct = len(set(origin.values()))
   D, Dh = cfg.d_model, cfg.head_dim
   per_head = 4 * D * Dh + (3 * Dh if ('attn', 'q', 'bias') in src else 0)
+
+  def entry(l: int, h: int) -> dict[str, Any]:
+    return {'layer': l, 'head': h, 'source_layer': int(match[l, h][0]),
+            'source_head': int(match[l, h][1]), 'similarity': float(best[l, h])}
+
   record = {
       'method': 'DirectShare (arXiv:2402.11819)', 'share_rate': share_rate,
-      'replaced': [{'layer': l, 'head': h, 'source_layer': int(match[l, h][0]),
-                    'source_head': int(match[l, h][1]), 'similarity': float(best[l, h])}
-                   for l, h in heads],
+      'replaced': [entry(l, h) for l, h in sorted(sources)],
+      'kept': [entry(l, h) for l, h in kept],   # selected, but the match of a replaced head
       'heads': L * H, 'distinct_heads': distinct,
       'params_unique': params_unique(variables) - (L * H - distinct) * per_head,
   }
