@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import functools
-import json
 import math
 import os
 import signal
@@ -17,8 +16,8 @@ import optax
 from flax.traverse_util import flatten_dict
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from sharenet import checkpoint, config_lib, data, eval_lib, optim, parametrization, perf
-from sharenet import resume, sharding
+from sharenet import checkpoint, config_json, config_lib, data, eval_lib, optim, parametrization
+from sharenet import perf, resume, sharding
 from sharenet.errors import NonFiniteLoss
 from sharenet.metrics import MetricsWriter, note
 from sharenet.models import DecoderLM, ModelConfig, accounting, init_variables, logical_axes
@@ -227,11 +226,8 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, float]:
       'flops_per_token': flops_tok, 'plan_index': list(mcfg.plan.index),
       'param_shapes': shapes, 'parametrization_table': pz.describe(),
   }
-  if jax.process_index() == 0:   # written whole or not at all (a resume reads it)
-    path = os.path.join(workdir, 'config.json')
-    with open(path + '.tmp', 'w') as f:
-      json.dump(summary, f, indent=2, sort_keys=True, default=str)
-    os.replace(path + '.tmp', path)
+  if jax.process_index() == 0:
+    config_json.write(workdir, summary)
   # Saved with every checkpoint: a resume compares against the config that wrote the state.
   record = {**resume.config_dict(config), 'param_shapes': shapes}
 

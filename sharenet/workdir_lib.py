@@ -11,7 +11,8 @@ import jax.numpy as jnp
 import ml_collections
 
 from sharenet.data import tokenizer as tokenizer_lib
-from sharenet import checkpoint, data, defaults, eval_lib, optim, resume, sharding, train_lib
+from sharenet import checkpoint, config_json, data, defaults, eval_lib, optim, resume, sharding
+from sharenet import train_lib
 from sharenet.errors import ConfigError
 from sharenet.models import DecoderLM, ModelConfig
 from sharenet.transforms import Transforms, convert, head_share
@@ -243,6 +244,5 @@ def convert_workdir(workdir: str, out: str, opts: Any) -> dict[str, Any]:
   mngr.close()
   summary = {**raw, 'converted_from': os.path.abspath(workdir), 'conversion': opts.to,
              'param_shapes': shapes, **extra}
-  with open(os.path.join(out, 'config.json'), 'w') as f:
-    json.dump(summary, f, indent=2, sort_keys=True, default=str)
+  config_json.write(out, summary)
   return {'step': step, 'model': raw['model']}

@@ -8,7 +8,7 @@ import os
 import numpy as np
 import pytest
 
-from sharenet import train_lib, workdir_lib
+from sharenet import config_json, train_lib, workdir_lib
 from sharenet.errors import ConfigError
 
 
@@ -38,6 +38,22 @@ def test_load_config_completes_an_old_config_json(tmp_path):
   assert c.model.remat == 'dots' and c.parametrization.kind == 'sp'   # from the defaults
   assert c.transforms.updates == 'agc'                                # the renamed key
   assert 'params_unique' not in c
+
+
+def test_config_json_is_replaced_whole_or_not_at_all(tmp_path, monkeypatch):
+  workdir = str(tmp_path)
+  assert config_json.write(workdir, {'model': {'d_model': 32}}) == str(tmp_path / 'config.json')
+  before = (tmp_path / 'config.json').read_text()
+  assert json.loads(before) == {'model': {'d_model': 32}}
+  cyclic = {'model': {}}
+  cyclic['model']['self'] = cyclic
+  with pytest.raises(ValueError, match='Circular'):       # fails while serializing
+    config_json.write(workdir, cyclic)
+  monkeypatch.setattr(os, 'replace', lambda *a: (_ for _ in ()).throw(OSError('disk gone')))
+  with pytest.raises(OSError, match='disk gone'):          # fails after the temporary is written
+    config_json.write(workdir, {'model': {'d_model': 64}})
+  assert os.listdir(workdir) == ['config.json']            # no temporary left behind
+  assert (tmp_path / 'config.json').read_text() == before
 
 
 def test_missing_config_json_is_one_line(tmp_path):
