@@ -39,6 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from sharenet.data.tokenizer import ByteTokenizer
 from sharenet.errors import ConfigError
 from sharenet.models import DecoderLM
 from sharenet.models.lm import init_cache
@@ -228,10 +229,10 @@ def generate(model: DecoderLM, variables: Any, prompts: Sequence[Sequence[int]],
 
 
 def encode(text: str) -> list[int]:
-  """Byte-level tokens of `text` (UTF-8)."""
-  return list(text.encode('utf-8'))
+  """Byte-level tokens of `text` (UTF-8): data/tokenizer.py's ByteTokenizer."""
+  return ByteTokenizer().encode(text).tolist()
 
 
 def decode(tokens: Sequence[int]) -> str:
-  """Byte-level tokens -> text; bytes that are not valid UTF-8 appear escaped (\\xNN)."""
-  return bytes(tokens).decode('utf-8', errors='backslashreplace')
+  """Byte-level tokens -> text (ByteTokenizer): invalid UTF-8 appears escaped (\\xNN)."""
+  return ByteTokenizer().decode(tokens)

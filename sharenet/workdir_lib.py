@@ -166,15 +166,13 @@ def generate_from_workdir(workdir: str, step: int | None, overrides: dict[str, A
   loaded = load_for_generation(workdir, step, overrides)
   tok = loaded.tokenizer
   byte_level = isinstance(tok, tokenizer_lib.ByteTokenizer)
-  encode = generate.encode if byte_level else (lambda p: [int(t) for t in tok.encode(p)])
-  decode = generate.decode if byte_level else tok.decode
   eos = eos_id if eos_id is not None or byte_level else tok.eod_id
-  batch = [encode(p) for p in prompts for _ in range(num_samples)]
+  batch = [tok.encode(p).tolist() for p in prompts for _ in range(num_samples)]
   out = generate.generate(loaded.model, loaded.variables, batch, max_new_tokens,
                           temperature=temperature, top_k=top_k, top_p=top_p,
                           rng=jax.random.key(seed), eos_id=eos)
   return [{'prompt': prompts[i // num_samples], 'sample': i % num_samples,
-           'text': decode(tokens), 'num_tokens': len(tokens), 'step': loaded.step,
+           'text': tok.decode(tokens), 'num_tokens': len(tokens), 'step': loaded.step,
            'tokens_per_sec': round(out.tokens_per_sec, 1),
            'compile_sec': round(out.compile_seconds, 2)}
           for i, tokens in enumerate(out.tokens)]

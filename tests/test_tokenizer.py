@@ -81,7 +81,19 @@ def test_decode_never_raises():
   tok = tokenizer_lib.load('bytes')
   # A truncated 3-byte sequence, a lone continuation byte, EOD, out-of-range and negative ids.
   assert tok.decode([ord('a'), 0xE2, 0x9C, ord('x'), 0x80, 256, 999, -3, ord('b')]) == (
-      'a\ufffdx\ufffd<|endoftext|>\ufffd\ufffdb')
+      'a\\xe2\\x9cx\\x80<|endoftext|>\ufffd\ufffdb')
+
+
+def test_one_byte_mapping_for_the_corpus_the_tokenizer_and_generate(tmp_path):
+  from sharenet import generate
+  from sharenet.data import corpus
+  text = TEXTS[1] * 30
+  (tmp_path / 'a.txt').write_text(text, encoding='utf-8')
+  train, val = corpus.load_splits({'source': 'text', 'path': str(tmp_path / 'a.txt')})
+  ids = tokenizer_lib.load('bytes').encode(text).tolist()
+  assert np.concatenate([train, val]).tolist() == ids == generate.encode(text)
+  assert generate.decode(ids + [0xE2]) == tokenizer_lib.load('bytes').decode(ids + [0xE2]) == (
+      text + '\\xe2')
 
 
 def test_decode_never_raises_hf_and_sentencepiece(specs):

@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from sharenet.data import tokenizer
 from sharenet.errors import ConfigError
 
 SOURCES = ('stdlib', 'text', 'bin', 'arrayrecord')
@@ -101,7 +102,7 @@ def _read(root: str, relpaths: list[str]) -> tuple[np.ndarray, np.ndarray]:
   for rel in relpaths:
     with open(os.path.join(root, rel), 'rb') as f:
       parts[is_val_file(rel)].append(f.read())
-  return tuple(np.frombuffer(b''.join(parts[v]), np.uint8) for v in (False, True))
+  return tuple(tokenizer.byte_ids(b''.join(parts[v])) for v in (False, True))
 
 
 def _load_text(path: str) -> tuple[np.ndarray, np.ndarray]:

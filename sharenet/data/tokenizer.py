@@ -4,7 +4,8 @@ Specs (`load(spec)`):
   bytes                 ids 0-255 are the UTF-8 bytes of the text and 256 is the end-of-document
                         id (EOD), so vocab_size = 257. The in-memory byte corpora of
                         sharenet/data/corpus.py use vocab 256 with no EOD; the byte *tokenizer*
-                        adds the EOD id for the documents of prepared shards.
+                        adds the EOD id for the documents of prepared shards. `byte_ids` is the
+                        one byte -> id mapping (the corpora, this tokenizer, generate.encode).
   sentencepiece:PATH    a local SentencePiece model file (Kudo & Richardson 2018, "SentencePiece:
                         A simple and language independent subword tokenizer", arXiv:1808.06226),
                         loaded with `sentencepiece.SentencePieceProcessor(model_file=PATH)`;
@@ -16,8 +17,10 @@ Nothing is downloaded. A bad spec is a one-line ConfigError naming the problem a
 
 Every tokenizer has `spec`, `vocab_size` (all ids, special ones included), `eod_id`,
 `encode(text) -> uint32 array` (no BOS/EOS added: callers append `eod_id` per document),
-`encode_batch(texts)` and `decode(ids) -> str`. decode never raises: bytes that are not valid
-UTF-8 and ids outside [0, vocab_size) become U+FFFD, and EOD is written as `eod_token`.
+`encode_batch(texts)` and `decode(ids) -> str`. decode never raises: ids outside
+[0, vocab_size) become U+FFFD and EOD is written as `eod_token`; bytes that are not valid UTF-8
+become U+FFFD, except under `bytes`, which writes them as \\xNN (a byte model's output shown
+exactly, as eval.py --prompt prints it).
 """
 from __future__ import annotations
 
@@ -87,17 +90,22 @@ class Tokenizer:
             f'eod_id={self.eod_id})')
 
 
+def byte_ids(data: bytes) -> np.ndarray:
+  """Byte-level token ids of raw bytes: each byte is its id (uint8, a read-only view)."""
+  return np.frombuffer(data, np.uint8)
+
+
 class ByteTokenizer(Tokenizer):
-  """UTF-8 bytes as ids 0-255; EOD = 256."""
+  """UTF-8 bytes as ids 0-255; EOD = 256; invalid UTF-8 decodes as \\xNN."""
 
   def __init__(self, spec: str = 'bytes'):
     self.spec, self.vocab_size, self.eod_id, self.eod_token = spec, 257, 256, '<|endoftext|>'
 
   def encode(self, text: str) -> np.ndarray:
-    return np.frombuffer(text.encode('utf-8'), np.uint8).astype(np.uint32)
+    return byte_ids(text.encode('utf-8')).astype(np.uint32)
 
   def _decode_run(self, ids: list[int]) -> str:
-    return bytes(ids).decode('utf-8', errors='replace')
+    return bytes(ids).decode('utf-8', errors='backslashreplace')
 
 
 class HFTokenizer(Tokenizer):
