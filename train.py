@@ -1,4 +1,5 @@
 """Trains a sharenet model: python train.py --config configs/NAME.py --workdir DIR [--config.a.b=v]."""
+import json
 import os
 
 from absl import flags, logging
@@ -16,7 +17,7 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
   from sharenet import train_lib
   out = train_lib.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
-  print({k: round(v, 4) for k, v in out.items()})
+  print(json.dumps({k: round(v, 4) for k, v in out.items()}))   # last line: JSON, for scripts
 
 
 if __name__ == '__main__':

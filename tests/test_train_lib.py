@@ -65,7 +65,9 @@ def test_resume_after_kill_is_bit_identical(reference_run, tmp_path, losses, tra
   proc.send_signal(signal.SIGKILL)
   proc.wait()
   assert os.path.isdir(ckpt20), 'the run never wrote its step-20 checkpoint'
-  subprocess.run(train_cmd(workdir), env=subprocess_env, check=True, capture_output=True)
+  res = subprocess.run(train_cmd(workdir), env=subprocess_env, check=True, capture_output=True,
+                       text=True)
+  assert 'eval_loss' in json.loads(res.stdout.splitlines()[-1])   # train.py's last line is JSON
   ref, resumed = losses(ref_dir), losses(workdir)
   assert [resumed[s] for s in range(21, 41)] == [ref[s] for s in range(21, 41)]
 
