@@ -32,7 +32,7 @@ def _write_bin(path, tokens):
 
 def _name(val, suffix='.txt'):
   names = (f'f{i}{suffix}' for i in itertools.count())
-  return next(n for n in names if corpus.is_val_file(n) == val)
+  return next(n for n in names if corpus.is_val_path(n) == val)
 
 
 def test_stdlib_corpus_split():

@@ -1,6 +1,7 @@
 """python -m sharenet.data.prepare: the on-disk format (meta.json and one ArrayRecord record per
 document), counts checked against the source files, determinism, restarts, one-line errors."""
 import glob
+import itertools
 import json
 import os
 import subprocess
@@ -74,7 +75,7 @@ def test_meta_counts_and_every_document_once(docs_dir, tmp_path):
       assert r[-1] == 256 and 256 not in r[:-1].tolist()
       text = r[:-1].astype(np.uint8).tobytes()
       seen.setdefault(text, []).append(split)
-    want = [rel for rel in contents if prepare.is_val_path(rel, 0.3) == (split == 'validation')]
+    want = [rel for rel in contents if corpus.is_val_path(rel, 0.3) == (split == 'validation')]
     assert info['documents'] == len(want) > 0
     assert info['bytes'] == sum(_utf8_size(contents[rel]) for rel in want)
   # Byte ids are the documents' UTF-8: each file's text appears in exactly one record.
@@ -87,10 +88,10 @@ def test_meta_counts_and_every_document_once(docs_dir, tmp_path):
 
 def test_shards_are_round_robin_in_path_order(docs_dir, tmp_path):
   root, contents = docs_dir
-  prepare.prepare(f'{root}/**/*.txt', 'bytes', str(tmp_path / 'out'), shards=4, val_fraction=0)
+  prepare.prepare(f'{root}/**/*.txt', 'bytes', str(tmp_path / 'out'), shards=4, val_fraction=0.3)
   meta = json.loads((tmp_path / 'out' / 'meta.json').read_text())
-  assert meta['splits']['validation'] == {'shards': [], 'documents': 0, 'tokens': 0, 'bytes': 0}
-  order = sorted(contents)
+  order = sorted(rel for rel in contents if not corpus.is_val_path(rel, 0.3))
+  assert meta['splits']['train']['documents'] == len(order) > 4
   for i, name in enumerate(meta['splits']['train']['shards']):
     got = [r[:-1].astype(np.uint8).tobytes() for r in _records(tmp_path / 'out' / name)]
     assert got == [contents[rel].decode('utf-8', 'replace').encode() for rel in order[i::4]]
@@ -150,24 +151,29 @@ def test_reruns_are_byte_identical_and_skip_finished_shards(docs_dir, tmp_path):
 
 def test_other_arguments_into_the_same_dir_is_one_line(docs_dir, tmp_path):
   root, _ = docs_dir
-  prepare.prepare(f'{root}/**/*.txt', 'bytes', str(tmp_path / 'out'), shards=2)
+  prepare.prepare(f'{root}/**/*.txt', 'bytes', str(tmp_path / 'out'), shards=2,
+                  val_fraction=0.3)
   with pytest.raises(ConfigError, match=r'prepared with other arguments \(differ: shards\)'):
-    prepare.prepare(f'{root}/**/*.txt', 'bytes', str(tmp_path / 'out'), shards=3)
+    prepare.prepare(f'{root}/**/*.txt', 'bytes', str(tmp_path / 'out'), shards=3,
+                    val_fraction=0.3)
   (root / 'a' / 'doc00.txt').write_text('changed length')
   with pytest.raises(ConfigError, match=r'differ: documents_sha256'):
-    prepare.prepare(f'{root}/**/*.txt', 'bytes', str(tmp_path / 'out'), shards=2)
+    prepare.prepare(f'{root}/**/*.txt', 'bytes', str(tmp_path / 'out'), shards=2,
+                    val_fraction=0.3)
   (tmp_path / 'other').mkdir()
   (tmp_path / 'other' / 'x').write_text('')
   with pytest.raises(ConfigError, match='non-empty directory without progress.json'):
-    prepare.prepare(f'{root}/**/*.txt', 'bytes', str(tmp_path / 'other'))
+    prepare.prepare(f'{root}/**/*.txt', 'bytes', str(tmp_path / 'other'), val_fraction=0.3)
 
 
 @pytest.mark.parametrize('kwargs,match', [
     (dict(input_glob='{root}/*.nothing'), 'matches no files'),
     (dict(shards=0), '--shards=0'),
-    (dict(val_fraction=1.0), r'--val_fraction=1.0 must be in \[0, 1\)'),
-    (dict(val_fraction=-0.1), r'--val_fraction=-0.1 must be in \[0, 1\)'),
-    (dict(val_fraction=0.999999), 'the train split needs one'),
+    (dict(val_fraction=1.0), r'--val_fraction=1.0 must be in \(0, 1\)'),
+    (dict(val_fraction=-0.1), r'--val_fraction=-0.1 must be in \(0, 1\)'),
+    (dict(val_fraction=0.0), r'--val_fraction=0.0 must be in \(0, 1\)'),
+    (dict(val_fraction=0.999999), r'--val_fraction=0.999999 leaves the train split without a '
+                                  r'document \(of 12\); valid: --val_fraction <= 0\.'),
     (dict(spec='hf:/nonexistent.json'), "--tokenizer='hf:/nonexistent.json': no such file"),
 ])
 def test_bad_input_is_a_one_line_config_error(docs_dir, tmp_path, kwargs, match):
@@ -177,6 +183,45 @@ def test_bad_input_is_a_one_line_config_error(docs_dir, tmp_path, kwargs, match)
   with pytest.raises(ConfigError, match=match) as e:
     prepare.prepare(**args)
   assert '\n' not in str(e.value)
+
+
+def _names(n, val, prefix=''):
+  """The first n names 'd{i}.txt' whose relpath prefix + name is (val) / is not validation."""
+  names = (f'd{i}.txt' for i in itertools.count())
+  return list(itertools.islice((x for x in names if corpus.is_val_path(prefix + x) == val), n))
+
+
+def test_a_split_without_a_document_fails_at_prepare_time(tmp_path):
+  """40 files none of which the default fraction sends to validation: refused here, naming
+  --val_fraction (train.py would refuse the shards), and the value it suggests works."""
+  (tmp_path / 'docs').mkdir()
+  for name in _names(40, val=False):
+    (tmp_path / 'docs' / name).write_text(name)
+  glob_ = f'{tmp_path}/docs/*.txt'
+  with pytest.raises(ConfigError, match=r'--val_fraction=0.02 leaves the validation split '
+                     r'without a document \(of 40\); valid: --val_fraction >= ') as e:
+    prepare.prepare(glob_, 'bytes', str(tmp_path / 'out'))
+  assert '\n' not in str(e.value) and not (tmp_path / 'out').exists()
+  fraction = float(str(e.value).split('>= ')[1].split(',')[0])
+  meta = prepare.prepare(glob_, 'bytes', str(tmp_path / 'out'), val_fraction=fraction)
+  assert meta['splits']['validation']['documents'] >= 1
+
+
+def test_text_source_and_prepare_split_a_glob_alike(tmp_path):
+  """data.source=text and prepare (default --val_fraction) put the same files in validation:
+  each split's bytes (files in path order) equal its shard's records (EOD dropped)."""
+  (tmp_path / 'docs' / 'sub').mkdir(parents=True)
+  (tmp_path / 'docs' / 'top.txt').write_text('top\n')   # relpaths 'top.txt', 'sub/NAME'
+  for name in _names(2, True, 'sub/') + _names(20, False, 'sub/'):
+    (tmp_path / 'docs' / 'sub' / name).write_text(f'{name}\n' * 3)
+  glob_ = f'{tmp_path}/docs/**/*.txt'
+  meta = prepare.prepare(glob_, 'bytes', str(tmp_path / 'out'), shards=1)
+  text = corpus.load_splits({'source': 'text', 'path': glob_})
+  for split, tokens in zip(('train', 'validation'), text):
+    [shard] = meta['splits'][split]['shards']
+    records = _records(tmp_path / 'out' / shard)
+    assert len(records) >= 2
+    assert b''.join(r[:-1].astype(np.uint8).tobytes() for r in records) == tokens.tobytes()
 
 
 def test_an_unreadable_document_is_one_line(tmp_path):

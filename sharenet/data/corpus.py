@@ -7,9 +7,12 @@ Sources (`data.source`):
     CPython in README "Results"). Reading is fast enough that there is no on-disk cache.
     Other Python builds ship other files (e.g. Debian's python3.11 lacks test/), so numbers
     are only comparable on one build.
-  text: `data.path` is a glob of plain-text files, same by-file rule with paths relative to
-    the files' common directory. If that rule leaves either split empty (always so for one
-    file), the last 1 % of the concatenated bytes is validation instead.
+  text: `data.path` is a recursive glob of plain-text files, sorted by path relative to the
+    files' common directory, bytes concatenated; a file is validation by `is_val_path` at
+    `TEXT_VAL_FRACTION` (`text_splits`: the rule `python -m sharenet.data.prepare --input GLOB`
+    uses, so the two put the same files in validation at its default --val_fraction). If that
+    leaves either split empty (always so for one file), the last 1 % of the concatenated bytes
+    is validation instead (prepare, whose unit is the document, refuses such a split).
   bin: `data.path` is a flat token file (nanoGPT `train.bin`), memory-mapped, of
     `data.bin_dtype` ids: uint16 (nanoGPT's) or uint32 (vocabularies over 65536); the file does
     not say which, so the key does. Validation is the same file name with `train` -> `val` if
@@ -27,7 +30,7 @@ import glob
 import hashlib
 import os
 import sysconfig
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -35,9 +38,14 @@ from sharenet.data import tokenizer
 from sharenet.errors import ConfigError
 
 SOURCES = ('stdlib', 'text', 'bin', 'arrayrecord')
+SPLITS = ('train', 'validation')
 BIN_DTYPES = ('uint16', 'uint32')
 BYTE_VOCAB = 256
 _VAL_MODULUS = 50  # 1 in 50 files; 1 in 100 left too few validation bytes.
+TEXT_VAL_FRACTION = 1 / _VAL_MODULUS   # a text glob's expected validation fraction, as stdlib's
+# The text-glob rule's salt: prepare's since its v1 format (a new salt would re-split every
+# prepared directory, whose fingerprint lists each document's split).
+SPLIT_SALT = 'sharenet-prepare-v1:'
 
 
 def get_field(cfg: Any, name: str) -> Any:
@@ -67,9 +75,28 @@ def bin_dtype(data_cfg: Any) -> str:
 
 
 def is_val_file(relpath: str) -> bool:
-  """Whether a file belongs to the validation split (stable hash of its relative path)."""
+  """Whether a stdlib file belongs to the validation split (stable hash of its relative path)."""
   digest = hashlib.sha1(relpath.replace(os.sep, '/').encode()).hexdigest()
   return int(digest[:8], 16) % _VAL_MODULUS == 0
+
+
+def path_fraction(relpath: str) -> float:
+  """A relative path's place in [0, 1) under the text-glob rule (a salted sha1)."""
+  digest = hashlib.sha1((SPLIT_SALT + relpath.replace(os.sep, '/')).encode()).hexdigest()
+  return int(digest[:16], 16) / 2**64
+
+
+def is_val_path(relpath: str, val_fraction: float = TEXT_VAL_FRACTION) -> bool:
+  """Whether a file of a text glob belongs to the validation split: the one rule of
+  data.source=text and prepare (a file keeps its split when others are added)."""
+  return path_fraction(relpath) < val_fraction
+
+
+def _by_split(relpaths: list[str], is_val: Callable[[str], bool]) -> dict[str, list[str]]:
+  docs = {split: [] for split in SPLITS}
+  for rel in relpaths:
+    docs['validation' if is_val(rel) else 'train'].append(rel)
+  return docs
 
 
 def stdlib_files() -> tuple[str, list[str]]:
@@ -80,6 +107,27 @@ def stdlib_files() -> tuple[str, list[str]]:
     dirs[:] = [x for x in dirs if x != 'site-packages']
     files += [os.path.relpath(os.path.join(d, n), root) for n in names if n.endswith('.py')]
   return root, sorted(files)
+
+
+def stdlib_splits() -> tuple[str, dict[str, list[str]]]:
+  """(root, {'train': relpaths, 'validation': relpaths}) of the stdlib corpus (`is_val_file`)."""
+  root, relpaths = stdlib_files()
+  return root, _by_split(relpaths, is_val_file)
+
+
+def text_splits(pattern: str, name: str, val_fraction: float = TEXT_VAL_FRACTION
+                ) -> tuple[str, dict[str, list[str]]]:
+  """(root, {'train': relpaths, 'validation': relpaths}) of the files a recursive glob matches:
+  sorted, relative to root (their common directory), split by `is_val_path`. Either split may
+  be empty; none matched is a ConfigError naming the setting `name`."""
+  files = sorted(os.path.abspath(f) for f in glob.glob(os.path.expanduser(pattern),
+                                                       recursive=True) if os.path.isfile(f))
+  if not files:
+    raise ConfigError(f'{name}={pattern!r} matches no files; valid: a (quoted) glob of text '
+                      f'files')
+  root = os.path.commonpath(files) if len(files) > 1 else os.path.dirname(files[0])
+  relpaths = [os.path.relpath(f, root) for f in files]
+  return root, _by_split(relpaths, lambda rel: is_val_path(rel, val_fraction))
 
 
 def _match(path: str) -> list[str]:
@@ -97,18 +145,22 @@ def _tail_split(tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
   return tokens[:-n_val], tokens[-n_val:]
 
 
-def _read(root: str, relpaths: list[str]) -> tuple[np.ndarray, np.ndarray]:
-  parts = {True: [], False: []}
-  for rel in relpaths:
-    with open(os.path.join(root, rel), 'rb') as f:
-      parts[is_val_file(rel)].append(f.read())
-  return tuple(tokenizer.byte_ids(b''.join(parts[v])) for v in (False, True))
+def _read(root: str, docs: dict[str, list[str]]) -> tuple[np.ndarray, np.ndarray]:
+  """(train, validation) bytes: each split's files concatenated in order."""
+  def concat(relpaths: list[str]) -> bytes:
+    parts = []
+    for rel in relpaths:
+      with open(os.path.join(root, rel), 'rb') as f:
+        parts.append(f.read())
+    return b''.join(parts)
+  return tuple(tokenizer.byte_ids(concat(docs[split])) for split in SPLITS)
 
 
 def _load_text(path: str) -> tuple[np.ndarray, np.ndarray]:
-  files = [os.path.abspath(f) for f in _match(path)]
-  root = os.path.commonpath(files) if len(files) > 1 else os.path.dirname(files[0])
-  train, val = _read(root, [os.path.relpath(f, root) for f in files])
+  root, docs = text_splits(path, 'data.path')
+  if all(os.path.getsize(os.path.join(root, r)) == 0 for d in docs.values() for r in d):
+    raise ConfigError(f'data.path={path!r} matches only empty files')
+  train, val = _read(root, docs)
   if len(train) and len(val):
     return train, val
   return _tail_split(np.concatenate([train, val]))
@@ -137,7 +189,7 @@ def _load_bin(path: str, dtype: str) -> tuple[np.ndarray, np.ndarray]:
 @functools.lru_cache(maxsize=4)
 def _load(source: str, path: str, dtype: str = 'uint16') -> tuple[np.ndarray, np.ndarray]:
   if source == 'stdlib':
-    return _read(*stdlib_files())
+    return _read(*stdlib_splits())
   return _load_text(path) if source == 'text' else _load_bin(path, dtype)
 
 

@@ -8,10 +8,14 @@ Documents: one file matched by `--input` (a recursive glob; files only, sorted) 
 document, decoded as UTF-8 (an invalid byte becomes U+FFFD, counted in the summary).
 `--input stdlib` is the embedded corpus (sharenet/data/corpus.py): the stdlib `.py` files.
 
-Splits: a document is validation iff `int(sha1(SPLIT_SALT + relpath)[:16], 16) / 2**64 <
-val_fraction`, relpath relative to the matched files' common directory ('/'-separated), so a
-file keeps its split when others are added. For stdlib the split is `corpus.is_val_file`
-(the split the byte-level runs use) and --val_fraction does not apply.
+Splits: the rule of `data.source=text` (`corpus.text_splits`): a document is validation iff
+`int(sha1(corpus.SPLIT_SALT + relpath)[:16], 16) / 2**64 < val_fraction`, relpath relative to the
+matched files' common directory ('/'-separated), so a file keeps its split when others are
+added; the default --val_fraction is data.source=text's (`corpus.TEXT_VAL_FRACTION`, 0.02), so
+both put the same files in validation. A split left without a document is a ConfigError
+naming --val_fraction and the values that would fill it (train.py needs both splits). For
+stdlib the split is `corpus.is_val_file` (the split the byte-level runs use) and
+--val_fraction does not apply.
 
 Shards: within a split, documents in sorted relpath order go round-robin to
 `min(N, documents)` shards (M for validation; no shard is empty, an empty split has none):
@@ -41,9 +45,9 @@ bytes tokenizer 6 s with 2 workers (14 MB of shards, zstd); the 4096-id BPE of t
 """
 from __future__ import annotations
 
-import glob
 import hashlib
 import json
+import math
 import multiprocessing
 import os
 import shutil
@@ -57,8 +61,7 @@ from sharenet.data import tokenizer as tokenizer_lib
 from sharenet.errors import ConfigError
 
 FORMAT = 'sharenet-arrayrecord-v1'
-SPLITS = ('train', 'validation')
-SPLIT_SALT = 'sharenet-prepare-v1:'
+SPLITS = corpus.SPLITS
 WRITER_OPTIONS = 'group_size:1'
 _BATCH_DOCS = 16   # documents per worker task
 
@@ -67,33 +70,26 @@ def shard_name(split: str, i: int, n: int) -> str:
   return f'{split}-{i:05d}-of-{n:05d}.array_record'
 
 
-def is_val_path(relpath: str, val_fraction: float) -> bool:
-  """The glob-input split rule: a salted sha1 of the relative path, as a fraction of 2**64."""
-  digest = hashlib.sha1((SPLIT_SALT + relpath.replace(os.sep, '/')).encode()).hexdigest()
-  return int(digest[:16], 16) / 2**64 < val_fraction
-
-
 def list_documents(input_glob: str, val_fraction: float) -> tuple[str, dict[str, list[str]]]:
-  """(root, {'train': relpaths, 'validation': relpaths}), each sorted."""
+  """(root, {'train': relpaths, 'validation': relpaths}), each sorted and neither empty."""
   if input_glob == 'stdlib':
-    root, relpaths = corpus.stdlib_files()
-    is_val = corpus.is_val_file
+    root, docs = corpus.stdlib_splits()
   else:
-    files = sorted(os.path.abspath(f) for f in glob.glob(os.path.expanduser(input_glob),
-                                                         recursive=True) if os.path.isfile(f))
-    if not files:
-      raise ConfigError(f'--input={input_glob!r} matches no files; give a glob of text files '
-                        f'(quoted) or stdlib')
-    root = os.path.commonpath(files) if len(files) > 1 else os.path.dirname(files[0])
-    relpaths = [os.path.relpath(f, root) for f in files]
-    is_val = lambda rel: is_val_path(rel, val_fraction)  # noqa: E731
-  docs = {'train': [], 'validation': []}
-  for rel in relpaths:
-    docs['validation' if is_val(rel) else 'train'].append(rel)
-  if not docs['train']:
-    raise ConfigError(f'--input={input_glob!r}: all {len(relpaths)} documents went to validation '
-                      f'(--val_fraction={val_fraction}); the train split needs one')
+    root, docs = corpus.text_splits(input_glob, '--input', val_fraction)
+  for split in SPLITS:
+    if not docs[split]:
+      raise ConfigError(f'--input={input_glob!r}: --val_fraction={val_fraction} leaves the '
+                        f'{split} split without a document (of {sum(map(len, docs.values()))});'
+                        f' valid: {_filling_fractions(docs, split)}')
   return root, docs
+
+
+def _filling_fractions(docs: dict[str, list[str]], empty: str) -> str:
+  """The --val_fraction values that give the `empty` split a document (4 decimals, inside)."""
+  places = [corpus.path_fraction(rel) for d in docs.values() for rel in d]
+  if empty == 'validation':   # validation iff place < val_fraction
+    return f'--val_fraction >= {math.floor(min(places) * 1e4 + 1) / 1e4:.4f}, or more documents'
+  return f'--val_fraction <= {math.floor(max(places) * 1e4) / 1e4:.4f}'
 
 
 def _file_digest(path: str) -> str:
@@ -186,7 +182,8 @@ def _load_progress(out: str, fingerprint: dict[str, Any]) -> dict[str, Any]:
 
 
 def prepare(input_glob: str, spec: str, out: str, shards: int = 8, val_shards: int = 1,
-            val_fraction: float = 0.01, workers: int = 1, progress_bar: bool = False,
+            val_fraction: float = corpus.TEXT_VAL_FRACTION, workers: int = 1,
+            progress_bar: bool = False,
             on_shard_done: Callable[[str], None] | None = None) -> dict[str, Any]:
   """Writes the shards and meta.json of `input_glob` into `out`; returns the meta dict.
 
@@ -195,8 +192,8 @@ def prepare(input_glob: str, spec: str, out: str, shards: int = 8, val_shards: i
   """
   if shards < 1 or val_shards < 1:
     raise ConfigError(f'--shards={shards} and --val_shards={val_shards} must be >= 1')
-  if not 0 <= val_fraction < 1:
-    raise ConfigError(f'--val_fraction={val_fraction} must be in [0, 1)')
+  if not 0 < val_fraction < 1:
+    raise ConfigError(f'--val_fraction={val_fraction} must be in (0, 1)')
   if workers < 1:
     raise ConfigError(f'--workers={workers} must be >= 1')
   tok = tokenizer_lib.load(spec, '--tokenizer')
@@ -303,8 +300,9 @@ if __name__ == '__main__':
   _OUT = flags.DEFINE_string('out', None, 'Output directory.', required=True)
   _SHARDS = flags.DEFINE_integer('shards', 8, 'Train shards (fewer if fewer documents).')
   _VAL_SHARDS = flags.DEFINE_integer('val_shards', 1, 'Validation shards.')
-  _VAL_FRACTION = flags.DEFINE_float('val_fraction', 0.01, 'Expected fraction of documents in '
-                                     'validation (by a hash of the path); not for stdlib.')
+  _VAL_FRACTION = flags.DEFINE_float('val_fraction', corpus.TEXT_VAL_FRACTION,
+                                     'Expected fraction of documents in validation (by a hash '
+                                     'of the path, as data.source=text); not for stdlib.')
   _WORKERS = flags.DEFINE_integer('workers', os.cpu_count() or 1,
                                   'Tokenizer processes; 1 tokenizes in this process.')
   config_lib.run(main)

@@ -4,9 +4,10 @@ Attention for Large Language Models", arXiv:2402.11819; reference code zouyingca
 The heads whose W_q, W_k slices best match a head of an earlier layer (cosine of the
 concatenated slices) take that head's Q, K, V, O slices; the top `share_rate` fraction of all
 heads is selected (a selected head that another selected head matches keeps its own weights,
-as in the reference: `head_sources`). Not function-preserving: same architecture, and the sharing map (and the
-unique parameter count) goes to DST/config.json 'head_sharing'. CLI: `python convert.py
---workdir SRC --out DST --config.to=head_shared --config.share_rate=R` (sharenet/workdir_lib.py).
+as in the reference: `head_sources`). Not function-preserving: same architecture, and the
+sharing map (and the unique parameter count) goes to DST/config.json 'head_sharing'. CLI:
+`python convert.py --workdir SRC --out DST --config.to=head_shared --config.share_rate=R`
+(sharenet/workdir_lib.py).
 """
 from __future__ import annotations
 
