@@ -207,11 +207,21 @@ def test_the_data_names_its_tokenizer(hf_path, tmp_path):
       tokenizer_lib.load(f'hf:{hf_path}').encode(TRAIN_TEXT[:80]).tolist()
   assert tokenizer_lib.for_data(data('arrayrecord', str(out), 'hf:tokenizer.json')).vocab_size \
       == shards.vocab_size
+  # The file the shards were prepared with, or a copy elsewhere: the same contents, accepted.
+  copy = tmp_path / 'elsewhere' / 'tok.json'
+  copy.parent.mkdir()
+  copy.write_bytes(open(hf_path, 'rb').read())
+  for same in (f'hf:{hf_path}', f'hf:{copy}'):
+    assert tokenizer_lib.data_spec(data('arrayrecord', str(out), same)) == (
+        'hf:tokenizer.json', str(out))
+  other = train_tokenizer.train_to_dir([TRAIN_TEXT], 290, str(tmp_path / 'other'))
   assert isinstance(tokenizer_lib.for_data(data('stdlib')), tokenizer_lib.ByteTokenizer)
   assert tokenizer_lib.for_data(data('bin', 'x.bin')) is None
   assert tokenizer_lib.for_data(data('bin', 'x.bin', f'hf:{hf_path}')).vocab_size == \
       shards.vocab_size
   for bad, match in ((data('arrayrecord', str(out), 'bytes'), 'contradicts the shards'),
+                     (data('arrayrecord', str(out), other), 'the files differ'),
+                     (data('arrayrecord', str(out), 'hf:/no/such.json'), 'no such file'),
                      (data('stdlib', spec=f'hf:{hf_path}'), 'is read as UTF-8 bytes')):
     with pytest.raises(ConfigError, match=match) as e:
       tokenizer_lib.data_spec(bad)

@@ -92,14 +92,6 @@ def _filling_fractions(docs: dict[str, list[str]], empty: str) -> str:
   return f'--val_fraction <= {math.floor(max(places) * 1e4) / 1e4:.4f}'
 
 
-def _file_digest(path: str) -> str:
-  h = hashlib.sha256()
-  with open(path, 'rb') as f:
-    for chunk in iter(lambda: f.read(1 << 20), b''):
-      h.update(chunk)
-  return h.hexdigest()
-
-
 def _fingerprint(input_glob: str, spec: str, root: str, docs: dict[str, list[str]],
                  shards: int, val_shards: int, val_fraction: float) -> dict[str, Any]:
   """Everything the output depends on (not --workers); a re-run must match it."""
@@ -110,7 +102,8 @@ def _fingerprint(input_glob: str, spec: str, root: str, docs: dict[str, list[str
       listing.update(f'{split}\0{rel}\0{size}\n'.encode())
   _, _, tok_path = spec.partition(':')
   return {'input': input_glob, 'tokenizer': spec,
-          'tokenizer_file_sha256': _file_digest(os.path.expanduser(tok_path)) if tok_path else '',
+          'tokenizer_file_sha256': (tokenizer_lib.file_sha256(os.path.expanduser(tok_path))
+                                    if tok_path else ''),
           'documents_sha256': listing.hexdigest(), 'shards': shards, 'val_shards': val_shards,
           'val_fraction': val_fraction if input_glob != 'stdlib' else None}
 

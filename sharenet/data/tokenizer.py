@@ -24,6 +24,7 @@ exactly, as eval.py --prompt prints it).
 """
 from __future__ import annotations
 
+import hashlib
 import os
 from typing import Any, Iterable, Sequence
 
@@ -171,14 +172,8 @@ class SentencePieceTokenizer(Tokenizer):
     return self._sp.decode(ids)
 
 
-def load(spec: str, name: str = 'data.tokenizer', base_dir: str | None = None) -> Tokenizer:
-  """The tokenizer for `data.tokenizer` = bytes | sentencepiece:PATH | hf:PATH; errors name the
-  setting as `name` (e.g. '--tokenizer' on a command line). A relative PATH is relative to
-  `base_dir` when given (a shard directory's meta.json names its own copy)."""
-  if not isinstance(spec, str) or not spec:
-    raise _bad(str(spec), 'empty or not a string', name)
-  if spec == 'bytes':
-    return ByteTokenizer(spec)
+def _resolve(spec: str, name: str, base_dir: str | None) -> tuple[str, str]:
+  """(kind, existing file path) of a sentencepiece:PATH or hf:PATH spec; ConfigError else."""
   kind, sep, path = spec.partition(':')
   if not sep or kind not in ('sentencepiece', 'hf'):
     raise _bad(spec, f'unknown kind {kind!r}', name)
@@ -189,7 +184,37 @@ def load(spec: str, name: str = 'data.tokenizer', base_dir: str | None = None) -
     path = os.path.join(base_dir, path)
   if not os.path.isfile(path):
     raise _bad(spec, f'no such file {path}', name)
+  return kind, path
+
+
+def load(spec: str, name: str = 'data.tokenizer', base_dir: str | None = None) -> Tokenizer:
+  """The tokenizer for `data.tokenizer` = bytes | sentencepiece:PATH | hf:PATH; errors name the
+  setting as `name` (e.g. '--tokenizer' on a command line). A relative PATH is relative to
+  `base_dir` when given (a shard directory's meta.json names its own copy)."""
+  if not isinstance(spec, str) or not spec:
+    raise _bad(str(spec), 'empty or not a string', name)
+  if spec == 'bytes':
+    return ByteTokenizer(spec)
+  kind, path = _resolve(spec, name, base_dir)
   return (HFTokenizer if kind == 'hf' else SentencePieceTokenizer)(spec, path, name)
+
+
+def file_sha256(path: str) -> str:
+  """Hex sha256 of a file's bytes."""
+  h = hashlib.sha256()
+  with open(path, 'rb') as f:
+    for chunk in iter(lambda: f.read(1 << 20), b''):
+      h.update(chunk)
+  return h.hexdigest()
+
+
+def identity(spec: str, name: str = 'data.tokenizer', base_dir: str | None = None) -> str:
+  """What a tokenizer is, by contents not path: 'bytes', or its kind and its file's sha256 (two
+  paths to copies of one tokenizer.json agree). Paths resolve as in `load`."""
+  if spec == 'bytes':
+    return spec
+  kind, path = _resolve(spec, name, base_dir)
+  return f'{kind}:sha256={file_sha256(path)}'
 
 
 def data_spec(data_cfg: Any) -> tuple[str | None, str | None]:
@@ -199,18 +224,21 @@ def data_spec(data_cfg: Any) -> tuple[str | None, str | None]:
   (stdlib, text), the shards' own tokenizer for arrayrecord (meta.json, a path relative to the
   shard directory), and none for `bin` (token ids of an unknown tokenizer: name it, e.g.
   hf:PATH, to generate from such a model). An explicit value that contradicts the data is a
-  ConfigError. Training never needs the tokenizer; generation does (`for_data`).
+  ConfigError; against shards it is compared by contents (`identity`), so hf:PATH naming the
+  file the shards were prepared with (or any copy of it) is accepted and the shards' own copy is
+  used. Training never needs the tokenizer; generation does (`for_data`).
   """
   from sharenet.data import corpus   # here: corpus imports the pipeline's modules
   spec = corpus.get_field(data_cfg, 'tokenizer') or 'auto'
   source, path = corpus.source_and_path(data_cfg)
   if source == 'arrayrecord':
     from sharenet.data import arrayrecord
-    shards = arrayrecord.meta(path)['tokenizer']
-    if spec not in ('auto', shards):
+    shards, base = arrayrecord.meta(path)['tokenizer'], os.path.expanduser(path)
+    if spec not in ('auto', shards) and identity(spec) != identity(shards, base_dir=base):
       raise ConfigError(f'data.tokenizer={spec!r} contradicts the shards in data.path={path!r}, '
-                        f'which were tokenized with {shards!r}; valid: auto or {shards!r}')
-    return shards, os.path.expanduser(path)
+                        f'which were tokenized with {shards!r} (the files differ); valid: auto, '
+                        f'{shards!r} or a copy of that file')
+    return shards, base
   if source == 'bin':
     return (None if spec == 'auto' else spec), None
   if spec not in ('auto', 'bytes'):
