@@ -228,23 +228,14 @@ def _lora_reads_width(info: params_lib.ParamInfo) -> bool:
   return 'lora' not in info.axes[info.num_stack:info.num_stack + info.num_in]
 
 
-def _repeats(path: Path, cfg: ModelConfig, loop_rule: str) -> int:
-  """Applications per step of the stored tensor at `path` (1 outside the stack)."""
-  if 'stack' not in path or 'router' in path:   # routers: each row applied once
-    return 1
-  seg_name = path[path.index('stack') + 1]
-  if not seg_name.startswith('segment_'):
-    if loop_rule != 'none':
-      raise ConfigError('parametrization.loop_rule needs model.scan_layers=True; valid: '
-                        'loop_rule=none with scan_layers=False')
-    return max(len(cfg.plan.uses(int(seg_name.removeprefix('set_')))), 1)
-  seg = cfg.plan.segments[int(seg_name.removeprefix('segment_'))]
-  if seg.order == 'gather':
-    if loop_rule != 'none':
-      raise ConfigError('parametrization.loop_rule needs a regular plan (each set applied the '
-                        'same number of times); valid: any scheme except explicit')
-    return 1
-  return seg.repeats
+def _repeats(info: params_lib.ParamInfo, loop_rule: str) -> int:
+  """Applications per step of one stored entry of the leaf (1 outside the blocks and for the
+  per-recursion router rows), from its structure metadata."""
+  if loop_rule != 'none' and len(set(info.uses)) > 1:
+    raise ConfigError(f'parametrization.loop_rule={loop_rule} needs every stored set applied '
+                      f'equally often; {info.key} holds sets applied {sorted(set(info.uses))} '
+                      f'times; valid: loop_rule=none, or a regular scheme (not explicit)')
+  return info.applications
 
 
 def _is_branch_out(info: params_lib.ParamInfo) -> bool:
@@ -334,7 +325,7 @@ class Parametrization:
         if m == 1 or all(wshape[i] == wbase[i] for i in out_pos):
           raise ConfigError(f'parameter {"/".join(path)}: a hidden matrix whose fan-in or fan-out '
                             f'does not vary with base_d_model (vary mlp_dim / heads too)')
-      R = _repeats(path, cfg, self.settings.loop_rule)
+      R = _repeats(info, self.settings.loop_rule)
       init_scale, fwd, lr, eps = self._table(info, role, fan_in, m, R)
       sp_std = info.init_std
       rules[path] = LeafRule(

@@ -7,6 +7,18 @@ variables tree into {path: ParamInfo}; muP multipliers (sharenet/parametrization
 masks (sharenet/optim.py), transform selection (sharenet/transforms), conversions and
 accounting read that table and never decide a role from a module name.
 
+Structure rides in the same box. The layer stack (models/stack.py) opens a `placed` context
+around each plan segment and each block; `param` records from it, where the leaf is created:
+  segment   the plan segment whose module created the leaf (None outside the layer stack)
+  sets      a block leaf in 'params': the global stored set of each entry of its set axis
+            (the leading 'layers' axis; one set and no such axis for the Python-loop baseline)
+  uses      applied layers using each of those sets (the plan's `uses`)
+  layers    a block leaf in PER_LAYER: the applied layer of each entry of its leading stack
+            axes, flattened ('layers' / 'repeats', in applied order for every nesting)
+  local     the leaf's path below its block: the key that names the same leaf in every
+            segment and every plan (empty outside a block)
+so no consumer decodes a module path, and renaming the stack's modules changes no result.
+
 Roles:
   embedding   token table (vocab, embed)
   pos_embed   learned positions (length, embed)
@@ -24,6 +36,8 @@ Roles:
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import math
 from typing import Any, Callable
@@ -54,6 +68,45 @@ class Param(nn.LogicallyPartitioned):
   branch: str | None = struct.field(pytree_node=False, default=None)   # 'attn' | 'mlp' in blocks
   writes: bool = struct.field(pytree_node=False, default=False)   # output joins the residual
   use: str | None = struct.field(pytree_node=False, default=None)  # 'query', 'gain', 'shift'
+  segment: int | None = struct.field(pytree_node=False, default=None)   # structure: see above
+  sets: tuple[int, ...] = struct.field(pytree_node=False, default=())
+  uses: tuple[int, ...] = struct.field(pytree_node=False, default=())
+  layers: tuple[int, ...] = struct.field(pytree_node=False, default=())
+  local: tuple[str, ...] = struct.field(pytree_node=False, default=())
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+  """Where the modules being created sit in the layer stack (module docstring)."""
+  segment: int | None = None
+  sets: tuple[int, ...] = ()
+  uses: tuple[int, ...] = ()
+  layers: tuple[int, ...] = ()
+  block: tuple[str, ...] | None = None   # module path of the enclosing block
+
+
+_PLACEMENT = contextvars.ContextVar('sharenet_placement', default=Placement())
+
+
+@contextlib.contextmanager
+def placed(**fields: Any):
+  """Parameters created inside record these structure fields (Placement's)."""
+  token = _PLACEMENT.set(dataclasses.replace(_PLACEMENT.get(), **fields))
+  try:
+    yield
+  finally:
+    _PLACEMENT.reset(token)
+
+
+def _structure(module: nn.Module, name: str, collection: str) -> dict[str, Any]:
+  """The structure fields of a leaf `name` that `module` creates in `collection` now."""
+  p = _PLACEMENT.get()
+  if p.block is None:   # outside a block: only the segment (routers)
+    return dict(segment=p.segment)
+  local = tuple(module.path[len(p.block):]) + (name,)
+  if collection == 'params':
+    return dict(segment=p.segment, sets=p.sets, uses=p.uses, local=local)
+  return dict(segment=p.segment, layers=p.layers, local=local)
 
 
 def param(module: nn.Module, name: str, shape: tuple[int, ...], axes: tuple[str | None, ...],
@@ -71,7 +124,7 @@ def param(module: nn.Module, name: str, shape: tuple[int, ...], axes: tuple[str 
     raise ValueError(f'parameter {name}: give exactly one of std (normal init) or init')
   fn = nn.initializers.normal(std) if std is not None else init
   meta = dict(names=tuple(axes), role=role, num_in=num_in, init_std=std, branch=branch,
-              writes=writes, use=use)
+              writes=writes, use=use, **_structure(module, name, collection))
   boxed_init = lambda rng, *args: Param(fn(rng, *args), **meta)
   if collection == 'params':
     return module.param(name, boxed_init, shape, dtype)
@@ -91,6 +144,11 @@ class ParamInfo:
   branch: str | None = None
   writes: bool = False
   use: str | None = None
+  segment: int | None = None
+  sets: tuple[int, ...] = ()
+  uses: tuple[int, ...] = ()
+  layers: tuple[int, ...] = ()
+  local: tuple[str, ...] = ()
 
   @property
   def key(self) -> str:
@@ -124,6 +182,25 @@ class ParamInfo:
     """(stack..., fan_in, fan_out) view of a kernel."""
     return w.reshape(self.stack_shape + (self.fan_in, self.fan_out))
 
+  @property
+  def in_block(self) -> bool:
+    """A parameter of a block of the layer stack (tied across its set's uses, or per layer)."""
+    return bool(self.local)
+
+  @property
+  def applications(self) -> int:
+    """Applied layers one stored entry of this leaf serves (1 outside the blocks and per layer;
+    the largest where a plan applies its sets unequally often)."""
+    return max(self.uses, default=1)
+
+  @property
+  def num_layer_axes(self) -> int:
+    """Leading axes that index stored sets ('params') or applied layers (PER_LAYER)."""
+    n = 0
+    while n < len(self.axes) and self.axes[n] in ('layers', 'repeats'):
+      n += 1
+    return n
+
   def embed_axis(self) -> int | None:
     """Position of the 'embed' axis (the residual-stream width), if any."""
     return self.axes.index('embed') if 'embed' in self.axes else None
@@ -137,7 +214,8 @@ def table(boxed: Any) -> dict[Path, ParamInfo]:
       raise ConfigError(f'parameter {"/".join(path)} has no role; create it with '
                         f'sharenet.params.param')
     out[path] = ParamInfo(path, tuple(box.names), tuple(box.value.shape), box.role, box.num_in,
-                          box.init_std, box.branch, box.writes, box.use)
+                          box.init_std, box.branch, box.writes, box.use, box.segment, box.sets,
+                          box.uses, box.layers, box.local)
   return out
 
 

@@ -35,10 +35,15 @@ ordinary cached forward of models/lm.py, right-padded to a power-of-two bucket);
 token then goes through the loops like a generated one, so the first new token exits early too.
 A slot's cache row is indexed by absolute position (slot s holds position s).
 
-Scope (ConfigError otherwise): a plan of one `cycle` segment (model.sharing.scheme=cycle or
-universal) with scanned layers, no per-layer collection (untied norms / depth-wise LoRA would
-make the loops differ) and no u-muP residual rule (its residual scale depends on the applied
-layer index). Greedy decoding only.
+Plans (ConfigError otherwise): any plan with one looped `cycle` segment (models/loops.py):
+cycle, universal, groups, and middle_cycle, whose unique first layer (the prelude) runs when a
+token starts and whose unique last layer (the coda) runs after every loop, before the shared
+head, so the exit logits after loop r are those of the model evaluated at depth r. Depth-wise
+LoRA and untied norms are per applied layer (the loops then differ, and each loop reads its own
+parts), MASA blocks read the model's atoms; scanned or Python-loop stacks alike (the layers are
+read from the parameters' structure metadata). Not served: routed models (their recursions
+are per token already), the u-muP residual rule (its scale depends on the applied layer index)
+and values-are-keys attention sharing. Greedy decoding only.
 """
 from __future__ import annotations
 
@@ -46,86 +51,47 @@ import functools
 import time
 from typing import Any, NamedTuple, Sequence
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from sharenet.errors import ConfigError
 from sharenet.generate import bucket, check_prompts
-from sharenet.models import DecoderLM
-from sharenet.models.attention import DecodeStep, LayerCache
-from sharenet.models.block import Block
-from sharenet.models.lm import KVCache, init_cache
-from sharenet.models.stack import Stack
-from sharenet.norms import PER_LAYER
+from sharenet.models import DecoderLM, loops
+from sharenet.models.lm import init_cache
 
 
-def check_recursive(model: DecoderLM, variables: Any) -> tuple[int, int]:
-  """(K sets per loop, R loops) of a model this module serves; one ConfigError line otherwise."""
+def check_recursive(model: DecoderLM, variables: Any) -> loops.Looped:
+  """The plan read as prelude + R loops + coda (models/loops.py); one ConfigError otherwise."""
   c = model.cfg
-  segs = c.plan.segments
-  if len(segs) != 1 or segs[0].order != 'cycle':
-    raise ConfigError(f'recursive inference needs one cycle segment (model.sharing.scheme='
-                      f'cycle or universal), got scheme={c.plan.scheme!r} with segments '
-                      f'{[s.order for s in segs]}')
-  if not c.scan_layers:
-    raise ConfigError('recursive inference needs model.scan_layers=True')
+  shape = loops.looped(c)
   if c.routing != 'none':
     raise ConfigError(f'recursive inference runs every loop on every token; model.routing.kind='
                       f'{c.routing!r} routes them (docs/routing.md); valid: routing.kind=none')
   if c.umup_residual:
     raise ConfigError('recursive inference does not support parametrization.kind=umup (its '
                       'residual rule depends on the applied layer index); valid: sp, mup')
-  if jax.tree.leaves(variables.get(PER_LAYER, {})):
-    raise ConfigError('recursive inference needs identical loops: no per-layer collection '
-                      '(model.sharing.untie_norms=False, model.sharing.lora_rank=0)')
-  if c.masa or c.values_are_keys:
-    raise ConfigError('recursive inference serves plain blocks and K/V caches; valid: '
-                      'model.masa.atoms=0 and model.attention_sharing=none|q_kv')
-  return segs[0].num_sets, segs[0].repeats
-
-
-def _stack_replaced(fn):
-  """Intercepts DecoderLM's call of its Stack: `fn(carry, positions, segment_ids, cache, step)`
-  runs instead."""
-  def interceptor(next_fun, args, kwargs, context):
-    if isinstance(context.module, Stack) and context.method_name == '__call__':
-      return fn(*args, **kwargs)
-    return next_fun(*args, **kwargs)
-  return nn.intercept_methods(interceptor)
+  if c.values_are_keys:
+    raise ConfigError(f'recursive inference keeps keys and values per layer; model.'
+                      f'attention_sharing={c.attention_sharing} stores no values; valid: none, '
+                      f'q_kv')
+  return shape
 
 
 def embed(model: DecoderLM, variables: Any, tokens_BT: jax.Array,
           positions_BT: jax.Array) -> jax.Array:
-  """The model's own input side (embedding, positions): the hidden state entering the stack."""
-  B, T = tokens_BT.shape
-  captured = []
-
-  def take(carry, positions, segment_ids, cache, step):
-    captured.append(carry)
-    return carry, cache
-
-  dummy = KVCache((), jnp.full((B, T), -1, jnp.int32), jnp.zeros((), jnp.int32))
-  with _stack_replaced(take):
-    # the unused readout is dead code
-    model.apply(variables, tokens_BT, cache=dummy, positions_BT=positions_BT)
-  return captured[0]
+  """The model's own input side (embedding, positions): the hidden state entering the trunk."""
+  return model.apply(variables, tokens_BT, positions_BT, method='embed')
 
 
 def readout(model: DecoderLM, variables: Any, h_BTD: jax.Array) -> jax.Array:
   """The shared exit head: the model's final norm and unembedding applied to `h_BTD`."""
-  B, T, _ = h_BTD.shape
-  dummy = KVCache((), jnp.full((B, T), -1, jnp.int32), jnp.zeros((), jnp.int32))
-  with _stack_replaced(lambda carry, positions, segment_ids, cache, step: (h_BTD, cache)):
-    logits_BTV, _ = model.apply(variables, jnp.zeros((B, T), jnp.int32), cache=dummy,
-                                positions_BT=jnp.zeros((B, T), jnp.int32))
-  return logits_BTV
+  return model.apply(variables, h_BTD, method='head')
 
 
 class Slots(NamedTuple):
-  """The decode state of a fixed number of slots (B). L = R * K applied layers, S positions."""
-  h_BD: jax.Array          # hidden state entering the next loop
+  """The decode state of a fixed number of slots (B). L applied layers, S positions."""
+  h_BD: jax.Array          # the token's stream: embedded at depth 0, else entering loop depth
   depth_B: jax.Array       # next loop to run (0 .. R-1)
   pos_B: jax.Array         # position of the token being computed
   k_BLSKD: jax.Array       # keys per applied layer; cache slot s holds position s
@@ -149,61 +115,64 @@ def empty_slots(model: DecoderLM, batch: int, num_positions: int, max_new_tokens
                jnp.zeros((batch,), bool), jnp.zeros((batch, max_new_tokens), jnp.int32), zi, zi)
 
 
-def _loop_one(model: DecoderLM, block_params: Any, num_sets: int, h_D, depth, pos, run,
-              k_LSKD, v_LSKD, key_pos_S):
-  """One sequence, one loop (K blocks) at loop `depth` for the token at `pos` (vmapped over the
-  slots). A slot that does not `run` keeps its cache; only the token's column is written."""
-  cfg = model.cfg.segment_cfg(model.cfg.plan.segments[0])
+def _slot_tick(cfg, shape: loops.Looped, store, h_D, depth, pos, run, k_LSKD, v_LSKD,
+               key_pos_S):
+  """One slot, one tick: the prelude when the token starts (depth 0), loop `depth`, and the
+  coda for the exit logits. Writes the prelude's and the loop's cache columns where the slot
+  runs; returns the coda's columns uncommitted (written only when the token exits)."""
   key_pos_S = jnp.where(run, key_pos_S.at[pos].set(pos), key_pos_S)
-  step = DecodeStep(pos, pos[None, None], key_pos_S[None])
-  start = depth * num_sets
-  k_KSKD = jax.lax.dynamic_slice_in_dim(k_LSKD, start, num_sets, axis=0)
-  v_KSKD = jax.lax.dynamic_slice_in_dim(v_LSKD, start, num_sets, axis=0)
-
-  def body(x_11D, inputs):
-    p, k_SKD, v_SKD = inputs
-    x_11D, cache = Block(cfg).apply({'params': p}, x_11D, None, None,
-                                    LayerCache(k_SKD[None], v_SKD[None]), step)
-    return x_11D, (cache.k_BSKD[0], cache.v_BSKD[0])
-
-  x_11D, (k_KSKD, v_KSKD) = jax.lax.scan(body, h_D[None, None], (block_params, k_KSKD, v_KSKD))
-
-  def write(kv_LSKD, new_KSKD):
-    at = (start, pos, 0, 0)
-    old_K1KD = jax.lax.dynamic_slice(kv_LSKD, at, (num_sets, 1) + kv_LSKD.shape[2:])
-    new_K1KD = jax.lax.dynamic_slice_in_dim(new_KSKD, pos, 1, axis=1)
-    return jax.lax.dynamic_update_slice(kv_LSKD, jnp.where(run, new_K1KD, old_K1KD), at)
-
-  return x_11D[0, 0], write(k_LSKD, k_KSKD), write(v_LSKD, v_KSKD), key_pos_S
+  apply = lambda x, first, n, k, v: loops.run_layers(cfg, store, x, first, n, k, v, pos,
+                                                     key_pos_S)
+  if shape.start:
+    pre_D, k_N, v_N = apply(h_D, jnp.int32(0), shape.start, k_LSKD, v_LSKD)
+    starts = run & (depth == 0)
+    k_LSKD = loops.write_columns(k_LSKD, jnp.int32(0), pos, k_N, starts)
+    v_LSKD = loops.write_columns(v_LSKD, jnp.int32(0), pos, v_N, starts)
+    h_D = jnp.where(depth == 0, pre_D, h_D)
+  first = shape.start + depth * shape.num_sets
+  h_D, k_N, v_N = apply(h_D, first, shape.num_sets, k_LSKD, v_LSKD)
+  k_LSKD = loops.write_columns(k_LSKD, first, pos, k_N, run)
+  v_LSKD = loops.write_columns(v_LSKD, first, pos, v_N, run)
+  out_D, coda = h_D, None
+  if shape.coda < shape.num_layers:
+    out_D, k_N, v_N = apply(h_D, jnp.int32(shape.coda), shape.num_layers - shape.coda, k_LSKD,
+                            v_LSKD)
+    coda = (k_N, v_N)
+  return h_D, out_D, k_LSKD, v_LSKD, key_pos_S, coda
 
 
-def _copy_deeper(kv_LSKD, depth, pos, exited, num_sets: int):
+def _copy_deeper(kv_LSKD, depth, pos, exited, shape: loops.Looped):
   """If `exited`: fills the cache of the loops after `depth` at `pos` with loop `depth`'s."""
-  L = kv_LSKD.shape[0]
+  L, K = kv_LSKD.shape[0], shape.num_sets
   at = (0, pos, 0, 0)
   col_L1KD = jax.lax.dynamic_slice(kv_LSKD, at, (L, 1) + kv_LSKD.shape[2:])
   layer_L = jnp.arange(L)
-  src_L = depth * num_sets + layer_L % num_sets
-  deeper_L = exited & (layer_L >= (depth + 1) * num_sets)
+  looped_L = (layer_L >= shape.start) & (layer_L < shape.coda)
+  src_L = jnp.where(looped_L, shape.start + depth * K + (layer_L - shape.start) % K, layer_L)
+  deeper_L = exited & looped_L & (layer_L >= shape.start + (depth + 1) * K)
   filled_L1KD = jnp.where(deeper_L[:, None, None, None], col_L1KD[src_L], col_L1KD)
   return jax.lax.dynamic_update_slice(kv_LSKD, filled_L1KD, at)
 
 
 def _tick(variables, st: Slots, threshold, eos_id, *, model: DecoderLM, sync: bool) -> Slots:
   """One loop for every running slot; exits, emits and starts next tokens (jit-able)."""
-  K, R = check_recursive(model, variables)
-  N = st.out_BN.shape[1]
-  block_params = variables['params']['stack']['segment_0']['level']['block']
+  shape = check_recursive(model, variables)
+  R, N = shape.loops, st.out_BN.shape[1]
+  store = loops.layer_store(model.cfg, variables, model.apply(variables, method='atoms'))
   run_B = st.active_B & ~st.hold_B
-  loop = jax.vmap(functools.partial(_loop_one, model, block_params, K))
-  h_BD, k_BLSKD, v_BLSKD, key_pos_BS = loop(st.h_BD, st.depth_B, st.pos_B, run_B, st.k_BLSKD,
-                                            st.v_BLSKD, st.key_pos_BS)
-  logits_BV = readout(model, variables, h_BD[:, None])[:, 0]
+  tick = jax.vmap(functools.partial(_slot_tick, model.cfg, shape, store))
+  h_BD, out_BD, k_BLSKD, v_BLSKD, key_pos_BS, coda = tick(
+      st.h_BD, st.depth_B, st.pos_B, run_B, st.k_BLSKD, st.v_BLSKD, st.key_pos_BS)
+  logits_BV = readout(model, variables, out_BD[:, None])[:, 0]
   conf_B = jnp.max(jax.nn.softmax(logits_BV, axis=-1), axis=-1)
   token_B = jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
   confident_B = (conf_B >= threshold) & (threshold < 1.0)
   exit_B = run_B & (confident_B | (st.depth_B == R - 1))
-  copy = jax.vmap(functools.partial(_copy_deeper, num_sets=K))
+  if coda is not None:   # the coda's keys and values are the exiting token's
+    write = jax.vmap(loops.write_columns, in_axes=(0, None, 0, 0, 0))
+    k_BLSKD = write(k_BLSKD, jnp.int32(shape.coda), st.pos_B, coda[0], exit_B)
+    v_BLSKD = write(v_BLSKD, jnp.int32(shape.coda), st.pos_B, coda[1], exit_B)
+  copy = jax.vmap(functools.partial(_copy_deeper, shape=shape))
   k_BLSKD = copy(k_BLSKD, st.depth_B, st.pos_B, exit_B)
   v_BLSKD = copy(v_BLSKD, st.depth_B, st.pos_B, exit_B)
 
@@ -252,7 +221,9 @@ def _prefill(variables, tokens_1P, positions_1P, *, model: DecoderLM, num_positi
   """Cached full-depth forward of a right-padded prompt prefix: (k, v) (L, S, Kh, Dh), key_pos."""
   cache = init_cache(model.cfg, 1, num_positions)
   _, cache = model.apply(variables, tokens_1P, cache=cache, positions_BT=positions_1P)
-  return cache.layers[0].k_BSKD[:, 0], cache.layers[0].v_BSKD[:, 0], cache.key_positions_BS[0]
+  k_LSKD = jnp.concatenate([c.k_BSKD[:, 0] for c in cache.layers])   # segments in plan order
+  v_LSKD = jnp.concatenate([c.v_BSKD[:, 0] for c in cache.layers])
+  return k_LSKD, v_LSKD, cache.key_positions_BS[0]
 
 
 _prefill_jit = jax.jit(_prefill, static_argnames=('model', 'num_positions'))

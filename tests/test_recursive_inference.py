@@ -56,6 +56,55 @@ def _never_exit_is_plain_greedy(model, variables):
   assert out.ticks == NEW * R   # lock step: every token runs every loop
 
 
+RELAXED = {'model.sharing.scheme': 'middle_cycle', 'model.sharing.num_unique': K + 2,
+           'model.sharing.lora_rank': 2, 'model.sharing.lora_targets': 'q,v,mlp_in',
+           'model.sharing.untie_norms': True}
+
+
+def _relaxed(tiny_config, repeats=R, **overrides):
+  """Relaxed Recursive Transformer: U0 (A B) x R U_last, depth-wise LoRA and untied norms,
+  every per-layer part randomised so that the loops differ."""
+  config = tiny_config(**{**RELAXED, 'model.num_layers': K * repeats + 2, **overrides})
+  model = DecoderLM(ModelConfig.from_config(config.model, config.train.seq_len))
+  variables = init_variables(model, jax.random.key(0))
+  leaves, tree = jax.tree.flatten(variables['per_layer'])
+  keys = jax.random.split(jax.random.key(1), len(leaves))
+  variables['per_layer'] = jax.tree.unflatten(tree, [
+      x + 0.3 * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys)])
+  return model, variables
+
+
+def test_relaxed_middle_cycle_never_exit_is_plain_greedy(tiny_config):
+  """Prelude, loops with their own LoRA and norms, coda: threshold 1.0 is `generate`'s greedy."""
+  _never_exit_is_plain_greedy(*_relaxed(tiny_config))
+
+
+def test_relaxed_middle_cycle_always_exit_is_the_one_loop_model(tiny_config):
+  """Exit after loop 0 = prelude, loop 0 (its own per-layer parts), coda: the model at depth 1,
+  whose per-layer rows are layers 0, 1..K and the last of the deep model (models/layout.py).
+  One-token prompts: a prefilled prompt runs every loop, and the coda's keys of those tokens
+  then come from their full-depth state, which the shallow model never sees."""
+  from sharenet.models import layout
+  model, variables = _relaxed(tiny_config)
+  # One loop shares nothing, so LoRA on every layer; the unique layers' rows are zeros (the
+  # deep model holds none there), which computes what no LoRA computes.
+  shallow, shallow_vars = _relaxed(tiny_config, repeats=1, **{'model.sharing.lora_layers': 'all'})
+  rows = layout.applied_per_layer(variables['per_layer'], model.cfg)
+  keep = np.r_[0:K + 1, model.cfg.num_layers - 1]
+  shallow_vars = {'params': variables['params'], 'per_layer': layout.from_applied_per_layer(
+      shallow_vars['per_layer'], {p: v[keep] for p, v in rows.items()}, shallow.cfg)}
+  prompts = [p[:1] for p in PROMPTS]
+  truncated = gen.generate(shallow, shallow_vars, prompts, NEW, temperature=0).tokens
+  out = ri.generate_early_exit(model, variables, prompts, NEW, exit_threshold=0.0)
+  assert out.tokens == truncated
+  assert truncated != gen.generate(model, variables, prompts, NEW, temperature=0).tokens
+
+
+def test_python_loop_stack_never_exit_is_plain_greedy(tiny_config):
+  """The Python-loop baseline stores one module per set: served from the same metadata."""
+  _never_exit_is_plain_greedy(*_model(tiny_config, **{'model.scan_layers': False}))
+
+
 def test_always_exit_is_the_one_loop_model(cycle, tiny_config):
   model, variables = cycle
   one_loop, _ = _model(tiny_config, repeats=1)   # same stored sets, applied once
@@ -145,5 +194,5 @@ def test_bad_settings_are_one_line_errors(cycle, tiny_config):
   config = tiny_config(**{'model.num_layers': 4, 'model.sharing.scheme': 'sequence',
                           'model.sharing.num_unique': 2})   # A A B B: no loop over the sets
   seq = DecoderLM(ModelConfig.from_config(config.model, config.train.seq_len))
-  with pytest.raises(ConfigError, match='cycle segment'):
+  with pytest.raises(ConfigError, match='looped cycle segment'):
     ri.generate_early_exit(seq, init_variables(seq, jax.random.key(0)), PROMPTS, NEW)

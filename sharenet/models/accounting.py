@@ -22,16 +22,17 @@ def params_unique(variables: Any) -> int:
 
 
 def params_applied(variables: Any, cfg: ModelConfig) -> int:
-  """Parameters an untied model with the same applied depth would store."""
+  """Parameters an untied model with the same applied depth would store: a tied block leaf
+  counts once per use of each stored set it holds (its structure metadata, params.py)."""
   variables = nn.unbox(variables)
-  segs = cfg.plan.segments
+  table = param_table(cfg)
   total = 0
   for c in ('params', PER_LAYER):
     for path, x in flatten_dict(variables.get(c, {})).items():
       n = math.prod(x.shape)
-      if c == 'params' and path[0] == 'stack' and 'router' not in path:   # routers: stored once
-        seg = segs[int(path[1].removeprefix('segment_'))]
-        n = n // seg.num_sets * seg.num_applied
+      info = table.get((c,) + path)
+      if info is not None and info.sets:   # routers and per-layer parts: stored as applied
+        n = n // len(info.sets) * sum(info.uses)
       total += n
   return total
 

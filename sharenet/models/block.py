@@ -26,6 +26,7 @@ from sharenet.models import unit_scale
 from sharenet import kernels as kernel_lib
 from sharenet.kernels import norms as norm_kernels
 from sharenet.norms import PER_LAYER, Norm
+from sharenet.params import placed
 
 ACT_AXES = ('activation_batch', 'activation_length', 'activation_embed')
 
@@ -44,6 +45,10 @@ class Block(nn.Module):
   def __call__(self, carry, positions_T: jax.Array | None, segment_ids_BT=None,
                cache: LayerCache | None = None, step: DecodeStep | None = None,
                masa: dict[str, jax.Array] | None = None):
+    with placed(block=tuple(self.path)):   # structure metadata: block-local keys (params.py)
+      return self._layer(carry, positions_T, segment_ids_BT, cache, step, masa)
+
+  def _layer(self, carry, positions_T, segment_ids_BT, cache, step, masa):
     c = self.cfg
     updated = []   # the attention's updated cache, when given one
 

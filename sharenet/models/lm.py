@@ -18,6 +18,8 @@ from sharenet import params
 from sharenet.norms import PER_LAYER, Norm
 
 TRAINABLE = ('params', PER_LAYER)
+# The stack's module name; only models/ reads it (tests/test_structure.py renames it).
+STACK = 'stack'
 
 
 class KVCache(NamedTuple):
@@ -36,7 +38,10 @@ def init_cache(cfg: ModelConfig, batch_size: int, num_slots: int) -> KVCache:
 
 
 class DecoderLM(nn.Module):
-  """tokens (B, T) int -> logits (B, T, V) float32.
+  """tokens (B, T) int -> logits (B, T, V) float32, in three parts that serving code calls
+  directly: `embed` (tokens -> the stream entering the trunk), `trunk` (the plan's segments,
+  models/stack.py) and `head` (final norm and readout); `atoms` gives the MASA atoms the
+  trunk's blocks read (None without MASA).
 
   With a `cache` (init_cache) the call is one step of cached generation: `tokens_BT` are the
   next T tokens of each sequence, `positions_BT` their absolute positions (-1 marks padding,
@@ -48,69 +53,103 @@ class DecoderLM(nn.Module):
   """
   cfg: ModelConfig
 
-  @nn.compact
-  def __call__(self, tokens_BT: jax.Array, segment_ids_BT: jax.Array | None = None,
-               cache: KVCache | None = None, positions_BT: jax.Array | None = None):
+  def setup(self):
     c = self.cfg
     dt, pdt = jnp.dtype(c.dtype), jnp.dtype(c.param_dtype)
-    T = tokens_BT.shape[1]
-    step = None
-    if cache is not None:
-      key_pos_BS = jax.lax.dynamic_update_slice_in_dim(cache.key_positions_BS, positions_BT,
-                                                       cache.index, axis=1)
-      step = DecodeStep(cache.index, jnp.maximum(positions_BT, 0), key_pos_BS)
-    embed = Embed(c.vocab_size, c.d_model, c.embed_init_std, c.fixnorm, dt, pdt, name='embed')
-    x_BTD = embed(tokens_BT)
+    self.embedder = Embed(c.vocab_size, c.d_model, c.embed_init_std, c.fixnorm, dt, pdt,
+                          name='embed')
     if c.position == 'learned':
-      pos_TD = params.param(self, 'pos_embed', (c.max_len, c.d_model), ('length', 'embed'),
-                            'pos_embed', std=0.02, dtype=pdt, num_in=1, writes=True)
-      if step is None:
-        x_BTD = x_BTD + pos_TD[None, :T].astype(dt)
+      self.pos_table = params.param(self, 'pos_embed', (c.max_len, c.d_model),
+                                    ('length', 'embed'), 'pos_embed', std=0.02, dtype=pdt,
+                                    num_in=1, writes=True)
+    # MASA atoms (models/masa.py): stored here once, handed to every applied layer.
+    self.masa_atoms = MasaAtoms(c, name='masa') if c.masa else None
+    self.stack = Stack(c, name=STACK)
+    self.final_norm = None
+    if c.norm_placement != 'post':
+      self.final_norm = Norm(c.norm, c.norm_eps, param_dtype=pdt, dyt_alpha=c.dyt_alpha,
+                             role='norm_out', kernels=c.kernels, name='final_norm')
+    self.readout = None
+    if not c.tie_embeddings:
+      self.readout = Dense((c.vocab_size,), ('embed',), ('vocab',), role='readout',
+                           use_bias=c.reader_bias, dtype=dt, param_dtype=pdt, float32_out=True,
+                           dense_grad=c.dense_grad, name='readout')
+    elif c.reader_bias:
+      self.logits_bias = params.param(self, 'logits_bias', (c.vocab_size,), ('vocab',), 'bias',
+                                      init=nn.initializers.zeros, dtype=pdt)
+
+  def embed(self, tokens_BT: jax.Array, positions_BT: jax.Array | None = None) -> jax.Array:
+    """The stream entering the trunk (B, T, D); `positions_BT` (absolute, >= 0) for learned
+    positions in cached generation (default 0..T-1)."""
+    c = self.cfg
+    x_BTD = self.embedder(tokens_BT)
+    if c.position == 'learned':
+      if positions_BT is None:
+        x_BTD = x_BTD + self.pos_table[None, :tokens_BT.shape[1]].astype(x_BTD.dtype)
       else:
-        x_BTD = x_BTD + jnp.take(pos_TD, step.positions_BT, axis=0).astype(dt)
+        x_BTD = x_BTD + jnp.take(self.pos_table, positions_BT, axis=0).astype(x_BTD.dtype)
     if c.center_embedding:   # zero-mean writer for tied tables
       x_BTD = x_BTD - jnp.mean(x_BTD, axis=-1, keepdims=True)
     x_BTD = nn.with_logical_constraint(x_BTD, ACT_AXES)
     # A zero-valued hook so tests and coordinate checks can take d(out)/d(embedded input).
     x_BTD = self.perturb('embedded', x_BTD)
     sow_l1(self, 'embed_out', x_BTD)
-    # MASA atoms (models/masa.py): stored here once, handed to every applied layer.
-    masa = MasaAtoms(c, name='masa')() if c.masa else None
-    if step is not None:   # cached generation: positions come with the step
-      carry = (x_BTD, jnp.zeros((), jnp.int32)) if c.umup_residual else x_BTD
-      extra = {} if masa is None else {'masa': masa}
-      carry, layer_caches = Stack(c, name='stack')(carry, None, segment_ids_BT, cache.layers,
-                                                   step, **extra)
-      x_BTD = carry[0] if c.umup_residual else carry
-      cache = KVCache(layer_caches, step.key_positions_BS, cache.index + T)
-    elif c.umup_residual:   # u-muP's residual rule carries the applied layer index (block.py)
-      x_BTD, _ = Stack(c, name='stack')((x_BTD, jnp.zeros((), jnp.int32)), jnp.arange(T),
-                                        segment_ids_BT, masa=masa)
+    return x_BTD
+
+  def atoms(self) -> dict[str, jax.Array] | None:
+    """The MASA atoms {target: atoms} every block reads (None without MASA)."""
+    return None if self.masa_atoms is None else self.masa_atoms()
+
+  def trunk(self, x_BTD: jax.Array, positions_T: jax.Array | None, segment_ids_BT=None,
+            layer_caches: tuple | None = None, step: DecodeStep | None = None):
+    """The plan's segments over the stream: x, or (x, updated layer caches) with a cache."""
+    c = self.cfg
+    masa = self.atoms()
+    extra = {} if masa is None else {'masa': masa}
+    # u-muP's residual rule carries the applied layer index (block.py).
+    carry = (x_BTD, jnp.zeros((), jnp.int32)) if c.umup_residual else x_BTD
+    if layer_caches is None:
+      carry = self.stack(carry, positions_T, segment_ids_BT, **extra)
     else:
-      x_BTD = Stack(c, name='stack')(x_BTD, jnp.arange(T), segment_ids_BT, masa=masa)
-    if c.norm_placement != 'post':
-      x_BTD = Norm(c.norm, c.norm_eps, param_dtype=pdt, dyt_alpha=c.dyt_alpha, role='norm_out',
-                   kernels=c.kernels, name='final_norm')(x_BTD)
+      carry, layer_caches = self.stack(carry, positions_T, segment_ids_BT, layer_caches, step,
+                                       **extra)
+    x_BTD = carry[0] if c.umup_residual else carry
+    return x_BTD if layer_caches is None else (x_BTD, layer_caches)
+
+  def head(self, x_BTD: jax.Array) -> jax.Array:
+    """Final norm and readout: the stream (B, T, D) -> logits (B, T, V), float32 or wider."""
+    c = self.cfg
+    if self.final_norm is not None:
+      x_BTD = self.final_norm(x_BTD)
       sow_l1(self, 'final_norm_out', x_BTD)
-    if c.tie_embeddings:
-      logits_BTV = embed.attend(x_BTD)
+    if self.readout is None:
+      logits_BTV = self.embedder.attend(x_BTD)
       if c.reader_bias:
-        bias_V = params.param(self, 'logits_bias', (c.vocab_size,), ('vocab',), 'bias',
-                              init=nn.initializers.zeros, dtype=pdt)
-        logits_BTV = logits_BTV + bias_V[None, None].astype(logits_BTV.dtype)
+        logits_BTV = logits_BTV + self.logits_bias[None, None].astype(logits_BTV.dtype)
     else:
-      logits_BTV = Dense((c.vocab_size,), ('embed',), ('vocab',), role='readout',
-                         use_bias=c.reader_bias, dtype=dt, param_dtype=pdt, float32_out=True,
-                         dense_grad=c.dense_grad, name='readout')(x_BTD)
+      logits_BTV = self.readout(x_BTD)
     if c.logits_mult != 1.0:   # muP readout multiplier (microsoft/mup MuReadout)
       logits_BTV = logits_BTV * c.logits_mult
     sow_l1(self, 'logits', logits_BTV)
     # float32 logits: a low-precision model's readout already returns them unrounded
     # (layers.einsum_f32); float64 stays float64 (exactness tests).
     logits_BTV = logits_BTV.astype(jnp.promote_types(logits_BTV.dtype, jnp.float32))
-    logits_BTV = nn.with_logical_constraint(
+    return nn.with_logical_constraint(
         logits_BTV, ('activation_batch', 'activation_length', 'activation_vocab'))
-    return logits_BTV if cache is None else (logits_BTV, cache)
+
+  def __call__(self, tokens_BT: jax.Array, segment_ids_BT: jax.Array | None = None,
+               cache: KVCache | None = None, positions_BT: jax.Array | None = None):
+    T = tokens_BT.shape[1]
+    if cache is None:
+      x_BTD = self.trunk(self.embed(tokens_BT), jnp.arange(T), segment_ids_BT)
+      return self.head(x_BTD)
+    key_pos_BS = jax.lax.dynamic_update_slice_in_dim(cache.key_positions_BS, positions_BT,
+                                                     cache.index, axis=1)
+    step = DecodeStep(cache.index, jnp.maximum(positions_BT, 0), key_pos_BS)
+    x_BTD = self.embed(tokens_BT, step.positions_BT)
+    # cached generation: positions come with the step
+    x_BTD, layer_caches = self.trunk(x_BTD, None, segment_ids_BT, cache.layers, step)
+    return self.head(x_BTD), KVCache(layer_caches, key_pos_BS, cache.index + T)
 
 
 def init_boxed(model: DecoderLM, rng: jax.Array, batch_size: int = 1, seq_len: int = 8):

@@ -42,7 +42,14 @@ from sharenet.models import routing
 from sharenet.models.config import ModelConfig
 from sharenet.models.layers import INTERMEDIATES
 from sharenet.norms import PER_LAYER
-from sharenet.sharing import Segment
+from sharenet.params import placed
+from sharenet.sharing import Segment, SharingPlan
+
+# Module names of the stack's tree. Nothing outside this package reads them: consumers find a
+# leaf's segment, stored sets and applied layers in its metadata (sharenet/params.py), and
+# tests/test_structure.py renames these to show it.
+NAMES = {'segment': 'segment_{}', 'level': 'level', 'block': 'block', 'set': 'set_{}',
+         'router': 'router'}
 
 SAVE_NAMES = ('query_proj', 'key_proj', 'value_proj', 'out_proj', 'mlp_hidden', 'mlp_out')
 
@@ -136,18 +143,19 @@ class _Level(nn.Module):
       (pos,) = [i for i, (_, s, _) in enumerate(self.levels) if s]
       pattern = np.unravel_index(np.arange(math.prod(lengths)), lengths)[pos]
       flat = _reshape_leading(cache, len(lengths), (math.prod(lengths),))
-      x_BTD, flat = GatherSegment(self.cfg, tuple(int(k) for k in pattern),
-                                  tuple((n, a) for n, _, a in self.levels), name='level')(
-                                      x_BTD, positions_T, segment_ids_BT,
-                                      *_decode_args(flat, step, masa))
+      gather = GatherSegment(self.cfg, tuple(int(k) for k in pattern),
+                             tuple((n, a) for n, _, a in self.levels), name=NAMES['level'])
+      x_BTD, flat = gather(x_BTD, positions_T, segment_ids_BT, *_decode_args(flat, step, masa))
       return x_BTD, _reshape_leading(flat, 1, lengths)
     decode, shared = cache is not None, masa is not None
     if rest:
       body = _scan(_Level, length, stacked, axis, self.cfg.scan_unroll,
-                   self.cfg.scan_split_transpose, decode, shared)(self.cfg, rest, name='level')
+                   self.cfg.scan_split_transpose, decode, shared)(self.cfg, rest,
+                                                                  name=NAMES['level'])
     else:
       body = _scan(_block_cls(self.cfg), length, stacked, axis, self.cfg.scan_unroll,
-                   self.cfg.scan_split_transpose, decode, shared)(self.cfg, name='block')
+                   self.cfg.scan_split_transpose, decode, shared)(self.cfg,
+                                                                  name=NAMES['block'])
     return body(x_BTD, positions_T, segment_ids_BT, *_decode_args(cache, step, masa))
 
 
@@ -197,7 +205,7 @@ class GatherSegment(nn.Module):
         scanned, ['params', PER_LAYER],
         trans_in_fn=remap(self.pattern, len(lengths), (L,), ('layers',)),
         trans_out_fn=remap(first_use, 1, lengths, axes), init=self.is_initializing())
-    return mapped(self.cfg, name='block')(x_BTD, positions_T, segment_ids_BT,
+    return mapped(self.cfg, name=NAMES['block'])(x_BTD, positions_T, segment_ids_BT,
                                           *_decode_args(cache, step, masa))
 
 
@@ -216,30 +224,32 @@ class RoutedSegment(nn.Module):
   seg: Segment
 
   @nn.compact
-  def __call__(self, x_BTD: jax.Array, positions_T: jax.Array | None, segment_ids_BT=None):
+  def __call__(self, x_BTD: jax.Array, positions_T: jax.Array | None, segment_ids_BT=None,
+               masa=None):
     c = self.cfg
     if c.umup_residual:
       raise ConfigError(f'model.routing.kind={c.routing!r}: the u-muP residual rule is not '
                         f'routed; valid: another parametrization.kind')
     sow = lambda name, value: self.sow(routing.ROUTING, name, value)
-    router = routing.Router(c, name='router')
+    router = routing.Router(c, name=NAMES['router'])
     if c.routing == 'expert_choice' and not c.routing_buckets:
+      inner = _Level(c, segment_levels(self.seg)[1:], name=NAMES['level'])
+      level = lambda x, pos, seg: inner(x, pos, seg, *_decode_args(None, None, masa))
       return routing.expert_choice(x_BTD, positions_T, segment_ids_BT, cfg=c, router=router,
-                                   level=_Level(c, segment_levels(self.seg)[1:], name='level'),
-                                   sow=sow)
+                                   level=level, sow=sow)
     if c.routing == 'expert_choice':
       # Bucketed: one scan over each bucket's recursions (its length from the scanned steps),
       # the router rows broadcast into the body; the same instance runs every bucket.
       body, weights = _recursions(c, self.seg.num_sets), router.expert_weights()
       return routing.expert_choice(
           x_BTD, positions_T, segment_ids_BT, cfg=c, router=router, level=None, sow=sow,
-          recurse=lambda carry, steps, kept: body(carry, steps, kept, weights))
+          recurse=lambda carry, steps, kept: body(carry, steps, kept, weights, masa))
     # Token choice: every recursion has the full shape, so one scan over them (params
     # broadcast, as the plain nested segment's outer scan over repeats).
     body = _recursions(c, self.seg.num_sets, self.seg.repeats)
 
     def recurse(carry, routes, positions):
-      (_, out_BTD), _ = body(carry, jnp.arange(self.seg.repeats), routes, positions)
+      (_, out_BTD), _ = body(carry, jnp.arange(self.seg.repeats), routes, positions, masa)
       return out_BTD
     return routing.token_choice(x_BTD, positions_T, segment_ids_BT, cfg=c, router=router,
                                 sow=sow, recurse=recurse, bias_R=router.exit_bias())
@@ -247,12 +257,13 @@ class RoutedSegment(nn.Module):
 
 def _recursions(cfg: ModelConfig, num_sets: int, length: int | None = None):
   """A scan over routed recursions (RoutedSegment): params broadcast, as the plain nested
-  segment's outer scan over repeats; scanned input first, then two broadcast arguments; the
-  length from the scanned input unless given."""
+  segment's outer scan over repeats; scanned input first, then three broadcast arguments (the
+  last the MASA atoms or None); the length from the scanned input unless given."""
   return nn.scan(_Recursion, variable_axes={PER_LAYER: 0, INTERMEDIATES: 0},
                  variable_broadcast='params', split_rngs={'params': False, PER_LAYER: True},
-                 in_axes=(0, nn.broadcast, nn.broadcast), length=length,
-                 metadata_params={nn.PARTITION_NAME: 'repeats'})(cfg, num_sets, name='level')
+                 in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast), length=length,
+                 metadata_params={nn.PARTITION_NAME: 'repeats'})(cfg, num_sets,
+                                                                 name=NAMES['level'])
 
 
 class _Recursion(nn.Module):
@@ -264,14 +275,24 @@ class _Recursion(nn.Module):
   num_sets: int
 
   @nn.compact
-  def __call__(self, carry, scanned, a, b):
+  def __call__(self, carry, scanned, a, b, masa=None):
     c = self.cfg
-    block = _scan(_block_cls(c), self.num_sets, True, 'layers', c.scan_unroll,
-                  c.scan_split_transpose)(c, name='block')
+    scan = _scan(_block_cls(c), self.num_sets, True, 'layers', c.scan_unroll,
+                 c.scan_split_transpose, masa=masa is not None)(c, name=NAMES['block'])
+    block = lambda x, pos, seg: scan(x, pos, seg, *_decode_args(None, None, masa))
     if c.routing == 'token_choice':
       return routing.token_recursion(block, scanned, carry, a, b), None
     return routing.expert_recursion(block, functools.partial(routing.expert_logits, b), c.alpha,
                                     carry, scanned, a)
+
+
+def placement(plan: SharingPlan, i: int) -> dict:
+  """The structure fields (params.Placement) of plan segment i's parameters."""
+  seg = plan.segments[i]
+  offset = sum(s.num_applied for s in plan.segments[:i])
+  sets = tuple(range(seg.first_set, seg.first_set + seg.num_sets))
+  return dict(segment=i, sets=sets, uses=tuple(len(plan.uses(u)) for u in sets),
+              layers=tuple(range(offset, offset + seg.num_applied)))
 
 
 def segment_levels(seg: Segment) -> tuple[tuple[int, bool, str], ...]:
@@ -310,39 +331,43 @@ class Stack(nn.Module):
     new_cache = []
     if not self.cfg.scan_layers:
       # Python loop baseline (benchmarks): one module per unique set, reused where tied.
-      blocks = [_block_cls(self.cfg)(self.cfg, name=f'set_{u}')
-                for u in range(self.cfg.plan.num_unique)]
+      plan = self.cfg.plan
+      blocks = [_block_cls(self.cfg)(self.cfg, name=NAMES['set'].format(u))
+                for u in range(plan.num_unique)]
       layer = 0
       for i, seg in enumerate(segments):
         layer_caches = []
         for j in range(seg.num_applied):
-          u = self.cfg.plan.index[layer]
+          u = plan.index[layer]
           layer += 1
           one = None if cache is None else jax.tree.map(lambda a: a[j], cache[i])
-          x_BTD, one = blocks[u](x_BTD, positions_T, segment_ids_BT,
-                                 *_decode_args(one, step, masa))
+          with placed(segment=i, sets=(u,), uses=(len(plan.uses(u)),), layers=()):
+            x_BTD, one = blocks[u](x_BTD, positions_T, segment_ids_BT,
+                                   *_decode_args(one, step, masa))
           layer_caches.append(one)
         if cache is not None:
           new_cache.append(jax.tree.map(lambda *a: jnp.stack(a), *layer_caches))
       return x_BTD if cache is None else (x_BTD, tuple(new_cache))
     for i, seg in enumerate(segments):
       cfg = self.cfg.segment_cfg(seg)   # no LoRA on unshared segments under lora_layers=shared
-      if i == self.cfg.routed_segment:
-        if cache is not None:
-          raise ConfigError(f'model.routing.kind={cfg.routing!r}: cached generation of a '
-                            f'routed model is not implemented; valid: routing.kind=none')
-        x_BTD = RoutedSegment(cfg, seg, name=f'segment_{i}')(x_BTD, positions_T, segment_ids_BT)
-        continue
-      if seg.order == 'gather':
-        x_BTD, seg_cache = GatherSegment(cfg, seg.pattern, name=f'segment_{i}')(
-            x_BTD, positions_T, segment_ids_BT,
-            *_decode_args(None if cache is None else cache[i], step, masa))
-      else:
-        levels = segment_levels(seg)
-        lengths = tuple(n for n, _, _ in levels)
-        nested = None if cache is None else _reshape_leading(cache[i], 1, lengths)
-        x_BTD, seg_cache = _Level(cfg, levels, name=f'segment_{i}')(
-            x_BTD, positions_T, segment_ids_BT, *_decode_args(nested, step, masa))
-        seg_cache = _reshape_leading(seg_cache, len(lengths), (seg.num_applied,))
+      name = NAMES['segment'].format(i)
+      with placed(**placement(self.cfg.plan, i)):
+        if i == self.cfg.routed_segment:
+          if cache is not None:
+            raise ConfigError(f'model.routing.kind={cfg.routing!r}: cached generation of a '
+                              f'routed model is not implemented; valid: routing.kind=none')
+          x_BTD = RoutedSegment(cfg, seg, name=name)(x_BTD, positions_T, segment_ids_BT, masa)
+          continue
+        if seg.order == 'gather':
+          x_BTD, seg_cache = GatherSegment(cfg, seg.pattern, name=name)(
+              x_BTD, positions_T, segment_ids_BT,
+              *_decode_args(None if cache is None else cache[i], step, masa))
+        else:
+          levels = segment_levels(seg)
+          lengths = tuple(n for n, _, _ in levels)
+          nested = None if cache is None else _reshape_leading(cache[i], 1, lengths)
+          x_BTD, seg_cache = _Level(cfg, levels, name=name)(
+              x_BTD, positions_T, segment_ids_BT, *_decode_args(nested, step, masa))
+          seg_cache = _reshape_leading(seg_cache, len(lengths), (seg.num_applied,))
       new_cache.append(seg_cache)
     return x_BTD if cache is None else (x_BTD, tuple(new_cache))

@@ -291,11 +291,13 @@ def to_recursive(cfg: ModelConfig, variables: Any, scheme: str, num_unique: int,
           for p in shared_paths}
   out = dict(target)
   out['params'] = layout.from_unique_sets(target['params'], sets, new_cfg)
-  out['params'] = {**out['params'], **{k: v for k, v in variables['params'].items()
-                                       if k != 'stack'}}
+  outside = {p[1:] for p, i in param_table(cfg).items() if p[0] == 'params' and not i.in_block}
+  out['params'] = unflatten_dict({**flatten_dict(out['params']),
+                                  **{p: v for p, v in flatten_dict(variables['params']).items()
+                                     if p in outside}})   # embedding, final norm, readout
   if PER_LAYER in target:
     layers = layout.applied_per_layer(target[PER_LAYER], new_cfg)
-    norms = {layout.block_relative(p) for p, i in param_table(new_cfg).items()
+    norms = {i.local for p, i in param_table(new_cfg).items()
              if p[0] == PER_LAYER and i.role in NORM_ROLES}
     for p in layers:
       if p in norms:                 # untied norm parameters: each applied layer's own
@@ -318,13 +320,14 @@ def svd_lora(src: dict, sets: dict, index: tuple, cfg: ModelConfig) -> dict:
   idx = jnp.asarray(index)
   r = cfg.lora_rank
   table = param_table(cfg)
-  kernels = {i.module: i for i in table.values() if i.role in KERNEL_ROLES}
-  factors = {}   # block-relative kernel path -> (kernel info, {'a' | 'b': block-relative path})
-  for p, i in table.items():
+  # A LoRA factor's kernel: the block kernel created by the same module (block-local paths).
+  kernels = {i.local[:-1]: i for i in table.values() if i.role in KERNEL_ROLES and i.in_block}
+  factors = {}   # block-local kernel path -> (kernel info, {'a' | 'b': block-local path})
+  for i in table.values():
     if i.role == 'lora':   # A maps the kernel's fan-in to the rank: its last axis is 'lora'
-      k = kernels[('params',) + i.module[1:]]
-      entry = factors.setdefault(layout.block_relative(k.path), (k, {}))
-      entry[1]['a' if i.axes[-1] == 'lora' else 'b'] = layout.block_relative(p)
+      k = kernels[i.local[:-1]]
+      entry = factors.setdefault(k.local, (k, {}))
+      entry[1]['a' if i.axes[-1] == 'lora' else 'b'] = i.local
   for kpath, (kinfo, ab) in sorted(factors.items()):
     w_src, w_tied = src[kpath], sets[kpath][idx]               # (L, in..., out...)
     n_in = kinfo.num_in
