@@ -15,7 +15,7 @@ from absl import app, flags
 from ml_collections import config_flags
 from ml_collections.config_flags import config_flags as config_flags_lib
 
-from sharenet import data, optim, parametrization, resume, sharding
+from sharenet import compat, data, optim, parametrization, resume, sharding
 from sharenet.errors import ConfigError, NonFiniteLoss
 from sharenet.models import ModelConfig
 
@@ -29,7 +29,11 @@ def _positive(section: Any, prefix: str, *names: str) -> None:
 
 
 def validate(config: Any, process_count: int | None = None) -> ModelConfig:
-  """Checks model, train, data, mesh and parametrization fields; returns the ModelConfig."""
+  """Checks model, train, data, mesh and parametrization fields; returns the ModelConfig.
+
+  Pairs of features that do not combine are refused first, each by its line of the
+  compatibility table (sharenet/compat.py)."""
+  compat.check(config)
   mcfg = ModelConfig.from_config(config.model, config.train.seq_len)
   t = config.train
   _positive(t, 'train', 'steps', 'batch_size', 'seq_len', 'grad_accum', 'eval_batch_size',

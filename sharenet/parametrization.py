@@ -105,7 +105,7 @@ WIDTH_AXES = frozenset({'embed', 'mlp', 'heads', 'kv_heads', 'head_dim'})
 SCAN_AXES = frozenset({'layers', 'repeats', 'atoms'})
 FINITE_AXES = frozenset({'vocab', 'length', 'lora'})
 # Preset roles (the rule tables' rows) of the table's roles (sharenet/params.py).
-PRESET_ROLE = {'reader': 'hidden', 'writer': 'hidden', 'readout': 'readout',
+PRESET_ROLE = {'reader': 'hidden', 'writer': 'hidden', 'readout': 'readout', 'router': 'output',
                'embedding': 'embedding', 'pos_embed': 'embedding', 'lora': 'lora',
                'norm_in': 'vector', 'norm_out': 'vector', 'bias': 'vector', 'scalar': 'vector'}
 UNTIEABLE = ('mup_table3', 'umup')           # one tensor cannot carry two roles
@@ -366,7 +366,8 @@ class Parametrization:
           init = self.m_d ** 0.5                               # std 1/sqrt(d_base) (TP5 Table 8)
         if s.readout_zero_init:
           init = 0.0
-      elif role == 'lora' and _lora_reads_width(info):        # A: a TP5 output weight
+      elif role == 'output' or (role == 'lora' and _lora_reads_width(info)):
+        # A TP5 output weight (width in, finite out): a router's rows, LoRA A
         if k == 'mup_table3':
           init, lr = m ** -0.5, 1.0 / m                        # Table 3: var 1/fan_in^2, eta/m
         else:
@@ -378,7 +379,7 @@ class Parametrization:
         init, lr = 1.0 / info.init_std, self.cfg.d_model ** -0.5
       elif role == 'hidden':
         init, fwd, lr = fan_in ** 0.5, fan_in ** -0.5, fan_in ** -0.5 * L ** -0.5
-      elif role == 'readout':
+      elif role in ('readout', 'output'):
         init, fwd = fan_in ** 0.5, 1.0 / fan_in
       elif role == 'vector' and trunk:
         lr = L ** -0.5

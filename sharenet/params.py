@@ -27,6 +27,8 @@ Roles:
   writer      kernel whose output is added to the residual stream (attention out, MLP out), or
               MASA atoms forming one
   readout     the untied head kernel (embed, vocab)
+  router      a router's output kernel (embed or mlp -> one logit per recursion or expert): a
+              muP output weight, its fan-out finite (Mixture-of-Recursions' routers)
   lora        a depth-wise LoRA factor (A or B)
   norm_in     parameter of a norm on a branch input, or of a QK-norm
   norm_out    parameter of a norm on a branch output, or of the final norm
@@ -54,7 +56,7 @@ REPARAM = 'reparam'       # collection of reparameterization gains (sharenet/tra
 # Leading axes indexing separate matrices: scan axes, and the MASA atom index (models/masa.py).
 STACK_AXES = ('layers', 'repeats', 'atoms')
 KERNEL_ROLES = ('reader', 'writer', 'readout')
-MATRIX_ROLES = KERNEL_ROLES + ('embedding', 'pos_embed', 'lora')
+MATRIX_ROLES = KERNEL_ROLES + ('embedding', 'pos_embed', 'lora', 'router')
 ROLES = MATRIX_ROLES + ('norm_in', 'norm_out', 'bias', 'scalar', 'reparam')
 NORM_ROLES = ('norm_in', 'norm_out')
 Path = tuple[str, ...]

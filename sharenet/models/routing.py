@@ -50,7 +50,8 @@ class Router(nn.Module):
   """Router parameters with one row per recursion (leading 'repeats' axis), so the stored tree
   is the same whichever recursion uses a row.
 
-  linear: w (R, D), no bias (the reference's LinearRouter). mlp: a 2-layer GELU MLP with hidden
+  The output rows have role 'router' (a muP output weight: width in, one logit out), the MLP's
+  hidden weights role 'reader'. linear: w (R, D), no bias (the reference's LinearRouter). mlp: a 2-layer GELU MLP with hidden
   2 * d_model, exact erf GELU as torch's nn.GELU in the reference's MLPRouter (expert choice:
   per recursion (R, D, 2D) and (R, 2D); token choice: one shared (D, 2D) and a (R, 2D) output
   with one row per depth).
@@ -62,14 +63,14 @@ class Router(nn.Module):
     R, D, pdt = c.recursions, c.d_model, jnp.dtype(c.param_dtype)
     per_recursion = c.routing == 'expert_choice'
     if c.routing_router == 'linear':
-      self.w = param(self, 'kernel', (R, D), ('repeats', 'embed'), 'reader', std=D ** -0.5,
+      self.w = param(self, 'kernel', (R, D), ('repeats', 'embed'), 'router', std=D ** -0.5,
                      dtype=pdt, num_in=1)
     else:
       shape, axes = ((R, D, 2 * D), ('repeats', 'embed', 'mlp')) if per_recursion else \
           ((D, 2 * D), ('embed', 'mlp'))
       self.w_in = param(self, 'hidden', shape, axes, 'reader', std=D ** -0.5, dtype=pdt,
                         num_in=1)
-      self.w = param(self, 'kernel', (R, 2 * D), ('repeats', 'mlp'), 'reader',
+      self.w = param(self, 'kernel', (R, 2 * D), ('repeats', 'mlp'), 'router',
                      std=(2 * D) ** -0.5, dtype=pdt, num_in=1)
     if c.loss_free:
       self.bias = self.variable(BALANCE, 'bias', jnp.zeros, (R,), jnp.float32)

@@ -1,0 +1,270 @@
+"""The compatibility table: which features combine, declared once.
+
+Every feature is a config setting (or, `action=True`, an operation on a trained model: cached
+generation, loop-by-loop inference, a conversion). Features on one `axis` exclude each other
+(two sharing schemes are not a pair). Every other pair works unless one of the two names the
+other in `refuses`, with the one-line reason; `check(config)` raises that line as a
+ConfigError (config_lib.validate runs it before anything is built), and `check_action` does the
+same for an action on a model's config. tests/test_compatibility.py is generated from this
+table: a pairwise covering set of tiny configs (every working pair in at least one, none with
+a refused pair) each initialised and trained one step, the actions run on them, and every
+refused pair checked to raise its line; docs/compatibility.md is `markdown()`. A feature whose
+config value is not in the table fails tests/test_compatibility.py::test_every_choice_is_declared.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import random
+from typing import Any, Callable
+
+from sharenet.errors import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class Feature:
+  """One row and column of the table."""
+  name: str
+  axis: str
+  overrides: tuple[tuple[str, Any], ...]    # dotted config keys over the table's base config
+  on: Callable[[Any], bool]                  # whether a full config has the feature
+  refuses: tuple[tuple[str, str], ...] = ()  # (other feature, why), one line each
+  action: bool = False
+
+  @property
+  def label(self) -> str:
+    return ', '.join(f'{k}={v}' for k, v in self.overrides) or self.name
+
+
+def _get(config: Any, key: str) -> Any:
+  node = config
+  for part in key.split('.'):
+    node = node[part]
+  return node
+
+
+def _setting(name: str, axis: str, key: str, value: Any, *extra: tuple[str, Any],
+             refuses: tuple[tuple[str, str], ...] = (), contains: bool = False) -> Feature:
+  """A feature that is on when config `key` equals `value` (or, `contains`, lists it)."""
+  if contains:
+    on = lambda c: value in str(_get(c, key)).replace(' ', '').split(',')
+  else:
+    on = lambda c: _get(c, key) == value
+  return Feature(name, axis, ((key, value),) + extra, on, refuses)
+
+
+NOT_ROUTED = 'per-layer parts are not routed (each recursion is one scan over the K sets)'
+ROUTED_PLANS = 'routing needs a cycle segment to route (valid schemes: cycle, middle_cycle)'
+FLAT_ROUTED = 'each routed recursion is its own scan; valid: model.scan_lowering=nested'
+LOOPED = 'loop-by-loop inference needs exactly one looped cycle segment'
+NO_GEN_ROUTED = 'cached generation of a routed model is not implemented (expert choice is ' \
+    'not causal as trained)'
+LOOP_ROUTED = 'loop-by-loop inference runs every loop on every token; routing picks the loops'
+UMUP_LAYER = 'the u-muP residual rule depends on the applied layer index'
+NO_V = 'these sharing modes store no value projection for the LoRA / MASA target v'
+NO_Q = 'q_kv / qkv store no query projection for the LoRA / MASA target q'
+PERI = 'depth / loop branch multipliers are cancelled by peri norms'
+
+
+def _features() -> tuple[Feature, ...]:
+  """The table (module docstring). Base: configs/tiny.py, 4 applied layers, cycle of 2 sets."""
+  s = 'model.sharing.'
+  schemes = [
+      _setting('untied', 'scheme', s + 'scheme', 'untied', (s + 'num_unique', 0),
+               refuses=(('lora', 'LoRA relaxes shared layers and untied shares none; valid: '
+                         'model.sharing.lora_layers=all'), ('expert_choice', ROUTED_PLANS),
+                        ('token_choice', ROUTED_PLANS), ('loop_inference', LOOPED))),
+      _setting('universal', 'scheme', s + 'scheme', 'universal', (s + 'num_unique', 1),
+               refuses=(('expert_choice', ROUTED_PLANS), ('token_choice', ROUTED_PLANS))),
+      _setting('cycle', 'scheme', s + 'scheme', 'cycle', (s + 'num_unique', 2)),
+      _setting('sequence', 'scheme', s + 'scheme', 'sequence', (s + 'num_unique', 2),
+               refuses=(('expert_choice', ROUTED_PLANS), ('token_choice', ROUTED_PLANS),
+                        ('loop_inference', LOOPED))),
+      _setting('middle_cycle', 'scheme', s + 'scheme', 'middle_cycle', (s + 'num_unique', 3)),
+      _setting('middle_sequence', 'scheme', s + 'scheme', 'middle_sequence',
+               (s + 'num_unique', 3),
+               refuses=(('expert_choice', ROUTED_PLANS), ('token_choice', ROUTED_PLANS),
+                        ('loop_inference', LOOPED))),
+      _setting('sandwich', 'scheme', s + 'scheme', 'sandwich', (s + 'num_unique', 3),
+               refuses=(('expert_choice', ROUTED_PLANS), ('token_choice', ROUTED_PLANS))),
+      _setting('groups', 'scheme', s + 'scheme', 'groups', (s + 'num_unique', 2),
+               refuses=(('expert_choice', ROUTED_PLANS), ('token_choice', ROUTED_PLANS))),
+      _setting('explicit', 'scheme', s + 'scheme', 'explicit', (s + 'num_unique', 0),
+               (s + 'pattern', '0,1,1,0'),
+               refuses=(('expert_choice', ROUTED_PLANS), ('token_choice', ROUTED_PLANS),
+                        ('loop_inference', LOOPED))),
+  ]
+  routers = [
+      _setting(kind, 'routing', 'model.routing.kind', kind,
+               refuses=(('lora', NOT_ROUTED), ('untie_norms', NOT_ROUTED),
+                        ('python_loop', 'routing needs model.scan_layers=True'),
+                        ('flat', FLAT_ROUTED), ('umup', 'the u-muP residual rule is not routed'),
+                        ('generation', NO_GEN_ROUTED), ('loop_inference', LOOP_ROUTED)))
+      for kind in ('expert_choice', 'token_choice')]
+  per_layer = 'model.scan_layers=False reuses one module per set: no per-layer parts'
+  structure = [
+      _setting('flat', 'lowering', 'model.scan_lowering', 'flat'),
+      _setting('python_loop', 'lowering', 'model.scan_layers', False,
+               refuses=(('lora', per_layer), ('untie_norms', per_layer))),
+      Feature('lora', 'lora', ((s + 'lora_rank', 2),),
+              lambda c: _get(c, s + 'lora_rank') > 0,
+              (('qk_v', NO_V), ('qkv', NO_V), ('q_kv', NO_Q),
+               ('umup', 'u-muP defines no rule for depth-wise LoRA factors'))),
+      _setting('untie_norms', 'untie_norms', s + 'untie_norms', True),
+      Feature('masa', 'masa', (('model.masa.atoms', 2),),
+              lambda c: _get(c, 'model.masa.atoms') > 0,
+              (('qk_v', NO_V), ('qkv', NO_V), ('q_kv', NO_Q))),
+  ]
+  attention = [_setting(m, 'attention_sharing', 'model.attention_sharing', m)
+               for m in ('qk_v', 'q_kv', 'qkv')]
+  values_are_keys = 'recursive inference keeps keys and values per layer; values are keys here'
+  attention = [dataclasses.replace(f, refuses=(('loop_inference', values_are_keys),))
+               if f.name in ('qk_v', 'qkv') else f for f in attention]
+  norms = [_setting(k, 'norm', 'model.norm.kind', k)
+           for k in ('layernorm', 'crmsnorm', 'scalenorm', 'dyt', 'none')]
+  placements = [_setting('post', 'placement', 'model.norm.placement', 'post',
+                         refuses=(('umup', 'u-muP\'s residual rule needs pre or peri norms'),)),
+                _setting('peri', 'placement', 'model.norm.placement', 'peri',
+                         refuses=(('completep', PERI), ('inv_R', PERI), ('inv_sqrt_R', PERI)))]
+  qk = [_setting('qk_rms', 'qk_norm', 'model.norm.qk_norm', 'rms'),
+        _setting('qk_l2', 'qk_norm', 'model.norm.qk_norm', 'l2')]
+  width = ('parametrization.base_d_model', 16)
+  pzs = [_setting(k, 'parametrization', 'parametrization.kind', k, width)
+         for k in ('mup', 'mup_table3', 'completep')]
+  pzs.append(_setting('umup', 'parametrization', 'parametrization.kind', 'umup',
+                      refuses=(('loop_inference', UMUP_LAYER),)))
+  atoms = 'MASA atoms serve every set, so a per-set loop multiplier has no kernel to scale'
+  loop_rules = [_setting(r, 'loop_rule', 'parametrization.loop_rule', r,
+                         refuses=(('masa', atoms),)) for r in ('inv_R', 'inv_sqrt_R')]
+  reparams = [_setting(r, 'reparam', 'transforms.reparam', r, contains=True)
+              for r in ('zero_mean_writers', 'weight_std', 'weight_norm', 'sigma_reparam')]
+  no_gain = 'scale_vectors reparameterises norm gain vectors and this norm has none'
+  reparams.append(_setting('scale_vectors', 'reparam', 'transforms.reparam', 'scale_vectors',
+                           contains=True, refuses=(('none', no_gain), ('scalenorm', no_gain))))
+  projections = [_setting(p, 'project', 'transforms.project', p)
+                 for p in ('ngpt', 'norm_project')]
+  projections.append(_setting('nap', 'project', 'transforms.project', 'nap',
+                              ('model.norm.pre_activation', 'rmsnorm')))
+  no_rule = 'AdamP has no per-leaf multipliers yet (valid with it: parametrization.kind=sp)'
+  updates = [_setting('agc', 'updates', 'transforms.updates', 'agc', contains=True),
+             _setting('adamp', 'updates', 'transforms.updates', 'adamp', contains=True,
+                      refuses=tuple((k, no_rule) for k in ('mup', 'mup_table3', 'completep',
+                                                           'umup')))]
+  remats = [_setting(r, 'remat', 'model.remat', r)
+            for r in ('full', 'dots', 'dots_no_batch', 'save_names', 'except_attn')]
+  numerics = [_setting('pallas', 'kernels', 'model.kernels', 'pallas'),
+              _setting('bfloat16', 'dtype', 'model.dtype', 'bfloat16'),
+              Feature('grad_accum', 'grad_accum', (('train.grad_accum', 2),),
+                      lambda c: _get(c, 'train.grad_accum') > 1),
+              _setting('segment_mask', 'segment_mask', 'data.segment_mask', True)]
+  actions = [Feature('generation', 'generation', (), lambda c: False, action=True),
+             Feature('loop_inference', 'loop_inference', (), lambda c: False, action=True)]
+  return tuple(schemes + routers + structure + attention + norms + placements + qk + pzs +
+               loop_rules + reparams + projections + updates + remats + numerics + actions)
+
+
+FEATURES = _features()
+BY_NAME = {f.name: f for f in FEATURES}
+
+
+def refusal(a: str, b: str) -> str | None:
+  """Why features a and b do not combine (None: they do, or they share an axis)."""
+  fa, fb = BY_NAME[a], BY_NAME[b]
+  if fa.axis == fb.axis:
+    return None
+  for x, y in ((fa, fb), (fb, fa)):
+    for other, why in x.refuses:
+      if other == y.name:
+        return why
+  return None
+
+
+def _message(a: Feature, b: Feature, why: str) -> str:
+  return f'{a.label} with {b.label}: {why}; valid: either one without the other'
+
+
+def active(config: Any) -> list[str]:
+  """The table's config features that `config` turns on."""
+  out = []
+  for f in FEATURES:
+    if f.action:
+      continue
+    try:
+      if f.on(config):
+        out.append(f.name)
+    except (KeyError, AttributeError, TypeError):
+      continue
+  return out
+
+
+def check(config: Any) -> None:
+  """One ConfigError line for the first refused pair of features `config` turns on."""
+  for a, b in itertools.combinations(active(config), 2):
+    why = refusal(a, b)
+    if why:
+      raise ConfigError(_message(BY_NAME[a], BY_NAME[b], why))
+
+
+def check_action(action: str, config: Any) -> None:
+  """One ConfigError line if `action` (a serving operation) refuses a feature of `config`."""
+  for a in active(config):
+    why = refusal(action, a)
+    if why:
+      raise ConfigError(f'{action} of a model with {BY_NAME[a].label}: {why}')
+
+
+def pairs() -> list[tuple[str, str, str | None]]:
+  """Every pair of features on different axes: (a, b, why refused or None)."""
+  return [(a.name, b.name, refusal(a.name, b.name))
+          for a, b in itertools.combinations(FEATURES, 2) if a.axis != b.axis]
+
+
+def covering_rows(seed: int = 0) -> list[tuple[str, ...]]:
+  """Feature sets, at most one per axis and no refused pair among them, that together hold
+  every working pair (a greedy pairwise covering; deterministic for a seed)."""
+  rng = random.Random(seed)
+  axes: dict[str, list[str]] = {}
+  for f in FEATURES:
+    axes.setdefault(f.axis, []).append(f.name)
+  todo = {frozenset((a, b)) for a, b, why in pairs() if why is None}
+  rows = []
+  while todo:
+    a, b = sorted(min(todo, key=lambda p: sorted(p)))
+    row = [a, b]
+    order = [x for x in axes if x not in (BY_NAME[a].axis, BY_NAME[b].axis)]
+    rng.shuffle(order)
+    for axis in order:
+      best, gain = None, 0
+      for name in axes[axis]:
+        if any(refusal(name, r) for r in row):
+          continue
+        g = sum(frozenset((name, r)) in todo for r in row)
+        if g > gain:
+          best, gain = name, g
+      if best is not None:
+        row.append(best)
+    todo -= {frozenset(p) for p in itertools.combinations(row, 2)}
+    rows.append(tuple(sorted(row)))
+  return rows
+
+
+def markdown() -> str:
+  """docs/compatibility.md: the features and every refused pair with its reason."""
+  lines = ['# Compatibility', '',
+           'Generated from `sharenet/compat.py` by `python -m sharenet.compat` (do not edit).',
+           'Every pair of features below works, and `tests/test_compatibility.py` trains a '
+           'config holding it for one step (or runs the action on one), except the pairs '
+           'in the second table, which are one `ConfigError` line.', '',
+           '| feature | axis | setting |', '|---|---|---|']
+  lines += [f'| {f.name} | {f.axis} | `{f.label}` |' if not f.action else
+            f'| {f.name} | {f.axis} | (an operation on a trained model) |' for f in FEATURES]
+  refused = [(a, b, why) for a, b, why in pairs() if why]
+  works = len(pairs()) - len(refused)
+  lines += ['', f'{works} pairs work; {len(refused)} are refused:', '',
+            '| feature | with | why |', '|---|---|---|']
+  lines += [f'| {a} | {b} | {why} |' for a, b, why in refused]
+  return '\n'.join(lines) + '\n'
+
+
+if __name__ == '__main__':
+  print(markdown(), end='')

@@ -1,0 +1,140 @@
+"""The compatibility table (sharenet/compat.py), tested from the table itself.
+
+Every working pair sits in at least one covering row; each row is validated, initialised and
+trained for one step (abstractly in the fast tier: `jax.eval_shape` of the real train step,
+which traces every module and transform; compiled and run in the slow tier), and runs the
+actions it holds (cached generation, loop-by-loop inference). Every refused pair is one
+ConfigError line naming both features. docs/compatibility.md is the table's `markdown()`.
+"""
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from sharenet import compat, config_lib, parametrization, sharing, train_lib
+from sharenet.errors import ConfigError
+from sharenet.kernels import KERNELS
+from sharenet.models import config as model_config
+from sharenet.transforms import project, reparam, update
+
+ROWS = compat.covering_rows()
+# Values that are defaults of their axis (the base config has them), or that need hardware
+# this suite does not have: declared here, so a new value fails test_every_choice_is_declared.
+NOT_FEATURES = {'sp', 'none', 'rmsnorm', 'pre', 'nested', 'xla', 'auto', 'float32',
+                'float64',   # exactness tests run in float64; not a training setting
+                'offload_dots'}   # offloads to pinned host memory: accelerators only
+
+
+def make_config(tiny_config, names):
+  """configs/tiny.py at 4 applied layers (a cycle of 2 sets) with the features `names` on."""
+  overrides = {'model.num_layers': 4, 'model.sharing.scheme': 'cycle',
+               'model.sharing.num_unique': 2, 'train.batch_size': 2, 'train.seq_len': 16,
+               'train.eval_batch_size': 2}
+  for n in names:
+    overrides.update(dict(compat.BY_NAME[n].overrides))
+  return tiny_config(**overrides)
+
+
+def test_every_choice_is_declared():
+  """Each value of a config choice is a feature of the table (or listed in NOT_FEATURES)."""
+  choices = {*sharing.SCHEMES, *model_config.ROUTINGS, *model_config.LOWERINGS,
+             *model_config.ATTENTION_SHARINGS, *model_config.NORMS, *model_config.PLACEMENTS,
+             *parametrization.KINDS, *parametrization.LOOP_RULES, *reparam.REPARAMS,
+             *project.PROJECTIONS, *update.UPDATES, *model_config.REMATS, *KERNELS,
+             *model_config.DTYPES}
+  choices |= {f'qk_{q}' for q in model_config.QK_NORMS if q != 'none'}
+  choices -= {'none'}
+  missing = sorted(choices - set(compat.BY_NAME) - NOT_FEATURES)
+  assert not missing, f'undeclared in sharenet/compat.py: {missing}'
+
+
+def test_the_table_is_consistent():
+  for f in compat.FEATURES:
+    for other, why in f.refuses:
+      assert other in compat.BY_NAME, (f.name, other)
+      assert why and '\n' not in why
+  assert all(len({compat.BY_NAME[n].axis for n in row}) == len(row) for row in ROWS)
+  covered = {frozenset(p) for row in ROWS for p in zip(row, row[1:])}
+  covered = {frozenset((a, b)) for row in ROWS for a in row for b in row if a != b}
+  for a, b, why in compat.pairs():
+    assert (frozenset((a, b)) in covered) == (why is None), (a, b)
+
+
+def test_docs_are_generated_from_the_table(repo_root):
+  with open(os.path.join(repo_root, 'docs', 'compatibility.md')) as f:
+    assert f.read() == compat.markdown(), 'regenerate: python -m sharenet.compat > ' \
+        'docs/compatibility.md'
+
+
+REFUSED = [(a, b) for a, b, why in compat.pairs() if why]
+
+
+@pytest.mark.parametrize('a,b', REFUSED, ids=[f'{a}-{b}' for a, b in REFUSED])
+def test_refused_pair_is_one_line(a, b, tiny_config):
+  fa, fb = compat.BY_NAME[a], compat.BY_NAME[b]
+  if fa.action or fb.action:
+    action, feature = (a, b) if fa.action else (b, a)
+    with pytest.raises(ConfigError) as e:
+      compat.check_action(action, make_config(tiny_config, [feature]))
+  else:
+    with pytest.raises(ConfigError) as e:
+      config_lib.validate(make_config(tiny_config, [a, b]))
+    for f in (fa, fb):
+      assert f.label in str(e.value)
+  assert '\n' not in str(e.value)
+
+
+def _batch(config):
+  t = config.train
+  tokens = np.arange(t.batch_size * (t.seq_len + 1)).reshape(t.batch_size, -1) % 251
+  tokens = jnp.asarray(tokens, jnp.int32)
+  if config.data.segment_mask:
+    return {'tokens': tokens, 'segment_ids': jnp.asarray(np.arange(tokens.shape[1]) // 6)[None]
+            .repeat(t.batch_size, 0).astype(jnp.int32)}
+  return tokens
+
+
+def _step(tiny_config, row, run: bool, monkeypatch):
+  config = make_config(tiny_config, row)
+  # data.segment_mask reads documents from prepared shards (tests/test_arrayrecord.py); here
+  # the model gets segment ids from _batch, so the data source is not checked.
+  monkeypatch.setattr(config_lib.data, 'validate_data_config', lambda *a, **k: None)
+  mcfg = config_lib.validate(config)
+  exp = train_lib.setup(config, mcfg)
+  step = train_lib.make_train_step(exp, config.train.grad_accum)
+  init = lambda: train_lib.init_state(exp.model, exp.tx, jax.random.key(0), exp.tr, exp.pz)
+  if not run:
+    new, metrics = jax.eval_shape(lambda: step(init(), _batch(config)))
+    assert metrics['loss'].shape == ()
+    return None
+  state, metrics = jax.jit(step)(init(), _batch(config))
+  assert np.isfinite(float(metrics['loss']))
+  return config, exp, state
+
+
+@pytest.mark.parametrize('row', ROWS, ids=[f'row{i}' for i in range(len(ROWS))])
+def test_row_traces(row, tiny_config, monkeypatch):
+  """Fast tier: the train step of every row traces (abstract evaluation)."""
+  _step(tiny_config, row, False, monkeypatch)
+
+
+ACTION_ROWS = [r for r in ROWS if {'generation', 'loop_inference'} & set(r)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('row', ACTION_ROWS, ids=[f'actions{i}' for i in range(len(ACTION_ROWS))])
+def test_row_trains_and_serves(row, tiny_config, monkeypatch):
+  """Slow tier: rows holding an action train one compiled step, then cached greedy generation
+  runs on the trained weights, and loop-by-loop inference that never exits early equals it."""
+  from sharenet import generate as gen
+  from sharenet import recursive_inference as ri
+  config, exp, state = _step(tiny_config, row, True, monkeypatch)
+  variables = train_lib.effective_params(state, exp.tr, exp.pz)
+  prompts = [[3, 141, 59], [27]]
+  greedy = gen.generate(exp.model, variables, prompts, 3, temperature=0).tokens
+  assert [len(t) for t in greedy] == [3, 3]
+  if 'loop_inference' in row:
+    out = ri.generate_early_exit(exp.model, variables, prompts, 3, exit_threshold=1.0)
+    assert out.tokens == greedy
