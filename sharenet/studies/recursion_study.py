@@ -78,10 +78,15 @@ def run_one(base: Any, variant: str, out: str, seed: int, budget: float) -> dict
 
 
 def stack_params(workdir: str) -> int:
-  """Stored parameters of the layers: the stack's and the MASA atoms the layers share (from the
-  run's config.json), i.e. everything but the embedding, final norm and readout."""
-  shapes = json.load(open(os.path.join(workdir, 'config.json')))['param_shapes']
-  return sum(n for path, n in _leaf_sizes(shapes) if '/stack/' in path or '/masa/' in path)
+  """Stored parameters of the layers: the trunk's and the MASA atoms the layers share (from the
+  run's config and the parameters' structure metadata), i.e. everything but the embedding,
+  final norm and readout."""
+  from sharenet.models import ModelConfig, param_table
+  from sharenet.workdir_lib import load_config
+  config = load_config(workdir)
+  table = param_table(ModelConfig.from_config(config.model, config.train.seq_len))
+  return sum(math.prod(i.shape) for i in table.values()
+             if i.segment is not None or i.axes[:1] == ('atoms',))
 
 
 def _leaf_sizes(shapes: Any, prefix: str = '') -> list[tuple[str, int]]:
