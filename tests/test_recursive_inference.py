@@ -100,6 +100,16 @@ def test_relaxed_middle_cycle_always_exit_is_the_one_loop_model(tiny_config):
   assert truncated != gen.generate(model, variables, prompts, NEW, temperature=0).tokens
 
 
+def test_relaxed_middle_cycle_depthwise_batching_is_plain_greedy(tiny_config):
+  """Continuous depth-wise batching of the relaxed model (2 slots for 5 requests, refilled as
+  they finish) never exiting early serves each request as greedy `generate` alone does."""
+  model, variables = _relaxed(tiny_config)
+  plain = gen.generate(model, variables, PROMPTS, NEW, temperature=0).tokens
+  out = ri.DepthwiseScheduler(model, variables, num_slots=2, max_new_tokens=NEW,
+                              num_positions=24).run(PROMPTS)
+  assert out.tokens == plain and out.exit_depths == [R] * len(PROMPTS)
+
+
 def test_python_loop_stack_never_exit_is_plain_greedy(tiny_config):
   """The Python-loop baseline stores one module per set: served from the same metadata."""
   _never_exit_is_plain_greedy(*_model(tiny_config, **{'model.scan_layers': False}))
