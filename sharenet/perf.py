@@ -136,6 +136,24 @@ def hbm_bandwidth(device_kind: str) -> float | None:
   return next((bw for match, bw in HBM_BYTES_PER_S if match in kind), None)
 
 
+# device_kind substring (lower case) -> HBM capacity in bytes per chip (what a dry run's
+# per-device memory must fit). First match wins. NVIDIA H200 datasheet (141 GB), H100 SXM5
+# whitepaper table (80 GB), A100 datasheet (40 / 80 GB); Cloud TPU system architecture pages
+# (v4 32 GiB, v5e 16 GiB, v5p 95 GiB, v6e 32 GiB).
+HBM_CAPACITY_BYTES: tuple[tuple[str, float], ...] = (
+    ('h200', 141e9), ('h100 80gb hbm3', 80e9), ('h100 sxm', 80e9), ('a100-sxm4-80gb', 80e9),
+    ('a100 80gb pcie', 80e9), ('a100', 40e9), ('tpu v4', 32 * 2**30),
+    ('tpu v5 lite', 16 * 2**30), ('tpu v5e', 16 * 2**30), ('tpu v5p', 95 * 2**30),
+    ('tpu v5', 95 * 2**30), ('tpu v6 lite', 32 * 2**30), ('tpu v6e', 32 * 2**30),
+)
+
+
+def hbm_capacity(device_kind: str) -> float | None:
+  """HBM bytes of one chip of `device_kind`, or None where not listed (CPU)."""
+  kind = device_kind.lower()
+  return next((b for match, b in HBM_CAPACITY_BYTES if match in kind), None)
+
+
 def matmul_peak_flops(n: int = 2048, dtype: str = 'float32', repeats: int = 5) -> float:
   """Best-of-`repeats` FLOP/s of an (n, n) @ (n, n) jitted matmul on the default device."""
   a = jax.random.normal(jax.random.key(0), (n, n), dtype)

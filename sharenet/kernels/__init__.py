@@ -14,6 +14,10 @@ kernel and reason), under `auto` and `pallas` alike: never silently.
 `auto` follows `model.kernels` on GPU / TPU and is the chunked XLA attention on a CPU.
 `model.dense_grad = auto | xla | rows` picks how dense layers form weight gradients (rows on a
 CPU). See docs/accelerators.md and README "CPU speed".
+
+Every choice above follows `backend()`: the host's default backend, or the platform set by
+`target(platform)` around tracing, so that a CPU machine can lower the TPU or GPU program
+(`jax.export.export(..., platforms=[...])`, sharenet/lowering.py).
 """
 from __future__ import annotations
 
@@ -27,13 +31,26 @@ KERNELS = ('auto', 'xla', 'pallas')
 DENSE_GRADS = ('auto', 'xla', 'rows')
 ATTENTIONS = ('auto', 'xla', 'chunked', 'cudnn', 'pallas')
 ACCELERATORS = ('gpu', 'tpu')
+# target() names -> backend() names (jax.export calls NVIDIA and AMD GPUs cuda and rocm).
+TARGETS = {'cpu': 'cpu', 'gpu': 'gpu', 'cuda': 'gpu', 'rocm': 'gpu', 'tpu': 'tpu'}
+
+# A jit cache key: a function traced under one target is retraced under another.
+_target = jax.make_user_context(None)
 
 _noted: set[tuple[str, str]] = set()
 
 
+def target(platform: str | None):
+  """Context manager: choose kernels for `platform` (cpu | gpu | tpu, or jax.export's cuda |
+  rocm) instead of the host's backend while tracing; None restores the host's."""
+  if platform is not None and platform not in TARGETS:
+    raise ConfigError(f'target platform {platform!r} is unknown; valid: {", ".join(TARGETS)}')
+  return _target(None if platform is None else TARGETS[platform])
+
+
 def backend() -> str:
-  """The default backend's platform: cpu | gpu | tpu."""
-  return jax.default_backend()
+  """The platform kernels are chosen for: cpu | gpu | tpu (`target`'s, else the host's)."""
+  return _target.value or jax.default_backend()
 
 
 def use_pallas(kernels: str) -> bool:

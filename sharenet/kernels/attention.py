@@ -16,6 +16,8 @@ saved log-sum-exp. Every back-end here computes the same function as `reference`
           through its custom VJP). TPU: `jax.experimental.pallas.ops.tpu.flash_attention`.
   cudnn   `jax.nn.dot_product_attention(implementation='cudnn')`, cuDNN's fused flash attention
           (NVIDIA GPUs; bf16 / fp16 only).
+Under a mesh the Pallas kernels run per device on its batch rows and heads
+(sharenet/kernels/partition.py: XLA cannot partition a Pallas call).
 
 Layout everywhere: q [B, T, H, Dh], k and v [B, T, K, Dh] with K kv heads dividing H
 (grouped-query attention: query head h reads kv head h // (H // K)); the output is [B, T, H, Dh]
@@ -32,14 +34,17 @@ through that product.
 """
 from __future__ import annotations
 
+import functools
 import sys
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import PartitionSpec as P
 
 from sharenet import kernels
+from sharenet.kernels import partition
 from sharenet.errors import ConfigError
 
 IMPLS = ('xla', 'chunked', 'cudnn', 'pallas')
@@ -132,11 +137,27 @@ def attention(q_BTHD: jax.Array, k_BTKD: jax.Array, v_BTKD: jax.Array, *, scale,
       return reference(q_BTHD, k_BTKD, v_BTKD, scale=scale, **seg)
     return cudnn_attention(q_BTHD, k_BTKD, v_BTKD, scale=scale)
   if impl == 'pallas':
-    if kernels.backend() == 'tpu':
-      return pallas_tpu_attention(q_BTHD, k_BTKD, v_BTKD, scale=scale, **seg)
-    return pallas_gpu_attention(q_BTHD, k_BTKD, v_BTKD, scale=scale,
-                                interpret=kernels.interpret(), **seg)
+    return _pallas_per_shard(q_BTHD, k_BTKD, v_BTKD, scale=scale, segment_ids_BT=segment_ids_BT)
   raise ConfigError(f'attention implementation {impl!r} is unknown; valid: {", ".join(IMPLS)}')
+
+
+def _pallas_per_shard(q_BTHD, k_BTKD, v_BTKD, *, scale, segment_ids_BT) -> jax.Array:
+  """The platform's Pallas kernel; under a mesh, on each device's batch rows and heads
+  (kernels/partition.py). Query and kv heads split alike or not at all, so that GQA's group
+  of a local query head is local too. `scale` multiplies q first (it may be a traced array)."""
+  q_BTHD = (q_BTHD * scale).astype(q_BTHD.dtype)
+  heads = partition.mesh_axes('activation_heads', (q_BTHD.shape[2], k_BTKD.shape[2]))
+  rows = partition.mesh_axes('activation_batch', (q_BTHD.shape[0],))
+  if kernels.backend() == 'tpu':
+    kernel = functools.partial(pallas_tpu_attention, scale=1.0)
+  else:
+    kernel = functools.partial(pallas_gpu_attention, scale=1.0, interpret=kernels.interpret())
+  qkv = P(rows, None, heads, None)
+  if segment_ids_BT is None:
+    return partition.per_shard(kernel, (qkv,) * 3, qkv)(q_BTHD, k_BTKD, v_BTKD)
+  call = lambda q, k, v, seg: kernel(q, k, v, segment_ids_BT=seg)
+  return partition.per_shard(call, (qkv,) * 3 + (P(rows, None),), qkv)(
+      q_BTHD, k_BTKD, v_BTKD, segment_ids_BT)
 
 
 def _check_shapes(q_BTHD, k_BTKD, v_BTKD) -> None:

@@ -34,8 +34,9 @@ from sharenet.kernels.note_fallback):
     D is the whole row, block_rows is a multiple of 8, the statistics are (N, 1) columns and
     the partial gains (blocks, 1, D); a block keeps at most TPU_BLOCK_BYTES of float32 (VMEM).
   * CPU: interpret mode only (sharenet.kernels.interpret), ~500x slower than jnp: tests.
-The tests (tests/test_kernels_norms.py) run interpret mode only; the rules above are Triton's
-and Mosaic's block rules, not yet checked by a compile on either accelerator.
+The tests (tests/test_kernels_norms.py) run interpret mode; tests/test_lowering.py lowers the
+kernels with Mosaic and Triton at pod widths and lengths (no compile: no accelerator yet). Under
+a mesh each device runs them on its own rows (sharenet/kernels/partition.py).
 """
 from __future__ import annotations
 
@@ -44,8 +45,10 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.sharding import PartitionSpec as P
 
 from sharenet import kernels as K
+from sharenet.kernels import partition
 
 KINDS = ('layernorm', 'rmsnorm', 'crmsnorm')
 GPU_BLOCK_ELEMENTS = 8192      # rows * D per Triton program (fp32 working set in registers)
@@ -359,7 +362,19 @@ def add_norm(x, residual, gain, bias, *, kind: str, eps: float, block_rows: int 
   d = x.shape[-1]
   if gain is None:
     gain = jnp.ones((d,), _compute_dtype(x.dtype))
-  return _add_norm(x, residual, gain, bias, kind, float(eps), block_rows, residual is not None)
+  # Under a mesh each device normalizes its own rows (kernels/partition.py); D stays whole.
+  lead = ('activation_batch', 'activation_length') + (None,) * max(0, x.ndim - 3)
+  rows = partition.spec(lead[:x.ndim - 1] + (None,), x.shape)
+  args = (x, residual, gain, bias)
+  present = tuple(a is not None for a in args)
+
+  def call(*arrays):
+    it = iter(arrays)
+    x, residual, gain, bias = (next(it) if p else None for p in present)
+    return _add_norm(x, residual, gain, bias, kind, float(eps), block_rows, residual is not None)
+
+  specs = tuple(s for s, p in zip((rows, rows, P(), P()), present) if p)
+  return partition.per_shard(call, specs, (rows, rows))(*(a for a in args if a is not None))
 
 
 def add_norm_auto(x, residual, gain, bias, *, kind: str, eps: float, kernels: str,
