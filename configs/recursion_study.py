@@ -2,7 +2,7 @@
 
 Command:   python -m sharenet.studies.recursion_study --config configs/recursion_study.py \
                --out runs/recursion_study
-           (vanilla, recursive, mor_expert, mor_token, masa, qk_v x seeds 0,1; see
+           (vanilla, recursive, mor_expert, mor_token, masa, kv_shared x seeds 0,1; see
            sharenet/studies/recursion_study.py VARIANTS; --config.study.variants=a,b runs a
            slice; two processes pinned with `taskset -c 0` / `taskset -c 1` may share one --out)
 Runtime:   estimate before the first full run: ~10-15 min per run on one core of the 2-core CPU

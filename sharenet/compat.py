@@ -62,7 +62,7 @@ NO_GEN_ROUTED = 'cached generation of a routed model is not implemented (expert 
 LOOP_ROUTED = 'loop-by-loop inference runs every loop on every token; routing picks the loops'
 UMUP_LAYER = 'the u-muP residual rule depends on the applied layer index'
 NO_V = 'these sharing modes store no value projection for the LoRA / MASA target v'
-NO_Q = 'q_kv / qkv store no query projection for the LoRA / MASA target q'
+NO_Q = 'qk_shared / qkv_shared store no query projection for the LoRA / MASA target q'
 PERI = 'depth / loop branch multipliers are cancelled by peri norms'
 
 
@@ -108,18 +108,18 @@ def _features() -> tuple[Feature, ...]:
                refuses=(('lora', per_layer), ('untie_norms', per_layer))),
       Feature('lora', 'lora', ((s + 'lora_rank', 2),),
               lambda c: _get(c, s + 'lora_rank') > 0,
-              (('qk_v', NO_V), ('qkv', NO_V), ('q_kv', NO_Q),
+              (('kv_shared', NO_V), ('qkv_shared', NO_V), ('qk_shared', NO_Q),
                ('umup', 'u-muP defines no rule for depth-wise LoRA factors'))),
       _setting('untie_norms', 'untie_norms', s + 'untie_norms', True),
       Feature('masa', 'masa', (('model.masa.atoms', 2),),
               lambda c: _get(c, 'model.masa.atoms') > 0,
-              (('qk_v', NO_V), ('qkv', NO_V), ('q_kv', NO_Q))),
+              (('kv_shared', NO_V), ('qkv_shared', NO_V), ('qk_shared', NO_Q))),
   ]
   attention = [_setting(m, 'attention_sharing', 'model.attention_sharing', m)
-               for m in ('qk_v', 'q_kv', 'qkv')]
+               for m in ('kv_shared', 'qk_shared', 'qkv_shared')]
   values_are_keys = 'recursive inference keeps keys and values per layer; values are keys here'
   attention = [dataclasses.replace(f, refuses=(('loop_inference', values_are_keys),))
-               if f.name in ('qk_v', 'qkv') else f for f in attention]
+               if f.name in ('kv_shared', 'qkv_shared') else f for f in attention]
   norms = [_setting(k, 'norm', 'model.norm.kind', k)
            for k in ('layernorm', 'crmsnorm', 'scalenorm', 'dyt', 'none')]
   placements = [_setting('post', 'placement', 'model.norm.placement', 'post',

@@ -52,10 +52,11 @@ def default_config() -> ml_collections.ConfigDict:
                               # runs without transposing the cotangent, README "CPU speed"), xla =
                               # jax's own transpose rule; auto = rows on CPU, xla on GPU / TPU
   m.param_dtype = 'float32'
-  m.attention_sharing = 'none'  # none | qk_v | q_kv | qkv: attention projections that are one
-                              # (Q-K=V, arXiv:2606.04032): qk_v values are the keys (the KV
-                              # cache holds K only), q_kv queries are the keys, qkv one projection
-                              # (docs/sublayer_sharing.md)
+  m.attention_sharing = 'none'  # none | kv_shared | qk_shared | qkv_shared: attention
+                              # projections that are one (Q-K=V, arXiv:2606.04032): kv_shared
+                              # the values are the keys (the KV cache holds K only), qk_shared
+                              # the queries are the keys, qkv_shared one projection for all
+                              # three (docs/sublayer_sharing.md)
   m.masa = ma = ml_collections.ConfigDict()   # MASA, matrix atom sharing (arXiv:2508.04581)
   ma.atoms = 0                # S shared atoms per target kernel, W_l = sum_s c_ls D_s; 0 = off
   ma.targets = 'q,k,v,o'      # kernels built from atoms: any of q,k,v,o,mlp_in,mlp_out
@@ -88,8 +89,6 @@ def default_config() -> ml_collections.ConfigDict:
                               # to eval_loss)
   rt.z_loss = -1.0            # router z-loss coefficient, mean logsumexp(logits)^2; -1 -> the
                               # reference configs': expert_choice 0, token_choice 1e-5; 0 = off
-  rt.capacity_warmup_steps = 0  # must be 0: a continuous capacity warmup changes the static
-                                # subset sizes every step (docs/routing.md)
   rt.buckets = 0              # expert_choice scans: 0 -> one per recursion at its own k_r (fewest
                               # FLOPs, compile time grows with R); n -> n scans over contiguous
                               # groups, each padded to its first k (compile time flat in R)
@@ -230,10 +229,29 @@ def _merge(base: dict[str, Any], over: Any) -> dict[str, Any]:
 
 # Keys renamed since runs were written: (group, old) -> new.
 RENAMED = {('transforms', 'update'): 'updates'}   # .update is ConfigDict's method
+# Values renamed since runs were written: dotted key -> {old: (new, what it means)}. A stored
+# config is translated (`renamed`); a value given today is a ConfigError naming the new one.
+RENAMED_VALUES = {'model.attention_sharing': {
+    'qk_v': ('kv_shared', 'values are the keys'),
+    'q_kv': ('qk_shared', 'queries are the keys'),
+    'qkv': ('qkv_shared', 'one projection for queries, keys and values')}}
+# Keys removed since runs were written, dropped from a stored config: each only ever trained
+# at its default (any other value was a ConfigError).
+REMOVED = ('model.routing.capacity_warmup_steps',)
+
+
+def _parent(raw: dict[str, Any], dotted: str) -> tuple[dict[str, Any] | None, str]:
+  """The dict in `raw` holding `dotted`'s last key (None if a group is absent), and that key."""
+  *groups, key = dotted.split('.')
+  node = raw
+  for g in groups:
+    node = node.get(g) if isinstance(node, dict) else None
+  return (node if isinstance(node, dict) else None), key
 
 
 def renamed(raw: Any) -> dict[str, Any]:
-  """A copy of `raw` (a config or a config.json's dict) with old key names (RENAMED) updated.
+  """A copy of `raw` (a config or a config.json's dict) with old key names (RENAMED) and
+  values (RENAMED_VALUES) updated and removed keys (REMOVED) dropped.
 
   A run written before model.norm.pre_activation existed with transforms.project=nap trained
   the projection alone, which is now called norm_project.
@@ -242,6 +260,14 @@ def renamed(raw: Any) -> dict[str, Any]:
   for (group, old), new in RENAMED.items():
     if isinstance(raw.get(group), dict) and old in raw[group]:
       raw[group].setdefault(new, raw[group].pop(old))
+  for dotted, values in RENAMED_VALUES.items():
+    node, key = _parent(raw, dotted)
+    if node is not None and isinstance(node.get(key), str) and node[key] in values:
+      node[key] = values[node[key]][0]
+  for dotted in REMOVED:
+    node, key = _parent(raw, dotted)
+    if node is not None:
+      node.pop(key, None)
   norm = raw.get('model', {}).get('norm', {}) if isinstance(raw.get('model'), dict) else {}
   if (isinstance(raw.get('transforms'), dict) and raw['transforms'].get('project') == 'nap'
       and isinstance(norm, dict) and norm and 'pre_activation' not in norm):

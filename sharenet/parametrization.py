@@ -263,10 +263,10 @@ class Parametrization:
       raise ConfigError('parametrization.loop_rule scales the output kernels of a set applied R '
                         'times, and MASA atoms serve every set; valid: loop_rule=none with '
                         'model.masa.atoms > 0')
-    if s.query_zero_init and cfg.attention_sharing in ('q_kv', 'qkv'):
+    if s.query_zero_init and cfg.attention_sharing in ('qk_shared', 'qkv_shared'):
       raise ConfigError(f'parametrization.query_zero_init: under model.attention_sharing='
                         f'{cfg.attention_sharing} the queries are the keys; valid: '
-                        f'attention_sharing=none|qk_v')
+                        f'attention_sharing=none|kv_shared')
     self.base_cfg = base_config(cfg, s)
     self.m_d = cfg.d_model / self.base_cfg.d_model
     self.m_L = cfg.plan.num_unique / (s.base_depth or cfg.plan.num_unique)

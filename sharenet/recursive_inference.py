@@ -74,7 +74,7 @@ def check_recursive(model: DecoderLM, variables: Any) -> loops.Looped:
   if c.values_are_keys:
     raise ConfigError(f'recursive inference keeps keys and values per layer; model.'
                       f'attention_sharing={c.attention_sharing} stores no values; valid: none, '
-                      f'q_kv')
+                      f'qk_shared')
   return shape
 
 

@@ -38,10 +38,19 @@ def test_every_variant_trains_at_the_vanilla_flops_budget(config, tmp_path):
   assert rows['mor_expert']['flops_per_token'] < rows['recursive']['flops_per_token']
   assert rows['mor_expert']['steps'] > rows['recursive']['steps']
   # sharing stores less: recursive (middle_cycle R=3, 1 + 1 + 1 of 5 layers), MASA, Q-K=V
-  for v in ('recursive', 'masa', 'qk_v'):
+  for v in ('recursive', 'masa', 'kv_shared'):
     assert rows[v]['params_stack'] < rows['vanilla']['params_stack'], v
   table = open(os.path.join(out, 'recursion_study.md')).read()
   assert '| mor_expert | MoR expert choice |' in table
   assert os.path.exists(os.path.join(out, 'recursion_study.png'))
   with pytest.raises(ConfigError, match="study.variants: 'mod' is unknown; valid: vanilla"):
     recursion_study.main(common.with_overrides(config, {'study.variants': 'mod'}), out)
+
+
+def test_rows_of_a_renamed_variant_count_as_the_new_one():
+  """Rows an older study wrote as qk_v (model.attention_sharing's old value) are kv_shared's."""
+  row = {'variant': 'qk_v', 'seed': 0, 'what': 'Q-K=V projections', 'params_unique': 10,
+         'params_stack': 8, 'flops_per_token': 1e6, 'steps': 3, 'eval_bits_per_byte': 2.0,
+         'tokens_per_sec': None}
+  assert recursion_study._key(row) == ('kv_shared', 0)
+  assert '| kv_shared | Q-K=V projections |' in recursion_study.to_markdown([row])

@@ -82,7 +82,6 @@ def run_expert(cfg, seed=0, segment_ids=None):
     (dict(routing_capacity='1'), 'needs 2 fractions'),
     (dict(routing_capacity='1,0'), r'in \(0, 1\]'),
     (dict(routing_capacity='1,x'), 'comma list'),
-    (dict(routing_capacity_warmup_steps=10), 'capacity_warmup_steps=10'),
     (dict(routing_balancing='bias'), 'balancing=bias balances token choice'),
     (dict(routing='token_choice', routing_balancing='bias', routing_bias_rate=0.0),
      'bias_rate=0.0'),
@@ -120,6 +119,19 @@ def test_example_config_validates(repo_root):
   mcfg = config_lib.validate(mor_tiny.get_config())
   assert (mcfg.routing, mcfg.scheme, mcfg.recursions, mcfg.routed_segment) == \
       ('expert_choice', 'middle_cycle', 3, 1)
+def test_capacity_warmup_steps_is_gone_and_old_workdirs_still_load(repo_root):
+  """The key only ever trained at 0 (any other value was refused): it is no longer a key, and a
+  workdir's config.json that carries it (written before) loads without it."""
+  from sharenet import defaults, workdir_lib
+  assert 'capacity_warmup_steps' not in defaults.default_config().model.routing
+  work = os.path.join(repo_root, 'tests', 'fixtures', 'workdirs_v2', 'mor_token_choice')
+  with open(os.path.join(work, 'config.json')) as f:
+    assert json.load(f)['model']['routing']['capacity_warmup_steps'] == 0
+  config = workdir_lib.load_config(work)
+  assert 'capacity_warmup_steps' not in config.model.routing
+  assert config_lib.validate(config).routing == 'token_choice'
+
+
 
 
 def test_unrouted_model_has_no_router_and_sows_nothing():

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 from flax.traverse_util import flatten_dict, unflatten_dict
 
-from sharenet import defaults, generate as gen, train_lib, workdir_lib
+from sharenet import checkpoint, config_lib, defaults, generate as gen, resume, train_lib
+from sharenet import workdir_lib
 from sharenet import parametrization as P
 from sharenet.errors import ConfigError
 from sharenet.models import DecoderLM, ModelConfig, init_variables
@@ -50,7 +51,7 @@ def _block(path):
 # ---- attention_sharing ---------------------------------------------------------------------
 
 @pytest.mark.parametrize('qk_norm', ['none', 'rms'])
-@pytest.mark.parametrize('sharing', ['qk_v', 'q_kv', 'qkv'])
+@pytest.mark.parametrize('sharing', ['kv_shared', 'qk_shared', 'qkv_shared'])
 def test_shared_projection_equals_none_model_with_tied_kernels(sharing, qk_norm):
   """A shared model computes exactly the `none` model whose missing kernels are copies of the
   key kernel (and, where the query is the key, whose q_norm gain is the k_norm gain)."""
@@ -62,9 +63,9 @@ def test_shared_projection_equals_none_model_with_tied_kernels(sharing, qk_norm)
     ref = {}
     for p in flatten_dict(init_variables(DecoderLM(ref_cfg), jax.random.key(1))):
       src = p
-      if p[-2] == 'v' and sharing in ('qk_v', 'qkv'):
+      if p[-2] == 'v' and sharing in ('kv_shared', 'qkv_shared'):
         src = p[:-2] + ('k', p[-1])
-      if p[-2] in ('q', 'q_norm') and sharing in ('q_kv', 'qkv'):
+      if p[-2] in ('q', 'q_norm') and sharing in ('qk_shared', 'qkv_shared'):
         src = p[:-2] + ('k' if p[-2] == 'q' else 'k_norm', p[-1])
       ref[p] = flat[src]
     toks = _tokens()
@@ -81,8 +82,8 @@ def test_stored_projections_and_param_counts():
   none = _cfg()
   n0 = accounting.params_unique(init_variables(DecoderLM(none), jax.random.key(0)))
   per_kernel = L * D * H * Dh
-  for sharing, kernels, saved in (('none', 'qkv', 0), ('qk_v', 'qk', 1), ('q_kv', 'kv', 1),
-                                  ('qkv', 'k', 2)):
+  for sharing, kernels, saved in (('none', 'qkv', 0), ('kv_shared', 'qk', 1),
+                                  ('qk_shared', 'kv', 1), ('qkv_shared', 'k', 2)):
     cfg = dataclasses.replace(none, attention_sharing=sharing).validate()
     v = init_variables(DecoderLM(cfg), jax.random.key(0))
     stored = {p[-2] for p in flatten_dict(v['params']) if p[-1] == 'kernel' and 'attn' in p}
@@ -93,7 +94,7 @@ def test_stored_projections_and_param_counts():
             == accounting.matmul_params_per_layer(none) - saved * D * H * Dh)
 
 
-@pytest.mark.parametrize('sharing', ['qk_v', 'qkv'])
+@pytest.mark.parametrize('sharing', ['kv_shared', 'qkv_shared'])
 def test_values_are_keys_cache_holds_k_only_and_decodes_like_a_full_forward(sharing):
   """The K-only cache (keys before QK-norm and RoPE, renormalised and rotated per step) gives
   the full forward's logits at every position, with left padding and a tied plan."""
@@ -133,7 +134,7 @@ def test_values_are_keys_cache_holds_k_only_and_decodes_like_a_full_forward(shar
   assert out == seq[len(prompt):]
 
 
-@pytest.mark.parametrize('sharing', ['qk_v', 'qkv'])
+@pytest.mark.parametrize('sharing', ['kv_shared', 'qkv_shared'])
 def test_fused_attention_backend_agrees(sharing):
   """The Pallas attention kernel (interpret mode on CPU) gets the shared tensors as q / k / v."""
   cfg = _cfg(num_layers=1, attention_sharing=sharing, attention='xla')
@@ -280,10 +281,10 @@ def test_masa_init_has_the_default_kernel_scale():
 
 @pytest.mark.parametrize('kw,match', [
     (dict(attention_sharing='kv'), 'attention_sharing'),
-    (dict(attention_sharing='q_kv', num_kv_heads=1), 'kv heads'),
-    (dict(attention_sharing='qkv', num_kv_heads=1), 'kv heads'),
-    (dict(attention_sharing='qk_v', lora_rank=2, lora_targets=('q', 'v')), 'lora_targets'),
-    (dict(attention_sharing='q_kv', masa_atoms=2), 'masa.targets'),
+    (dict(attention_sharing='qk_shared', num_kv_heads=1), 'kv heads'),
+    (dict(attention_sharing='qkv_shared', num_kv_heads=1), 'kv heads'),
+    (dict(attention_sharing='kv_shared', lora_rank=2, lora_targets=('q', 'v')), 'lora_targets'),
+    (dict(attention_sharing='qk_shared', masa_atoms=2), 'masa.targets'),
     (dict(masa_atoms=-1), 'masa.atoms'),
     (dict(masa_atoms=2, masa_targets=('q', 'wq')), 'masa.targets'),
     (dict(masa_atoms=2, masa_targets=()), 'masa.targets'),
@@ -293,13 +294,24 @@ def test_config_errors(kw, match):
     _cfg(**kw)
 
 
+@pytest.mark.parametrize('old,new', [('qk_v', 'kv_shared (values are the keys)'),
+                                     ('q_kv', 'qk_shared (queries are the keys)'),
+                                     ('qkv', 'qkv_shared (one projection for queries, keys '
+                                             'and values)')])
+def test_an_old_sharing_value_is_one_line_naming_the_new(old, new, tiny_config):
+  with pytest.raises(ConfigError) as e:
+    config_lib.validate(tiny_config(**{'model.attention_sharing': old}))
+  assert str(e.value) == f"model.attention_sharing='{old}' was renamed: use {new}"
+
+
 def test_parametrization_errors():
   with pytest.raises(ConfigError, match='loop_rule'):
     P.Parametrization(_cfg(masa_atoms=2, num_layers=2, scheme='universal'),
                       P.Settings('sp', loop_rule='inv_R'))
   with pytest.raises(ConfigError, match='query_zero_init'):
-    P.Parametrization(_cfg(attention_sharing='q_kv'), P.Settings('mup', query_zero_init=True))
-  P.Parametrization(_cfg(attention_sharing='qk_v'), P.Settings('mup', query_zero_init=True))
+    P.Parametrization(_cfg(attention_sharing='qk_shared'),
+                      P.Settings('mup', query_zero_init=True))
+  P.Parametrization(_cfg(attention_sharing='kv_shared'), P.Settings('mup', query_zero_init=True))
 
 
 # ---- DirectShare head sharing ----------------------------------------------------------------
@@ -426,7 +438,7 @@ def test_head_sharing_chain_keeps_the_middle_head_as_the_reference_does():
     (dict(num_kv_heads=2), 0.3, 'num_kv_heads'),
     (dict(qk_norm='rms'), 0.3, 'qk_norm'),
     (dict(scheme='universal'), 0.3, 'untied'),
-    (dict(attention_sharing='qk_v'), 0.3, 'attention_sharing'),
+    (dict(attention_sharing='kv_shared'), 0.3, 'attention_sharing'),
 ])
 def test_head_sharing_errors(kw, rate, match):
   cfg, v = _head_model(**kw)
@@ -436,7 +448,7 @@ def test_head_sharing_errors(kw, rate, match):
 
 # ---- end to end --------------------------------------------------------------------------------
 
-@pytest.mark.parametrize('model', [{'model.attention_sharing': 'qk_v'},
+@pytest.mark.parametrize('model', [{'model.attention_sharing': 'kv_shared'},
                                    {'model.masa.atoms': 2, 'model.num_layers': 4,
                                     'model.sharing.scheme': 'cycle',
                                     'model.sharing.num_unique': 2}])
@@ -449,6 +461,25 @@ def test_five_training_steps(tiny_config, tmp_path, model):
   mcfg = ModelConfig.from_config(config.model, config.train.seq_len)
   n = accounting.params_unique(init_variables(DecoderLM(mcfg), jax.random.key(0)))
   assert recorded['params_unique'] == n
+  if 'model.attention_sharing' in model:   # this run, not a second one: one compile fewer
+    _loads_as_written_before_the_rename(config, str(tmp_path), out['eval_loss'])
+
+
+def _loads_as_written_before_the_rename(config, workdir, eval_loss):
+  """The run's config.json and checkpoint config saying qk_v, as runs before the rename wrote
+  them: it loads as kv_shared, evaluates as before and resumes with no changed field."""
+  saved = os.path.join(workdir, 'checkpoints', '5', 'config', 'metadata')
+  for path in (os.path.join(workdir, 'config.json'), saved):
+    text = open(path).read()
+    assert '"attention_sharing": "kv_shared"' in text
+    with open(path, 'w') as f:
+      f.write(text.replace('"attention_sharing": "kv_shared"', '"attention_sharing": "qk_v"'))
+  assert workdir_lib.load_config(workdir).model.attention_sharing == 'kv_shared'
+  np.testing.assert_allclose(workdir_lib.evaluate_workdir(workdir)['eval_loss'], eval_loss,
+                             rtol=1e-5)
+  prior = checkpoint.saved_config(checkpoint.manager(workdir, 3, async_save=False), 5)
+  assert prior['model']['attention_sharing'] == 'qk_v'
+  assert not resume.Changes(prior, config)
 
 
 def test_head_shared_conversion_of_a_trained_run_evaluates(tiny_config, tmp_path):

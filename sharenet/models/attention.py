@@ -5,14 +5,14 @@ The softmax(q k^T) v core runs on the back-end `model.attention` / `model.kernel
 
 Projection sharing, model.attention_sharing (Kayyam, Madan Gopal, Lewis, "Do Transformers Need
 Three Projections?", arXiv:2606.04032; docs/sublayer_sharing.md):
-  none  q, k, v projections.
-  qk_v  values are the keys: no 'v' kernel, v = x W_k (the projection, before QK-norm and
-        RoPE, exactly a `none` model with W_v = W_k); the KV cache holds K only.
-  q_kv  queries are the keys: no 'q' kernel; the key tensor after QK-norm (k_norm only) and
-        RoPE is also the query, so the scores are symmetric.
-  qkv   one projection ('k'): queries as in q_kv, values as in qk_v.
-QK-norm and RoPE apply to the shared tensor as they apply to keys today; q_kv and qkv need
-num_kv_heads = num_heads (config check).
+  none        q, k, v projections.
+  kv_shared   values are the keys: no 'v' kernel, v = x W_k (the projection, before QK-norm
+              and RoPE, exactly a `none` model with W_v = W_k); the KV cache holds K only.
+  qk_shared   queries are the keys: no 'q' kernel; the key tensor after QK-norm (k_norm only)
+              and RoPE is also the query, so the scores are symmetric.
+  qkv_shared  one projection ('k'): queries as in qk_shared, values as in kv_shared.
+QK-norm and RoPE apply to the shared tensor as they apply to keys today; qk_shared and
+qkv_shared need num_kv_heads = num_heads (config check).
 """
 from __future__ import annotations
 
@@ -52,9 +52,9 @@ class DecodeStep(NamedTuple):
 class LayerCache(NamedTuple):
   """One applied layer's keys and values (after QK-norm and RoPE), S cache slots.
 
-  Under model.attention_sharing = qk_v | qkv (values are the keys) `k_BSKD` holds the key
-  projection *before* QK-norm and RoPE (it is the values), `v_BSKD` is None, and each step
-  normalises and rotates the cached keys again (models/attention.py).
+  Under model.attention_sharing = kv_shared | qkv_shared (values are the keys) `k_BSKD` holds
+  the key projection *before* QK-norm and RoPE (it is the values), `v_BSKD` is None, and each
+  step normalises and rotates the cached keys again (models/attention.py).
   """
   k_BSKD: jax.Array
   v_BSKD: jax.Array | None
@@ -118,15 +118,15 @@ class CausalAttention(nn.Module):
       k_BTKD = checkpoint_name(proj('k', K, 'kv_heads')(x_BTD), 'key_proj')
       v_BTKD = checkpoint_name(proj('v', K, 'kv_heads')(x_BTD), 'value_proj')
     else:
-      # The shared tensor is the key projection; q_kv / qkv have K == H (config check).
+      # The shared tensor is the key projection; qk_shared / qkv_shared have K == H.
       k_BTKD = checkpoint_name(proj('k', K, 'kv_heads')(x_BTD), 'key_proj')
       q_BTHD = (checkpoint_name(proj('q', H, 'heads', 'query')(x_BTD), 'query_proj')
-                if sharing == 'qk_v' else k_BTKD)
+                if sharing == 'kv_shared' else k_BTKD)
       v_BTKD = (checkpoint_name(proj('v', K, 'kv_heads')(x_BTD), 'value_proj')
-                if sharing == 'q_kv' else k_BTKD)
+                if sharing == 'qk_shared' else k_BTKD)
     for name, a in (('query', q_BTHD), ('key', k_BTKD), ('value', v_BTKD)):
       sow_l1(self, name, a)
-    shared_qk = sharing in ('q_kv', 'qkv')          # the query is the (normed, rotated) key
+    shared_qk = sharing in ('qk_shared', 'qkv_shared')   # the query is the normed, rotated key
     positions = positions_T if cache is None else step.positions_BT
     k_norm = qk_norm('k_norm') if c.qk_norm != 'none' else (lambda x: x)
     # rms: a learned gain over head_dim (ViT-22B); l2: unit vectors (Henry et al.).

@@ -25,11 +25,11 @@ ROUTED_SCHEMES = ('cycle', 'middle_cycle')   # Mixture-of-Recursions routes thes
 ROUTERS = ('linear', 'mlp')
 BALANCINGS = ('loss', 'bias')
 # Sub-layer sharing (docs/sublayer_sharing.md): which attention projections are one.
-ATTENTION_SHARINGS = ('none', 'qk_v', 'q_kv', 'qkv')
-# The projections each sharing mode stores (qk_v: values are the keys; q_kv: queries are the
-# keys; qkv: one projection, stored as 'k').
-STORED_PROJECTIONS = {'none': ('q', 'k', 'v'), 'qk_v': ('q', 'k'), 'q_kv': ('k', 'v'),
-                      'qkv': ('k',)}
+ATTENTION_SHARINGS = ('none', 'kv_shared', 'qk_shared', 'qkv_shared')
+# The projections each sharing mode stores (kv_shared: values are the keys; qk_shared: queries
+# are the keys; qkv_shared: one projection, stored as 'k').
+STORED_PROJECTIONS = {'none': ('q', 'k', 'v'), 'kv_shared': ('q', 'k'),
+                      'qk_shared': ('k', 'v'), 'qkv_shared': ('k',)}
 MASA_TARGETS = ('q', 'k', 'v', 'o', 'mlp_in', 'mlp_out')
 _DEFAULTS = defaults.default_config().model
 _TRAIN_SEQ_LEN = defaults.default_config().train.seq_len
@@ -37,6 +37,9 @@ _TRAIN_SEQ_LEN = defaults.default_config().train.seq_len
 
 def _choice(field: str, value: Any, valid: tuple[str, ...]) -> None:
   if value not in valid:
+    new = defaults.RENAMED_VALUES.get(field, {}).get(value) if isinstance(value, str) else None
+    if new:
+      raise ConfigError(f'{field}={value!r} was renamed: use {new[0]} ({new[1]})')
     raise ConfigError(f'{field}={value!r} is unknown; valid: {", ".join(valid)}')
 
 
@@ -121,7 +124,6 @@ class ModelConfig:
   routing_alpha: float = _key('routing.alpha')
   routing_aux_loss: float = _key('routing.aux_loss')
   routing_z_loss: float = _key('routing.z_loss')
-  routing_capacity_warmup_steps: int = _key('routing.capacity_warmup_steps')
   routing_balancing: str = _key('routing.balancing')
   routing_bias_rate: float = _key('routing.bias_rate')
   routing_buckets: int = _key('routing.buckets')
@@ -149,8 +151,8 @@ class ModelConfig:
 
   @property
   def values_are_keys(self) -> bool:
-    """Attention sharing where V is the key projection (qk_v, qkv): the KV cache holds K only."""
-    return self.attention_sharing in ('qk_v', 'qkv')
+    """V is the key projection (kv_shared, qkv_shared): the KV cache holds K only."""
+    return self.attention_sharing in ('kv_shared', 'qkv_shared')
 
   @property
   def projections(self) -> tuple[str, ...]:
@@ -280,10 +282,6 @@ class ModelConfig:
     if self.routing_z_loss < 0 and self.routing_z_loss != -1:
       raise ConfigError(f'model.routing.z_loss={self.routing_z_loss} must be >= 0, or -1 '
                         f'(the default coefficient)')
-    if self.routing_capacity_warmup_steps:
-      raise ConfigError(f'model.routing.capacity_warmup_steps='
-                        f'{self.routing_capacity_warmup_steps}: a capacity warmup changes the '
-                        f'static subset sizes every step (one compile each); valid: 0')
     if self.routing_balancing == 'bias' and self.routing != 'token_choice':
       raise ConfigError('model.routing.balancing=bias balances token choice\'s exit depths; '
                         'expert choice fixes its capacities; valid: loss')
@@ -323,10 +321,10 @@ class ModelConfig:
     if self.num_heads % self.kv_heads:
       raise ConfigError(f'model.num_kv_heads={self.num_kv_heads} must divide model.num_heads='
                         f'{self.num_heads}')
-    if self.attention_sharing in ('q_kv', 'qkv') and self.kv_heads != self.num_heads:
+    if self.attention_sharing in ('qk_shared', 'qkv_shared') and self.kv_heads != self.num_heads:
       raise ConfigError(f'model.attention_sharing={self.attention_sharing} makes the queries the '
                         f'keys, so it needs as many kv heads as heads; valid: num_kv_heads=0 '
-                        f'(or {self.num_heads}), or attention_sharing=none|qk_v')
+                        f'(or {self.num_heads}), or attention_sharing=none|kv_shared')
     for field, targets, on in (('sharing.lora_targets', self.lora_targets, self.lora_rank),
                                ('masa.targets', self.masa_targets, self.masa_atoms)):
       missing = [t for t in targets if t not in self.projections] if on else []

@@ -37,12 +37,18 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     'mor_expert': ('MoR expert choice', {**RECURSIVE, 'model.routing.kind': 'expert_choice'}),
     'mor_token': ('MoR token choice', {**RECURSIVE, 'model.routing.kind': 'token_choice'}),
     'masa': ('matrix atoms (q, k, v, o)', {'model.masa.atoms': 3}),
-    'qk_v': ('Q-K=V projections', {'model.attention_sharing': 'qk_v'}),
+    'kv_shared': ('Q-K=V projections', {'model.attention_sharing': 'kv_shared'}),
 }
+# Variants renamed since rows were written (old OUT/recursion_study.json rows still count).
+RENAMED = {'qk_v': 'kv_shared'}
+
+
+def _variant(row: dict[str, Any]) -> str:
+  return RENAMED.get(row['variant'], row['variant'])
 
 
 def _key(row: dict[str, Any]) -> tuple[str, int]:
-  return row['variant'], row['seed']
+  return _variant(row), row['seed']
 
 
 def steps_for(config: Any, budget: float) -> tuple[int, float]:
@@ -99,8 +105,8 @@ def _leaf_sizes(shapes: Any, prefix: str = '') -> list[tuple[str, int]]:
 def to_markdown(rows: list[dict[str, Any]]) -> str:
   lines = ['| variant | what | stored params (stack) | FLOPs/token | steps | eval bits/byte | '
            'tokens/s |', '|---|---|---|---|---|---|---|']
-  for v in [v for v in VARIANTS if any(r['variant'] == v for r in rows)]:
-    rs = [r for r in rows if r['variant'] == v]
+  for v in [v for v in VARIANTS if any(_variant(r) == v for r in rows)]:
+    rs = [r for r in rows if _variant(r) == v]
     bpb = [r['eval_bits_per_byte'] for r in rs]
     mean = statistics.mean(bpb)
     sd = f' +- {statistics.stdev(bpb):.3f} ({len(bpb)})' if len(bpb) > 1 else ''
@@ -119,8 +125,8 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt
   fig, ax = plt.subplots(figsize=(6.5, 4.5))
-  for v in [v for v in VARIANTS if any(r['variant'] == v for r in rows)]:
-    rs = [r for r in rows if r['variant'] == v]
+  for v in [v for v in VARIANTS if any(_variant(r) == v for r in rows)]:
+    rs = [r for r in rows if _variant(r) == v]
     bpb = [r['eval_bits_per_byte'] for r in rs]
     x, m = rs[0]['params_stack'] / 1e6, statistics.mean(bpb)
     ax.errorbar([x], [m], yerr=[[m - min(bpb)], [max(bpb) - m]], fmt='o', capsize=3, label=v)
