@@ -47,8 +47,8 @@ CONFIGS = {
                           'model.sharing.num_unique': 2, 'model.routing.kind': 'expert_choice'},
 }
 DECODE_CONFIGS = ('untied', 'cycle', 'middle_cycle_lora')   # generation serves no routed model
-# The plans recursive inference serves: add 'middle_cycle_lora' here once it serves them.
-TICK_CONFIGS = ('cycle',)
+# The plans recursive inference serves (loop by loop: prelude, loops, coda).
+TICK_CONFIGS = ('cycle', 'middle_cycle_lora')
 # Every config under both kernel switches and both dtypes on each platform.
 SETTINGS = (('pallas', 'bfloat16'), ('auto', 'float32'))
 

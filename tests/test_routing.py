@@ -19,7 +19,13 @@ import pytest
 from sharenet import config_lib, generate, train_lib
 from sharenet.errors import ConfigError
 from sharenet.models import DecoderLM, ModelConfig, accounting, init_variables, routing
+from sharenet.models.block import Shared, Stream
 from sharenet.models.stack import Stack
+
+
+def _stack(cfg, params, x, positions):
+  """The layer stack of `cfg` alone: x (B, T, D) -> x."""
+  return Stack(cfg).apply({'params': params}, Stream(x), Shared(positions))[0].x_BTD
 
 B, T, D = 2, 16, 32
 
@@ -113,12 +119,6 @@ def test_routing_keys_round_trip_and_default_is_none(tiny_config):
   assert (token.alpha, token.aux_loss_coeff, token.z_loss_coeff) == (1.0, 0.1, 1e-5)
 
 
-def test_example_config_validates(repo_root):
-  sys.path.insert(0, repo_root)
-  from configs import mor_tiny
-  mcfg = config_lib.validate(mor_tiny.get_config())
-  assert (mcfg.routing, mcfg.scheme, mcfg.recursions, mcfg.routed_segment) == \
-      ('expert_choice', 'middle_cycle', 3, 1)
 def test_capacity_warmup_steps_is_gone_and_old_workdirs_still_load(repo_root):
   """The key only ever trained at 0 (any other value was refused): it is no longer a key, and a
   workdir's config.json that carries it (written before) loads without it."""
@@ -132,6 +132,12 @@ def test_capacity_warmup_steps_is_gone_and_old_workdirs_still_load(repo_root):
   assert config_lib.validate(config).routing == 'token_choice'
 
 
+def test_example_config_validates(repo_root):
+  sys.path.insert(0, repo_root)
+  from configs import mor_tiny
+  mcfg = config_lib.validate(mor_tiny.get_config())
+  assert (mcfg.routing, mcfg.scheme, mcfg.recursions, mcfg.routed_segment) == \
+      ('expert_choice', 'middle_cycle', 3, 1)
 
 
 def test_unrouted_model_has_no_router_and_sows_nothing():
@@ -412,11 +418,11 @@ def test_full_capacity_is_the_gated_plain_recursion():
     v = init_variables(model, jax.random.key(0), B, T)
     stack = v['params']['stack']
     h = jax.random.normal(jax.random.key(1), (B, T, D), jnp.float64)
-    got = Stack(cfg).apply({'params': stack}, h, jnp.arange(T))
+    got = _stack(cfg, stack, h, jnp.arange(T))
     plain_stack = {'segment_0': {'level': stack['segment_0']['level']}}
     want = h
     for r in range(2):
-      f = Stack(plain).apply({'params': plain_stack}, want, jnp.arange(T))
+      f = _stack(plain, plain_stack, want, jnp.arange(T))
       g = 0.1 * jax.nn.sigmoid(want @ stack['segment_0']['router']['kernel'][r])
       want = want + g[:, :, None] * f
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-12, atol=1e-12)
@@ -433,8 +439,8 @@ def test_kept_tokens_attend_among_themselves_at_their_own_positions():
     stack = v['params']['stack']
     h = jax.random.normal(jax.random.key(3), (B, T, D), jnp.float64)
     plain_stack = {'segment_0': {'level': stack['segment_0']['level']}}
-    run = lambda x, pos: Stack(plain).apply({'params': plain_stack}, x, pos)
-    got = np.asarray(Stack(cfg).apply({'params': stack}, h, jnp.arange(T)))
+    run = lambda x, pos: _stack(plain, plain_stack, x, pos)
+    got = np.asarray(_stack(cfg, stack, h, jnp.arange(T)))
     w = stack['segment_0']['router']['kernel']
     h1 = h + (0.1 * jax.nn.sigmoid(h @ w[0]))[:, :, None] * run(h, jnp.arange(T))
     g1 = np.asarray(0.1 * jax.nn.sigmoid(h1 @ w[1]))
@@ -457,9 +463,9 @@ def test_token_choice_model_runs_each_recursion_on_its_tokens_alone():
     v = init_variables(DecoderLM(cfg), jax.random.key(0), B, T)
     stack = v['params']['stack']
     plain_stack = {'segment_0': {'level': stack['segment_0']['level']}}
-    run = lambda x, pos: np.asarray(Stack(plain).apply({'params': plain_stack}, x, pos))
+    run = lambda x, pos: np.asarray(_stack(plain, plain_stack, x, pos))
     h = jax.random.normal(jax.random.key(4), (B, T, D), jnp.float64)
-    got = np.asarray(Stack(cfg).apply({'params': stack}, h, jnp.arange(T)))
+    got = np.asarray(_stack(cfg, stack, h, jnp.arange(T)))
     logits = np.asarray(h) @ np.asarray(stack['segment_0']['router']['kernel']).T
     p = np.exp(logits - logits.max(-1, keepdims=True))
     p /= p.sum(-1, keepdims=True)

@@ -181,8 +181,7 @@ def init_rms(kind, d):
                               mutable=['intermediates'])
   flat = flatten_dict(inter['intermediates'])
   blk = ('stack', 'segment_0', 'level', 'block')
-  stream = flat[blk + ('__call__',)][0][0]
-  stream = stream[0] if kind == 'umup' else stream     # umup carry: (x, layer index)
+  stream = flat[blk + ('__call__',)][0][0].x_BTD   # the block's carry: a Stream
   rms = lambda a: np.sqrt(np.mean(np.square(np.asarray(a, np.float64)).reshape(
       -1, math.prod(a.shape[-3:])), axis=1))
   return dict(residual=rms(stream), attn=rms(flat[blk + ('attn', '__call__')][0]),

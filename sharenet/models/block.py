@@ -14,6 +14,8 @@ sharenet/kernels/norms.py), one pass over the stream instead of two.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -31,24 +33,44 @@ from sharenet.params import placed
 ACT_AXES = ('activation_batch', 'activation_length', 'activation_embed')
 
 
-class Block(nn.Module):
-  """One layer; returns (carry, None) so it can be the body of nn.scan.
+class Stream(NamedTuple):
+  """The carry of the layer scans: the residual stream, and the applied layer index that
+  u-muP's residual rule reads (None otherwise)."""
+  x_BTD: jax.Array
+  layer: jax.Array | None = None
 
-  The carry is x (B, T, D), or (x, applied layer index) under u-muP's residual rule. With a
-  `cache` (this applied layer's LayerCache, models/attention.py) and its `step`, it returns
-  (carry, updated cache) instead: nn.scan stacks the caches, one per applied layer.
-  `masa` ({target: atoms}, models/masa.py) is handed to the attention and the MLP.
+
+class Shared(NamedTuple):
+  """What every applied layer of a scan reads (broadcast)."""
+  positions_T: jax.Array | None              # None in cached generation: positions are the step's
+  segment_ids_BT: jax.Array | None = None    # packed documents
+  step: DecodeStep | None = None             # cached generation
+  masa: dict[str, jax.Array] | None = None   # MASA atoms {target: atoms}, models/masa.py
+
+
+class Scanned(NamedTuple):
+  """What each applied layer of a scan reads its own entry of (sliced on the leading axis)."""
+  cache: LayerCache | None = None            # this layer's KV cache (cached generation)
+
+
+class Block(nn.Module):
+  """One layer, the body of nn.scan: (Stream, Shared, Scanned) -> (Stream, updated cache).
+
+  The stream's layer index counts applied layers under u-muP's residual rule. With a cache in
+  `scanned` (this applied layer's LayerCache, models/attention.py) and the step in `shared`,
+  the updated cache comes back (nn.scan stacks them, one per applied layer); None otherwise.
+  The MASA atoms in `shared` are handed to the attention and the MLP.
   """
   cfg: ModelConfig
 
   @nn.compact
-  def __call__(self, carry, positions_T: jax.Array | None, segment_ids_BT=None,
-               cache: LayerCache | None = None, step: DecodeStep | None = None,
-               masa: dict[str, jax.Array] | None = None):
+  def __call__(self, carry: Stream, shared: Shared, scanned: Scanned = Scanned()
+               ) -> tuple[Stream, LayerCache | None]:
     with placed(block=tuple(self.path)):   # structure metadata: block-local keys (params.py)
-      return self._layer(carry, positions_T, segment_ids_BT, cache, step, masa)
+      return self._layer(carry, shared, scanned.cache)
 
-  def _layer(self, carry, positions_T, segment_ids_BT, cache, step, masa):
+  def _layer(self, carry: Stream, shared: Shared, cache: LayerCache | None):
+    positions_T, segment_ids_BT, step, masa = shared
     c = self.cfg
     updated = []   # the attention's updated cache, when given one
 
@@ -82,8 +104,9 @@ class Block(nn.Module):
         tau = unit_scale.residual_tau(i, c.num_layers, c.umup_residual)
         x_BTD = unit_scale.residual_apply(f, x_BTD, tau).astype(x_BTD.dtype)
       sow_l1(self, 'residual', x_BTD)
-      return (nn.with_logical_constraint(x_BTD, ACT_AXES), layer + 1), (updated or [None])[0]
-    x_BTD = carry
+      x_BTD = nn.with_logical_constraint(x_BTD, ACT_AXES)
+      return Stream(x_BTD, layer + 1), (updated or [None])[0]
+    x_BTD = carry.x_BTD
     fuse = c.norm in norm_kernels.KINDS and kernel_lib.use_pallas(c.kernels)
     if c.norm_placement == 'pre' and fuse:   # the same, the first add fused with the MLP norm
       attn_BTD = attn(norm('attn_norm', a)(x_BTD), positions_T, segment_ids_BT)
@@ -100,4 +123,5 @@ class Block(nn.Module):
           attn(norm('attn_norm', a)(x_BTD), positions_T, segment_ids_BT))
       x_BTD = x_BTD + norm('mlp_out_norm', m, 'norm_out')(mlp(norm('mlp_norm', m)(x_BTD)))
     sow_l1(self, 'residual', x_BTD)
-    return nn.with_logical_constraint(x_BTD, ACT_AXES), (updated or [None])[0]
+    return carry._replace(x_BTD=nn.with_logical_constraint(x_BTD, ACT_AXES)), \
+        (updated or [None])[0]

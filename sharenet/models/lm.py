@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from sharenet.models.attention import DecodeStep, LayerCache
-from sharenet.models.block import ACT_AXES
+from sharenet.models.block import ACT_AXES, Shared, Stream
 from sharenet.models.config import ModelConfig
 from sharenet.models.layers import Dense, Embed, sow_l1
 from sharenet.models.masa import MasaAtoms
@@ -103,18 +103,11 @@ class DecoderLM(nn.Module):
   def trunk(self, x_BTD: jax.Array, positions_T: jax.Array | None, segment_ids_BT=None,
             layer_caches: tuple | None = None, step: DecodeStep | None = None):
     """The plan's segments over the stream: x, or (x, updated layer caches) with a cache."""
-    c = self.cfg
-    masa = self.atoms()
-    extra = {} if masa is None else {'masa': masa}
     # u-muP's residual rule carries the applied layer index (block.py).
-    carry = (x_BTD, jnp.zeros((), jnp.int32)) if c.umup_residual else x_BTD
-    if layer_caches is None:
-      carry = self.stack(carry, positions_T, segment_ids_BT, **extra)
-    else:
-      carry, layer_caches = self.stack(carry, positions_T, segment_ids_BT, layer_caches, step,
-                                       **extra)
-    x_BTD = carry[0] if c.umup_residual else carry
-    return x_BTD if layer_caches is None else (x_BTD, layer_caches)
+    layer = jnp.zeros((), jnp.int32) if self.cfg.umup_residual else None
+    shared = Shared(positions_T, segment_ids_BT, step, self.atoms())
+    carry, layer_caches = self.stack(Stream(x_BTD, layer), shared, layer_caches)
+    return carry.x_BTD if layer_caches is None else (carry.x_BTD, layer_caches)
 
   def head(self, x_BTD: jax.Array) -> jax.Array:
     """Final norm and readout: the stream (B, T, D) -> logits (B, T, V), float32 or wider."""

@@ -22,7 +22,7 @@ from flax.traverse_util import unflatten_dict
 from sharenet.errors import ConfigError
 from sharenet.models import layout
 from sharenet.models.attention import DecodeStep, LayerCache
-from sharenet.models.block import Block
+from sharenet.models.block import Block, Scanned, Shared, Stream
 from sharenet.models.config import ModelConfig
 from sharenet.norms import PER_LAYER
 
@@ -93,8 +93,10 @@ def run_layers(cfg: ModelConfig, store: LayerStore, x_D: jax.Array, first: jax.A
 
   def body(x_11D, inputs):
     layer, k_SKD, v_SKD = inputs
-    x_11D, cache = block.apply(_layer_variables(store, layer), x_11D, None, None,
-                               LayerCache(k_SKD[None], v_SKD[None]), step, store.atoms)
+    stream, cache = block.apply(_layer_variables(store, layer), Stream(x_11D),
+                                Shared(None, None, step, store.atoms),
+                                Scanned(LayerCache(k_SKD[None], v_SKD[None])))
+    x_11D = stream.x_BTD
     column = lambda a: jax.lax.dynamic_index_in_dim(a[0], pos, axis=0, keepdims=False)
     return x_11D, (column(cache.k_BSKD), column(cache.v_BSKD))
 

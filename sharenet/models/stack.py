@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sharenet.models.attention import DecodeStep, LayerCache
-from sharenet.models.block import Block
+from sharenet.models.block import Block, Scanned, Shared, Stream
 from sharenet.errors import ConfigError
 from sharenet.models import routing
 from sharenet.models.config import ModelConfig
@@ -77,19 +77,18 @@ def _block_cls(cfg: ModelConfig):
 
 
 def _scan(target, length: int, stacked: bool, axis_name: str, unroll: int,
-          split_transpose: bool = True, decode: bool = False, masa: bool = False):
+          split_transpose: bool = True):
   """Scan `target` `length` times; stacked -> params per iteration, else params broadcast.
 
-  The body takes (carry, positions, segment ids), both broadcast; `decode` adds (cache, step),
-  the cache scanned over its leading axis (one entry per iteration) and the step broadcast; the
-  updated caches come back stacked as the scan's output.
+  The body takes (carry: Stream, shared: Shared, scanned: Scanned): `shared` is broadcast to
+  every iteration, `scanned` (the KV caches, when decoding) is sliced along its leading axis,
+  one entry per iteration, and the updated caches come back stacked as the scan's output.
 
   `split_transpose` (jax's experimental lax.scan option) moves the weight-gradient part of the
   backward scan into a map after the loop, which makes the scanned train step faster on
   XLA:CPU (README "Results", benchmarks/step_bench.py).
   """
-  in_axes = (nn.broadcast, nn.broadcast) + ((0, nn.broadcast) if decode or masa else ())
-  in_axes += (nn.broadcast,) if masa else ()   # MASA atoms: the same for every iteration
+  in_axes = (nn.broadcast, 0)
   if stacked:
     return nn.scan(target, variable_axes={'params': 0, PER_LAYER: 0, INTERMEDIATES: 0},
                    split_rngs={'params': True, PER_LAYER: True}, in_axes=in_axes,
@@ -101,14 +100,6 @@ def _scan(target, length: int, stacked: bool, axis_name: str, unroll: int,
                  split_rngs={'params': False, PER_LAYER: True}, in_axes=in_axes,
                  length=length, unroll=min(unroll, length),
                  metadata_params={nn.PARTITION_NAME: axis_name})
-
-
-def _decode_args(cache: LayerCache | None, step: DecodeStep | None, masa=None) -> tuple:
-  """The extra scanned arguments of a cached forward pass (none without a cache), then the
-  MASA atoms where there are any."""
-  if masa is not None:
-    return cache, step, masa
-  return () if cache is None else (cache, step)
 
 
 def _reshape_leading(cache: LayerCache | None, n_lead: int, shape: tuple[int, ...]):
@@ -127,36 +118,41 @@ def _map_leading(tree, value_fn, names_fn):
   return jax.tree.map(leaf, tree, is_leaf=lambda x: isinstance(x, nn.Partitioned))
 
 
+def on_stream(layers, masa=None):
+  """(x, positions, segment ids) -> (x, None): a scan over blocks as routing calls it."""
+  def run(x_BTD, positions_T, segment_ids_BT=None):
+    carry, _ = layers(Stream(x_BTD), Shared(positions_T, segment_ids_BT, masa=masa), Scanned())
+    return carry.x_BTD, None
+  return run
+
+
 class _Level(nn.Module):
   """One scan level; the innermost level scans the (remat'd) Block."""
   cfg: ModelConfig
   levels: tuple[tuple[int, bool, str], ...]   # (length, stacked, axis_name), outermost first
 
   @nn.compact
-  def __call__(self, x_BTD: jax.Array, positions_T: jax.Array | None, segment_ids_BT=None,
-               cache: LayerCache | None = None, step: DecodeStep | None = None, masa=None):
-    """-> (x, None), or (x, updated cache) for a `cache` with leading axes = level lengths."""
+  def __call__(self, carry: Stream, shared: Shared, scanned: Scanned = Scanned()):
+    """-> (carry, updated cache or None); a cache has leading axes = the level lengths."""
     (length, stacked, axis), rest = self.levels[0], self.levels[1:]
     lengths = tuple(n for n, _, _ in self.levels)
     if rest and self.cfg.scan_lowering == 'flat':
       # One scan over the applied layers; stored layout unchanged (see module docstring).
       (pos,) = [i for i, (_, s, _) in enumerate(self.levels) if s]
       pattern = np.unravel_index(np.arange(math.prod(lengths)), lengths)[pos]
-      flat = _reshape_leading(cache, len(lengths), (math.prod(lengths),))
+      flat = Scanned(_reshape_leading(scanned.cache, len(lengths), (math.prod(lengths),)))
       gather = GatherSegment(self.cfg, tuple(int(k) for k in pattern),
                              tuple((n, a) for n, _, a in self.levels), name=NAMES['level'])
-      x_BTD, flat = gather(x_BTD, positions_T, segment_ids_BT, *_decode_args(flat, step, masa))
-      return x_BTD, _reshape_leading(flat, 1, lengths)
-    decode, shared = cache is not None, masa is not None
+      carry, cache = gather(carry, shared, flat)
+      return carry, _reshape_leading(cache, 1, lengths)
+    c = self.cfg
     if rest:
-      body = _scan(_Level, length, stacked, axis, self.cfg.scan_unroll,
-                   self.cfg.scan_split_transpose, decode, shared)(self.cfg, rest,
-                                                                  name=NAMES['level'])
+      body = _scan(_Level, length, stacked, axis, c.scan_unroll, c.scan_split_transpose)(
+          c, rest, name=NAMES['level'])
     else:
-      body = _scan(_block_cls(self.cfg), length, stacked, axis, self.cfg.scan_unroll,
-                   self.cfg.scan_split_transpose, decode, shared)(self.cfg,
-                                                                  name=NAMES['block'])
-    return body(x_BTD, positions_T, segment_ids_BT, *_decode_args(cache, step, masa))
+      body = _scan(_block_cls(c), length, stacked, axis, c.scan_unroll,
+                   c.scan_split_transpose)(c, name=NAMES['block'])
+    return body(carry, shared, scanned)
 
 
 class GatherSegment(nn.Module):
@@ -173,9 +169,8 @@ class GatherSegment(nn.Module):
   per_layer_levels: tuple[tuple[int, str], ...] = ()
 
   @nn.compact
-  def __call__(self, x_BTD: jax.Array, positions_T: jax.Array | None, segment_ids_BT=None,
-               cache: LayerCache | None = None, step: DecodeStep | None = None, masa=None):
-    """-> (x, None), or (x, updated cache) for a `cache` with one leading applied-layer axis."""
+  def __call__(self, carry: Stream, shared: Shared, scanned: Scanned = Scanned()):
+    """-> (carry, updated cache or None); a cache has one leading applied-layer axis."""
     L = len(self.pattern)
     levels = self.per_layer_levels or ((L, 'layers'),)
     lengths, axes = tuple(n for n, _ in levels), tuple(a for _, a in levels)
@@ -197,16 +192,15 @@ class GatherSegment(nn.Module):
         return out
       return fn
 
-    scanned = _scan(_block_cls(self.cfg), L, True, 'layers', self.cfg.scan_unroll,
-                    self.cfg.scan_split_transpose, cache is not None, masa is not None)
+    body = _scan(_block_cls(self.cfg), L, True, 'layers', self.cfg.scan_unroll,
+                 self.cfg.scan_split_transpose)
     # init only while initializing: with init=True flax treats *any* mutable collection (e.g.
     # sown 'intermediates') as initialization and runs the scan on the un-gathered pool.
     mapped = nn.map_variables(
-        scanned, ['params', PER_LAYER],
+        body, ['params', PER_LAYER],
         trans_in_fn=remap(self.pattern, len(lengths), (L,), ('layers',)),
         trans_out_fn=remap(first_use, 1, lengths, axes), init=self.is_initializing())
-    return mapped(self.cfg, name=NAMES['block'])(x_BTD, positions_T, segment_ids_BT,
-                                          *_decode_args(cache, step, masa))
+    return mapped(self.cfg, name=NAMES['block'])(carry, shared, scanned)
 
 
 class RoutedSegment(nn.Module):
@@ -234,7 +228,7 @@ class RoutedSegment(nn.Module):
     router = routing.Router(c, name=NAMES['router'])
     if c.routing == 'expert_choice' and not c.routing_buckets:
       inner = _Level(c, segment_levels(self.seg)[1:], name=NAMES['level'])
-      level = lambda x, pos, seg: inner(x, pos, seg, *_decode_args(None, None, masa))
+      level = on_stream(inner, masa)
       return routing.expert_choice(x_BTD, positions_T, segment_ids_BT, cfg=c, router=router,
                                    level=level, sow=sow)
     if c.routing == 'expert_choice':
@@ -278,8 +272,8 @@ class _Recursion(nn.Module):
   def __call__(self, carry, scanned, a, b, masa=None):
     c = self.cfg
     scan = _scan(_block_cls(c), self.num_sets, True, 'layers', c.scan_unroll,
-                 c.scan_split_transpose, masa=masa is not None)(c, name=NAMES['block'])
-    block = lambda x, pos, seg: scan(x, pos, seg, *_decode_args(None, None, masa))
+                 c.scan_split_transpose)(c, name=NAMES['block'])
+    block = on_stream(scan, masa)
     if c.routing == 'token_choice':
       return routing.token_recursion(block, scanned, carry, a, b), None
     return routing.expert_recursion(block, functools.partial(routing.expert_logits, b), c.alpha,
@@ -307,7 +301,7 @@ def init_cache(cfg: ModelConfig, batch_size: int, num_slots: int,
   """An empty KV cache: per plan segment, a LayerCache stacked over its applied layers
   (leaves (applied layers, B, S, kv heads, head_dim)), so sum of the leading axes is
   cfg.num_layers whatever the sharing plan. Values-are-keys sharing (model.attention_sharing
-  qk_v | qkv) holds K only: v is None."""
+  kv_shared | qkv_shared) holds K only: v is None."""
   dt = jnp.dtype(dtype or cfg.dtype)
   def one(n):
     shape = (n, batch_size, num_slots, cfg.kv_heads, cfg.head_dim)
@@ -318,56 +312,56 @@ def init_cache(cfg: ModelConfig, batch_size: int, num_slots: int,
 class Stack(nn.Module):
   """Applies cfg.num_layers layers, storing only the plan's unique sets.
 
-  With a `cache` (init_cache's structure) and its `step`: returns (x, updated cache).
-  `masa`: the MASA atoms ({target: atoms}, models/masa.py), broadcast to every block.
+  (carry, shared, caches) -> (carry, updated caches): `shared` (block.Shared: positions,
+  segment ids, the decode step, the MASA atoms) reaches every block; `caches` (init_cache's
+  structure, None without generation) is sliced per applied layer.
   """
   cfg: ModelConfig
 
   @nn.compact
-  def __call__(self, x_BTD: jax.Array, positions_T: jax.Array | None, segment_ids_BT=None,
-               cache: tuple[LayerCache, ...] | None = None, step: DecodeStep | None = None,
-               masa=None):
-    segments = self.cfg.plan.segments
-    new_cache = []
+  def __call__(self, carry: Stream, shared: Shared, caches: tuple[LayerCache, ...] | None = None
+               ) -> tuple[Stream, tuple[LayerCache, ...] | None]:
     if not self.cfg.scan_layers:
-      # Python loop baseline (benchmarks): one module per unique set, reused where tied.
-      plan = self.cfg.plan
-      blocks = [_block_cls(self.cfg)(self.cfg, name=NAMES['set'].format(u))
-                for u in range(plan.num_unique)]
-      layer = 0
-      for i, seg in enumerate(segments):
-        layer_caches = []
-        for j in range(seg.num_applied):
-          u = plan.index[layer]
-          layer += 1
-          one = None if cache is None else jax.tree.map(lambda a: a[j], cache[i])
-          with placed(segment=i, sets=(u,), uses=(len(plan.uses(u)),), layers=()):
-            x_BTD, one = blocks[u](x_BTD, positions_T, segment_ids_BT,
-                                   *_decode_args(one, step, masa))
-          layer_caches.append(one)
-        if cache is not None:
-          new_cache.append(jax.tree.map(lambda *a: jnp.stack(a), *layer_caches))
-      return x_BTD if cache is None else (x_BTD, tuple(new_cache))
-    for i, seg in enumerate(segments):
+      return self._python_loop(carry, shared, caches)
+    new_caches = []
+    for i, seg in enumerate(self.cfg.plan.segments):
       cfg = self.cfg.segment_cfg(seg)   # no LoRA on unshared segments under lora_layers=shared
       name = NAMES['segment'].format(i)
       with placed(**placement(self.cfg.plan, i)):
         if i == self.cfg.routed_segment:
-          if cache is not None:
+          if caches is not None:
             raise ConfigError(f'model.routing.kind={cfg.routing!r}: cached generation of a '
                               f'routed model is not implemented; valid: routing.kind=none')
-          x_BTD = RoutedSegment(cfg, seg, name=name)(x_BTD, positions_T, segment_ids_BT, masa)
-          continue
-        if seg.order == 'gather':
-          x_BTD, seg_cache = GatherSegment(cfg, seg.pattern, name=name)(
-              x_BTD, positions_T, segment_ids_BT,
-              *_decode_args(None if cache is None else cache[i], step, masa))
+          x_BTD = RoutedSegment(cfg, seg, name=name)(carry.x_BTD, shared.positions_T,
+                                                     shared.segment_ids_BT, shared.masa)
+          carry, cache = carry._replace(x_BTD=x_BTD), None
+        elif seg.order == 'gather':
+          carry, cache = GatherSegment(cfg, seg.pattern, name=name)(
+              carry, shared, Scanned(None if caches is None else caches[i]))
         else:
           levels = segment_levels(seg)
           lengths = tuple(n for n, _, _ in levels)
-          nested = None if cache is None else _reshape_leading(cache[i], 1, lengths)
-          x_BTD, seg_cache = _Level(cfg, levels, name=name)(
-              x_BTD, positions_T, segment_ids_BT, *_decode_args(nested, step, masa))
-          seg_cache = _reshape_leading(seg_cache, len(lengths), (seg.num_applied,))
-      new_cache.append(seg_cache)
-    return x_BTD if cache is None else (x_BTD, tuple(new_cache))
+          nested = None if caches is None else _reshape_leading(caches[i], 1, lengths)
+          carry, cache = _Level(cfg, levels, name=name)(carry, shared, Scanned(nested))
+          cache = _reshape_leading(cache, len(lengths), (seg.num_applied,))
+      new_caches.append(cache)
+    return carry, None if caches is None else tuple(new_caches)
+
+  def _python_loop(self, carry: Stream, shared: Shared, caches):
+    """The Python-loop baseline (benchmarks): one module per unique set, reused where tied."""
+    plan = self.cfg.plan
+    blocks = [_block_cls(self.cfg)(self.cfg, name=NAMES['set'].format(u))
+              for u in range(plan.num_unique)]
+    layer, new_caches = 0, []
+    for i, seg in enumerate(plan.segments):
+      layer_caches = []
+      for j in range(seg.num_applied):
+        u = plan.index[layer]
+        layer += 1
+        one = None if caches is None else jax.tree.map(lambda a: a[j], caches[i])
+        with placed(segment=i, sets=(u,), uses=(len(plan.uses(u)),), layers=()):
+          carry, one = blocks[u](carry, shared, Scanned(one))
+        layer_caches.append(one)
+      if caches is not None:
+        new_caches.append(jax.tree.map(lambda *a: jnp.stack(a), *layer_caches))
+    return carry, None if caches is None else tuple(new_caches)
