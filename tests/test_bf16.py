@@ -47,10 +47,9 @@ def test_parameters_and_optimizer_state_stay_float32(tiny_config):
 # Where a float32 activation may come from: (file, function; None = any).
 ALLOWED_F32 = {
     ('norms.py', 'Norm._norm'),                        # norm statistics (jnp path)
-    ('attention.py', 'CausalAttention.__call__'),      # softmax over the attention scores
-    ('attention.py', 'reference'),                     # the same, in kernels/attention.py
+    ('attention.py', 'reference'),                     # the attention softmax (kernels/)
     ('lm.py', 'DecoderLM.__call__'),                   # logits
-    ('layers.py', 'einsum_f32'),                       # the readout's float32 logits
+    ('einsum.py', 'einsum_f32'),                       # float32 logits and attention scores
     ('layers.py', 'Embed.__call__'),                   # lookup in the float32 table
     ('_classification.py', None),                      # optax cross entropy: the loss
     ('eval_lib.py', 'token_nll'),

@@ -5,7 +5,7 @@ IO-Awareness", arXiv:2205.14135) computes softmax(q k^T) v block by block with a
 so the (T, S) logits never reach memory; the backward pass recomputes them from q, k and the
 saved log-sum-exp. Every back-end here computes the same function as `reference`:
 
-  xla     `reference`: the einsum attention of sharenet/models/attention.py (float32 logits).
+  xla     `reference`: the einsum attention (float32 logits).
   chunked `reference` in query chunks of CPU_CHUNK: chunk i computes its logits against keys
           0..end of chunk i only, so the causal upper triangle beyond each chunk is never
           computed (at T = 256 a quarter of the logits, at T = 2048 about half) and no (T, T)
@@ -19,9 +19,15 @@ saved log-sum-exp. Every back-end here computes the same function as `reference`
 Under a mesh the Pallas kernels run per device on its batch rows and heads
 (sharenet/kernels/partition.py: XLA cannot partition a Pallas call).
 
-Layout everywhere: q [B, T, H, Dh], k and v [B, T, K, Dh] with K kv heads dividing H
+Layout everywhere: q [B, T, H, Dh], k and v [B, S, K, Dh] with K kv heads dividing H
 (grouped-query attention: query head h reads kv head h // (H // K)); the output is [B, T, H, Dh]
-in q's dtype. Queries and keys share positions 0..T-1 (self-attention).
+in q's dtype. Training: S = T, queries and keys share positions 0..T-1 (self-attention).
+
+Cached decoding (sharenet/models/attention.py) calls the same entry, `attention`, with the
+positions: `q_positions_BT` of the new queries and `k_positions_BS` of every cache slot (-1: empty
+or padding); query t attends key s only if 0 <= k_positions[s] <= q_positions[t]. `reference`
+(xla, chunked) takes that case; the fused kernels take only a causal T x T mask over slots, so
+under pallas and cudnn it runs the reference, with the one-line `kernels.note_fallback` note.
 
 Segment ids (optional, [B, T] int; packed documents, sharenet/data/arrayrecord.py): query t
 attends key s only if s <= t and segment_ids[t] == segment_ids[s]. The Pallas kernels take them
@@ -45,6 +51,7 @@ from jax.sharding import PartitionSpec as P
 
 from sharenet import kernels
 from sharenet.kernels import partition
+from sharenet.kernels.einsum import einsum_f32
 from sharenet.errors import ConfigError
 
 IMPLS = ('xla', 'chunked', 'cudnn', 'pallas')
@@ -52,7 +59,7 @@ IMPLS = ('xla', 'chunked', 'cudnn', 'pallas')
 # 2-core CPU, 128 fastest at T = 512 (fwd + bwd, 1.6x the unchunked reference at both).
 CPU_CHUNK = 128
 
-# The reference's (and the model's XLA path's) masked logit; exp underflows to exactly 0.
+# The reference's masked logit; exp underflows to exactly 0.
 MASK_VALUE = -1e30
 
 _notes: set[str] = set()
@@ -65,42 +72,40 @@ def _note(message: str) -> None:
     print(f'sharenet: {message}', file=sys.stderr, flush=True)
 
 
-def reference(q_BTHD: jax.Array, k_BTKD: jax.Array, v_BTKD: jax.Array, *, scale,
+def reference(q_BTHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array, *, scale,
               causal: bool = True, segment_ids_BT: jax.Array | None = None, chunk: int = 0,
-              observe: Callable[[jax.Array, jax.Array], None] | None = None) -> jax.Array:
+              observe: Callable[[jax.Array, jax.Array], None] | None = None,
+              q_positions_BT: jax.Array | None = None,
+              k_positions_BS: jax.Array | None = None) -> jax.Array:
   """softmax(scale * q k^T, masked) v with float32 logits and softmax; output in q's dtype.
 
-  The arithmetic of the model's XLA path (sharenet/models/attention.py calls this): q * scale
-  in q's dtype, the grouped einsum with a float32 result (never rounded to q's dtype), masked
-  positions set to -1e30 (an additive bias), softmax in float32 and cast back to q's dtype
-  before the value einsum. The logits and probabilities carry the checkpoint names
-  'attn_logits' / 'attn_probs' (remat policy except_attn).
+  The arithmetic of the `xla` back-end: q * scale in q's dtype, the grouped einsum with a
+  float32 result (never rounded to q's dtype), masked positions set to -1e30 (an additive bias),
+  softmax in float32 and cast back to q's dtype before the value einsum. The logits and
+  probabilities carry the checkpoint names 'attn_logits' / 'attn_probs' (remat policy
+  except_attn).
 
-  `chunk` > 0 (causal only): query rows in chunks of `chunk`, each against the keys up to its
-  last row (the `chunked` back-end). `observe(logits, mask)` sees the whole (B, K, G, T, S)
-  logits before masking and their mask (None: no mask) for coordinate checks; it needs chunk = 0.
+  `q_positions_BT` and `k_positions_BS` (cached decoding, both or neither): the mask is by
+  position, 0 <= key position <= query position, instead of by slot index (`causal`).
+  `chunk` > 0 (causal by slot only): query rows in chunks of `chunk`, each against the keys up
+  to its last row (the `chunked` back-end). `observe(logits, mask)` sees the whole (B, K, G, T,
+  S) logits before masking and their mask (None: no mask) for coordinate checks; it needs
+  chunk = 0.
   """
   B, T, H, Dh = q_BTHD.shape
-  S, K = k_BTKD.shape[1], k_BTKD.shape[2]
+  S, K = k_BSKD.shape[1], k_BSKD.shape[2]
   dt = q_BTHD.dtype
-  if chunk and (not causal or observe is not None):
-    raise ValueError('attention: chunk > 0 needs causal=True and no observe')
+  by_position = q_positions_BT is not None
+  if chunk and (not causal or observe is not None or by_position):
+    raise ValueError('attention: chunk > 0 needs causal=True, no observe and no positions')
   chunk = chunk or T
   q_BTKGD = q_BTHD.reshape(B, T, K, H // K, Dh) * scale
-  from sharenet.models.layers import einsum_f32   # here: models imports this module
   outs = []
   for start in range(0, T, chunk):
     stop = min(T, start + chunk)
     keys = stop if chunk < T else S           # keys past the chunk's last query are masked
-    logits_BKGCS = einsum_f32('btkgd,bskd->bkgts', q_BTKGD[:, start:stop], k_BTKD[:, :keys])
-    mask_BKGCS = None
-    if causal:
-      rows, cols = jnp.arange(start, stop), jnp.arange(keys)
-      mask_BKGCS = (rows[:, None] >= cols[None, :])[None, None, None]
-    if segment_ids_BT is not None:
-      same = (segment_ids_BT[:, start:stop, None] == segment_ids_BT[:, None, :keys])
-      same = same[:, None, None]
-      mask_BKGCS = same if mask_BKGCS is None else mask_BKGCS & same
+    logits_BKGCS = einsum_f32('btkgd,bskd->bkgts', q_BTKGD[:, start:stop], k_BSKD[:, :keys])
+    mask_BKGCS = _mask(start, stop, keys, causal, segment_ids_BT, q_positions_BT, k_positions_BS)
     if observe is not None:
       observe(logits_BKGCS, mask_BKGCS)
     if mask_BKGCS is not None:
@@ -113,32 +118,61 @@ def reference(q_BTHD: jax.Array, k_BTKD: jax.Array, v_BTKD: jax.Array, *, scale,
     logits_BKGCS = checkpoint_name(logits_BKGCS, 'attn_logits')
     probs_BKGCS = checkpoint_name(jax.nn.softmax(logits_BKGCS, axis=-1).astype(dt),
                                   'attn_probs')
-    outs.append(jnp.einsum('bkgts,bskd->btkgd', probs_BKGCS, v_BTKD[:, :keys]))
+    outs.append(jnp.einsum('bkgts,bskd->btkgd', probs_BKGCS, v_BSKD[:, :keys]))
   out_BTKGD = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)
   return out_BTKGD.reshape(B, T, H, Dh)
 
 
-def attention(q_BTHD: jax.Array, k_BTKD: jax.Array, v_BTKD: jax.Array, *, scale,
-              impl: str, segment_ids_BT: jax.Array | None = None) -> jax.Array:
-  """Causal self-attention by back-end `impl` (xla | chunked | cudnn | pallas); see the module
-  docstring.
+def _mask(start: int, stop: int, keys: int, causal: bool, segment_ids_BT, q_positions_BT,
+          k_positions_BS) -> jax.Array | None:
+  """Which keys 0..keys-1 query rows start..stop-1 see, broadcastable to (B, K, G, C, S)."""
+  mask = None
+  if q_positions_BT is not None:
+    key_pos_B1S = k_positions_BS[:, None, :keys]
+    visible_BCS = (key_pos_B1S >= 0) & (key_pos_B1S <= q_positions_BT[:, start:stop, None])
+    mask = visible_BCS[:, None, None]
+  elif causal:
+    rows, cols = jnp.arange(start, stop), jnp.arange(keys)
+    mask = (rows[:, None] >= cols[None, :])[None, None, None]
+  if segment_ids_BT is not None:
+    same = (segment_ids_BT[:, start:stop, None] == segment_ids_BT[:, None, :keys])
+    same = same[:, None, None]
+    mask = same if mask is None else mask & same
+  return mask
+
+
+def attention(q_BTHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array, *, scale,
+              impl: str, segment_ids_BT: jax.Array | None = None,
+              q_positions_BT: jax.Array | None = None, k_positions_BS: jax.Array | None = None,
+              observe: Callable[[jax.Array, jax.Array], None] | None = None) -> jax.Array:
+  """Causal attention by back-end `impl` (xla | chunked | cudnn | pallas): the one entry of
+  training and cached decoding; see the module docstring.
 
   `impl` is what `sharenet.kernels.attention_backend(cfg.attention, cfg.kernels)` resolves to.
-  A shape a back-end cannot take runs `reference` instead, with a one-line note on stderr.
+  With `q_positions_BT` / `k_positions_BS` (decoding) the mask is by position, see `reference`.
+  `observe` (coordinate checks) sees the logits on the reference back-ends, unchunked; the fused
+  kernels never form them, so there it is not called. A case a back-end cannot take runs
+  `reference` instead, with a one-line note on stderr.
   """
-  _check_shapes(q_BTHD, k_BTKD, v_BTKD)
-  seg = {'segment_ids_BT': segment_ids_BT}
+  _check_shapes(q_BTHD, k_BSKD, v_BSKD, segment_ids_BT, q_positions_BT, k_positions_BS)
+  ref = functools.partial(reference, q_BTHD, k_BSKD, v_BSKD, scale=scale,
+                          segment_ids_BT=segment_ids_BT, q_positions_BT=q_positions_BT,
+                          k_positions_BS=k_positions_BS)
+  decoding = q_positions_BT is not None
   if impl in ('xla', 'chunked'):
-    return reference(q_BTHD, k_BTKD, v_BTKD, scale=scale, **seg,
-                     chunk=CPU_CHUNK if impl == 'chunked' else 0)
+    chunked = impl == 'chunked' and observe is None and not decoding
+    return ref(chunk=CPU_CHUNK if chunked else 0, observe=observe)
+  if impl not in IMPLS:
+    raise ConfigError(f'attention implementation {impl!r} is unknown; valid: {", ".join(IMPLS)}')
+  if decoding:
+    kernels.note_fallback(f'{impl} attention', 'query / key positions (cached decoding)')
+    return ref()
   if impl == 'cudnn':
     if segment_ids_BT is not None:
       kernels.note_fallback('cudnn attention', 'segment_ids (data.segment_mask)')
-      return reference(q_BTHD, k_BTKD, v_BTKD, scale=scale, **seg)
-    return cudnn_attention(q_BTHD, k_BTKD, v_BTKD, scale=scale)
-  if impl == 'pallas':
-    return _pallas_per_shard(q_BTHD, k_BTKD, v_BTKD, scale=scale, segment_ids_BT=segment_ids_BT)
-  raise ConfigError(f'attention implementation {impl!r} is unknown; valid: {", ".join(IMPLS)}')
+      return ref()
+    return cudnn_attention(q_BTHD, k_BSKD, v_BSKD, scale=scale)
+  return _pallas_per_shard(q_BTHD, k_BSKD, v_BSKD, scale=scale, segment_ids_BT=segment_ids_BT)
 
 
 def _pallas_per_shard(q_BTHD, k_BTKD, v_BTKD, *, scale, segment_ids_BT) -> jax.Array:
@@ -160,14 +194,23 @@ def _pallas_per_shard(q_BTHD, k_BTKD, v_BTKD, *, scale, segment_ids_BT) -> jax.A
       q_BTHD, k_BTKD, v_BTKD, segment_ids_BT)
 
 
-def _check_shapes(q_BTHD, k_BTKD, v_BTKD) -> None:
-  if q_BTHD.ndim != 4 or k_BTKD.shape != v_BTKD.shape or k_BTKD.ndim != 4:
-    raise ValueError(f'attention wants q [B,T,H,Dh] and k, v [B,T,K,Dh]; got q {q_BTHD.shape}, '
-                     f'k {k_BTKD.shape}, v {v_BTKD.shape}')
-  (B, T, H, Dh), (Bk, S, K, Dhk) = q_BTHD.shape, k_BTKD.shape
-  if (B, T, Dh) != (Bk, S, Dhk) or H % K:
-    raise ValueError(f'attention wants matching B, T, Dh and K dividing H; got q {q_BTHD.shape}, '
-                     f'k {k_BTKD.shape}')
+def _check_shapes(q_BTHD, k_BSKD, v_BSKD, segment_ids_BT, q_positions_BT,
+                 k_positions_BS) -> None:
+  if q_BTHD.ndim != 4 or k_BSKD.shape != v_BSKD.shape or k_BSKD.ndim != 4:
+    raise ValueError(f'attention wants q [B,T,H,Dh] and k, v [B,S,K,Dh]; got q {q_BTHD.shape}, '
+                     f'k {k_BSKD.shape}, v {v_BSKD.shape}')
+  (B, T, H, Dh), (Bk, S, K, Dhk) = q_BTHD.shape, k_BSKD.shape
+  decoding = q_positions_BT is not None
+  if (q_positions_BT is None) != (k_positions_BS is None):
+    raise ValueError('attention: q_positions_BT and k_positions_BS go together')
+  if decoding and segment_ids_BT is not None:
+    raise ValueError('attention: segment ids with query / key positions are not supported')
+  if (B, Dh) != (Bk, Dhk) or H % K or (not decoding and S != T):
+    raise ValueError(f'attention wants matching B, Dh (and T = S without positions) and K '
+                     f'dividing H; got q {q_BTHD.shape}, k {k_BSKD.shape}')
+  if decoding and (q_positions_BT.shape != (B, T) or k_positions_BS.shape != (B, S)):
+    raise ValueError(f'attention wants q positions [B,T] {(B, T)} and k positions [B,S] '
+                     f'{(B, S)}; got {q_positions_BT.shape}, {k_positions_BS.shape}')
 
 
 def _repeat_kv(x_BTKD: jax.Array, num_heads: int) -> jax.Array:
@@ -267,7 +310,7 @@ def pallas_tpu_attention(q_BTHD: jax.Array, k_BTKD: jax.Array, v_BTKD: jax.Array
 
 
 def cudnn_head_dim_limit() -> int:
-  """cuDNN flash attention's largest bf16/fp16 head_dim: 256 on Hopper (sm_90) and later, else 128."""
+  """cuDNN flash attention's largest bf16/fp16 head_dim: 256 from Hopper (sm_90) on, else 128."""
   cc = getattr(jax.devices()[0], 'compute_capability', '0')
   return 256 if float(cc) >= 9.0 else 128
 

@@ -1,18 +1,15 @@
-"""Causal self-attention: multi-head or grouped-query, RoPE, configurable scale, QK-norm.
+"""Causal self-attention in parts: projections, the position step and one attention core.
 
-The softmax(q k^T) v core runs on the back-end `model.attention` / `model.kernels` pick
-(sharenet/kernels/attention.py); projections, QK-norm, RoPE and u-muP scaling stay here.
-
-Projection sharing, model.attention_sharing (Kayyam, Madan Gopal, Lewis, "Do Transformers Need
-Three Projections?", arXiv:2606.04032; docs/sublayer_sharing.md):
-  none        q, k, v projections.
-  kv_shared   values are the keys: no 'v' kernel, v = x W_k (the projection, before QK-norm
-              and RoPE, exactly a `none` model with W_v = W_k); the KV cache holds K only.
-  qk_shared   queries are the keys: no 'q' kernel; the key tensor after QK-norm (k_norm only)
-              and RoPE is also the query, so the scores are symmetric.
-  qkv_shared  one projection ('k'): queries as in qk_shared, values as in kv_shared.
-QK-norm and RoPE apply to the shared tensor as they apply to keys today; qk_shared and
-qkv_shared need num_kv_heads = num_heads (config check).
+  projections  models/projections.py: q, k, v with projection sharing (model.attention_sharing),
+               depth-wise LoRA and MASA atoms, and the output projection o.
+  positions    models/positions.py: QK-norm, then RoPE at the tokens' positions.
+  core         sharenet/kernels/attention.py `attention`, on the back-end model.attention /
+               model.kernels pick: training (causal over the call's T tokens, optional segment
+               ids) and cached decoding (the new queries against the whole KV cache, masked by
+               position) go through the same entry.
+This module joins them: the logit scale (1/sqrt(Dh), model.attn_scale, or the l2 QK-norm's learned
+qk_scale), u-muP's unit scaling around the core, and the KV cache of generation. Multi-head or
+grouped-query; the parameters are this module's: q, k, v, o, q_norm, k_norm, qk_scale.
 """
 from __future__ import annotations
 
@@ -22,17 +19,17 @@ from typing import NamedTuple
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-from jax.ad_checkpoint import checkpoint_name
 
 from sharenet import kernels
 from sharenet.kernels import attention as attention_kernel
-from sharenet.models.config import ModelConfig
 from sharenet.models import unit_scale
-from sharenet.models.layers import INTERMEDIATES, Dense, dense_apply, einsum_f32, rope, sow_l1
-from sharenet.norms import Norm
+from sharenet.models.config import ModelConfig
+from sharenet.models.layers import INTERMEDIATES, sow_l1
+from sharenet.models.positions import PositionStep
+from sharenet.models.projections import BRANCH, project_out, project_qkv
 from sharenet.params import param
 
-BRANCH = 'attn'
+__all__ = ['BRANCH', 'CausalAttention', 'DecodeStep', 'LayerCache']
 
 
 class DecodeStep(NamedTuple):
@@ -54,14 +51,40 @@ class LayerCache(NamedTuple):
 
   Under model.attention_sharing = kv_shared | qkv_shared (values are the keys) `k_BSKD` holds
   the key projection *before* QK-norm and RoPE (it is the values), `v_BSKD` is None, and each
-  step normalises and rotates the cached keys again (models/attention.py).
+  step normalises and rotates the cached keys again (`_write_cache`).
   """
   k_BSKD: jax.Array
   v_BSKD: jax.Array | None
 
 
-def _rope_per_sequence(x_BTHD: jax.Array, positions_BT: jax.Array, base: float) -> jax.Array:
-  return jax.vmap(lambda x, p: rope(x[None], p, base)[0])(x_BTHD, positions_BT)
+def _logit_scale(module: nn.Module, cfg: ModelConfig) -> jax.Array | float:
+  """The logits' multiplier: model.attn_scale or 1/sqrt(Dh); a learned scalar under l2 QK-norm."""
+  if cfg.qk_norm != 'l2':
+    return cfg.attn_scale or cfg.head_dim ** -0.5
+  # Henry et al. (arXiv:2010.04245), section 3: one learned scalar per attention module
+  # replaces 1/sqrt(d_head), initialised to log2(L^2 - L) with L the sequence length of the
+  # training data (train.seq_len here, via model.norm.qk_norm_len), not the position limit.
+  L = cfg.qk_len
+  init = cfg.qk_scale_init or math.log2(L * L - L)
+  scale = param(module, 'qk_scale', (), (), 'scalar', init=nn.initializers.constant(init),
+                dtype=jnp.dtype(cfg.param_dtype), branch=BRANCH)
+  return scale.astype(jnp.dtype(cfg.dtype))
+
+
+def _write_cache(cfg: ModelConfig, cache: LayerCache, step: DecodeStep, raw_k_BTKD: jax.Array,
+                 k_BTKD: jax.Array, v_BTKD: jax.Array, place: PositionStep
+                 ) -> tuple[LayerCache, jax.Array, jax.Array]:
+  """(the cache with this call's entries at step.index, the keys and values the core reads)."""
+  write = lambda buf_BSKD, new_BTKD: jax.lax.dynamic_update_slice_in_dim(
+      buf_BSKD, new_BTKD.astype(buf_BSKD.dtype), step.index, axis=1)
+  if cfg.values_are_keys:
+    # Values are the keys: the cache holds the key projection only (before QK-norm and
+    # RoPE); the keys of every slot are normalised and rotated again at their positions.
+    raw_BSKD = write(cache.k_BSKD, raw_k_BTKD)
+    keys_BSKD = place.keys(raw_BSKD, jnp.maximum(step.key_positions_BS, 0))
+    return LayerCache(raw_BSKD, None), keys_BSKD, raw_BSKD
+  cache = LayerCache(write(cache.k_BSKD, k_BTKD), write(cache.v_BSKD, v_BTKD))
+  return cache, cache.k_BSKD, cache.v_BSKD
 
 
 class CausalAttention(nn.Module):
@@ -83,135 +106,41 @@ class CausalAttention(nn.Module):
     `positions_T` is (T,), or (B, T) for per-row positions (the gathered token subsets of
     Mixture-of-Recursions routing, models/routing.py).
 
-    The cached path (generation, sharenet/generate.py) ignores `positions_T`, writes this
-    call's keys and values into `cache` at `step.index` and attends over the whole cache.
+    The cached path (generation, sharenet/generate.py) ignores `positions_T` and
+    `segment_ids_BT`, writes this call's keys and values into `cache` at `step.index` and
+    attends over the whole cache by the step's query and key positions.
     """
     c = self.cfg
-    H, K, Dh = c.num_heads, c.kv_heads, c.head_dim
-    dt, pdt = jnp.dtype(c.dtype), jnp.dtype(c.param_dtype)
-
     masa = masa or {}
-    sharing = c.attention_sharing
-
-    def proj(name, heads, axis, use=None):
-      rank = c.lora_rank if name in c.lora_targets else 0
-      return lambda x: dense_apply(
-          Dense((heads, Dh), ('embed',), (axis, 'head_dim'), branch=BRANCH, use=use,
-                lora_rank=rank, lora_scale=c.lora_scale, lora_zero=c.lora_zero,
-                use_bias=c.reader_bias, dtype=dt, param_dtype=pdt, dense_grad=c.dense_grad,
-                name=name), x, masa.get(name))
-
-    def qk_norm(name):
-      kind = 'rmsnorm' if c.qk_norm == 'rms' else 'l2'
-      return Norm(kind, c.norm_eps, axis_name='head_dim', param_dtype=pdt, branch=BRANCH,
-                  name=name)
-
-    def rotate(x_BTHD, positions):   # positions: (T,) or per sequence (B, T)
-      if c.position != 'rope':
-        return x_BTHD
-      if positions.ndim == 2:
-        return _rope_per_sequence(x_BTHD, positions, c.rope_base)
-      return rope(x_BTHD, positions, c.rope_base)
-
-    if sharing == 'none':   # unchanged arithmetic and tree (bit-identical to before sharing)
-      q_BTHD = checkpoint_name(proj('q', H, 'heads', 'query')(x_BTD), 'query_proj')
-      k_BTKD = checkpoint_name(proj('k', K, 'kv_heads')(x_BTD), 'key_proj')
-      v_BTKD = checkpoint_name(proj('v', K, 'kv_heads')(x_BTD), 'value_proj')
-    else:
-      # The shared tensor is the key projection; qk_shared / qkv_shared have K == H.
-      k_BTKD = checkpoint_name(proj('k', K, 'kv_heads')(x_BTD), 'key_proj')
-      q_BTHD = (checkpoint_name(proj('q', H, 'heads', 'query')(x_BTD), 'query_proj')
-                if sharing == 'kv_shared' else k_BTKD)
-      v_BTKD = (checkpoint_name(proj('v', K, 'kv_heads')(x_BTD), 'value_proj')
-                if sharing == 'qk_shared' else k_BTKD)
-    for name, a in (('query', q_BTHD), ('key', k_BTKD), ('value', v_BTKD)):
+    qkv = project_qkv(c, x_BTD, masa)
+    for name, a in (('query', qkv.q_BTHD), ('key', qkv.k_BTKD), ('value', qkv.v_BTKD)):
       sow_l1(self, name, a)
-    shared_qk = sharing in ('qk_shared', 'qkv_shared')   # the query is the normed, rotated key
-    positions = positions_T if cache is None else step.positions_BT
-    k_norm = qk_norm('k_norm') if c.qk_norm != 'none' else (lambda x: x)
-    # rms: a learned gain over head_dim (ViT-22B); l2: unit vectors (Henry et al.).
-    if c.qk_norm != 'none' and not shared_qk:
-      q_BTHD = qk_norm('q_norm')(q_BTHD)
-    k_BTKD_raw = k_BTKD
-    k_BTKD = k_norm(k_BTKD)
-    if not shared_qk:
-      q_BTHD = rotate(q_BTHD, positions)
-    k_BTKD = rotate(k_BTKD, positions)
-    if shared_qk:
-      q_BTHD = k_BTKD
+    place = PositionStep(c, qkv.shares_query)
+    q_BTHD, k_BTKD = place(qkv, positions_T if cache is None else step.positions_BT)
+    v_BTKD = qkv.v_BTKD
     q_BTHD = nn.with_logical_constraint(
         q_BTHD, ('activation_batch', 'activation_length', 'activation_heads', None))
-
-    B, T = x_BTD.shape[:2]
     if c.umup_ops:   # u-muP's unit-scaled attention (models/unit_scale.py)
       # Its output scale is a constant of the forward's length T; a cached forward sees a part
       # of the sequence, so it takes the training length's (model.norm.qk_norm_len).
-      s_att = unit_scale.attention_output_scale(T if cache is None else c.qk_len, Dh,
-                                                (c.attn_scale or Dh ** -0.5) * Dh)
+      Dh = c.head_dim
+      s_att = unit_scale.attention_output_scale(x_BTD.shape[1] if cache is None else c.qk_len,
+                                                Dh, (c.attn_scale or Dh ** -0.5) * Dh)
       q_BTHD, k_BTKD, v_BTKD = (unit_scale.scale_bwd(t, s_att) for t in (q_BTHD, k_BTKD, v_BTKD))
-    if c.qk_norm == 'l2':
-      # Henry et al. (arXiv:2010.04245), section 3: one learned scalar per attention module
-      # replaces 1/sqrt(d_head), initialised to log2(L^2 - L) with L the sequence length of the
-      # training data (train.seq_len here, via model.norm.qk_norm_len), not the position limit.
-      L = c.qk_len
-      init = c.qk_scale_init or math.log2(L * L - L)
-      scale = param(self, 'qk_scale', (), (), 'scalar', init=nn.initializers.constant(init),
-                    dtype=pdt, branch=BRANCH).astype(dt)
+    if cache is None:
+      masks = dict(segment_ids_BT=segment_ids_BT)
     else:
-      scale = c.attn_scale or Dh ** -0.5
-    impl = kernels.attention_backend(c.attention, c.kernels)
-    if cache is not None and c.values_are_keys:
-      # Values are the keys: the cache holds the key projection only (before QK-norm and
-      # RoPE); the keys of every slot are normalised and rotated again at their positions.
-      raw_BSKD = jax.lax.dynamic_update_slice_in_dim(
-          cache.k_BSKD, k_BTKD_raw.astype(cache.k_BSKD.dtype), step.index, axis=1)
-      cache = LayerCache(raw_BSKD, None)
-      keys_BSKD = rotate(k_norm(raw_BSKD), jnp.maximum(step.key_positions_BS, 0))
-      values_BSKD = raw_BSKD
-    elif cache is not None:
-      cache = LayerCache(
-          jax.lax.dynamic_update_slice_in_dim(cache.k_BSKD, k_BTKD.astype(cache.k_BSKD.dtype),
-                                              step.index, axis=1),
-          jax.lax.dynamic_update_slice_in_dim(cache.v_BSKD, v_BTKD.astype(cache.v_BSKD.dtype),
-                                              step.index, axis=1))
-      keys_BSKD, values_BSKD = cache.k_BSKD, cache.v_BSKD
-    if cache is not None:
-      # Generation: the XLA arithmetic over the cache, whatever model.attention says (the fused
-      # kernels take a causal T x T mask, not per-sequence key positions).
-      q_BTKGD = q_BTHD.reshape(B, T, K, H // K, Dh)
-      logits_BKGTS = einsum_f32('btkgd,bskd->bkgts', q_BTKGD * scale, keys_BSKD)
-      key_pos_B1S = step.key_positions_BS[:, None, :]
-      visible_BTS = (key_pos_B1S >= 0) & (key_pos_B1S <= step.positions_BT[:, :, None])
-      logits_BKGTS = jnp.where(visible_BTS[:, None, None], logits_BKGTS.astype(jnp.float32),
-                               -1e30)
-      probs_BKGTS = jax.nn.softmax(logits_BKGTS, axis=-1).astype(dt)
-      out_BTKGD = jnp.einsum('bkgts,bskd->btkgd', probs_BKGTS, values_BSKD)
-      out_BTHD = out_BTKGD.reshape(B, T, H, Dh)
-    elif impl in ('xla', 'chunked'):
-      # kernels.attention.reference: float32 logits from (bf16) operands, so the softmax never
-      # sees logits rounded to bf16, and the checkpoint names the remat policies select
-      # (models/stack.py). `chunked` (the CPU default) splits the queries into causal chunks; a
-      # coordinate check (mutable 'intermediates') takes the unchunked path, the same function,
-      # to sow the whole 'attn_logits'.
-      observe = self.is_mutable_collection(INTERMEDIATES)
-      out_BTHD = attention_kernel.reference(
-          q_BTHD, k_BTKD, v_BTKD, scale=scale, segment_ids_BT=segment_ids_BT,
-          chunk=attention_kernel.CPU_CHUNK if impl == 'chunked' and not observe else 0,
-          observe=(lambda l, m: sow_l1(self, 'attn_logits', l, m)) if observe else None)
-    else:
-      # A fused kernel (FlashAttention, Dao et al., arXiv:2205.14135) never materializes the
-      # (T, T) logits: no 'attn_logits' sow (coordinate checks need model.attention=xla) and no
-      # 'attn_logits' / 'attn_probs' checkpoint names (except_attn then saves everything else).
-      out_BTHD = attention_kernel.attention(q_BTHD, k_BTKD, v_BTKD, scale=scale, impl=impl,
-                                            segment_ids_BT=segment_ids_BT)
+      cache, k_BTKD, v_BTKD = _write_cache(c, cache, step, qkv.k_BTKD, k_BTKD, v_BTKD, place)
+      masks = dict(q_positions_BT=step.positions_BT, k_positions_BS=step.key_positions_BS)
+    # A coordinate check (mutable 'intermediates') sees the logits on the reference back-ends
+    # (xla, chunked: then unchunked); a fused kernel never forms them, so nothing is sown there.
+    observe = ((lambda l, m: sow_l1(self, 'attn_logits', l, m))
+               if self.is_mutable_collection(INTERMEDIATES) else None)
+    out_BTHD = attention_kernel.attention(
+        q_BTHD, k_BTKD, v_BTKD, scale=_logit_scale(self, c),
+        impl=kernels.attention_backend(c.attention, c.kernels), observe=observe, **masks)
     if c.umup_ops:
       out_BTHD = unit_scale.scale_fwd(out_BTHD, s_att)
-    rank = c.lora_rank if 'o' in c.lora_targets else 0
-    out_BTD = dense_apply(Dense((c.d_model,), ('heads', 'head_dim'), ('embed',), role='writer',
-                                branch=BRANCH, lora_rank=rank, lora_scale=c.lora_scale,
-                                lora_zero=c.lora_zero, dtype=dt, param_dtype=pdt,
-                                dense_grad=c.dense_grad, name='o'),
-                          out_BTHD, masa.get('o'))
+    out_BTD = project_out(c, out_BTHD, masa)
     sow_l1(self, 'attn_out', out_BTD)
-    out_BTD = checkpoint_name(out_BTD, 'out_proj')
     return out_BTD if cache is None else (out_BTD, cache)

@@ -1,7 +1,6 @@
 """Dense (with optional depth-wise LoRA), embedding and rotary positions."""
 from __future__ import annotations
 
-import functools
 import math
 from typing import Sequence
 
@@ -10,6 +9,8 @@ import jax
 import jax.numpy as jnp
 
 from sharenet import kernels as kernel_lib
+# einsum_f32 lives with the kernels (a leaf: kernels import nothing from models); re-exported.
+from sharenet.kernels.einsum import einsum_f32
 from sharenet.params import PER_LAYER, param
 
 
@@ -37,31 +38,6 @@ def sow_l1(module: nn.Module, name: str, x: jax.Array, mask: jax.Array | None = 
 def low_precision(dtype: jnp.dtype) -> bool:
   """A compute dtype narrower than float32 (bfloat16): the mixed-precision path."""
   return jnp.finfo(dtype).bits < 32
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def einsum_f32(subscripts: str, a: jax.Array, b: jax.Array) -> jax.Array:
-  """einsum of low-precision operands with a float32 result (float32 accumulation, no rounding
-  of the output to the operands' dtype); the backward casts the float32 cotangent back to the
-  operands' dtype, so both gradient matmuls run on low-precision operands as well.
-
-  For outputs that must stay float32 under model.dtype=bfloat16 (the logits): a plain
-  preferred_element_type=float32 would put float32 x bfloat16 matmuls in the backward pass.
-  """
-  return jnp.einsum(subscripts, a, b, preferred_element_type=jnp.float32)
-
-
-def _einsum_f32_fwd(subscripts, a, b):
-  return einsum_f32(subscripts, a, b), (a, b)
-
-
-def _einsum_f32_bwd(subscripts, res, g):
-  a, b = res
-  _, vjp = jax.vjp(lambda a, b: jnp.einsum(subscripts, a, b), a, b)
-  return vjp(g.astype(jnp.result_type(a, b)))
-
-
-einsum_f32.defvjp(_einsum_f32_fwd, _einsum_f32_bwd)
 
 
 @jax.custom_vjp

@@ -1,0 +1,54 @@
+"""Attention's position step: QK-norm, then rotary positions (RoPE), for queries and keys.
+
+QK-norm (model.norm.qk_norm): rms, a learned gain over head_dim (ViT-22B); l2, unit vectors
+(Henry et al., arXiv:2010.04245). RoPE applies under model.position=rope; under learned
+(added to the embedding, models/lm.py) or none, this step only normalises.
+
+Built inside the attention module's compact call: its norms are that module's children
+'q_norm' and 'k_norm' (none when the query is the key: models/projections.py).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from sharenet.models.config import ModelConfig
+from sharenet.models.layers import rope
+from sharenet.models.projections import BRANCH, Projected
+from sharenet.norms import Norm
+
+
+def rotate(cfg: ModelConfig, x_BTHD: jax.Array, positions: jax.Array) -> jax.Array:
+  """RoPE at `positions`, (T,) or per sequence (B, T); the identity unless model.position=rope."""
+  if cfg.position != 'rope':
+    return x_BTHD
+  if positions.ndim == 2:
+    return jax.vmap(lambda x, p: rope(x[None], p, cfg.rope_base)[0])(x_BTHD, positions)
+  return rope(x_BTHD, positions, cfg.rope_base)
+
+
+class PositionStep:
+  """QK-norm and RoPE of one attention call; `keys` also places cached raw keys again."""
+
+  def __init__(self, cfg: ModelConfig, shares_query: bool):
+    self.cfg, self.shares_query = cfg, shares_query
+    self.k_norm = self._norm('k_norm') if cfg.qk_norm != 'none' else None
+    self.q_norm = (self._norm('q_norm') if cfg.qk_norm != 'none' and not shares_query
+                   else None)
+
+  def _norm(self, name: str) -> Norm:
+    c = self.cfg
+    return Norm('rmsnorm' if c.qk_norm == 'rms' else 'l2', c.norm_eps, axis_name='head_dim',
+                param_dtype=jnp.dtype(c.param_dtype), branch=BRANCH, name=name)
+
+  def keys(self, k_BSKD: jax.Array, positions: jax.Array) -> jax.Array:
+    """Keys (raw projections) normalised and rotated to `positions`."""
+    return rotate(self.cfg, k_BSKD if self.k_norm is None else self.k_norm(k_BSKD), positions)
+
+  def __call__(self, qkv: Projected, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(q, k) of one call's projections at `positions`; a shared query is the placed key."""
+    k_BTKD = self.keys(qkv.k_BTKD, positions)
+    if self.shares_query:
+      return k_BTKD, k_BTKD
+    q_BTHD = qkv.q_BTHD if self.q_norm is None else self.q_norm(qkv.q_BTHD)
+    return rotate(self.cfg, q_BTHD, positions), k_BTKD

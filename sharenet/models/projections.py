@@ -1,0 +1,78 @@
+"""Attention's projections: q, k, v with projection sharing, and the output projection o.
+
+Projection sharing, model.attention_sharing (Kayyam, Madan Gopal, Lewis, "Do Transformers Need
+Three Projections?", arXiv:2606.04032; docs/sublayer_sharing.md):
+  none        q, k, v projections.
+  kv_shared   values are the keys: no 'v' kernel, v = x W_k (the projection, before QK-norm
+              and RoPE, exactly a `none` model with W_v = W_k); the KV cache holds K only.
+  qk_shared   queries are the keys: no 'q' kernel; the key tensor after QK-norm (k_norm only)
+              and RoPE is also the query (models/positions.py), so the scores are symmetric.
+  qkv_shared  one projection ('k'): queries as in qk_shared, values as in kv_shared.
+QK-norm and RoPE apply to the shared tensor as they apply to keys; qk_shared and qkv_shared
+need num_kv_heads = num_heads (config check).
+
+Both functions run inside the attention module's compact call: the Dense layers they build are
+its children 'q', 'k', 'v' and 'o', so the parameter paths are the attention module's own.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+from sharenet.models.config import ModelConfig
+from sharenet.models.layers import Dense, dense_apply
+
+BRANCH = 'attn'
+
+
+class Projected(NamedTuple):
+  """One call's projections, before QK-norm and RoPE; a shared mode aliases the shared tensor.
+
+  `shares_query`: the query is the key after QK-norm and RoPE (qk_shared, qkv_shared), so
+  `q_BTHD` is the raw key projection and the position step takes the query from the keys.
+  """
+  q_BTHD: jax.Array
+  k_BTKD: jax.Array
+  v_BTKD: jax.Array
+  shares_query: bool
+
+
+def _dense(cfg: ModelConfig, name: str, heads: int, axis: str, use: str | None = None) -> Dense:
+  rank = cfg.lora_rank if name in cfg.lora_targets else 0
+  return Dense((heads, cfg.head_dim), ('embed',), (axis, 'head_dim'), branch=BRANCH, use=use,
+               lora_rank=rank, lora_scale=cfg.lora_scale, lora_zero=cfg.lora_zero,
+               use_bias=cfg.reader_bias, dtype=jnp.dtype(cfg.dtype),
+               param_dtype=jnp.dtype(cfg.param_dtype), dense_grad=cfg.dense_grad, name=name)
+
+
+def project_qkv(cfg: ModelConfig, x_BTD: jax.Array, masa: dict[str, jax.Array]) -> Projected:
+  """q, k, v of x (B, T, D) under model.attention_sharing; `masa`: {target: atoms}."""
+  H, K = cfg.num_heads, cfg.kv_heads
+  proj = lambda name, heads, axis, use=None: dense_apply(
+      _dense(cfg, name, heads, axis, use), x_BTD, masa.get(name))
+  sharing = cfg.attention_sharing
+  if sharing == 'none':   # unchanged arithmetic and tree (bit-identical to before sharing)
+    q_BTHD = checkpoint_name(proj('q', H, 'heads', 'query'), 'query_proj')
+    k_BTKD = checkpoint_name(proj('k', K, 'kv_heads'), 'key_proj')
+    v_BTKD = checkpoint_name(proj('v', K, 'kv_heads'), 'value_proj')
+    return Projected(q_BTHD, k_BTKD, v_BTKD, False)
+  # The shared tensor is the key projection; qk_shared / qkv_shared have K == H.
+  k_BTKD = checkpoint_name(proj('k', K, 'kv_heads'), 'key_proj')
+  q_BTHD = (checkpoint_name(proj('q', H, 'heads', 'query'), 'query_proj')
+            if sharing == 'kv_shared' else k_BTKD)
+  v_BTKD = (checkpoint_name(proj('v', K, 'kv_heads'), 'value_proj')
+            if sharing == 'qk_shared' else k_BTKD)
+  return Projected(q_BTHD, k_BTKD, v_BTKD, sharing in ('qk_shared', 'qkv_shared'))
+
+
+def project_out(cfg: ModelConfig, out_BTHD: jax.Array, masa: dict[str, jax.Array]) -> jax.Array:
+  """The output projection 'o': heads (B, T, H, Dh) -> (B, T, D)."""
+  rank = cfg.lora_rank if 'o' in cfg.lora_targets else 0
+  dense = Dense((cfg.d_model,), ('heads', 'head_dim'), ('embed',), role='writer', branch=BRANCH,
+                lora_rank=rank, lora_scale=cfg.lora_scale, lora_zero=cfg.lora_zero,
+                dtype=jnp.dtype(cfg.dtype), param_dtype=jnp.dtype(cfg.param_dtype),
+                dense_grad=cfg.dense_grad, name='o')
+  return checkpoint_name(dense_apply(dense, out_BTHD, masa.get('o')), 'out_proj')
