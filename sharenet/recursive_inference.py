@@ -154,11 +154,17 @@ def _copy_deeper(kv_LSKD, depth, pos, exited, shape: loops.Looped):
   return jax.lax.dynamic_update_slice(kv_LSKD, filled_L1KD, at)
 
 
-def _tick(variables, st: Slots, threshold, eos_id, *, model: DecoderLM, sync: bool) -> Slots:
+def _store(model: DecoderLM, variables) -> loops.LayerStore:
+  """Every applied layer's parts, gathered once per program (not once per tick)."""
+  return loops.layer_store(model.cfg, variables, model.apply(variables, method='atoms'))
+
+
+def _tick(variables, st: Slots, threshold, eos_id, *, model: DecoderLM, sync: bool,
+          store: loops.LayerStore | None = None) -> Slots:
   """One loop for every running slot; exits, emits and starts next tokens (jit-able)."""
   shape = check_recursive(model, variables)
   R, N = shape.loops, st.out_BN.shape[1]
-  store = loops.layer_store(model.cfg, variables, model.apply(variables, method='atoms'))
+  store = _store(model, variables) if store is None else store
   run_B = st.active_B & ~st.hold_B
   tick = jax.vmap(functools.partial(_slot_tick, model.cfg, shape, store))
   h_BD, out_BD, k_BLSKD, v_BLSKD, key_pos_BS, coda = tick(
@@ -203,10 +209,12 @@ def _run(variables, st: Slots, threshold, eos_id, until_free, *, model: DecoderL
     st, ticks, busy, freed = carry
     return jnp.any(st.active_B) & ~(until_free & freed)
 
+  store = _store(model, variables)
+
   def body(carry):
     st, ticks, busy, freed = carry
     running = jnp.sum(st.active_B & ~st.hold_B)
-    new = _tick(variables, st, threshold, eos_id, model=model, sync=sync)
+    new = _tick(variables, st, threshold, eos_id, model=model, sync=sync, store=store)
     return new, ticks + 1, busy + running, jnp.any(st.active_B & ~new.active_B)
 
   zero = jnp.zeros((), jnp.int32)
