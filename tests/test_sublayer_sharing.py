@@ -194,7 +194,7 @@ def test_masa_atoms_stored_once_under_a_cycle_plan_and_every_lowering():
   # FLOPs: each applied layer multiplies with one combined matrix per target
   assert accounting.matmul_params_per_layer(cfg) == accounting.matmul_params_per_layer(
       untied_cycle)
-  # The same tree runs under the flat lowering (GatherSegment) and remat.
+  # The same tree runs under the flat lowering and remat.
   v = _perturb(v, 0.05)
   toks = _tokens()
   out = DecoderLM(cfg).apply(v, toks)

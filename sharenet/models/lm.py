@@ -13,6 +13,7 @@ from sharenet.models.block import ACT_AXES, Shared, Stream
 from sharenet.models.config import ModelConfig
 from sharenet.models.layers import Dense, Embed, sow_l1
 from sharenet.models.masa import MasaAtoms
+from sharenet.models.loops import Schedule
 from sharenet.models.stack import Stack, init_cache as init_layer_caches
 from sharenet import params
 from sharenet.norms import PER_LAYER, Norm
@@ -50,6 +51,10 @@ class DecoderLM(nn.Module):
 
   `segment_ids_BT` (optional, int): attention stays within equal ids (packed documents,
   sharenet/data/arrayrecord.py). Positions stay 0..T-1 across the window either way.
+
+  `schedule` (models/loops.py Schedule) runs the looped segment another number of loops and
+  a prefix of them without gradient; with `collect`, the stream after each loop is sown into
+  the `loops.PER_LOOP` collection (apply with mutable=[PER_LOOP]).
   """
   cfg: ModelConfig
 
@@ -101,12 +106,14 @@ class DecoderLM(nn.Module):
     return None if self.masa_atoms is None else self.masa_atoms()
 
   def trunk(self, x_BTD: jax.Array, positions_T: jax.Array | None, segment_ids_BT=None,
-            layer_caches: tuple | None = None, step: DecodeStep | None = None):
-    """The plan's segments over the stream: x, or (x, updated layer caches) with a cache."""
+            layer_caches: tuple | None = None, step: DecodeStep | None = None,
+            schedule: Schedule = Schedule()):
+    """The plan's segments over the stream: x, or (x, updated layer caches) with a cache;
+    `schedule` changes the looped segment's loops (models/loops.py)."""
     # u-muP's residual rule carries the applied layer index (block.py).
     layer = jnp.zeros((), jnp.int32) if self.cfg.umup_residual else None
     shared = Shared(positions_T, segment_ids_BT, step, self.atoms())
-    carry, layer_caches = self.stack(Stream(x_BTD, layer), shared, layer_caches)
+    carry, layer_caches = self.stack(Stream(x_BTD, layer), shared, layer_caches, schedule)
     return carry.x_BTD if layer_caches is None else (carry.x_BTD, layer_caches)
 
   def head(self, x_BTD: jax.Array) -> jax.Array:
@@ -131,10 +138,11 @@ class DecoderLM(nn.Module):
         logits_BTV, ('activation_batch', 'activation_length', 'activation_vocab'))
 
   def __call__(self, tokens_BT: jax.Array, segment_ids_BT: jax.Array | None = None,
-               cache: KVCache | None = None, positions_BT: jax.Array | None = None):
+               cache: KVCache | None = None, positions_BT: jax.Array | None = None,
+               schedule: Schedule = Schedule()):
     T = tokens_BT.shape[1]
     if cache is None:
-      x_BTD = self.trunk(self.embed(tokens_BT), jnp.arange(T), segment_ids_BT)
+      x_BTD = self.trunk(self.embed(tokens_BT), jnp.arange(T), segment_ids_BT, schedule=schedule)
       return self.head(x_BTD)
     key_pos_BS = jax.lax.dynamic_update_slice_in_dim(cache.key_positions_BS, positions_BT,
                                                      cache.index, axis=1)

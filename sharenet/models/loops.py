@@ -1,18 +1,37 @@
-"""Applied layers run one by one from the stored sets: loop-by-loop serving of looped plans.
+"""The loop runner: the one place a segment's stored sets are applied to the stream.
 
-A plan with one looped segment (a `cycle` segment applying its K stored sets R > 1 times) reads
-as prelude (the applied layers before it), R loops of K layers, and coda (the layers after it):
-`cycle` / `universal` have no prelude or coda, `middle_cycle` one unique layer each (Relaxed
-Recursive Transformers, arXiv:2410.20672). `LayerStore` gathers what applied layer l needs from
-the stored tree by the parameters' structure metadata (sharenet/params.py): the block params of
-its stored set (`plan.index[l]`, gathered by index, never copied per layer) and its per-layer
-parts (depth-wise LoRA, untied norms; zeros where a segment holds none, which is what an absent
-LoRA computes). `run_layers` applies a contiguous, dynamically placed range of applied layers to
-one token with a KV cache, so one compiled program runs any loop of any slot.
+A plan segment stores K sets (params stacked on a leading axis) and, with depth-wise LoRA or
+untied norms, per-layer parts (one entry per applied layer). `run_segment` applies it, as a pure
+function of those arrays, in one of three lowerings of the same computation:
+
+  nested    a `cycle` segment is an outer scan over its R loops (the sets closed over: tied)
+            around an inner scan over the K sets; `sequence` the reverse nesting. Compile time
+            does not grow with R.
+  flat      one scan over the R*K applied layers, the sets gathered into an applied-depth stack
+            (the gather's gradient sums the per-use gradients); explicit patterns always run so.
+  unrolled  a Python loop over the applied layers (the `model.scan_layers=False` baseline).
+
+Every caller goes through it: training and evaluation (models/stack.py), cached decoding (the KV
+caches ride along as per-layer scanned inputs), routed recursions (`one_loop`, driven by
+models/routing.py) and loop-by-loop serving (`run_layers`, one token through a dynamically placed
+range of applied layers). A `Schedule` changes the loops of a looped (`cycle`) segment per call:
+run `loops` of them instead of R (evaluate at another depth), run a prefix of `no_grad` loops
+without gradient first (a traced count allowed: one compiled program for every prefix; nothing
+of the prefix is stored for the backward pass) and `collect` the stream after each loop.
+
+The layer itself is `Block.apply` on the gathered variables (`layer_fn`), rematerialised by the
+model's remat policy; what the blocks sow (coordinate checks) comes back stacked like the
+layers that sowed it.
+
+A plan with one looped segment reads as prelude (the applied layers before it), R loops of K
+layers, and coda (the layers after it): `cycle` / `universal` have no prelude or coda,
+`middle_cycle` one unique layer each (Relaxed Recursive Transformers, arXiv:2410.20672).
+`LayerStore` gathers what applied layer l needs from the stored tree by the parameters'
+structure metadata (sharenet/params.py) for loop-by-loop serving.
 """
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -20,11 +39,222 @@ import numpy as np
 from flax.traverse_util import unflatten_dict
 
 from sharenet.errors import ConfigError
-from sharenet.models import layout
 from sharenet.models.attention import DecodeStep, LayerCache
 from sharenet.models.block import Block, Scanned, Shared, Stream
 from sharenet.models.config import ModelConfig
+from sharenet.models.layers import INTERMEDIATES
 from sharenet.norms import PER_LAYER
+from sharenet.sharing import Segment
+
+LOWERINGS = ('nested', 'flat', 'unrolled')
+PER_LOOP = 'per_loop'   # sown collection: the stream after each loop (Schedule.collect)
+SAVE_NAMES = ('query_proj', 'key_proj', 'value_proj', 'out_proj', 'mlp_hidden', 'mlp_out')
+
+
+def remat_policy(name: str):
+  """Named remat policies -> jax.checkpoint_policies (None = no remat at all)."""
+  cp = jax.checkpoint_policies
+  return {
+      'none': None,
+      'full': cp.nothing_saveable,
+      'dots': cp.dots_saveable,
+      'dots_no_batch': cp.dots_with_no_batch_dims_saveable,
+      'save_names': cp.save_only_these_names(*SAVE_NAMES),
+      'offload_dots': cp.offload_dot_with_no_batch_dims('device', 'pinned_host'),
+      # Save every residual except the (T, T) attention arrays, which are cheap to recompute.
+      'except_attn': cp.save_anything_except_these_names('attn_logits', 'attn_probs'),
+  }[name]
+
+
+class Schedule(NamedTuple):
+  """The loops one call runs of a looped segment (module docstring); the default is the plan's.
+
+  loops: loops run with gradient (None: the plan's R). no_grad: loops run before them without
+  gradient (an int, or a traced int32 scalar). collect: also return the stream after each of
+  the gradient loops, stacked (loops, B, T, D).
+  """
+  loops: int | None = None
+  no_grad: Any = 0
+  collect: bool = False
+
+  @property
+  def is_default(self) -> bool:
+    return (self.loops is None and not self.collect and isinstance(self.no_grad, int)
+            and self.no_grad == 0)
+
+
+Layer = Callable[[dict, Stream, Shared, Scanned], tuple[Stream, tuple[Any, Any]]]
+
+
+def layer_fn(cfg: ModelConfig, observe: bool = False) -> Layer:
+  """One applied layer as a pure function: (variables, carry, shared, scanned) -> (carry,
+  (updated cache or None, what the block sowed or None)); `observe` collects the sown
+  intermediates. Rematerialised under cfg.remat (prevent_cse is unnecessary inside scan,
+  jax.checkpoint's docstring, and costs speed)."""
+  block = Block(cfg)
+
+  def layer(variables, carry, shared, scanned):
+    if not observe:
+      carry, cache = block.apply(variables, carry, shared, scanned)
+      return carry, (cache, None)
+    (carry, cache), state = block.apply(variables, carry, shared, scanned,
+                                        mutable=[INTERMEDIATES])
+    return carry, (cache, state.get(INTERMEDIATES, {}))
+
+  if cfg.remat == 'none':
+    return layer
+  return jax.checkpoint(layer, policy=remat_policy(cfg.remat), prevent_cse=False)
+
+
+def _take(tree: Any, i) -> Any:
+  return jax.tree.map(lambda a: a[i], tree)
+
+
+def _regroup(tree: Any, shape: tuple[int, ...]) -> Any:
+  """The leading axis of every leaf regrouped as `shape` (None stays None)."""
+  return jax.tree.map(lambda a: a.reshape(shape + a.shape[1:]), tree)
+
+
+def _ungroup(tree: Any, n_lead: int) -> Any:
+  return jax.tree.map(lambda a: a.reshape((-1,) + a.shape[n_lead:]), tree)
+
+
+def _variables(params: Any, per_layer: Any) -> dict:
+  return {'params': params} if per_layer is None else {'params': params, PER_LAYER: per_layer}
+
+
+def _scan_layers(layer: Layer, carry: Stream, shared: Shared, params: Any, per_layer: Any,
+                 cache: Any, unroll: int, split_transpose: bool):
+  """One scan over stacked layers: params, per-layer parts and caches sliced per step."""
+  n = jax.tree.leaves(params)[0].shape[0]
+
+  def body(carry, xs):
+    p, pl, c = xs
+    return layer(_variables(p, pl), carry, shared, Scanned(c))
+
+  return jax.lax.scan(body, carry, (params, per_layer, cache), unroll=min(unroll, n),
+                      _split_transpose=split_transpose)
+
+
+def one_loop(layer: Layer, sets: Any, shared: Shared, *, unroll: int = 1,
+             split_transpose: bool = True) -> Callable:
+  """(carry, (per-layer parts (K, ...) or None, caches (K, ...) or None)) -> (carry, (caches,
+  sown)): one pass through a cycle segment's K stored sets, the body of every loop."""
+  def run(carry, xs):
+    per_layer, cache = xs
+    return _scan_layers(layer, carry, shared, sets, per_layer, cache, unroll, split_transpose)
+  return run
+
+
+def stream_pass(layer: Layer, sets: Any, masa: Any, *, unroll: int = 1,
+                split_transpose: bool = True) -> Callable:
+  """(x, positions, segment ids) -> (x, None): one pass through K stacked sets, as the routed
+  recursions of models/routing.py call it (each with its own tokens, positions and segments)."""
+  def run(x_BTD, positions_T, segment_ids_BT=None):
+    carry, _ = _scan_layers(layer, Stream(x_BTD), Shared(positions_T, segment_ids_BT, masa=masa),
+                            sets, None, None, unroll, split_transpose)
+    return carry.x_BTD, None
+  return run
+
+
+def run_segment(layer: Layer, seg: Segment, lowering: str, sets: Any, per_layer: Any,
+                carry: Stream, shared: Shared, cache: Any = None,
+                schedule: Schedule = Schedule(), *, unroll: int = 1,
+                split_transpose: bool = True):
+  """Applies plan segment `seg` -> (carry, caches, sown, per-loop streams or None).
+
+  `sets`: the segment's stored block params, stacked (K, ...), or under `unrolled` a tuple of
+  per-set trees; `per_layer` and `cache`: one entry per applied layer in applied order
+  (L_seg, ...), or None. The returned caches have the same layout; the sown intermediates keep
+  the lowering's leading axes ((R, K) nested cycle, (K, R) nested sequence, (L_seg,) flat;
+  under `unrolled` a tuple, one per applied layer).
+  """
+  if lowering not in LOWERINGS:
+    raise ConfigError(f'loop lowering {lowering!r} is unknown; valid: {", ".join(LOWERINGS)}')
+  if not schedule.is_default:
+    return _run_schedule(layer, seg, sets, per_layer, carry, shared, cache, schedule,
+                         unroll=unroll, split_transpose=split_transpose)
+  pattern = seg.local_indices()
+  L = len(pattern)
+  if lowering == 'unrolled':
+    outs = []
+    for l, u in enumerate(pattern):
+      params = sets[u] if isinstance(sets, tuple) else _take(sets, u)
+      carry, out = layer(_variables(params, None if per_layer is None else _take(per_layer, l)),
+                         carry, shared, Scanned(None if cache is None else _take(cache, l)))
+      outs.append(out)
+    caches = [c for c, _ in outs]
+    stacked = None if cache is None else jax.tree.map(lambda *a: jnp.stack(a), *caches)
+    return carry, stacked, tuple(s for _, s in outs), None
+  if lowering == 'flat' or seg.order == 'gather':
+    params = sets if pattern == tuple(range(L)) else jax.tree.map(
+        lambda a: jnp.take(a, np.asarray(pattern), axis=0), sets)
+    carry, (cache, sown) = _scan_layers(layer, carry, shared, params, per_layer, cache, unroll,
+                                        split_transpose)
+    return carry, cache, sown, None
+  R, K = seg.repeats, seg.num_sets
+  if seg.order == 'cycle':   # loops outside, the K sets inside (closed over: tied)
+    loop = one_loop(layer, sets, shared, unroll=unroll, split_transpose=split_transpose)
+    xs = (None if per_layer is None else _regroup(per_layer, (R, K)),
+          None if cache is None else _regroup(cache, (R, K)))
+    carry, (cache, sown) = jax.lax.scan(loop, carry, xs, length=R, unroll=min(unroll, R))
+  else:                      # sequence: each set applied R times in a row
+    def set_body(carry, xs):
+      params, pl_R, c_R = xs
+      def repeat(carry, xs):
+        pl, c = xs
+        return layer(_variables(params, pl), carry, shared, Scanned(c))
+      return jax.lax.scan(repeat, carry, (pl_R, c_R), length=R, unroll=min(unroll, R))
+    xs = (sets, None if per_layer is None else _regroup(per_layer, (K, R)),
+          None if cache is None else _regroup(cache, (K, R)))
+    carry, (cache, sown) = jax.lax.scan(set_body, carry, xs, unroll=min(unroll, K),
+                                        _split_transpose=split_transpose)
+  return carry, None if cache is None else _ungroup(cache, 2), sown, None
+
+
+def _run_schedule(layer: Layer, seg: Segment, sets: Any, per_layer: Any, carry: Stream,
+                  shared: Shared, cache: Any, schedule: Schedule, *, unroll: int,
+                  split_transpose: bool):
+  """A looped segment under a non-default Schedule: the no-grad prefix, then the gradient
+  loops (nested lowering whatever the model's: the same computation)."""
+  R, K = seg.repeats, seg.num_sets
+  n, p = R if schedule.loops is None else schedule.loops, schedule.no_grad
+  if isinstance(sets, tuple):   # the unrolled lowering's per-set trees
+    sets = jax.tree.map(lambda *a: jnp.stack(a), *sets)
+  dynamic = not isinstance(p, int)
+  if seg.order != 'cycle' or R < 2:
+    raise ConfigError('a loop schedule (depth, no-grad prefix, per-loop outputs) applies to a '
+                      'looped cycle segment; valid schemes: cycle, universal, middle_cycle, '
+                      'groups')
+  if cache is not None:
+    raise ConfigError('cached generation runs the plan\'s loops; valid: the default schedule')
+  if n < 1 or (not dynamic and p < 0):
+    raise ConfigError(f'loop schedule: loops={n}, no_grad={p}; valid: loops >= 1, no_grad >= 0')
+  if per_layer is not None and (dynamic or p + n > R):
+    raise ConfigError(f'per-layer parts (depth-wise LoRA, untied norms) exist for the plan\'s '
+                      f'{R} loops only; got {p} + {n}; valid: a static no_grad + loops <= {R}, '
+                      f'or lora_rank=0 and untie_norms=False')
+  loop = one_loop(layer, sets, shared, unroll=unroll, split_transpose=split_transpose)
+  per_loop = None if per_layer is None else _regroup(per_layer, (R, K))
+  if dynamic or p:
+    frozen = one_loop(layer, jax.lax.stop_gradient(sets), shared, unroll=unroll,
+                      split_transpose=split_transpose)
+    carry = jax.lax.stop_gradient(carry)
+    if dynamic:
+      carry = jax.lax.fori_loop(0, p, lambda _, c: frozen(c, (None, None))[0], carry)
+    else:
+      prefix = None if per_loop is None else _take(per_loop, slice(0, p))
+      carry, _ = jax.lax.scan(frozen, carry, (prefix, None), length=p)
+    carry = jax.lax.stop_gradient(carry)
+  if per_loop is not None:
+    per_loop = _take(per_loop, slice(p, p + n))
+
+  def body(carry, pl):
+    carry, _ = loop(carry, (pl, None))
+    return carry, carry.x_BTD if schedule.collect else None
+
+  carry, streams = jax.lax.scan(body, carry, per_loop, length=n)
+  return carry, None, None, streams
 
 
 class Looped(NamedTuple):
@@ -33,6 +263,7 @@ class Looped(NamedTuple):
   num_sets: int     # K layers per loop
   loops: int        # R
   num_layers: int   # L, all applied layers
+  segment: int = 0  # its index among the plan's segments
 
   @property
   def coda(self) -> int:
@@ -50,7 +281,7 @@ def looped(cfg: ModelConfig) -> Looped:
                       f'cycle, universal, middle_cycle, groups')
   i = loops[0]
   start = sum(s.num_applied for s in segs[:i])
-  return Looped(start, segs[i].num_sets, segs[i].repeats, cfg.num_layers)
+  return Looped(start, segs[i].num_sets, segs[i].repeats, cfg.num_layers, i)
 
 
 class LayerStore(NamedTuple):
@@ -63,6 +294,7 @@ class LayerStore(NamedTuple):
 
 def layer_store(cfg: ModelConfig, variables: Any, atoms: Any = None) -> LayerStore:
   """The stored sets and per-layer parts of `variables` (a model of `cfg`), by metadata."""
+  from sharenet.models import layout   # layout reads the model's table: imported at call time
   per_layer = variables.get(PER_LAYER)
   return LayerStore(layout.unique_sets(variables['params'], cfg),
                     jnp.asarray(np.asarray(cfg.plan.index, np.int32)),
@@ -89,13 +321,13 @@ def run_layers(cfg: ModelConfig, store: LayerStore, x_D: jax.Array, first: jax.A
   step = DecodeStep(pos, pos[None, None], key_pos_S[None])
   k_NSKD = jax.lax.dynamic_slice_in_dim(k_LSKD, first, count, axis=0)
   v_NSKD = jax.lax.dynamic_slice_in_dim(v_LSKD, first, count, axis=0)
-  block = Block(cfg)
+  apply = layer_fn(cfg)
 
   def body(x_11D, inputs):
     layer, k_SKD, v_SKD = inputs
-    stream, cache = block.apply(_layer_variables(store, layer), Stream(x_11D),
-                                Shared(None, None, step, store.atoms),
-                                Scanned(LayerCache(k_SKD[None], v_SKD[None])))
+    stream, (cache, _) = apply(_layer_variables(store, layer), Stream(x_11D),
+                               Shared(None, None, step, store.atoms),
+                               Scanned(LayerCache(k_SKD[None], v_SKD[None])))
     x_11D = stream.x_BTD
     column = lambda a: jax.lax.dynamic_index_in_dim(a[0], pos, axis=0, keepdims=False)
     return x_11D, (column(cache.k_BSKD), column(cache.v_BSKD))

@@ -1,7 +1,8 @@
 """Mixture-of-Recursions routing (Bae et al., "Mixture-of-Recursions: Learning Dynamic Recursive
 Depths for Adaptive Token-Level Computation", arXiv:2507.10524): each token gets its own number
 of passes through the shared segment of a `cycle` / `middle_cycle` plan. Recursion r is one pass
-through the segment's K stored sets (one inner scan, models/stack.py `RoutedSegment`).
+through the segment's K stored sets (one pass of the loop runner, models/loops.py, driven from
+models/stack.py `StoredSegment._routed`).
 
 Expert choice (`expert_choice`): recursion r has its own router; it scores the tokens that
 recursion r-1 kept, g = alpha * sigmoid(w_r . h), and keeps the top k_r = max(1, int(c_r * T))

@@ -1,44 +1,44 @@
-"""The layer stack: one nested nn.scan per plan segment, so tying is a scan setting.
+"""The layer stack: stores each plan segment's unique sets; the loop runner applies them.
 
-Inside a segment, a collection that is *broadcast* across a scan is tied and a collection
-with `variable_axes` is per iteration. 'params' is stacked over the K unique
-sets and broadcast over the R repeats; PER_LAYER (untied norm gains, depth-wise LoRA) is
-scanned at every level, so it holds one entry per applied layer. Compile time therefore does
-not grow with R. Under model.sharing.lora_layers='shared' (the default) a segment that shares
-no set (the unique first / last layers of middle schemes) is built without LoRA.
+Storage. Each plan segment is a module (`Segment`) whose parameters are created, at init, by
+nested nn.scans: a collection *broadcast* across a scan is tied, one with `variable_axes` is per
+iteration. 'params' is stacked over the K unique sets and broadcast over the R repeats;
+PER_LAYER (untied norm gains, depth-wise LoRA) is scanned at every level, so it holds one entry
+per applied layer: (R, K, ...) for a cycle, (K, R, ...) for a sequence, (L, ...) for an
+explicit pattern (stored as a pool of its sets, first user of each). Under
+model.sharing.lora_layers='shared' (the default) a segment that shares no set (the unique first /
+last layers of middle schemes) is built without LoRA. `model.scan_layers=False` stores one
+module per unique set instead (the Python-loop baseline).
 
-`model.scan_lowering='flat'` lowers the same regular segment as one scan over its R*K applied
-layers instead: the K stored sets are gathered into an applied-depth stack for the forward pass
-(the gather's gradient sums the per-use gradients) and the per-layer parts are reshaped, so the
-stored tree is identical to the nested one and checkpoints move freely between the two. It costs
-R*K transient copies of the set weights (and their per-use gradients) and buys one loop instead
-of two; compile time stays flat in R as well (README "Results"; benchmarks/step_bench.py and
-benchmarks/compile_bench.py measure both).
+Application. Every call (training, evaluation, cached generation, routed recursions) hands the
+stored arrays to models/loops.py `run_segment`, the one place layers are applied:
+`model.scan_lowering` nested or flat (the stored tree is identical, so checkpoints move freely
+between the two; flat costs R*K transient copies of the set weights and buys one loop instead of
+two, README "Results"; benchmarks/step_bench.py and benchmarks/compile_bench.py measure both),
+unrolled for the Python-loop baseline. A `loops.Schedule` changes the looped segment's loops
+per call (another depth, a no-grad prefix, per-loop outputs).
 
-Generation passes a KV cache through the same scans (sharenet/generate.py): one `LayerCache`
-per applied layer, never per stored set (tied layers share weights, not keys and values). Each
-segment's caches are stacked along a leading axis of its applied layers and scanned like
-PER_LAYER: reshaped to the nesting's (outer, inner) lengths for nested scans, flat for the
-gathered lowering. The step information (`DecodeStep`) is broadcast to every level.
+Generation passes a KV cache through the same runner (sharenet/generate.py): one `LayerCache`
+per applied layer, never per stored set (tied layers share weights, not keys and values), each
+segment's stacked along a leading axis of its applied layers. The step information
+(`DecodeStep`) reaches every layer in block.Shared.
 
 MASA atoms (models/masa.py) are parameters of DecoderLM, outside the stack; the Stack takes them
-as an argument (`masa`, {target: atoms}) and broadcasts them through every scan level to the
-blocks, so they are stored once whatever the plan and lowering.
+in block.Shared, so they are stored once whatever the plan and lowering.
 """
 from __future__ import annotations
 
 import functools
-import math
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sharenet.models.attention import DecodeStep, LayerCache
-from sharenet.models.block import Block, Scanned, Shared, Stream
 from sharenet.errors import ConfigError
-from sharenet.models import routing
+from sharenet.models import loops, routing
+from sharenet.models.attention import LayerCache
+from sharenet.models.block import Block, Scanned, Shared, Stream
 from sharenet.models.config import ModelConfig
 from sharenet.models.layers import INTERMEDIATES
 from sharenet.norms import PER_LAYER
@@ -51,233 +51,161 @@ from sharenet.sharing import Segment, SharingPlan
 NAMES = {'segment': 'segment_{}', 'level': 'level', 'block': 'block', 'set': 'set_{}',
          'router': 'router'}
 
-SAVE_NAMES = ('query_proj', 'key_proj', 'value_proj', 'out_proj', 'mlp_hidden', 'mlp_out')
 
-
-def remat_policy(name: str):
-  """Named remat policies -> jax.checkpoint_policies (None = no remat at all)."""
-  cp = jax.checkpoint_policies
-  return {
-      'none': None,
-      'full': cp.nothing_saveable,
-      'dots': cp.dots_saveable,
-      'dots_no_batch': cp.dots_with_no_batch_dims_saveable,
-      'save_names': cp.save_only_these_names(*SAVE_NAMES),
-      'offload_dots': cp.offload_dot_with_no_batch_dims('device', 'pinned_host'),
-      # Save every residual except the (T, T) attention arrays, which are cheap to recompute.
-      'except_attn': cp.save_anything_except_these_names('attn_logits', 'attn_probs'),
-  }[name]
-
-
-def _block_cls(cfg: ModelConfig):
-  if cfg.remat == 'none':
-    return Block
-  # prevent_cse is unnecessary inside scan (jax.checkpoint docstring) and costs speed.
-  return nn.remat(Block, policy=remat_policy(cfg.remat), prevent_cse=False)
-
-
-def _scan(target, length: int, stacked: bool, axis_name: str, unroll: int,
-          split_transpose: bool = True):
-  """Scan `target` `length` times; stacked -> params per iteration, else params broadcast.
-
-  The body takes (carry: Stream, shared: Shared, scanned: Scanned): `shared` is broadcast to
-  every iteration, `scanned` (the KV caches, when decoding) is sliced along its leading axis,
-  one entry per iteration, and the updated caches come back stacked as the scan's output.
-
-  `split_transpose` (jax's experimental lax.scan option) moves the weight-gradient part of the
-  backward scan into a map after the loop, which makes the scanned train step faster on
-  XLA:CPU (README "Results", benchmarks/step_bench.py).
-  """
-  in_axes = (nn.broadcast, 0)
+def _scan(target, length: int, stacked: bool, axis_name: str):
+  """nn.scan of `target` creating the stored tree: stacked -> params per iteration, else
+  params broadcast (tied); PER_LAYER per iteration either way. The body takes (carry: Stream,
+  shared: Shared, scanned: Scanned), `shared` broadcast."""
   if stacked:
     return nn.scan(target, variable_axes={'params': 0, PER_LAYER: 0, INTERMEDIATES: 0},
-                   split_rngs={'params': True, PER_LAYER: True}, in_axes=in_axes,
-                   length=length, unroll=min(unroll, length),
-                   metadata_params={nn.PARTITION_NAME: axis_name},
-                   _split_transpose=split_transpose)
+                   split_rngs={'params': True, PER_LAYER: True}, in_axes=(nn.broadcast, 0),
+                   length=length, metadata_params={nn.PARTITION_NAME: axis_name})
   return nn.scan(target, variable_axes={PER_LAYER: 0, INTERMEDIATES: 0},
-                 variable_broadcast='params',
-                 split_rngs={'params': False, PER_LAYER: True}, in_axes=in_axes,
-                 length=length, unroll=min(unroll, length),
+                 variable_broadcast='params', split_rngs={'params': False, PER_LAYER: True},
+                 in_axes=(nn.broadcast, 0), length=length,
                  metadata_params={nn.PARTITION_NAME: axis_name})
 
 
-def _reshape_leading(cache: LayerCache | None, n_lead: int, shape: tuple[int, ...]):
-  """Regroups the first `n_lead` axes of every cache leaf as `shape` (None stays None)."""
-  if cache is None:
-    return None
-  return jax.tree.map(lambda a: a.reshape(shape + a.shape[n_lead:]), cache)   # v None: kept
+class _Create(nn.Module):
+  """Creates a regular segment's stored tree (init only): one nn.scan per level of `levels`
+  ((length, stacked, axis name), outermost first), the Block innermost."""
+  cfg: ModelConfig
+  levels: tuple[tuple[int, bool, str], ...]
+
+  @nn.compact
+  def __call__(self, carry: Stream, shared: Shared, scanned: Scanned = Scanned()):
+    return _create_levels(self.cfg, self.levels)(carry, shared, scanned)
 
 
-def _map_leading(tree, value_fn, names_fn):
-  """Maps the leading axes of every leaf, keeping logical-partitioning boxes consistent."""
+def _create_levels(cfg: ModelConfig, levels) -> nn.Module:
+  """The scan of the outermost of `levels`, named as the stored tree names it."""
+  (length, stacked, axis), rest = levels[0], levels[1:]
+  if rest:
+    return _scan(_Create, length, stacked, axis)(cfg, rest, name=NAMES['level'])
+  return _scan(Block, length, stacked, axis)(cfg, name=NAMES['block'])
+
+
+def _create_pool(cfg: ModelConfig, pattern: tuple[int, ...]) -> nn.Module:
+  """An explicit pattern's stored tree (init only): the Block scanned over the applied layers,
+  its params reduced to the pool (the first user of each set), PER_LAYER kept per applied
+  layer."""
+  first_use = np.asarray([pattern.index(u) for u in range(max(pattern) + 1)])
+
+  def take(index):
+    def fn(vs):
+      out = dict(vs)
+      if 'params' in vs:
+        out['params'] = _map_leading(vs['params'], lambda p: jnp.take(p, index, axis=0))
+      return out
+    return fn
+
+  body = _scan(Block, len(pattern), True, 'layers')
+  mapped = nn.map_variables(body, ['params', PER_LAYER], trans_in_fn=take(np.asarray(pattern)),
+                            trans_out_fn=take(first_use), init=True)
+  return mapped(cfg, name=NAMES['block'])
+
+
+def _map_leading(tree, value_fn):
+  """Maps every leaf's value, keeping logical-partitioning boxes."""
   def leaf(x):
-    if isinstance(x, nn.Partitioned):
-      return x.replace(value=value_fn(x.value), names=names_fn(tuple(x.names)))
-    return value_fn(x)
+    return x.replace(value=value_fn(x.value)) if isinstance(x, nn.Partitioned) else value_fn(x)
   return jax.tree.map(leaf, tree, is_leaf=lambda x: isinstance(x, nn.Partitioned))
 
 
-def on_stream(layers, masa=None):
-  """(x, positions, segment ids) -> (x, None): a scan over blocks as routing calls it."""
-  def run(x_BTD, positions_T, segment_ids_BT=None):
-    carry, _ = layers(Stream(x_BTD), Shared(positions_T, segment_ids_BT, masa=masa), Scanned())
-    return carry.x_BTD, None
-  return run
+class StoredSegment(nn.Module):
+  """Plan segment `index`: its stored sets (created at init) applied by the loop runner.
 
-
-class _Level(nn.Module):
-  """One scan level; the innermost level scans the (remat'd) Block."""
+  (carry, shared, cache, schedule) -> (carry, updated cache or None). The routed segment of a
+  Mixture-of-Recursions model (models/routing.py) stores its sets as a plain cycle segment and
+  its routers beside them; its recursions call the runner's pass through the K sets.
+  """
   cfg: ModelConfig
-  levels: tuple[tuple[int, bool, str], ...]   # (length, stacked, axis_name), outermost first
+  index: int
 
   @nn.compact
-  def __call__(self, carry: Stream, shared: Shared, scanned: Scanned = Scanned()):
-    """-> (carry, updated cache or None); a cache has leading axes = the level lengths."""
-    (length, stacked, axis), rest = self.levels[0], self.levels[1:]
-    lengths = tuple(n for n, _, _ in self.levels)
-    if rest and self.cfg.scan_lowering == 'flat':
-      # One scan over the applied layers; stored layout unchanged (see module docstring).
-      (pos,) = [i for i, (_, s, _) in enumerate(self.levels) if s]
-      pattern = np.unravel_index(np.arange(math.prod(lengths)), lengths)[pos]
-      flat = Scanned(_reshape_leading(scanned.cache, len(lengths), (math.prod(lengths),)))
-      gather = GatherSegment(self.cfg, tuple(int(k) for k in pattern),
-                             tuple((n, a) for n, _, a in self.levels), name=NAMES['level'])
-      carry, cache = gather(carry, shared, flat)
-      return carry, _reshape_leading(cache, 1, lengths)
-    c = self.cfg
-    if rest:
-      body = _scan(_Level, length, stacked, axis, c.scan_unroll, c.scan_split_transpose)(
-          c, rest, name=NAMES['level'])
+  def __call__(self, carry: Stream, shared: Shared, cache: LayerCache | None = None,
+               schedule: loops.Schedule = loops.Schedule()):
+    c, seg = self.cfg, self.cfg.plan.segments[self.index]
+    routed = self.index == c.routed_segment
+    if self.is_initializing():
+      created = self._create(seg, carry, shared)
+    variables = nn.unbox(self.variables)
+    sets, per_layer, stored = self._stored(seg, variables)
+    observe = self.is_mutable_collection(INTERMEDIATES)
+    layer = loops.layer_fn(c, observe)
+    run = dict(unroll=c.scan_unroll, split_transpose=c.scan_split_transpose)
+    if routed:
+      if cache is not None:
+        raise ConfigError(f'model.routing.kind={c.routing!r}: cached generation of a routed '
+                          f'model is not implemented; valid: routing.kind=none')
+      return carry._replace(x_BTD=self._routed(seg, sets, carry.x_BTD, shared, run)), None
+    if self.is_initializing() and schedule.is_default and cache is None:
+      return created, None
+    lowering = 'flat' if c.scan_lowering == 'flat' else 'nested'
+    carry, cache, sown, streams = loops.run_segment(layer, seg, lowering, sets, per_layer, carry,
+                                                    shared, cache, schedule, **run)
+    if streams is not None:
+      self.sow(loops.PER_LOOP, 'streams', streams)
+    if observe and sown is not None:
+      self.put_variable(INTERMEDIATES, stored[0], _nest(stored[1:], sown))
+    return carry, cache
+
+  def _create(self, seg, carry: Stream, shared: Shared) -> Stream:
+    if seg.order == 'gather':
+      out, _ = _create_pool(self.cfg, seg.pattern)(carry, shared, Scanned())
     else:
-      body = _scan(_block_cls(c), length, stacked, axis, c.scan_unroll,
-                   c.scan_split_transpose)(c, name=NAMES['block'])
-    return body(carry, shared, scanned)
+      out, _ = _create_levels(self.cfg, segment_levels(seg))(carry, shared, Scanned())
+    return out
 
+  def _stored(self, seg, variables):
+    """(sets (K, ...), per-layer parts in applied order (L_seg, ...) or None, the stored
+    path of the blocks) by this module's own names."""
+    path = (NAMES['block'],) if seg.order == 'gather' else (NAMES['level'], NAMES['block'])
+    def at(collection):
+      tree = variables.get(collection)
+      for k in path:
+        if tree is None or k not in tree:
+          return None
+        tree = tree[k]
+      return tree
+    per_layer = at(PER_LAYER)
+    if per_layer is not None and seg.order != 'gather':
+      per_layer = jax.tree.map(lambda a: a.reshape((-1,) + a.shape[2:]), per_layer)
+    return at('params'), per_layer, path
 
-class GatherSegment(nn.Module):
-  """One scan over applied layers whose sets are gathered from a pool.
-
-  Serves explicit index lists and, with `per_layer_levels`, regular plans under
-  `scan_lowering='flat'`. At init the freshly created L-stack is reduced to the pool (first user
-  of each set); in the forward pass `take` gathers, and its gradient scatter-adds the per-use
-  gradients. PER_LAYER is stored with leading axes `per_layer_levels` ((length, axis name),
-  default one 'layers' axis of length L) and flattened to L for the scan.
-  """
-  cfg: ModelConfig
-  pattern: tuple[int, ...]                        # applied layer -> stored set
-  per_layer_levels: tuple[tuple[int, str], ...] = ()
-
-  @nn.compact
-  def __call__(self, carry: Stream, shared: Shared, scanned: Scanned = Scanned()):
-    """-> (carry, updated cache or None); a cache has one leading applied-layer axis."""
-    L = len(self.pattern)
-    levels = self.per_layer_levels or ((L, 'layers'),)
-    lengths, axes = tuple(n for n, _ in levels), tuple(a for _, a in levels)
-    first_use = tuple(self.pattern.index(u) for u in range(max(self.pattern) + 1))
-    identity = self.pattern == tuple(range(L))
-
-    def remap(set_idx, n_lead, lead_shape, lead_names):
-      """params: gather sets along axis 0; PER_LAYER: regroup the n_lead leading axes."""
-      def fn(vs):
-        out = dict(vs)
-        if 'params' in vs:
-          gather = (lambda p: p) if identity else (lambda p: jnp.take(p, np.asarray(set_idx),
-                                                                      axis=0))
-          out['params'] = _map_leading(vs['params'], gather, lambda n: n)
-        if PER_LAYER in vs:
-          out[PER_LAYER] = _map_leading(
-              vs[PER_LAYER], lambda p: p.reshape(lead_shape + p.shape[n_lead:]),
-              lambda n: lead_names + n[n_lead:])
-        return out
-      return fn
-
-    body = _scan(_block_cls(self.cfg), L, True, 'layers', self.cfg.scan_unroll,
-                 self.cfg.scan_split_transpose)
-    # init only while initializing: with init=True flax treats *any* mutable collection (e.g.
-    # sown 'intermediates') as initialization and runs the scan on the un-gathered pool.
-    mapped = nn.map_variables(
-        body, ['params', PER_LAYER],
-        trans_in_fn=remap(self.pattern, len(lengths), (L,), ('layers',)),
-        trans_out_fn=remap(first_use, 1, lengths, axes), init=self.is_initializing())
-    return mapped(self.cfg, name=NAMES['block'])(carry, shared, scanned)
-
-
-class RoutedSegment(nn.Module):
-  """A cycle segment whose R recursions are routed per token (models/routing.py).
-
-  The K stacked sets are stored exactly as in the plain nested segment (segment_i/level/block),
-  the routers beside them (segment_i/router). Expert choice calls the inner scan over the K sets
-  once per recursion on that recursion's subset, R static lengths, so the program holds R scans
-  (compile time grows with R), or, with model.routing.buckets = n, one scan over the recursions
-  of each of n buckets at the bucket's first length (compile time grows with n, not R); token
-  choice runs all recursions at full length, so one scan over the recursions around the inner
-  scan, as the plain segment.
-  """
-  cfg: ModelConfig
-  seg: Segment
-
-  @nn.compact
-  def __call__(self, x_BTD: jax.Array, positions_T: jax.Array | None, segment_ids_BT=None,
-               masa=None):
+  def _routed(self, seg, sets, x_BTD: jax.Array, shared: Shared, run: dict) -> jax.Array:
+    """Mixture-of-Recursions over the segment's K sets: the routers pick each recursion's
+    tokens; each recursion is one runner pass (compile time: expert choice R passes or one scan
+    per bucket, token choice one scan over the R recursions)."""
     c = self.cfg
-    if c.umup_residual:
-      raise ConfigError(f'model.routing.kind={c.routing!r}: the u-muP residual rule is not '
-                        f'routed; valid: another parametrization.kind')
     sow = lambda name, value: self.sow(routing.ROUTING, name, value)
     router = routing.Router(c, name=NAMES['router'])
-    if c.routing == 'expert_choice' and not c.routing_buckets:
-      inner = _Level(c, segment_levels(self.seg)[1:], name=NAMES['level'])
-      level = on_stream(inner, masa)
-      return routing.expert_choice(x_BTD, positions_T, segment_ids_BT, cfg=c, router=router,
-                                   level=level, sow=sow)
+    level = loops.stream_pass(loops.layer_fn(c), sets, shared.masa, **run)
+    positions_T, segment_ids_BT = shared.positions_T, shared.segment_ids_BT
     if c.routing == 'expert_choice':
-      # Bucketed: one scan over each bucket's recursions (its length from the scanned steps),
-      # the router rows broadcast into the body; the same instance runs every bucket.
-      body, weights = _recursions(c, self.seg.num_sets), router.expert_weights()
-      return routing.expert_choice(
-          x_BTD, positions_T, segment_ids_BT, cfg=c, router=router, level=None, sow=sow,
-          recurse=lambda carry, steps, kept: body(carry, steps, kept, weights, masa))
-    # Token choice: every recursion has the full shape, so one scan over them (params
-    # broadcast, as the plain nested segment's outer scan over repeats).
-    body = _recursions(c, self.seg.num_sets, self.seg.repeats)
+      recurse = None
+      if c.routing_buckets:
+        weights = router.expert_weights()
+        logits = functools.partial(routing.expert_logits, weights)
+
+        def recurse(carry, steps, kept):
+          step = lambda carry, s: routing.expert_recursion(level, logits, c.alpha, carry, s, kept)
+          return jax.lax.scan(step, carry, steps)
+      return routing.expert_choice(x_BTD, positions_T, segment_ids_BT, cfg=c, router=router,
+                                   level=level, sow=sow, recurse=recurse)
 
     def recurse(carry, routes, positions):
-      (_, out_BTD), _ = body(carry, jnp.arange(self.seg.repeats), routes, positions, masa)
+      step = lambda carry, r: (routing.token_recursion(level, r, carry, routes, positions), None)
+      (_, out_BTD), _ = jax.lax.scan(step, carry, jnp.arange(seg.repeats))
       return out_BTD
     return routing.token_choice(x_BTD, positions_T, segment_ids_BT, cfg=c, router=router,
                                 sow=sow, recurse=recurse, bias_R=router.exit_bias())
 
 
-def _recursions(cfg: ModelConfig, num_sets: int, length: int | None = None):
-  """A scan over routed recursions (RoutedSegment): params broadcast, as the plain nested
-  segment's outer scan over repeats; scanned input first, then three broadcast arguments (the
-  last the MASA atoms or None); the length from the scanned input unless given."""
-  return nn.scan(_Recursion, variable_axes={PER_LAYER: 0, INTERMEDIATES: 0},
-                 variable_broadcast='params', split_rngs={'params': False, PER_LAYER: True},
-                 in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast), length=length,
-                 metadata_params={nn.PARTITION_NAME: 'repeats'})(cfg, num_sets,
-                                                                 name=NAMES['level'])
-
-
-class _Recursion(nn.Module):
-  """One routed recursion, the body of `_recursions`: the K-layer scan, stored as the plain
-  nested segment's (segment_i/level/block), inside token choice's update (scanned: the
-  recursion index; broadcast: the routes, the positions) or expert choice's (scanned: the
-  bucket's steps; broadcast: its kept tokens, the router weights); models/routing.py."""
-  cfg: ModelConfig
-  num_sets: int
-
-  @nn.compact
-  def __call__(self, carry, scanned, a, b, masa=None):
-    c = self.cfg
-    scan = _scan(_block_cls(c), self.num_sets, True, 'layers', c.scan_unroll,
-                 c.scan_split_transpose)(c, name=NAMES['block'])
-    block = on_stream(scan, masa)
-    if c.routing == 'token_choice':
-      return routing.token_recursion(block, scanned, carry, a, b), None
-    return routing.expert_recursion(block, functools.partial(routing.expert_logits, b), c.alpha,
-                                    carry, scanned, a)
+def _nest(path: tuple[str, ...], value):
+  for k in reversed(path):
+    value = {k: value}
+  return value
 
 
 def placement(plan: SharingPlan, i: int) -> dict:
@@ -312,56 +240,66 @@ def init_cache(cfg: ModelConfig, batch_size: int, num_slots: int,
 class Stack(nn.Module):
   """Applies cfg.num_layers layers, storing only the plan's unique sets.
 
-  (carry, shared, caches) -> (carry, updated caches): `shared` (block.Shared: positions,
-  segment ids, the decode step, the MASA atoms) reaches every block; `caches` (init_cache's
-  structure, None without generation) is sliced per applied layer.
+  (carry, shared, caches, schedule) -> (carry, updated caches): `shared` (block.Shared:
+  positions, segment ids, the decode step, the MASA atoms) reaches every block; `caches`
+  (init_cache's structure, None without generation) holds one entry per applied layer;
+  `schedule` (loops.Schedule) applies to the plan's looped segment.
   """
   cfg: ModelConfig
 
   @nn.compact
-  def __call__(self, carry: Stream, shared: Shared, caches: tuple[LayerCache, ...] | None = None
+  def __call__(self, carry: Stream, shared: Shared, caches: tuple[LayerCache, ...] | None = None,
+               schedule: loops.Schedule = loops.Schedule()
                ) -> tuple[Stream, tuple[LayerCache, ...] | None]:
+    looped = None if schedule.is_default else loops.looped(self.cfg).segment
     if not self.cfg.scan_layers:
-      return self._python_loop(carry, shared, caches)
+      return self._python_loop(carry, shared, caches, schedule, looped)
     new_caches = []
     for i, seg in enumerate(self.cfg.plan.segments):
       cfg = self.cfg.segment_cfg(seg)   # no LoRA on unshared segments under lora_layers=shared
-      name = NAMES['segment'].format(i)
       with placed(**placement(self.cfg.plan, i)):
-        if i == self.cfg.routed_segment:
-          if caches is not None:
-            raise ConfigError(f'model.routing.kind={cfg.routing!r}: cached generation of a '
-                              f'routed model is not implemented; valid: routing.kind=none')
-          x_BTD = RoutedSegment(cfg, seg, name=name)(carry.x_BTD, shared.positions_T,
-                                                     shared.segment_ids_BT, shared.masa)
-          carry, cache = carry._replace(x_BTD=x_BTD), None
-        elif seg.order == 'gather':
-          carry, cache = GatherSegment(cfg, seg.pattern, name=name)(
-              carry, shared, Scanned(None if caches is None else caches[i]))
-        else:
-          levels = segment_levels(seg)
-          lengths = tuple(n for n, _, _ in levels)
-          nested = None if caches is None else _reshape_leading(caches[i], 1, lengths)
-          carry, cache = _Level(cfg, levels, name=name)(carry, shared, Scanned(nested))
-          cache = _reshape_leading(cache, len(lengths), (seg.num_applied,))
+        carry, cache = StoredSegment(cfg, i, name=NAMES['segment'].format(i))(
+            carry, shared, None if caches is None else caches[i],
+            schedule if i == looped else loops.Schedule())
       new_caches.append(cache)
     return carry, None if caches is None else tuple(new_caches)
 
-  def _python_loop(self, carry: Stream, shared: Shared, caches):
-    """The Python-loop baseline (benchmarks): one module per unique set, reused where tied."""
+  def _python_loop(self, carry: Stream, shared: Shared, caches, schedule, looped):
+    """The Python-loop baseline (benchmarks): one module per unique set, each applied layer
+    unrolled (loops.run_segment's `unrolled` lowering)."""
     plan = self.cfg.plan
-    blocks = [_block_cls(self.cfg)(self.cfg, name=NAMES['set'].format(u))
-              for u in range(plan.num_unique)]
-    layer, new_caches = 0, []
+    if self.is_initializing():
+      blocks = [Block(self.cfg, name=NAMES['set'].format(u)) for u in range(plan.num_unique)]
+      for i, seg in enumerate(plan.segments):
+        for u in seg.local_indices():
+          u += seg.first_set
+          with placed(segment=i, sets=(u,), uses=(len(plan.uses(u)),), layers=()):
+            blocks[u](carry, shared, Scanned())
+    params = nn.unbox(self.variables)['params']
+    stored = tuple(params[NAMES['set'].format(u)] for u in range(plan.num_unique))
+    observe = self.is_mutable_collection(INTERMEDIATES)
+    layer, new_caches, sown = loops.layer_fn(self.cfg, observe), [], {}
     for i, seg in enumerate(plan.segments):
-      layer_caches = []
-      for j in range(seg.num_applied):
-        u = plan.index[layer]
-        layer += 1
-        one = None if caches is None else jax.tree.map(lambda a: a[j], caches[i])
-        with placed(segment=i, sets=(u,), uses=(len(plan.uses(u)),), layers=()):
-          carry, one = blocks[u](carry, shared, Scanned(one))
-        layer_caches.append(one)
-      if caches is not None:
-        new_caches.append(jax.tree.map(lambda *a: jnp.stack(a), *layer_caches))
+      sets = stored[seg.first_set:seg.first_set + seg.num_sets]
+      carry, cache, per_layer_sown, streams = loops.run_segment(
+          layer, seg, 'unrolled', sets, None, carry, shared,
+          None if caches is None else caches[i],
+          schedule if i == looped else loops.Schedule(), unroll=self.cfg.scan_unroll)
+      if streams is not None:
+        self.sow(loops.PER_LOOP, 'streams', streams)
+      new_caches.append(cache)
+      for u, tree in zip(seg.local_indices(), per_layer_sown if observe else ()):
+        name = NAMES['set'].format(seg.first_set + u)
+        sown[name] = tree if name not in sown else _append(sown[name], tree)
+    for name, tree in sown.items():   # as sow stores repeated calls: one tuple entry per use
+      if tree:
+        self.put_variable(INTERMEDIATES, name, tree)
     return carry, None if caches is None else tuple(new_caches)
+
+
+def _append(a, b):
+  """Two sown trees merged as repeated sow calls would store them (tuples concatenated)."""
+  if isinstance(a, dict):
+    return {k: _append(a[k], b[k]) if k in a and k in b else a.get(k, b.get(k))
+            for k in {**a, **b}}
+  return tuple(a) + tuple(b)
