@@ -17,7 +17,7 @@ from configs import tiny as tiny_config
 from sharenet import defaults, optim, train_lib, workdir_lib
 from sharenet.errors import ConfigError
 from sharenet.models import DecoderLM, ModelConfig, init_variables
-from sharenet.models.config import LORA_TARGETS
+from sharenet.models.sections import LORA_TARGETS
 from sharenet.transforms import Transforms, convert, reparam
 from sharenet.transforms.roles import Leaf
 from sharenet.transforms.update import scale_by_adamp

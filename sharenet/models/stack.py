@@ -222,16 +222,16 @@ class RoutedSegment(nn.Module):
                masa=None):
     c = self.cfg
     if c.umup_residual:
-      raise ConfigError(f'model.routing.kind={c.routing!r}: the u-muP residual rule is not '
+      raise ConfigError(f'model.routing.kind={c.routing.kind!r}: the u-muP residual rule is not '
                         f'routed; valid: another parametrization.kind')
     sow = lambda name, value: self.sow(routing.ROUTING, name, value)
     router = routing.Router(c, name=NAMES['router'])
-    if c.routing == 'expert_choice' and not c.routing_buckets:
+    if c.routing.kind == 'expert_choice' and not c.routing.buckets:
       inner = _Level(c, segment_levels(self.seg)[1:], name=NAMES['level'])
       level = on_stream(inner, masa)
       return routing.expert_choice(x_BTD, positions_T, segment_ids_BT, cfg=c, router=router,
                                    level=level, sow=sow)
-    if c.routing == 'expert_choice':
+    if c.routing.kind == 'expert_choice':
       # Bucketed: one scan over each bucket's recursions (its length from the scanned steps),
       # the router rows broadcast into the body; the same instance runs every bucket.
       body, weights = _recursions(c, self.seg.num_sets), router.expert_weights()
@@ -274,10 +274,10 @@ class _Recursion(nn.Module):
     scan = _scan(_block_cls(c), self.num_sets, True, 'layers', c.scan_unroll,
                  c.scan_split_transpose)(c, name=NAMES['block'])
     block = on_stream(scan, masa)
-    if c.routing == 'token_choice':
+    if c.routing.kind == 'token_choice':
       return routing.token_recursion(block, scanned, carry, a, b), None
-    return routing.expert_recursion(block, functools.partial(routing.expert_logits, b), c.alpha,
-                                    carry, scanned, a)
+    return routing.expert_recursion(block, functools.partial(routing.expert_logits, b),
+                                    c.router_alpha, carry, scanned, a)
 
 
 def placement(plan: SharingPlan, i: int) -> dict:
@@ -304,7 +304,7 @@ def init_cache(cfg: ModelConfig, batch_size: int, num_slots: int,
   kv_shared | qkv_shared) holds K only: v is None."""
   dt = jnp.dtype(dtype or cfg.dtype)
   def one(n):
-    shape = (n, batch_size, num_slots, cfg.kv_heads, cfg.head_dim)
+    shape = (n, batch_size, num_slots, cfg.kv_heads, cfg.d_head)
     return LayerCache(jnp.zeros(shape, dt), None if cfg.values_are_keys else jnp.zeros(shape, dt))
   return tuple(one(seg.num_applied) for seg in cfg.plan.segments)
 
@@ -330,7 +330,7 @@ class Stack(nn.Module):
       with placed(**placement(self.cfg.plan, i)):
         if i == self.cfg.routed_segment:
           if caches is not None:
-            raise ConfigError(f'model.routing.kind={cfg.routing!r}: cached generation of a '
+            raise ConfigError(f'model.routing.kind={cfg.routing.kind!r}: cached generation of a '
                               f'routed model is not implemented; valid: routing.kind=none')
           x_BTD = RoutedSegment(cfg, seg, name=name)(carry.x_BTD, shared.positions_T,
                                                      shared.segment_ids_BT, shared.masa)
