@@ -105,6 +105,12 @@ class ModelConfig:
   umup_ops: bool = _resolved()                  # u-muP unit-scaled attention and nonlinearity
 
   def __post_init__(self):
+    for f in dataclasses.fields(self):   # a section given as a dict of its keys (others default)
+      sub = f.metadata.get('section')
+      if sub is not None and isinstance(getattr(self, f.name), dict):
+        object.__setattr__(self, f.name, sub(**getattr(self, f.name)))
+    if isinstance(self.parametrization, dict):
+      object.__setattr__(self, 'parametrization', scaling.Settings(**self.parametrization))
     for name, value in _resolve(self):
       object.__setattr__(self, name, value)
 
