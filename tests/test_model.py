@@ -115,9 +115,9 @@ def test_stored_param_count_matches_plan(scheme, extra):
   cfg = tiny(scheme, **extra)
   shapes = jax.eval_shape(lambda: init(cfg))
   assert accounting.params_unique(shapes) == expected_params(cfg)
-  untied = cfg.derive(sharing=dict(scheme='untied', num_unique=0, repeats=0, pattern=''))
-  assert accounting.params_applied(shapes, cfg) == expected_params(untied,
-                                                                   lora_layer_count(cfg))
+  untied = cfg.derive(sharing=dict(scheme='untied', num_unique=0, repeats=0, pattern='',
+                                    lora_layers='all'))   # LoRA layers counted from cfg below
+  assert accounting.params_applied(shapes, cfg) == expected_params(untied, lora_layer_count(cfg))
 
 
 def test_flops_per_token_counts_applied_depth():

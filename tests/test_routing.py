@@ -128,7 +128,7 @@ def test_capacity_warmup_steps_is_gone_and_old_workdirs_still_load(repo_root):
     assert json.load(f)['model']['routing']['capacity_warmup_steps'] == 0
   config = workdir_lib.load_config(work)
   assert 'capacity_warmup_steps' not in config.model.routing
-  assert config_lib.validate(config).routing == 'token_choice'
+  assert config_lib.validate(config).routing.kind == 'token_choice'
 
 
 def test_example_config_validates(repo_root):
