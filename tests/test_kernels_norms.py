@@ -275,8 +275,9 @@ def test_model_pallas_other_placements(placement, umup):
   """Peri-norm (norms on branch outputs too) and u-muP's residual rule (pre-norm, no fused add;
   alphas (0.5, 0.5)) run every norm through the unfused kernel; the same loss and gradients as
   xla."""
-  cfg = _model_cfg('layernorm', 'cycle', norm=dict(placement=placement),
-                   parametrization=dict(kind='umup', residual_mult=0.5) if umup else {})
+  cfg = _model_cfg('layernorm', 'cycle').derive(
+      norm=dict(placement=placement),
+      parametrization=dict(kind='umup', residual_mult=0.5) if umup else {})
   assert cfg.umup_residual == ((0.5, 0.5) if umup else ())
   v = init_variables(DecoderLM(cfg), jax.random.key(1))
   tokens = jax.random.randint(jax.random.key(0), (2, 8), 0, 64)
