@@ -266,7 +266,7 @@ def build_step(size: tuple, plan: str, remat: str, seq_len: int, batch: int, dty
   for k, v in PLANS[plan].items():
     m.sharing[k] = v
   config.train.seq_len, config.train.batch_size = seq_len, batch
-  mcfg = ModelConfig.from_config(m)
+  mcfg = ModelConfig.from_experiment(config)
   exp = train_lib.setup(config, mcfg)
   state = jax.jit(functools.partial(train_lib.init_state, exp.model, exp.tx, tr=exp.tr,
                                     pz=exp.pz))(jax.random.key(0))

@@ -39,7 +39,7 @@ def measure(repeats: int, d_model: int, seq_len: int, batch: int,
   m.scan_lowering = lowering
   m.routing.kind = routing
   m.routing.buckets = buckets
-  mcfg = ModelConfig.from_config(m)
+  mcfg = ModelConfig.from_experiment(config)
   exp = train_lib.setup(config, mcfg)
   state = jax.eval_shape(lambda: train_lib.init_state(exp.model, exp.tx, jax.random.key(0),
                                                       tr=exp.tr, pz=exp.pz))

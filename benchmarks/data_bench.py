@@ -91,7 +91,7 @@ def pipeline_tokens_per_sec(path: str, batch: int, seq_len: int, segment_mask: b
 def train_tokens_per_sec(config, steps: int) -> tuple[float, float]:
   """(tokens/s, median step seconds) of `config`'s jitted train step on a fixed batch."""
   t = config.train
-  mcfg = ModelConfig.from_config(config.model, t.seq_len)
+  mcfg = ModelConfig.from_experiment(config)
   exp = train_lib.setup(config, mcfg)
   state = jax.jit(functools.partial(train_lib.init_state, exp.model, exp.tx, tr=exp.tr,
                                     pz=exp.pz))(jax.random.key(0))

@@ -117,7 +117,7 @@ def step_costs(size: tuple, plan: str) -> dict[str, Any]:
   c = config(size, plan)
   c.model.scan_unroll = size[2]
   with kernels.target('tpu'):
-    mcfg = ModelConfig.from_config(c.model, c.train.seq_len)
+    mcfg = ModelConfig.from_experiment(c)
     exp = train_lib.setup(c, mcfg)
     state = jax.eval_shape(functools.partial(train_lib.init_state, exp.model, exp.tx, tr=exp.tr,
                                              pz=exp.pz), jax.random.key(0))

@@ -26,7 +26,7 @@ def build(d_model: int, scheme: str, remat: str, layers: str, seq_len: int, batc
   m.sharing.scheme = scheme
   for k, v in SCHEMES[scheme].items():
     m.sharing[k] = v
-  mcfg = ModelConfig.from_config(m)
+  mcfg = ModelConfig.from_experiment(config)
   exp = train_lib.setup(config, mcfg)
   state = jax.jit(functools.partial(train_lib.init_state, exp.model, exp.tx, tr=exp.tr,
                                     pz=exp.pz))(jax.random.key(0))

@@ -34,7 +34,7 @@ def validate(config: Any, process_count: int | None = None) -> ModelConfig:
   Pairs of features that do not combine are refused first, each by its line of the
   compatibility table (sharenet/compat.py)."""
   compat.check(config)
-  mcfg = ModelConfig.from_config(config.model, config.train.seq_len)
+  mcfg = ModelConfig.from_experiment(config)   # raises for the model and parametrization
   t = config.train
   _positive(t, 'train', 'steps', 'batch_size', 'seq_len', 'grad_accum', 'eval_batch_size',
             'log_every', 'checkpoint_every', 'keep_checkpoints')
@@ -51,8 +51,7 @@ def validate(config: Any, process_count: int | None = None) -> ModelConfig:
   if mcfg.position == 'learned' and t.seq_len > mcfg.max_len:
     raise ConfigError(f'train.seq_len={t.seq_len} exceeds model.max_len={mcfg.max_len} for '
                       f'learned positions')
-  settings = parametrization.Settings.from_config(config.parametrization)  # kinds, rules
-  parametrization.base_config(mcfg, settings)   # base sizes divide the model evenly
+  parametrization.base_config(mcfg)   # base sizes divide the model evenly
   validate_mesh(config)
   from sharenet.models import DecoderLM
   from sharenet.transforms import Transforms

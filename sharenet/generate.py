@@ -169,9 +169,9 @@ def check_prompts(cfg: Any, prompts: Sequence[Sequence[int]], eos_id: int | None
 def validate(cfg: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int,
              temperature: float, top_k: int, top_p: float, eos_id: int | None) -> None:
   """One ConfigError line for settings generation cannot honour."""
-  if getattr(cfg, 'routing', 'none') != 'none':
-    raise ConfigError(f'model.routing.kind={cfg.routing!r}: generation of a routed model is not '
-                      f'implemented (expert choice picks top-k over the whole sequence; no '
+  if cfg.routing.kind != 'none':
+    raise ConfigError(f'model.routing.kind={cfg.routing.kind!r}: generation of a routed model '
+                      f'is not implemented (expert choice picks top-k over the whole sequence; no '
                       f'per-recursion KV cache); valid: routing.kind=none')
   if not prompts:
     raise ConfigError('generation needs at least one prompt')

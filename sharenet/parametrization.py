@@ -60,8 +60,10 @@ branch output, the branch multiplier).
 Forward multipliers on weights are applied as a reparametrization inside the loss
 (`forward(params)`: W_eff = A * w, checkpoints keep raw w); residual-branch
 multipliers are folded into the branch's output projection (o, wo: x + eps f(x) = x + f with
-eps W_out, exact for pre/post norm). Model-level scalars (attention scale, logits multiplier)
-go into ModelConfig.
+eps W_out, exact for pre/post norm). Model-level scalars (attention scale, logits multiplier,
+u-muP's residual rule and ops) are resolved with the ModelConfig from its model and
+parametrization keys (models/scaling.py, which also holds Settings and base_config): this module
+reads them and never rewrites the model config.
 
 Weight decay convention: decoupled, `decay = lr(t) * wd * wd_mult * p` on the leaves
 train.decay_roles selects, not scaled by the per-leaf LR multiplier; with wd_mode='independent'
@@ -92,14 +94,13 @@ import flax.linen as nn
 import jax.numpy as jnp
 from flax.traverse_util import flatten_dict, unflatten_dict
 
-from sharenet import defaults
 from sharenet import params as params_lib
 from sharenet.errors import ConfigError
 from sharenet.models import ModelConfig, param_table, unit_scale
+from sharenet.models.scaling import base_config
+# The config.parametrization group and its choices live with the model config; names kept here.
+from sharenet.models.scaling import KINDS, LOOP_RULES, UNTIEABLE, WD_MODES, Settings  # noqa: F401
 
-KINDS = ('sp', 'mup', 'mup_table3', 'umup', 'completep')
-LOOP_RULES = ('none', 'inv_R', 'inv_sqrt_R')
-WD_MODES = ('auto', 'lr_coupled', 'independent')   # auto: independent for umup, else lr_coupled
 WIDTH_AXES = frozenset({'embed', 'mlp', 'heads', 'kv_heads', 'head_dim'})
 # Leading axes that index separate matrices, never width: scan axes and the MASA atom index.
 SCAN_AXES = frozenset({'layers', 'repeats', 'atoms'})
@@ -108,53 +109,7 @@ FINITE_AXES = frozenset({'vocab', 'length', 'lora'})
 PRESET_ROLE = {'reader': 'hidden', 'writer': 'hidden', 'readout': 'readout', 'router': 'output',
                'embedding': 'embedding', 'pos_embed': 'embedding', 'lora': 'lora',
                'norm_in': 'vector', 'norm_out': 'vector', 'bias': 'vector', 'scalar': 'vector'}
-UNTIEABLE = ('mup_table3', 'umup')           # one tensor cannot carry two roles
 Path = tuple[str, ...]
-_DEFAULTS = defaults.default_config().parametrization
-
-
-@dataclasses.dataclass(frozen=True)
-class Settings:
-  """The `config.parametrization` group (field = key; meanings in sharenet/defaults.py)."""
-  kind: str = _DEFAULTS.kind
-  base_d_model: int = _DEFAULTS.base_d_model      # 0 -> d_model (multipliers 1)
-  base_num_heads: int = _DEFAULTS.base_num_heads  # 0 -> num_heads (head_dim scales with width)
-  base_depth: int = _DEFAULTS.base_depth          # unique sets of the depth proxy; 0 -> same
-  depth_alpha: float = _DEFAULTS.depth_alpha      # completep alpha (0.5: Depth-muP branch rule)
-  loop_rule: str = _DEFAULTS.loop_rule
-  wd_mode: str = _DEFAULTS.wd_mode
-  residual_mult: float = _DEFAULTS.residual_mult              # umup tau rule
-  residual_attn_ratio: float = _DEFAULTS.residual_attn_ratio  # umup tau rule
-  readout_zero_init: bool = _DEFAULTS.readout_zero_init
-  query_zero_init: bool = _DEFAULTS.query_zero_init
-
-  def validate(self) -> 'Settings':
-    for field, value, valid in (('kind', self.kind, KINDS), ('loop_rule', self.loop_rule,
-                                 LOOP_RULES), ('wd_mode', self.wd_mode, WD_MODES)):
-      if value not in valid:
-        raise ConfigError(f'parametrization.{field}={value!r} is unknown; valid: '
-                          f'{", ".join(valid)}')
-    for field in ('residual_mult', 'residual_attn_ratio'):
-      if not getattr(self, field) > 0:
-        raise ConfigError(f'parametrization.{field}={getattr(self, field)} must be > 0')
-    for field in ('base_d_model', 'base_num_heads', 'base_depth'):
-      if getattr(self, field) < 0:
-        raise ConfigError(f'parametrization.{field}={getattr(self, field)} must be >= 0 '
-                          f'(0 = same as the model)')
-    return self
-
-  @classmethod
-  def from_config(cls, p: Any) -> 'Settings':
-    """From a `config.parametrization` group; keys it lacks take the defaults."""
-    p = defaults.fill('parametrization', p)
-    return cls(**{f.name: p[f.name] for f in dataclasses.fields(cls)}).validate()
-
-  @property
-  def independent_wd(self) -> bool:
-    """wd_mode resolved: 'auto' is independent for umup (u-muP's default), lr_coupled else."""
-    if self.wd_mode == 'auto':
-      return self.kind == 'umup'
-    return self.wd_mode == 'independent'
 
 
 @dataclasses.dataclass(frozen=True)
@@ -185,24 +140,6 @@ class OptMultipliers(NamedTuple):
   eps: Any
   independent_wd: bool
   wd: Any = None
-
-
-def base_config(cfg: ModelConfig, s: Settings) -> ModelConfig:
-  """The base-width (proxy) model: d_model, mlp_dim and heads scaled together; depth kept."""
-  d0 = s.base_d_model or cfg.d_model
-  h0 = s.base_num_heads or cfg.num_heads
-  if (cfg.mlp_dim * d0) % cfg.d_model or (cfg.kv_heads * h0) % cfg.num_heads:
-    raise ConfigError(f'parametrization.base_d_model={d0}: mlp_dim {cfg.mlp_dim} x {d0} / '
-                      f'd_model {cfg.d_model} (and kv heads) must be integers; valid: base widths '
-                      f'dividing the model evenly')
-  kv0 = cfg.kv_heads * h0 // cfg.num_heads
-  try:
-    return dataclasses.replace(cfg, d_model=d0, num_heads=h0,
-                               num_kv_heads=kv0 if cfg.num_kv_heads else 0,
-                               mlp_dim=cfg.mlp_dim * d0 // cfg.d_model).validate()
-  except ConfigError as e:
-    raise ConfigError(f'parametrization base model (base_d_model={d0}, base_num_heads={h0}): '
-                      f'{e}') from None
 
 
 def _role(info: params_lib.ParamInfo, axes: tuple) -> tuple[str, tuple[int, ...]]:
@@ -244,61 +181,22 @@ def _is_branch_out(info: params_lib.ParamInfo) -> bool:
 
 
 class Parametrization:
-  """Rules for one (model config, settings) pair; `cfg` is the ModelConfig to build with."""
+  """Per-leaf rules of a ModelConfig's parametrization (`cfg.parametrization`).
 
-  def __init__(self, cfg: ModelConfig, settings: Settings):
-    s = self.settings = settings.validate()
-    if s.kind in UNTIEABLE and cfg.tie_embeddings:
-      raise ConfigError(f'parametrization.kind={s.kind} needs separate embedding and readout '
-                        f'(one tensor cannot carry both roles); valid with '
-                        f'model.tie_embeddings=True: sp, mup, completep')
-    branch_rules = s.kind == 'completep' or s.loop_rule != 'none'
-    if s.kind == 'umup' and cfg.norm_placement == 'post':
-      raise ConfigError('parametrization.kind=umup: u-muP\'s residual rule needs the stream '
-                        'outside the norms; valid: model.norm.placement=pre or peri')
-    if branch_rules and cfg.norm_placement == 'peri':
-      raise ConfigError('parametrization: depth/loop branch multipliers are cancelled by peri '
-                        'norms; valid: model.norm.placement=pre or post')
-    if s.loop_rule != 'none' and cfg.masa:
-      raise ConfigError('parametrization.loop_rule scales the output kernels of a set applied R '
-                        'times, and MASA atoms serve every set; valid: loop_rule=none with '
-                        'model.masa.atoms > 0')
-    if s.query_zero_init and cfg.attention_sharing in ('qk_shared', 'qkv_shared'):
-      raise ConfigError(f'parametrization.query_zero_init: under model.attention_sharing='
-                        f'{cfg.attention_sharing} the queries are the keys; valid: '
-                        f'attention_sharing=none|kv_shared')
-    self.base_cfg = base_config(cfg, s)
+  `cfg` is the model that trains, as built: its model-level scalars (attention and logits
+  multipliers, u-muP's residual rule and ops) were resolved with it (models/scaling.py), and
+  this class never rewrites it.
+  """
+
+  def __init__(self, cfg: ModelConfig):
+    self.cfg = cfg
+    s = self.settings = cfg.parametrization
+    self.base_cfg = base_config(cfg)
     self.m_d = cfg.d_model / self.base_cfg.d_model
     self.m_L = cfg.plan.num_unique / (s.base_depth or cfg.plan.num_unique)
-    self.cfg = dataclasses.replace(cfg, attn_scale=self._attn_scale(cfg),
-                                   logits_mult=self._logits_mult(cfg), **self._unit_ops())
     # u-muP cross entropy's backward scale on the logits (train_lib.loss_fn); 1 = plain loss.
     self.loss_grad_scale = unit_scale.loss_grad_scale(cfg.vocab_size) if s.kind == 'umup' else 1.0
     self.rules = self._rules(cfg)
-
-  # ---- model-level scalars -------------------------------------------------------------------
-  def _attn_scale(self, cfg: ModelConfig) -> float:
-    k = self.settings.kind
-    if k == 'sp':
-      return cfg.attn_scale
-    dh, dh0 = cfg.head_dim, self.base_cfg.head_dim
-    if k == 'umup':
-      return 1.0 / dh                       # mult / d_head with mult 1 (u-muP)
-    # 1/d_head written as alpha/d_head, alpha = sqrt(dh0): SP at base (microsoft/mup README's 8/d)
-    return dh0 ** -0.5 * (dh0 / dh)
-
-  def _unit_ops(self) -> dict[str, Any]:
-    """u-muP's unit-scaled residual rule and attention (ModelConfig fields)."""
-    s = self.settings
-    if s.kind != 'umup':
-      return {}
-    return dict(umup_residual=unit_scale.residual_alphas(s.residual_mult, s.residual_attn_ratio),
-                umup_ops=True)
-
-  def _logits_mult(self, cfg: ModelConfig) -> float:
-    if self.settings.kind in ('mup', 'completep'):
-      return cfg.logits_mult / self.m_d     # microsoft/mup MuReadout output_mult / m
-    return cfg.logits_mult
 
   # ---- per-leaf rules ------------------------------------------------------------------------
   def _rules(self, cfg: ModelConfig) -> dict[Path, LeafRule]:
@@ -438,15 +336,10 @@ class Parametrization:
         f: getattr(r, f) for f in ('role', 'fan_in', 'fan_in_mult', 'repeats', 'init_std',
                                    'fwd_mult', 'lr_mult', 'wd_mult', 'eps_mult', 'decays')}}
             for r in self.rules.values()]
-    rows.append({'path': '<model>', 'attn_scale': self.cfg.attn_scale or self.cfg.head_dim ** -0.5,
+    rows.append({'path': '<model>', 'attn_scale': self.cfg.attn_mult,
                  'logits_mult': self.cfg.logits_mult, 'm_d': self.m_d, 'm_L': self.m_L,
                  'umup_residual': list(self.cfg.umup_residual),
                  'umup_ops': self.cfg.umup_ops,
                  'loss_grad_scale': self.loss_grad_scale,
                  'independent_wd': self.settings.independent_wd})
     return rows
-
-
-def build(p: Any, cfg: ModelConfig) -> Parametrization:
-  """From the `config.parametrization` group (ConfigDict or dict) and the target ModelConfig."""
-  return Parametrization(cfg, Settings.from_config(p))

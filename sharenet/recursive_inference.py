@@ -65,9 +65,9 @@ def check_recursive(model: DecoderLM, variables: Any) -> loops.Looped:
   """The plan read as prelude + R loops + coda (models/loops.py); one ConfigError otherwise."""
   c = model.cfg
   shape = loops.looped(c)
-  if c.routing != 'none':
+  if c.routing.kind != 'none':
     raise ConfigError(f'recursive inference runs every loop on every token; model.routing.kind='
-                      f'{c.routing!r} routes them (docs/routing.md); valid: routing.kind=none')
+                      f'{c.routing.kind!r} routes them (docs/routing.md); valid: routing.kind=none')
   if c.umup_residual:
     raise ConfigError('recursive inference does not support parametrization.kind=umup (its '
                       'residual rule depends on the applied layer index); valid: sp, mup')
@@ -107,7 +107,7 @@ class Slots(NamedTuple):
 def empty_slots(model: DecoderLM, batch: int, num_positions: int, max_new_tokens: int) -> Slots:
   c = model.cfg
   L = c.num_layers
-  shape = (batch, L, num_positions, c.kv_heads, c.head_dim)
+  shape = (batch, L, num_positions, c.kv_heads, c.d_head)
   zi = jnp.zeros((batch,), jnp.int32)
   return Slots(jnp.zeros((batch, c.d_model), jnp.dtype(c.dtype)), zi, zi,
                jnp.zeros(shape, jnp.dtype(c.dtype)), jnp.zeros(shape, jnp.dtype(c.dtype)),

@@ -18,7 +18,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from sharenet import checkpoint, config_json, config_lib, data, eval_lib, optim, parametrization
 from sharenet import perf, resume, sharding
-from sharenet.errors import NonFiniteLoss
+from sharenet.errors import ConfigError, NonFiniteLoss
 from sharenet.metrics import MetricsWriter, note
 from sharenet.models import DecoderLM, ModelConfig, accounting, init_variables, logical_axes
 from sharenet.transforms import Transforms
@@ -72,10 +72,21 @@ class Experiment(NamedTuple):
   tr: Transforms
 
 
-def setup(config: Any, mcfg: ModelConfig) -> Experiment:
-  """The model, optimizer, parametrization and transforms of a validated config."""
-  pz = parametrization.build(config.parametrization, mcfg)
-  model = DecoderLM(pz.cfg)
+def setup(config: Any, mcfg: ModelConfig | None = None) -> Experiment:
+  """The model, optimizer, parametrization and transforms of a validated config.
+
+  `mcfg` is ModelConfig.from_experiment(config) (what config_lib.validate returns; built here
+  when None): the model is DecoderLM(mcfg) itself, the one every other reader of the config
+  builds, with its parametrization's model-level scalars.
+  """
+  mcfg = ModelConfig.from_experiment(config) if mcfg is None else mcfg
+  settings = parametrization.Settings.from_config(config.parametrization)
+  if mcfg.parametrization != settings:
+    raise ConfigError(f'the model config\'s parametrization (kind={mcfg.parametrization.kind}) '
+                      f'is not the experiment\'s (kind={settings.kind}, or its other keys); '
+                      f'valid: ModelConfig.from_experiment(config)')
+  pz = parametrization.Parametrization(mcfg)
+  model = DecoderLM(mcfg)
   tr = Transforms(config.transforms, model)
   return Experiment(model, optim.make_optimizer(config.train, tr, pz.opt_multipliers()), pz, tr)
 
@@ -96,7 +107,7 @@ def loss_fn(params: Any, tstate: Any, batch_BT1: jax.Array, *, model: DecoderLM,
   `routing_*` entries of the returned collections (models/routing.py aux_loss).
   """
   s = 1.0 if pz is None else pz.loss_grad_scale
-  routed = model.cfg.routing != 'none'
+  routed = model.cfg.routing.kind != 'none'
   if routed:   # Mixture-of-Recursions: its aux losses join the training loss (not eval_loss)
     mutable = tuple(mutable) + (routing.ROUTING,)
   nll_BT, aux = eval_lib.token_nll(model, effective(params, tstate, tr, pz), batch_BT1, mutable,

@@ -44,7 +44,7 @@ def restore_state(config: ml_collections.ConfigDict, workdir: str,
   Reads only; nothing in the workdir is moved or written. A checkpoint that does not fit
   `config` is one ConfigError line.
   """
-  mcfg = ModelConfig.from_config(config.model, config.train.seq_len)
+  mcfg = ModelConfig.from_experiment(config)
   exp = train_lib.setup(config, mcfg)
   abstract = jax.eval_shape(
       lambda: train_lib.init_state(exp.model, exp.tx, jax.random.key(0), exp.tr, exp.pz))
@@ -209,7 +209,7 @@ def convert_workdir(workdir: str, out: str, opts: Any) -> dict[str, Any]:
   if opts.to == 'rmsnorm':
     new_cfg, new_vars = convert.ln_to_rms(cfg, variables)
   elif opts.to == 'crmsnorm':
-    if cfg.norm == 'layernorm':
+    if cfg.norm.kind == 'layernorm':
       cfg, variables = convert.ln_to_rms(cfg, variables)
     new_cfg, new_vars = convert.rms_to_crms(cfg, variables)
   elif opts.to == 'head_shared':

@@ -17,6 +17,7 @@ from sharenet import compat, config_lib, parametrization, sharing, train_lib
 from sharenet.errors import ConfigError
 from sharenet.kernels import KERNELS
 from sharenet.models import config as model_config
+from sharenet.models import sections
 from sharenet.transforms import project, reparam, update
 
 ROWS = compat.covering_rows()
@@ -39,12 +40,12 @@ def make_config(tiny_config, names):
 
 def test_every_choice_is_declared():
   """Each value of a config choice is a feature of the table (or listed in NOT_FEATURES)."""
-  choices = {*sharing.SCHEMES, *model_config.ROUTINGS, *model_config.LOWERINGS,
-             *model_config.ATTENTION_SHARINGS, *model_config.NORMS, *model_config.PLACEMENTS,
+  choices = {*sharing.SCHEMES, *sections.ROUTINGS, *model_config.LOWERINGS,
+             *model_config.ATTENTION_SHARINGS, *sections.NORMS, *sections.PLACEMENTS,
              *parametrization.KINDS, *parametrization.LOOP_RULES, *reparam.REPARAMS,
              *project.PROJECTIONS, *update.UPDATES, *model_config.REMATS, *KERNELS,
              *model_config.DTYPES}
-  choices |= {f'qk_{q}' for q in model_config.QK_NORMS if q != 'none'}
+  choices |= {f'qk_{q}' for q in sections.QK_NORMS if q != 'none'}
   choices -= {'none'}
   missing = sorted(choices - set(compat.BY_NAME) - NOT_FEATURES)
   assert not missing, f'undeclared in sharenet/compat.py: {missing}'

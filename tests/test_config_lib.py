@@ -111,13 +111,34 @@ def test_model_config_defaults_and_keys_come_from_the_default_config():
   assert ModelConfig() == ModelConfig.from_config(m)
   assert ModelConfig().remat == 'dots'
   assert ModelConfig().to_config() == m.to_dict()      # every config.model key is a field
-  cfg = ModelConfig(d_model=64, norm='layernorm', scheme='cycle', repeats=2,
-                    lora_targets=('q', 'mlp_in'), head_dim_override=16)
+  cfg = ModelConfig(d_model=64, norm=dict(kind='layernorm'), head_dim=16,
+                    sharing=dict(scheme='cycle', repeats=2, lora_targets=('q', 'mlp_in')))
   assert ModelConfig.from_config(ml_collections.ConfigDict(cfg.to_config())) == cfg
+  assert (cfg.norm.kind, cfg.sharing.scheme, cfg.sharing.lora_targets) == (
+      'layernorm', 'cycle', ('q', 'mlp_in'))
+  assert cfg.to_config()['sharing']['lora_targets'] == 'q,mlp_in'
   partial = m.to_dict()
   del partial['norm']['eps']
   with pytest.raises(ConfigError, match='model.norm.eps is missing'):
     ModelConfig.from_config(ml_collections.ConfigDict(partial))
+
+
+def test_model_config_sentinels_are_resolved_once_and_again_on_derive():
+  """Keys keep their values (0 = derived); resolved fields are not keys, and a derived config
+  resolves them from its own keys."""
+  cfg = ModelConfig(d_model=64, num_heads=4)
+  assert (cfg.head_dim, cfg.d_head, cfg.num_kv_heads, cfg.kv_heads) == (0, 16, 0, 4)
+  assert cfg.attn_mult == 16 ** -0.5 and cfg.logits_mult == 1.0 and cfg.umup_residual == ()
+  wide = cfg.derive(d_model=128, num_heads=2, norm={'kind': 'layernorm'})
+  assert (wide.d_head, wide.kv_heads, wide.norm.kind, wide.norm.placement) == (
+      64, 2, 'layernorm', 'pre')
+  pinned = cfg.derive(head_dim=8).derive(d_model=128)
+  assert pinned.d_head == 8                  # a head_dim key is kept by a derived config
+  assert 'd_head' not in cfg.to_config() and 'plan' not in cfg.to_config()
+  with pytest.raises(ConfigError, match='model.sharing.scheme=.spiral. is unknown'):
+    cfg.derive(sharing={'scheme': 'spiral'})
+  with pytest.raises(ConfigError, match='model.norm_placement is unknown'):
+    cfg.derive(norm_placement='post')      # the flat names are gone
 
 
 def test_parametrization_settings_are_the_config_group():

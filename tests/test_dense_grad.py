@@ -40,16 +40,17 @@ def _loss_and_grads(cfg, toks):
 
 
 @pytest.mark.parametrize('extra', [
-    dict(scheme='untied', remat='dots'),
-    dict(scheme='cycle', repeats=2, remat='dots_no_batch', lora_rank=2,
-         lora_targets=('q', 'v', 'mlp_in', 'mlp_out'), lora_layers='all', untie_norms=True),
-    dict(scheme='middle_cycle', repeats=2, remat='none', num_kv_heads=2, scan_lowering='flat'),
+    dict(sharing=dict(scheme='untied'), remat='dots'),
+    dict(sharing=dict(scheme='cycle', repeats=2, lora_rank=2, untie_norms=True, lora_layers='all',
+                      lora_targets=('q', 'v', 'mlp_in', 'mlp_out')), remat='dots_no_batch'),
+    dict(sharing=dict(scheme='middle_cycle', repeats=2), remat='none', num_kv_heads=2,
+         scan_lowering='flat'),
 ])
 def test_rows_and_xla_weight_gradients_agree_on_whole_models(extra):
   base = dict(vocab_size=64, d_model=32, num_layers=6, num_heads=4, mlp_dim=48)
   toks = jax.random.randint(jax.random.key(1), (2, 13), 0, 64)
-  loss_x, g_x = _loss_and_grads(ModelConfig(**base, **extra, dense_grad='xla').validate(), toks)
-  loss_r, g_r = _loss_and_grads(ModelConfig(**base, **extra, dense_grad='rows').validate(), toks)
+  loss_x, g_x = _loss_and_grads(ModelConfig(**base, **extra, dense_grad='xla'), toks)
+  loss_r, g_r = _loss_and_grads(ModelConfig(**base, **extra, dense_grad='rows'), toks)
   np.testing.assert_allclose(loss_r, loss_x, rtol=1e-6)
   flat_x, flat_r = flatten_dict(g_x), flatten_dict(g_r)
   assert flat_x.keys() == flat_r.keys()
@@ -64,4 +65,4 @@ def test_dense_grad_auto_means_rows_on_cpu_and_bad_values_are_one_line_errors():
   assert not kernels.rows_weight_grad('xla')
   with pytest.raises(ConfigError, match=r"model.dense_grad='fast' is unknown; valid: auto, xla, "
                                         r"rows"):
-    ModelConfig(dense_grad='fast').validate()
+    ModelConfig(dense_grad='fast')

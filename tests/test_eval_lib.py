@@ -16,7 +16,7 @@ _apply = jax.jit(lambda model, params, tokens: model.apply(params, tokens), stat
 @pytest.fixture(scope='module')
 def model_and_params():
   model = DecoderLM(ModelConfig(vocab_size=256, d_model=16, num_layers=1, num_heads=2,
-                                mlp_dim=32, remat='none').validate())
+                                mlp_dim=32, remat='none'))
   return model, jax.jit(lambda: init_variables(model, jax.random.key(0)))()
 
 

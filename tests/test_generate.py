@@ -49,7 +49,7 @@ def _experiment(tiny_config, overrides, seed=0):
   """(model, effective variables) of a freshly initialized tiny config; the per-layer
   collection (LoRA factors, untied gains) is perturbed so that it matters."""
   config = tiny_config(**overrides)
-  mcfg = ModelConfig.from_config(config.model, config.train.seq_len)
+  mcfg = ModelConfig.from_experiment(config)
   exp = train_lib.setup(config, mcfg)
   state = train_lib.init_state(exp.model, exp.tx, jax.random.key(seed), exp.tr, exp.pz)
   params = dict(state.params)

@@ -3,7 +3,6 @@
 The Pallas FlashAttention kernel (Dao et al., arXiv:2205.14135) runs here in Pallas interpret
 mode: the same kernel and custom VJP as on a GPU, executed by XLA:CPU, so shapes stay tiny.
 """
-import dataclasses
 import functools
 import os
 
@@ -215,8 +214,7 @@ def test_unknown_attention_is_config_error():
 
 def tiny_model(**kw):
   base = dict(vocab_size=64, d_model=32, num_layers=2, num_heads=4, mlp_dim=48, remat='none')
-  base.update(kw)
-  return ModelConfig(**base).validate()
+  return ModelConfig(**base).derive(**kw)
 
 
 def model_loss(variables, model, toks):
@@ -227,9 +225,10 @@ def model_loss(variables, model, toks):
 # Between them: both plans (cycle = nn.scan with tied weights), GQA and MQA, the l2 QK-norm's
 # learned scale, u-muP's unit-scaled attention, and remat dots / full.
 MODEL_CASES = {
-    'untied_gqa_dots': dict(scheme='untied', num_kv_heads=2, remat='dots'),
-    'cycle_mqa_l2qk_umup_full': dict(scheme='cycle', num_layers=4, repeats=2, num_kv_heads=1,
-                                     qk_norm='l2', umup_ops=True, remat='full'),
+    'untied_gqa_dots': dict(sharing=dict(scheme='untied'), num_kv_heads=2, remat='dots'),
+    'cycle_mqa_l2qk_umup_full': dict(sharing=dict(scheme='cycle', repeats=2), num_layers=4,
+                                     norm=dict(qk_norm='l2'), num_kv_heads=1, remat='full',
+                                     parametrization=dict(kind='umup')),
 }
 
 
@@ -242,7 +241,7 @@ def test_model_pallas_matches_xla(case):
   query positions (12 after the shift) exercise the padding to the 16-wide block.
   """
   xla_cfg = tiny_model(kernels='xla', attention='xla', **MODEL_CASES[case])
-  ker_cfg = dataclasses.replace(xla_cfg, attention='pallas')
+  ker_cfg = xla_cfg.derive(attention='pallas')
   variables = init_variables(DecoderLM(xla_cfg), jax.random.key(0))
   toks = jax.random.randint(jax.random.key(1), (2, 13), 0, 64)
   grad_fn = jax.jit(jax.value_and_grad(model_loss), static_argnums=1)
@@ -254,7 +253,7 @@ def test_model_pallas_matches_xla(case):
   assert flat.keys() == flat_ref.keys()
   for path, a in flat.items():
     assert rel_err(a, flat_ref[path]) < 1e-4, jax.tree_util.keystr(path)
-  if xla_cfg.qk_norm == 'l2':
+  if xla_cfg.norm.qk_norm == 'l2':
     scales = [p for p in flat if 'qk_scale' in jax.tree_util.keystr(p)]
     assert scales and all(float(jnp.max(jnp.abs(flat[p]))) > 0 for p in scales)
 

@@ -103,7 +103,7 @@ def test_model_decodes_through_the_core_on_every_back_end():
   for a in ('xla', 'chunked', 'pallas'):
     cfg = ModelConfig(vocab_size=64, d_model=32, num_layers=2, num_heads=4, mlp_dim=48,
                       remat='none', attention=a, kernels='xla', num_kv_heads=2,
-                      qk_norm='rms').validate()
+                      norm=dict(qk_norm='rms'))
     model = DecoderLM(cfg)
     variables = init_variables(model, jax.random.key(0))
     cache = init_cache(cfg, 2, 8)

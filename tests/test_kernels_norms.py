@@ -6,7 +6,6 @@ the model with model.kernels=pallas against model.kernels=xla under nn.scan (unt
 cycle plan with per-applied-layer norm gains) and under remat. Interpret mode is ~500x slower
 than jnp: shapes are tiny and row counts odd (the kernels pad rows to a block).
 """
-import dataclasses
 import functools
 
 import jax
@@ -188,11 +187,11 @@ def test_lowering_constraints():
 
 def _model_cfg(norm, scheme, **kw):
   base = dict(vocab_size=64, d_model=32, num_layers=2, num_heads=2, mlp_dim=48, remat='none',
-              norm=norm, kernels='xla')
+              norm=dict(kind=norm), kernels='xla')
+  sharing = dict(scheme=scheme)
   if scheme == 'cycle':   # one set applied twice, its norm gains per applied layer
-    base.update(repeats=2, untie_norms=True)
-  base.update(kw)
-  return ModelConfig(scheme=scheme, **base).validate()
+    sharing.update(repeats=2, untie_norms=True)
+  return ModelConfig(**base, sharing=sharing).derive(**kw)
 
 
 def _loss(variables, model, tokens_BT):
@@ -236,7 +235,7 @@ def _assert_same(loss, grads, ref_loss, ref_grads):
 @pytest.mark.parametrize('norm', K.KINDS)
 def test_model_pallas_matches_xla(norm, scheme, xla_reference):
   cfg, v, tokens, ref_loss, ref_grads = xla_reference(norm, scheme)
-  pcfg = dataclasses.replace(cfg, kernels='pallas')
+  pcfg = cfg.derive(kernels='pallas')
   if scheme == 'cycle':
     assert PER_LAYER in v
   _assert_same(*_loss_and_grad(v, pcfg, tokens), ref_loss, ref_grads)
@@ -245,7 +244,7 @@ def test_model_pallas_matches_xla(norm, scheme, xla_reference):
 @pytest.mark.parametrize('remat', ['dots', 'full'])
 def test_model_pallas_under_remat(remat, xla_reference):
   cfg, v, tokens, ref_loss, ref_grads = xla_reference('rmsnorm', 'cycle')
-  pcfg = dataclasses.replace(cfg, kernels='pallas', remat=remat)
+  pcfg = cfg.derive(kernels='pallas', remat=remat)
   _assert_same(*_loss_and_grad(v, pcfg, tokens), ref_loss, ref_grads)
 
 
@@ -265,18 +264,22 @@ def test_pre_norm_block_fuses_the_attention_residual(monkeypatch):
       lambda: init_variables(DecoderLM(c), jax.random.key(1))))
   xla_shapes = shapes(cfg)
   assert not calls
-  assert shapes(dataclasses.replace(cfg, kernels='pallas')) == xla_shapes
+  assert shapes(cfg.derive(kernels='pallas')) == xla_shapes
   assert PER_LAYER in xla_shapes
   # nn.scan traces the block body once per scan level; the final norm once.
   assert calls.count(True) >= 1 and calls.count(True) == calls.count(False) - 1
 
 
-@pytest.mark.parametrize('placement, umup', [('peri', ()), ('pre', (0.5, 0.5))])
+@pytest.mark.parametrize('placement, umup', [('peri', False), ('pre', True)])
 def test_model_pallas_other_placements(placement, umup):
-  """Peri-norm (norms on branch outputs too) and u-muP's residual rule (pre-norm, no fused add)
-  run every norm through the unfused kernel; the same loss and gradients as xla."""
-  cfg = _model_cfg('layernorm', 'cycle', norm_placement=placement, umup_residual=umup)
+  """Peri-norm (norms on branch outputs too) and u-muP's residual rule (pre-norm, no fused add;
+  alphas (0.5, 0.5)) run every norm through the unfused kernel; the same loss and gradients as
+  xla."""
+  cfg = _model_cfg('layernorm', 'cycle').derive(
+      norm=dict(placement=placement),
+      parametrization=dict(kind='umup', residual_mult=0.5) if umup else {})
+  assert cfg.umup_residual == ((0.5, 0.5) if umup else ())
   v = init_variables(DecoderLM(cfg), jax.random.key(1))
   tokens = jax.random.randint(jax.random.key(0), (2, 8), 0, 64)
-  _assert_same(*_loss_and_grad(v, dataclasses.replace(cfg, kernels='pallas'), tokens),
+  _assert_same(*_loss_and_grad(v, cfg.derive(kernels='pallas'), tokens),
                *_loss_and_grad(v, cfg, tokens))

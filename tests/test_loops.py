@@ -19,9 +19,10 @@ from sharenet.norms import PER_LAYER
 TOKENS = jax.random.randint(jax.random.key(1), (2, 8), 0, 64)
 
 
-def _model(num_layers=4, **kw):
+def _model(num_layers=4, lowering='nested', **sharing):
   cfg = ModelConfig(vocab_size=64, d_model=16, num_heads=2, mlp_dim=32, num_layers=num_layers,
-                    scheme='cycle', num_unique=2, dtype='float32', param_dtype='float32', **kw)
+                    sharing=dict(scheme='cycle', num_unique=2, **sharing), scan_lowering=lowering,
+                    dtype='float32', param_dtype='float32')
   model = DecoderLM(cfg)
   return model, init_variables(model, jax.random.key(0))
 
@@ -117,7 +118,7 @@ def test_collected_streams(cycle):
 def test_lowerings_store_and_initialise_alike():
   """nested and flat (and their loops) are one computation on one stored tree."""
   nested, v = _model(num_layers=6, lora_rank=2, untie_norms=True)
-  flat, v_flat = _model(num_layers=6, lora_rank=2, untie_norms=True, scan_lowering='flat')
+  flat, v_flat = _model(num_layers=6, lowering='flat', lora_rank=2, untie_norms=True)
   jax.tree.map(np.testing.assert_array_equal, v, v_flat)
   v[PER_LAYER] = jax.tree.map(lambda a: a + 0.01, v[PER_LAYER])   # non-zero LoRA B
   np.testing.assert_allclose(nested.apply(v, TOKENS), flat.apply(v, TOKENS), rtol=1e-5,

@@ -1,5 +1,4 @@
 """Core model invariants: parameter counts, tied gradients, LoRA, causality, remat."""
-import dataclasses
 import functools
 
 import chex
@@ -18,7 +17,7 @@ from sharenet.errors import ConfigError
 from sharenet.norms import PER_LAYER
 from sharenet.sharing import SCHEMES
 
-SCHEME_KW = {
+SCHEME_KW = {   # model.sharing keys of each scheme's tiny model
     'untied': {}, 'universal': {}, 'cycle': dict(repeats=2), 'sequence': dict(repeats=2),
     'middle_cycle': dict(repeats=2), 'middle_sequence': dict(repeats=2), 'sandwich': {},
     'groups': dict(num_unique=3), 'explicit': dict(pattern='0,1,1,0,2,2'),
@@ -26,10 +25,9 @@ SCHEME_KW = {
 
 
 def tiny(scheme='cycle', **kw):
-  base = dict(vocab_size=64, d_model=32, num_layers=6, num_heads=4, mlp_dim=48, remat='none')
-  base.update(SCHEME_KW[scheme])
-  base.update(kw)
-  return ModelConfig(scheme=scheme, **base).validate()
+  base = ModelConfig(vocab_size=64, d_model=32, num_layers=6, num_heads=4, mlp_dim=48,
+                     remat='none', sharing=dict(scheme=scheme, **SCHEME_KW[scheme]))
+  return base.derive(**kw)
 
 
 def tokens(B=2, T=12, seed=0, vocab=64):
@@ -68,9 +66,9 @@ def randomize_lora_b(variables, seed=1):
 def lora_layer_count(cfg: ModelConfig) -> int:
   """Applied layers holding LoRA: all, or (lora_layers='shared', RRT) those whose set another
   applied layer of the same scan segment also uses; from the plan index alone."""
-  if not cfg.lora_rank:
+  if not cfg.sharing.lora_rank:
     return 0
-  if cfg.lora_layers == 'all':
+  if cfg.sharing.lora_layers == 'all':
     return cfg.num_layers
   n, start = 0, 0
   for seg in cfg.plan.segments:
@@ -83,40 +81,43 @@ def lora_layer_count(cfg: ModelConfig) -> int:
 def expected_params(cfg: ModelConfig, lora_layers: int | None = None) -> int:
   """Counts from the plan and the layer shapes alone, independent of the module tree."""
   D, F, V, H, K, Dh = (cfg.d_model, cfg.mlp_dim, cfg.vocab_size, cfg.num_heads, cfg.kv_heads,
-                       cfg.head_dim)
-  norm_size = {'layernorm': 2 * D, 'rmsnorm': D, 'none': 0}[cfg.norm]
-  n_norms = 4 if cfg.norm_placement == 'peri' else 2
-  attn = D * H * Dh + 2 * D * K * Dh + H * Dh * D + (2 * Dh if cfg.qk_norm != 'none' else 0)
+                       cfg.d_head)
+  norm_size = {'layernorm': 2 * D, 'rmsnorm': D, 'none': 0}[cfg.norm.kind]
+  n_norms = 4 if cfg.norm.placement == 'peri' else 2
+  attn = D * H * Dh + 2 * D * K * Dh + H * Dh * D + (2 * Dh if cfg.norm.qk_norm != 'none' else 0)
   n_in = 2 if cfg.mlp == 'swiglu' else 1
   mlp = (n_in + 1) * D * F
-  block_tied = attn + mlp + (0 if cfg.untie_norms else n_norms * norm_size)
-  per_layer = n_norms * norm_size if cfg.untie_norms else 0
+  block_tied = attn + mlp + (0 if cfg.sharing.untie_norms else n_norms * norm_size)
+  per_layer = n_norms * norm_size if cfg.sharing.untie_norms else 0
   lora_shapes = {'q': (D, H * Dh), 'k': (D, K * Dh), 'v': (D, K * Dh), 'o': (H * Dh, D),
                  'mlp_in': (D, F), 'mlp_out': (F, D)}
-  lora = sum((n_in if t == 'mlp_in' else 1) * cfg.lora_rank * sum(lora_shapes[t])
-             for t in cfg.lora_targets)
+  lora = sum((n_in if t == 'mlp_in' else 1) * cfg.sharing.lora_rank * sum(lora_shapes[t])
+             for t in cfg.sharing.lora_targets)
   U, L = max(cfg.plan.index) + 1, cfg.num_layers
-  outer = V * D + (0 if cfg.tie_embeddings else D * V) + (0 if cfg.norm_placement == 'post'
+  outer = V * D + (0 if cfg.tie_embeddings else D * V) + (0 if cfg.norm.placement == 'post'
                                                           else norm_size)
   n_lora = lora_layer_count(cfg) if lora_layers is None else lora_layers
   return outer + U * block_tied + L * per_layer + n_lora * lora
 
 
 @pytest.mark.parametrize('scheme', SCHEMES)
-@pytest.mark.parametrize('extra', [
-    {}, dict(untie_norms=True), dict(lora_rank=2, lora_targets=('q', 'v', 'mlp_in')),
-    dict(untie_norms=True, lora_rank=3, norm='layernorm', norm_placement='peri',
-         tie_embeddings=True, num_kv_heads=2, qk_norm='rms', mlp='gelu',
-         lora_targets=('k', 'o', 'mlp_out'))])
+@pytest.mark.parametrize(
+    'extra', [{},
+              dict(sharing=dict(untie_norms=True)),
+              dict(sharing=dict(lora_rank=2, lora_targets=('q', 'v', 'mlp_in'))),
+              dict(sharing=dict(untie_norms=True, lora_rank=3, lora_targets=('k', 'o', 'mlp_out')),
+                   norm=dict(kind='layernorm', placement='peri', qk_norm='rms'),
+                   tie_embeddings=True, num_kv_heads=2, mlp='gelu')])
 def test_stored_param_count_matches_plan(scheme, extra):
-  if scheme == 'untied' and extra.get('lora_rank'):
-    extra = dict(extra, lora_layers='all')   # 'shared' LoRA needs a shared layer (own test)
+  if scheme == 'untied' and extra.get('sharing', {}).get('lora_rank'):
+    # 'shared' LoRA needs a shared layer (own test)
+    extra = dict(extra, sharing={**extra.get('sharing', {}), 'lora_layers': 'all'})
   cfg = tiny(scheme, **extra)
   shapes = jax.eval_shape(lambda: init(cfg))
   assert accounting.params_unique(shapes) == expected_params(cfg)
-  untied = dataclasses.replace(cfg, scheme='untied', num_unique=0, repeats=0, pattern='')
-  assert accounting.params_applied(shapes, cfg) == expected_params(untied,
-                                                                   lora_layer_count(cfg))
+  untied = cfg.derive(sharing=dict(scheme='untied', num_unique=0, repeats=0, pattern='',
+                                    lora_layers='all'))   # LoRA layers counted from cfg below
+  assert accounting.params_applied(shapes, cfg) == expected_params(untied, lora_layer_count(cfg))
 
 
 def test_flops_per_token_counts_applied_depth():
@@ -137,7 +138,8 @@ def _rel_err(a, b):
     (s, False) for s in ('cycle', 'sequence', 'middle_cycle', 'universal', 'groups', 'sandwich',
                          'explicit')] + [(s, True) for s in ('cycle', 'sequence', 'middle_cycle')])
 def test_tied_gradient_is_sum_of_untied_gradients(scheme, lora):
-  extra = dict(lora_rank=2, lora_targets=('q', 'v', 'mlp_out'), untie_norms=True) if lora else {}
+  extra = dict(sharing=dict(lora_rank=2, lora_targets=('q', 'v', 'mlp_out'),
+                            untie_norms=True)) if lora else {}
   cfg = tiny(scheme, **extra)
   v = init(cfg)
   if lora:
@@ -179,7 +181,8 @@ def test_lora_sits_on_shared_sets_only_under_shared(scheme, lora_layers):
   """Relaxed Recursive Transformers (arXiv:2410.20672) relax the looped layers only: under
   lora_layers='shared' the unique first and last layers of middle schemes hold no LoRA; 'all'
   puts it on every applied layer."""
-  cfg = tiny(scheme, lora_rank=2, lora_targets=('q', 'mlp_out'), lora_layers=lora_layers)
+  cfg = tiny(scheme, sharing=dict(lora_rank=2, lora_targets=('q', 'mlp_out'),
+                                  lora_layers=lora_layers))
   per_layer = jax.eval_shape(lambda: init(cfg))[PER_LAYER]
   holders = {p[1]: p for p in flatten_dict(per_layer) if p[-1] in ('lora_a', 'lora_b')}
   middle = scheme in ('middle_cycle', 'middle_sequence', 'sandwich')
@@ -195,18 +198,18 @@ def test_lora_sits_on_shared_sets_only_under_shared(scheme, lora_layers):
 
 def test_shared_lora_without_a_shared_layer_is_one_line_error():
   with pytest.raises(ConfigError, match='lora_layers=all or lora_rank=0'):
-    tiny('untied', lora_rank=2)
+    tiny('untied', sharing=dict(lora_rank=2))
   with pytest.raises(ConfigError, match='model.sharing.lora_layers'):
-    tiny('cycle', lora_rank=2, lora_layers='middle')
-  assert tiny('untied', lora_rank=2, lora_layers='all').lora_rank == 2
+    tiny('cycle', sharing=dict(lora_rank=2, lora_layers='middle'))
+  assert tiny('untied', sharing=dict(lora_rank=2, lora_layers='all')).sharing.lora_rank == 2
 
 
 @pytest.mark.parametrize('lora_layers', ['shared', 'all'])
 @pytest.mark.parametrize('scheme', ['middle_cycle'])
 def test_zero_lora_equals_strict_plan(scheme, lora_layers):
   strict = tiny(scheme)
-  relaxed = dataclasses.replace(strict, lora_rank=4, lora_layers=lora_layers,
-                                lora_targets=('q', 'k', 'v', 'o', 'mlp_in', 'mlp_out'))
+  relaxed = strict.derive(sharing=dict(lora_rank=4, lora_layers=lora_layers,
+                                       lora_targets=('q', 'k', 'v', 'o', 'mlp_in', 'mlp_out')))
   v_strict = init(strict)
   v_relaxed = init(relaxed)
   v_relaxed = {'params': v_strict['params'], PER_LAYER: v_relaxed[PER_LAYER]}
@@ -225,8 +228,8 @@ def test_lora_zero_a_starts_a_at_zero_and_b_at_one_over_sqrt_rank():
   """lora_zero='a': A = 0 (x A starts at 0), B ~ N(0, 1/r); the model starts as the strict plan
   and A, not B, gets the first gradient (B's gradient is A^T x^T g = 0)."""
   strict = tiny('cycle')
-  relaxed = dataclasses.replace(strict, lora_rank=8, lora_zero='a', lora_layers='all',
-                                lora_targets=('q', 'v', 'mlp_in'))
+  relaxed = strict.derive(sharing=dict(lora_rank=8, lora_zero='a', lora_layers='all',
+                                       lora_targets=('q', 'v', 'mlp_in')))
   v = init(relaxed)
   v_strict = {'params': v['params']}
   toks = tokens()
@@ -243,14 +246,15 @@ def test_lora_zero_a_starts_a_at_zero_and_b_at_one_over_sqrt_rank():
   assert all(np.any(np.asarray(x)) for p, x in g.items() if p[-1] == 'lora_a')
   assert not any(np.any(np.asarray(x)) for p, x in g.items() if p[-1] == 'lora_b')
   with pytest.raises(ConfigError, match="model.sharing.lora_zero='c' is unknown; valid: b, a"):
-    tiny('cycle', lora_rank=2, lora_zero='c')
+    tiny('cycle', sharing=dict(lora_rank=2, lora_zero='c'))
 
 
 # ---- causality, shapes, remat ---------------------------------------------------------------
 
 @pytest.mark.parametrize('scheme', SCHEMES)
 def test_causal_shapes_finite(scheme):
-  cfg = tiny(scheme, untie_norms=scheme == 'cycle', lora_rank=2 if scheme == 'sequence' else 0)
+  cfg = tiny(scheme, sharing=dict(untie_norms=scheme == 'cycle',
+                                  lora_rank=2 if scheme == 'sequence' else 0))
   model = DecoderLM(cfg)
   v = init_variables(model, jax.random.key(0))
   B, T, t = 2, 10, 4
@@ -270,8 +274,8 @@ def test_causal_shapes_finite(scheme):
 
 @pytest.mark.parametrize('remat', REMATS)
 def test_remat_policies_same_loss_and_grads(remat):
-  ref_cfg = tiny('cycle', lora_rank=2, untie_norms=True)
-  cfg = dataclasses.replace(ref_cfg, remat=remat)
+  ref_cfg = tiny('cycle', sharing=dict(lora_rank=2, untie_norms=True))
+  cfg = ref_cfg.derive(remat=remat)
   v = randomize_lora_b(init(cfg))
   toks = tokens()
   loss, g = jax.jit(jax.value_and_grad(loss_fn), static_argnums=1)(v, DecoderLM(cfg), toks)
@@ -296,8 +300,9 @@ def test_untied_and_universal_share_one_code_path():
 
 
 def test_gqa_and_tied_embeddings_run():
-  cfg = tiny('cycle', num_kv_heads=2, tie_embeddings=True, qk_norm='rms', mlp='gelu',
-             position='learned', norm='layernorm', norm_placement='post')
+  cfg = tiny('cycle', num_kv_heads=2, tie_embeddings=True,
+             norm=dict(qk_norm='rms', kind='layernorm', placement='post'), mlp='gelu',
+             position='learned')
   model = DecoderLM(cfg)
   v = init_variables(model, jax.random.key(0))
   chex.assert_tree_all_finite(model.apply(v, tokens()))
@@ -305,12 +310,12 @@ def test_gqa_and_tied_embeddings_run():
 
 
 def test_split_transpose_same_loss_and_grads():
-  cfg = tiny('cycle', lora_rank=2, untie_norms=True, remat='dots_no_batch')
+  cfg = tiny('cycle', sharing=dict(lora_rank=2, untie_norms=True), remat='dots_no_batch')
   v = randomize_lora_b(init(cfg))
   toks = tokens()
   grad_fn = jax.jit(jax.value_and_grad(loss_fn), static_argnums=1)
   loss, g = grad_fn(v, DecoderLM(cfg), toks)
-  ref_loss, ref_g = grad_fn(v, DecoderLM(dataclasses.replace(cfg, scan_split_transpose=False)), toks)
+  ref_loss, ref_g = grad_fn(v, DecoderLM(cfg.derive(scan_split_transpose=False)), toks)
   np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
   for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(ref_g)):
     assert _rel_err(a, b) <= 1e-5
@@ -323,18 +328,20 @@ def _boxed_layout(tree):
   return {k: (x.value.shape, x.names) if is_box(x) else (x.shape, None) for k, x in flat.items()}
 
 
-@pytest.mark.parametrize('scheme, extra', [
-    ('cycle', {}), ('sequence', dict(remat='dots_no_batch')), ('universal', {}), ('untied', {}),
-    ('sandwich', {}), ('groups', {}),
-    ('middle_cycle', dict(lora_rank=2, untie_norms=True, lora_targets=('q', 'v', 'mlp_out'))),
-    ('middle_sequence', dict(untie_norms=True))])
+@pytest.mark.parametrize(
+    'scheme, extra',
+    [('cycle', {}), ('sequence', dict(remat='dots_no_batch')), ('universal', {}), ('untied', {}),
+     ('sandwich', {}), ('groups', {}),
+     ('middle_cycle',
+      dict(sharing=dict(lora_rank=2, untie_norms=True, lora_targets=('q', 'v', 'mlp_out')))),
+     ('middle_sequence', dict(sharing=dict(untie_norms=True)))])
 def test_flat_lowering_stores_the_nested_tree_and_computes_the_same(scheme, extra):
   """scan_lowering='flat' is one scan over gathered sets: same checkpoint, same numbers."""
   cfg = tiny(scheme, **extra)
-  flat = dataclasses.replace(cfg, scan_lowering='flat')
+  flat = cfg.derive(scan_lowering='flat')
   v = init(cfg)
   assert _boxed_layout(jax.eval_shape(lambda: init(flat))) == _boxed_layout(v)
-  v = randomize_lora_b(v) if cfg.lora_rank else v
+  v = randomize_lora_b(v) if cfg.sharing.lora_rank else v
   toks = tokens()
   grad_fn = jax.jit(jax.value_and_grad(loss_fn), static_argnums=1)
   loss, g = grad_fn(v, DecoderLM(cfg), toks)

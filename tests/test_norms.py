@@ -29,9 +29,8 @@ PARAMS = {
 
 def _cfg(**kw):
   base = dict(vocab_size=64, d_model=16, num_layers=2, num_heads=2, mlp_dim=24, remat='none',
-              norm='layernorm')
-  base.update(kw)
-  return ModelConfig(**base).validate()
+              norm=dict(kind='layernorm'))
+  return ModelConfig(**base).derive(**kw)
 
 
 def _tokens(T=10, vocab=64):
@@ -144,17 +143,17 @@ def test_scale_invariant_norms(kind):
 def test_l2_qk_norm_gain_starts_from_the_training_length():
   """g_0 = log2(L^2 - L) with L the training sequence length (Henry et al., arXiv:2010.04245,
   section 3), not the position limit max_len."""
-  cfg = _cfg(norm='rmsnorm', qk_norm='l2', max_len=2048, qk_norm_len=16)
+  cfg = _cfg(norm=dict(kind='rmsnorm', qk_norm='l2', qk_norm_len=16), max_len=2048)
   flat = flatten_dict(init_variables(DecoderLM(cfg), jax.random.key(0))['params'])
   scales = [x for p, x in flat.items() if p[-1] == 'qk_scale']
   assert scales and all(np.allclose(s, math.log2(16 * 16 - 16)) for s in scales)
   c = defaults.default_config()
   c.model.norm.qk_norm, c.model.max_len, c.train.seq_len = 'l2', 4096, 32
-  assert ModelConfig.from_config(c.model, c.train.seq_len).qk_norm_len == 32
+  assert ModelConfig.from_config(c.model, c.train.seq_len).norm.qk_norm_len == 32
   c.model.norm.qk_norm_len = 24   # an explicit L wins
-  assert ModelConfig.from_config(c.model, c.train.seq_len).qk_norm_len == 24
+  assert ModelConfig.from_config(c.model, c.train.seq_len).norm.qk_norm_len == 24
   with pytest.raises(ConfigError, match='qk_norm_len'):
-    _cfg(qk_norm='l2', qk_norm_len=1)
+    _cfg(norm=dict(qk_norm='l2', qk_norm_len=1))
 
 
 @pytest.mark.parametrize('gain', [None, 3.0, 40.0])
@@ -162,7 +161,7 @@ def test_l2_qk_norm_logits_are_bounded_by_the_gain(gain):
   """|logit| = g |q_hat . k_hat| <= g for every head and position pair, with q_hat, k_hat the
   unit vectors the module produced; the module's own logits (their sown mean |.|) match
   g q_hat . k_hat, also after g is changed."""
-  cfg = _cfg(norm='rmsnorm', qk_norm='l2', qk_norm_len=16, position='none', num_heads=4,
+  cfg = _cfg(norm=dict(kind='rmsnorm', qk_norm='l2', qk_norm_len=16), position='none', num_heads=4,
              num_kv_heads=2)
   v = init_variables(DecoderLM(cfg), jax.random.key(0))
   flat = dict(flatten_dict(v['params']))
@@ -187,7 +186,7 @@ def test_l2_qk_norm_logits_are_bounded_by_the_gain(gain):
 
 
 def test_fixnorm_embeddings_have_norm_sqrt_d_at_the_input():
-  cfg = _cfg(norm='rmsnorm', fixnorm=True, tie_embeddings=True)
+  cfg = _cfg(norm=dict(kind='rmsnorm', fixnorm=True), tie_embeddings=True)
   from sharenet.models.layers import Embed
   emb = Embed(64, 16, 1.0, fixnorm=True)
   v = emb.init(jax.random.key(0), _tokens())

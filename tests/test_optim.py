@@ -32,10 +32,10 @@ def _lr(t, steps):
 def cfg():
   """Every role at once: biases, l2 QK-norm gains (scalars), peri-norm (in and out) gains,
   learned positions, depth-wise LoRA factors in the per-layer collection."""
-  return ModelConfig(vocab_size=64, d_model=16, num_layers=2, num_heads=2, mlp_dim=24,
-                     remat='none', norm='layernorm', norm_placement='peri', qk_norm='l2',
-                     reader_bias=True, position='learned', max_len=16, scheme='cycle',
-                     num_unique=1, lora_rank=2).validate()
+  return ModelConfig(vocab_size=64, d_model=16, num_layers=2, num_heads=2, mlp_dim=24, remat='none',
+                     norm=dict(kind='layernorm', placement='peri', qk_norm='l2'),
+                     sharing=dict(scheme='cycle', num_unique=1,
+                                  lora_rank=2), reader_bias=True, position='learned', max_len=16)
 
 
 @pytest.fixture(scope='module')

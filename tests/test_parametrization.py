@@ -22,9 +22,8 @@ D0 = 32
 
 def tiny(d=32, **kw):
   base = dict(vocab_size=64, d_model=d, num_layers=4, num_heads=4, mlp_dim=3 * d // 2,
-              scheme='cycle', repeats=2, remat='none')
-  base.update(kw)
-  return ModelConfig(**base).validate()
+              sharing=dict(scheme='cycle', repeats=2), remat='none')
+  return ModelConfig(**base).derive(**kw)
 
 
 def train_cfg(**kw):
@@ -46,7 +45,7 @@ def loss_fn(params, model, fwd, toks):
 
 def run_steps(cfg, settings, n_steps=3, seed=0):
   """(init params, params after n_steps) for a preset; fixed data."""
-  pz = P.Parametrization(cfg, P.Settings(**settings))
+  pz = P.Parametrization(cfg.derive(parametrization=P.Settings(**settings)))
   model = DecoderLM(pz.cfg)
   tx = optim.make_optimizer(train_cfg(), multipliers=pz.opt_multipliers(), table=param_table(cfg))
   p0 = pz.init(init_variables(model, jax.random.key(seed)))
@@ -103,9 +102,9 @@ def expected(kind, name, path, d, cfg, m_L=1.0, alpha=1.0, loop='none', R=2):
 @pytest.mark.parametrize('loop', ['none', 'inv_R', 'inv_sqrt_R'])
 def test_rule_table_matches_analytic(kind, loop):
   for d in (32, 64, 128):
-    cfg = tiny(d, num_unique=2, repeats=2)
+    cfg = tiny(d, sharing=dict(num_unique=2, repeats=2))
     settings = dict(kind=kind, base_d_model=D0, loop_rule=loop, base_depth=1, depth_alpha=0.5)
-    pz = P.Parametrization(cfg, P.Settings(**settings))
+    pz = P.Parametrization(cfg.derive(parametrization=P.Settings(**settings)))
     seen = set()
     for path, r in pz.rules.items():
       name = path[-2] if path[-1] in ('kernel', 'scale') else path[-1]
@@ -120,14 +119,15 @@ def test_rule_table_matches_analytic(kind, loop):
       seen.add(name)
     assert {'q', 'o', 'wo', 'embedding', 'readout', 'attn_norm', 'final_norm'} <= seen
     dh, dh0 = d // 4, D0 // 4
-    attn = {'sp': 0.0, 'umup': 1 / dh}.get(kind, dh0 ** 0.5 / dh)
-    assert pz.cfg.attn_scale == pytest.approx(attn, rel=1e-12)
+    attn = {'sp': dh ** -0.5, 'umup': 1 / dh}.get(kind, dh0 ** 0.5 / dh)   # sp: 1/sqrt(d_head)
+    assert pz.cfg.attn_mult == pytest.approx(attn, rel=1e-12)
     assert pz.cfg.logits_mult == (D0 / d if kind in ('mup', 'completep') else 1.0)
 
 
 def test_tied_embeddings_mup_rules():
   for d in (32, 128):
-    pz = P.Parametrization(tiny(d, tie_embeddings=True), P.Settings('mup', base_d_model=D0))
+    pz = P.Parametrization(
+        tiny(d, tie_embeddings=True).derive(parametrization=P.Settings('mup', base_d_model=D0)))
     emb = pz.rules[('params', 'embed', 'embedding')]
     assert (emb.role, emb.init_std, emb.lr_mult, emb.fwd_mult) == ('embedding', 1.0, 1.0, 1.0)
     assert pz.cfg.logits_mult == D0 / d and not any('readout' in p for p in pz.rules)
@@ -137,7 +137,7 @@ def test_init_statistics_follow_the_table():
   """Empirical std of the rescaled init matches init_std (hidden ~ fan_in^-1/2, readout const)."""
   for d in (32, 128):
     cfg = tiny(d)
-    pz = P.Parametrization(cfg, P.Settings('mup', base_d_model=D0))
+    pz = P.Parametrization(cfg.derive(parametrization=P.Settings('mup', base_d_model=D0)))
     v = jax.jit(lambda: pz.init(init_variables(DecoderLM(pz.cfg), jax.random.key(0))))()
     for path, x in flatten_dict(v).items():
       r = pz.rules[path]
@@ -198,7 +198,8 @@ def test_unit_multiplier_chain_equals_adamw():
 def test_independent_weight_decay_does_not_move_with_lr():
   """wd_mode=independent: the per-step decay factor is the same for any base LR."""
   cfg = tiny(64)
-  pz = P.Parametrization(cfg, P.Settings('mup', base_d_model=D0, wd_mode='independent'))
+  pz = P.Parametrization(
+      cfg.derive(parametrization=P.Settings('mup', base_d_model=D0, wd_mode='independent')))
   v = init_variables(DecoderLM(pz.cfg), jax.random.key(0))
   zeros = jax.tree.map(jnp.zeros_like, v)
   decays = []
@@ -221,9 +222,11 @@ def _rel_err(a, b):
 @pytest.mark.parametrize('kind', KINDS)
 def test_tied_gradient_identity_under_every_preset(kind):
   """d loss / d raw tied weight == fwd_mult * sum over uses of the untied effective gradients."""
-  cfg = tiny(64, num_layers=6, scheme='middle_cycle', repeats=2,
+  cfg = tiny(64, num_layers=6, sharing=dict(scheme='middle_cycle', repeats=2),
              tie_embeddings=kind in ('sp', 'mup', 'completep'))
-  pz = P.Parametrization(cfg, P.Settings(kind, base_d_model=D0, loop_rule='inv_R', base_depth=2))
+  pz = P.Parametrization(
+      cfg.derive(
+          parametrization=P.Settings(kind, base_d_model=D0, loop_rule='inv_R', base_depth=2)))
   model = DecoderLM(pz.cfg)
   v = pz.init(init_variables(model, jax.random.key(0)))
   toks = tokens()
@@ -259,9 +262,9 @@ from sharenet.models import DecoderLM, ModelConfig, init_boxed, init_variables, 
 from sharenet import optim, parametrization as P
 # Self-contained: the same tiny model, train config, tokens and loss as the tests above.
 D0 = 32
-cfg_of = lambda d, **kw: ModelConfig(**{**dict(
-    vocab_size=64, d_model=d, num_layers=4, num_heads=4, mlp_dim=3 * d // 2, scheme='cycle',
-    repeats=2, remat='none'), **kw}).validate()
+cfg_of = lambda d, **kw: ModelConfig(
+    vocab_size=64, d_model=d, num_layers=4, num_heads=4, mlp_dim=3 * d // 2,
+    sharing=dict(scheme='cycle', repeats=2), remat='none').derive(**kw)
 train_cfg = ml_collections.ConfigDict(dict(
     lr=1e-2, schedule='constant', warmup_steps=0, steps=10, decay_fraction=0.3, min_lr_ratio=0.0,
     weight_decay=0.1, b1=0.9, b2=0.95, eps=1e-8, grad_clip=1.0))
@@ -280,7 +283,7 @@ out = {}
 for kind in ('mup', 'completep'):
   cfg = cfg_of(64, tie_embeddings=kind == 'mup')
   settings = dict(kind=kind, base_d_model=D0, loop_rule='inv_R', base_depth=1)
-  pz = P.Parametrization(cfg, P.Settings(**settings))
+  pz = P.Parametrization(cfg.derive(parametrization=P.Settings(**settings)))
   model = DecoderLM(pz.cfg)
   boxed = jax.eval_shape(lambda: init_boxed(model, jax.random.key(0)))
   shardings = nn.logical_to_mesh_sharding(nn.get_partition_spec(boxed), mesh, rules)
@@ -323,19 +326,23 @@ def test_multipliers_and_first_update_same_on_1_and_8_devices(repo_root):
 
 # ---- bad input -------------------------------------------------------------------------------
 
-@pytest.mark.parametrize('settings, cfg_kw, match', [
-    (dict(kind='mupp'), {}, r'parametrization.kind=.*valid: sp, mup, mup_table3, umup, completep'),
-    (dict(kind='mup', loop_rule='1/R'), {}, r'loop_rule=.*valid: none, inv_R, inv_sqrt_R'),
-    (dict(kind='umup'), dict(tie_embeddings=True), r'valid with model.tie_embeddings=True'),
-    # An explicit plan applying its sets unequally often ('0,1,1,0' applies both twice: fine).
-    (dict(kind='mup', loop_rule='inv_R'), dict(scheme='explicit', repeats=0, pattern='0,1,1,1'),
-     r'loop_rule=inv_R needs every stored set applied equally often'),
-    (dict(kind='mup', base_d_model=25), {}, r'base_d_model=25'),
-    (dict(kind='completep'), dict(norm_placement='peri'), r'placement=pre or post'),
-])
+@pytest.mark.parametrize(
+    'settings, cfg_kw, match',
+    [
+        (dict(kind='mupp'), {},
+         r'parametrization.kind=.*valid: sp, mup, mup_table3, umup, completep'),
+        (dict(kind='mup', loop_rule='1/R'), {}, r'loop_rule=.*valid: none, inv_R, inv_sqrt_R'),
+        (dict(kind='umup'), dict(tie_embeddings=True), r'valid with model.tie_embeddings=True'),
+        # An explicit plan applying its sets unequally often ('0,1,1,0' applies both twice: fine).
+        (dict(kind='mup', loop_rule='inv_R'),
+         dict(sharing=dict(scheme='explicit', repeats=0, pattern='0,1,1,1')),
+         r'loop_rule=inv_R needs every stored set applied equally often'),
+        (dict(kind='mup', base_d_model=25), {}, r'base_d_model=25'),
+        (dict(kind='completep'), dict(norm=dict(placement='peri')), r'placement=pre or post'),
+    ])
 def test_bad_settings_one_line_error(settings, cfg_kw, match):
   with pytest.raises(ConfigError, match=match) as e:
-    P.Parametrization(tiny(64, **cfg_kw), P.Settings(**settings))
+    P.Parametrization(tiny(64, **cfg_kw).derive(parametrization=P.Settings(**settings)))
   assert '\n' not in str(e.value)
 
 
@@ -373,9 +380,8 @@ D_BASE, L_BASE, VOCAB, ETA, LAMBDA = 32, 2, 64, 1e-2, 0.1
 
 
 def _paper_model(d, L, **kw):
-  return ModelConfig(**{**dict(vocab_size=VOCAB, d_model=d, num_layers=L, num_heads=4,
-                               mlp_dim=2 * d, scheme='untied', reader_bias=True, remat='none'),
-                        **kw}).validate()
+  return ModelConfig(vocab_size=VOCAB, d_model=d, num_layers=L, num_heads=4, mlp_dim=2 * d,
+                     reader_bias=True, remat='none').derive(**kw)
 
 
 def _leaf(pz, *suffix):
@@ -443,8 +449,9 @@ def test_presets_match_the_papers_tables(kind, alpha):
   for d in (D_BASE, 4 * D_BASE):
     for L in (L_BASE, 8):
       cfg = _paper_model(d, L)
-      pz = P.Parametrization(cfg, P.Settings(kind, base_d_model=D_BASE, base_depth=L_BASE,
-                                             depth_alpha=alpha))
+      pz = P.Parametrization(
+          cfg.derive(parametrization=P.Settings(kind, base_d_model=D_BASE, base_depth=L_BASE,
+                                                depth_alpha=alpha)))
       decay = _torch_decay(pz, cfg)
       for suffix, (std, mult, lr, eps, dec) in _paper_rows(kind, d, L, alpha).items():
         r = _leaf(pz, *suffix)
@@ -457,7 +464,7 @@ def test_presets_match_the_papers_tables(kind, alpha):
         assert r.eps_mult == pytest.approx(eps, rel=1e-12), where
         assert decay[r.path] == pytest.approx(dec, rel=1e-5), where
       d_head, d_head0 = d // 4, D_BASE // 4
-      assert pz.cfg.attn_scale == pytest.approx(d_head0 ** -0.5 * d_head0 / d_head, rel=1e-12)
+      assert pz.cfg.attn_mult == pytest.approx(d_head0 ** -0.5 * d_head0 / d_head, rel=1e-12)
       model_row = pz.describe()[-1]
       assert (model_row['m_d'], model_row['m_L']) == (d / D_BASE, L / L_BASE)
 
@@ -472,10 +479,12 @@ def test_lora_factors_follow_tp5_input_output_columns(kind):
   alpha = 0.5
   for d in (D_BASE, 4 * D_BASE):
     L = 8
-    cfg = _paper_model(d, L, scheme='cycle', num_unique=4, lora_rank=2,
-                       lora_targets=('q', 'o', 'mlp_out'))
-    pz = P.Parametrization(cfg, P.Settings(kind, base_d_model=D_BASE, base_depth=L_BASE,
-                                           depth_alpha=alpha))
+    cfg = _paper_model(
+        d, L, sharing=dict(scheme='cycle', num_unique=4, lora_rank=2,
+                           lora_targets=('q', 'o', 'mlp_out')))
+    pz = P.Parametrization(
+        cfg.derive(parametrization=P.Settings(kind, base_d_model=D_BASE, base_depth=L_BASE,
+                                              depth_alpha=alpha)))
     m_N, m_L = d / D_BASE, 4 / L_BASE             # m_L counts unique sets
     for mod, fan_in, fan_in0 in (('q', d, D_BASE), ('o', d, D_BASE), ('wo', 2 * d, 2 * D_BASE)):
       ratio = fan_in / fan_in0
@@ -504,8 +513,9 @@ def test_lora_a_feature_update_is_width_independent_under_mup_not_sp():
   sizes = {}
   for kind in ('sp', 'mup'):
     for d in (D_BASE, 8 * D_BASE):
-      cfg = _paper_model(d, 2, scheme='cycle', num_unique=1, lora_rank=2, lora_targets=('q',))
-      pz = P.Parametrization(cfg, P.Settings(kind, base_d_model=D_BASE))
+      cfg = _paper_model(
+          d, 2, sharing=dict(scheme='cycle', num_unique=1, lora_rank=2, lora_targets=('q',)))
+      pz = P.Parametrization(cfg.derive(parametrization=P.Settings(kind, base_d_model=D_BASE)))
       model = DecoderLM(pz.cfg)
       v = pz.init(init_variables(model, jax.random.key(0)))
       v = jax.tree_util.tree_map_with_path(
@@ -531,3 +541,26 @@ def test_lora_a_feature_update_is_width_independent_under_mup_not_sp():
   # Theta(1) under mup (d * eta / m, m = d / d_base): |slope| < 1/3 over 8x; ~ d under sp.
   assert 0.5 < mup_ratio < 2.0, sizes
   assert sp_ratio > 4.0, sizes
+
+
+@pytest.mark.parametrize('kind', ['mup', 'umup'])
+def test_the_model_a_config_describes_is_the_model_that_trains(kind, tiny_config):
+  """ModelConfig.from_experiment (eval's and generation's path, via workdir_lib.restore_state)
+  builds the model train_lib trains, its parametrization's scalars included; the parametrization
+  reads the model config and does not rewrite it."""
+  from sharenet import train_lib
+  c = tiny_config(**{'parametrization.kind': kind, 'parametrization.base_d_model': 16,
+                     'parametrization.base_num_heads': 1})
+  exp = train_lib.setup(c)
+  assert exp.pz.cfg is exp.model.cfg
+  described = DecoderLM(ModelConfig.from_experiment(c))
+  assert described.cfg == exp.model.cfg
+  assert (described.cfg.logits_mult != 1.0) if kind == 'mup' else described.cfg.umup_ops
+  v = exp.pz.forward(exp.pz.init(init_variables(exp.model, jax.random.key(0))))
+  toks = jax.random.randint(jax.random.key(1), (2, 12), 0, c.model.vocab_size)
+  trained = exp.model.apply(v, toks)
+  np.testing.assert_array_equal(np.asarray(described.apply(v, toks)), np.asarray(trained))
+  section_only = DecoderLM(ModelConfig.from_config(c.model, c.train.seq_len))   # sp scalars
+  assert not np.allclose(np.asarray(section_only.apply(v, toks)), np.asarray(trained))
+  with pytest.raises(ConfigError, match='from_experiment'):
+    train_lib.setup(c, section_only.cfg)

@@ -1,4 +1,5 @@
 """The role table (sharenet/params.py): every leaf has a role; renaming a module changes nothing."""
+
 import dataclasses
 
 import flax.linen as nn
@@ -15,17 +16,18 @@ from sharenet.transforms import convert
 
 def _cfg(**kw):
   base = dict(vocab_size=64, d_model=32, num_layers=4, num_heads=4, mlp_dim=48, remat='none',
-              scheme='cycle', repeats=2)
-  base.update(kw)
-  return ModelConfig(**base).validate()
+              sharing=dict(scheme='cycle', repeats=2))
+  return ModelConfig(**base).derive(**kw)
 
 
 @pytest.mark.parametrize('kw', [
-    dict(), dict(tie_embeddings=True, reader_bias=True),
-    dict(lora_rank=2, lora_targets=('q', 'k', 'v', 'o', 'mlp_in', 'mlp_out'), untie_norms=True),
-    dict(qk_norm='rms', norm='layernorm', norm_placement='peri'),
-    dict(qk_norm='l2', norm='dyt', mlp='gelu', reader_bias=True),
-    dict(norm='scalenorm', position='learned', max_len=16, scan_lowering='flat'),
+    dict(),
+    dict(tie_embeddings=True, reader_bias=True),
+    dict(sharing=dict(lora_rank=2, lora_targets=('q', 'k', 'v', 'o', 'mlp_in',
+                                                 'mlp_out'), untie_norms=True)),
+    dict(norm=dict(qk_norm='rms', kind='layernorm', placement='peri')),
+    dict(norm=dict(qk_norm='l2', kind='dyt'), mlp='gelu', reader_bias=True),
+    dict(norm=dict(kind='scalenorm'), position='learned', max_len=16, scan_lowering='flat'),
 ])
 def test_every_trainable_leaf_has_a_role(kw):
   cfg = _cfg(**kw)
@@ -61,7 +63,7 @@ def clean_table():
 
 def _state(cfg, settings, xcfg, v0):
   """What a rename must not change: rule table, decay masks, and an ln_to_rms conversion."""
-  pz = P.Parametrization(cfg, settings)
+  pz = P.Parametrization(cfg.derive(parametrization=settings))
   v = jax.eval_shape(lambda: init_variables(DecoderLM(cfg), jax.random.key(0)))
   masks = {g: _renamed_view(optim.decay_mask(v, param_table(cfg), roles), 'down', 'wo')
            for g, roles in optim.DECAY_GROUPS.items()}
@@ -77,8 +79,8 @@ def test_renaming_a_projection_keeps_multipliers_masks_and_conversions(monkeypat
   cfg = _cfg(d_model=64, mlp_dim=96)
   settings = P.Settings('completep', base_d_model=32, base_depth=1, loop_rule='inv_R')
   with jax.enable_x64(True):
-    xcfg = _cfg(norm='layernorm', dtype='float64', param_dtype='float64', position='learned',
-                max_len=16)
+    xcfg = _cfg(norm=dict(kind='layernorm'), dtype='float64', param_dtype='float64',
+                position='learned', max_len=16)
     v0 = flatten_dict(init_variables(DecoderLM(xcfg), jax.random.key(0)))
     v0 = {p: x + 0.1 * jax.random.normal(jax.random.key(i), x.shape, x.dtype)
           for i, (p, x) in enumerate(v0.items())}   # non-trivial norm gains and biases
@@ -112,4 +114,4 @@ def test_a_parameter_created_without_a_role_fails_loudly(monkeypatch, clean_tabl
 
   monkeypatch.setattr(mlp, 'Dense', patched)
   with pytest.raises(Exception, match='has no role'):
-    P.Parametrization(_cfg(), P.Settings('mup', base_d_model=16))
+    P.Parametrization(_cfg().derive(parametrization=P.Settings('mup', base_d_model=16)))

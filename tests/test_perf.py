@@ -99,6 +99,6 @@ def test_flops_per_token_is_the_forward_matmul_count(scheme, tiny_config):
   params = jax.eval_shape(lambda: init_variables(model, jax.random.key(0)))
   jaxpr = jax.make_jaxpr(model.apply)(params, jnp.zeros((B, T), jnp.int32)).jaxpr
   fwd = accounting.flops_per_token(mcfg, T, train=False)
-  attn_half = mcfg.num_layers * 2 * T * mcfg.num_heads * mcfg.head_dim
+  attn_half = mcfg.num_layers * 2 * T * mcfg.num_heads * mcfg.d_head
   assert _dot_flops(jaxpr) / (B * T) == pytest.approx(fwd + attn_half, rel=1e-9)
   assert accounting.flops_per_token(mcfg, T) == 3 * fwd

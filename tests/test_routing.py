@@ -5,7 +5,6 @@ token-wise stand-in for the K-layer scan and a fixed linear router (numpy recomp
 should do); the model-level tests use the real blocks. The 8-device run is this file's
 `__main__` in a subprocess (as tests/test_sharding.py).
 """
-import dataclasses
 import json
 import os
 import subprocess
@@ -31,9 +30,9 @@ B, T, D = 2, 16, 32
 
 
 def tiny_cfg(**kw) -> ModelConfig:
-  base = dict(d_model=D, num_layers=4, num_heads=2, mlp_dim=64, scheme='cycle', num_unique=2,
-              remat='none', routing='expert_choice')
-  return ModelConfig(**{**base, **kw}).validate()
+  base = ModelConfig(d_model=D, num_layers=4, num_heads=2, mlp_dim=64, remat='none',
+                     sharing=dict(scheme='cycle', num_unique=2), routing=dict(kind='expert_choice'))
+  return base.derive(**kw)
 
 
 class FixedRouter:
@@ -80,24 +79,24 @@ def run_expert(cfg, seed=0, segment_ids=None):
 # ---- config ---------------------------------------------------------------------------------
 
 @pytest.mark.parametrize('overrides, match', [
-    (dict(scheme='untied', num_unique=0), 'valid schemes: cycle, middle_cycle'),
-    (dict(scheme='sequence'), 'valid schemes: cycle, middle_cycle'),
-    (dict(routing='mixture'), 'model.routing.kind'),
-    (dict(routing_router='conv'), 'model.routing.router'),
-    (dict(routing_capacity='0.5,1'), 'non-increasing'),
-    (dict(routing_capacity='1'), 'needs 2 fractions'),
-    (dict(routing_capacity='1,0'), r'in \(0, 1\]'),
-    (dict(routing_capacity='1,x'), 'comma list'),
-    (dict(routing_balancing='bias'), 'balancing=bias balances token choice'),
-    (dict(routing='token_choice', routing_balancing='bias', routing_bias_rate=0.0),
+    (dict(sharing=dict(scheme='untied', num_unique=0)), 'valid schemes: cycle, middle_cycle'),
+    (dict(sharing=dict(scheme='sequence')), 'valid schemes: cycle, middle_cycle'),
+    (dict(routing=dict(kind='mixture')), 'model.routing.kind'),
+    (dict(routing=dict(router='conv')), 'model.routing.router'),
+    (dict(routing=dict(capacity='0.5,1')), 'non-increasing'),
+    (dict(routing=dict(capacity='1')), 'needs 2 fractions'),
+    (dict(routing=dict(capacity='1,0')), r'in \(0, 1\]'),
+    (dict(routing=dict(capacity='1,x')), 'comma list'),
+    (dict(routing=dict(balancing='bias')), 'balancing=bias balances token choice'),
+    (dict(routing=dict(kind='token_choice', balancing='bias', bias_rate=0.0)),
      'bias_rate=0.0'),
-    (dict(routing='token_choice', routing_capacity='1,0.5'), 'token_choice picks'),
-    (dict(lora_rank=2), 'lora_rank=0'),
+    (dict(routing=dict(kind='token_choice', capacity='1,0.5')), 'token_choice picks'),
+    (dict(sharing=dict(lora_rank=2)), 'lora_rank=0'),
     (dict(scan_lowering='flat'), 'scan_lowering=nested'),
-    (dict(routing_aux_loss=-0.5), 'aux_loss=-0.5'),
-    (dict(routing_z_loss=-2.0), 'z_loss=-2.0'),
-    (dict(routing_buckets=3), r'1\.\.2 \(R = 2'),
-    (dict(routing='token_choice', routing_buckets=1), 'token choice is one scan'),
+    (dict(routing=dict(aux_loss=-0.5)), 'aux_loss=-0.5'),
+    (dict(routing=dict(z_loss=-2.0)), 'z_loss=-2.0'),
+    (dict(routing=dict(buckets=3)), r'1\.\.2 \(R = 2'),
+    (dict(routing=dict(kind='token_choice', buckets=1)), 'token choice is one scan'),
 ])
 def test_bad_routing_is_one_line_config_error(overrides, match):
   with pytest.raises(ConfigError, match=match) as e:
@@ -109,14 +108,14 @@ def test_routing_keys_round_trip_and_default_is_none(tiny_config):
   c = tiny_config(**{'model.sharing.scheme': 'cycle', 'model.sharing.num_unique': 1,
                      'model.routing.kind': 'expert_choice', 'model.routing.capacity': '1,0.25'})
   mcfg = config_lib.validate(c)
-  assert (mcfg.routing, mcfg.capacities, mcfg.alpha, mcfg.aux_loss_coeff, mcfg.z_loss_coeff) == \
+  assert (mcfg.routing.kind, mcfg.capacities, mcfg.router_alpha, mcfg.aux_loss_coeff, mcfg.z_loss_coeff) == \
       ('expert_choice', (1.0, 0.25), 0.1, 0.001, 0.0)
   assert ModelConfig.from_config(mcfg.to_config()) == mcfg
   plain = config_lib.validate(tiny_config())
-  assert plain.routing == 'none' and plain.routed_segment is None
-  token = dataclasses.replace(mcfg, routing='token_choice', routing_capacity='').validate()
+  assert plain.routing.kind == 'none' and plain.routed_segment is None
+  token = mcfg.derive(routing=dict(kind='token_choice', capacity=''))
   # The reference's configs (conf/pretrain/*mor_token*zloss_1e-5.yaml): alpha 1, coeff 0.1, z 1e-5.
-  assert (token.alpha, token.aux_loss_coeff, token.z_loss_coeff) == (1.0, 0.1, 1e-5)
+  assert (token.router_alpha, token.aux_loss_coeff, token.z_loss_coeff) == (1.0, 0.1, 1e-5)
 
 
 def test_capacity_warmup_steps_is_gone_and_old_workdirs_still_load(repo_root):
@@ -129,19 +128,19 @@ def test_capacity_warmup_steps_is_gone_and_old_workdirs_still_load(repo_root):
     assert json.load(f)['model']['routing']['capacity_warmup_steps'] == 0
   config = workdir_lib.load_config(work)
   assert 'capacity_warmup_steps' not in config.model.routing
-  assert config_lib.validate(config).routing == 'token_choice'
+  assert config_lib.validate(config).routing.kind == 'token_choice'
 
 
 def test_example_config_validates(repo_root):
   sys.path.insert(0, repo_root)
   from configs import mor_tiny
   mcfg = config_lib.validate(mor_tiny.get_config())
-  assert (mcfg.routing, mcfg.scheme, mcfg.recursions, mcfg.routed_segment) == \
+  assert (mcfg.routing.kind, mcfg.sharing.scheme, mcfg.recursions, mcfg.routed_segment) == \
       ('expert_choice', 'middle_cycle', 3, 1)
 
 
 def test_unrouted_model_has_no_router_and_sows_nothing():
-  cfg = tiny_cfg(routing='none')
+  cfg = tiny_cfg(routing=dict(kind='none'))
   model = DecoderLM(cfg)
   v = init_variables(model, jax.random.key(0), 1, 8)
   assert 'router' not in v['params']['stack']['segment_0']
@@ -160,7 +159,8 @@ def test_generation_of_a_routed_model_is_rejected():
 # ---- expert choice on the routing function --------------------------------------------------
 
 def test_expert_choice_subsets_counts_order_and_untouched_tokens():
-  cfg = tiny_cfg(num_layers=6, num_unique=2, routing_capacity='0.75,0.5,0.25')   # R = 3
+  cfg = tiny_cfg(num_layers=6, sharing=dict(num_unique=2),
+                 routing=dict(capacity='0.75,0.5,0.25'))  # R = 3
   h, w, out, calls, sown = run_expert(cfg)
   assert cfg.capacity_tokens(T) == (12, 8, 4)
   prev = [set(range(T))] * B
@@ -184,7 +184,7 @@ def test_expert_choice_matches_a_numpy_recomputation():
   against top-k membership, summed over the candidates, divided by batch x candidates; the
   z-loss (one logit per token: logsumexp = the logit) the mean squared logit of the candidates
   (the reference's router_z_loss, expert_choice_router.py)."""
-  cfg = tiny_cfg(routing_capacity='0.5,0.25')
+  cfg = tiny_cfg(routing=dict(capacity='0.5,0.25'))
   h, w, out, _, sown = run_expert(cfg, seed=1)
   want = h.astype(np.float64).copy()
   bce, z = np.zeros(2), np.zeros(2)
@@ -223,7 +223,7 @@ def test_mlp_router_uses_the_exact_gelu():
 
 
 def test_expert_choice_passes_segment_ids_of_the_kept_tokens():
-  cfg = tiny_cfg(routing_capacity='0.5,0.5')
+  cfg = tiny_cfg(routing=dict(capacity='0.5,0.5'))
   seg = jnp.asarray(np.repeat(np.arange(4), 4)[None].repeat(B, 0) + 10 * np.arange(B)[:, None])
   _, _, _, calls, _ = run_expert(cfg, segment_ids=seg)
   for _, pos, s in calls:
@@ -231,9 +231,9 @@ def test_expert_choice_passes_segment_ids_of_the_kept_tokens():
 
 
 def test_buckets_group_the_recursions_larger_groups_last():
-  cfg = tiny_cfg(num_layers=10, num_unique=2)                               # R = 5
+  cfg = tiny_cfg(num_layers=10, sharing=dict(num_unique=2))                               # R = 5
   assert cfg.expert_buckets == ((0,), (1,), (2,), (3,), (4,))
-  got = {n: dataclasses.replace(cfg, routing_buckets=n).validate().expert_buckets
+  got = {n: cfg.derive(routing=dict(buckets=n)).expert_buckets
          for n in (1, 2, 3, 5)}
   assert got == {1: ((0, 1, 2, 3, 4),), 2: ((0, 1), (2, 3, 4)), 3: ((0,), (1, 2), (3, 4)),
                  5: ((0,), (1,), (2,), (3,), (4,))}
@@ -244,10 +244,11 @@ def test_bucketed_expert_choice_pads_and_equals_one_scan_per_recursion(buckets):
   """Bucketed: each recursion of a bucket runs the bucket's first k tokens, those out of the
   recursion each their own attention segment; outputs and aux losses equal the per-recursion
   lowering, and the tokens that run (own segment or not) are the same subsets."""
-  cfg = tiny_cfg(num_layers=8, num_unique=2, routing_capacity='0.75,0.5,0.5,0.25')  # R = 4
+  cfg = tiny_cfg(num_layers=8, sharing=dict(num_unique=2),
+                 routing=dict(capacity='0.75,0.5,0.5,0.25'))  # R = 4
   seg = jnp.asarray(np.repeat(np.arange(2), 8)[None].repeat(B, 0))
   _, _, want, want_calls, want_sown = run_expert(cfg, seed=3, segment_ids=seg)
-  bucketed = dataclasses.replace(cfg, routing_buckets=buckets).validate()
+  bucketed = cfg.derive(routing=dict(buckets=buckets))
   _, _, got, calls, sown = run_expert(bucketed, seed=3, segment_ids=seg)
   np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
   assert sown.keys() == want_sown.keys()
@@ -274,9 +275,9 @@ def test_bucketed_model_equals_the_per_recursion_model_with_gradients():
   the loss) and gradients (every router row included) as one scan per recursion, on one stored
   tree (float64)."""
   with jax.enable_x64(True):
-    cfg = tiny_cfg(num_layers=6, num_unique=2, routing_capacity='0.75,0.5,0.25',
-                   routing_router='mlp', routing_z_loss=0.1, dtype='float64',
-                   param_dtype='float64')   # R = 3
+    cfg = tiny_cfg(num_layers=6, sharing=dict(num_unique=2),
+                   routing=dict(capacity='0.75,0.5,0.25', router='mlp',
+                                z_loss=0.1), dtype='float64', param_dtype='float64')  # R = 3
     v = init_variables(DecoderLM(cfg), jax.random.key(0), B, T)
     batch = jax.random.randint(jax.random.key(1), (B, T + 1), 0, cfg.vocab_size)
 
@@ -287,7 +288,7 @@ def test_bucketed_model_equals_the_per_recursion_model_with_gradients():
       return loss, metrics, g
     loss0, m0, g0 = run(cfg)
     for n in (1, 2):     # ((0, 1, 2),) and ((0,), (1, 2)); all singletons: the test above
-      c = dataclasses.replace(cfg, routing_buckets=n).validate()
+      c = cfg.derive(routing=dict(buckets=n))
       assert jax.tree.structure(jax.eval_shape(
           lambda: init_variables(DecoderLM(c), jax.random.key(0), B, T))) == \
           jax.tree.structure(v)
@@ -320,7 +321,8 @@ def token_choice_numpy(h, w, alpha, bias=0.0):
 
 
 def test_token_choice_exits_outputs_and_balancing_loss():
-  cfg = tiny_cfg(num_layers=6, num_unique=2, routing='token_choice', routing_alpha=0.7)  # R = 3
+  cfg = tiny_cfg(num_layers=6, sharing=dict(num_unique=2),
+                 routing=dict(kind='token_choice', alpha=0.7))  # R = 3
   R = cfg.recursions
   rng = np.random.default_rng(2)
   h = rng.normal(size=(B, T, D)).astype(np.float32)
@@ -354,8 +356,8 @@ def test_token_choice_exits_outputs_and_balancing_loss():
 def test_loss_free_bias_picks_the_exit_and_leaves_the_gate_unbiased():
   """Loss-free balancing (the reference's token_choice_router.py, balancing loss_free): the
   exit is argmax(alpha * p + b), the gate alpha * p_exit without b; exit_r sows the fractions."""
-  cfg = tiny_cfg(num_layers=6, num_unique=2, routing='token_choice', routing_balancing='bias',
-                 routing_alpha=0.5)                                                 # R = 3
+  cfg = tiny_cfg(num_layers=6, sharing=dict(num_unique=2),
+                 routing=dict(kind='token_choice', balancing='bias', alpha=0.5))  # R = 3
   R = cfg.recursions
   rng = np.random.default_rng(6)
   h = rng.normal(size=(B, T, D)).astype(np.float32)
@@ -379,7 +381,8 @@ def test_loss_free_bias_is_state_updated_by_sign_after_each_step():
   """The bias lives in TrainState.tstate at the model's own path, reaches the forward pass, is
   never trained, and after each step moves by rate * sign(1/R - f_i) (the reference's
   trainer_pt.py; rate 0.001 as its configs' u)."""
-  cfg = tiny_cfg(num_layers=6, num_unique=2, routing='token_choice', routing_balancing='bias')
+  cfg = tiny_cfg(num_layers=6, sharing=dict(num_unique=2),
+                 routing=dict(kind='token_choice', balancing='bias'))
   model = DecoderLM(cfg)
   v = model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
   want = routing.balance_state(cfg)[routing.BALANCE]
@@ -411,9 +414,9 @@ def test_full_capacity_is_the_gated_plain_recursion():
   h <- h + g_r F(h) with F the plain model's K-layer stack (the reference's update, whose F
   includes the residual); computed here from the plain model's Stack (float64)."""
   with jax.enable_x64(True):
-    cfg = tiny_cfg(num_layers=4, num_unique=2, routing_capacity='1,1', dtype='float64',
-                   param_dtype='float64')
-    plain = dataclasses.replace(cfg, num_layers=2, routing='none', routing_capacity='').validate()
+    cfg = tiny_cfg(num_layers=4, sharing=dict(num_unique=2), routing=dict(capacity='1,1'),
+                   dtype='float64', param_dtype='float64')
+    plain = cfg.derive(num_layers=2, routing=dict(kind='none', capacity=''))
     model = DecoderLM(cfg)
     v = init_variables(model, jax.random.key(0), B, T)
     stack = v['params']['stack']
@@ -432,9 +435,9 @@ def test_kept_tokens_attend_among_themselves_at_their_own_positions():
   """The K-layer pass of a kept subset equals the plain stack on that subsequence alone (so
   dropped tokens are invisible), with RoPE at the original positions (float64)."""
   with jax.enable_x64(True):
-    cfg = tiny_cfg(num_layers=2, num_unique=1, routing_capacity='1,0.5', dtype='float64',
-                   param_dtype='float64')
-    plain = dataclasses.replace(cfg, num_layers=1, routing='none', routing_capacity='').validate()
+    cfg = tiny_cfg(num_layers=2, sharing=dict(num_unique=1), routing=dict(capacity='1,0.5'),
+                   dtype='float64', param_dtype='float64')
+    plain = cfg.derive(num_layers=1, routing=dict(kind='none', capacity=''))
     v = init_variables(DecoderLM(cfg), jax.random.key(0), B, T)
     stack = v['params']['stack']
     h = jax.random.normal(jax.random.key(3), (B, T, D), jnp.float64)
@@ -457,9 +460,9 @@ def test_token_choice_model_runs_each_recursion_on_its_tokens_alone():
   recursion's active tokens as a subsequence alone through the plain K-layer stack at their
   original positions, exits leaving with x_in + alpha p_exit f (float64)."""
   with jax.enable_x64(True):
-    cfg = tiny_cfg(num_layers=6, num_unique=2, routing='token_choice', dtype='float64',
-                   param_dtype='float64')                            # K = 2, R = 3
-    plain = dataclasses.replace(cfg, num_layers=2, routing='none').validate()
+    cfg = tiny_cfg(num_layers=6, sharing=dict(num_unique=2), routing=dict(kind='token_choice'),
+                   dtype='float64', param_dtype='float64')  # K = 2, R = 3
+    plain = cfg.derive(num_layers=2, routing=dict(kind='none'))
     v = init_variables(DecoderLM(cfg), jax.random.key(0), B, T)
     stack = v['params']['stack']
     plain_stack = {'segment_0': {'level': stack['segment_0']['level']}}
@@ -488,7 +491,7 @@ def test_token_choice_model_runs_each_recursion_on_its_tokens_alone():
 @pytest.mark.parametrize('kind, router', [('expert_choice', 'linear'), ('token_choice', 'mlp'),
                                           ('expert_choice', 'mlp')])
 def test_gradients_reach_every_router(kind, router):
-  cfg = tiny_cfg(num_layers=6, num_unique=2, routing=kind, routing_router=router)
+  cfg = tiny_cfg(num_layers=6, sharing=dict(num_unique=2), routing=dict(kind=kind, router=router))
   model = DecoderLM(cfg)
   v = init_variables(model, jax.random.key(0), B, T)
   batch = jax.random.randint(jax.random.key(1), (B, T + 1), 0, cfg.vocab_size)
@@ -499,7 +502,7 @@ def test_gradients_reach_every_router(kind, router):
 
 
 def test_training_loss_adds_the_weighted_aux_loss_and_eval_does_not():
-  cfg = tiny_cfg(routing_aux_loss=0.5, routing_z_loss=0.25)
+  cfg = tiny_cfg(routing=dict(aux_loss=0.5, z_loss=0.25))
   model = DecoderLM(cfg)
   v = init_variables(model, jax.random.key(0), B, T)
   batch = jax.random.randint(jax.random.key(1), (B, T + 1), 0, cfg.vocab_size)
@@ -514,15 +517,15 @@ def test_training_loss_adds_the_weighted_aux_loss_and_eval_does_not():
 
 
 def test_accounting_counts_kept_tokens_and_routers_once():
-  cfg = tiny_cfg(num_layers=6, num_unique=2, routing_capacity='1,0.5,0.25')
+  cfg = tiny_cfg(num_layers=6, sharing=dict(num_unique=2), routing=dict(capacity='1,0.5,0.25'))
   v = init_variables(DecoderLM(cfg), jax.random.key(0), 1, T)
-  plain = dataclasses.replace(cfg, routing='none', routing_capacity='').validate()
+  plain = cfg.derive(routing=dict(kind='none', capacity=''))
   pv = init_variables(DecoderLM(plain), jax.random.key(0), 1, T)
   R, K = 3, 2
   assert accounting.params_unique(v) == accounting.params_unique(pv) + R * D
   assert accounting.params_applied(v, cfg) == accounting.params_applied(pv, plain) + R * D
   P = accounting.matmul_params_per_layer(cfg)
-  HD = cfg.num_heads * cfg.head_dim
+  HD = cfg.num_heads * cfg.d_head
   layer = lambda n: (n / T) * (2 * P + 2 * n * HD)
   want = 2 * D * cfg.vocab_size + sum(K * layer(n) for n in (16, 8, 4))
   want += 2 * D * (16 + 16 + 8) / T                        # routers score their candidates
@@ -530,14 +533,14 @@ def test_accounting_counts_kept_tokens_and_routers_once():
   assert accounting.flops_per_token(cfg, T) == pytest.approx(3 * want)
   # Bucketed (1 | 2: (0,), (1, 2)): each recursion of a bucket runs its first k tokens, and the
   # in-scan router scores them again.
-  one = dataclasses.replace(cfg, routing_buckets=1).validate()
+  one = cfg.derive(routing=dict(buckets=1))
   want1 = 2 * D * cfg.vocab_size + 3 * K * layer(16) + 2 * D * (16 + 3 * 16) / T
   assert accounting.flops_per_token(one, T, train=False) == pytest.approx(want1)
-  two = dataclasses.replace(cfg, routing_buckets=2).validate()
+  two = cfg.derive(routing=dict(buckets=2))
   want2 = 2 * D * cfg.vocab_size + K * layer(16) + 2 * K * layer(8)
   want2 += 2 * D * (16 + 16 + 16 + 2 * 8) / T
   assert accounting.flops_per_token(two, T, train=False) == pytest.approx(want2)
-  full = dataclasses.replace(cfg, routing_capacity='1,1,1').validate()
+  full = cfg.derive(routing=dict(capacity='1,1,1'))
   assert accounting.flops_per_token(full, T, train=False) == pytest.approx(
       accounting.flops_per_token(plain, T, train=False) + 2 * D * 3)
 

@@ -22,34 +22,33 @@ TINY = dict(vocab_size=256, d_model=16, num_heads=2, mlp_dim=32)
 
 
 def _cfg(**kw):
-  return ModelConfig(**{**TINY, **kw}).validate()
+  return ModelConfig(**TINY).derive(**kw)
 
 
 def test_python_loop_stack_counts_applied_params():
   """Formerly a traceback (accounting parsed int('set_0'.removeprefix('segment_')))."""
-  cfg = _cfg(num_layers=4, scheme='cycle', num_unique=2)
-  loop = _cfg(num_layers=4, scheme='cycle', num_unique=2, scan_layers=False)
-  untied = _cfg(num_layers=4, scheme='untied')
+  cfg = _cfg(num_layers=4, sharing=dict(scheme='cycle', num_unique=2))
+  loop = _cfg(num_layers=4, sharing=dict(scheme='cycle', num_unique=2), scan_layers=False)
+  untied = _cfg(num_layers=4, sharing=dict(scheme='untied'))
   v_scan, v_loop, v_untied = (init_variables(DecoderLM(c), jax.random.key(0))
                               for c in (cfg, loop, untied))
   assert params_unique(v_loop) == params_unique(v_scan) < params_unique(v_untied)
   assert params_applied(v_loop, loop) == params_applied(v_scan, cfg) == \
       params_unique(v_untied)
-  rules = parametrization.build(_settings(loop_rule='inv_R'), loop).rules
+  rules = _pz(loop, loop_rule='inv_R').rules
   assert {r.repeats for r in rules.values() if r.role == 'hidden'} == {2}
 
 
-def _settings(**kw):
-  import ml_collections
-  from sharenet import defaults
-  p = defaults.default_config().parametrization
-  p.update(kw)
-  return ml_collections.ConfigDict(p)
+def _pz(cfg, **settings):
+  """The parametrization of `cfg` under `settings` (config.parametrization keys)."""
+  return parametrization.Parametrization(
+      cfg.derive(parametrization=parametrization.Settings(**settings)))
 
 
 def test_expert_choice_blocks_are_built_from_the_masa_atoms():
   """Formerly the routed segment got no `masa`: plain kernels, atoms trained for nothing."""
-  cfg = _cfg(num_layers=4, scheme='cycle', num_unique=2, routing='expert_choice', masa_atoms=2)
+  cfg = _cfg(num_layers=4, sharing=dict(scheme='cycle', num_unique=2),
+             routing=dict(kind='expert_choice'), masa=dict(atoms=2))
   table = param_table(cfg)
   routed = [i for i in table.values() if i.segment == cfg.routed_segment and i.in_block]
   names = {i.local for i in routed}
@@ -68,9 +67,9 @@ def test_expert_choice_blocks_are_built_from_the_masa_atoms():
 def test_mixture_of_recursions_has_a_mup_rule(kind, router):
   """Formerly refused ('a hidden matrix whose fan-in or fan-out does not vary'): a router
   (D -> one logit per recursion) is a TP5 output weight, init constant, forward x 1/m."""
-  cfg = _cfg(num_layers=4, scheme='cycle', num_unique=2, routing=router, d_model=32,
-             mlp_dim=64, num_heads=4)
-  pz = parametrization.build(_settings(kind=kind, base_d_model=16), cfg)
+  cfg = _cfg(num_layers=4, sharing=dict(scheme='cycle', num_unique=2), routing=dict(kind=router),
+             d_model=32, mlp_dim=64, num_heads=4)
+  pz = _pz(cfg, kind=kind, base_d_model=16)
   routers = [r for p, r in pz.rules.items() if param_table(cfg)[p].role == 'router']
   assert routers and all(r.fwd_mult == 0.5 and r.init_scale == 2 ** 0.5 for r in routers)
 
@@ -78,7 +77,7 @@ def test_mixture_of_recursions_has_a_mup_rule(kind, router):
 def _consumers(cfg, variables):
   """What every consumer of the structure computes for `cfg`, keyed without module paths."""
   table = param_table(cfg)
-  pz = parametrization.build(_settings(kind='mup', base_d_model=16, loop_rule='inv_R'), cfg)
+  pz = _pz(cfg, kind='mup', base_d_model=16, loop_rule='inv_R')
   by_local = lambda rules: sorted([(table[p].segment, table[p].local, table[p].sets,
                                     r.fwd_mult, r.lr_mult, r.init_std)
                                    for p, r in rules.items()], key=repr)
@@ -93,8 +92,10 @@ def _consumers(cfg, variables):
 
 
 def test_renamed_stack_modules_change_no_consumer(monkeypatch):
-  cfg = _cfg(num_layers=6, scheme='middle_cycle', num_unique=4, lora_rank=2,
-             lora_targets=('q', 'v'), untie_norms=True, d_model=32, mlp_dim=64, num_heads=4)
+  cfg = _cfg(
+      num_layers=6, sharing=dict(scheme='middle_cycle', num_unique=4, lora_rank=2,
+                                 lora_targets=('q', 'v'), untie_norms=True), d_model=32, mlp_dim=64,
+      num_heads=4)
   param_table.cache_clear()
   variables = init_variables(DecoderLM(cfg), jax.random.key(0))
   old = param_table(cfg)
@@ -139,8 +140,8 @@ def test_no_module_path_is_named_outside_models(repo_root):
 
 
 def test_loss_free_balance_state_is_the_models_own_collection():
-  cfg = _cfg(num_layers=4, scheme='cycle', num_unique=2, routing='token_choice',
-             routing_balancing='bias')
+  cfg = _cfg(num_layers=4, sharing=dict(scheme='cycle', num_unique=2),
+             routing=dict(kind='token_choice', balancing='bias'))
   want = jax.eval_shape(lambda: DecoderLM(cfg).init(
       {'params': jax.random.key(0), 'per_layer': jax.random.key(0)},
       jax.numpy.zeros((1, 2), jax.numpy.int32)))[routing.BALANCE]

@@ -2,7 +2,6 @@
 (model.attention_sharing, arXiv:2606.04032), MASA matrix atoms (model.masa.*, arXiv:2508.04581)
 and the DirectShare head-sharing conversion (convert.py --config.to=head_shared,
 arXiv:2402.11819), each against an independent construction."""
-import dataclasses
 import json
 import math
 import os
@@ -25,7 +24,7 @@ from sharenet.transforms import head_share
 
 def _cfg(**kw):
   base = dict(vocab_size=64, d_model=32, num_layers=2, num_heads=2, mlp_dim=48, remat='none')
-  return ModelConfig(**{**base, **kw}).validate()
+  return ModelConfig(**base).derive(**kw)
 
 
 def _x64(**kw):
@@ -56,8 +55,8 @@ def test_shared_projection_equals_none_model_with_tied_kernels(sharing, qk_norm)
   """A shared model computes exactly the `none` model whose missing kernels are copies of the
   key kernel (and, where the query is the key, whose q_norm gain is the k_norm gain)."""
   with jax.enable_x64(True):
-    cfg = _x64(attention_sharing=sharing, qk_norm=qk_norm)
-    ref_cfg = dataclasses.replace(cfg, attention_sharing='none')
+    cfg = _x64(attention_sharing=sharing, norm=dict(qk_norm=qk_norm))
+    ref_cfg = cfg.derive(attention_sharing='none')
     v = _perturb(init_variables(DecoderLM(cfg), jax.random.key(0)))
     flat = flatten_dict(v)
     ref = {}
@@ -84,7 +83,7 @@ def test_stored_projections_and_param_counts():
   per_kernel = L * D * H * Dh
   for sharing, kernels, saved in (('none', 'qkv', 0), ('kv_shared', 'qk', 1),
                                   ('qk_shared', 'kv', 1), ('qkv_shared', 'k', 2)):
-    cfg = dataclasses.replace(none, attention_sharing=sharing).validate()
+    cfg = none.derive(attention_sharing=sharing)
     v = init_variables(DecoderLM(cfg), jax.random.key(0))
     stored = {p[-2] for p in flatten_dict(v['params']) if p[-1] == 'kernel' and 'attn' in p}
     assert stored == set(kernels) | {'o'}, sharing
@@ -98,8 +97,8 @@ def test_stored_projections_and_param_counts():
 def test_values_are_keys_cache_holds_k_only_and_decodes_like_a_full_forward(sharing):
   """The K-only cache (keys before QK-norm and RoPE, renormalised and rotated per step) gives
   the full forward's logits at every position, with left padding and a tied plan."""
-  cfg = _cfg(attention_sharing=sharing, qk_norm='rms', num_layers=4, scheme='cycle',
-             num_unique=2)
+  cfg = _cfg(attention_sharing=sharing, norm=dict(qk_norm='rms'),
+             sharing=dict(scheme='cycle', num_unique=2), num_layers=4)
   model = DecoderLM(cfg)
   v = _perturb(init_variables(model, jax.random.key(0)), scale=0.1)
   cache = init_cache(cfg, 2, 12)
@@ -141,7 +140,7 @@ def test_fused_attention_backend_agrees(sharing):
   v = init_variables(DecoderLM(cfg), jax.random.key(0))
   toks = _tokens(B=1, T=16)
   ref = DecoderLM(cfg).apply(v, toks)
-  out = DecoderLM(dataclasses.replace(cfg, attention='pallas')).apply(v, toks)
+  out = DecoderLM(cfg.derive(attention='pallas')).apply(v, toks)
   np.testing.assert_allclose(out, ref, atol=1e-5)
 
 
@@ -159,7 +158,7 @@ def test_masa_one_hot_coefficients_equal_the_untied_model():
   with jax.enable_x64(True):
     L = 2
     ucfg = _x64(mlp='gelu')
-    cfg = dataclasses.replace(ucfg, masa_atoms=L, masa_targets=ALL_TARGETS).validate()
+    cfg = ucfg.derive(masa=dict(atoms=L, targets=ALL_TARGETS))
     u = _perturb(init_variables(DecoderLM(ucfg), jax.random.key(0)))
     m = flatten_dict(init_variables(DecoderLM(cfg), jax.random.key(1)))
     uflat = flatten_dict(u)
@@ -178,7 +177,7 @@ def test_masa_one_hot_coefficients_equal_the_untied_model():
 
 def test_masa_atoms_stored_once_under_a_cycle_plan_and_every_lowering():
   S, L, D, H, Dh = 3, 4, 32, 2, 16
-  cfg = _cfg(num_layers=L, scheme='cycle', num_unique=2, masa_atoms=S)
+  cfg = _cfg(num_layers=L, sharing=dict(scheme='cycle', num_unique=2), masa=dict(atoms=S))
   v = init_variables(DecoderLM(cfg), jax.random.key(0))
   flat = flatten_dict(v['params'])
   atoms = {p[-1]: x.shape for p, x in flat.items() if p[0] == 'masa'}
@@ -187,7 +186,7 @@ def test_masa_atoms_stored_once_under_a_cycle_plan_and_every_lowering():
   coefs = [x.shape for p, x in flat.items() if p[-1] == 'masa_coef']
   assert coefs == [(2, S)] * 4                # per stored set (tied with the set), per target
   assert not [p for p in flat if 'attn' in p and p[-1] == 'kernel']
-  untied_cycle = _cfg(num_layers=L, scheme='cycle', num_unique=2)
+  untied_cycle = _cfg(num_layers=L, sharing=dict(scheme='cycle', num_unique=2))
   n_cycle = accounting.params_unique(init_variables(DecoderLM(untied_cycle), jax.random.key(0)))
   attn = 2 * 4 * D * H * Dh                   # 2 sets x (q, k, v, o)
   assert accounting.params_unique(v) == n_cycle - attn + S * 4 * D * H * Dh + 2 * 4 * S
@@ -199,11 +198,11 @@ def test_masa_atoms_stored_once_under_a_cycle_plan_and_every_lowering():
   toks = _tokens()
   out = DecoderLM(cfg).apply(v, toks)
   for kw in (dict(scan_lowering='flat'), dict(remat='full')):
-    other = dataclasses.replace(cfg, **kw)
+    other = cfg.derive(**kw)
     np.testing.assert_allclose(DecoderLM(other).apply(v, toks), out, atol=1e-5, rtol=1e-5)
   # The Python loop (one module per set, 'stack/set_<u>') stores the atoms once as well and
   # computes the nested scans' function from the same weights.
-  loop = dataclasses.replace(cfg, scan_layers=False)
+  loop = cfg.derive(scan_layers=False)
   lv = init_variables(DecoderLM(loop), jax.random.key(0))
   lflat = dict(flatten_dict(lv['params']))
   for p in lflat:
@@ -220,7 +219,7 @@ def test_masa_atoms_stored_once_under_a_cycle_plan_and_every_lowering():
 
 
 def test_masa_gradients_reach_atoms_and_coefficients():
-  cfg = _cfg(masa_atoms=2, masa_targets=ALL_TARGETS, scheme='cycle', num_unique=1)
+  cfg = _cfg(masa=dict(atoms=2, targets=ALL_TARGETS), sharing=dict(scheme='cycle', num_unique=1))
   model = DecoderLM(cfg)
   v = init_variables(model, jax.random.key(0))
   toks = _tokens()
@@ -239,7 +238,7 @@ def test_masa_gradients_reach_atoms_and_coefficients():
     assert float(jnp.max(jnp.abs(g))) > 0, p
   # FLOPs: one combined matrix per kernel and applied layer, as without MASA
   assert accounting.matmul_params_per_layer(cfg) == accounting.matmul_params_per_layer(
-      dataclasses.replace(cfg, masa_atoms=0))
+      cfg.derive(masa=dict(atoms=0)))
 
 
 @pytest.mark.parametrize('kind', ['mup', 'umup'])
@@ -247,9 +246,10 @@ def test_masa_atoms_get_the_hidden_matrix_rules_of_their_kernel(kind):
   """Atoms follow the rules of the kernel they form (fan-in, width multiplier, init, LR,
   forward multiplier); coefficients are width-independent vectors."""
   settings = P.Settings(kind, base_d_model=16)
-  plain = P.Parametrization(_cfg(d_model=64, mlp_dim=96), settings).rules
-  masa = P.Parametrization(_cfg(d_model=64, mlp_dim=96, masa_atoms=3,
-                                masa_targets=ALL_TARGETS), settings).rules
+  plain = P.Parametrization(_cfg(d_model=64, mlp_dim=96).derive(parametrization=settings)).rules
+  masa = P.Parametrization(
+      _cfg(d_model=64, mlp_dim=96,
+           masa=dict(atoms=3, targets=ALL_TARGETS)).derive(parametrization=settings)).rules
   for target, (module, name) in KERNEL_OF.items():
     if name == 'wi':   # gelu only
       continue
@@ -268,7 +268,7 @@ def test_masa_atoms_get_the_hidden_matrix_rules_of_their_kernel(kind):
 
 def test_masa_init_has_the_default_kernel_scale():
   """W_l = sum_s c_ls D_s starts at the default init's std 1/sqrt(fan_in)."""
-  cfg = _cfg(d_model=64, mlp_dim=96, num_heads=4, num_layers=4, masa_atoms=3)
+  cfg = _cfg(d_model=64, mlp_dim=96, num_heads=4, num_layers=4, masa=dict(atoms=3))
   flat = flatten_dict(init_variables(DecoderLM(cfg), jax.random.key(0))['params'])
   coef = [x for p, x in flat.items() if p[-1] == 'masa_coef' and 'q' in p][0]   # (L, S)
   np.testing.assert_allclose(np.linalg.norm(coef, axis=-1), 1.0, rtol=1e-6)
@@ -283,11 +283,12 @@ def test_masa_init_has_the_default_kernel_scale():
     (dict(attention_sharing='kv'), 'attention_sharing'),
     (dict(attention_sharing='qk_shared', num_kv_heads=1), 'kv heads'),
     (dict(attention_sharing='qkv_shared', num_kv_heads=1), 'kv heads'),
-    (dict(attention_sharing='kv_shared', lora_rank=2, lora_targets=('q', 'v')), 'lora_targets'),
-    (dict(attention_sharing='qk_shared', masa_atoms=2), 'masa.targets'),
-    (dict(masa_atoms=-1), 'masa.atoms'),
-    (dict(masa_atoms=2, masa_targets=('q', 'wq')), 'masa.targets'),
-    (dict(masa_atoms=2, masa_targets=()), 'masa.targets'),
+    (dict(attention_sharing='kv_shared', sharing=dict(lora_rank=2,
+                                                      lora_targets=('q', 'v'))), 'lora_targets'),
+    (dict(attention_sharing='qk_shared', masa=dict(atoms=2)), 'masa.targets'),
+    (dict(masa=dict(atoms=-1)), 'masa.atoms'),
+    (dict(masa=dict(atoms=2, targets=('q', 'wq'))), 'masa.targets'),
+    (dict(masa=dict(atoms=2, targets=())), 'masa.targets'),
 ])
 def test_config_errors(kw, match):
   with pytest.raises(ConfigError, match=match):
@@ -306,12 +307,16 @@ def test_an_old_sharing_value_is_one_line_naming_the_new(old, new, tiny_config):
 
 def test_parametrization_errors():
   with pytest.raises(ConfigError, match='loop_rule'):
-    P.Parametrization(_cfg(masa_atoms=2, num_layers=2, scheme='universal'),
-                      P.Settings('sp', loop_rule='inv_R'))
+    P.Parametrization(
+        _cfg(masa=dict(atoms=2), sharing=dict(scheme='universal'),
+             num_layers=2).derive(parametrization=P.Settings('sp', loop_rule='inv_R')))
   with pytest.raises(ConfigError, match='query_zero_init'):
-    P.Parametrization(_cfg(attention_sharing='qk_shared'),
-                      P.Settings('mup', query_zero_init=True))
-  P.Parametrization(_cfg(attention_sharing='kv_shared'), P.Settings('mup', query_zero_init=True))
+    P.Parametrization(
+        _cfg(attention_sharing='qk_shared').derive(
+            parametrization=P.Settings('mup', query_zero_init=True)))
+  P.Parametrization(
+      _cfg(attention_sharing='kv_shared').derive(
+          parametrization=P.Settings('mup', query_zero_init=True)))
 
 
 # ---- DirectShare head sharing ----------------------------------------------------------------
@@ -436,8 +441,8 @@ def test_head_sharing_chain_keeps_the_middle_head_as_the_reference_does():
     (dict(), 0.75, 'share_rate'),   # 9 of 12 heads; only 8 lie after layer 0
     (dict(), -0.1, 'share_rate'),
     (dict(num_kv_heads=2), 0.3, 'num_kv_heads'),
-    (dict(qk_norm='rms'), 0.3, 'qk_norm'),
-    (dict(scheme='universal'), 0.3, 'untied'),
+    (dict(norm=dict(qk_norm='rms')), 0.3, 'qk_norm'),
+    (dict(sharing=dict(scheme='universal')), 0.3, 'untied'),
     (dict(attention_sharing='kv_shared'), 0.3, 'attention_sharing'),
 ])
 def test_head_sharing_errors(kw, rate, match):

@@ -1,5 +1,4 @@
 """Normalization variants as parameter transforms: conversions, invariances, training smoke."""
-import dataclasses
 import functools
 import math
 import os
@@ -17,7 +16,7 @@ from configs import tiny as tiny_config
 from sharenet import defaults, optim, train_lib, workdir_lib
 from sharenet.errors import ConfigError
 from sharenet.models import DecoderLM, ModelConfig, init_variables
-from sharenet.models.config import LORA_TARGETS
+from sharenet.models.sections import LORA_TARGETS
 from sharenet.transforms import Transforms, convert, reparam
 from sharenet.transforms.roles import Leaf
 from sharenet.transforms.update import scale_by_adamp
@@ -25,9 +24,8 @@ from sharenet.transforms.update import scale_by_adamp
 
 def _cfg(**kw):
   base = dict(vocab_size=64, d_model=16, num_layers=2, num_heads=2, mlp_dim=24, remat='none',
-              norm='layernorm')
-  base.update(kw)
-  return ModelConfig(**base).validate()
+              norm=dict(kind='layernorm'))
+  return ModelConfig(**base).derive(**kw)
 
 
 def _randomize_norms(variables, seed=3):
@@ -55,8 +53,9 @@ def _tokens(T=10, vocab=64):
 def test_ln_rms_crms_conversion_is_exact_in_float64(tied, position, scheme):
   with jax.enable_x64(True):
     cfg = _cfg(tie_embeddings=tied, position=position, max_len=16, dtype='float64',
-               param_dtype='float64', scheme=scheme, num_layers=4 if scheme == 'cycle' else 2,
-               repeats=2 if scheme == 'cycle' else 0, embed_init_std=0.5)
+               param_dtype='float64', sharing=dict(scheme=scheme,
+                                                   repeats=2 if scheme == 'cycle' else 0),
+               num_layers=4 if scheme == 'cycle' else 2, embed_init_std=0.5)
     v0 = _randomize_norms(init_variables(DecoderLM(cfg), jax.random.key(0)))
     toks = _tokens()
     logits0 = DecoderLM(cfg).apply(v0, toks)
@@ -64,7 +63,7 @@ def test_ln_rms_crms_conversion_is_exact_in_float64(tied, position, scheme):
     logits1 = DecoderLM(cfg1).apply(v1, toks)
     cfg2, v2 = convert.rms_to_crms(cfg1, v1)
     logits2 = DecoderLM(cfg2).apply(v2, toks)
-    assert cfg1.norm == 'rmsnorm' and cfg2.norm == 'crmsnorm' and cfg2.d_model == 15
+    assert cfg1.norm.kind == 'rmsnorm' and cfg2.norm.kind == 'crmsnorm' and cfg2.d_model == 15
     assert float(jnp.max(jnp.abs(logits1 - logits0))) <= 1e-9
     assert float(jnp.max(jnp.abs(logits2 - logits0))) <= 1e-9
     # The logits are not trivially equal: the norms' gains and biases matter.
@@ -73,7 +72,7 @@ def test_ln_rms_crms_conversion_is_exact_in_float64(tied, position, scheme):
 
 
 def test_crms_conversion_refuses_a_stream_that_is_not_zero_mean():
-  cfg = _cfg(norm='rmsnorm')
+  cfg = _cfg(norm=dict(kind='rmsnorm'))
   with pytest.raises(ConfigError, match='not zero-mean'):
     convert.rms_to_crms(cfg, init_variables(DecoderLM(cfg), jax.random.key(0)))
   with pytest.raises(ConfigError, match='layernorm'):
@@ -152,15 +151,15 @@ def test_full_rank_svd_lora_reproduces_the_untied_model(scheme, K, lora_layers, 
   """RRT's SVD init (arXiv:2410.20672): at full rank, shared W + scale * A_l B_l == W_l for any
   lora_scale, with LoRA only where lora_layers puts it (middle_cycle 'shared': the unique first
   and last layers hold none and are copied exactly); each scheme tied and untied."""
-  cfg = _cfg(norm='rmsnorm', num_layers=6, d_model=32, num_heads=4, mlp_dim=48,
-             lora_scale=lora_scale, tie_embeddings=tied)
+  cfg = _cfg(norm=dict(kind='rmsnorm'), sharing=dict(lora_scale=lora_scale), num_layers=6,
+             d_model=32, num_heads=4, mlp_dim=48, tie_embeddings=tied)
   v = _randomize_norms(init_variables(DecoderLM(cfg), jax.random.key(1)))
   toks = _tokens()
   ref = DecoderLM(cfg).apply(v, toks)
   kw = dict(scheme=scheme, num_unique=K, init='average', lora_targets=LORA_TARGETS,
             untie_norms=True, lora_layers=lora_layers)
   rcfg, rv = convert.to_recursive(cfg, v, lora_rank=32, lora_init='svd', **kw)
-  assert rcfg.lora_scale == lora_scale and rcfg.lora_layers == lora_layers
+  assert rcfg.sharing.lora_scale == lora_scale and rcfg.sharing.lora_layers == lora_layers
   holders = {p[1] for p in flatten_dict(rv['per_layer']) if p[-1].startswith('lora_')}
   n_seg = len(rcfg.plan.segments)
   assert holders == ({'segment_1'} if scheme == 'middle_cycle' and lora_layers == 'shared'
@@ -175,7 +174,7 @@ def test_full_rank_svd_lora_reproduces_the_untied_model(scheme, K, lora_layers, 
 
 @pytest.mark.parametrize('tied', [False, True])
 def test_stepwise_recursive_copies_the_picked_layers(tied):
-  cfg = _cfg(norm='rmsnorm', num_layers=6, tie_embeddings=tied)
+  cfg = _cfg(norm=dict(kind='rmsnorm'), num_layers=6, tie_embeddings=tied)
   v = init_variables(DecoderLM(cfg), jax.random.key(2))
   rcfg, rv = convert.to_recursive(cfg, v, scheme='cycle', num_unique=3, init='stepwise')
   from sharenet.models import layout
@@ -189,7 +188,7 @@ def test_stepwise_recursive_copies_the_picked_layers(tied):
 
 
 def test_recursive_conversion_rejects_an_unknown_lora_layers():
-  cfg = _cfg(norm='rmsnorm', num_layers=6)
+  cfg = _cfg(norm=dict(kind='rmsnorm'), num_layers=6)
   v = jax.eval_shape(lambda: init_variables(DecoderLM(cfg), jax.random.key(0)))
   with pytest.raises(ConfigError, match='config.lora_layers=.middle. is unknown; valid: shared'):
     convert.to_recursive(cfg, v, scheme='cycle', num_unique=3, init='stepwise', lora_rank=2,
@@ -531,7 +530,7 @@ def test_zero_mean_writers_train_like_pre_ln_in_float64(tied):
   with jax.enable_x64(True):
     cfg_ln = _cfg(dtype='float64', param_dtype='float64', tie_embeddings=tied,
                   embed_init_std=0.5)
-    cfg_rms = dataclasses.replace(cfg_ln, norm='rmsnorm', center_embedding=tied)
+    cfg_rms = cfg_ln.derive(norm=dict(kind='rmsnorm'), center_embedding=tied)
     v = init_variables(DecoderLM(cfg_ln), jax.random.key(0))
     flat = flatten_dict(_randomize_norms(v)['params'])
     flat = {p: (jnp.zeros_like(x) if p[-1] == 'bias' else x) for p, x in flat.items()}
@@ -578,7 +577,7 @@ def test_bad_transform_config_is_one_line_error(section, value, match):
 
 
 def test_reparam_selection_by_path_and_role():
-  model = DecoderLM(_cfg(norm='rmsnorm'))
+  model = DecoderLM(_cfg(norm=dict(kind='rmsnorm')))
   by_role = Transforms({'reparam': 'weight_norm', 'reparam_roles': 'writer'}, model)
   assert {l.path[-2] for _, l in by_role.reparam.targets} == {'o', 'wo'}
   by_path = Transforms({'reparam': 'sigma_reparam', 'reparam_paths': 'attn/(q|k)/kernel$'}, model)

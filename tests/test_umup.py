@@ -24,9 +24,8 @@ from sharenet.models import unit_scale
 
 def tiny(d=32, L=4, **kw):
   base = dict(vocab_size=64, d_model=d, num_layers=L, num_heads=4, mlp_dim=3 * d // 2,
-              scheme='cycle', repeats=2, remat='none')
-  base.update(kw)
-  return ModelConfig(**base).validate()
+              sharing=dict(scheme='cycle', repeats=2), remat='none')
+  return ModelConfig(**base).derive(**kw)
 
 
 # ---- (a) the rule table -----------------------------------------------------------------------
@@ -54,7 +53,8 @@ def paper_rules(name, trunk, d, L, mlp_dim):
 @pytest.mark.parametrize('L', [2, 6])
 def test_rule_table_is_the_papers(d, L):
   cfg = tiny(d, L, reader_bias=True)
-  pz = P.Parametrization(cfg, P.Settings('umup', base_d_model=16))   # base width: no effect
+  pz = P.Parametrization(
+      cfg.derive(parametrization=P.Settings('umup', base_d_model=16)))  # base width: no effect
   seen = set()
   for path, r in pz.rules.items():
     name = path[-2] if path[-1] in ('kernel', 'scale') else path[-1]
@@ -69,7 +69,7 @@ def test_rule_table_is_the_papers(d, L):
   assert {'embedding', 'q', 'o', 'wo', 'wi_up', 'readout', 'attn_norm', 'final_norm'} <= seen
   assert any(p[-1] == 'bias' and 'stack' in p for p in pz.rules)   # trunk biases covered
   c = pz.cfg
-  assert c.attn_scale == pytest.approx(1.0 / c.head_dim, rel=1e-12)   # mult / d_head, mult 1
+  assert c.attn_mult == pytest.approx(1.0 / c.d_head, rel=1e-12)   # mult / d_head, mult 1
   assert c.logits_mult == 1.0
   # transformer_residual_scaling_rule defaults residual_mult = residual_attn_ratio = 1:
   # alpha_mlp = 1 * sqrt(2 / (1 + 1)) = 1, alpha_attn = 1 * alpha_mlp.
@@ -95,12 +95,13 @@ def test_weight_decay_auto_resolves_without_overriding_an_explicit_choice():
     (dict(wd_mode='decoupled'), {}, r"wd_mode='decoupled' is unknown; valid: auto, lr_coupled"),
     (dict(residual_mult=0.0), {}, r'residual_mult=0.0 must be > 0'),
     (dict(residual_attn_ratio=-1.0), {}, r'residual_attn_ratio=-1.0 must be > 0'),
-    ({}, dict(norm_placement='post'), r'kind=umup.*valid: model.norm.placement=pre or peri'),
-    ({}, dict(lora_rank=2), r'kind=umup has no rule for depth-wise LoRA factors.*valid: model'),
+    ({}, dict(norm=dict(placement='post')), r'kind=umup.*valid: model.norm.placement=pre or peri'),
+    ({}, dict(sharing=dict(lora_rank=2)),
+     r'kind=umup has no rule for depth-wise LoRA factors.*valid: model'),
 ])
 def test_bad_umup_settings_one_line_error(settings, cfg_kw, match):
   with pytest.raises(ConfigError, match=match) as e:
-    P.Parametrization(tiny(**cfg_kw), P.Settings('umup', **settings))
+    P.Parametrization(tiny(**cfg_kw).derive(parametrization=P.Settings('umup', **settings)))
   assert '\n' not in str(e.value)
 
 
@@ -146,7 +147,7 @@ def test_shared_set_gets_one_tau_per_application():
   same weights (u-muP's TransformerStack of 4 slots)."""
   from sharenet.models import layout
   cfg = tiny(32, 4)
-  pz = P.Parametrization(cfg, P.Settings('umup'))
+  pz = P.Parametrization(cfg.derive(parametrization=P.Settings('umup')))
   v = pz.forward(pz.init(init_variables(DecoderLM(pz.cfg), jax.random.key(0))))
   ucfg, uv = layout.to_untied(v, pz.cfg)
   toks = jax.random.randint(jax.random.key(1), (2, 9), 0, 64)
@@ -160,7 +161,8 @@ def _fake_lm():
   """A stand-in model whose `apply` returns the given logits (so d loss / d logits is a grad);
   unrouted, as loss_fn reads model.cfg.routing."""
   return types.SimpleNamespace(apply=lambda params, tokens, mutable=(): (params, {}),
-                               cfg=types.SimpleNamespace(routing='none'))
+                               cfg=types.SimpleNamespace(
+                                   routing=types.SimpleNamespace(kind='none')))
 
 
 def logits_grad(logits_BTV, tokens_BT1, pz):
@@ -173,7 +175,7 @@ def logits_grad(logits_BTV, tokens_BT1, pz):
 def init_rms(kind, d):
   """RMS per applied use at init: residual stream, attention and MLP outputs; logits gradient."""
   cfg = tiny(d, 2, num_heads=4)
-  pz = P.Parametrization(cfg, P.Settings(kind, base_d_model=32))
+  pz = P.Parametrization(cfg.derive(parametrization=P.Settings(kind, base_d_model=32)))
   model = DecoderLM(pz.cfg)
   v = pz.forward(pz.init(init_variables(model, jax.random.key(0))))
   toks = jax.random.randint(jax.random.key(1), (4, 65), 0, 64)
@@ -217,7 +219,7 @@ def test_loss_value_is_cross_entropy_and_its_logit_gradient_unit_scaled():
   """u-muP cross_entropy: d loss / d logits = vocab / sqrt(vocab - 1) (softmax - onehot) per
   token (sum reduction in the backward, mean only in the value); the value is the true mean."""
   V, B, T = 64, 3, 5
-  pz = P.Parametrization(tiny(), P.Settings('umup'))
+  pz = P.Parametrization(tiny().derive(parametrization=P.Settings('umup')))
   logits = jax.random.normal(jax.random.key(0), (B, T, V))
   toks = jax.random.randint(jax.random.key(1), (B, T + 1), 0, V)
   fake_pz = types.SimpleNamespace(loss_grad_scale=pz.loss_grad_scale, has_forward=False)
@@ -232,7 +234,7 @@ def test_loss_value_is_cross_entropy_and_its_logit_gradient_unit_scaled():
   g = logits_grad(jnp.zeros((B, T, V)), toks, pz)
   np.testing.assert_allclose(jnp.sqrt(jnp.mean(g ** 2, axis=-1)), 1.0, rtol=1e-5)
   # Evaluation and the other presets keep the plain mean loss and its gradient.
-  sp = P.Parametrization(tiny(), P.Settings('sp'))
+  sp = P.Parametrization(tiny().derive(parametrization=P.Settings('sp')))
   np.testing.assert_allclose(logits_grad(logits, toks, sp), (p - onehot) / (B * T), rtol=1e-5,
                              atol=1e-9)
   nll = optax.softmax_cross_entropy_with_integer_labels(logits, toks[:, 1:])

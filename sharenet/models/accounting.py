@@ -1,7 +1,6 @@
 """Parameter and FLOP accounting on stored (unique) and applied depth."""
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import Any
 
@@ -39,8 +38,10 @@ def params_applied(variables: Any, cfg: ModelConfig) -> int:
 
 def matmul_params_per_layer(cfg: ModelConfig) -> int:
   """Weights one applied layer multiplies with (LoRA factors included), from the role table."""
-  one = dataclasses.replace(cfg, num_layers=1, scheme='untied', num_unique=0, repeats=0,
-                            pattern='', scan_layers=True, routing_buckets=0)
+  s = cfg.sharing   # LoRA where an untied layer keeps it (lora_layers=all), as segment_cfg
+  one = cfg.derive(num_layers=1, scan_layers=True, routing={'kind': 'none'},
+                   sharing={'scheme': 'untied', 'num_unique': 0, 'repeats': 0, 'pattern': '',
+                            'lora_rank': s.lora_rank if s.lora_layers == 'all' else 0})
   return sum(math.prod(i.shape[i.num_stack:]) for i in param_table(one).values()
              if i.branch is not None and i.role in ('reader', 'writer', 'lora'))
 
@@ -51,15 +52,15 @@ def router_flops(cfg: ModelConfig, seq_len: int) -> float:
   also every padded token of every recursion in a bucket's scan), token choice every token
   once."""
   D, R = cfg.d_model, cfg.recursions
-  if cfg.routing == 'expert_choice':
-    per_row = 2 * D * 2 * D + 2 * 2 * D if cfg.routing_router == 'mlp' else 2 * D
+  if cfg.routing.kind == 'expert_choice':
+    per_row = 2 * D * 2 * D + 2 * 2 * D if cfg.routing.router == 'mlp' else 2 * D
     caps = cfg.capacity_tokens(seq_len)
     candidates = (seq_len,) + caps[:-1]
     rows = sum(candidates[b[0]] for b in cfg.expert_buckets)   # each bucket's first routing
-    if cfg.routing_buckets:   # + the in-scan router of every recursion, over the padded tokens
+    if cfg.routing.buckets:   # + the in-scan router of every recursion, over the padded tokens
       rows += sum(len(b) * caps[b[0]] for b in cfg.expert_buckets)
     return per_row * rows / seq_len
-  return 2 * D * 2 * D + 2 * 2 * D * R if cfg.routing_router == 'mlp' else 2 * D * R
+  return 2 * D * 2 * D + 2 * 2 * D * R if cfg.routing.router == 'mlp' else 2 * D * R
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int, train: bool = True) -> float:
@@ -73,9 +74,9 @@ def flops_per_token(cfg: ModelConfig, seq_len: int, train: bool = True) -> float
   its routing would need are data-dependent (train metrics routing_capacity_r give the
   realised fractions).
   """
-  if cfg.routing == 'expert_choice':
+  if cfg.routing.kind == 'expert_choice':
     P, T = matmul_params_per_layer(cfg), seq_len
-    HD = cfg.num_heads * cfg.head_dim
+    HD = cfg.num_heads * cfg.d_head
     routed = cfg.plan.segments[cfg.routed_segment]
     fwd = 2 * cfg.d_model * cfg.vocab_size + router_flops(cfg, T)
     fwd += (cfg.num_layers - routed.num_applied) * (2 * P + 2 * T * HD)
@@ -86,8 +87,8 @@ def flops_per_token(cfg: ModelConfig, seq_len: int, train: bool = True) -> float
     return 3 * fwd if train else fwd
   matmul = cfg.num_layers * matmul_params_per_layer(cfg) + cfg.d_model * cfg.vocab_size
   # QK^T and PV: 2 * 2 * T * H * Dh per token per layer, halved for the causal mask.
-  attn = cfg.num_layers * 2 * seq_len * cfg.num_heads * cfg.head_dim
+  attn = cfg.num_layers * 2 * seq_len * cfg.num_heads * cfg.d_head
   fwd = 2 * matmul + attn
-  if cfg.routing == 'token_choice':
+  if cfg.routing.kind == 'token_choice':
     fwd += router_flops(cfg, seq_len)
   return 3 * fwd if train else fwd

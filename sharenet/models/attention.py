@@ -58,14 +58,15 @@ class LayerCache(NamedTuple):
 
 
 def _logit_scale(module: nn.Module, cfg: ModelConfig) -> jax.Array | float:
-  """The logits' multiplier: model.attn_scale or 1/sqrt(Dh); a learned scalar under l2 QK-norm."""
-  if cfg.qk_norm != 'l2':
-    return cfg.attn_scale or cfg.head_dim ** -0.5
+  """The logits' multiplier: cfg.attn_mult (model.attn_scale or 1/sqrt(Dh), or the
+  parametrization's, models/scaling.py); a learned scalar under l2 QK-norm."""
+  if cfg.norm.qk_norm != 'l2':
+    return cfg.attn_mult
   # Henry et al. (arXiv:2010.04245), section 3: one learned scalar per attention module
   # replaces 1/sqrt(d_head), initialised to log2(L^2 - L) with L the sequence length of the
   # training data (train.seq_len here, via model.norm.qk_norm_len), not the position limit.
   L = cfg.qk_len
-  init = cfg.qk_scale_init or math.log2(L * L - L)
+  init = cfg.norm.qk_scale_init or math.log2(L * L - L)
   scale = param(module, 'qk_scale', (), (), 'scalar', init=nn.initializers.constant(init),
                 dtype=jnp.dtype(cfg.param_dtype), branch=BRANCH)
   return scale.astype(jnp.dtype(cfg.dtype))
@@ -123,9 +124,9 @@ class CausalAttention(nn.Module):
     if c.umup_ops:   # u-muP's unit-scaled attention (models/unit_scale.py)
       # Its output scale is a constant of the forward's length T; a cached forward sees a part
       # of the sequence, so it takes the training length's (model.norm.qk_norm_len).
-      Dh = c.head_dim
+      Dh = c.d_head
       s_att = unit_scale.attention_output_scale(x_BTD.shape[1] if cache is None else c.qk_len,
-                                                Dh, (c.attn_scale or Dh ** -0.5) * Dh)
+                                                Dh, c.attn_mult * Dh)
       q_BTHD, k_BTKD, v_BTKD = (unit_scale.scale_bwd(t, s_att) for t in (q_BTHD, k_BTKD, v_BTKD))
     if cache is None:
       masks = dict(segment_ids_BT=segment_ids_BT)

@@ -75,8 +75,8 @@ class Block(nn.Module):
     updated = []   # the attention's updated cache, when given one
 
     def norm(name, branch, role='norm_in'):
-      return Norm(c.norm, c.norm_eps, PER_LAYER if c.untie_norms else 'params',
-                  param_dtype=jnp.dtype(c.param_dtype), dyt_alpha=c.dyt_alpha, role=role,
+      return Norm(c.norm.kind, c.norm.eps, PER_LAYER if c.sharing.untie_norms else 'params',
+                  param_dtype=jnp.dtype(c.param_dtype), dyt_alpha=c.norm.dyt_alpha, role=role,
                   branch=branch, kernels=c.kernels, name=name)
 
     a, m = ATTN, MLP
@@ -93,7 +93,7 @@ class Block(nn.Module):
 
     if c.umup_residual:                # u-muP: pre or peri (post rejected by the parametrization)
       x_BTD, layer = carry
-      if c.norm_placement == 'pre':
+      if c.norm.placement == 'pre':
         f_attn = lambda x: attn(norm('attn_norm', a)(x), positions_T, segment_ids_BT)
         f_mlp = lambda x: mlp(norm('mlp_norm', m)(x))
       else:
@@ -107,15 +107,15 @@ class Block(nn.Module):
       x_BTD = nn.with_logical_constraint(x_BTD, ACT_AXES)
       return Stream(x_BTD, layer + 1), (updated or [None])[0]
     x_BTD = carry.x_BTD
-    fuse = c.norm in norm_kernels.KINDS and kernel_lib.use_pallas(c.kernels)
-    if c.norm_placement == 'pre' and fuse:   # the same, the first add fused with the MLP norm
+    fuse = c.norm.kind in norm_kernels.KINDS and kernel_lib.use_pallas(c.kernels)
+    if c.norm.placement == 'pre' and fuse:   # the same, the first add fused with the MLP norm
       attn_BTD = attn(norm('attn_norm', a)(x_BTD), positions_T, segment_ids_BT)
       x_BTD, h_BTD = norm('mlp_norm', m)(x_BTD, attn_BTD)
       x_BTD = x_BTD + mlp(h_BTD)
-    elif c.norm_placement == 'pre':    # x + f(N(x))
+    elif c.norm.placement == 'pre':    # x + f(N(x))
       x_BTD = x_BTD + attn(norm('attn_norm', a)(x_BTD), positions_T, segment_ids_BT)
       x_BTD = x_BTD + mlp(norm('mlp_norm', m)(x_BTD))
-    elif c.norm_placement == 'post':   # N(x + f(x))
+    elif c.norm.placement == 'post':   # N(x + f(x))
       x_BTD = norm('attn_norm', a)(x_BTD + attn(x_BTD, positions_T, segment_ids_BT))
       x_BTD = norm('mlp_norm', m)(x_BTD + mlp(x_BTD))
     else:                              # peri: x + N_out(f(N_in(x)))

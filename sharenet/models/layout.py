@@ -6,7 +6,6 @@ of them reads the stack's module names.
 """
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import flax.linen as nn
@@ -96,8 +95,8 @@ def from_applied_per_layer(per_layer: Tree, layers: dict[tuple, Any], cfg: Model
 
 def untied_config(cfg: ModelConfig) -> ModelConfig:
   """The untied model of `cfg`'s applied depth (absent LoRA parts become zeros)."""
-  return dataclasses.replace(cfg, scheme='untied', num_unique=0, repeats=0, pattern='',
-                             lora_layers='all', scan_layers=True)
+  return cfg.derive(scan_layers=True, sharing={'scheme': 'untied', 'num_unique': 0,
+                                               'repeats': 0, 'pattern': '', 'lora_layers': 'all'})
 
 
 def to_untied(variables: Tree, cfg: ModelConfig) -> tuple[ModelConfig, Tree]:

@@ -61,19 +61,19 @@ class DecoderLM(nn.Module):
   def setup(self):
     c = self.cfg
     dt, pdt = jnp.dtype(c.dtype), jnp.dtype(c.param_dtype)
-    self.embedder = Embed(c.vocab_size, c.d_model, c.embed_init_std, c.fixnorm, dt, pdt,
+    self.embedder = Embed(c.vocab_size, c.d_model, c.embed_init_std, c.norm.fixnorm, dt, pdt,
                           name='embed')
     if c.position == 'learned':
       self.pos_table = params.param(self, 'pos_embed', (c.max_len, c.d_model),
                                     ('length', 'embed'), 'pos_embed', std=0.02, dtype=pdt,
                                     num_in=1, writes=True)
     # MASA atoms (models/masa.py): stored here once, handed to every applied layer.
-    self.masa_atoms = MasaAtoms(c, name='masa') if c.masa else None
+    self.masa_atoms = MasaAtoms(c, name='masa') if c.atom_kernels else None
     self.stack = Stack(c, name=STACK)
     self.final_norm = None
-    if c.norm_placement != 'post':
-      self.final_norm = Norm(c.norm, c.norm_eps, param_dtype=pdt, dyt_alpha=c.dyt_alpha,
-                             role='norm_out', kernels=c.kernels, name='final_norm')
+    if c.norm.placement != 'post':
+      self.final_norm = Norm(c.norm.kind, c.norm.eps, param_dtype=pdt,
+                             dyt_alpha=c.norm.dyt_alpha, role='norm_out', kernels=c.kernels, name='final_norm')
     self.readout = None
     if not c.tie_embeddings:
       self.readout = Dense((c.vocab_size,), ('embed',), ('vocab',), role='readout',

@@ -277,8 +277,8 @@ def looped(cfg: ModelConfig) -> Looped:
   loops = [i for i, s in enumerate(segs) if s.order == 'cycle' and s.repeats > 1]
   if len(loops) != 1:
     raise ConfigError(f'loop-by-loop serving needs exactly one looped cycle segment; '
-                      f'model.sharing.scheme={cfg.scheme!r} has {len(loops)}; valid schemes: '
-                      f'cycle, universal, middle_cycle, groups')
+                      f'model.sharing.scheme={cfg.sharing.scheme!r} has {len(loops)}; valid '
+                      f'schemes: cycle, universal, middle_cycle, groups')
   i = loops[0]
   start = sum(s.num_applied for s in segs[:i])
   return Looped(start, segs[i].num_sets, segs[i].repeats, cfg.num_layers, i)

@@ -37,7 +37,7 @@ def atom_specs(cfg: ModelConfig) -> dict[str, tuple]:
   """{kernel name: (kernel shape, kernel axes, role, num_in, branch, use)} of the kernels the
   MASA targets name: 'mlp_in' is the MLP's input kernels (SwiGLU: wi_gate and wi_up, one
   dictionary each, as each is its own projection type), 'mlp_out' its 'wo'."""
-  D, H, K, Dh, F = cfg.d_model, cfg.num_heads, cfg.kv_heads, cfg.head_dim, cfg.mlp_dim
+  D, H, K, Dh, F = cfg.d_model, cfg.num_heads, cfg.kv_heads, cfg.d_head, cfg.mlp_dim
   mlp_in = ('wi_gate', 'wi_up') if cfg.mlp == 'swiglu' else ('wi',)
   kernels = {'q': ('q',), 'k': ('k',), 'v': ('v',), 'o': ('o',), 'mlp_in': mlp_in,
              'mlp_out': ('wo',)}
@@ -52,7 +52,7 @@ def atom_specs(cfg: ModelConfig) -> dict[str, tuple]:
   }
   for name in ('wi', 'wi_gate', 'wi_up'):
     specs[name] = reader(('mlp',), (F,), 'mlp')
-  return {k: specs[k] for t in cfg.masa for k in kernels[t]}
+  return {k: specs[k] for t in cfg.atom_kernels for k in kernels[t]}
 
 
 class MasaAtoms(nn.Module):
@@ -67,7 +67,7 @@ class MasaAtoms(nn.Module):
       fan_in = 1
       for n in shape[:num_in]:
         fan_in *= n
-      out[name] = param(self, name, (c.masa_atoms,) + shape, (ATOMS,) + axes, role,
+      out[name] = param(self, name, (c.masa.atoms,) + shape, (ATOMS,) + axes, role,
                           std=fan_in ** -0.5, dtype=jnp.dtype(c.param_dtype), num_in=num_in,
                           branch=branch, writes=role == 'writer', use=use)
     return out

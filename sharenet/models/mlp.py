@@ -58,20 +58,22 @@ class Mlp(nn.Module):
     c = self.cfg
     masa = masa or {}
     dt, pdt = jnp.dtype(c.dtype), jnp.dtype(c.param_dtype)
-    r_in = c.lora_rank if 'mlp_in' in c.lora_targets else 0
-    r_out = c.lora_rank if 'mlp_out' in c.lora_targets else 0
+    r_in = c.sharing.lora_rank if 'mlp_in' in c.sharing.lora_targets else 0
+    r_out = c.sharing.lora_rank if 'mlp_out' in c.sharing.lora_targets else 0
 
     def dense_in(name):
       return lambda x: dense_apply(
           Dense((c.mlp_dim,), ('embed',), ('mlp',), branch=BRANCH, lora_rank=r_in,
-                lora_scale=c.lora_scale, lora_zero=c.lora_zero, use_bias=c.reader_bias,
-                dtype=dt, param_dtype=pdt, dense_grad=c.dense_grad, name=name), x,
+                lora_scale=c.sharing.lora_scale, lora_zero=c.sharing.lora_zero,
+                use_bias=c.reader_bias, dtype=dt, param_dtype=pdt, dense_grad=c.dense_grad,
+                name=name), x,
           masa.get(name))
 
     def pre_act(name):   # identity unless model.norm.pre_activation is set
-      if c.pre_activation_norm == 'none':
+      if c.norm.pre_activation == 'none':
         return lambda h: h
-      return Norm(c.pre_activation_norm, c.norm_eps, PER_LAYER if c.untie_norms else 'params',
+      return Norm(c.norm.pre_activation, c.norm.eps,
+                  PER_LAYER if c.sharing.untie_norms else 'params',
                   axis_name='mlp', param_dtype=pdt, role='norm_in', branch=BRANCH, name=name)
 
     if c.mlp == 'swiglu':
@@ -87,8 +89,9 @@ class Mlp(nn.Module):
     h_BTF = nn.with_logical_constraint(h_BTF, ('activation_batch', 'activation_length',
                                                'activation_mlp'))
     out = dense_apply(Dense((c.d_model,), ('mlp',), ('embed',), role='writer', branch=BRANCH,
-                            lora_rank=r_out, lora_scale=c.lora_scale, lora_zero=c.lora_zero,
-                            dtype=dt, param_dtype=pdt, dense_grad=c.dense_grad, name='wo'), h_BTF,
+                            lora_rank=r_out, lora_scale=c.sharing.lora_scale,
+                            lora_zero=c.sharing.lora_zero, dtype=dt, param_dtype=pdt,
+                            dense_grad=c.dense_grad, name='wo'), h_BTF,
                     masa.get('wo'))
     sow_l1(self, 'mlp_out', out)
     return checkpoint_name(out, 'mlp_out')

@@ -32,13 +32,13 @@ class PositionStep:
 
   def __init__(self, cfg: ModelConfig, shares_query: bool):
     self.cfg, self.shares_query = cfg, shares_query
-    self.k_norm = self._norm('k_norm') if cfg.qk_norm != 'none' else None
-    self.q_norm = (self._norm('q_norm') if cfg.qk_norm != 'none' and not shares_query
+    self.k_norm = self._norm('k_norm') if cfg.norm.qk_norm != 'none' else None
+    self.q_norm = (self._norm('q_norm') if cfg.norm.qk_norm != 'none' and not shares_query
                    else None)
 
   def _norm(self, name: str) -> Norm:
     c = self.cfg
-    return Norm('rmsnorm' if c.qk_norm == 'rms' else 'l2', c.norm_eps, axis_name='head_dim',
+    return Norm('rmsnorm' if c.norm.qk_norm == 'rms' else 'l2', c.norm.eps, axis_name='head_dim',
                 param_dtype=jnp.dtype(c.param_dtype), branch=BRANCH, name=name)
 
   def keys(self, k_BSKD: jax.Array, positions: jax.Array) -> jax.Array:

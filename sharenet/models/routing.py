@@ -62,8 +62,8 @@ class Router(nn.Module):
   def setup(self):
     c = self.cfg
     R, D, pdt = c.recursions, c.d_model, jnp.dtype(c.param_dtype)
-    per_recursion = c.routing == 'expert_choice'
-    if c.routing_router == 'linear':
+    per_recursion = c.routing.kind == 'expert_choice'
+    if c.routing.router == 'linear':
       self.w = param(self, 'kernel', (R, D), ('repeats', 'embed'), 'router', std=D ** -0.5,
                      dtype=pdt, num_in=1)
     else:
@@ -87,13 +87,13 @@ class Router(nn.Module):
   def expert_weights(self) -> tuple[jax.Array | None, jax.Array]:
     """(MLP input weights or None, output rows): what `expert_logits` reads, as arrays a scan
     over recursions can broadcast (the bucketed lowering's body, models/stack.py)."""
-    return (self.w_in if self.cfg.routing_router == 'mlp' else None), self.w
+    return (self.w_in if self.cfg.routing.router == 'mlp' else None), self.w
 
   def token_logits(self, x_BTD: jax.Array) -> jax.Array:
     """Logits over the R exit depths (B, T, R), in float32 (float64 stays float64)."""
     dt = jnp.promote_types(x_BTD.dtype, jnp.float32)
     x = x_BTD.astype(dt)
-    if self.cfg.routing_router == 'mlp':
+    if self.cfg.routing.router == 'mlp':
       x = nn.gelu(x @ self.w_in.astype(dt), approximate=False)
     return jnp.einsum('btd,rd->btr', x, self.w.astype(dt))
 
@@ -126,7 +126,7 @@ def _route(h_BTD: jax.Array, cand_BN: jax.Array, r: int, k: int, *, cfg: ModelCo
   B, T, _ = h_BTD.shape
   x_BND = _rows(h_BTD, cand_BN)
   logits_BN = router.expert_logits(x_BND, r)
-  gate_BN = cfg.alpha * jax.nn.sigmoid(logits_BN)
+  gate_BN = cfg.router_alpha * jax.nn.sigmoid(logits_BN)
   # Top-k by a stable sort: exact ties (equal tokens score equally before any layer mixes
   # them) go to the earlier token.
   top_BK = jnp.argsort(-gate_BN, axis=1, stable=True)[:, :k]
@@ -207,7 +207,7 @@ def expert_choice(h_BTD: jax.Array, positions_T: jax.Array | None,
     x_BND, top_BK, sel_BK, gate_BN = _route(h_BTD, cand_BN, a, ks[a], cfg=cfg, router=router,
                                             sow=sow)
     pos_BK = None if pos_BT is None else _rows(pos_BT, sel_BK)
-    if not cfg.routing_buckets:     # one recursion per bucket, run at its own k_r
+    if not cfg.routing.buckets:     # one recursion per bucket, run at its own k_r
       f_BKD, _ = level(_rows(x_BND, top_BK), pos_BK,
                        None if segment_ids_BT is None else _rows(segment_ids_BT, sel_BK))
       g_BK1 = _rows(gate_BN, top_BK)[:, :, None].astype(f_BKD.dtype)
@@ -229,7 +229,7 @@ def expert_choice(h_BTD: jax.Array, positions_T: jax.Array | None,
     else:
       per_step = []
       for i in range(len(bucket)):
-        carry, losses = expert_recursion(level, router.expert_logits, cfg.alpha, carry,
+        carry, losses = expert_recursion(level, router.expert_logits, cfg.router_alpha, carry,
                                          jax.tree.map(lambda v: v[i], steps), kept)
         per_step.append(losses)
       bce_M, z_M = (jnp.stack(v) for v in zip(*per_step))
@@ -288,16 +288,16 @@ def token_choice(h_BTD: jax.Array, positions_T: jax.Array | None,
   R = cfg.recursions
   logits_BTR = router.token_logits(h_BTD)
   probs_BTR = jax.nn.softmax(logits_BTR, axis=-1)
-  scores_BTR = cfg.alpha * probs_BTR
+  scores_BTR = cfg.router_alpha * probs_BTR
   if bias_R is not None:
     scores_BTR = scores_BTR + jax.lax.stop_gradient(bias_R).astype(scores_BTR.dtype)[None, None]
   exit_BT = jnp.argmax(scores_BTR, axis=-1)
-  w_BT1 = cfg.alpha * jnp.take_along_axis(probs_BTR, exit_BT[:, :, None], axis=2)
+  w_BT1 = cfg.router_alpha * jnp.take_along_axis(probs_BTR, exit_BT[:, :, None], axis=2)
   frac_R = jnp.mean(jax.nn.one_hot(exit_BT, R, dtype=jnp.float32), axis=(0, 1))
   for r in range(R):
     sow(f'exit_{r}', frac_R[r])
   # The reference's P_i averages its router_probs, alpha * softmax (token_choice_router.py).
-  sow('aux_loss_0', R * jnp.sum(cfg.alpha * jnp.mean(probs_BTR, axis=(0, 1)) * frac_R))
+  sow('aux_loss_0', R * jnp.sum(cfg.router_alpha * jnp.mean(probs_BTR, axis=(0, 1)) * frac_R))
   sow('z_loss_0', z_loss(logits_BTR))
   for r in range(R):
     sow(f'capacity_{r}', jnp.mean((exit_BT >= r).astype(jnp.float32)))
@@ -330,7 +330,7 @@ def update_balance(cfg: ModelConfig, balance: Any, metrics: dict[str, jax.Array]
   (metrics 'routing_exit_i', averaged over micro-batches and the global batch)."""
   R = cfg.recursions
   f_R = jnp.stack([metrics[f'routing_exit_{r}'] for r in range(R)]).astype(jnp.float32)
-  step_R = cfg.routing_bias_rate * jnp.sign(1.0 / R - f_R)
+  step_R = cfg.routing.bias_rate * jnp.sign(1.0 / R - f_R)
   return jax.tree.map(lambda b: b + step_R.astype(b.dtype), balance)
 
 

@@ -136,7 +136,7 @@ class StoredSegment(nn.Module):
     run = dict(unroll=c.scan_unroll, split_transpose=c.scan_split_transpose)
     if routed:
       if cache is not None:
-        raise ConfigError(f'model.routing.kind={c.routing!r}: cached generation of a routed '
+        raise ConfigError(f'model.routing.kind={c.routing.kind!r}: cached generation of a routed '
                           f'model is not implemented; valid: routing.kind=none')
       return carry._replace(x_BTD=self._routed(seg, sets, carry.x_BTD, shared, run)), None
     if self.is_initializing() and schedule.is_default and cache is None:
@@ -182,14 +182,15 @@ class StoredSegment(nn.Module):
     router = routing.Router(c, name=NAMES['router'])
     level = loops.stream_pass(loops.layer_fn(c), sets, shared.masa, **run)
     positions_T, segment_ids_BT = shared.positions_T, shared.segment_ids_BT
-    if c.routing == 'expert_choice':
+    if c.routing.kind == 'expert_choice':
       recurse = None
-      if c.routing_buckets:
+      if c.routing.buckets:
         weights = router.expert_weights()
         logits = functools.partial(routing.expert_logits, weights)
 
         def recurse(carry, steps, kept):
-          step = lambda carry, s: routing.expert_recursion(level, logits, c.alpha, carry, s, kept)
+          step = lambda carry, s: routing.expert_recursion(level, logits, c.router_alpha, carry, s,
+                                                             kept)
           return jax.lax.scan(step, carry, steps)
       return routing.expert_choice(x_BTD, positions_T, segment_ids_BT, cfg=c, router=router,
                                    level=level, sow=sow, recurse=recurse)
@@ -232,7 +233,7 @@ def init_cache(cfg: ModelConfig, batch_size: int, num_slots: int,
   kv_shared | qkv_shared) holds K only: v is None."""
   dt = jnp.dtype(dtype or cfg.dtype)
   def one(n):
-    shape = (n, batch_size, num_slots, cfg.kv_heads, cfg.head_dim)
+    shape = (n, batch_size, num_slots, cfg.kv_heads, cfg.d_head)
     return LayerCache(jnp.zeros(shape, dt), None if cfg.values_are_keys else jnp.zeros(shape, dt))
   return tuple(one(seg.num_applied) for seg in cfg.plan.segments)
 

@@ -90,7 +90,7 @@ def stack_params(workdir: str) -> int:
   from sharenet.models import ModelConfig, param_table
   from sharenet.workdir_lib import load_config
   config = load_config(workdir)
-  table = param_table(ModelConfig.from_config(config.model, config.train.seq_len))
+  table = param_table(ModelConfig.from_experiment(config))
   return sum(math.prod(i.shape) for i in table.values()
              if i.segment is not None or i.axes[:1] == ('atoms',))
 

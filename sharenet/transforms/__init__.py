@@ -49,7 +49,7 @@ class Transforms:
     self.adamp_delta = float(t.adamp_delta)
     self.adamp_wd_ratio = float(t.adamp_wd_ratio)
     cfg = model.cfg
-    if self.projection == 'nap' and cfg.pre_activation_norm == 'none':
+    if self.projection == 'nap' and cfg.norm.pre_activation == 'none':
       raise ConfigError('transforms.project=nap (Normalize-and-Project) needs a norm before the '
                         'MLP nonlinearity; valid: model.norm.pre_activation=layernorm or rmsnorm '
                         '(or transforms.project=norm_project for the projection alone)')

@@ -32,7 +32,6 @@ state and data iterator) that eval.py reads and train.py continues with
 """
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import jax
@@ -40,9 +39,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax.traverse_util import flatten_dict, unflatten_dict
 
+from sharenet import sharing
 from sharenet.errors import require
 from sharenet.models import DecoderLM, ModelConfig, init_variables, layout, param_table
-from sharenet.models.config import LORA_LAYERS
+from sharenet.models.sections import LORA_LAYERS
 from sharenet.params import KERNEL_ROLES, NORM_ROLES, PER_LAYER, ParamInfo
 
 INITS = ('stepwise', 'average', 'lower')
@@ -110,14 +110,15 @@ def _fold_bias(flat: dict, kernel_path: tuple, bias_path: tuple, beta, stacked: 
 
 def ln_to_rms(cfg: ModelConfig, variables: Any) -> tuple[ModelConfig, Any]:
   """Pre-LN -> Pre-RMSNorm computing the same function (see the module docstring)."""
-  require(cfg.norm == 'layernorm', f'config.to=rmsnorm needs a layernorm model, got {cfg.norm}')
-  require(cfg.norm_placement == 'pre', f'config.to=rmsnorm needs norm placement pre (the '
-          f'equivalence uses that only norms read the stream), got {cfg.norm_placement}')
-  require(not cfg.untie_norms and not cfg.lora_rank,
+  require(cfg.norm.kind == 'layernorm',
+          f'config.to=rmsnorm needs a layernorm model, got {cfg.norm.kind}')
+  require(cfg.norm.placement == 'pre', f'config.to=rmsnorm needs norm placement pre (the '
+          f'equivalence uses that only norms read the stream), got {cfg.norm.placement}')
+  require(not cfg.sharing.untie_norms and not cfg.sharing.lora_rank,
           'conversion of norms supports untie_norms=False and lora_rank=0 (folding into tied '
           'readers would untie them)')
-  new_cfg = dataclasses.replace(cfg, norm='rmsnorm', reader_bias=True,
-                                center_embedding=cfg.center_embedding or cfg.tie_embeddings)
+  new_cfg = cfg.derive(norm={'kind': 'rmsnorm'}, reader_bias=True,
+                       center_embedding=cfg.center_embedding or cfg.tie_embeddings)
   table, new_table = param_table(cfg), param_table(new_cfg)
   flat = dict(flatten_dict(variables['params']))
   flat = {('params',) + k: v for k, v in flat.items()}
@@ -140,7 +141,7 @@ def ln_to_rms(cfg: ModelConfig, variables: Any) -> tuple[ModelConfig, Any]:
     flat[pos] = _center(flat[pos])
   out = dict(variables)
   out['params'] = unflatten_dict({k[1:]: v for k, v in flat.items()})
-  return new_cfg.validate(), _fill_missing(new_cfg, out)
+  return new_cfg, _fill_missing(new_cfg, out)
 
 
 def _compress_reader(w, axis: int):
@@ -170,10 +171,11 @@ def writers_zero_mean(cfg: ModelConfig, variables: Any, tol: float = 1e-5) -> bo
 
 def rms_to_crms(cfg: ModelConfig, variables: Any) -> tuple[ModelConfig, Any]:
   """Pre-RMSNorm over a zero-mean stream -> Pre-CRMSNorm on d_model - 1 coordinates."""
-  require(cfg.norm == 'rmsnorm' and cfg.norm_placement == 'pre',
-          f'config.to=crmsnorm needs a pre-rmsnorm model, got {cfg.norm_placement}-{cfg.norm}; '
+  require(cfg.norm.kind == 'rmsnorm' and cfg.norm.placement == 'pre',
+          f'config.to=crmsnorm needs a pre-rmsnorm model, got '
+          f'{cfg.norm.placement}-{cfg.norm.kind}; '
           f'convert a layernorm model with config.to=rmsnorm first')
-  require(not cfg.untie_norms and not cfg.lora_rank,
+  require(not cfg.sharing.untie_norms and not cfg.sharing.lora_rank,
           'conversion of norms supports untie_norms=False and lora_rank=0')
   require(writers_zero_mean(cfg, variables),
           'the residual writers are not zero-mean, so RMSNorm -> CRMSNorm would change the '
@@ -181,8 +183,8 @@ def rms_to_crms(cfg: ModelConfig, variables: Any) -> tuple[ModelConfig, Any]:
           'transforms.reparam=zero_mean_writers')
   flat = {('params',) + k: v for k, v in flatten_dict(variables['params']).items()}
   d = cfg.d_model
-  new_cfg = dataclasses.replace(cfg, norm='crmsnorm', d_model=d - 1, head_dim_override=cfg.head_dim,
-                                tie_embeddings=False, center_embedding=False, reader_bias=True)
+  new_cfg = cfg.derive(norm={'kind': 'crmsnorm'}, d_model=d - 1, head_dim=cfg.d_head,
+                       tie_embeddings=False, center_embedding=False, reader_bias=True)
   table, new_table = param_table(cfg), param_table(new_cfg)
   for norm, readers in _stream_norms(table):
     gain = _part(table, norm, 'gain')
@@ -215,7 +217,7 @@ def rms_to_crms(cfg: ModelConfig, variables: Any) -> tuple[ModelConfig, Any]:
     flat[pos] = _drop_last(_center(p) if cfg.center_embedding else p)
   out = dict(variables)
   out['params'] = unflatten_dict({k[1:]: v for k, v in flat.items()})
-  return new_cfg.validate(), _fill_missing(new_cfg, out)
+  return new_cfg, _fill_missing(new_cfg, out)
 
 
 def _fill_missing(cfg: ModelConfig, variables: Any) -> Any:
@@ -245,7 +247,7 @@ def _fill_missing(cfg: ModelConfig, variables: Any) -> Any:
 
 def source_layers(cfg: ModelConfig, num_unique: int, scheme: str, init: str) -> list[list[int]]:
   """For each unique set of the target plan, the source layers it is initialised from."""
-  plan = ModelConfig(num_layers=cfg.num_layers, scheme=scheme, num_unique=num_unique).plan
+  plan = sharing.make_plan(scheme, cfg.num_layers, num_unique)
   L = cfg.num_layers
   if init == 'average':
     return [list(plan.uses(u)) for u in range(plan.num_unique)]
@@ -267,19 +269,20 @@ def to_recursive(cfg: ModelConfig, variables: Any, scheme: str, num_unique: int,
                  untie_norms: bool = False, seed: int = 0, lora_layers: str = 'shared'
                  ) -> tuple[ModelConfig, Any]:
   """Untied -> recursive with `num_unique` stored sets (see the module docstring)."""
-  require(cfg.scheme == 'untied', f'config.to=recursive needs an untied source, got {cfg.scheme}')
+  require(cfg.sharing.scheme == 'untied',
+          f'config.to=recursive needs an untied source, got {cfg.sharing.scheme}')
   require(scheme in RECURSIVE_SCHEMES,
           f'config.scheme={scheme!r} is unknown; valid: {", ".join(RECURSIVE_SCHEMES)}')
   require(init in INITS, f'config.init={init!r} is unknown; valid: {", ".join(INITS)}')
   require(lora_init in ('zero', 'svd'),
           f'config.lora_init={lora_init!r} is unknown; valid: zero, svd')
-  require(not cfg.lora_rank, 'the source already has depth-wise LoRA; valid: lora_rank=0')
+  require(not cfg.sharing.lora_rank, 'the source already has depth-wise LoRA; valid: lora_rank=0')
   require(lora_layers in LORA_LAYERS, f'config.lora_layers={lora_layers!r} is unknown; valid: '
           f'{", ".join(LORA_LAYERS)}')
-  new_cfg = dataclasses.replace(
-      cfg, scheme=scheme, num_unique=num_unique, repeats=0, pattern='', lora_rank=lora_rank,
-      lora_targets=tuple(lora_targets) or cfg.lora_targets, untie_norms=untie_norms,
-      lora_layers=lora_layers).validate()
+  new_cfg = cfg.derive(sharing={
+      'scheme': scheme, 'num_unique': num_unique, 'repeats': 0, 'pattern': '',
+      'lora_rank': lora_rank, 'lora_targets': tuple(lora_targets) or cfg.sharing.lora_targets,
+      'untie_norms': untie_norms, 'lora_layers': lora_layers})
   plan = new_cfg.plan
   src = {p: v for p, v in layout.applied_params(variables['params'], cfg).items()}
   if PER_LAYER in variables:
@@ -318,7 +321,7 @@ def svd_lora(src: dict, sets: dict, index: tuple, cfg: ModelConfig) -> dict:
   """
   out = {}
   idx = jnp.asarray(index)
-  r = cfg.lora_rank
+  r = cfg.sharing.lora_rank
   table = param_table(cfg)
   # A LoRA factor's kernel: the block kernel created by the same module (block-local paths).
   kernels = {i.local[:-1]: i for i in table.values() if i.role in KERNEL_ROLES and i.in_block}
@@ -337,7 +340,7 @@ def svd_lora(src: dict, sets: dict, index: tuple, cfg: ModelConfig) -> dict:
     k = min(r, s.shape[-1])
     a = jnp.zeros(res.shape[:2] + (r,), res.dtype).at[..., :k].set(u[..., :k])
     b = jnp.zeros((len(index), r, res.shape[2]), res.dtype).at[:, :k].set(
-        s[:, :k, None] * vt[:, :k] / cfg.lora_scale)
+        s[:, :k, None] * vt[:, :k] / cfg.sharing.lora_scale)
     out[ab['a']] = a.reshape((len(index),) + in_shape + (r,))
     out[ab['b']] = b.reshape((len(index), r) + out_shape)
   return out

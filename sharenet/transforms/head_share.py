@@ -96,16 +96,16 @@ def to_head_shared(cfg: ModelConfig, variables: Any, share_rate: float
   number of distinct heads and the stored parameters once every duplicated head is counted
   once, `params_unique`).
   """
-  require(cfg.scheme == 'untied', f'config.to=head_shared needs an untied source, got '
-          f'{cfg.scheme}')
-  require(cfg.attention_sharing == 'none' and not cfg.masa and not cfg.lora_rank,
+  require(cfg.sharing.scheme == 'untied', f'config.to=head_shared needs an untied source, got '
+          f'{cfg.sharing.scheme}')
+  require(cfg.attention_sharing == 'none' and not cfg.atom_kernels and not cfg.sharing.lora_rank,
           'config.to=head_shared needs plain q, k, v, o kernels; valid: '
           'model.attention_sharing=none, model.masa.atoms=0, model.sharing.lora_rank=0')
   require(cfg.kv_heads == cfg.num_heads, f'config.to=head_shared copies whole heads (Q, K, V '
           f'and O slices); valid: num_kv_heads=0, got {cfg.num_kv_heads}')
-  require(cfg.qk_norm == 'none', f'config.to=head_shared: a QK-norm gain is per layer, not per '
-          f'head, so a copied head would not compute its match; valid: model.norm.qk_norm=none, '
-          f'got {cfg.qk_norm}')
+  require(cfg.norm.qk_norm == 'none', f'config.to=head_shared: a QK-norm gain is per layer, not '
+          f'per head, so a copied head would not compute its match; valid: '
+          f'model.norm.qk_norm=none, got {cfg.norm.qk_norm}')
   match, best = head_matches(cfg, variables)
   heads = replaced_heads(cfg, best, share_rate)
   src = layout.applied_params(variables['params'], cfg)
@@ -129,7 +129,7 @@ def to_head_shared(cfg: ModelConfig, variables: Any, share_rate: float
   origin = {(l, h): (l, h) for l in range(L) for h in range(H)}
   origin.update(sources)
   distinct = len(set(origin.values()))
-  D, Dh = cfg.d_model, cfg.head_dim
+  D, Dh = cfg.d_model, cfg.d_head
   per_head = 4 * D * Dh + (3 * Dh if ('attn', 'q', 'bias') in src else 0)
 
   def entry(l: int, h: int) -> dict[str, Any]:

@@ -1,0 +1,174 @@
+"""The nested sections of `config.model` (norm, sharing, routing, masa) as frozen dataclasses.
+
+Each field is named as its key and defaults to the default config's value there
+(sharenet/defaults.py, the one table); each section checks its own choices and ranges when it
+is built. Checks that need other sections, and the values the sentinels resolve to, are the
+ModelConfig's (models/config.py).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+from sharenet import defaults
+from sharenet.errors import ConfigError
+
+NORMS = ('layernorm', 'rmsnorm', 'crmsnorm', 'scalenorm', 'dyt', 'none')
+PLACEMENTS = ('pre', 'post', 'peri')
+QK_NORMS = ('none', 'rms', 'l2')
+PRE_ACTIVATION_NORMS = ('none', 'layernorm', 'rmsnorm')
+LORA_TARGETS = ('q', 'k', 'v', 'o', 'mlp_in', 'mlp_out')
+LORA_LAYERS = ('shared', 'all')
+LORA_ZERO = ('b', 'a')      # which depth-wise LoRA factor starts at zero
+ROUTINGS = ('none', 'expert_choice', 'token_choice')
+ROUTERS = ('linear', 'mlp')
+BALANCINGS = ('loss', 'bias')
+MASA_TARGETS = ('q', 'k', 'v', 'o', 'mlp_in', 'mlp_out')
+_DEFAULTS = defaults.default_config().model
+
+
+def choice(field: str, value: Any, valid: tuple[str, ...]) -> None:
+  """ConfigError unless `value` is one of `valid` (naming the new value of a renamed one)."""
+  if value not in valid:
+    new = defaults.RENAMED_VALUES.get(field, {}).get(value) if isinstance(value, str) else None
+    if new:
+      raise ConfigError(f'{field}={value!r} was renamed: use {new[0]} ({new[1]})')
+    raise ConfigError(f'{field}={value!r} is unknown; valid: {", ".join(valid)}')
+
+
+def parse_targets(value: Any) -> tuple[str, ...]:
+  """A comma list ('q,v') or a sequence of kernel names, as a tuple."""
+  if isinstance(value, str):
+    return tuple(t for t in value.replace(' ', '').split(',') if t)
+  return tuple(value)
+
+
+def key(path: str, parse: Callable[[Any], Any] | None = None,
+        unparse: Callable[[Any], Any] | None = None) -> Any:
+  """A field read from `config.model.<path>`; its default is the default config's value there."""
+  value = _DEFAULTS
+  for k in path.split('.'):
+    value = value[k]
+  default = parse(value) if parse else value
+  return dataclasses.field(default=default,
+                           metadata={'key': path, 'parse': parse, 'unparse': unparse})
+
+
+def section(cls: type) -> Any:
+  """A field holding the section `cls` of `config.model.<name>` (defaults: its own)."""
+  return dataclasses.field(default_factory=cls, metadata={'key': cls.KEY, 'section': cls})
+
+
+def _set(obj: Any, name: str, value: Any) -> None:
+  object.__setattr__(obj, name, value)   # frozen: only __post_init__ normalises a field
+
+
+@dataclasses.dataclass(frozen=True)
+class NormConfig:
+  """`config.model.norm`: activation norms, their placement, QK-norm, FixNorm, NaP's norm."""
+  KEY = 'norm'
+  kind: str = key('norm.kind')
+  placement: str = key('norm.placement')
+  qk_norm: str = key('norm.qk_norm')
+  qk_scale_init: float = key('norm.qk_scale_init')
+  qk_norm_len: int = key('norm.qk_norm_len')
+  dyt_alpha: float = key('norm.dyt_alpha')
+  fixnorm: bool = key('norm.fixnorm')
+  pre_activation: str = key('norm.pre_activation')
+  eps: float = key('norm.eps')
+
+  def __post_init__(self):
+    choice('model.norm.kind', self.kind, NORMS)
+    choice('model.norm.placement', self.placement, PLACEMENTS)
+    choice('model.norm.qk_norm', self.qk_norm, QK_NORMS)
+    choice('model.norm.pre_activation', self.pre_activation, PRE_ACTIVATION_NORMS)
+
+
+@dataclasses.dataclass(frozen=True)
+class SharingConfig:
+  """`config.model.sharing`: the plan's keys (checked by sharing.make_plan) and depth-wise LoRA.
+
+  lora_targets is a tuple (a comma list is read as one)."""
+  KEY = 'sharing'
+  scheme: str = key('sharing.scheme')
+  num_unique: int = key('sharing.num_unique')
+  repeats: int = key('sharing.repeats')
+  pattern: str = key('sharing.pattern')
+  untie_norms: bool = key('sharing.untie_norms')
+  lora_rank: int = key('sharing.lora_rank')
+  lora_targets: tuple[str, ...] = key('sharing.lora_targets', parse_targets, ','.join)
+  lora_scale: float = key('sharing.lora_scale')
+  lora_layers: str = key('sharing.lora_layers')
+  lora_zero: str = key('sharing.lora_zero')
+
+  def __post_init__(self):
+    _set(self, 'lora_targets', parse_targets(self.lora_targets))
+    for t in self.lora_targets:
+      choice('model.sharing.lora_targets', t, LORA_TARGETS)
+    choice('model.sharing.lora_layers', self.lora_layers, LORA_LAYERS)
+    choice('model.sharing.lora_zero', self.lora_zero, LORA_ZERO)
+    if self.lora_rank < 0:
+      raise ConfigError(f'model.sharing.lora_rank={self.lora_rank} must be >= 0')
+
+
+@dataclasses.dataclass(frozen=True)
+class RoutingConfig:
+  """`config.model.routing`: Mixture-of-Recursions (docs/routing.md). The keys besides `kind`
+  are checked only when routed; what their sentinels resolve to is the ModelConfig's."""
+  KEY = 'routing'
+  kind: str = key('routing.kind')
+  capacity: str = key('routing.capacity')
+  router: str = key('routing.router')
+  alpha: float = key('routing.alpha')
+  aux_loss: float = key('routing.aux_loss')
+  z_loss: float = key('routing.z_loss')
+  buckets: int = key('routing.buckets')
+  balancing: str = key('routing.balancing')
+  bias_rate: float = key('routing.bias_rate')
+
+  def __post_init__(self):
+    choice('model.routing.kind', self.kind, ROUTINGS)
+    if self.kind == 'none':
+      return
+    choice('model.routing.router', self.router, ROUTERS)
+    choice('model.routing.balancing', self.balancing, BALANCINGS)
+    if self.kind == 'token_choice' and self.capacity.strip():
+      raise ConfigError(f'model.routing.capacity={self.capacity!r}: token_choice picks '
+                        f'each token\'s depth itself; valid: \'\' (capacity is expert_choice\'s)')
+    if self.buckets and self.kind != 'expert_choice':
+      raise ConfigError(f'model.routing.buckets={self.buckets}: buckets group expert '
+                        f'choice\'s recursions (token choice is one scan already); valid: 0')
+    if self.alpha < 0:
+      raise ConfigError(f'model.routing.alpha={self.alpha} must be >= 0 (0: default)')
+    for name in ('aux_loss', 'z_loss'):
+      value = getattr(self, name)
+      if value < 0 and value != -1:
+        raise ConfigError(f'model.routing.{name}={value} must be >= 0, or -1 (the default '
+                          f'coefficient)')
+    if self.balancing == 'bias' and self.kind != 'token_choice':
+      raise ConfigError('model.routing.balancing=bias balances token choice\'s exit depths; '
+                        'expert choice fixes its capacities; valid: loss')
+    if not self.bias_rate > 0:
+      raise ConfigError(f'model.routing.bias_rate={self.bias_rate} must be > 0')
+
+
+@dataclasses.dataclass(frozen=True)
+class MasaConfig:
+  """`config.model.masa`: MASA, matrix atom sharing (arXiv:2508.04581). targets is a tuple (a
+  comma list is read as one)."""
+  KEY = 'masa'
+  atoms: int = key('masa.atoms')
+  targets: tuple[str, ...] = key('masa.targets', parse_targets, ','.join)
+
+  def __post_init__(self):
+    _set(self, 'targets', parse_targets(self.targets))
+    for t in self.targets:
+      choice('model.masa.targets', t, MASA_TARGETS)
+    if self.atoms < 0:
+      raise ConfigError(f'model.masa.atoms={self.atoms} must be >= 0 (0 = off)')
+    if self.atoms and not self.targets:
+      raise ConfigError(f'model.masa.atoms={self.atoms} with no model.masa.targets; valid: '
+                        f'a comma list of {",".join(MASA_TARGETS)}')
+
+
+SECTIONS = (NormConfig, SharingConfig, RoutingConfig, MasaConfig)
