@@ -86,24 +86,35 @@ class Schedule(NamedTuple):
 Layer = Callable[[dict, Stream, Shared, Scanned], tuple[Stream, tuple[Any, Any]]]
 
 
-def layer_fn(cfg: ModelConfig, observe: bool = False) -> Layer:
+def layer_fn(cfg: ModelConfig, observe: bool = False, capture: Any = False) -> Layer:
   """One applied layer as a pure function: (variables, carry, shared, scanned) -> (carry,
   (updated cache or None, what the block sowed or None)); `observe` collects the sown
-  intermediates. Rematerialised under cfg.remat (prevent_cse is unnecessary inside scan,
-  jax.checkpoint's docstring, and costs speed)."""
+  intermediates, `capture` is the caller's capture_intermediates (flax: True or a filter),
+  applied to the block's modules as if they were called in place. Rematerialised under
+  cfg.remat (prevent_cse is unnecessary inside scan, jax.checkpoint's docstring, and costs
+  speed)."""
   block = Block(cfg)
+  observe = observe or bool(capture)
 
   def layer(variables, carry, shared, scanned):
     if not observe:
       carry, cache = block.apply(variables, carry, shared, scanned)
       return carry, (cache, None)
     (carry, cache), state = block.apply(variables, carry, shared, scanned,
-                                        mutable=[INTERMEDIATES])
+                                        mutable=[INTERMEDIATES], capture_intermediates=capture)
     return carry, (cache, state.get(INTERMEDIATES, {}))
 
   if cfg.remat == 'none':
     return layer
   return jax.checkpoint(layer, policy=remat_policy(cfg.remat), prevent_cse=False)
+
+
+def outer_capture() -> Any:
+  """The capture_intermediates of the flax apply being traced (False outside one): the runner
+  applies blocks functionally, so it hands the caller's choice on. Reads flax's context."""
+  from flax.linen import module as flax_module
+  stack = flax_module._context.capture_stack
+  return stack[-1] if stack else False
 
 
 def _take(tree: Any, i) -> Any:

@@ -132,7 +132,7 @@ class StoredSegment(nn.Module):
     variables = nn.unbox(self.variables)
     sets, per_layer, stored = self._stored(seg, variables)
     observe = self.is_mutable_collection(INTERMEDIATES)
-    layer = loops.layer_fn(c, observe)
+    layer = loops.layer_fn(c, observe, loops.outer_capture() if observe else False)
     run = dict(unroll=c.scan_unroll, split_transpose=c.scan_split_transpose)
     if routed:
       if cache is not None:
@@ -279,7 +279,8 @@ class Stack(nn.Module):
     params = nn.unbox(self.variables)['params']
     stored = tuple(params[NAMES['set'].format(u)] for u in range(plan.num_unique))
     observe = self.is_mutable_collection(INTERMEDIATES)
-    layer, new_caches, sown = loops.layer_fn(self.cfg, observe), [], {}
+    layer = loops.layer_fn(self.cfg, observe, loops.outer_capture() if observe else False)
+    new_caches, sown = [], {}
     for i, seg in enumerate(plan.segments):
       sets = stored[seg.first_set:seg.first_set + seg.num_sets]
       carry, cache, per_layer_sown, streams = loops.run_segment(
