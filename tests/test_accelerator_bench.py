@@ -3,9 +3,12 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from conftest import ROOT, make_subprocess_env
 
 
+@pytest.mark.slow
 def test_accelerator_smoke(tmp_path):
   out = tmp_path / 'acc.jsonl'
   proc = subprocess.run([sys.executable, '-m', 'benchmarks.accelerator', '--smoke',

@@ -143,6 +143,7 @@ def _tiny_model(tiny_config, attention):
   return DecoderLM(ModelConfig.from_config(c.model, 16))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('attention', ['xla', 'pallas'])
 def test_segment_mask_blocks_cross_document_attention(tiny_config, attention):
   model = _tiny_model(tiny_config, attention)
@@ -225,6 +226,7 @@ def test_uint32_bin(tmp_path):
     data.load_splits({'source': 'bin', 'path': odd, 'bin_dtype': 'uint32'})
 
 
+@pytest.mark.slow
 def test_resume_after_kill_is_bit_identical_on_arrayrecord(corpus_dir, tmp_path, losses,
                                                            train_cmd, subprocess_env):
   flags = ['--config.data.source=arrayrecord', f'--config.data.path={corpus_dir}',
@@ -250,6 +252,7 @@ def test_resume_after_kill_is_bit_identical_on_arrayrecord(corpus_dir, tmp_path,
   assert [resumed[s] for s in range(9, 17)] == [ref[s] for s in range(9, 17)]
 
 
+@pytest.mark.slow
 def test_train_step_consumes_segment_ids_and_splits_them_for_grad_accum(corpus_dir, tiny_config):
   from sharenet import train_lib
   from sharenet.models import ModelConfig as MC
@@ -268,6 +271,7 @@ def test_train_step_consumes_segment_ids_and_splits_them_for_grad_accum(corpus_d
   np.testing.assert_allclose(out[0]['loss'], masked, rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_attention_kernels_with_segment_ids_equal_per_document_attention():
   """reference, Pallas GPU (interpret) and Pallas TPU (TPU interpret) with segment ids == causal
   attention run on each document separately (outputs and gradients)."""

@@ -119,6 +119,7 @@ def _run(tiny_config, workdir, **overrides):
   return train_lib.train_and_evaluate(tiny_config(**overrides), str(workdir))
 
 
+@pytest.mark.slow
 def test_bf16_run_tracks_float32_for_50_steps(tiny_config, tmp_path, losses):
   # Observed on the tiny model: at most 0.002 nats apart over 50 steps (bf16 rounds to 8
   # significant bits, ~0.2 %). Bound: 0.02 nats per step, 0.01 on the final eval loss.
@@ -146,6 +147,7 @@ def float32_reference(tmp_path_factory, tiny_config):
   return {r['step']: r['loss'] for r in read_metrics(str(workdir)) if 'loss' in r}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('first, then', [('float32', 'bfloat16'), ('bfloat16', 'float32')])
 def test_checkpoint_resumes_in_the_other_dtype(tiny_config, tmp_path, capsys, losses,
                                                float32_reference, first, then):

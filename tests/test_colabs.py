@@ -34,6 +34,7 @@ def test_committed_without_outputs(path):
           f'{os.path.basename(path)}: clear the outputs before committing')
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('path', NOTEBOOKS, ids=os.path.basename)
 def test_notebook_runs(path, tmp_path, monkeypatch):
   env = conftest.make_subprocess_env()

@@ -109,6 +109,7 @@ def _trace(tiny_config, row, monkeypatch):
   assert metrics['loss'].shape == () and new.step.shape == ()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('row', ROWS, ids=[f'row{i}' for i in range(len(ROWS))])
 def test_row_traces(row, tiny_config, monkeypatch):
   """Fast tier: the train step of every row traces (abstract evaluation)."""

@@ -2,12 +2,14 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from configs.mup import coord_check as cc_config
 from sharenet import config_lib, train_lib
 from sharenet.studies import common, coord_check
 
 
+@pytest.mark.slow
 def test_coord_check_mup_flat_sp_grows():
   """Residual stream / MLP / attention output: flat in width under mup, growing under sp."""
   c = cc_config.get_config()
@@ -28,6 +30,7 @@ def test_coord_check_mup_flat_sp_grows():
       res['variants']['mup']['l1']['32']['residual'][0]
 
 
+@pytest.mark.slow
 def test_coord_check_runs_the_train_step():
   """With a stateful reparam and grad_accum=2 the check's losses are those of the loop's step
   on the same fixed batch, and it records every activation once per step."""

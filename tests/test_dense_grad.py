@@ -39,6 +39,7 @@ def _loss_and_grads(cfg, toks):
   return jax.jit(jax.value_and_grad(loss))(variables)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('extra', [
     dict(sharing=dict(scheme='untied'), remat='dots'),
     dict(sharing=dict(scheme='cycle', repeats=2, lora_rank=2, untie_norms=True, lora_layers='all',

@@ -78,6 +78,7 @@ def _greedy_by_recomputation(model, variables, prompt, n):
   return seq[len(prompt):]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('plan', list(PLANS))
 def test_cached_greedy_equals_recomputation(tiny_config, plan):
   model, variables = _experiment(tiny_config, PLANS[plan])
@@ -219,6 +220,7 @@ def _mesh_tokens(tiny_config, mesh_sizes=None):
   return {'greedy': greedy, 'sampled': sampled}
 
 
+@pytest.mark.slow
 def test_two_devices_give_the_tokens_of_one(tiny_config, repo_root, subprocess_env, tmp_path):
   out = tmp_path / 'tokens.json'
   env = dict(subprocess_env)
@@ -250,6 +252,7 @@ def _eval(repo_root, env, *flags):
                         env=dict(env), capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.slow
 def test_cli_prints_json_matching_the_library(workdir, repo_root, subprocess_env, tmp_path):
   prompt_file = tmp_path / 'prompts.txt'
   prompt_file.write_text('def fib(\nThe\n')
@@ -275,6 +278,7 @@ def test_cli_prints_json_matching_the_library(workdir, repo_root, subprocess_env
   assert len(rows) == 2 and all(isinstance(r['text'], str) for r in rows)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('case', ['empty_prompt', 'too_long', 'no_checkpoint',
                                   'negative_temperature'])
 def test_cli_bad_input_is_one_line_exit_2(case, workdir, repo_root, subprocess_env, tmp_path):

@@ -70,6 +70,7 @@ def test_reference_matches_definition():
 
 # ---- the chunked back-end (the CPU default) ---------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize('shape', SHAPES, ids=lambda s: 'B{}T{}H{}K{}D{}'.format(*s))
 @pytest.mark.parametrize('chunk', [1, 5, 8])
 def test_chunked_reference_values_and_grads(shape, chunk):
@@ -92,6 +93,7 @@ def test_chunked_reference_values_and_grads(shape, chunk):
   assert rel_err(out, naive_attention(q, k, v, 0.3)) < 1e-5
 
 
+@pytest.mark.slow
 def test_attention_auto_is_chunked_on_cpu_and_the_model_still_sows_attn_logits():
   assert kernels.attention_backend('auto', 'auto') == 'chunked'
   assert kernels.attention_backend('auto', 'xla') == 'chunked'
@@ -232,6 +234,7 @@ MODEL_CASES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('case', list(MODEL_CASES))
 def test_model_pallas_matches_xla(case):
   """Same loss and gradients (every parameter, the learned qk_scale included) as the XLA path.
@@ -298,6 +301,7 @@ def small_corpus(tmp_path_factory):
   return str(path)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('case', list(TRAIN_CASES))
 def test_pallas_trains_like_xla(case, tmp_path, tiny_config, losses, small_corpus):
   """model.kernels=pallas trains the tiny config with the XLA path's losses over 5 steps."""

@@ -96,6 +96,7 @@ def test_decode_case_shape_errors():
                    k_positions_BS=k_pos[:, :4])
 
 
+@pytest.mark.slow
 def test_model_decodes_through_the_core_on_every_back_end():
   """A cached prefill and one step give the same logits and cache under model.attention = xla,
   chunked and pallas (the reference, via the fallback), with GQA, RoPE and QK-norm."""

@@ -231,6 +231,7 @@ def _assert_same(loss, grads, ref_loss, ref_grads):
     assert _rel(g, ref[path]) <= 1e-4, path
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('scheme', ['untied', 'cycle'])
 @pytest.mark.parametrize('norm', K.KINDS)
 def test_model_pallas_matches_xla(norm, scheme, xla_reference):
@@ -270,6 +271,7 @@ def test_pre_norm_block_fuses_the_attention_residual(monkeypatch):
   assert calls.count(True) >= 1 and calls.count(True) == calls.count(False) - 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('placement, umup', [('peri', False), ('pre', True)])
 def test_model_pallas_other_placements(placement, umup):
   """Peri-norm (norms on branch outputs too) and u-muP's residual rule (pre-norm, no fused add;

@@ -91,6 +91,7 @@ def _config(tiny_config):
                         'train.log_every': 1})
 
 
+@pytest.mark.slow
 def test_dispatch_reads_nothing_and_metrics_are_read_one_step_behind(monkeypatch, tmp_path,
                                                                     tiny_config):
   events = _record(monkeypatch)

@@ -161,6 +161,7 @@ def check(exported, platform: str, program: str, dtype: str) -> None:
     assert not stray, f'float32 x float32 matmuls in the bf16 TPU {program}: {stray}'
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('platform, name, kernels_, dtype',
                          [(p, n, k, d) for p in PLATFORMS for n in CONFIGS for k, d in SETTINGS])
 def test_train_step_lowers_with_its_kernels(tiny_config, platform, name, kernels_, dtype):
@@ -176,6 +177,7 @@ def test_generation_lowers_with_its_kernels(tiny_config, platform, name, kernels
         'decode', dtype)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('platform, name, kernels_, dtype',
                          [(p, n, k, d) for p in PLATFORMS for n in TICK_CONFIGS
                           for k, d in SETTINGS])

@@ -27,6 +27,7 @@ def test_lr_sweep_optimum_is_quadratic_vertex():
   assert lr_sweep.optimum(grid, losses)['grid_argmin_log2_lr'] == -7.0
 
 
+@pytest.mark.slow
 def test_lr_sweep_vmapped_cells_match_the_train_step_in_python():
   """Cell (lr, seed 1) of a muP model with a reparam is the loop's step driven in Python at
   train.lr = lr from init seed train.seed + 1 on the same batches."""
@@ -47,6 +48,7 @@ def test_lr_sweep_vmapped_cells_match_the_train_step_in_python():
   assert np.all(np.isfinite(val))
 
 
+@pytest.mark.slow
 def test_lr_sweep_cell_with_transforms_equals_a_train_run(tmp_path):
   """Transforms (sigma-reparam with its power-iteration state, AGC) and grad_accum=2 inside a
   sweep: cell (lr, seed 0) ends at the loss train_lib.train_and_evaluate logs at train.lr=lr."""

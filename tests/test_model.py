@@ -100,6 +100,7 @@ def expected_params(cfg: ModelConfig, lora_layers: int | None = None) -> int:
   return outer + U * block_tied + L * per_layer + n_lora * lora
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('scheme', SCHEMES)
 @pytest.mark.parametrize(
     'extra', [{},
@@ -134,6 +135,7 @@ def _rel_err(a, b):
   return float(jnp.max(jnp.abs(a - b)) / (jnp.max(jnp.abs(b)) + 1e-30))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('scheme, lora', [
     (s, False) for s in ('cycle', 'sequence', 'middle_cycle', 'universal', 'groups', 'sandwich',
                          'explicit')] + [(s, True) for s in ('cycle', 'sequence', 'middle_cycle')])
@@ -174,6 +176,7 @@ def test_tied_gradient_is_sum_of_untied_gradients(scheme, lora):
 
 # ---- depth-wise LoRA ----------------------------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize('lora_layers', ['shared', 'all'])
 @pytest.mark.parametrize('scheme', ['middle_cycle', 'middle_sequence', 'sandwich', 'cycle',
                                     'explicit'])
@@ -204,6 +207,7 @@ def test_shared_lora_without_a_shared_layer_is_one_line_error():
   assert tiny('untied', sharing=dict(lora_rank=2, lora_layers='all')).sharing.lora_rank == 2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('lora_layers', ['shared', 'all'])
 @pytest.mark.parametrize('scheme', ['middle_cycle'])
 def test_zero_lora_equals_strict_plan(scheme, lora_layers):
@@ -224,6 +228,7 @@ def test_zero_lora_equals_strict_plan(scheme, lora_layers):
   assert len(draws) == lora_layer_count(relaxed) == (4 if lora_layers == 'shared' else 6)
 
 
+@pytest.mark.slow
 def test_lora_zero_a_starts_a_at_zero_and_b_at_one_over_sqrt_rank():
   """lora_zero='a': A = 0 (x A starts at 0), B ~ N(0, 1/r); the model starts as the strict plan
   and A, not B, gets the first gradient (B's gradient is A^T x^T g = 0)."""
@@ -251,6 +256,7 @@ def test_lora_zero_a_starts_a_at_zero_and_b_at_one_over_sqrt_rank():
 
 # ---- causality, shapes, remat ---------------------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize('scheme', SCHEMES)
 def test_causal_shapes_finite(scheme):
   cfg = tiny(scheme, sharing=dict(untie_norms=scheme == 'cycle',
@@ -272,6 +278,7 @@ def test_causal_shapes_finite(scheme):
   assert float(jnp.abs(g_BTD[:, :t + 1]).min(axis=-1).max()) > 0.0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('remat', REMATS)
 def test_remat_policies_same_loss_and_grads(remat):
   ref_cfg = tiny('cycle', sharing=dict(lora_rank=2, untie_norms=True))
@@ -328,6 +335,7 @@ def _boxed_layout(tree):
   return {k: (x.value.shape, x.names) if is_box(x) else (x.shape, None) for k, x in flat.items()}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     'scheme, extra',
     [('cycle', {}), ('sequence', dict(remat='dots_no_batch')), ('universal', {}), ('untied', {}),

@@ -53,6 +53,7 @@ def _frobenius(w, num_stack):   # one norm per stacked set, computed in float64
   return np.sqrt((w.reshape(w.shape[:num_stack] + (-1,)) ** 2).sum(-1))
 
 
+@pytest.mark.slow
 def test_nap_holds_every_projected_norm_at_its_initial_value_after_every_step(tiny_config):
   c = _cfg(tiny_config, **{'norm.kind': 'layernorm', 'norm.qk_norm': 'rms'})
   c.transforms.project = 'nap'
@@ -156,6 +157,7 @@ def _angular_updates(tiny_config, project, steps, lr):
   return (steps_ / norms[:-1]).mean(-1), norms.mean(-1)
 
 
+@pytest.mark.slow
 def test_angular_update_stays_constant_with_nap_and_decays_as_the_norm_grows_without(
     tiny_config):
   steps, lr = 16, 0.06

@@ -16,6 +16,7 @@ TINY = {'model.d_model': 32, 'model.num_layers': 2, 'model.num_heads': 2, 'model
         'train.warmup_steps': 1, 'train.eval_batch_size': 256}
 
 
+@pytest.mark.slow
 def test_norm_study_runs_variants_and_writes_the_table(tmp_path):
   out = str(tmp_path / 'study')
   config = common.with_overrides(

@@ -98,6 +98,7 @@ def expected(kind, name, path, d, cfg, m_L=1.0, alpha=1.0, loop='none', R=2):
   return e
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('kind', KINDS)
 @pytest.mark.parametrize('loop', ['none', 'inv_R', 'inv_sqrt_R'])
 def test_rule_table_matches_analytic(kind, loop):
@@ -149,6 +150,7 @@ def test_init_statistics_follow_the_table():
 
 # ---- base width == SP bit for bit -------------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize('kind', ['mup', 'mup_table3', 'completep'])
 def test_base_width_equals_sp_bitwise(kind):
   cfg = tiny(D0)
@@ -164,6 +166,7 @@ def test_base_width_equals_sp_bitwise(kind):
                                                       jax.tree.leaves(half3)))
 
 
+@pytest.mark.slow
 def test_unit_multiplier_chain_equals_adamw():
   cfg = tiny(D0)
   v = init_variables(DecoderLM(cfg), jax.random.key(0))
@@ -219,6 +222,7 @@ def _rel_err(a, b):
   return float(jnp.max(jnp.abs(a - b)) / (jnp.max(jnp.abs(b)) + 1e-30))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('kind', KINDS)
 def test_tied_gradient_identity_under_every_preset(kind):
   """d loss / d raw tied weight == fwd_mult * sum over uses of the untied effective gradients."""
@@ -315,6 +319,7 @@ def _run_sharded(root, n):
   return json.loads(line[len('RESULT'):])
 
 
+@pytest.mark.slow
 def test_multipliers_and_first_update_same_on_1_and_8_devices(repo_root):
   one, eight = _run_sharded(repo_root, 1), _run_sharded(repo_root, 8)
   for kind in one:
@@ -440,6 +445,7 @@ def _paper_rows(kind, d, L, alpha):
   return rows
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('kind, alpha', [('mup', 1.0), ('mup_table3', 1.0), ('completep', 1.0),
                                          ('completep', 0.5)])
 def test_presets_match_the_papers_tables(kind, alpha):
@@ -504,6 +510,7 @@ def test_lora_factors_follow_tp5_input_output_columns(kind):
       assert b.eps_mult == pytest.approx(eps, rel=1e-12)
 
 
+@pytest.mark.slow
 def test_lora_a_feature_update_is_width_independent_under_mup_not_sp():
   """The derivation for LoRA A (module docstring): after one Adam step the feature update
   x (A_1 - A_0) (effective weights) is Theta(1) in width under mup and grows ~ width under sp.
@@ -543,6 +550,7 @@ def test_lora_a_feature_update_is_width_independent_under_mup_not_sp():
   assert sp_ratio > 4.0, sizes
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('kind', ['mup', 'umup'])
 def test_the_model_a_config_describes_is_the_model_that_trains(kind, tiny_config):
   """ModelConfig.from_experiment (eval's and generation's path, via workdir_lib.restore_state)

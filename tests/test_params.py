@@ -20,6 +20,7 @@ def _cfg(**kw):
   return ModelConfig(**base).derive(**kw)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('kw', [
     dict(),
     dict(tie_embeddings=True, reader_bias=True),
@@ -75,6 +76,7 @@ def _state(cfg, settings, xcfg, v0):
   return rules, masks, _renamed_view(v1, 'down', 'wo'), src
 
 
+@pytest.mark.slow
 def test_renaming_a_projection_keeps_multipliers_masks_and_conversions(monkeypatch, clean_table):
   cfg = _cfg(d_model=64, mlp_dim=96)
   settings = P.Settings('completep', base_d_model=32, base_depth=1, loop_rule='inv_R')

@@ -15,6 +15,7 @@ TINY = ['--config.widths=64', '--config.layers=2', '--config.seq_len=16', '--con
         '--config.dense_grads=auto,xla']
 
 
+@pytest.mark.slow
 def test_peer_compare_runs_and_writes_its_rows(tmp_path):
   out = tmp_path / 'peer.json'
   proc = subprocess.run([sys.executable, '-m', 'benchmarks.peer_compare', *TINY,

@@ -22,6 +22,7 @@ def config(tmp_path):
                                {**TINY, 'data.path': str(corpus), 'study.seeds': '0'})
 
 
+@pytest.mark.slow
 def test_every_variant_trains_at_the_vanilla_flops_budget(config, tmp_path):
   out = str(tmp_path / 'study')
   assert recursion_study.main(config, out) == 0

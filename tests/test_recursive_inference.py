@@ -37,6 +37,7 @@ def sharp(tiny_config):
   return _model(tiny_config, readout_scale=20.0)
 
 
+@pytest.mark.slow
 def test_never_exit_is_plain_greedy(cycle):
   model, variables = cycle
   _never_exit_is_plain_greedy(model, variables)
@@ -74,11 +75,13 @@ def _relaxed(tiny_config, repeats=R, **overrides):
   return model, variables
 
 
+@pytest.mark.slow
 def test_relaxed_middle_cycle_never_exit_is_plain_greedy(tiny_config):
   """Prelude, loops with their own LoRA and norms, coda: threshold 1.0 is `generate`'s greedy."""
   _never_exit_is_plain_greedy(*_relaxed(tiny_config))
 
 
+@pytest.mark.slow
 def test_relaxed_middle_cycle_always_exit_is_the_one_loop_model(tiny_config):
   """Exit after loop 0 = prelude, loop 0 (its own per-layer parts), coda: the model at depth 1,
   whose per-layer rows are layers 0, 1..K and the last of the deep model (models/layout.py).
@@ -100,6 +103,7 @@ def test_relaxed_middle_cycle_always_exit_is_the_one_loop_model(tiny_config):
   assert truncated != gen.generate(model, variables, prompts, NEW, temperature=0).tokens
 
 
+@pytest.mark.slow
 def test_relaxed_middle_cycle_depthwise_batching_is_plain_greedy(tiny_config):
   """Continuous depth-wise batching of the relaxed model (2 slots for 5 requests, refilled as
   they finish) never exiting early serves each request as greedy `generate` alone does."""
@@ -110,6 +114,7 @@ def test_relaxed_middle_cycle_depthwise_batching_is_plain_greedy(tiny_config):
   assert out.tokens == plain and out.exit_depths == [R] * len(PROMPTS)
 
 
+@pytest.mark.slow
 def test_python_loop_stack_never_exit_is_plain_greedy(tiny_config):
   """The Python-loop baseline stores one module per set: served from the same metadata."""
   _never_exit_is_plain_greedy(*_model(tiny_config, **{'model.scan_layers': False}))
@@ -126,6 +131,7 @@ def test_always_exit_is_the_one_loop_model(cycle, tiny_config):
   assert truncated != full   # the two ends differ, so each comparison could fail
 
 
+@pytest.mark.slow
 def test_first_token_exits_where_the_truncated_readout_is_confident(sharp, tiny_config):
   """The first new token (no earlier exits in the cache): the exit depth is the first r whose
   r-loop model (the same sets applied r times, a full uncached forward) puts probability >= 0.9
@@ -156,6 +162,7 @@ def test_early_exit_batch_equals_each_prompt_alone(sharp):
   assert batch.ticks >= max(d * NEW for d in batch.exit_depths)
 
 
+@pytest.mark.slow
 def test_depthwise_scheduler_serves_each_request_as_alone(sharp):
   model, variables = sharp
   requests = PROMPTS + ([42] * 6, [1, 2, 3])   # 7 requests, 2 slots, mixed prompt lengths

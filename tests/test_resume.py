@@ -69,6 +69,7 @@ UNRESTORABLE = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('overrides, field', UNRESTORABLE)
 def test_unrestorable_change_is_one_line_and_touches_nothing(copy_of, tmp_path, config,
                                                             overrides, field):
@@ -88,6 +89,7 @@ def test_unrestorable_change_is_one_line_and_touches_nothing(copy_of, tmp_path, 
   assert open(os.path.join(copy_of, 'config.json')).read() == config_before
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('overrides', [{}, {'train.lr': 1e-3, 'train.weight_decay': 0.0}])
 def test_restorable_change_resumes_from_the_last_checkpoint(copy_of, capsys, config,
                                                            overrides):
@@ -114,6 +116,7 @@ def test_restorable_change_resumes_from_the_last_checkpoint(copy_of, capsys, con
   assert _steps_of(after, 30)
 
 
+@pytest.mark.slow
 def test_restore_params_loads_parameters_with_a_fresh_optimizer(copy_of, capsys, config):
   import jax
   import numpy as np

@@ -270,6 +270,7 @@ def test_bucketed_expert_choice_pads_and_equals_one_scan_per_recursion(buckets):
   assert r == len(calls) == 4
 
 
+@pytest.mark.slow
 def test_bucketed_model_equals_the_per_recursion_model_with_gradients():
   """The model under buckets 1 and 2: same loss, aux losses (BCE and z-loss, both weighted into
   the loss) and gradients (every router row included) as one scan per recursion, on one stored
@@ -377,6 +378,7 @@ def test_loss_free_bias_picks_the_exit_and_leaves_the_gate_unbiased():
   assert cfg.aux_loss_coeff == 0.0    # the reference drops the balancing loss under loss_free
 
 
+@pytest.mark.slow
 def test_loss_free_bias_is_state_updated_by_sign_after_each_step():
   """The bias lives in TrainState.tstate at the model's own path, reaches the forward pass, is
   never trained, and after each step moves by rate * sign(1/R - f_i) (the reference's
@@ -488,6 +490,7 @@ def test_token_choice_model_runs_each_recursion_on_its_tokens_alone():
       np.testing.assert_allclose(got[b], want, rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('kind, router', [('expert_choice', 'linear'), ('token_choice', 'mlp'),
                                           ('expert_choice', 'mlp')])
 def test_gradients_reach_every_router(kind, router):
@@ -516,6 +519,7 @@ def test_training_loss_adds_the_weighted_aux_loss_and_eval_does_not():
   assert aux > 0 and z > 0
 
 
+@pytest.mark.slow
 def test_accounting_counts_kept_tokens_and_routers_once():
   cfg = tiny_cfg(num_layers=6, sharing=dict(num_unique=2), routing=dict(capacity='1,0.5,0.25'))
   v = init_variables(DecoderLM(cfg), jax.random.key(0), 1, T)
@@ -545,6 +549,7 @@ def test_accounting_counts_kept_tokens_and_routers_once():
       accounting.flops_per_token(plain, T, train=False) + 2 * D * 3)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('kind, scheme', [('expert_choice', 'cycle'),
                                           ('token_choice', 'middle_cycle'),
                                           ('token_choice_bias', 'cycle')])
@@ -618,6 +623,7 @@ def _mesh_losses(out_path: str, tmp: str, corpus: str, kind: str, mesh: str) -> 
 CPU_SCHEDULER_WORKAROUND = ' --xla_cpu_enable_concurrency_optimized_scheduler=false'
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('kind, mesh', [('expert_choice', 'data'), ('token_choice_bias', 'data'),
                                         ('expert_choice_buckets', 'data_fsdp_tensor'),
                                         ('token_choice', 'data_fsdp_tensor')])

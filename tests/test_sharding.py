@@ -163,6 +163,7 @@ def single(tmp_path_factory, corpus, tiny_config, losses):
   return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('scheme,layout', [(s, n) for s in SCHEMES for n in SCHEME_LAYOUTS[s]])
 def test_losses_match_one_device(eight, single, scheme, layout):
   got, want = eight['losses'][f'{scheme} {layout}'], single[scheme]
@@ -252,6 +253,7 @@ def _two_processes(train_cmd, base_env: dict, workdir: str, corpus: str, mesh, b
     assert p.returncode == 0, log.read().decode(errors='replace')[-4000:]
 
 
+@pytest.mark.slow
 def test_two_processes_match_single_process(eight, corpus, tmp_path, losses, train_cmd,
                                             subprocess_env):
   workdir = str(tmp_path / 'w')

@@ -25,6 +25,7 @@ def _cfg(**kw):
   return ModelConfig(**TINY).derive(**kw)
 
 
+@pytest.mark.slow
 def test_python_loop_stack_counts_applied_params():
   """Formerly a traceback (accounting parsed int('set_0'.removeprefix('segment_')))."""
   cfg = _cfg(num_layers=4, sharing=dict(scheme='cycle', num_unique=2))
@@ -45,6 +46,7 @@ def _pz(cfg, **settings):
       cfg.derive(parametrization=parametrization.Settings(**settings)))
 
 
+@pytest.mark.slow
 def test_expert_choice_blocks_are_built_from_the_masa_atoms():
   """Formerly the routed segment got no `masa`: plain kernels, atoms trained for nothing."""
   cfg = _cfg(num_layers=4, sharing=dict(scheme='cycle', num_unique=2),
@@ -91,6 +93,7 @@ def _consumers(cfg, variables):
   return out
 
 
+@pytest.mark.slow
 def test_renamed_stack_modules_change_no_consumer(monkeypatch):
   cfg = _cfg(
       num_layers=6, sharing=dict(scheme='middle_cycle', num_unique=4, lora_rank=2,
@@ -154,6 +157,7 @@ def test_loss_free_balance_state_is_the_models_own_collection():
 EXPECTED = json.load(open(os.path.join(FIXTURES, 'EXPECTED.json')))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('name', sorted(EXPECTED['eval']))
 def test_old_workdir_evaluates_as_it_did(name, tmp_path):
   from sharenet import workdir_lib
@@ -163,6 +167,7 @@ def test_old_workdir_evaluates_as_it_did(name, tmp_path):
   np.testing.assert_allclose(out['eval_loss'], EXPECTED['eval'][name]['eval_loss'], rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_old_workdir_generates_and_resumes(tmp_path):
   from sharenet import train_lib, workdir_lib
   work = str(shutil.copytree(os.path.join(FIXTURES, 'middle_cycle_lora'), tmp_path / 'w'))

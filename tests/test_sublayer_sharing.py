@@ -49,6 +49,7 @@ def _block(path):
 
 # ---- attention_sharing ---------------------------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize('qk_norm', ['none', 'rms'])
 @pytest.mark.parametrize('sharing', ['kv_shared', 'qk_shared', 'qkv_shared'])
 def test_shared_projection_equals_none_model_with_tied_kernels(sharing, qk_norm):
@@ -76,6 +77,7 @@ def test_shared_projection_equals_none_model_with_tied_kernels(sharing, qk_norm)
     assert float(jnp.max(jnp.abs(DecoderLM(ref_cfg).apply(own, toks) - out))) > 1e-3
 
 
+@pytest.mark.slow
 def test_stored_projections_and_param_counts():
   L, D, H, Dh = 2, 32, 2, 16
   none = _cfg()
@@ -93,6 +95,7 @@ def test_stored_projections_and_param_counts():
             == accounting.matmul_params_per_layer(none) - saved * D * H * Dh)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('sharing', ['kv_shared', 'qkv_shared'])
 def test_values_are_keys_cache_holds_k_only_and_decodes_like_a_full_forward(sharing):
   """The K-only cache (keys before QK-norm and RoPE, renormalised and rotated per step) gives
@@ -175,6 +178,7 @@ def test_masa_one_hot_coefficients_equal_the_untied_model():
                                   np.asarray(DecoderLM(ucfg).apply(u, toks)))
 
 
+@pytest.mark.slow
 def test_masa_atoms_stored_once_under_a_cycle_plan_and_every_lowering():
   S, L, D, H, Dh = 3, 4, 32, 2, 16
   cfg = _cfg(num_layers=L, sharing=dict(scheme='cycle', num_unique=2), masa=dict(atoms=S))
@@ -437,6 +441,7 @@ def test_head_sharing_chain_keeps_the_middle_head_as_the_reference_does():
   _assert_heads_from(_kernels(cfg, v), _kernels(cfg, v1), {(2, 0): (1, 0)}, 3, 2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('kw,rate,match', [
     (dict(), 0.75, 'share_rate'),   # 9 of 12 heads; only 8 lie after layer 0
     (dict(), -0.1, 'share_rate'),
@@ -453,6 +458,7 @@ def test_head_sharing_errors(kw, rate, match):
 
 # ---- end to end --------------------------------------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize('model', [{'model.attention_sharing': 'kv_shared'},
                                    {'model.masa.atoms': 2, 'model.num_layers': 4,
                                     'model.sharing.scheme': 'cycle',
@@ -487,6 +493,7 @@ def _loads_as_written_before_the_rename(config, workdir, eval_loss):
   assert not resume.Changes(prior, config)
 
 
+@pytest.mark.slow
 def test_head_shared_conversion_of_a_trained_run_evaluates(tiny_config, tmp_path):
   src, dst = str(tmp_path / 'src'), str(tmp_path / 'dst')
   train_lib.train_and_evaluate(tiny_config(**{'train.steps': 5, 'train.checkpoint_every': 5,

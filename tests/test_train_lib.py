@@ -23,6 +23,7 @@ def reference_run(tmp_path_factory, tiny_config):
   return workdir, out
 
 
+@pytest.mark.slow
 def test_run_writes_contract_files(reference_run):
   workdir, out = reference_run
   cfg = json.load(open(os.path.join(workdir, 'config.json')))
@@ -52,6 +53,7 @@ def test_evaluate_workdir_matches_last_eval(reference_run):
   assert json.load(open(os.path.join(workdir, 'eval.json')))['step'] == 40
 
 
+@pytest.mark.slow
 def test_resume_after_kill_is_bit_identical(reference_run, tmp_path, losses, train_cmd,
                                             subprocess_env):
   ref_dir, _ = reference_run
@@ -85,6 +87,7 @@ def _corrupt(workdir, step, how):
     os.remove(target)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('how', ['truncate', 'delete'])
 def test_corrupt_newest_checkpoint_falls_back(tmp_path, capsys, how, tiny_config, losses):
   workdir = str(tmp_path)

@@ -47,6 +47,7 @@ def _tokens(T=10, vocab=64):
   return jax.random.randint(jax.random.key(7), (2, T), 0, vocab)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('tied', [False, True])
 @pytest.mark.parametrize('position,scheme', [('learned', 'untied'), ('rope', 'untied'),
                                              ('rope', 'cycle')])
@@ -79,6 +80,7 @@ def test_crms_conversion_refuses_a_stream_that_is_not_zero_mean():
     convert.ln_to_rms(cfg, init_variables(DecoderLM(cfg), jax.random.key(0)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('tied', [False, True])
 def test_convert_cli_on_a_trained_pre_ln_checkpoint(tmp_path, tied):
   """Train a Pre-LN model, convert (convert.py once, the library once), evaluate each workdir
@@ -143,6 +145,7 @@ def test_recursive_init_source_layers(L, K, scheme, init, expected):
   assert convert.source_layers(_cfg(num_layers=L), K, scheme, init) == expected
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('scheme,K,lora_layers,lora_scale,tied', [
     ('cycle', 3, 'shared', 1.0, False), ('cycle', 3, 'shared', 2.0, True),
     ('middle_cycle', 4, 'shared', 0.5, False), ('middle_cycle', 4, 'shared', 2.0, True),
@@ -497,6 +500,7 @@ TRAINABLE_TRANSFORMS = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('kw', TRAINABLE_TRANSFORMS, ids=lambda kw: '-'.join(kw.values()))
 def test_each_transform_trains_under_cycle_sharing(kw):
   _, states, losses = _tiny_state(kw, scheme='cycle', steps=6, lr=1e-2, warmup_steps=1)
@@ -504,6 +508,7 @@ def test_each_transform_trains_under_cycle_sharing(kw):
   assert losses[-1] < losses[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('tied', [False, True])
 @pytest.mark.parametrize('reparams', ['weight_norm', 'sigma_reparam', 'zero_mean_writers',
                                       'scale_vectors'])
@@ -520,6 +525,7 @@ def test_function_preserving_reparams_leave_the_initial_model_unchanged(reparams
                              rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('tied', [False, True])
 def test_zero_mean_writers_train_like_pre_ln_in_float64(tied):
   """Pre-LN and Pre-RMSNorm with forward-recentred writers, from the same raw weights, follow
@@ -593,6 +599,7 @@ def test_zero_mean_writers_with_tied_embeddings_needs_centering():
              DecoderLM(_cfg(tie_embeddings=True, center_embedding=True)))
 
 
+@pytest.mark.slow
 def test_mup_composes_with_transforms_and_scalar_norm_params():
   """muP multipliers (by logical axes) and transform gains (unknown to the parametrization:
   multiplier 1) in one optimizer; DyT's scalar alpha is a vector-like leaf."""

@@ -142,6 +142,7 @@ def test_residual_branch_forward_and_u_mup_backward():
   np.testing.assert_allclose(gw, jnp.sum(jnp.tanh(x)), rtol=1e-6)   # not x tau / denom
 
 
+@pytest.mark.slow
 def test_shared_set_gets_one_tau_per_application():
   """The rule counts applied layers: a 2-set cycle applied twice == 4 untied layers holding the
   same weights (u-muP's TransformerStack of 4 slots)."""
@@ -195,6 +196,7 @@ def _unit(values, tol):
   return bool(np.all((np.asarray(values) > 1 / tol) & (np.asarray(values) < tol)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('d', [64, 256])
 def test_umup_is_unit_scaled_at_init_and_sp_mup_are_not(d):
   """RMS at init within a factor of 1: the residual stream, MLP outputs and logit gradients

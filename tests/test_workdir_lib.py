@@ -61,6 +61,7 @@ def test_missing_config_json_is_one_line(tmp_path):
     workdir_lib.load_config(str(tmp_path))
 
 
+@pytest.mark.slow
 def test_restore_reads_params_only_and_moves_nothing(run):
   before = _tree_hash(run)
   config = workdir_lib.load_config(run)
