@@ -173,17 +173,20 @@ def test_losses_match_one_device(eight, single, scheme, layout):
   assert_close(got, want)
 
 
+@pytest.mark.slow   # the 8-device subprocess (module fixture `eight`)
 def test_losses_match_one_device_with_parameter_transforms(eight, single):
   got, want = eight['losses']['cycle transforms'], single['cycle transforms']
   assert len(want) == STEPS and want != single['cycle']
   assert_close(got, want)
 
 
+@pytest.mark.slow   # the 8-device subprocess (module fixture `eight`)
 def test_flat_lowering_on_a_mesh_matches_nested_on_one_device(eight, single):
   """scan_lowering='flat' (gathered sets, one scan) under data x fsdp x tensor."""
   assert_close(eight['losses']['cycle flat'], single['cycle'])
 
 
+@pytest.mark.slow   # the 8-device subprocess (module fixture `eight`)
 @pytest.mark.parametrize('scheme', SCHEMES)
 def test_checkpoint_restores_under_another_mesh(eight, scheme):
   resumed, (written, restored) = eight['resumed'][scheme], RESHARD[scheme]
@@ -193,6 +196,7 @@ def test_checkpoint_restores_under_another_mesh(eight, scheme):
   assert_close(resumed, {s: uninterrupted[s] for s in (4, 5)})
 
 
+@pytest.mark.slow   # the 8-device subprocess (module fixture `eight`)
 def test_dry_run_bytes_shrink_with_fsdp(eight):
   dry = eight['dry_run']
   print({k: v['totals'] for k, v in dry.items()})
@@ -272,6 +276,7 @@ def test_two_processes_match_single_process(eight, corpus, tmp_path, losses, tra
                {s: eight['losses']['untied fsdp=8'][s] for s in (4, 5)})
 
 
+@pytest.mark.slow   # the 8-device subprocess (module fixture `eight`)
 def test_hosts_must_read_contiguous_rows(eight):
   # Two simulated hosts owning devices 0-3 / 4-7 read one block each; interleaved ones don't.
   assert eight['contiguous'] == [True, False]
