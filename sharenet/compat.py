@@ -67,7 +67,8 @@ PERI = 'depth / loop branch multipliers are cancelled by peri norms'
 
 
 def _features() -> tuple[Feature, ...]:
-  """The table (module docstring). Base: configs/tiny.py, 4 applied layers, cycle of 2 sets."""
+  """The table (module docstring). Base: configs/tiny.py, 4 applied layers, cycle of 2 sets.
+  One declaration per feature, so as long as the table (not split on purpose)."""
   s = 'model.sharing.'
   schemes = [
       _setting('untied', 'scheme', s + 'scheme', 'untied', (s + 'num_unique', 0),

@@ -12,7 +12,8 @@ import ml_collections
 
 
 def default_config() -> ml_collections.ConfigDict:
-  """The default experiment (configs/default.py); every config in configs/ starts from it."""
+  """The default experiment (configs/default.py); every config in configs/ starts from it.
+  One commented assignment per key, so as long as the config (not split on purpose)."""
   c = ml_collections.ConfigDict()
   c.model = m = ml_collections.ConfigDict()
   m.vocab_size = 256          # byte-level tokens

@@ -174,10 +174,68 @@ def param_shapes(tree: Any) -> dict[str, list[int]]:
   return {'/'.join(k): list(v.shape) for k, v in flatten_dict(tree).items()}
 
 
+class _Compiled(NamedTuple):
+  """The jitted train step and the shardings it was compiled for (`_compile_step`)."""
+  abstract: Any          # the TrainState's shapes
+  shardings: Any         # its shardings
+  batch_sharding: Any
+  batch_shape: tuple[int, ...]
+  step_fn: Callable
+  mesh: Any
+  rules: Any
+
+
+def _compile_step(config: Any, exp: Any, rng: jax.Array) -> tuple[_Compiled, Any, list[str]]:
+  """The state's shapes and shardings on config.mesh and the jitted step; -> (compiled,
+  logical axes, sharding notes)."""
+  model, tx, pz, tr = exp
+  t = config.train
+  abstract = jax.eval_shape(functools.partial(init_state, model, tx, tr=tr, pz=pz), rng)
+  mesh, rules = sharding.make_mesh(config.mesh), sharding.rules_of(config.mesh)
+  logical, notes = logical_axes(model), []
+  if 'reparam' in abstract.params:   # transform gains carry no logical axes: replicated
+    logical = {**logical, 'reparam': jax.tree.map(lambda _: P(), abstract.params['reparam'])}
+  specs = sharding.param_specs(logical, abstract.params, mesh, rules, notes)
+  shardings = sharding.state_shardings(abstract, specs, mesh)
+  batch_sharding = sharding.batch_sharding(mesh, rules)
+  step_fn = jax.jit(make_train_step(exp, t.grad_accum), in_shardings=(shardings, batch_sharding),
+                    out_shardings=(shardings, NamedSharding(mesh, P())), donate_argnums=0)
+  compiled = _Compiled(abstract, shardings, batch_sharding, (t.batch_size, t.seq_len + 1),
+                       step_fn, mesh, rules)
+  return compiled, logical, notes
+
+
+def _dry_run(config: Any, c: _Compiled, logical: Any, notes: list[str]) -> dict[str, Any]:
+  """config.dry_run: compiles the step for the mesh and returns the sharding report."""
+  with sharding.activate(c.mesh, c.rules):
+    spec = jax.ShapeDtypeStruct(c.batch_shape, jnp.int32, sharding=c.batch_sharding)
+    if config.data.segment_mask:
+      spec = {'tokens': spec, 'segment_ids': spec}
+    compiled = c.step_fn.lower(sharding.with_shardings(c.abstract, c.shardings), spec).compile()
+  return sharding.report(c.abstract, c.shardings, logical, compiled, notes)
+
+
+def _write_summary(config: Any, workdir: str, mcfg: ModelConfig, pz: Any, variables: Any,
+                   shapes: Any) -> None:
+  """config.json: the config and what the run built (unique / applied params, FLOPs, plan)."""
+  summary = {
+      **config.to_dict(), 'params_unique': accounting.params_unique(variables),
+      'params_applied': accounting.params_applied(variables, mcfg),
+      'flops_per_token': accounting.flops_per_token(mcfg, config.train.seq_len),
+      'plan_index': list(mcfg.plan.index), 'param_shapes': shapes,
+      'parametrization_table': pz.describe(),
+  }
+  if jax.process_index() == 0:
+    config_json.write(workdir, summary)
+
+
 def train_and_evaluate(config: Any, workdir: str) -> dict[str, float]:
   """Trains `config` in `workdir` (resuming if it holds a checkpoint); returns final metrics.
 
-  With config.dry_run, prints the sharding report instead and returns its totals.
+  With config.dry_run, prints the sharding report instead and returns its totals. Longer than
+  the library's ~60 lines on purpose: the order of dispatch, reading a step's metrics,
+  evaluation, the finite check, checkpointing and SIGTERM is the loop's contract, and it reads
+  top to bottom here (setup lives in `_compile_step`, `_dry_run`, `_write_summary`).
   """
   sharding.maybe_initialize_distributed(config)  # before anything touches a device
   mcfg: ModelConfig = config_lib.validate(config)
@@ -186,27 +244,12 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, float]:
   model, tx, pz, tr = exp
   schedule = optim.lr_schedule(t)
   rng = jax.random.key(t.seed)
-  abstract = jax.eval_shape(functools.partial(init_state, model, tx, tr=tr, pz=pz), rng)
+  c, logical, notes = _compile_step(config, exp, rng)
+  abstract, shardings, step_fn, mesh, rules = c.abstract, c.shardings, c.step_fn, c.mesh, c.rules
+  batch_sharding, batch_shape = c.batch_sharding, c.batch_shape
   shapes = param_shapes(abstract.params)
-
-  mesh, rules = sharding.make_mesh(config.mesh), sharding.rules_of(config.mesh)
-  logical, notes = logical_axes(model), []
-  if 'reparam' in abstract.params:   # transform gains carry no logical axes: replicated
-    logical = {**logical, 'reparam': jax.tree.map(lambda _: P(), abstract.params['reparam'])}
-  specs = sharding.param_specs(logical, abstract.params, mesh, rules, notes)
-  shardings = sharding.state_shardings(abstract, specs, mesh)
-  replicated = NamedSharding(mesh, P())
-  batch_sharding = sharding.batch_sharding(mesh, rules)
-  batch_shape = (t.batch_size, t.seq_len + 1)
-  step_fn = jax.jit(make_train_step(exp, t.grad_accum), in_shardings=(shardings, batch_sharding),
-                    out_shardings=(shardings, replicated), donate_argnums=0)
   if config.dry_run:
-    with sharding.activate(mesh, rules):
-      spec = jax.ShapeDtypeStruct(batch_shape, jnp.int32, sharding=batch_sharding)
-      if config.data.segment_mask:
-        spec = {'tokens': spec, 'segment_ids': spec}
-      compiled = step_fn.lower(sharding.with_shardings(abstract, shardings), spec).compile()
-    return sharding.report(abstract, shardings, logical, compiled, notes)
+    return _dry_run(config, c, logical, notes)
   for line in notes:
     note(f'note: {line}')
 
@@ -229,16 +272,8 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, float]:
     mngr.close()
     raise
 
-  variables = state.params
+  _write_summary(config, workdir, mcfg, pz, state.params, shapes)
   flops_tok = accounting.flops_per_token(mcfg, t.seq_len)
-  summary = {
-      **config.to_dict(), 'params_unique': accounting.params_unique(variables),
-      'params_applied': accounting.params_applied(variables, mcfg),
-      'flops_per_token': flops_tok, 'plan_index': list(mcfg.plan.index),
-      'param_shapes': shapes, 'parametrization_table': pz.describe(),
-  }
-  if jax.process_index() == 0:
-    config_json.write(workdir, summary)
   # Saved with every checkpoint: a resume compares against the config that wrote the state.
   record = {**resume.config_dict(config), 'param_shapes': shapes}
 
