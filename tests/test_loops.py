@@ -140,3 +140,7 @@ def test_refusals():
   model, v = _model()
   with pytest.raises(ConfigError, match='valid: loops >= 1'):
     model.apply(v, TOKENS, schedule=Schedule(loops=0))
+  routed = DecoderLM(model.cfg.derive(routing=dict(kind='token_choice')))
+  v = init_variables(routed, jax.random.key(0))
+  with pytest.raises(ConfigError, match='a loop schedule .* of a routed model'):
+    routed.apply(v, TOKENS, schedule=Schedule(loops=1))

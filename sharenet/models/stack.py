@@ -131,16 +131,18 @@ class StoredSegment(nn.Module):
       created = self._create(seg, carry, shared)
     variables = nn.unbox(self.variables)
     sets, per_layer, stored = self._stored(seg, variables)
-    observe = self.is_mutable_collection(INTERMEDIATES)
-    layer = loops.layer_fn(c, observe, loops.outer_capture() if observe else False)
     run = dict(unroll=c.scan_unroll, split_transpose=c.scan_split_transpose)
     if routed:
-      if cache is not None:
-        raise ConfigError(f'model.routing.kind={c.routing.kind!r}: cached generation of a routed '
-                          f'model is not implemented; valid: routing.kind=none')
+      for bad, what in ((cache is not None, 'cached generation'),
+                        (not schedule.is_default, 'a loop schedule (depth, no-grad prefix)')):
+        if bad:
+          raise ConfigError(f'model.routing.kind={c.routing.kind!r}: {what} of a routed model '
+                            f'is not implemented; valid: routing.kind=none')
       return carry._replace(x_BTD=self._routed(seg, sets, carry.x_BTD, shared, run)), None
     if self.is_initializing() and schedule.is_default and cache is None:
       return created, None
+    observe = self.is_mutable_collection(INTERMEDIATES)
+    layer = loops.layer_fn(c, observe, loops.outer_capture() if observe else False)
     lowering = 'flat' if c.scan_lowering == 'flat' else 'nested'
     carry, cache, sown, streams = loops.run_segment(layer, seg, lowering, sets, per_layer, carry,
                                                     shared, cache, schedule, **run)
