@@ -623,37 +623,50 @@ def _mesh_losses(out_path: str, tmp: str, corpus: str, kind: str, mesh: str) -> 
 CPU_SCHEDULER_WORKAROUND = ' --xla_cpu_enable_concurrency_optimized_scheduler=false'
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize('kind, mesh', [('expert_choice', 'data'), ('token_choice_bias', 'data'),
-                                        ('expert_choice_buckets', 'data_fsdp_tensor'),
-                                        ('token_choice', 'data_fsdp_tensor')])
-def test_eight_devices_match_one(kind, mesh, tmp_path, repo_root, subprocess_env):
-  """Routers replicated, the gathers along the sequence axis sharded with the activations: 8
-  simulated devices give one device's losses. Random tokens: on text, repeated tokens
-  (indentation) give hidden states that are equal in exact arithmetic, so which of them a
-  top-k keeps is decided by rounding, which differs between shardings (both choices are valid
-  top-k's)."""
-  corpus = str(tmp_path / 'train.bin')
+EIGHT = [('expert_choice', 'data'), ('token_choice_bias', 'data'),
+         ('expert_choice_buckets', 'data_fsdp_tensor'), ('token_choice', 'data_fsdp_tensor')]
+
+
+@pytest.fixture(scope='module')
+def eight_device_losses(tmp_path_factory, repo_root, subprocess_env):
+  """{(kind, mesh): losses} of every EIGHT case on 8 simulated devices, one subprocess for all
+  (JAX fixes the device count at start-up), and the random-token corpus they read."""
+  tmp = tmp_path_factory.mktemp('eight')
+  corpus = str(tmp / 'train.bin')
   np.random.default_rng(0).integers(0, 256, 60_000).astype(np.uint16).tofile(corpus)
-  got = {}
-  for n in (1, 8):
-    e = dict(subprocess_env)
-    e['JAX_PLATFORMS'] = 'cpu'
-    # 8 simulated devices on 2 cores: a slow device thread is not a hung collective
-    e['XLA_FLAGS'] = (e.get('XLA_FLAGS', '') + f' --xla_force_host_platform_device_count={n}'
-                      ' --xla_cpu_collective_timeout_seconds=900'
-                      ' --xla_cpu_collective_call_terminate_timeout_seconds=900'
-                      + CPU_SCHEDULER_WORKAROUND)
-    out = tmp_path / f'{n}.json'
-    res = subprocess.run([sys.executable, __file__, str(out), str(tmp_path / f'run{n}'), corpus,
-                          kind, mesh], env=e, capture_output=True, text=True, timeout=900,
-                         cwd=repo_root)
-    assert res.returncode == 0, res.stderr[-4000:]
-    got[n] = json.loads(out.read_text())
-  assert len(got[1]) == 4
-  for step, want in got[1].items():
-    assert abs(got[8][step] - want) <= 1e-5 * abs(want), (step, got[8][step], want)
+  e = dict(subprocess_env)
+  e['JAX_PLATFORMS'] = 'cpu'
+  # 8 simulated devices on 2 cores: a slow device thread is not a hung collective
+  e['XLA_FLAGS'] = (e.get('XLA_FLAGS', '') + ' --xla_force_host_platform_device_count=8'
+                    ' --xla_cpu_collective_timeout_seconds=900'
+                    ' --xla_cpu_collective_call_terminate_timeout_seconds=900'
+                    + CPU_SCHEDULER_WORKAROUND)
+  res = subprocess.run([sys.executable, __file__, str(tmp), corpus], env=e, capture_output=True,
+                       text=True, timeout=1800, cwd=repo_root)
+  assert res.returncode == 0, res.stderr[-4000:]
+  return {case: json.loads((tmp / f'{case[0]}-{case[1]}.json').read_text()) for case in EIGHT}, \
+      corpus
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('kind, mesh', EIGHT)
+def test_eight_devices_match_one(kind, mesh, eight_device_losses, tmp_path):
+  """Routers replicated, the gathers along the sequence axis sharded with the activations: 8
+  simulated devices give one device's losses (this process). Random tokens: on text, repeated
+  tokens (indentation) give hidden states that are equal in exact arithmetic, so which of them
+  a top-k keeps is decided by rounding, which differs between shardings (both choices are valid
+  top-k's)."""
+  losses, corpus = eight_device_losses
+  out = tmp_path / 'one.json'
+  _mesh_losses(str(out), str(tmp_path / 'run'), corpus, kind, mesh)
+  want, got = json.loads(out.read_text()), losses[(kind, mesh)]
+  assert len(want) == 4
+  for step, w in want.items():
+    assert abs(got[step] - w) <= 1e-5 * abs(w), (step, got[step], w)
 
 
 if __name__ == '__main__':
-  _mesh_losses(*sys.argv[1:6])
+  _tmp, _corpus = sys.argv[1:3]
+  for _kind, _mesh in EIGHT:
+    _mesh_losses(os.path.join(_tmp, f'{_kind}-{_mesh}.json'),
+                 os.path.join(_tmp, f'run-{_kind}-{_mesh}'), _corpus, _kind, _mesh)
