@@ -129,6 +129,8 @@ class StoredSegment(nn.Module):
     routed = self.index == c.routed_segment
     if self.is_initializing():
       created = self._create(seg, carry, shared)
+      if not routed and schedule.is_default and cache is None:
+        return created, None   # the creating scans computed this segment's output already
     variables = nn.unbox(self.variables)
     sets, per_layer, stored = self._stored(seg, variables)
     run = dict(unroll=c.scan_unroll, split_transpose=c.scan_split_transpose)
@@ -139,8 +141,6 @@ class StoredSegment(nn.Module):
           raise ConfigError(f'model.routing.kind={c.routing.kind!r}: {what} of a routed model '
                             f'is not implemented; valid: routing.kind=none')
       return carry._replace(x_BTD=self._routed(seg, sets, carry.x_BTD, shared, run)), None
-    if self.is_initializing() and schedule.is_default and cache is None:
-      return created, None
     observe = self.is_mutable_collection(INTERMEDIATES)
     layer = loops.layer_fn(c, observe, loops.outer_capture() if observe else False)
     lowering = 'flat' if c.scan_lowering == 'flat' else 'nested'
