@@ -3,8 +3,9 @@
 Every working pair sits in at least one covering row; each row is validated, initialised and
 trained for one step abstractly (`jax.eval_shape` of the real train step, which traces every
 module, transform and the optimizer update), and the rows holding an action (cached
-generation, loop-by-loop inference) run it for real from their initialised state (slow tier). Every refused pair is one
-ConfigError line naming both features. docs/compatibility.md is the table's `markdown()`.
+generation, loop-by-loop inference) run it for real from their initialised state (slow tier).
+Every refused pair is one ConfigError line naming both features. docs/compatibility.md is the
+table's `markdown()`.
 """
 import os
 

@@ -108,8 +108,8 @@ def test_routing_keys_round_trip_and_default_is_none(tiny_config):
   c = tiny_config(**{'model.sharing.scheme': 'cycle', 'model.sharing.num_unique': 1,
                      'model.routing.kind': 'expert_choice', 'model.routing.capacity': '1,0.25'})
   mcfg = config_lib.validate(c)
-  assert (mcfg.routing.kind, mcfg.capacities, mcfg.router_alpha, mcfg.aux_loss_coeff, mcfg.z_loss_coeff) == \
-      ('expert_choice', (1.0, 0.25), 0.1, 0.001, 0.0)
+  assert (mcfg.routing.kind, mcfg.capacities, mcfg.router_alpha, mcfg.aux_loss_coeff,
+          mcfg.z_loss_coeff) == ('expert_choice', (1.0, 0.25), 0.1, 0.001, 0.0)
   assert ModelConfig.from_config(mcfg.to_config()) == mcfg
   plain = config_lib.validate(tiny_config())
   assert plain.routing.kind == 'none' and plain.routed_segment is None
