@@ -32,9 +32,11 @@ class KVCache(NamedTuple):
   index: jax.Array              # () int32
 
 
-def init_cache(cfg: ModelConfig, batch_size: int, num_slots: int) -> KVCache:
-  """An empty cache of `num_slots` positions per sequence, in the model's compute dtype."""
-  return KVCache(init_layer_caches(cfg, batch_size, num_slots),
+def init_cache(cfg: ModelConfig, batch_size: int, num_slots: int,
+               loops: int | None = None) -> KVCache:
+  """An empty cache of `num_slots` positions per sequence, in the model's compute dtype;
+  `loops`: for decoding at another depth (schedule=Schedule(loops=loops) on every call)."""
+  return KVCache(init_layer_caches(cfg, batch_size, num_slots, loops_run=loops),
                  jnp.full((batch_size, num_slots), -1, jnp.int32), jnp.zeros((), jnp.int32))
 
 
@@ -53,7 +55,8 @@ class DecoderLM(nn.Module):
   sharenet/data/arrayrecord.py). Positions stay 0..T-1 across the window either way.
 
   `schedule` (models/loops.py Schedule) runs the looped segment another number of loops and
-  a prefix of them without gradient; with `collect`, the stream after each loop is sown into
+  a prefix of them without gradient (with a cache: decoding at another depth, the cache made
+  by init_cache(loops=...)); with `collect`, the stream after each loop is sown into
   the `loops.PER_LOOP` collection (apply with mutable=[PER_LOOP]).
   """
   cfg: ModelConfig
@@ -150,7 +153,8 @@ class DecoderLM(nn.Module):
     step = DecodeStep(cache.index, jnp.maximum(positions_BT, 0), key_pos_BS)
     x_BTD = self.embed(tokens_BT, step.positions_BT)
     # cached generation: positions come with the step
-    x_BTD, layer_caches = self.trunk(x_BTD, None, segment_ids_BT, cache.layers, step)
+    x_BTD, layer_caches = self.trunk(x_BTD, None, segment_ids_BT, cache.layers, step,
+                                     schedule)
     return self.head(x_BTD), KVCache(layer_caches, key_pos_BS, cache.index + T)
 
 

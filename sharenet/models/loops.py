@@ -15,7 +15,8 @@ Every caller goes through it: training and evaluation (models/stack.py), cached 
 caches ride along as per-layer scanned inputs), routed recursions (`one_loop`, driven by
 models/routing.py) and loop-by-loop serving (`run_layers`, one token through a dynamically placed
 range of applied layers). A `Schedule` changes the loops of a looped (`cycle`) segment per call:
-run `loops` of them instead of R (evaluate at another depth), run a prefix of `no_grad` loops
+run `loops` of them instead of R (evaluate or decode at another depth: a KV cache then holds
+the `loops` loops' layers, lm.init_cache(loops=...)), run a prefix of `no_grad` loops
 without gradient first (a traced count allowed: one compiled program for every prefix; nothing
 of the prefix is stored for the backward pass) and `collect` the stream after each loop.
 
@@ -237,8 +238,13 @@ def _run_schedule(layer: Layer, seg: Segment, sets: Any, per_layer: Any, carry: 
     raise ConfigError('a loop schedule (depth, no-grad prefix, per-loop outputs) applies to a '
                       'looped cycle segment; valid schemes: cycle, universal, middle_cycle, '
                       'groups')
-  if cache is not None:
-    raise ConfigError('cached generation runs the plan\'s loops; valid: the default schedule')
+  if cache is not None and (dynamic or p or schedule.collect):
+    raise ConfigError('cached generation runs whole loops at another depth; valid: a schedule '
+                      'with no_grad=0 and collect=False')
+  if cache is not None and jax.tree.leaves(cache)[0].shape[0] != n * K:
+    raise ConfigError(f'the cache holds {jax.tree.leaves(cache)[0].shape[0]} layers of the '
+                      f'looped segment, a schedule of {n} loops writes {n * K}; valid: '
+                      f'lm.init_cache(..., loops={n})')
   if n < 1 or (not dynamic and p < 0):
     raise ConfigError(f'loop schedule: loops={n}, no_grad={p}; valid: loops >= 1, no_grad >= 0')
   if per_layer is not None and (dynamic or p + n > R):
@@ -260,12 +266,14 @@ def _run_schedule(layer: Layer, seg: Segment, sets: Any, per_layer: Any, carry: 
   if per_loop is not None:
     per_loop = _take(per_loop, slice(p, p + n))
 
-  def body(carry, pl):
-    carry, _ = loop(carry, (pl, None))
-    return carry, carry.x_BTD if schedule.collect else None
+  def body(carry, xs):
+    carry, (c, _) = loop(carry, xs)
+    return carry, (carry.x_BTD if schedule.collect else None, c)
 
-  carry, streams = jax.lax.scan(body, carry, per_loop, length=n)
-  return carry, None, None, streams
+  # A cache (cached generation at another depth) holds the n loops' K layers each.
+  caches = None if cache is None else _regroup(cache, (n, K))
+  carry, (streams, caches) = jax.lax.scan(body, carry, (per_loop, caches), length=n)
+  return carry, None if cache is None else _ungroup(caches, 2), None, streams
 
 
 class Looped(NamedTuple):

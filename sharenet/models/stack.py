@@ -228,16 +228,20 @@ def segment_levels(seg: Segment) -> tuple[tuple[int, bool, str], ...]:
 
 
 def init_cache(cfg: ModelConfig, batch_size: int, num_slots: int,
-               dtype: jnp.dtype | None = None) -> tuple[LayerCache, ...]:
+               dtype: jnp.dtype | None = None, loops_run: int | None = None
+               ) -> tuple[LayerCache, ...]:
   """An empty KV cache: per plan segment, a LayerCache stacked over its applied layers
   (leaves (applied layers, B, S, kv heads, head_dim)), so sum of the leading axes is
   cfg.num_layers whatever the sharing plan. Values-are-keys sharing (model.attention_sharing
-  kv_shared | qkv_shared) holds K only: v is None."""
+  kv_shared | qkv_shared) holds K only: v is None. `loops_run`: decoding at another depth
+  (loops.Schedule(loops=n)), the looped segment holds n loops of its K layers."""
   dt = jnp.dtype(dtype or cfg.dtype)
   def one(n):
     shape = (n, batch_size, num_slots, cfg.kv_heads, cfg.d_head)
     return LayerCache(jnp.zeros(shape, dt), None if cfg.values_are_keys else jnp.zeros(shape, dt))
-  return tuple(one(seg.num_applied) for seg in cfg.plan.segments)
+  looped = None if loops_run is None else loops.looped(cfg).segment
+  return tuple(one(loops_run * seg.num_sets if i == looped else seg.num_applied)
+               for i, seg in enumerate(cfg.plan.segments))
 
 
 class Stack(nn.Module):
