@@ -17,7 +17,13 @@ then a `lax.while_loop` that stops after `max_new_tokens` or once every sequence
 Sampling: temperature 0 is greedy (argmax); otherwise logits / temperature, then the top-k
 filter (the k largest logits) and the nucleus filter (top-p: the smallest set of most likely
 tokens whose probability reaches p; Holtzman et al., "The Curious Case of Neural Text
-Degeneration", arXiv:1904.09751), renormalized by the softmax of the surviving logits.
+Degeneration", arXiv:1904.09751), renormalized by the softmax of the surviving logits. Token i
+of row b draws with its own key, fold_in(fold_in(rng, b), i) (`row_keys`), so a draw does not
+depend on the batch it runs in or the tick it is emitted at: recursive_inference.py's early
+exit, which emits rows at different ticks, draws the same tokens.
+
+Depth: `loops=n` decodes a looped model at n loops of its looped segment (models/loops.py
+Schedule, sharenet/depth.py), the cache holding those loops' layers.
 
 Position limit: learned positions have model.max_len rows; RoPE would extrapolate past the
 lengths it was trained on, so generation holds every position below model.max_len for both
@@ -43,6 +49,7 @@ from sharenet.data.tokenizer import ByteTokenizer
 from sharenet.errors import ConfigError
 from sharenet.models import DecoderLM
 from sharenet.models.lm import init_cache
+from sharenet.models.loops import Schedule
 
 
 class Generation(NamedTuple):
@@ -86,6 +93,18 @@ def sample(logits_BV: jax.Array, rng: jax.Array, temperature: float, top_k: int 
   return jax.random.categorical(rng, logits_BV, axis=-1).astype(jnp.int32)
 
 
+def row_keys(rng: jax.Array, rows_B: jax.Array, steps_B: jax.Array) -> jax.Array:
+  """The key of token `steps_B[b]` of request `rows_B[b]`: (B,) keys."""
+  return jax.vmap(lambda r, i: jax.random.fold_in(jax.random.fold_in(rng, r), i))(rows_B, steps_B)
+
+
+def sample_rows(logits_BV: jax.Array, keys_B: jax.Array, temperature: float, top_k: int = 0,
+                top_p: float = 1.0) -> jax.Array:
+  """`sample` with one key per row (row_keys)."""
+  one = lambda logits_V, key: sample(logits_V[None], key, temperature, top_k, top_p)[0]
+  return jax.vmap(one)(logits_BV, keys_B)
+
+
 def bucket(n: int) -> int:
   """Prompt length bucket: the next power of two (one compiled program per bucket)."""
   return 1 << max(0, n - 1).bit_length()
@@ -102,23 +121,28 @@ def left_pad(prompts: Sequence[Sequence[int]], length: int) -> tuple[np.ndarray,
   return tokens, positions
 
 
-def _step(model: DecoderLM, variables: Any, tokens_BT, cache, positions_BT):
+def _step(model: DecoderLM, variables: Any, tokens_BT, cache, positions_BT,
+          schedule: Schedule = Schedule()):
   """One cached forward pass: (last position's logits (B, V), updated cache)."""
-  logits_BTV, cache = model.apply(variables, tokens_BT, cache=cache, positions_BT=positions_BT)
+  logits_BTV, cache = model.apply(variables, tokens_BT, cache=cache, positions_BT=positions_BT,
+                                  schedule=schedule)
   return logits_BTV[:, -1], cache
 
 
 def _generate_padded(variables, tokens_BP, positions_BP, rng, *, model: DecoderLM,
                      max_new_tokens: int, temperature: float, top_k: int, top_p: float,
-                     eos_id: int | None):
+                     eos_id: int | None, loops: int | None = None):
   """The compiled program: prefill, then the while_loop; (tokens (B, N), steps run)."""
   B, P = tokens_BP.shape
   N = max_new_tokens
-  cache = init_cache(model.cfg, B, P + N - 1)   # the last sampled token is never fed back
-  logits_BV, cache = _step(model, variables, tokens_BP, cache, positions_BP)
+  schedule = Schedule() if loops is None else Schedule(loops=loops)
+  # the last sampled token is never fed back
+  cache = init_cache(model.cfg, B, P + N - 1, loops=loops)
+  logits_BV, cache = _step(model, variables, tokens_BP, cache, positions_BP, schedule)
 
   def draw(i, logits_BV, done_B):
-    token_B = sample(logits_BV, jax.random.fold_in(rng, i), temperature, top_k, top_p)
+    keys_B = row_keys(rng, jnp.arange(B), jnp.full((B,), i))
+    token_B = sample_rows(logits_BV, keys_B, temperature, top_k, top_p)
     if eos_id is None:
       return token_B, done_B
     token_B = jnp.where(done_B, eos_id, token_B)
@@ -134,7 +158,8 @@ def _generate_padded(variables, tokens_BP, positions_BP, rng, *, model: DecoderL
 
   def body(state):
     i, token_B, out_BN, cache, pos_B, done_B = state
-    logits_BV, cache = _step(model, variables, token_B[:, None], cache, pos_B[:, None])
+    logits_BV, cache = _step(model, variables, token_B[:, None], cache, pos_B[:, None],
+                             schedule)
     token_B, done_B = draw(i, logits_BV, done_B)
     out_BN = jax.lax.dynamic_update_slice_in_dim(out_BN, token_B[:, None], i, axis=1)
     return i + 1, token_B, out_BN, cache, pos_B + 1, done_B
@@ -145,7 +170,7 @@ def _generate_padded(variables, tokens_BP, positions_BP, rng, *, model: DecoderL
 
 
 _generate_jit = jax.jit(_generate_padded, static_argnames=(
-    'model', 'max_new_tokens', 'temperature', 'top_k', 'top_p', 'eos_id'))
+    'model', 'max_new_tokens', 'temperature', 'top_k', 'top_p', 'eos_id', 'loops'))
 _COMPILED: dict[Any, Any] = {}
 
 
@@ -166,6 +191,16 @@ def check_prompts(cfg: Any, prompts: Sequence[Sequence[int]], eos_id: int | None
       raise ConfigError(f'a prompt has token ids outside [0, vocab_size={cfg.vocab_size})')
 
 
+def check_sampling(cfg: Any, temperature: float, top_k: int, top_p: float) -> None:
+  """One ConfigError line for sampling settings outside their ranges."""
+  if temperature < 0:
+    raise ConfigError(f'temperature={temperature} must be >= 0 (0: greedy)')
+  if not 0 <= top_k <= cfg.vocab_size:
+    raise ConfigError(f'top_k={top_k} must be in [0, vocab_size={cfg.vocab_size}] (0: off)')
+  if not 0 < top_p <= 1:
+    raise ConfigError(f'top_p={top_p} must be in (0, 1] (1: off)')
+
+
 def validate(cfg: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int,
              temperature: float, top_k: int, top_p: float, eos_id: int | None) -> None:
   """One ConfigError line for settings generation cannot honour."""
@@ -177,12 +212,7 @@ def validate(cfg: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int,
     raise ConfigError('generation needs at least one prompt')
   if max_new_tokens < 1:
     raise ConfigError(f'max_new_tokens={max_new_tokens} must be >= 1')
-  if temperature < 0:
-    raise ConfigError(f'temperature={temperature} must be >= 0 (0: greedy)')
-  if not 0 <= top_k <= cfg.vocab_size:
-    raise ConfigError(f'top_k={top_k} must be in [0, vocab_size={cfg.vocab_size}] (0: off)')
-  if not 0 < top_p <= 1:
-    raise ConfigError(f'top_p={top_p} must be in (0, 1] (1: off)')
+  check_sampling(cfg, temperature, top_k, top_p)
   check_prompts(cfg, prompts, eos_id)
   for p in prompts:
     if cfg.position != 'none' and len(p) + max_new_tokens > cfg.max_len:
@@ -195,20 +225,25 @@ def validate(cfg: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int,
 def generate(model: DecoderLM, variables: Any, prompts: Sequence[Sequence[int]],
              max_new_tokens: int, *, temperature: float = 1.0, top_k: int = 0,
              top_p: float = 1.0, rng: jax.Array | None = None,
-             eos_id: int | None = None) -> Generation:
+             eos_id: int | None = None, loops: int | None = None) -> Generation:
   """Continues every prompt (a list of token ids) by up to `max_new_tokens` tokens.
 
   `variables`: what `model.apply` takes (the effective params of a trained state). `rng`: a
   jax key (default key(0); unused at temperature 0). Prompts run as one left-padded batch
   whose rows draw independently; the same prompts, settings and `rng` give the same tokens.
-  Returns the tokens after each prompt up to (excluding) the first `eos_id`.
+  Returns the tokens after each prompt up to (excluding) the first `eos_id`. `loops`: decode
+  at that many loops of the looped segment (None: the plan's; sharenet/depth.py).
   """
   prompts = [list(map(int, p)) for p in prompts]
   validate(model.cfg, prompts, max_new_tokens, temperature, top_k, top_p, eos_id)
+  if loops is not None:
+    from sharenet import depth
+    depth.check_depth(model.cfg, loops, 'depth')
   tokens_BP, positions_BP = left_pad(prompts, bucket(max(len(p) for p in prompts)))
   rng = jax.random.key(0) if rng is None else rng
   static = dict(model=model, max_new_tokens=int(max_new_tokens), temperature=float(temperature),
-                top_k=int(top_k), top_p=float(top_p), eos_id=eos_id)
+                top_k=int(top_k), top_p=float(top_p), eos_id=eos_id,
+                loops=None if loops is None else int(loops))
   args = (variables, jnp.asarray(tokens_BP), jnp.asarray(positions_BP), rng)
   key = (tuple(sorted(static.items(), key=lambda kv: kv[0])), _aval_key(args))
   compile_seconds = 0.0
