@@ -11,6 +11,7 @@ import optax
 
 from sharenet import data
 from sharenet.models import DecoderLM, unit_scale
+from sharenet.models.loops import Schedule
 
 
 def split_batch(batch: Any) -> tuple[jax.Array, jax.Array | None]:
@@ -22,8 +23,8 @@ def split_batch(batch: Any) -> tuple[jax.Array, jax.Array | None]:
 
 
 def token_nll(model: DecoderLM, params: Any, batch_BT1: Any,
-              mutable: Sequence[str] = (), logits_grad_scale: float = 1.0
-              ) -> tuple[jax.Array, Any]:
+              mutable: Sequence[str] = (), logits_grad_scale: float = 1.0,
+              schedule: Schedule = Schedule()) -> tuple[jax.Array, Any]:
   """Per-position next-token negative log-likelihood (B, T), and the sown `mutable` collections
   ({} if none): the one loss that training (train_lib.loss_fn) and evaluation share.
 
@@ -31,34 +32,37 @@ def token_nll(model: DecoderLM, params: Any, batch_BT1: Any,
   (`split_batch`): the model then attends only within each packed document.
 
   `logits_grad_scale` multiplies only the gradient reaching the logits (u-muP's unit-scaled
-  cross entropy, vocab / sqrt(vocab - 1)); the values are unchanged.
+  cross entropy, vocab / sqrt(vocab - 1)); the values are unchanged. `schedule` runs the
+  looped segment another number of loops (models/loops.py; test-time depth, sharenet/depth.py).
   """
   tokens_BT1, segment_ids_BT1 = split_batch(batch_BT1)
   inputs = (tokens_BT1[:, :-1],) if segment_ids_BT1 is None else (tokens_BT1[:, :-1],
                                                                   segment_ids_BT1[:, :-1])
-  logits_BTV, aux = model.apply(params, *inputs, mutable=list(mutable))
+  logits_BTV, aux = model.apply(params, *inputs, mutable=list(mutable), schedule=schedule)
   if logits_grad_scale != 1.0:
     logits_BTV = unit_scale.scale_bwd(logits_BTV, logits_grad_scale)
   nll_BT = optax.softmax_cross_entropy_with_integer_labels(logits_BTV, tokens_BT1[:, 1:])
   return nll_BT, aux
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def _eval_step(model: DecoderLM, params: Any, batch_BT1: Any, mask_BT: jax.Array):
-  nll_BT, _ = token_nll(model, params, batch_BT1)
+@functools.partial(jax.jit, static_argnums=(0, 4))
+def _eval_step(model: DecoderLM, params: Any, batch_BT1: Any, mask_BT: jax.Array,
+               schedule: Schedule):
+  nll_BT, _ = token_nll(model, params, batch_BT1, schedule=schedule)
   return jnp.sum(nll_BT * mask_BT), jnp.sum(mask_BT)
 
 
 def evaluate(model: DecoderLM, params: Any, data_cfg: Any, seq_len: int,
-             batch_size: int) -> dict[str, float]:
-  """eval_loss (nats/token) and eval_bits_per_byte over every validation token.
+             batch_size: int, schedule: Schedule = Schedule()) -> dict[str, float]:
+  """eval_loss (nats/token) and eval_bits_per_byte over every validation token (`schedule`:
+  at another depth; one compiled program per schedule, the loop count is a scan length).
 
   Bytes per token: 1 for byte sources, meta.json's validation bytes / tokens for arrayrecord;
   `bin` has none, so its 'bits per byte' is bits per token.
   """
   total, count = 0.0, 0.0
   for batch, mask in data.eval_batches(data_cfg, seq_len, batch_size):
-    s, n = _eval_step(model, params, batch, mask)
+    s, n = _eval_step(model, params, batch, mask, schedule)
     total += float(s)   # host-side float64 accumulation: identical in train.py and eval.py
     count += float(n)
   loss = total / count

@@ -53,6 +53,21 @@ PEAKS: tuple[tuple[str, str, dict[str, float]], ...] = (
 )
 
 
+def flops_per_token_at_depth(cfg, seq_len: int, loops_run: int, train: bool = False) -> float:
+  """Model FLOPs per token of `cfg` run at `loops_run` loops of its looped segment (test-time
+  depth, models/loops.py Schedule): prelude + loops_run * K + coda applied layers, each costing
+  what `models.accounting.flops_per_token` counts per applied layer (matmuls and causal
+  attention), plus the readout. Forward only unless `train` (x3). At the trained depth it is
+  accounting's figure."""
+  from sharenet.models import accounting, loops
+  shape = loops.looped(cfg)
+  per_layer = (2 * accounting.matmul_params_per_layer(cfg) +
+               2 * seq_len * cfg.num_heads * cfg.d_head)
+  fwd = accounting.flops_per_token(cfg, seq_len, train=False)
+  fwd += (loops_run - shape.loops) * shape.num_sets * per_layer
+  return 3 * fwd if train else fwd
+
+
 def known_device(device_kind: str) -> tuple[str, dict[str, float]] | None:
   """(name, dense TFLOP/s per chip by arithmetic) of a device kind in PEAKS, else None."""
   kind = device_kind.lower()
