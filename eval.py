@@ -8,6 +8,13 @@ With --prompt TEXT (or --prompt_file FILE, one prompt per line) it generates ins
 continuation as `text` (bytes that are not valid UTF-8 escaped as \\xNN) and `tokens_per_sec`:
   python eval.py --workdir DIR --prompt "def fib(" --max_new_tokens 200 \\
       [--temperature 0.8 --top_k 40 --top_p 0.95 --seed 0 --num_samples 4]
+
+Test-time depth of a looped model (sharenet/depth.py, docs/test_time.md): --depths 1,2,4,8
+evaluates at every depth (one JSON line each: depth, eval_loss, eval_bits_per_byte,
+flops_per_token; writes loss_vs_depth.png and eval_depths.jsonl into the workdir); --depth N
+evaluates, or with --prompt generates, at N loops; --exit maxprob:0.9 | entropy:0.5 | kl:0.01 |
+latent:0.01 exits each generated token after the first loop whose criterion fires (up to
+--depth, default the trained loops), each line with mean_exit_loops.
 """
 import json
 
@@ -29,6 +36,12 @@ _TOP_K = flags.DEFINE_integer('top_k', 0, 'Sample from the k most likely tokens;
 _TOP_P = flags.DEFINE_float('top_p', 1.0, 'Nucleus sampling mass; 1: off.')
 _SEED = flags.DEFINE_integer('seed', 0, 'Sampling seed.')
 _NUM_SAMPLES = flags.DEFINE_integer('num_samples', 1, 'Samples per prompt.')
+_DEPTHS = flags.DEFINE_string('depths', None, 'Evaluate at these loop counts of the looped '
+                              'segment, e.g. 1,2,4,8 (test-time depth).')
+_DEPTH = flags.DEFINE_integer('depth', None, 'Loops of the looped segment for generation (or '
+                              'one evaluation); with --exit the most loops a token runs.')
+_EXIT = flags.DEFINE_string('exit', None, 'Adaptive exit of generated tokens: maxprob:T, '
+                            'entropy:T, kl:T or latent:T.')
 _EOS = flags.DEFINE_integer('eos_id', None, 'Stop a sample at this token id; default: none for '
                             'byte models, the end-of-document id for arrayrecord shards.')
 
@@ -39,16 +52,24 @@ def _generate(overrides) -> None:
   for row in workdir_lib.generate_from_workdir(
       _WORKDIR.value, _STEP.value, overrides, prompts, max_new_tokens=_MAX_NEW.value,
       temperature=_TEMPERATURE.value, top_k=_TOP_K.value, top_p=_TOP_P.value,
-      seed=_SEED.value, num_samples=_NUM_SAMPLES.value, eos_id=_EOS.value):
+      seed=_SEED.value, num_samples=_NUM_SAMPLES.value, eos_id=_EOS.value,
+      depth=_DEPTH.value, exit=_EXIT.value):
     print(json.dumps(row))
 
 
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)
+  from sharenet import depth
   overrides = config_flags.get_override_values(flags.FLAGS['config'])
-  if _PROMPT.value is not None or _PROMPT_FILE.value is not None:
+  generating = _PROMPT.value is not None or _PROMPT_FILE.value is not None
+  depths = depth.check_flags(_DEPTHS.value, _DEPTH.value, _EXIT.value, generating)
+  if generating:
     _generate(overrides)
+    return
+  if depths is not None:
+    for row in depth.evaluate_workdir_depths(_WORKDIR.value, _STEP.value, overrides, depths):
+      print(json.dumps(row))
     return
   from sharenet import workdir_lib
   out = workdir_lib.evaluate_workdir(_WORKDIR.value, _STEP.value, overrides)

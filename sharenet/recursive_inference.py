@@ -5,10 +5,15 @@ Relaxed Recursive Transformers (Bae et al., arXiv:2410.20672, the section on "co
 depth-wise batching and early exiting"): a cycle model applies the same K stored sets R times, so
 one "loop" (one pass over the K sets) is the same function at every depth. After each loop the
 shared readout (final norm + unembedding, the model's own) gives exit logits; a sequence whose
-confidence (max softmax probability) reaches `exit_threshold` emits its greedy token from those
-logits and skips the deeper loops for that token. `exit_threshold=1.0` never exits early (the
-rule is disabled there, since float32 probabilities can round to exactly 1.0), which is plain
-greedy decoding.
+exit criterion fires (sharenet/exits.py: `maxprob`, the confidence `exit_threshold` sets,
+`entropy`, or the recurrent-depth criteria `kl` and `latent` of Geiping et al.,
+arXiv:2502.05171) emits its token from those logits and skips the deeper loops for that token.
+A criterion that never fires (`exit_threshold=1.0`, maxprob's rule disabled there since float32
+probabilities can round to exactly 1.0) is plain full-depth decoding. Tokens are greedy or
+sampled (temperature / top-k / top-p, sharenet/generate.py's sampler with its per-(request,
+token) keys, so with the same `rng` a never-exiting run samples what `generate` samples).
+`depth` serves another maximum number of loops M (sharenet/depth.py): the prefill runs at M
+loops and a token that never exits runs M.
 
 Skipped loops' keys and values: later tokens attend to every applied layer, so an exited token's
 cache entries for the deeper loops must be filled. Here they are *copied* from the last loop it
@@ -31,9 +36,10 @@ whose token exits embeds its next token and starts it at loop 0 on the next tick
   and waiting requests are prefilled one at a time and take their slot.
 
 Prefill: a request's prompt minus its last token runs through the full model (every loop, the
-ordinary cached forward of models/lm.py, right-padded to a power-of-two bucket); the last prompt
-token then goes through the loops like a generated one, so the first new token exits early too.
-A slot's cache row is indexed by absolute position (slot s holds position s).
+ordinary cached forward of models/lm.py at the served depth, right-padded to a power-of-two
+bucket); the last prompt token then goes through the loops like a generated one, so the first
+new token exits early too. A slot's cache row is indexed by absolute position (slot s holds
+position s).
 
 Plans (ConfigError otherwise): any plan with one looped `cycle` segment (models/loops.py):
 cycle, universal, groups, and middle_cycle, whose unique first layer (the prelude) runs when a
@@ -43,11 +49,10 @@ LoRA and untied norms are per applied layer (the loops then differ, and each loo
 parts), MASA blocks read the model's atoms; scanned or Python-loop stacks alike (the layers are
 read from the parameters' structure metadata). Not served: routed models (their recursions
 are per token already), the u-muP residual rule (its scale depends on the applied layer index)
-and values-are-keys attention sharing. Greedy decoding only.
+and values-are-keys attention sharing. The ticks live in sharenet/loop_ticks.py.
 """
 from __future__ import annotations
 
-import functools
 import time
 from typing import Any, NamedTuple, Sequence
 
@@ -55,204 +60,34 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from sharenet import exits
 from sharenet.errors import ConfigError
-from sharenet.generate import bucket, check_prompts
-from sharenet.models import DecoderLM, loops
+from sharenet.generate import bucket, check_prompts, check_sampling
+from sharenet.loop_ticks import (Slots, _tick, at_depth, check_recursive, embed,  # noqa: F401
+                                 empty_slots, insert_jit, readout, run_jit)
+from sharenet.models import DecoderLM
 from sharenet.models.lm import init_cache
+from sharenet.models.loops import Schedule
 
 
-def check_recursive(model: DecoderLM, variables: Any) -> loops.Looped:
-  """The plan read as prelude + R loops + coda (models/loops.py); one ConfigError otherwise."""
-  c = model.cfg
-  shape = loops.looped(c)
-  if c.routing.kind != 'none':
-    raise ConfigError(f'recursive inference runs every loop on every token; model.routing.kind='
-                      f'{c.routing.kind!r} routes them (docs/routing.md); valid: routing.kind=none')
-  if c.umup_residual:
-    raise ConfigError('recursive inference does not support parametrization.kind=umup (its '
-                      'residual rule depends on the applied layer index); valid: sp, mup')
-  if c.values_are_keys:
-    raise ConfigError(f'recursive inference keeps keys and values per layer; model.'
-                      f'attention_sharing={c.attention_sharing} stores no values; valid: none, '
-                      f'qk_shared')
-  return shape
-
-
-def embed(model: DecoderLM, variables: Any, tokens_BT: jax.Array,
-          positions_BT: jax.Array) -> jax.Array:
-  """The model's own input side (embedding, positions): the hidden state entering the trunk."""
-  return model.apply(variables, tokens_BT, positions_BT, method='embed')
-
-
-def readout(model: DecoderLM, variables: Any, h_BTD: jax.Array) -> jax.Array:
-  """The shared exit head: the model's final norm and unembedding applied to `h_BTD`."""
-  return model.apply(variables, h_BTD, method='head')
-
-
-class Slots(NamedTuple):
-  """The decode state of a fixed number of slots (B). L applied layers, S positions."""
-  h_BD: jax.Array          # the token's stream: embedded at depth 0, else entering loop depth
-  depth_B: jax.Array       # next loop to run (0 .. R-1)
-  pos_B: jax.Array         # position of the token being computed
-  k_BLSKD: jax.Array       # keys per applied layer; cache slot s holds position s
-  v_BLSKD: jax.Array
-  key_pos_BS: jax.Array    # position held by each cache slot (-1: empty)
-  active_B: jax.Array      # slot holds an unfinished request
-  hold_B: jax.Array        # exited, waiting for the batch (sync mode only)
-  out_BN: jax.Array        # emitted tokens
-  count_B: jax.Array       # tokens emitted so far
-  depth_sum_B: jax.Array   # sum over emitted tokens of the loops they used (1 .. R)
-
-
-def empty_slots(model: DecoderLM, batch: int, num_positions: int, max_new_tokens: int) -> Slots:
-  c = model.cfg
-  L = c.num_layers
-  shape = (batch, L, num_positions, c.kv_heads, c.d_head)
-  zi = jnp.zeros((batch,), jnp.int32)
-  return Slots(jnp.zeros((batch, c.d_model), jnp.dtype(c.dtype)), zi, zi,
-               jnp.zeros(shape, jnp.dtype(c.dtype)), jnp.zeros(shape, jnp.dtype(c.dtype)),
-               jnp.full((batch, num_positions), -1, jnp.int32), jnp.zeros((batch,), bool),
-               jnp.zeros((batch,), bool), jnp.zeros((batch, max_new_tokens), jnp.int32), zi, zi)
-
-
-def _slot_tick(cfg, shape: loops.Looped, store, h_D, depth, pos, run, k_LSKD, v_LSKD,
-               key_pos_S):
-  """One slot, one tick: the prelude when the token starts (depth 0), loop `depth`, and the
-  coda for the exit logits. Writes the prelude's and the loop's cache columns where the slot
-  runs; returns the coda's columns uncommitted (written only when the token exits)."""
-  key_pos_S = jnp.where(run, key_pos_S.at[pos].set(pos), key_pos_S)
-  apply = lambda x, first, n, k, v: loops.run_layers(cfg, store, x, first, n, k, v, pos,
-                                                     key_pos_S)
-  if shape.start:
-    pre_D, k_N, v_N = apply(h_D, jnp.int32(0), shape.start, k_LSKD, v_LSKD)
-    starts = run & (depth == 0)
-    k_LSKD = loops.write_columns(k_LSKD, jnp.int32(0), pos, k_N, starts)
-    v_LSKD = loops.write_columns(v_LSKD, jnp.int32(0), pos, v_N, starts)
-    h_D = jnp.where(depth == 0, pre_D, h_D)
-  first = shape.start + depth * shape.num_sets
-  h_D, k_N, v_N = apply(h_D, first, shape.num_sets, k_LSKD, v_LSKD)
-  k_LSKD = loops.write_columns(k_LSKD, first, pos, k_N, run)
-  v_LSKD = loops.write_columns(v_LSKD, first, pos, v_N, run)
-  out_D, coda = h_D, None
-  if shape.coda < shape.num_layers:
-    out_D, k_N, v_N = apply(h_D, jnp.int32(shape.coda), shape.num_layers - shape.coda, k_LSKD,
-                            v_LSKD)
-    coda = (k_N, v_N)
-  return h_D, out_D, k_LSKD, v_LSKD, key_pos_S, coda
-
-
-def _copy_deeper(kv_LSKD, depth, pos, exited, shape: loops.Looped):
-  """If `exited`: fills the cache of the loops after `depth` at `pos` with loop `depth`'s."""
-  L, K = kv_LSKD.shape[0], shape.num_sets
-  at = (0, pos, 0, 0)
-  col_L1KD = jax.lax.dynamic_slice(kv_LSKD, at, (L, 1) + kv_LSKD.shape[2:])
-  layer_L = jnp.arange(L)
-  looped_L = (layer_L >= shape.start) & (layer_L < shape.coda)
-  src_L = jnp.where(looped_L, shape.start + depth * K + (layer_L - shape.start) % K, layer_L)
-  deeper_L = exited & looped_L & (layer_L >= shape.start + (depth + 1) * K)
-  filled_L1KD = jnp.where(deeper_L[:, None, None, None], col_L1KD[src_L], col_L1KD)
-  return jax.lax.dynamic_update_slice(kv_LSKD, filled_L1KD, at)
-
-
-def _store(model: DecoderLM, variables) -> loops.LayerStore:
-  """Every applied layer's parts, gathered once per program (not once per tick)."""
-  return loops.layer_store(model.cfg, variables, model.apply(variables, method='atoms'))
-
-
-def _tick(variables, st: Slots, threshold, eos_id, *, model: DecoderLM, sync: bool,
-          store: loops.LayerStore | None = None) -> Slots:
-  """One loop for every running slot; exits, emits and starts next tokens (jit-able)."""
-  shape = check_recursive(model, variables)
-  R, N = shape.loops, st.out_BN.shape[1]
-  store = _store(model, variables) if store is None else store
-  run_B = st.active_B & ~st.hold_B
-  tick = jax.vmap(functools.partial(_slot_tick, model.cfg, shape, store))
-  h_BD, out_BD, k_BLSKD, v_BLSKD, key_pos_BS, coda = tick(
-      st.h_BD, st.depth_B, st.pos_B, run_B, st.k_BLSKD, st.v_BLSKD, st.key_pos_BS)
-  logits_BV = readout(model, variables, out_BD[:, None])[:, 0]
-  conf_B = jnp.max(jax.nn.softmax(logits_BV, axis=-1), axis=-1)
-  token_B = jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
-  confident_B = (conf_B >= threshold) & (threshold < 1.0)
-  exit_B = run_B & (confident_B | (st.depth_B == R - 1))
-  if coda is not None:   # the coda's keys and values are the exiting token's
-    write = jax.vmap(loops.write_columns, in_axes=(0, None, 0, 0, 0))
-    k_BLSKD = write(k_BLSKD, jnp.int32(shape.coda), st.pos_B, coda[0], exit_B)
-    v_BLSKD = write(v_BLSKD, jnp.int32(shape.coda), st.pos_B, coda[1], exit_B)
-  copy = jax.vmap(functools.partial(_copy_deeper, shape=shape))
-  k_BLSKD = copy(k_BLSKD, st.depth_B, st.pos_B, exit_B)
-  v_BLSKD = copy(v_BLSKD, st.depth_B, st.pos_B, exit_B)
-
-  out_BN = jnp.where(exit_B[:, None] & (jnp.arange(N)[None] == st.count_B[:, None]),
-                     token_B[:, None], st.out_BN)
-  count_B = st.count_B + exit_B
-  depth_sum_B = st.depth_sum_B + jnp.where(exit_B, st.depth_B + 1, 0)
-  finished_B = exit_B & ((count_B >= N) | (token_B == eos_id))
-  active_B = st.active_B & ~finished_B
-  next_pos_B = st.pos_B + 1
-  h0_BD = embed(model, variables, token_B[:, None], next_pos_B[:, None])[:, 0].astype(h_BD.dtype)
-  h_BD = jnp.where(exit_B[:, None], h0_BD, jnp.where(run_B[:, None], h_BD, st.h_BD))
-  depth_B = jnp.where(exit_B, 0, st.depth_B + run_B)
-  pos_B = jnp.where(exit_B, next_pos_B, st.pos_B)
-  hold_B = st.hold_B
-  if sync:   # a static batch: the exited wait until every running member has exited
-    hold_B = (hold_B | exit_B) & active_B
-    hold_B = jnp.where(jnp.all(hold_B == active_B), False, hold_B)
-  return Slots(h_BD, depth_B, pos_B, k_BLSKD, v_BLSKD, key_pos_BS, active_B, hold_B, out_BN,
-               count_B, depth_sum_B)
-
-
-def _run(variables, st: Slots, threshold, eos_id, until_free, *, model: DecoderLM, sync: bool):
-  """Ticks until no slot is active, or (`until_free`) until some slot finishes.
-
-  Returns (slots, ticks run, slot-ticks that did work)."""
-  def cond(carry):
-    st, ticks, busy, freed = carry
-    return jnp.any(st.active_B) & ~(until_free & freed)
-
-  store = _store(model, variables)
-
-  def body(carry):
-    st, ticks, busy, freed = carry
-    running = jnp.sum(st.active_B & ~st.hold_B)
-    new = _tick(variables, st, threshold, eos_id, model=model, sync=sync, store=store)
-    return new, ticks + 1, busy + running, jnp.any(st.active_B & ~new.active_B)
-
-  zero = jnp.zeros((), jnp.int32)
-  st, ticks, busy, _ = jax.lax.while_loop(cond, body, (st, zero, zero, jnp.zeros((), bool)))
-  return st, ticks, busy
-
-
-_run_jit = jax.jit(_run, static_argnames=('model', 'sync'))
-
-
-def _prefill(variables, tokens_1P, positions_1P, *, model: DecoderLM, num_positions: int):
-  """Cached full-depth forward of a right-padded prompt prefix: (k, v) (L, S, Kh, Dh), key_pos."""
-  cache = init_cache(model.cfg, 1, num_positions)
-  _, cache = model.apply(variables, tokens_1P, cache=cache, positions_BT=positions_1P)
+def _prefill(variables, tokens_1P, positions_1P, *, model: DecoderLM, num_positions: int,
+             loops_run: int | None):
+  """Cached forward (every loop: the plan's, or `loops_run`) of a right-padded prompt prefix:
+  (k, v) (L, S, Kh, Dh), key_pos."""
+  cache = init_cache(model.cfg, 1, num_positions, loops=loops_run)
+  schedule = Schedule() if loops_run is None else Schedule(loops=loops_run)
+  _, cache = model.apply(variables, tokens_1P, cache=cache, positions_BT=positions_1P,
+                         schedule=schedule)
   k_LSKD = jnp.concatenate([c.k_BSKD[:, 0] for c in cache.layers])   # segments in plan order
   v_LSKD = jnp.concatenate([c.v_BSKD[:, 0] for c in cache.layers])
   return k_LSKD, v_LSKD, cache.key_positions_BS[0]
 
 
-_prefill_jit = jax.jit(_prefill, static_argnames=('model', 'num_positions'))
+_prefill_jit = jax.jit(_prefill, static_argnames=('model', 'num_positions', 'loops_run'))
 
 
-def _insert(variables, st: Slots, slot, k_LSKD, v_LSKD, key_pos_S, last_token, last_pos, *,
-            model: DecoderLM) -> Slots:
-  """Puts a prefilled request into `slot`: its last prompt token starts at loop 0."""
-  h_D = embed(model, variables, last_token[None, None], last_pos[None, None])[0, 0]
-  return Slots(st.h_BD.at[slot].set(h_D.astype(st.h_BD.dtype)), st.depth_B.at[slot].set(0),
-               st.pos_B.at[slot].set(last_pos), st.k_BLSKD.at[slot].set(k_LSKD),
-               st.v_BLSKD.at[slot].set(v_LSKD), st.key_pos_BS.at[slot].set(key_pos_S),
-               st.active_B.at[slot].set(True), st.hold_B.at[slot].set(False),
-               st.out_BN.at[slot].set(0), st.count_B.at[slot].set(0),
-               st.depth_sum_B.at[slot].set(0))
-
-
-_insert_jit = jax.jit(_insert, static_argnames=('model',))
-
-
-def _prefilled(model: DecoderLM, variables: Any, prompt: Sequence[int], num_positions: int):
+def _prefilled(model: DecoderLM, variables: Any, prompt: Sequence[int], num_positions: int,
+               loops_run: int | None):
   """(k, v, key_pos, last token, its position) of one prompt."""
   P = len(prompt)
   width = min(bucket(max(P - 1, 1)), num_positions)
@@ -261,16 +96,26 @@ def _prefilled(model: DecoderLM, variables: Any, prompt: Sequence[int], num_posi
   tokens[0, :P - 1] = prompt[:-1]
   positions[0, :P - 1] = np.arange(P - 1)
   k, v, key_pos = _prefill_jit(variables, jnp.asarray(tokens), jnp.asarray(positions),
-                               model=model, num_positions=num_positions)
+                               model=model, num_positions=num_positions, loops_run=loops_run)
   return k, v, key_pos, jnp.int32(prompt[-1]), jnp.int32(P - 1)
 
 
-def _validate(model: DecoderLM, variables: Any, prompts, max_new_tokens: int,
-              exit_threshold: float, num_positions: int, eos_id: int | None):
-  check_recursive(model, variables)
+def _exit_rule(exit: str | exits.Exit | None, exit_threshold: float) -> exits.Exit:
+  """The criterion: `exit` ('kl:0.01', sharenet/exits.py) or maxprob:`exit_threshold`."""
+  if exit is None:
+    if not 0.0 <= exit_threshold <= 1.0:
+      raise ConfigError(f'exit_threshold={exit_threshold} must be in [0, 1] (1: never exit '
+                        f'early)')
+    return exits.Exit('maxprob', float(exit_threshold))
+  if exit_threshold != 1.0:
+    raise ConfigError(f'exit={exit!r} and exit_threshold={exit_threshold} both set the exit '
+                      f'rule; valid: one of them (exit_threshold=t is exit=maxprob:t)')
+  return exits.parse(exit)
+
+
+def _validate(model: DecoderLM, prompts, max_new_tokens: int, num_positions: int,
+              eos_id: int | None):
   c = model.cfg
-  if not 0.0 <= exit_threshold <= 1.0:
-    raise ConfigError(f'exit_threshold={exit_threshold} must be in [0, 1] (1: never exit early)')
   if max_new_tokens < 1:
     raise ConfigError(f'max_new_tokens={max_new_tokens} must be >= 1')
   check_prompts(c, prompts, eos_id)
@@ -326,27 +171,44 @@ class DepthwiseScheduler:
   `sync=True` is the static-batch baseline instead: a batch of `num_slots` requests decodes in
   lock step (the exited wait for the slowest member), and the next batch starts when the whole
   batch has finished.
+
+  The exit rule is `exit` ('maxprob:0.9', 'entropy:0.5', 'kl:0.01', 'latent:0.01' or an
+  exits.Exit) or, equivalently, `exit_threshold=t` (maxprob:t); `depth` the maximum loops (None:
+  the plan's R); `temperature` (0: greedy), `top_k`, `top_p` and `rng` sample as
+  generate.generate does, request i drawing with row i's keys.
   """
 
   def __init__(self, model: DecoderLM, variables: Any, *, num_slots: int, max_new_tokens: int,
                num_positions: int, exit_threshold: float = 1.0, eos_id: int | None = None,
-               sync: bool = False):
+               sync: bool = False, exit: str | exits.Exit | None = None,
+               depth: int | None = None, temperature: float = 0.0, top_k: int = 0,
+               top_p: float = 1.0, rng: jax.Array | None = None):
     if num_slots < 1:
       raise ConfigError(f'num_slots={num_slots} must be >= 1')
-    _validate(model, variables, [], max_new_tokens, exit_threshold, num_positions, eos_id)
+    self.rule = _exit_rule(exit, exit_threshold)
+    shape = check_recursive(model, variables)
+    if depth is not None:
+      from sharenet import depth as depth_lib
+      depth_lib.check_depth(model.cfg, depth, 'depth')
+    self.shape = at_depth(shape, depth)
+    self.loops_run = depth
+    check_sampling(model.cfg, temperature, top_k, top_p)
+    self.sampling = (float(temperature), int(top_k), float(top_p))
+    self.rng = jax.random.key(0) if rng is None else rng
+    _validate(model, [], max_new_tokens, num_positions, eos_id)
     self.model, self.variables = model, variables
     self.num_slots, self.max_new_tokens, self.num_positions = num_slots, max_new_tokens, \
         num_positions
-    self.threshold = jnp.float32(exit_threshold)
+    self.threshold = jnp.float32(self.rule.threshold)
     self.eos_id, self.sync = eos_id, sync
     self.eos = jnp.int32(-1 if eos_id is None else eos_id)
 
   def run(self, requests: Sequence[Sequence[int]]) -> RecursiveGeneration:
     requests = [list(map(int, p)) for p in requests]
-    _validate(self.model, self.variables, requests, self.max_new_tokens,
-              float(self.threshold), self.num_positions, self.eos_id)
+    _validate(self.model, requests, self.max_new_tokens, self.num_positions, self.eos_id)
     t0 = time.perf_counter()
-    st = empty_slots(self.model, self.num_slots, self.num_positions, self.max_new_tokens)
+    st = empty_slots(self.model, self.num_slots, self.num_positions, self.max_new_tokens,
+                     self.shape.num_layers)
     owner = [-1] * self.num_slots   # request index per slot
     tokens: list[Any] = [None] * len(requests)
     depths: list[Any] = [None] * len(requests)
@@ -358,15 +220,17 @@ class DepthwiseScheduler:
         for b in range(self.num_slots):
           if owner[b] < 0 and waiting:
             i = waiting.pop(0)
-            st = _insert_jit(self.variables, st, jnp.int32(b),
-                             *_prefilled(self.model, self.variables, requests[i],
-                                         self.num_positions), model=self.model)
+            st = insert_jit(self.variables, st, jnp.int32(b),
+                            *_prefilled(self.model, self.variables, requests[i],
+                                        self.num_positions, self.loops_run), jnp.int32(i),
+                            model=self.model)
             owner[b] = i
       if all(o < 0 for o in owner):
         break
       until_free = jnp.asarray(bool(waiting) and not self.sync)
-      st, n, m = _run_jit(self.variables, st, self.threshold, self.eos, until_free,
-                          model=self.model, sync=self.sync)
+      st, n, m = run_jit(self.variables, st, self.threshold, self.eos, until_free, self.rng,
+                         model=self.model, sync=self.sync, shape=self.shape,
+                         criterion=self.rule.criterion, sampling=self.sampling)
       ticks, busy = ticks + int(n), busy + int(m)
       host = {'active': np.asarray(st.active_B), 'out': np.asarray(st.out_BN),
               'count': np.asarray(st.count_B), 'depth_sum': np.asarray(st.depth_sum_B)}
@@ -381,12 +245,18 @@ class DepthwiseScheduler:
 
 def generate_early_exit(model: DecoderLM, variables: Any, prompts: Sequence[Sequence[int]],
                         max_new_tokens: int, *, exit_threshold: float = 1.0,
-                        eos_id: int | None = None) -> RecursiveGeneration:
-  """Greedy decoding of `prompts` as one static batch with per-sequence early exit.
+                        eos_id: int | None = None, exit: str | exits.Exit | None = None,
+                        depth: int | None = None, temperature: float = 0.0, top_k: int = 0,
+                        top_p: float = 1.0, rng: jax.Array | None = None
+                        ) -> RecursiveGeneration:
+  """Decoding of `prompts` as one static batch with per-sequence early exit.
 
-  `exit_threshold` in [0, 1]: a sequence exits after a loop whose readout's max probability is
-  >= the threshold (1.0: never early, identical to greedy `generate.generate`; 0: always after
-  the first loop). The batch steps in lock step (each token waits for its slowest member).
+  The exit rule: `exit` (sharenet/exits.py) or `exit_threshold` in [0, 1], maxprob: a sequence
+  exits after a loop whose readout's max probability is >= the threshold (1.0: never early,
+  identical to `generate.generate`; 0: always after the first loop). `depth`: the maximum loops
+  (default the plan's). Greedy by default; `temperature` / `top_k` / `top_p` / `rng` sample as
+  `generate.generate` does. The batch steps in lock step (each token waits for its slowest
+  member).
   """
   prompts = [list(map(int, p)) for p in prompts]
   if not prompts:
@@ -394,4 +264,6 @@ def generate_early_exit(model: DecoderLM, variables: Any, prompts: Sequence[Sequ
   positions = max(len(p) for p in prompts) + max_new_tokens - 1
   return DepthwiseScheduler(model, variables, num_slots=len(prompts),
                             max_new_tokens=max_new_tokens, num_positions=positions,
-                            exit_threshold=exit_threshold, eos_id=eos_id, sync=True).run(prompts)
+                            exit_threshold=exit_threshold, eos_id=eos_id, sync=True, exit=exit,
+                            depth=depth, temperature=temperature, top_k=top_k, top_p=top_p,
+                            rng=rng).run(prompts)

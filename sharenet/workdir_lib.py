@@ -152,29 +152,57 @@ def read_prompts(prompt: str | None, prompt_file: str | None) -> list[str]:
 def generate_from_workdir(workdir: str, step: int | None, overrides: dict[str, Any],
                           prompts: list[str], *, max_new_tokens: int, temperature: float,
                           top_k: int, top_p: float, seed: int, num_samples: int,
-                          eos_id: int | None) -> list[dict[str, Any]]:
+                          eos_id: int | None, depth: int | None = None,
+                          exit: str | None = None) -> list[dict[str, Any]]:
   """eval.py --prompt: `num_samples` continuations of every prompt, one JSON-able row each.
 
   Prompts are encoded and samples decoded with the data's tokenizer; byte models show invalid
   UTF-8 as \\xNN; shards' models stop at the end-of-document id unless `eos_id` is given.
+  `depth` (eval.py --depth): decode at that many loops of the looped segment; `exit` (--exit
+  criterion:threshold, sharenet/exits.py): adaptive exits after any loop (up to `depth`, default
+  the trained loops; sharenet/recursive_inference.py), each row then with `mean_exit_loops`.
   """
-  from sharenet import generate
+  from sharenet import depth as depth_lib
+  from sharenet import exits, generate
+  from sharenet import recursive_inference as ri
   if num_samples < 1:
     raise ConfigError(f'--num_samples={num_samples} must be >= 1')
   if temperature < 0:
     raise ConfigError(f'--temperature={temperature} must be >= 0 (0: greedy)')
+  rule = None if exit is None else exits.parse(exit)
+  if depth is not None or rule is not None:   # checked before restoring or compiling
+    config = load_config(workdir)
+    config.update_from_flattened_dict(overrides or {})
+    mcfg = ModelConfig.from_experiment(config)
+    depth_lib.looped_shape(mcfg, '--exit' if depth is None else '--depth')
+    if depth is not None:
+      depth_lib.check_depth(mcfg, depth, '--depth')
+    if rule is not None:
+      ri.check_recursive(DecoderLM(mcfg), None)
   loaded = load_for_generation(workdir, step, overrides)
   tok = loaded.tokenizer
   byte_level = isinstance(tok, tokenizer_lib.ByteTokenizer)
   eos = eos_id if eos_id is not None or byte_level else tok.eod_id
   batch = [tok.encode(p).tolist() for p in prompts for _ in range(num_samples)]
-  out = generate.generate(loaded.model, loaded.variables, batch, max_new_tokens,
-                          temperature=temperature, top_k=top_k, top_p=top_p,
-                          rng=jax.random.key(seed), eos_id=eos)
+  sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, rng=jax.random.key(seed),
+                  eos_id=eos)
+  extra: list[dict[str, Any]] = [{} for _ in batch]
+  if rule is not None:
+    out = ri.generate_early_exit(loaded.model, loaded.variables, batch, max_new_tokens,
+                                 exit=rule, depth=depth, **sampling)
+    timing = {'tokens_per_sec': round(out.tokens_per_sec, 1)}
+    extra = [{'exit': f'{rule.criterion}:{rule.threshold:g}', 'mean_exit_loops': round(d, 3)}
+             for d in out.exit_depths]
+  else:
+    out = generate.generate(loaded.model, loaded.variables, batch, max_new_tokens,
+                            loops=depth, **sampling)
+    timing = {'tokens_per_sec': round(out.tokens_per_sec, 1),
+              'compile_sec': round(out.compile_seconds, 2)}
+  if depth is not None:
+    extra = [{'depth': depth, **e} for e in extra]
   return [{'prompt': prompts[i // num_samples], 'sample': i % num_samples,
            'text': tok.decode(tokens), 'num_tokens': len(tokens), 'step': loaded.step,
-           'tokens_per_sec': round(out.tokens_per_sec, 1),
-           'compile_sec': round(out.compile_seconds, 2)}
+           **timing, **extra[i]}
           for i, tokens in enumerate(out.tokens)]
 
 
