@@ -1,15 +1,16 @@
 """The compatibility table: which features combine, declared once.
 
 Every feature is a config setting (or, `action=True`, an operation on a trained model: cached
-generation, loop-by-loop inference, a conversion). Features on one `axis` exclude each other
-(two sharing schemes are not a pair). Every other pair works unless one of the two names the
-other in `refuses`, with the one-line reason; `check(config)` raises that line as a
-ConfigError (config_lib.validate runs it before anything is built), and `check_action` does the
-same for an action on a model's config. tests/test_compatibility.py is generated from this
-table: a pairwise covering set of tiny configs (every working pair in at least one, none with
-a refused pair) each initialised and trained one step, the actions run on them, and every
-refused pair checked to raise its line; docs/compatibility.md is `markdown()`. A feature whose
-config value is not in the table fails tests/test_compatibility.py::test_every_choice_is_declared.
+generation, loop-by-loop inference with adaptive exits, test-time depth, a conversion).
+Features on one `axis` exclude each other (two sharing schemes are not a pair). Every other
+pair works unless one of the two names the other in `refuses`, with the one-line reason;
+`check(config)` raises that line as a ConfigError (config_lib.validate runs it before anything
+is built), and `check_action` does the same for an action on a model's config.
+tests/test_compatibility.py is generated from this table: a pairwise covering set of tiny
+configs (every working pair in at least one, none with a refused pair) each initialised and
+trained one step, the actions run on them, and every refused pair checked to raise its line;
+docs/compatibility.md is `markdown()`. A feature whose config value is not in the table fails
+tests/test_compatibility.py::test_every_choice_is_declared.
 """
 from __future__ import annotations
 
@@ -60,6 +61,10 @@ LOOPED = 'loop-by-loop inference needs exactly one looped cycle segment'
 NO_GEN_ROUTED = 'cached generation of a routed model is not implemented (expert choice is ' \
     'not causal as trained)'
 LOOP_ROUTED = 'loop-by-loop inference runs every loop on every token; routing picks the loops'
+DEPTH = 'test-time depth (eval.py --depths / --depth) runs another number of loops of the one ' \
+    'looped cycle segment'
+DEPTH_ROUTED = 'routing picks each token\'s recursions; a loop schedule of a routed model is not ' \
+    'implemented'
 UMUP_LAYER = 'the u-muP residual rule depends on the applied layer index'
 NO_V = 'these sharing modes store no value projection for the LoRA / MASA target v'
 NO_Q = 'qk_shared / qkv_shared store no query projection for the LoRA / MASA target q'
@@ -74,18 +79,19 @@ def _features() -> tuple[Feature, ...]:
       _setting('untied', 'scheme', s + 'scheme', 'untied', (s + 'num_unique', 0),
                refuses=(('lora', 'LoRA relaxes shared layers and untied shares none; valid: '
                          'model.sharing.lora_layers=all'), ('expert_choice', ROUTED_PLANS),
-                        ('token_choice', ROUTED_PLANS), ('loop_inference', LOOPED))),
+                        ('token_choice', ROUTED_PLANS), ('loop_inference', LOOPED),
+                        ('test_time_depth', DEPTH))),
       _setting('universal', 'scheme', s + 'scheme', 'universal', (s + 'num_unique', 1),
                refuses=(('expert_choice', ROUTED_PLANS), ('token_choice', ROUTED_PLANS))),
       _setting('cycle', 'scheme', s + 'scheme', 'cycle', (s + 'num_unique', 2)),
       _setting('sequence', 'scheme', s + 'scheme', 'sequence', (s + 'num_unique', 2),
                refuses=(('expert_choice', ROUTED_PLANS), ('token_choice', ROUTED_PLANS),
-                        ('loop_inference', LOOPED))),
+                        ('loop_inference', LOOPED), ('test_time_depth', DEPTH))),
       _setting('middle_cycle', 'scheme', s + 'scheme', 'middle_cycle', (s + 'num_unique', 3)),
       _setting('middle_sequence', 'scheme', s + 'scheme', 'middle_sequence',
                (s + 'num_unique', 3),
                refuses=(('expert_choice', ROUTED_PLANS), ('token_choice', ROUTED_PLANS),
-                        ('loop_inference', LOOPED))),
+                        ('loop_inference', LOOPED), ('test_time_depth', DEPTH))),
       _setting('sandwich', 'scheme', s + 'scheme', 'sandwich', (s + 'num_unique', 3),
                refuses=(('expert_choice', ROUTED_PLANS), ('token_choice', ROUTED_PLANS))),
       _setting('groups', 'scheme', s + 'scheme', 'groups', (s + 'num_unique', 2),
@@ -93,14 +99,15 @@ def _features() -> tuple[Feature, ...]:
       _setting('explicit', 'scheme', s + 'scheme', 'explicit', (s + 'num_unique', 0),
                (s + 'pattern', '0,1,1,0'),
                refuses=(('expert_choice', ROUTED_PLANS), ('token_choice', ROUTED_PLANS),
-                        ('loop_inference', LOOPED))),
+                        ('loop_inference', LOOPED), ('test_time_depth', DEPTH))),
   ]
   routers = [
       _setting(kind, 'routing', 'model.routing.kind', kind,
                refuses=(('lora', NOT_ROUTED), ('untie_norms', NOT_ROUTED),
                         ('python_loop', 'routing needs model.scan_layers=True'),
                         ('flat', FLAT_ROUTED), ('umup', 'the u-muP residual rule is not routed'),
-                        ('generation', NO_GEN_ROUTED), ('loop_inference', LOOP_ROUTED)))
+                        ('generation', NO_GEN_ROUTED), ('loop_inference', LOOP_ROUTED),
+                        ('test_time_depth', DEPTH_ROUTED)))
       for kind in ('expert_choice', 'token_choice')]
   per_layer = 'model.scan_layers=False reuses one module per set: no per-layer parts'
   structure = [
@@ -158,8 +165,12 @@ def _features() -> tuple[Feature, ...]:
               Feature('grad_accum', 'grad_accum', (('train.grad_accum', 2),),
                       lambda c: _get(c, 'train.grad_accum') > 1),
               _setting('segment_mask', 'segment_mask', 'data.segment_mask', True)]
+  # test_time_depth: evaluation and cached generation at another number of loops
+  # (sharenet/depth.py); loop_inference serves the exit criteria and sampling
+  # (sharenet/exits.py, sharenet/recursive_inference.py).
   actions = [Feature('generation', 'generation', (), lambda c: False, action=True),
-             Feature('loop_inference', 'loop_inference', (), lambda c: False, action=True)]
+             Feature('loop_inference', 'loop_inference', (), lambda c: False, action=True),
+             Feature('test_time_depth', 'test_time_depth', (), lambda c: False, action=True)]
   return tuple(schemes + routers + structure + attention + norms + placements + qk + pzs +
                loop_rules + reparams + projections + updates + remats + numerics + actions)
 
