@@ -88,6 +88,17 @@ def subprocess_env():
   return types.MappingProxyType(make_subprocess_env())
 
 
+@pytest.fixture(scope='session')
+def text_cfg(tmp_path_factory):
+  """A data config of one random text file: its last 1 % (300 bytes) is the validation split
+  (eval_lib tests, evaluation at test-time depths)."""
+  import ml_collections
+  import numpy as np
+  path = tmp_path_factory.mktemp('corpus') / 'corpus.txt'
+  path.write_bytes(bytes(np.random.default_rng(0).integers(0, 256, 30_000, np.uint8)))
+  return ml_collections.ConfigDict({'source': 'text', 'path': str(path)})
+
+
 @pytest.fixture(autouse=True, scope='module')
 def _release_compiled_programs():
   """Drops jax's in-memory caches (traced and compiled programs) after each test module.

@@ -117,17 +117,21 @@ def test_row_traces(row, tiny_config, monkeypatch):
   _trace(tiny_config, row, monkeypatch)
 
 
-ACTION_ROWS = [r for r in ROWS if {'generation', 'loop_inference'} & set(r)]
+ACTION_ROWS = [r for r in ROWS if {'generation', 'loop_inference', 'test_time_depth'} & set(r)]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize('row', ACTION_ROWS, ids=[f'actions{i}' for i in range(len(ACTION_ROWS))])
 def test_row_serves(row, tiny_config, monkeypatch):
   """Slow tier: rows holding an action serve from their initialised state (the row's train
-  step is test_row_traces'): cached greedy generation runs, and loop-by-loop inference that
-  never exits early equals it token for token."""
+  step is test_row_traces'): cached greedy generation runs, loop-by-loop inference that
+  never exits early equals it token for token (greedy, and sampled under a never-firing kl
+  criterion); at test-time depth the plan's R through a schedule is the plan and cached decoding
+  at one loop runs."""
+  from sharenet import depth
   from sharenet import generate as gen
   from sharenet import recursive_inference as ri
+  from sharenet.models.loops import Schedule
   config = make_config(tiny_config, row)
   monkeypatch.setattr(config_lib.data, 'validate_data_config', lambda *a, **k: None)
   exp = train_lib.setup(config, config_lib.validate(config))
@@ -139,3 +143,14 @@ def test_row_serves(row, tiny_config, monkeypatch):
   if 'loop_inference' in row:
     out = ri.generate_early_exit(exp.model, variables, prompts, 3, exit_threshold=1.0)
     assert out.tokens == greedy
+    out = ri.generate_early_exit(exp.model, variables, prompts, 3, exit='kl:0', temperature=1.0,
+                                 rng=jax.random.key(1))
+    assert out.tokens == gen.generate(exp.model, variables, prompts, 3, temperature=1.0,
+                                      rng=jax.random.key(1)).tokens
+  if 'test_time_depth' in row:   # the plan's depth through a schedule; cached decoding at 1
+    R = depth.check_depth(exp.model.cfg, 1).loops
+    tokens = jnp.asarray([[3, 141, 59]])
+    np.testing.assert_allclose(exp.model.apply(variables, tokens, schedule=Schedule(loops=R)),
+                               exp.model.apply(variables, tokens), rtol=0.05, atol=0.05)
+    shallow = gen.generate(exp.model, variables, prompts, 3, temperature=0, loops=1).tokens
+    assert [len(t) for t in shallow] == [3, 3]

@@ -20,14 +20,6 @@ def model_and_params():
   return model, jax.jit(lambda: init_variables(model, jax.random.key(0)))()
 
 
-@pytest.fixture(scope='module')
-def text_cfg(tmp_path_factory):
-  """One text file: its last 1 % (300 bytes) is the validation split."""
-  path = tmp_path_factory.mktemp('corpus') / 'corpus.txt'
-  path.write_bytes(bytes(np.random.default_rng(0).integers(0, 256, 30_000, np.uint8)))
-  return ml_collections.ConfigDict({'source': 'text', 'path': str(path)})
-
-
 def _nll_by_hand(model, params, tokens):
   """-log softmax(logits)[target] in float64, from the model's logits."""
   logits = np.asarray(_apply(model, params, tokens[:, :-1]), np.float64)
