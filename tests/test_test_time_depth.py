@@ -201,6 +201,35 @@ def test_bad_input_is_one_line(cycle, tiny_config):
     assert '\n' not in str(e.value)
 
 
+def test_workdir_refusals_come_before_restoring(tiny_config, tmp_path):
+  """eval.py's library side refuses from config.json alone (the workdir holds no checkpoint,
+  so anything that got as far as restoring would fail differently)."""
+  from sharenet import workdir_lib
+  for scheme, unique in (('untied', 0), ('cycle', K)):
+    workdir = tmp_path / scheme
+    workdir.mkdir()
+    config = tiny_config(**{'model.num_layers': K * R, 'model.sharing.scheme': scheme,
+                            'model.sharing.num_unique': unique})
+    (workdir / 'config.json').write_text(json.dumps(config.to_dict()))
+    gen_kw = dict(max_new_tokens=2, temperature=0.0, top_k=0, top_p=1.0, seed=0,
+                  num_samples=1, eos_id=None)
+    cases = [
+        (lambda: workdir_lib.generate_from_workdir(str(workdir), None, {}, ['ab'], **gen_kw,
+                                                   exit='maxprob:2'), 'bad threshold'),
+        (lambda: depth.evaluate_workdir_depths(str(workdir), None, {}, [0]),
+         'valid schemes' if scheme == 'untied' else 'valid: an integer >= 1'),
+        (lambda: workdir_lib.generate_from_workdir(str(workdir), None, {}, ['ab'], **gen_kw,
+                                                   depth=0),
+         'valid schemes' if scheme == 'untied' else 'valid: an integer >= 1')]
+    if scheme == 'untied':
+      cases.append((lambda: workdir_lib.generate_from_workdir(
+          str(workdir), None, {}, ['ab'], **gen_kw, exit='kl:0.1'), '--exit needs a looped'))
+    for fn, match in cases:
+      with pytest.raises(ConfigError, match=match) as e:
+        fn()
+      assert '\n' not in str(e.value) and 'checkpoint' not in str(e.value)
+
+
 @pytest.mark.slow
 def test_eval_cli(tmp_path, train_cmd, subprocess_env, repo_root):
   """eval.py on a trained universal model: --depths at the training depth prints plain eval's
