@@ -148,6 +148,8 @@ def default_config() -> ml_collections.ConfigDict:
                               # text, the shards' own for arrayrecord, none for bin
   d.segment_mask = False      # arrayrecord: batches carry segment ids, attention stays within
                               # each packed document (sharenet/data/arrayrecord.py)
+  d.eval_tokens = 0           # evaluated validation tokens: 0 -> the whole split; n -> its
+                              # first n predicted tokens (quick evals of a big split; the tests)
 
   c.transforms = tr = ml_collections.ConfigDict()   # sharenet/transforms
   tr.reparam = ''             # comma list, applied in order: zero_mean_writers, weight_std,

@@ -1,4 +1,5 @@
-"""Evaluation on the full validation split: mean next-token loss and bits per byte."""
+"""Evaluation on the validation split (all of it, or its first data.eval_tokens predicted
+tokens): mean next-token loss and bits per byte."""
 from __future__ import annotations
 
 import functools
@@ -54,8 +55,9 @@ def _eval_step(model: DecoderLM, params: Any, batch_BT1: Any, mask_BT: jax.Array
 
 def evaluate(model: DecoderLM, params: Any, data_cfg: Any, seq_len: int,
              batch_size: int, schedule: Schedule = Schedule()) -> dict[str, float]:
-  """eval_loss (nats/token) and eval_bits_per_byte over every validation token (`schedule`:
-  at another depth; one compiled program per schedule, the loop count is a scan length).
+  """eval_loss (nats/token) and eval_bits_per_byte over the evaluated validation tokens (all,
+  or the first data.eval_tokens); `schedule`: at another depth (one compiled program per
+  schedule: the loop count is a scan length).
 
   Bytes per token: 1 for byte sources, meta.json's validation bytes / tokens for arrayrecord;
   `bin` has none, so its 'bits per byte' is bits per token.

@@ -28,7 +28,8 @@ STATE_FREE = ('train.steps', 'train.log_every', 'train.eval_every', 'train.eval_
               'train.checkpoint_every', 'train.keep_checkpoints', 'train.progress',
               'train.restore', 'train.grad_accum', 'model.remat', 'model.scan_unroll',
               'model.scan_lowering', 'model.scan_split_transpose', 'model.kernels',
-              'model.attention', 'model.dtype', 'data.tokenizer', 'dry_run', 'mesh.')
+              'model.attention', 'model.dtype', 'data.tokenizer', 'data.eval_tokens', 'dry_run',
+              'mesh.')
 # model.dtype is the compute dtype only: parameters and optimizer state are model.param_dtype
 # (float32) either way, so a float32 checkpoint resumes under bfloat16 and back.
 # Change which windows the train iterator yields from its saved position, or (num_workers) the

@@ -25,10 +25,18 @@ jax.config.update('jax_numpy_rank_promotion', 'raise')
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+# Tests evaluate the first 8192 validation tokens (one tiny-config eval batch), not the whole
+# 446k-token split: a run's final evaluation is then ~1/50 of its former cost. Tests of the
+# evaluation itself use their own data configs, which evaluate everything.
+EVAL_TOKENS = 8192
+
+
 def make_tiny_config(**overrides):
-  """configs/tiny.py with dotted overrides, e.g. make_tiny_config(**{'train.steps': 5})."""
+  """configs/tiny.py (evaluating EVAL_TOKENS validation tokens) with dotted overrides, e.g.
+  make_tiny_config(**{'train.steps': 5})."""
   from configs import tiny
   c = tiny.get_config()
+  c.data.eval_tokens = EVAL_TOKENS
   for key, value in overrides.items():
     section, _, name = key.rpartition('.')
     node = c
@@ -45,9 +53,11 @@ def read_losses(workdir):
 
 
 def make_train_cmd(workdir, *flags):
-  """`python train.py` on configs/tiny.py with extra --config flags."""
+  """`python train.py` on configs/tiny.py (evaluating EVAL_TOKENS tokens) with extra --config
+  flags."""
   return [sys.executable, os.path.join(ROOT, 'train.py'), '--config',
-          os.path.join(ROOT, 'configs', 'tiny.py'), f'--workdir={workdir}', *flags]
+          os.path.join(ROOT, 'configs', 'tiny.py'), f'--workdir={workdir}',
+          f'--config.data.eval_tokens={EVAL_TOKENS}', *flags]
 
 
 def make_subprocess_env():

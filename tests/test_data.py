@@ -131,6 +131,21 @@ def test_eval_batches_predict_every_val_token_once(seq_len, batch):
   assert sum(m.sum() for part in sharded for _, m in part) == len(val) - 1
 
 
+def test_eval_tokens_evaluates_a_prefix_of_validation():
+  """data.eval_tokens=n: the first n validation targets, once each, in the same windows."""
+  val = data.load_splits(STDLIB)[1]
+  cfg = dict(STDLIB, eval_tokens=1000)
+  batches = list(data.eval_batches(cfg, 100, 3))
+  assert len(batches) == data.num_eval_batches(cfg, 100, 3) == 4
+  assert sum(m.sum() for _, m in batches) == data.num_eval_tokens(cfg) == 1000
+  targets = np.concatenate([t[:, 1:][m > 0] for t, m in batches])
+  np.testing.assert_array_equal(targets, val[1:1001])
+  full = next(iter(data.eval_batches(STDLIB, 100, 3)))
+  np.testing.assert_array_equal(batches[0][0], full[0])
+  _one_line_error('data.eval_tokens=-1 must be >= 0', data.validate_data_config,
+                  dict(STDLIB, eval_tokens=-1), 16, 4)
+
+
 def _one_line_error(match, fn, *args, **kw):
   with pytest.raises(ConfigError, match=match) as e:
     fn(*args, **kw)

@@ -127,11 +127,15 @@ def _check_segment_mask(data_cfg: Any, source: str) -> None:
 
 
 def _val_tokens(data_cfg: Any) -> np.ndarray:
-  """The validation split as one token array (arrayrecord: its documents in record order)."""
+  """The evaluated validation tokens as one array (arrayrecord: its documents in record order):
+  the whole split, or its first data.eval_tokens + 1 (that many predicted)."""
   source, path = corpus.source_and_path(data_cfg)
   if source == 'arrayrecord':
-    return arrayrecord.split_tokens(path, 'validation')
-  return corpus.load_splits(data_cfg)[1]
+    val = arrayrecord.split_tokens(path, 'validation')
+  else:
+    val = corpus.load_splits(data_cfg)[1]
+  limit = corpus.get_field(data_cfg, 'eval_tokens') or 0
+  return val[:limit + 1] if limit > 0 else val
 
 
 def num_eval_tokens(data_cfg: Any) -> int:
@@ -197,6 +201,10 @@ def validate_data_config(data_cfg: Any, seq_len: int, batch_size: int, process_c
   num_workers = corpus.get_field(data_cfg, 'num_workers')
   if num_workers is not None and num_workers < 0:
     raise ConfigError(f'data.num_workers={num_workers} must be >= 0')
+  eval_tokens = corpus.get_field(data_cfg, 'eval_tokens')
+  if eval_tokens is not None and eval_tokens < 0:
+    raise ConfigError(f'data.eval_tokens={eval_tokens} must be >= 0 (0: the whole validation '
+                      f'split)')
   _check_segment_mask(data_cfg, source)
   if source == 'arrayrecord':
     _validate_arrayrecord(path, seq_len, process_count, vocab_size)
