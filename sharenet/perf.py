@@ -28,6 +28,7 @@ the fp32 CUDA-core figure or TF32; TPU publishes no multi-pass figure, so MFU is
 """
 from __future__ import annotations
 
+import functools
 import time
 from typing import NamedTuple
 
@@ -169,8 +170,16 @@ def hbm_capacity(device_kind: str) -> float | None:
   return next((b for match, b in HBM_CAPACITY_BYTES if match in kind), None)
 
 
-def matmul_peak_flops(n: int = 2048, dtype: str = 'float32', repeats: int = 5) -> float:
-  """Best-of-`repeats` FLOP/s of an (n, n) @ (n, n) jitted matmul on the default device."""
+@functools.lru_cache(maxsize=None)
+def matmul_peak_flops(n: int | None = None, dtype: str = 'float32', repeats: int = 5) -> float:
+  """Best-of-`repeats` FLOP/s of an (n, n) @ (n, n) jitted matmul on the default device.
+
+  Measured once per process and arguments (the device does not change under a process).
+  n defaults to 1024 on CPU (BLAS is at its peak there; 2048 costs 8x the time at every run's
+  start) and 2048 on accelerators (a smaller matmul is launch-bound).
+  """
+  if n is None:
+    n = 1024 if jax.devices()[0].platform == 'cpu' else 2048
   a = jax.random.normal(jax.random.key(0), (n, n), dtype)
   b = jax.random.normal(jax.random.key(1), (n, n), dtype)
   f = jax.jit(jnp.dot)
