@@ -36,7 +36,18 @@ class TrainState:
 def init_state(model: DecoderLM, tx: optax.GradientTransformation, rng: jax.Array,
                tr: Transforms | None = None,
                pz: parametrization.Parametrization | None = None) -> TrainState:
-  """Fresh state: SP init, rescaled to `pz`'s preset, then `tr`'s gains and projections."""
+  """Fresh state: SP init, rescaled to `pz`'s preset, then `tr`'s gains and projections.
+
+  One compiled program: run op by op, the init's few hundred small ops (power iterations,
+  rescalings) would each be compiled on first use (~20 s on a 2-core CPU for a tiny model
+  with sigma-reparam). Inside a caller's jit or eval_shape it is inlined.
+  """
+  return jax.jit(functools.partial(_fresh_state, model, tx, tr=tr, pz=pz))(rng)
+
+
+def _fresh_state(model: DecoderLM, tx: optax.GradientTransformation, rng: jax.Array,
+                 tr: Transforms | None = None,
+                 pz: parametrization.Parametrization | None = None) -> TrainState:
   params, tstate = init_variables(model, rng), {}
   if pz is not None:
     params = pz.init(params)
