@@ -285,8 +285,10 @@ def test_resume_after_kill_is_exact(tmp_path, tiny_config, train_cmd, subprocess
   proc.send_signal(signal.SIGKILL)
   proc.wait()
   assert os.path.isdir(ckpt), 'the run never wrote its step-6 checkpoint'
+  assert proc.returncode == -signal.SIGKILL, 'the run ended before it was killed'
   res = subprocess.run(train_cmd(workdir, *flags), env=subprocess_env, check=True,
                        capture_output=True, text=True)
+  assert 'resumed from checkpoint at step 6' in res.stdout
   assert 'eval_loss' in json.loads(res.stdout.splitlines()[-1])
   ref, resumed = losses(ref_dir), losses(workdir)
   assert [resumed[s] for s in range(7, 13)] == [ref[s] for s in range(7, 13)]
