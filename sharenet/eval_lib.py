@@ -39,8 +39,10 @@ def token_nll(model: DecoderLM, params: Any, batch_BT1: Any,
   tokens_BT1, segment_ids_BT1 = split_batch(batch_BT1)
   inputs = (tokens_BT1[:, :-1],) if segment_ids_BT1 is None else (tokens_BT1[:, :-1],
                                                                   segment_ids_BT1[:, :-1])
-  logits_BTV, aux = model.apply(params, *inputs, schedule=schedule, mutable=list(mutable),
-                                rngs=rngs)
+  extra = {} if schedule.is_default else {'schedule': schedule}   # the plain call otherwise
+  if rngs is not None:
+    extra['rngs'] = rngs
+  logits_BTV, aux = model.apply(params, *inputs, mutable=list(mutable), **extra)
   if logits_grad_scale != 1.0:
     logits_BTV = unit_scale.scale_bwd(logits_BTV, logits_grad_scale)
   nll_BT = optax.softmax_cross_entropy_with_integer_labels(logits_BTV, tokens_BT1[:, 1:])
