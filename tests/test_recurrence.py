@@ -115,6 +115,12 @@ def test_exit_loss_all_is_the_mean_of_the_per_loop_losses():
   np.testing.assert_allclose([aux[f'exit_loss_{j}'] for j in (1, 2, 3)], per_loop, rtol=1e-5)
   assert recurrence.exit_weights('all', cfg) == (1.0, 1.0, 1.0)
   assert recurrence.exit_weights('1,0,3', cfg) == (1.0, 0.0, 3.0)
+  # A sampled depth 3 with k = 2 (the same parameters): its exits are loops 2 and 3.
+  sampled = DecoderLM(_cfg(depth='poisson_lognormal', mean=3.0, backprop=2))
+  _, aux = jax.jit(lambda v, d: recurrence.loss(sampled, v, TOKENS_BT1, d,
+                                                recurrence.StepLoops((1.0, 1.0)), 0))(
+      v, jnp.int32(3))
+  np.testing.assert_allclose([aux['exit_loss_1'], aux['exit_loss_2']], per_loop[1:], rtol=1e-5)
 
 
 def test_sampled_step_equals_the_hand_unrolled_depth():
