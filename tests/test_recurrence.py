@@ -137,6 +137,19 @@ def test_sampled_step_equals_the_hand_unrolled_depth():
   assert bool(jnp.any(g['params']['embed']['embedding'] != 0))
 
 
+def test_a_traced_depth_differentiates_with_masa_atoms():
+  """MASA atoms (read by every loop, outside the stored sets) with a traced no-grad prefix:
+  the train step's gradient traces (abstractly)."""
+  cfg = ModelConfig(**TINY, num_layers=5, sharing=dict(scheme='middle_cycle', num_unique=3),
+                    masa=dict(atoms=2), recurrence=dict(depth='poisson_lognormal', mean=3.0,
+                                                        backprop=1, injection='add'))
+  model = DecoderLM(cfg)
+  v = jax.eval_shape(lambda: init_variables(model, jax.random.key(0)))
+  grad = jax.grad(lambda v, d: train_lib.loss_fn(v, {}, TOKENS_BT1, d, model=model)[0])
+  g = jax.eval_shape(grad, v, jax.ShapeDtypeStruct((), jnp.int32))
+  assert jax.tree.map(lambda a: a.shape, g) == jax.tree.map(lambda a: a.shape, v)
+
+
 @pytest.fixture(scope='module')
 def concat_normal():
   """A concat-injected model starting from noise: (cfg, model, variables, its logits)."""

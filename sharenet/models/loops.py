@@ -17,7 +17,9 @@ models/routing.py) and loop-by-loop serving (`run_layers`, one token through a d
 range of applied layers). A `Schedule` changes the loops of a looped (`cycle`) segment per call:
 run `loops` of them instead of R (evaluate at another depth), run a prefix of `no_grad` loops
 without gradient first (a traced count allowed: one compiled program for every prefix; nothing
-of the prefix is stored for the backward pass) and `collect` the stream after each loop.
+of the prefix is stored for the backward pass) and `collect` the stream after each loop. A
+recurrent-depth segment (models/recurrence.py) re-enters its input at the start of every loop
+(`inject`) in every lowering and schedule.
 
 The layer itself is `Block.apply` on the gathered variables (`layer_fn`), rematerialised by the
 model's remat policy; what the blocks sow (coordinate checks) comes back stacked like the
@@ -265,7 +267,7 @@ def _run_schedule(layer: Layer, seg: Segment, sets: Any, per_layer: Any, carry: 
   loop = one_loop(layer, sets, shared, unroll=unroll, split_transpose=split_transpose,
                   inject=inject)
   per_loop = None if per_layer is None else _regroup(per_layer, (R, K))
-  if dynamic or p:   # nothing the prefix reads may carry a tangent (MASA atoms included)
+  if dynamic or p:   # the prefix reads nothing with a tangent (no tangent work in its loop)
     frozen = one_loop(layer, jax.lax.stop_gradient(sets),
                       shared._replace(masa=jax.lax.stop_gradient(shared.masa)), unroll=unroll,
                       split_transpose=split_transpose,
