@@ -69,6 +69,11 @@ UMUP_LAYER = 'the u-muP residual rule depends on the applied layer index'
 NO_V = 'these sharing modes store no value projection for the LoRA / MASA target v'
 NO_Q = 'qk_shared / qkv_shared store no query projection for the LoRA / MASA target q'
 PERI = 'depth / loop branch multipliers are cancelled by peri norms'
+NO_LOOP = 'recurrence and exits loop the plan\'s one looped cycle segment, which it lacks'
+ROUTED_LOOPS = 'routing picks each token\'s loops itself'
+UMUP_DEPTH = 'the u-muP residual rule counts applied layers, which the depth changes'
+NO_INJECT = 'loop-by-loop inference applies the stored layers without re-entering the input'
+PER_LOOP_PARTS = 'per-layer parts exist for the plan\'s R loops only; a sampled depth runs others'
 
 
 def _features() -> tuple[Feature, ...]:
@@ -109,6 +114,21 @@ def _features() -> tuple[Feature, ...]:
                         ('generation', NO_GEN_ROUTED), ('loop_inference', LOOP_ROUTED),
                         ('test_time_depth', DEPTH_ROUTED)))
       for kind in ('expert_choice', 'token_choice')]
+  rc = 'model.recurrence.'
+  loopless = tuple((n, NO_LOOP) for n in ('untied', 'sequence', 'middle_sequence', 'explicit'))
+  loopless += (('expert_choice', ROUTED_LOOPS), ('token_choice', ROUTED_LOOPS),
+               ('umup', UMUP_DEPTH))
+  # init_* need an injection (init without one is refused): they set injection=add, and come
+  # before inject_* here and by name, so a row holding both keeps the inject_* feature's value.
+  recurrent = [
+      _setting('poisson_lognormal', 'recurrence_depth', rc + 'depth', 'poisson_lognormal',
+               (rc + 'mean', 2.0), (rc + 'backprop', 1),
+               refuses=loopless + (('lora', PER_LOOP_PARTS), ('untie_norms', PER_LOOP_PARTS))),
+      *[_setting(f'init_{v}', 'state_init', rc + 'init', v, (rc + 'injection', 'add'),
+                 refuses=loopless + (('loop_inference', NO_INJECT),)) for v in ('zeros', 'normal')],
+      *[_setting(f'inject_{v}', 'injection', rc + 'injection', v,
+                 refuses=loopless + (('loop_inference', NO_INJECT),)) for v in ('add', 'concat')],
+      _setting('exit_all', 'exit_loss', 'train.exit_loss', 'all', refuses=loopless)]
   per_layer = 'model.scan_layers=False reuses one module per set: no per-layer parts'
   structure = [
       _setting('flat', 'lowering', 'model.scan_lowering', 'flat'),
@@ -171,8 +191,8 @@ def _features() -> tuple[Feature, ...]:
   actions = [Feature('generation', 'generation', (), lambda c: False, action=True),
              Feature('loop_inference', 'loop_inference', (), lambda c: False, action=True),
              Feature('test_time_depth', 'test_time_depth', (), lambda c: False, action=True)]
-  return tuple(schemes + routers + structure + attention + norms + placements + qk + pzs +
-               loop_rules + reparams + projections + updates + remats + numerics + actions)
+  return tuple(schemes + routers + recurrent + structure + attention + norms + placements + qk +
+               pzs + loop_rules + reparams + projections + updates + remats + numerics + actions)
 
 
 FEATURES = _features()

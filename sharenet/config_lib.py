@@ -15,7 +15,7 @@ from absl import app, flags
 from ml_collections import config_flags
 from ml_collections.config_flags import config_flags as config_flags_lib
 
-from sharenet import compat, data, optim, parametrization, resume, sharding
+from sharenet import compat, data, optim, parametrization, recurrence, resume, sharding
 from sharenet.errors import ConfigError, NonFiniteLoss
 from sharenet.models import ModelConfig
 
@@ -46,6 +46,7 @@ def validate(config: Any, process_count: int | None = None) -> ModelConfig:
                       f'{", ".join(resume.RESTORE_MODES)}')
   optim.lr_schedule(t)  # raises for an unknown schedule
   optim.decay_roles(t)
+  recurrence.exit_weights(t.exit_loss, mcfg)   # train.exit_loss against the plan's loops
   if t.lr <= 0:
     raise ConfigError(f'train.lr={t.lr} must be > 0')
   if mcfg.position == 'learned' and t.seq_len > mcfg.max_len:

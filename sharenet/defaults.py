@@ -96,6 +96,16 @@ def default_config() -> ml_collections.ConfigDict:
   rt.balancing = 'loss'       # token_choice: loss (Switch-style aux loss) | bias (loss-free: a
                               # non-trainable bias on the exit scores, updated after every step)
   rt.bias_rate = 0.001        # balancing=bias: bias_i += bias_rate * sign(1/R - exit fraction_i)
+  m.recurrence = rc = ml_collections.ConfigDict()   # recurrent depth (docs/recurrence.md)
+  rc.depth = 'fixed'          # fixed | poisson_lognormal: loops of the looped segment per train
+                              # step (poisson_lognormal: Geiping et al., arXiv:2502.05171)
+  rc.mean = 0.0               # mean loops per step; 0 -> the plan's R (fixed: the loops, an int)
+  rc.backprop = 0             # k: only the last k loops carry gradient (the rest run without
+                              # storing activations); 0 -> every loop (fixed depth only)
+  rc.injection = 'none'       # none | add | concat: the stream entering the looped segment
+                              # re-enters every loop (concat: adapter on [state; injected])
+  rc.init = 'embed'           # embed | zeros | normal: the state entering the first loop (embed:
+                              # the stream itself, the only choice with injection none)
   m.norm = n = ml_collections.ConfigDict()
   n.kind = 'rmsnorm'          # layernorm | rmsnorm | crmsnorm | scalenorm | dyt | none
   n.placement = 'pre'         # pre | post | peri
@@ -126,6 +136,9 @@ def default_config() -> ml_collections.ConfigDict:
   t.eps = 1e-8
   t.grad_clip = 1.0           # global-norm clipping; 0 = off
   t.grad_accum = 1            # micro-batches per step (batch_size must divide)
+  t.exit_loss = 'last'        # last | all | comma list of weights: the loss at the exit of every
+                              # gradient loop of the looped segment through the coda and the
+                              # shared head (all: their mean; weights: their weighted mean)
   t.seed = 0
   t.log_every = 10
   t.eval_every = 0            # 0 -> only at the end

@@ -25,7 +25,7 @@ def split_batch(batch: Any) -> tuple[jax.Array, jax.Array | None]:
 
 def token_nll(model: DecoderLM, params: Any, batch_BT1: Any,
               mutable: Sequence[str] = (), logits_grad_scale: float = 1.0,
-              schedule: Schedule = Schedule()) -> tuple[jax.Array, Any]:
+              schedule: Schedule = Schedule(), rngs: Any = None) -> tuple[jax.Array, Any]:
   """Per-position next-token negative log-likelihood (B, T), and the sown `mutable` collections
   ({} if none): the one loss that training (train_lib.loss_fn) and evaluation share.
 
@@ -33,13 +33,18 @@ def token_nll(model: DecoderLM, params: Any, batch_BT1: Any,
   (`split_batch`): the model then attends only within each packed document.
 
   `logits_grad_scale` multiplies only the gradient reaching the logits (u-muP's unit-scaled
-  cross entropy, vocab / sqrt(vocab - 1)); the values are unchanged. `schedule` runs the
-  looped segment another number of loops (models/loops.py; test-time depth, sharenet/depth.py).
+  cross entropy, vocab / sqrt(vocab - 1)); the values are unchanged. `schedule` runs the looped
+  segment's loops another way (models/loops.py: a sampled depth in training, another depth in
+  evaluation, sharenet/depth.py), `rngs` are the apply's (a recurrent model's `normal` initial
+  state, models/recurrence.py).
   """
   tokens_BT1, segment_ids_BT1 = split_batch(batch_BT1)
   inputs = (tokens_BT1[:, :-1],) if segment_ids_BT1 is None else (tokens_BT1[:, :-1],
                                                                   segment_ids_BT1[:, :-1])
-  logits_BTV, aux = model.apply(params, *inputs, mutable=list(mutable), schedule=schedule)
+  extra = {} if schedule.is_default else {'schedule': schedule}   # the plain call otherwise
+  if rngs is not None:
+    extra['rngs'] = rngs
+  logits_BTV, aux = model.apply(params, *inputs, mutable=list(mutable), **extra)
   if logits_grad_scale != 1.0:
     logits_BTV = unit_scale.scale_bwd(logits_BTV, logits_grad_scale)
   nll_BT = optax.softmax_cross_entropy_with_integer_labels(logits_BTV, tokens_BT1[:, 1:])

@@ -101,7 +101,9 @@ from sharenet.models.scaling import base_config
 # The config.parametrization group and its choices live with the model config; names kept here.
 from sharenet.models.scaling import KINDS, LOOP_RULES, UNTIEABLE, WD_MODES, Settings  # noqa: F401
 
-WIDTH_AXES = frozenset({'embed', 'mlp', 'heads', 'kv_heads', 'head_dim'})
+# 'inject': the [state; injected] input of recurrent depth's adapter, 2 x embed
+# (models/recurrence.py).
+WIDTH_AXES = frozenset({'embed', 'mlp', 'heads', 'kv_heads', 'head_dim', 'inject'})
 # Leading axes that index separate matrices, never width: scan axes and the MASA atom index.
 SCAN_AXES = frozenset({'layers', 'repeats', 'atoms'})
 FINITE_AXES = frozenset({'vocab', 'length', 'lora'})

@@ -12,12 +12,13 @@ from typing import Any, Callable, NamedTuple, Sequence
 import flax
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax.traverse_util import flatten_dict
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from sharenet import checkpoint, config_json, config_lib, data, eval_lib, optim, parametrization
-from sharenet import perf, resume, sharding
+from sharenet import perf, recurrence, resume, sharding
 from sharenet.errors import ConfigError, NonFiniteLoss
 from sharenet.metrics import MetricsWriter, note
 from sharenet.models import DecoderLM, ModelConfig, accounting, init_variables, logical_axes
@@ -102,9 +103,10 @@ def setup(config: Any, mcfg: ModelConfig | None = None) -> Experiment:
   return Experiment(model, optim.make_optimizer(config.train, tr, pz.opt_multipliers()), pz, tr)
 
 
-def loss_fn(params: Any, tstate: Any, batch_BT1: jax.Array, *, model: DecoderLM,
-            tr: Transforms | None = None, pz: parametrization.Parametrization | None = None,
-            mutable: Sequence[str] = ()) -> tuple[jax.Array, Any]:
+def loss_fn(params: Any, tstate: Any, batch_BT1: jax.Array, depth: Any = None, *,
+            model: DecoderLM, tr: Transforms | None = None,
+            pz: parametrization.Parametrization | None = None, mutable: Sequence[str] = (),
+            loops: recurrence.StepLoops | None = None, step: Any = 0) -> tuple[jax.Array, Any]:
   """Mean next-token NLL under the `effective` params, and the sown `mutable` collections.
 
   Under u-muP (`pz.loss_grad_scale` != 1) the value is the same mean, but its backward is u-muP's
@@ -116,7 +118,13 @@ def loss_fn(params: Any, tstate: Any, batch_BT1: jax.Array, *, model: DecoderLM,
   A routed model (model.routing, Mixture-of-Recursions) adds its weighted auxiliary losses to
   the value (eval_loss never has them) and reports them and the realised capacities as
   `routing_*` entries of the returned collections (models/routing.py aux_loss).
+
+  A recurrent-depth model (model.recurrence) or trained exits (`loops`, train.exit_loss) run
+  sharenet/recurrence.py's loss at this step's `depth` (None: the fixed depth) and `step`.
   """
+  if model.cfg.recurrent_segment is not None or (loops is not None and loops.exits):
+    return recurrence.loss(model, effective(params, tstate, tr, pz), batch_BT1, depth,
+                           loops or recurrence.StepLoops(), step, tuple(mutable))
   s = 1.0 if pz is None else pz.loss_grad_scale
   routed = model.cfg.routing.kind != 'none'
   if routed:   # Mixture-of-Recursions: its aux losses join the training loss (not eval_loss)
@@ -133,10 +141,10 @@ def loss_fn(params: Any, tstate: Any, batch_BT1: jax.Array, *, model: DecoderLM,
   return unit_scale.scale_fwd(jnp.sum(nll_BT), 1.0 / nll_BT.size), aux
 
 
-def train_step(state: TrainState, batch_BT1: jax.Array, *, model: DecoderLM,
+def train_step(state: TrainState, batch_BT1: jax.Array, depth: Any = None, *, model: DecoderLM,
                tx: optax.GradientTransformation, grad_accum: int = 1, tr: Transforms | None = None,
-               pz: parametrization.Parametrization | None = None, mutable: Sequence[str] = ()
-               ) -> tuple[TrainState, dict[str, Any]]:
+               pz: parametrization.Parametrization | None = None, mutable: Sequence[str] = (),
+               loops: recurrence.StepLoops | None = None) -> tuple[TrainState, dict[str, Any]]:
   """One optimizer step on `loss_fn`; with grad_accum > 1 the batch is split into scanned
   micro-batches.
 
@@ -146,11 +154,13 @@ def train_step(state: TrainState, batch_BT1: jax.Array, *, model: DecoderLM,
   optimizer's (optim.make_optimizer: its peak LR is in `state.opt_state`). Metrics: loss,
   grad_norm and the `mutable` collections sown in the forward pass before the update (averaged
   over micro-batches). With loss-free routing balancing, the routing bias in `tstate` then moves
-  by the step's exit fractions (models/routing.py update_balance).
+  by the step's exit fractions (models/routing.py update_balance). `depth`: a sampled-depth
+  model's loops this step (a traced int32; sharenet/recurrence.py), `loops` its exits and seed.
   """
   tstate = state.tstate if tr is None else tr.update_state(state.params, state.tstate)
   grad_fn = jax.value_and_grad(
-      functools.partial(loss_fn, model=model, tr=tr, pz=pz, mutable=mutable), has_aux=True)
+      functools.partial(loss_fn, depth=depth, model=model, tr=tr, pz=pz, mutable=mutable,
+                        loops=loops, step=state.step), has_aux=True)
   if grad_accum == 1:
     (loss, aux), grads = grad_fn(state.params, tstate, batch_BT1)
   else:   # a batch is an array or, with data.segment_mask, a dict of them (eval_lib.split_batch)
@@ -174,11 +184,13 @@ def train_step(state: TrainState, batch_BT1: jax.Array, *, model: DecoderLM,
   return new, metrics
 
 
-def make_train_step(exp: Experiment, grad_accum: int = 1, mutable: Sequence[str] = ()
-                    ) -> Callable[[TrainState, jax.Array], tuple[TrainState, dict[str, Any]]]:
-  """`train_step` of `exp`, not jitted (the loop jits it; the studies vmap and scan it)."""
+def make_train_step(exp: Experiment, grad_accum: int = 1, mutable: Sequence[str] = (),
+                    loops: recurrence.StepLoops | None = None
+                    ) -> Callable[..., tuple[TrainState, dict[str, Any]]]:
+  """`train_step` of `exp`, not jitted (the loop jits it; the studies vmap and scan it):
+  (state, batch[, depth]); `loops` (recurrence.step_loops): train.exit_loss and the seed."""
   return functools.partial(train_step, model=exp.model, tx=exp.tx, grad_accum=grad_accum,
-                           tr=exp.tr, pz=exp.pz, mutable=tuple(mutable))
+                           tr=exp.tr, pz=exp.pz, mutable=tuple(mutable), loops=loops)
 
 
 def param_shapes(tree: Any) -> dict[str, list[int]]:
@@ -194,6 +206,7 @@ class _Compiled(NamedTuple):
   step_fn: Callable
   mesh: Any
   rules: Any
+  sampled: bool          # a sampled-depth model: the step takes its depth (sharenet/recurrence)
 
 
 def _compile_step(config: Any, exp: Any, rng: jax.Array) -> tuple[_Compiled, Any, list[str]]:
@@ -209,10 +222,13 @@ def _compile_step(config: Any, exp: Any, rng: jax.Array) -> tuple[_Compiled, Any
   specs = sharding.param_specs(logical, abstract.params, mesh, rules, notes)
   shardings = sharding.state_shardings(abstract, specs, mesh)
   batch_sharding = sharding.batch_sharding(mesh, rules)
-  step_fn = jax.jit(make_train_step(exp, t.grad_accum), in_shardings=(shardings, batch_sharding),
-                    out_shardings=(shardings, NamedSharding(mesh, P())), donate_argnums=0)
+  sampled = recurrence.sampled(model.cfg)   # the depth: a third, replicated int32 argument
+  step_fn = jax.jit(make_train_step(exp, t.grad_accum, loops=recurrence.step_loops(config,
+                                                                                   model.cfg)),
+                    in_shardings=(shardings, batch_sharding) + (NamedSharding(mesh, P()),) *
+                    sampled, out_shardings=(shardings, NamedSharding(mesh, P())), donate_argnums=0)
   compiled = _Compiled(abstract, shardings, batch_sharding, (t.batch_size, t.seq_len + 1),
-                       step_fn, mesh, rules)
+                       step_fn, mesh, rules, sampled)
   return compiled, logical, notes
 
 
@@ -222,7 +238,9 @@ def _dry_run(config: Any, c: _Compiled, logical: Any, notes: list[str]) -> dict[
     spec = jax.ShapeDtypeStruct(c.batch_shape, jnp.int32, sharding=c.batch_sharding)
     if config.data.segment_mask:
       spec = {'tokens': spec, 'segment_ids': spec}
-    compiled = c.step_fn.lower(sharding.with_shardings(c.abstract, c.shardings), spec).compile()
+    depth = (jax.ShapeDtypeStruct((), jnp.int32),) * c.sampled
+    compiled = c.step_fn.lower(sharding.with_shardings(c.abstract, c.shardings), spec,
+                               *depth).compile()
   return sharding.report(c.abstract, c.shardings, logical, compiled, notes)
 
 
@@ -284,7 +302,7 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, float]:
     raise
 
   _write_summary(config, workdir, mcfg, pz, state.params, shapes)
-  flops_tok = accounting.flops_per_token(mcfg, t.seq_len)
+  flops_at = recurrence.FlopsCounter(config, mcfg)   # executed FLOPs/token at a step's depth
   # Saved with every checkpoint: a resume compares against the config that wrote the state.
   record = {**resume.config_dict(config), 'param_shapes': shapes}
 
@@ -305,38 +323,44 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, float]:
   bar = _progress(t, start)
   last = {}
   tokens_per_step = t.batch_size * t.seq_len
-  window = {'t0': time.perf_counter(), 'steps': 0}
+  window = {'t0': time.perf_counter(), 'steps': 0, 'flops': 0.0}
 
-  def settle(step: int, metrics: dict[str, Any]) -> None:
+  def settle(step: int, metrics: dict[str, Any], depth: int) -> None:
     """Reads step `step`'s metrics (the host waits for that step here, not at dispatch):
-    raises NonFiniteLoss naming the step; writes the log row at log steps."""
+    raises NonFiniteLoss naming the step; writes the log row at log steps (MFU: the FLOPs
+    the window's steps executed, at their depths)."""
     loss, gnorm = read_step_metrics(step, metrics, mngr.latest_step())
     done = time.perf_counter()   # step `step` has finished: the window ends here, not after
     window['steps'] += 1         # the host's logging (the next step runs meanwhile)
+    window['flops'] += flops_at(depth)
     if step % t.log_every == 0 or step == t.steps:
-      tps = window['steps'] * tokens_per_step / (done - window['t0'])
+      dt = done - window['t0']
+      tps = window['steps'] * tokens_per_step / dt
       row = dict(loss=loss, lr=float(schedule(step - 1)), grad_norm=gnorm, tokens_per_sec=tps,
-                 **{mfu_ref.name: tps * flops_tok / mfu_ref.flops},
-                 **{k: float(v) for k, v in metrics.items() if k.startswith('routing_')})
+                 **{mfu_ref.name: window['flops'] * tokens_per_step / dt / mfu_ref.flops},
+                 **flops_at.row(depth),
+                 **{k: float(v) for k, v in metrics.items()
+                    if k.startswith(('routing_', 'exit_loss_'))})
       writer.write(step, **row)
       last.clear()
       last.update(row)
       if bar is not None:
         bar.set_postfix(loss=f'{loss:.3f}', tok_s=f'{tps:,.0f}')
-      window.update(t0=done, steps=0)
+      window.update(t0=done, steps=0, flops=0.0)
 
   # The host runs one step ahead: it dispatches step n+1, then reads step n's metrics, so the
   # device always has the next step queued. A step whose state is used (checkpoint, eval, the
   # last step, SIGTERM) is read before that use: a saved state is known finite.
-  step, pending = start, None   # pending: (step, metrics) dispatched but not read yet
+  step, pending = start, None   # pending: (step, metrics, depth) dispatched but not read yet
   try:
     while step < t.steps:
+      depth = recurrence.sample_depth(mcfg, t.seed, step) if flops_at.depths else 0
       state, metrics = dispatch(step_fn, state, next(train_iter), batch_sharding, batch_shape,
-                                mesh, rules)
+                                mesh, rules, *[depth] * c.sampled)
       step += 1
       if pending is not None:
         settle(*pending)
-      pending = (step, metrics)
+      pending = (step, metrics, depth)
       evaluate = bool(t.eval_every) and step % t.eval_every == 0 and step != t.steps
       save = step % t.checkpoint_every == 0 or step == t.steps or stop['sigterm']
       if evaluate or save:
@@ -369,9 +393,11 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, float]:
 
 
 def dispatch(step_fn: Callable, state: TrainState, host_batch: Any, batch_sharding: Any,
-             batch_shape: tuple[int, ...], mesh: Any, rules: Any
+             batch_shape: tuple[int, ...], mesh: Any, rules: Any, *depth: int
              ) -> tuple[TrainState, dict[str, Any]]:
-  """Uploads this process's rows of a batch and enqueues one train step; returns device arrays.
+  """Uploads this process's rows of a batch (and a sampled-depth step's `depth`, the same host
+  int on every process, as a replicated int32) and enqueues one train step; returns device
+  arrays.
 
   Reads nothing from the device (host-to-device only), so it returns as soon as the step is
   queued; tests/test_loop_async.py runs the train loop with this function under a
@@ -381,8 +407,10 @@ def dispatch(step_fn: Callable, state: TrainState, host_batch: Any, batch_shardi
   # data.segment_mask the batch is a dict of tokens and segment ids, each of batch_shape.
   batch = jax.tree.map(
       lambda x: jax.make_array_from_process_local_data(batch_sharding, x, batch_shape), host_batch)
+  depth = tuple(jax.make_array_from_process_local_data(NamedSharding(mesh, P()),
+                                                       np.asarray(d, np.int32), ()) for d in depth)
   with sharding.activate(mesh, rules):
-    return step_fn(state, batch)
+    return step_fn(state, batch, *depth)
 
 
 def read_step_metrics(step: int, metrics: dict[str, Any], last_checkpoint: int | None

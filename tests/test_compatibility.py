@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sharenet import compat, config_lib, parametrization, sharing, train_lib
+from sharenet import compat, config_lib, parametrization, recurrence, sharing, train_lib
 from sharenet.errors import ConfigError
 from sharenet.kernels import KERNELS
 from sharenet.models import config as model_config
@@ -26,6 +26,7 @@ ROWS = compat.covering_rows()
 # this suite does not have: declared here, so a new value fails test_every_choice_is_declared.
 NOT_FEATURES = {'sp', 'none', 'rmsnorm', 'pre', 'nested', 'xla', 'auto', 'float32',
                 'float64',   # exactness tests run in float64; not a training setting
+                'fixed',     # model.recurrence.depth's default
                 'offload_dots'}   # offloads to pinned host memory: accelerators only
 
 
@@ -47,6 +48,9 @@ def test_every_choice_is_declared():
              *project.PROJECTIONS, *update.UPDATES, *model_config.REMATS, *KERNELS,
              *model_config.DTYPES}
   choices |= {f'qk_{q}' for q in sections.QK_NORMS if q != 'none'}
+  choices |= set(sections.DEPTHS) | {f'exit_{e}' for e in recurrence.EXIT_LOSSES if e != 'last'}
+  choices |= {f'inject_{i}' for i in sections.INJECTIONS if i != 'none'}
+  choices |= {f'init_{i}' for i in sections.STATE_INITS if i != 'embed'}
   choices -= {'none'}
   missing = sorted(choices - set(compat.BY_NAME) - NOT_FEATURES)
   assert not missing, f'undeclared in sharenet/compat.py: {missing}'
@@ -104,7 +108,8 @@ def _trace(tiny_config, row, monkeypatch):
   # the model gets segment ids from _batch, so the data source is not checked.
   monkeypatch.setattr(config_lib.data, 'validate_data_config', lambda *a, **k: None)
   exp = train_lib.setup(config, config_lib.validate(config))
-  step = train_lib.make_train_step(exp, config.train.grad_accum)
+  step = train_lib.make_train_step(exp, config.train.grad_accum,
+                                   loops=recurrence.step_loops(config, exp.model.cfg))
   init = lambda: train_lib.init_state(exp.model, exp.tx, jax.random.key(0), exp.tr, exp.pz)
   new, metrics = jax.eval_shape(lambda: step(init(), _batch(config)))
   assert metrics['loss'].shape == () and new.step.shape == ()

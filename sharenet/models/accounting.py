@@ -10,6 +10,7 @@ from flax.traverse_util import flatten_dict
 
 from sharenet.models.config import ModelConfig
 from sharenet.models.lm import param_table
+from sharenet.models.sections import RecurrenceConfig
 from sharenet.norms import PER_LAYER
 
 
@@ -40,6 +41,7 @@ def matmul_params_per_layer(cfg: ModelConfig) -> int:
   """Weights one applied layer multiplies with (LoRA factors included), from the role table."""
   s = cfg.sharing   # LoRA where an untied layer keeps it (lora_layers=all), as segment_cfg
   one = cfg.derive(num_layers=1, scan_layers=True, routing={'kind': 'none'},
+                   recurrence=RecurrenceConfig(),   # one layer: no loop to recur
                    sharing={'scheme': 'untied', 'num_unique': 0, 'repeats': 0, 'pattern': '',
                             'lora_rank': s.lora_rank if s.lora_layers == 'all' else 0})
   return sum(math.prod(i.shape[i.num_stack:]) for i in param_table(one).values()

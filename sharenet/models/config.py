@@ -22,8 +22,8 @@ from sharenet import defaults, sharing
 from sharenet.errors import ConfigError
 from sharenet.kernels import ATTENTIONS, DENSE_GRADS, KERNELS
 from sharenet.models import scaling
-from sharenet.models.sections import (MasaConfig, NormConfig, RoutingConfig, SharingConfig,
-                                      choice, key, section)
+from sharenet.models.sections import (MasaConfig, NormConfig, RecurrenceConfig, RoutingConfig,
+                                      SharingConfig, choice, key, section)
 
 MLPS = ('swiglu', 'gelu')
 POSITIONS = ('rope', 'learned', 'none')
@@ -79,6 +79,7 @@ class ModelConfig:
   sharing: SharingConfig = section(SharingConfig)
   routing: RoutingConfig = section(RoutingConfig)
   norm: NormConfig = section(NormConfig)
+  recurrence: RecurrenceConfig = section(RecurrenceConfig)
   # Not a model key: the config.parametrization group, whose model-level scalars are resolved
   # below (the per-leaf rules are sharenet.parametrization's).
   parametrization: scaling.Settings = dataclasses.field(default_factory=scaling.Settings)
@@ -103,6 +104,10 @@ class ModelConfig:
   logits_mult: float = _resolved()              # readout logits' multiplier (muP: 1/m_d)
   umup_residual: tuple[float, ...] = _resolved()   # u-muP (alpha_attn, alpha_mlp); () = plain
   umup_ops: bool = _resolved()                  # u-muP unit-scaled attention and nonlinearity
+  recurrent_segment: int | None = _resolved()   # plan segment model.recurrence loops (None: off)
+  depth_mean: float = _resolved()               # recurrence.mean, 0 -> the plan's R
+  grad_loops: int = _resolved()                 # loops with gradient per step (backprop, 0 ->
+                                                # the fixed depth)
 
   def __post_init__(self):
     for f in dataclasses.fields(self):   # a section given as a dict of its keys (others default)
@@ -227,6 +232,7 @@ def _resolve(c: ModelConfig) -> list[tuple[str, Any]]:
   scaling.check(c)
   out.update(scaling.scalars(c, d_head))
   out.update(_resolve_routing(c, out['plan'], out['umup_residual']))
+  out.update(_resolve_recurrence(c, out['plan'], out['umup_residual']))
   return list(out.items())
 
 
@@ -342,3 +348,38 @@ def _buckets(R: int, n: int) -> tuple[tuple[int, ...], ...]:
   sizes = [R // n + (i >= n - R % n) for i in range(n)]
   starts = [sum(sizes[:i]) for i in range(n)]
   return tuple(tuple(range(a, a + m)) for a, m in zip(starts, sizes))
+
+
+LOOPED_SCHEMES = 'cycle, universal, middle_cycle, groups, sandwich'
+
+
+def _resolve_recurrence(c: ModelConfig, plan: sharing.SharingPlan,
+                        umup_residual: tuple[float, ...]) -> dict[str, Any]:
+  """model.recurrence's resolved values (docs/recurrence.md), checking what it needs of the
+  plan: one looped cycle segment, per-layer parts only at the plan's R loops, no routing."""
+  rc = c.recurrence
+  looped = [i for i, s in enumerate(plan.segments) if s.order == 'cycle' and s.repeats > 1]
+  R = plan.segments[looped[0]].repeats if len(looped) == 1 else 0
+  mean = rc.mean or R
+  out = dict(recurrent_segment=None, depth_mean=float(mean), grad_loops=rc.backprop or int(mean))
+  if rc.is_default:
+    return out
+  what = f'model.recurrence (depth={rc.depth}, injection={rc.injection})'
+  if len(looped) != 1:
+    raise ConfigError(f'{what} loops the plan\'s looped segment; model.sharing.scheme='
+                      f'{c.sharing.scheme!r} has {len(looped)}; valid schemes: {LOOPED_SCHEMES}')
+  for bad, why in (
+      (c.routing.kind != 'none', 'routing picks each token\'s loops itself; valid: '
+       'routing.kind=none'),
+      (umup_residual, 'the u-muP residual rule counts applied layers, which the depth changes; '
+       'valid: another parametrization.kind'),
+      ((c.sharing.lora_rank or c.sharing.untie_norms) and
+       (rc.depth != 'fixed' or mean != R), f'per-layer parts (lora_rank, untie_norms) exist for '
+       f'the plan\'s {R} loops only; valid: depth=fixed with mean 0 or {R}, or lora_rank=0 and '
+       f'untie_norms=False'),
+      (rc.backprop > mean, f'backprop={rc.backprop} loops with gradient exceed the mean depth '
+       f'{mean:g}; valid: 0 (every loop, fixed depth) or 1..{int(mean)}')):
+    if bad:
+      raise ConfigError(f'{what}: {why}')
+  out['recurrent_segment'] = looped[0]
+  return out

@@ -13,7 +13,7 @@ from sharenet.models.block import ACT_AXES, Shared, Stream
 from sharenet.models.config import ModelConfig
 from sharenet.models.layers import Dense, Embed, sow_l1
 from sharenet.models.masa import MasaAtoms
-from sharenet.models.loops import Schedule
+from sharenet.models.loops import Schedule, looped
 from sharenet.models.stack import Stack, init_cache as init_layer_caches
 from sharenet import params
 from sharenet.norms import PER_LAYER, Norm
@@ -56,8 +56,9 @@ class DecoderLM(nn.Module):
 
   `schedule` (models/loops.py Schedule) runs the looped segment another number of loops and
   a prefix of them without gradient (with a cache: decoding at another depth, the cache made
-  by init_cache(loops=...)); with `collect`, the stream after each loop is sown into
-  the `loops.PER_LOOP` collection (apply with mutable=[PER_LOOP]).
+  by init_cache(loops=...)); with `collect`, the stream after each loop is sown into the
+  `loops.PER_LOOP` collection (apply with mutable=[PER_LOOP]); `exit_logits` reads those
+  streams out through the coda and the head (trained exits, sharenet/recurrence.py).
   """
   cfg: ModelConfig
 
@@ -140,6 +141,22 @@ class DecoderLM(nn.Module):
     logits_BTV = logits_BTV.astype(jnp.promote_types(logits_BTV.dtype, jnp.float32))
     return nn.with_logical_constraint(
         logits_BTV, ('activation_batch', 'activation_length', 'activation_vocab'))
+
+  def exit_logits(self, streams_NBTD: jax.Array, segment_ids_BT: jax.Array | None = None
+                  ) -> jax.Array:
+    """Logits (N, B, T, V) at N loop exits: each stream after a loop of the looped segment
+    (Schedule.collect) through the segments after it (the coda: middle_cycle's unique last
+    layer, as recursive_inference.py exits) and the head."""
+    N, B, T, D = streams_NBTD.shape
+    x_BTD = streams_NBTD.reshape(N * B, T, D)   # the exits batched: one pass of the coda
+    first = looped(self.cfg).segment + 1
+    if first < len(self.cfg.plan.segments):
+      seg_BT = None if segment_ids_BT is None else jnp.tile(segment_ids_BT, (N, 1))
+      shared = Shared(jnp.arange(T), seg_BT, None, self.atoms())
+      carry, _ = self.stack(Stream(x_BTD), shared, None, Schedule(), first)
+      x_BTD = carry.x_BTD
+    logits_BTV = self.head(x_BTD)
+    return logits_BTV.reshape((N, B) + logits_BTV.shape[1:])
 
   def __call__(self, tokens_BT: jax.Array, segment_ids_BT: jax.Array | None = None,
                cache: KVCache | None = None, positions_BT: jax.Array | None = None,

@@ -18,7 +18,9 @@ range of applied layers). A `Schedule` changes the loops of a looped (`cycle`) s
 run `loops` of them instead of R (evaluate or decode at another depth: a KV cache then holds
 the `loops` loops' layers, lm.init_cache(loops=...)), run a prefix of `no_grad` loops
 without gradient first (a traced count allowed: one compiled program for every prefix; nothing
-of the prefix is stored for the backward pass) and `collect` the stream after each loop.
+of the prefix is stored for the backward pass) and `collect` the stream after each loop. A
+recurrent-depth segment (models/recurrence.py) re-enters its input at the start of every loop
+(`inject`) in every lowering and schedule.
 
 The layer itself is `Block.apply` on the gathered variables (`layer_fn`), rematerialised by the
 model's remat policy; what the blocks sow (coordinate checks) comes back stacked like the
@@ -136,24 +138,32 @@ def _variables(params: Any, per_layer: Any) -> dict:
 
 
 def _scan_layers(layer: Layer, carry: Stream, shared: Shared, params: Any, per_layer: Any,
-                 cache: Any, unroll: int, split_transpose: bool):
-  """One scan over stacked layers: params, per-layer parts and caches sliced per step."""
+                 cache: Any, unroll: int, split_transpose: bool, inject: Any = None,
+                 starts: Any = None):
+  """One scan over stacked layers: params, per-layer parts and caches sliced per step; with
+  `inject`, the layers where `starts` (bool per layer) is true take the injection first."""
   n = jax.tree.leaves(params)[0].shape[0]
 
   def body(carry, xs):
-    p, pl, c = xs
+    p, pl, c, start = xs
+    if inject is not None:   # a cond: the injection (concat: the adapter) runs once per loop
+      carry = carry._replace(x_BTD=jax.lax.cond(start, lambda x: inject(x), lambda x: x,
+                                                carry.x_BTD))
     return layer(_variables(p, pl), carry, shared, Scanned(c))
 
-  return jax.lax.scan(body, carry, (params, per_layer, cache), unroll=min(unroll, n),
+  return jax.lax.scan(body, carry, (params, per_layer, cache, starts), unroll=min(unroll, n),
                       _split_transpose=split_transpose)
 
 
 def one_loop(layer: Layer, sets: Any, shared: Shared, *, unroll: int = 1,
-             split_transpose: bool = True) -> Callable:
+             split_transpose: bool = True, inject: Any = None) -> Callable:
   """(carry, (per-layer parts (K, ...) or None, caches (K, ...) or None)) -> (carry, (caches,
-  sown)): one pass through a cycle segment's K stored sets, the body of every loop."""
+  sown)): one pass through a cycle segment's K stored sets, the body of every loop; `inject`
+  (models/recurrence.py Injection, or None) first re-enters the segment's input."""
   def run(carry, xs):
     per_layer, cache = xs
+    if inject is not None:
+      carry = carry._replace(x_BTD=inject(carry.x_BTD))
     return _scan_layers(layer, carry, shared, sets, per_layer, cache, unroll, split_transpose)
   return run
 
@@ -172,25 +182,32 @@ def stream_pass(layer: Layer, sets: Any, masa: Any, *, unroll: int = 1,
 def run_segment(layer: Layer, seg: Segment, lowering: str, sets: Any, per_layer: Any,
                 carry: Stream, shared: Shared, cache: Any = None,
                 schedule: Schedule = Schedule(), *, unroll: int = 1,
-                split_transpose: bool = True):
+                split_transpose: bool = True, inject: Any = None):
   """Applies plan segment `seg` -> (carry, caches, sown, per-loop streams or None).
 
   `sets`: the segment's stored block params, stacked (K, ...), or under `unrolled` a tuple of
   per-set trees; `per_layer` and `cache`: one entry per applied layer in applied order
   (L_seg, ...), or None. The returned caches have the same layout; the sown intermediates keep
   the lowering's leading axes ((R, K) nested cycle, (K, R) nested sequence, (L_seg,) flat;
-  under `unrolled` a tuple, one per applied layer).
+  under `unrolled` a tuple, one per applied layer). `inject` (a looped cycle segment's
+  models/recurrence.py Injection, or None) runs at the start of every loop in every lowering.
   """
   if lowering not in LOWERINGS:
     raise ConfigError(f'loop lowering {lowering!r} is unknown; valid: {", ".join(LOWERINGS)}')
   if not schedule.is_default:
     return _run_schedule(layer, seg, sets, per_layer, carry, shared, cache, schedule,
-                         unroll=unroll, split_transpose=split_transpose)
+                         unroll=unroll, split_transpose=split_transpose, inject=inject)
   pattern = seg.local_indices()
   L = len(pattern)
+  if inject is not None and (seg.order != 'cycle' or seg.repeats < 2):
+    raise ConfigError('an injection (model.recurrence.injection) re-enters a looped cycle '
+                      'segment; valid schemes: cycle, universal, middle_cycle, groups, sandwich')
+  loop_start = [l % seg.num_sets == 0 for l in range(L)]   # the first layer of each loop
   if lowering == 'unrolled':
     outs = []
     for l, u in enumerate(pattern):
+      if inject is not None and loop_start[l]:
+        carry = carry._replace(x_BTD=inject(carry.x_BTD))
       params = sets[u] if isinstance(sets, tuple) else _take(sets, u)
       carry, out = layer(_variables(params, None if per_layer is None else _take(per_layer, l)),
                          carry, shared, Scanned(None if cache is None else _take(cache, l)))
@@ -201,12 +218,14 @@ def run_segment(layer: Layer, seg: Segment, lowering: str, sets: Any, per_layer:
   if lowering == 'flat' or seg.order == 'gather':
     params = sets if pattern == tuple(range(L)) else jax.tree.map(
         lambda a: jnp.take(a, np.asarray(pattern), axis=0), sets)
+    starts = None if inject is None else jnp.asarray(loop_start)
     carry, (cache, sown) = _scan_layers(layer, carry, shared, params, per_layer, cache, unroll,
-                                        split_transpose)
+                                        split_transpose, inject, starts)
     return carry, cache, sown, None
   R, K = seg.repeats, seg.num_sets
   if seg.order == 'cycle':   # loops outside, the K sets inside (closed over: tied)
-    loop = one_loop(layer, sets, shared, unroll=unroll, split_transpose=split_transpose)
+    loop = one_loop(layer, sets, shared, unroll=unroll, split_transpose=split_transpose,
+                    inject=inject)
     xs = (None if per_layer is None else _regroup(per_layer, (R, K)),
           None if cache is None else _regroup(cache, (R, K)))
     carry, (cache, sown) = jax.lax.scan(loop, carry, xs, length=R, unroll=min(unroll, R))
@@ -226,7 +245,7 @@ def run_segment(layer: Layer, seg: Segment, lowering: str, sets: Any, per_layer:
 
 def _run_schedule(layer: Layer, seg: Segment, sets: Any, per_layer: Any, carry: Stream,
                   shared: Shared, cache: Any, schedule: Schedule, *, unroll: int,
-                  split_transpose: bool):
+                  split_transpose: bool, inject: Any = None):
   """A looped segment under a non-default Schedule: the no-grad prefix, then the gradient
   loops (nested lowering whatever the model's: the same computation)."""
   R, K = seg.repeats, seg.num_sets
@@ -251,11 +270,14 @@ def _run_schedule(layer: Layer, seg: Segment, sets: Any, per_layer: Any, carry: 
     raise ConfigError(f'per-layer parts (depth-wise LoRA, untied norms) exist for the plan\'s '
                       f'{R} loops only; got {p} + {n}; valid: a static no_grad + loops <= {R}, '
                       f'or lora_rank=0 and untie_norms=False')
-  loop = one_loop(layer, sets, shared, unroll=unroll, split_transpose=split_transpose)
+  loop = one_loop(layer, sets, shared, unroll=unroll, split_transpose=split_transpose,
+                  inject=inject)
   per_loop = None if per_layer is None else _regroup(per_layer, (R, K))
-  if dynamic or p:
-    frozen = one_loop(layer, jax.lax.stop_gradient(sets), shared, unroll=unroll,
-                      split_transpose=split_transpose)
+  if dynamic or p:   # the prefix reads nothing with a tangent (no tangent work in its loop)
+    frozen = one_loop(layer, jax.lax.stop_gradient(sets),
+                      shared._replace(masa=jax.lax.stop_gradient(shared.masa)), unroll=unroll,
+                      split_transpose=split_transpose,
+                      inject=None if inject is None else inject.frozen())
     carry = jax.lax.stop_gradient(carry)
     if dynamic:
       carry = jax.lax.fori_loop(0, p, lambda _, c: frozen(c, (None, None))[0], carry)

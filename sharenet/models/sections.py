@@ -1,4 +1,5 @@
-"""The nested sections of `config.model` (norm, sharing, routing, masa) as frozen dataclasses.
+"""The nested sections of `config.model` (norm, sharing, routing, masa, recurrence) as frozen
+dataclasses.
 
 Each field is named as its key and defaults to the default config's value there
 (sharenet/defaults.py, the one table); each section checks its own choices and ranges when it
@@ -24,6 +25,9 @@ ROUTINGS = ('none', 'expert_choice', 'token_choice')
 ROUTERS = ('linear', 'mlp')
 BALANCINGS = ('loss', 'bias')
 MASA_TARGETS = ('q', 'k', 'v', 'o', 'mlp_in', 'mlp_out')
+DEPTHS = ('fixed', 'poisson_lognormal')
+INJECTIONS = ('none', 'add', 'concat')
+STATE_INITS = ('embed', 'zeros', 'normal')
 _DEFAULTS = defaults.default_config().model
 
 
@@ -171,4 +175,45 @@ class MasaConfig:
                         f'a comma list of {",".join(MASA_TARGETS)}')
 
 
-SECTIONS = (NormConfig, SharingConfig, RoutingConfig, MasaConfig)
+@dataclasses.dataclass(frozen=True)
+class RecurrenceConfig:
+  """`config.model.recurrence`: recurrent depth over the plan's looped segment
+  (docs/recurrence.md; Geiping et al., arXiv:2502.05171). What needs the plan (a looped segment,
+  backprop against the depth, per-layer parts) is the ModelConfig's check."""
+  KEY = 'recurrence'
+  depth: str = key('recurrence.depth')
+  mean: float = key('recurrence.mean', float)
+  backprop: int = key('recurrence.backprop')
+  injection: str = key('recurrence.injection')
+  init: str = key('recurrence.init')
+
+  def __post_init__(self):
+    _set(self, 'mean', float(self.mean))
+    choice('model.recurrence.depth', self.depth, DEPTHS)
+    choice('model.recurrence.injection', self.injection, INJECTIONS)
+    choice('model.recurrence.init', self.init, STATE_INITS)
+    if self.mean != 0 and self.mean < 1:
+      raise ConfigError(f'model.recurrence.mean={self.mean}: a depth below 1 loop; valid: '
+                        f'>= 1, or 0 (the plan\'s loops R)')
+    if self.depth == 'fixed' and self.mean != int(self.mean):
+      raise ConfigError(f'model.recurrence.mean={self.mean}: a fixed depth is a whole number '
+                        f'of loops; valid: an integer >= 1, or depth=poisson_lognormal')
+    if self.backprop < 0:
+      raise ConfigError(f'model.recurrence.backprop={self.backprop}; valid: 0 (every loop) or '
+                        f'k >= 1 (the last k loops carry gradient)')
+    if self.depth == 'poisson_lognormal' and not self.backprop:
+      raise ConfigError('model.recurrence.depth=poisson_lognormal needs backprop=k >= 1 (the '
+                        'loops with gradient, one compiled program for every depth); valid: '
+                        'backprop between 1 and mean')
+    if self.injection == 'none' and self.init != 'embed':
+      raise ConfigError(f'model.recurrence.init={self.init!r} with injection=none: the input '
+                        f'would never reach the loops; valid: init=embed, or injection=add|concat')
+
+  @property
+  def is_default(self) -> bool:
+    """The plan's loops, all with gradient, no injection: the model without recurrence."""
+    return (self.depth, self.mean, self.backprop, self.injection, self.init) == \
+        ('fixed', 0.0, 0, 'none', 'embed')
+
+
+SECTIONS = (NormConfig, SharingConfig, RoutingConfig, MasaConfig, RecurrenceConfig)

@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sharenet.errors import ConfigError
-from sharenet.models import loops, routing
+from sharenet.models import loops, recurrence, routing
 from sharenet.models.attention import LayerCache
 from sharenet.models.block import Block, Scanned, Shared, Stream
 from sharenet.models.config import ModelConfig
@@ -49,7 +49,7 @@ from sharenet.sharing import Segment, SharingPlan
 # leaf's segment, stored sets and applied layers in its metadata (sharenet/params.py), and
 # tests/test_structure.py renames these to show it.
 NAMES = {'segment': 'segment_{}', 'level': 'level', 'block': 'block', 'set': 'set_{}',
-         'router': 'router'}
+         'router': 'router', 'adapter': 'adapter'}
 
 
 def _scan(target, length: int, stacked: bool, axis_name: str):
@@ -127,9 +127,12 @@ class StoredSegment(nn.Module):
                schedule: loops.Schedule = loops.Schedule()):
     c, seg = self.cfg, self.cfg.plan.segments[self.index]
     routed = self.index == c.routed_segment
+    recurrent = self.index == c.recurrent_segment
     if self.is_initializing():
       created = self._create(seg, carry, shared)
-      if not routed and schedule.is_default and cache is None:
+      if recurrent:
+        _create_adapter(c, carry)
+      elif not routed and schedule.is_default and cache is None:
         return created, None   # the creating scans computed this segment's output already
     variables = nn.unbox(self.variables)
     sets, per_layer, stored = self._stored(seg, variables)
@@ -144,8 +147,12 @@ class StoredSegment(nn.Module):
     observe = self.is_mutable_collection(INTERMEDIATES)
     layer = loops.layer_fn(c, observe, loops.outer_capture() if observe else False)
     lowering = 'flat' if c.scan_lowering == 'flat' else 'nested'
+    inject = None
+    if recurrent:
+      carry, inject = _recurrent_input(self, c, carry, shared,
+                                       variables['params'].get(NAMES['adapter']))
     carry, cache, sown, streams = loops.run_segment(layer, seg, lowering, sets, per_layer, carry,
-                                                    shared, cache, schedule, **run)
+                                                    shared, cache, schedule, inject=inject, **run)
     if streams is not None:
       self.sow(loops.PER_LOOP, 'streams', streams)
     if observe and sown is not None:
@@ -205,6 +212,26 @@ class StoredSegment(nn.Module):
                                 sow=sow, recurse=recurse, bias_R=router.exit_bias())
 
 
+def _create_adapter(cfg: ModelConfig, carry: Stream) -> None:
+  """Creates concat's adapter (models/recurrence.py) at init, with the segment that loops."""
+  if cfg.recurrence.injection == 'concat':
+    recurrence.adapter(cfg, name=NAMES['adapter'])(
+        jnp.zeros((1, 1, 2 * cfg.d_model), carry.x_BTD.dtype))
+
+
+def _recurrent_input(module: nn.Module, cfg: ModelConfig, carry: Stream, shared: Shared,
+                     adapter_params) -> tuple[Stream, recurrence.Injection | None]:
+  """The looped segment's initial state and the injection of its input (model.recurrence).
+  The `normal` state is drawn from the call's 'recurrence' rng where given (training)."""
+  e_BTD = carry.x_BTD
+  key = None
+  if cfg.recurrence.init == 'normal' and module.has_rng(recurrence.RNG):
+    key = module.make_rng(recurrence.RNG)
+  positions_BT = shared.positions_T[None] if shared.step is None else shared.step.positions_BT
+  x_BTD = recurrence.initial_state(cfg, e_BTD, key, positions_BT)
+  return carry._replace(x_BTD=x_BTD), recurrence.injection(cfg, e_BTD, adapter_params)
+
+
 def _nest(path: tuple[str, ...], value):
   for k in reversed(path):
     value = {k: value}
@@ -250,19 +277,23 @@ class Stack(nn.Module):
   (carry, shared, caches, schedule) -> (carry, updated caches): `shared` (block.Shared:
   positions, segment ids, the decode step, the MASA atoms) reaches every block; `caches`
   (init_cache's structure, None without generation) holds one entry per applied layer;
-  `schedule` (loops.Schedule) applies to the plan's looped segment.
+  `schedule` (loops.Schedule) applies to the plan's looped segment. `first` > 0 runs the
+  segments from that one on (the coda of a loop's exit, DecoderLM.exit_logits; not at init).
   """
   cfg: ModelConfig
 
   @nn.compact
   def __call__(self, carry: Stream, shared: Shared, caches: tuple[LayerCache, ...] | None = None,
-               schedule: loops.Schedule = loops.Schedule()
+               schedule: loops.Schedule = loops.Schedule(), first: int = 0
                ) -> tuple[Stream, tuple[LayerCache, ...] | None]:
     looped = None if schedule.is_default else loops.looped(self.cfg).segment
     if not self.cfg.scan_layers:
-      return self._python_loop(carry, shared, caches, schedule, looped)
+      return self._python_loop(carry, shared, caches, schedule, looped, first)
     new_caches = []
     for i, seg in enumerate(self.cfg.plan.segments):
+      if i < first:
+        new_caches.append(None)
+        continue
       cfg = self.cfg.segment_cfg(seg)   # no LoRA on unshared segments under lora_layers=shared
       with placed(**placement(self.cfg.plan, i)):
         carry, cache = StoredSegment(cfg, i, name=NAMES['segment'].format(i))(
@@ -271,10 +302,10 @@ class Stack(nn.Module):
       new_caches.append(cache)
     return carry, None if caches is None else tuple(new_caches)
 
-  def _python_loop(self, carry: Stream, shared: Shared, caches, schedule, looped):
+  def _python_loop(self, carry: Stream, shared: Shared, caches, schedule, looped, first: int):
     """The Python-loop baseline (benchmarks): one module per unique set, each applied layer
     unrolled (loops.run_segment's `unrolled` lowering)."""
-    plan = self.cfg.plan
+    plan, recurrent = self.cfg.plan, self.cfg.recurrent_segment
     if self.is_initializing():
       blocks = [Block(self.cfg, name=NAMES['set'].format(u)) for u in range(plan.num_unique)]
       for i, seg in enumerate(plan.segments):
@@ -282,17 +313,28 @@ class Stack(nn.Module):
           u += seg.first_set
           with placed(segment=i, sets=(u,), uses=(len(plan.uses(u)),), layers=()):
             blocks[u](carry, shared, Scanned())
+      if recurrent is not None:
+        with placed(segment=recurrent):
+          _create_adapter(self.cfg, carry)
     params = nn.unbox(self.variables)['params']
     stored = tuple(params[NAMES['set'].format(u)] for u in range(plan.num_unique))
     observe = self.is_mutable_collection(INTERMEDIATES)
     layer = loops.layer_fn(self.cfg, observe, loops.outer_capture() if observe else False)
     new_caches, sown = [], {}
     for i, seg in enumerate(plan.segments):
+      if i < first:
+        new_caches.append(None)
+        continue
       sets = stored[seg.first_set:seg.first_set + seg.num_sets]
+      inject = None
+      if i == recurrent:
+        carry, inject = _recurrent_input(self, self.cfg, carry, shared,
+                                         params.get(NAMES['adapter']))
       carry, cache, per_layer_sown, streams = loops.run_segment(
           layer, seg, 'unrolled', sets, None, carry, shared,
           None if caches is None else caches[i],
-          schedule if i == looped else loops.Schedule(), unroll=self.cfg.scan_unroll)
+          schedule if i == looped else loops.Schedule(), unroll=self.cfg.scan_unroll,
+          inject=inject)
       if streams is not None:
         self.sow(loops.PER_LOOP, 'streams', streams)
       new_caches.append(cache)
