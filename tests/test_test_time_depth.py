@@ -244,7 +244,10 @@ def test_eval_cli(tmp_path, train_cmd, subprocess_env, repo_root):
   run = lambda *a: subprocess.run([sys.executable, os.path.join(repo_root, 'eval.py'),
                                    f'--workdir={workdir}', *a], capture_output=True, text=True,
                                   env=subprocess_env, timeout=300)
-  plain = json.loads(run().stdout.strip().splitlines()[-1])
+  # train.py's final evaluation (metrics.jsonl, unrounded), which plain eval.py equals: the same
+  # eval_lib.evaluate on the same checkpoint, accumulated on the host in float64.
+  from sharenet.metrics import read_metrics
+  plain = [r for r in read_metrics(workdir) if 'eval_loss' in r][-1]
   out = run('--depths', '1,3')
   rows = [json.loads(line) for line in out.stdout.strip().splitlines()]
   assert [r['depth'] for r in rows] == [1, 3], out.stderr

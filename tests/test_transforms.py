@@ -89,6 +89,7 @@ def test_convert_cli_on_a_trained_pre_ln_checkpoint(tmp_path, tied):
   c.model.norm.kind = 'layernorm'
   c.model.tie_embeddings = tied
   c.train.steps = 12
+  c.data.eval_tokens = 8192   # conftest.EVAL_TOKENS: one batch; the conversions carry it over
   src = str(tmp_path / 'ln')
   train_lib.train_and_evaluate(c, src)
   base = workdir_lib.evaluate_workdir(src)['eval_loss']
