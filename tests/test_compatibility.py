@@ -155,7 +155,8 @@ def test_row_serves(row, tiny_config, monkeypatch):
   if 'test_time_depth' in row:   # the plan's depth through a schedule; cached decoding at 1
     R = depth.check_depth(exp.model.cfg, 1).loops
     tokens = jnp.asarray([[3, 141, 59]])
+    tol = 0.05 if 'bfloat16' in row else 1e-4   # other lowerings sum in another order
     np.testing.assert_allclose(exp.model.apply(variables, tokens, schedule=Schedule(loops=R)),
-                               exp.model.apply(variables, tokens), rtol=0.05, atol=0.05)
+                               exp.model.apply(variables, tokens), rtol=tol, atol=tol)
     shallow = gen.generate(exp.model, variables, prompts, 3, temperature=0, loops=1).tokens
     assert [len(t) for t in shallow] == [3, 3]
