@@ -109,6 +109,21 @@ def text_cfg(tmp_path_factory):
   return ml_collections.ConfigDict({'source': 'text', 'path': str(path)})
 
 
+def randomize_per_layer(variables, scale=0.3, seed=1):
+  """`variables` with every per-layer part (depth-wise LoRA, untied norms) shifted by
+  scale * N(0, 1), so that the loops of a looped model differ."""
+  leaves, tree = jax.tree.flatten(variables['per_layer'])
+  keys = jax.random.split(jax.random.key(seed), len(leaves))
+  return {**variables, 'per_layer': jax.tree.unflatten(tree, [
+      x + scale * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys)])}
+
+
+@pytest.fixture(scope='session')
+def randomized_per_layer():
+  """randomized_per_layer(variables) -> the variables with randomised per-layer parts."""
+  return randomize_per_layer
+
+
 @pytest.fixture(autouse=True, scope='module')
 def _release_compiled_programs():
   """Drops jax's in-memory caches (traced and compiled programs) after each test module.

@@ -5,6 +5,8 @@ import jax
 import numpy as np
 import pytest
 
+from conftest import randomize_per_layer
+
 from sharenet import generate as gen
 from sharenet import recursive_inference as ri
 from sharenet.errors import ConfigError
@@ -67,12 +69,7 @@ def _relaxed(tiny_config, repeats=R, **overrides):
   every per-layer part randomised so that the loops differ."""
   config = tiny_config(**{**RELAXED, 'model.num_layers': K * repeats + 2, **overrides})
   model = DecoderLM(ModelConfig.from_config(config.model, config.train.seq_len))
-  variables = init_variables(model, jax.random.key(0))
-  leaves, tree = jax.tree.flatten(variables['per_layer'])
-  keys = jax.random.split(jax.random.key(1), len(leaves))
-  variables['per_layer'] = jax.tree.unflatten(tree, [
-      x + 0.3 * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys)])
-  return model, variables
+  return model, randomize_per_layer(init_variables(model, jax.random.key(0)))
 
 
 @pytest.mark.slow

@@ -115,17 +115,13 @@ RELAXED = {'model.sharing.scheme': 'middle_cycle', 'model.sharing.num_unique': K
 
 
 @pytest.mark.slow
-def test_relaxed_model_exits_sampled_at_a_shallower_depth(tiny_config):
+def test_relaxed_model_exits_sampled_at_a_shallower_depth(tiny_config, randomized_per_layer):
   """middle_cycle with depth-wise LoRA and untied norms (randomised so that loops differ):
   a never-firing criterion with --depth 2 is sampled decoding at depth 2 (the first two loops'
   LoRA and norms, then the coda); the continuous scheduler draws the same tokens."""
   config = tiny_config(**RELAXED)
   model = DecoderLM(ModelConfig.from_config(config.model, config.train.seq_len))
-  variables = init_variables(model, jax.random.key(0))
-  leaves, tree = jax.tree.flatten(variables['per_layer'])
-  keys = jax.random.split(jax.random.key(1), len(leaves))
-  variables['per_layer'] = jax.tree.unflatten(tree, [
-      x + 0.3 * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys)])
+  variables = randomized_per_layer(init_variables(model, jax.random.key(0)))
   want = gen.generate(model, variables, PROMPTS, NEW, loops=2, **SAMPLED).tokens
   assert want != gen.generate(model, variables, PROMPTS, NEW, **SAMPLED).tokens
   out = ri.DepthwiseScheduler(model, variables, num_slots=2, max_new_tokens=NEW,
