@@ -9,10 +9,15 @@ import sys
 import types
 
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
-# Tests check numerics, not speed: a lower LLVM optimization level cuts XLA:CPU compile time ~35%.
-if '--xla_backend_optimization_level' not in os.environ.get('XLA_FLAGS', ''):
-  os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') +
-                             ' --xla_backend_optimization_level=0').strip()
+# Tests check numerics, not speed, and compile hundreds of tiny programs: XLA:CPU settings that
+# cut compile time (measured on a tiny model's gradient, 2-core CPU): LLVM at -O0 (~35 %), the
+# classic elemental emitters instead of the MLIR fusion emitters (~2.5x), and one codegen
+# thread per compile (the two test workers already fill both cores).
+_FAST_COMPILE = {'--xla_backend_optimization_level': '0', '--xla_cpu_use_fusion_emitters': 'false',
+                 '--xla_cpu_parallel_codegen_split_count': '1'}
+_flags = os.environ.get('XLA_FLAGS', '')
+os.environ['XLA_FLAGS'] = ' '.join([_flags] + [f'{k}={v}' for k, v in _FAST_COMPILE.items()
+                                               if k not in _flags]).strip()
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
@@ -124,12 +129,57 @@ def randomized_per_layer():
   return randomize_per_layer
 
 
+# A worker's resident memory above which jax's in-memory caches are dropped after a module.
+RELEASE_RSS_BYTES = 3 << 30
+
+
+def _resident_bytes():
+  with open('/proc/self/statm') as f:
+    return int(f.read().split()[1]) * os.sysconf('SC_PAGE_SIZE')
+
+
 @pytest.fixture(autouse=True, scope='module')
 def _release_compiled_programs():
-  """Drops jax's in-memory caches (traced and compiled programs) after each test module.
+  """Drops jax's in-memory caches (traced and compiled programs) after a test module once the
+  worker holds more than RELEASE_RSS_BYTES.
 
   One pytest process otherwise keeps every executable of the suite alive (8.4 GB resident by
-  test_transforms); the persistent compilation cache still serves later modules from disk.
+  test_transforms); below the bound, later modules reuse the small programs (op-by-op
+  dispatch, optimizer updates) earlier ones compiled. The persistent compilation cache still
+  serves dropped programs from disk.
   """
   yield
-  jax.clear_caches()
+  if not os.path.exists('/proc/self/statm') or _resident_bytes() > RELEASE_RSS_BYTES:
+    jax.clear_caches()
+
+# SHARENET_TEST_PROFILE=DIR: one JSON line per test (wall seconds, XLA compiles and their
+# seconds, lowering and tracing seconds) in DIR/<worker>.jsonl, to find where the suite's
+# time goes (`python benchmarks/suite_profile.py DIR` summarizes them).
+_PROFILE_DIR = os.environ.get('SHARENET_TEST_PROFILE')
+if _PROFILE_DIR:
+  import json
+  import time
+  from jax._src import dispatch as _dispatch
+
+  _counts = {}
+
+  def _on_duration(event, seconds, **_):
+    key = {_dispatch.BACKEND_COMPILE_EVENT: 'compile', _dispatch.JAXPR_TRACE_EVENT: 'trace',
+           _dispatch.JAXPR_TO_MLIR_MODULE_EVENT: 'lower'}.get(event)
+    if key:
+      _counts[key + '_s'] = _counts.get(key + '_s', 0.0) + seconds
+      _counts[key + 's'] = _counts.get(key + 's', 0) + 1
+
+  jax.monitoring.register_event_duration_secs_listener(_on_duration)
+
+  @pytest.hookimpl(hookwrapper=True)
+  def pytest_runtest_protocol(item, nextitem):
+    _counts.clear()
+    start = time.perf_counter()
+    yield
+    row = {'test': item.nodeid, 'wall_s': round(time.perf_counter() - start, 3),
+           **{k: round(v, 3) for k, v in _counts.items()}}
+    os.makedirs(_PROFILE_DIR, exist_ok=True)
+    worker = os.environ.get('PYTEST_XDIST_WORKER', 'main')
+    with open(os.path.join(_PROFILE_DIR, f'{worker}.jsonl'), 'a') as f:
+      f.write(json.dumps(row) + '\n')

@@ -279,13 +279,13 @@ def test_bucketed_model_equals_the_per_recursion_model_with_gradients():
     cfg = tiny_cfg(num_layers=6, sharing=dict(num_unique=2),
                    routing=dict(capacity='0.75,0.5,0.25', router='mlp',
                                 z_loss=0.1), dtype='float64', param_dtype='float64')  # R = 3
-    v = init_variables(DecoderLM(cfg), jax.random.key(0), B, T)
+    v = jax.jit(lambda: init_variables(DecoderLM(cfg), jax.random.key(0), B, T))()
     batch = jax.random.randint(jax.random.key(1), (B, T + 1), 0, cfg.vocab_size)
 
-    def run(c):
+    def run(c):   # one compiled program per config (op by op, ~700 small compiles)
       model = DecoderLM(c)
-      (loss, metrics), g = jax.value_and_grad(
-          lambda p: train_lib.loss_fn(p, {}, batch, model=model), has_aux=True)(v)
+      (loss, metrics), g = jax.jit(jax.value_and_grad(
+          lambda p: train_lib.loss_fn(p, {}, batch, model=model), has_aux=True))(v)
       return loss, metrics, g
     loss0, m0, g0 = run(cfg)
     for n in (1, 2):     # ((0, 1, 2),) and ((0,), (1, 2)); all singletons: the test above
@@ -498,7 +498,7 @@ def test_gradients_reach_every_router(kind, router):
   model = DecoderLM(cfg)
   v = init_variables(model, jax.random.key(0), B, T)
   batch = jax.random.randint(jax.random.key(1), (B, T + 1), 0, cfg.vocab_size)
-  grads = jax.grad(lambda p: train_lib.loss_fn(p, {}, batch, model=model)[0])(v)
+  grads = jax.jit(jax.grad(lambda p: train_lib.loss_fn(p, {}, batch, model=model)[0]))(v)
   for name, g in grads['params']['stack']['segment_0']['router'].items():
     g = np.asarray(g).reshape(g.shape[0], -1)
     assert np.all(np.abs(g).sum(axis=1) > 0), (name, np.abs(g).sum(axis=1))
