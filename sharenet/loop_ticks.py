@@ -41,6 +41,10 @@ def check_recursive(model: DecoderLM, variables: Any) -> loops.Looped:
     raise ConfigError(f'recursive inference applies the stored layers one token at a time '
                       f'without re-entering the input; model.recurrence.injection='
                       f'{c.recurrence.injection!r} needs it (docs/recurrence.md); valid: none')
+  if c.kv_segment is not None:
+    raise ConfigError('recursive inference keeps keys and values per applied layer (copied to '
+                      'the loops a token skips); model.kv_sharing=first shares the first loop\'s '
+                      '(not implemented here); valid: kv_sharing=none, or generate.py decoding')
   if c.values_are_keys:
     raise ConfigError(f'recursive inference keeps keys and values per layer; model.'
                       f'attention_sharing={c.attention_sharing} stores no values; valid: none, '

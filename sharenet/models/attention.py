@@ -88,6 +88,15 @@ def _write_cache(cfg: ModelConfig, cache: LayerCache, step: DecodeStep, raw_k_BT
   return cache, cache.k_BSKD, cache.v_BSKD
 
 
+def _read_shared(cfg: ModelConfig, kv: LayerCache, place: PositionStep, positions: jax.Array
+                 ) -> tuple[jax.Array, jax.Array]:
+  """The keys and values of another loop's LayerCache (model.kv_sharing=first): as stored, or
+  under values-are-keys the raw keys placed at `positions` (their slots' positions)."""
+  if cfg.values_are_keys:
+    return place.keys(kv.k_BSKD, positions), kv.k_BSKD
+  return kv.k_BSKD, kv.v_BSKD
+
+
 class CausalAttention(nn.Module):
   """Attention with shape-suffixed names: B batch, T/S query/key time, K kv heads, G group."""
   cfg: ModelConfig
@@ -95,8 +104,14 @@ class CausalAttention(nn.Module):
   @nn.compact
   def __call__(self, x_BTD: jax.Array, positions_T: jax.Array | None,
                segment_ids_BT: jax.Array | None = None, cache: LayerCache | None = None,
-               step: DecodeStep | None = None, masa: dict[str, jax.Array] | None = None):
+               step: DecodeStep | None = None, masa: dict[str, jax.Array] | None = None,
+               shared_kv: LayerCache | None = None, emit: bool = False):
     """-> out (B, T, D); with a `cache` (and its `step`): (out, updated cache).
+
+    model.kv_sharing=first (models/loops.py): `emit` also returns this call's keys and values
+    as a LayerCache of its T tokens (out, kv), in the cache's format; `shared_kv` (such a
+    LayerCache, or in cached generation the first loop's updated cache) is attended to instead
+    of this call's own keys and values, which are then not projected.
 
     `masa`: {target: atoms} of the MASA targets (models/masa.py); those kernels are formed from
     the shared atoms and this module's coefficients.
@@ -113,25 +128,38 @@ class CausalAttention(nn.Module):
     """
     c = self.cfg
     masa = masa or {}
-    qkv = project_qkv(c, x_BTD, masa)
+    qkv = project_qkv(c, x_BTD, masa, keys=shared_kv is None)
     for name, a in (('query', qkv.q_BTHD), ('key', qkv.k_BTKD), ('value', qkv.v_BTKD)):
-      sow_l1(self, name, a)
+      if a is not None:
+        sow_l1(self, name, a)
     place = PositionStep(c, qkv.shares_query)
-    q_BTHD, k_BTKD = place(qkv, positions_T if cache is None else step.positions_BT)
-    v_BTKD = qkv.v_BTKD
+    positions = positions_T if step is None else step.positions_BT
+    emitted = None
+    if shared_kv is None:
+      q_BTHD, k_BTKD = place(qkv, positions)
+      v_BTKD = qkv.v_BTKD
+      if emit and cache is None:
+        emitted = LayerCache(qkv.k_BTKD, None) if c.values_are_keys else LayerCache(k_BTKD, v_BTKD)
+    else:   # a coordinate check sees the keys and values read where the layer has none
+      q_BTHD = place.queries(qkv, positions)
+      k_BTKD, v_BTKD = _read_shared(c, shared_kv, place, positions if step is None else
+                                    jnp.maximum(step.key_positions_BS, 0))
+      sow_l1(self, 'key', k_BTKD)
+      sow_l1(self, 'value', v_BTKD)
     q_BTHD = nn.with_logical_constraint(
         q_BTHD, ('activation_batch', 'activation_length', 'activation_heads', None))
     if c.umup_ops:   # u-muP's unit-scaled attention (models/unit_scale.py)
       # Its output scale is a constant of the forward's length T; a cached forward sees a part
       # of the sequence, so it takes the training length's (model.norm.qk_norm_len).
       Dh = c.d_head
-      s_att = unit_scale.attention_output_scale(x_BTD.shape[1] if cache is None else c.qk_len,
+      s_att = unit_scale.attention_output_scale(x_BTD.shape[1] if step is None else c.qk_len,
                                                 Dh, c.attn_mult * Dh)
       q_BTHD, k_BTKD, v_BTKD = (unit_scale.scale_bwd(t, s_att) for t in (q_BTHD, k_BTKD, v_BTKD))
-    if cache is None:
+    if step is None:
       masks = dict(segment_ids_BT=segment_ids_BT)
     else:
-      cache, k_BTKD, v_BTKD = _write_cache(c, cache, step, qkv.k_BTKD, k_BTKD, v_BTKD, place)
+      if cache is not None:
+        cache, k_BTKD, v_BTKD = _write_cache(c, cache, step, qkv.k_BTKD, k_BTKD, v_BTKD, place)
       masks = dict(q_positions_BT=step.positions_BT, k_positions_BS=step.key_positions_BS)
     # A coordinate check (mutable 'intermediates') sees the logits on the reference back-ends
     # (xla, chunked: then unchunked); a fused kernel never forms them, so nothing is sown there.
@@ -144,4 +172,6 @@ class CausalAttention(nn.Module):
       out_BTHD = unit_scale.scale_fwd(out_BTHD, s_att)
     out_BTD = project_out(c, out_BTHD, masa)
     sow_l1(self, 'attn_out', out_BTD)
-    return out_BTD if cache is None else (out_BTD, cache)
+    if cache is not None:
+      return out_BTD, cache
+    return out_BTD if emitted is None else (out_BTD, emitted)
