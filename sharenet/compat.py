@@ -138,9 +138,7 @@ def _features() -> tuple[Feature, ...]:
       (n, 'routed recursions attend among their own tokens; recursive KV sharing of a routed '
        'model is not implemented') for n in ('expert_choice', 'token_choice')) + (
       ('poisson_lognormal', 'a no-grad prefix would hold the first loop and leave the keys and '
-       'values every later loop reads without gradient'),
-      ('loop_inference', 'loop-by-loop inference keeps keys and values per applied layer; '
-       'sharing the first loop\'s is not implemented there')))]
+       'values every later loop reads without gradient'),))]
   per_layer = 'model.scan_layers=False reuses one module per set: no per-layer parts'
   structure = [
       _setting('flat', 'lowering', 'model.scan_lowering', 'flat'),

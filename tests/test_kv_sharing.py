@@ -1,7 +1,8 @@
 """KV across loops, model.kv_sharing=first (sharenet/models/kv_sharing.py): the decode cache of
 the looped segment holds one loop (1/R), cached greedy decoding equals the full forward's argmax,
-the full forward equals a hand-written one (and differs from kv_sharing=none except at one loop),
-bad input is one line, and train.py trains with it."""
+loop-by-loop inference with early exits equals the full forward at each exit depth, the full
+forward equals a hand-written one (and differs from kv_sharing=none except at one loop), bad
+input is one line, and train.py trains with it."""
 import json
 import os
 import subprocess
@@ -13,8 +14,8 @@ import pytest
 
 from sharenet import config_lib, workdir_lib
 from sharenet import generate as gen
+from sharenet import recursive_inference as ri
 from sharenet.errors import ConfigError
-from sharenet.loop_ticks import check_recursive
 from sharenet.models import DecoderLM, ModelConfig, accounting
 from sharenet.models.lm import init_cache, init_variables, kv_cache_bytes_per_token
 from sharenet.models.loops import Schedule
@@ -99,6 +100,40 @@ def test_cached_greedy_equals_full_forward(plan):
     deeper = gen.generate(model, variables, PROMPTS[:1], NEW, temperature=0.0, loops=3)
     assert deeper.tokens[0] == _greedy_by_recomputation(model, variables, PROMPTS[0], NEW,
                                                         Schedule(loops=3))
+
+
+def test_loop_by_loop_inference_never_exiting_is_generation(tiny_config, randomized_per_layer):
+  """recursive_inference.py with a slot holding one loop's rows: a criterion that never fires
+  decodes what generate.py decodes (prelude, coda, LoRA and untied norms included)."""
+  cfg = _cfg(tiny_config, PLANS['middle_cycle_lora'])
+  model, variables = DecoderLM(cfg), _variables(cfg, randomized_per_layer)
+  out = ri.generate_early_exit(model, variables, PROMPTS, NEW, exit_threshold=1.0)
+  assert out.tokens == gen.generate(model, variables, PROMPTS, NEW, temperature=0.0).tokens
+  assert out.mean_exit_depth == 3
+
+
+def test_early_exits_equal_the_full_forward_at_each_exit_depth(tiny_config):
+  """Only the first loop's keys and values reach other tokens, so with no coda a token's logits
+  after loop r do not depend on where the tokens before it exited: each emitted token is the
+  argmax of the full forward at the depth its criterion (maxprob) picks from that forward."""
+  cfg = _cfg(tiny_config, {'model.num_layers': 6, 'model.sharing.scheme': 'cycle',
+                           'model.sharing.num_unique': 2})   # R = 3
+  model = DecoderLM(cfg)
+  variables = init_variables(model, jax.random.key(0))
+  threshold, n = 0.05, 8   # exits at every depth for these weights (asserted below)
+  out = ri.generate_early_exit(model, variables, PROMPTS, n, exit=f'maxprob:{threshold}')
+  depths = []
+  for prompt, tokens in zip(PROMPTS, out.tokens):
+    seq = np.zeros((1, SEQ_LEN), np.int32)
+    seq[0, :len(prompt) + n] = prompt + tokens
+    probs = [jax.nn.softmax(model.apply(variables, jnp.asarray(seq), schedule=Schedule(loops=r))
+                            [0], axis=-1) for r in (1, 2, 3)]
+    for i, token in enumerate(tokens):
+      t = len(prompt) - 1 + i
+      d = next((r for r in (1, 2) if float(probs[r - 1][t].max()) >= threshold), 3)
+      assert token == int(jnp.argmax(probs[d - 1][t])), (prompt, i, d)
+      depths.append(d)
+  assert len(set(depths)) > 1 and np.isclose(np.mean(depths), out.mean_exit_depth)
 
 
 def test_differs_from_none_except_at_one_loop(plan):
@@ -194,15 +229,13 @@ def test_bad_input_is_one_line(tiny_config, overrides, match):
     assert '\n' not in str(e.value)
 
 
-def test_fixed_depth_backprop_and_loop_inference_are_refused(tiny_config):
+def test_a_no_grad_prefix_at_a_fixed_depth_is_refused(tiny_config):
   base = {'model.num_layers': 4, 'model.sharing.scheme': 'universal',
           'model.sharing.num_unique': 1, 'model.kv_sharing': 'first'}
-  with pytest.raises(ConfigError, match='backprop=0'):
+  with pytest.raises(ConfigError, match='backprop=0') as e:
     ModelConfig.from_experiment(tiny_config(**base, **{'model.recurrence.backprop': 2}))
-  cfg = ModelConfig.from_experiment(tiny_config(**base, **{'model.recurrence.backprop': 4}))
-  with pytest.raises(ConfigError, match='kv_sharing=none') as e:
-    check_recursive(DecoderLM(cfg), None)
   assert '\n' not in str(e.value)
+  assert ModelConfig.from_experiment(tiny_config(**base, **{'model.recurrence.backprop': 4}))
 
 
 @pytest.mark.slow

@@ -44,6 +44,9 @@ class DecodeStep(NamedTuple):
   index: jax.Array              # () int32: first cache slot written
   positions_BT: jax.Array       # (B, T) int32
   key_positions_BS: jax.Array   # (B, S) int32
+  # (B,) bool, None = all: where False the slots keep what they hold and the layer attends to
+  # it (loop-by-loop serving under model.kv_sharing=first: a later loop reads the first loop's)
+  write_B: jax.Array | None = None
 
 
 class LayerCache(NamedTuple):
@@ -76,8 +79,12 @@ def _write_cache(cfg: ModelConfig, cache: LayerCache, step: DecodeStep, raw_k_BT
                  k_BTKD: jax.Array, v_BTKD: jax.Array, place: PositionStep
                  ) -> tuple[LayerCache, jax.Array, jax.Array]:
   """(the cache with this call's entries at step.index, the keys and values the core reads)."""
-  write = lambda buf_BSKD, new_BTKD: jax.lax.dynamic_update_slice_in_dim(
-      buf_BSKD, new_BTKD.astype(buf_BSKD.dtype), step.index, axis=1)
+  def write(buf_BSKD, new_BTKD):
+    new_BTKD = new_BTKD.astype(buf_BSKD.dtype)
+    if step.write_B is not None:
+      held_BTKD = jax.lax.dynamic_slice_in_dim(buf_BSKD, step.index, new_BTKD.shape[1], axis=1)
+      new_BTKD = jnp.where(step.write_B[:, None, None, None], new_BTKD, held_BTKD)
+    return jax.lax.dynamic_update_slice_in_dim(buf_BSKD, new_BTKD, step.index, axis=1)
   if cfg.values_are_keys:
     # Values are the keys: the cache holds the key projection only (before QK-norm and
     # RoPE); the keys of every slot are normalised and rotated again at their positions.

@@ -368,15 +368,20 @@ def _layer_variables(store: LayerStore, layer: jax.Array) -> dict:
 
 def run_layers(cfg: ModelConfig, store: LayerStore, x_D: jax.Array, first: jax.Array,
                count: int, k_LSKD: jax.Array, v_LSKD: jax.Array, pos: jax.Array,
-               key_pos_S: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+               key_pos_S: jax.Array, row: jax.Array | None = None,
+               write: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Applied layers first .. first+count-1 on one token at `pos` attending to its cache.
 
   -> (x after them, keys (count, Kh, Dh) and values the token wrote in those layers). The
-  caches are read, not written: callers commit the returned columns where a slot runs.
+  caches are read, not written: callers commit the returned columns where a slot runs. `row`:
+  the cache row of layer `first` (default `first`); `write` (a traced bool, default True):
+  False attends to the columns the rows hold at `pos` instead of the token's own (a later
+  loop under model.kv_sharing=first, its rows the first loop's) and returns those.
   """
-  step = DecodeStep(pos, pos[None, None], key_pos_S[None])
-  k_NSKD = jax.lax.dynamic_slice_in_dim(k_LSKD, first, count, axis=0)
-  v_NSKD = jax.lax.dynamic_slice_in_dim(v_LSKD, first, count, axis=0)
+  step = DecodeStep(pos, pos[None, None], key_pos_S[None], None if write is None else write[None])
+  row = first if row is None else row
+  k_NSKD = jax.lax.dynamic_slice_in_dim(k_LSKD, row, count, axis=0)
+  v_NSKD = jax.lax.dynamic_slice_in_dim(v_LSKD, row, count, axis=0)
   apply = layer_fn(cfg)
 
   def body(x_11D, inputs):
