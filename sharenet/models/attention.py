@@ -26,7 +26,7 @@ from sharenet.models import unit_scale
 from sharenet.models.config import ModelConfig
 from sharenet.models.layers import INTERMEDIATES, sow_l1
 from sharenet.models.positions import PositionStep
-from sharenet.models.projections import BRANCH, project_out, project_qkv
+from sharenet.models.projections import BRANCH, Projected, project_out, project_qkv
 from sharenet.params import param
 
 __all__ = ['BRANCH', 'CausalAttention', 'DecodeStep', 'LayerCache']
@@ -95,13 +95,24 @@ def _write_cache(cfg: ModelConfig, cache: LayerCache, step: DecodeStep, raw_k_BT
   return cache, cache.k_BSKD, cache.v_BSKD
 
 
-def _read_shared(cfg: ModelConfig, kv: LayerCache, place: PositionStep, positions: jax.Array
-                 ) -> tuple[jax.Array, jax.Array]:
-  """The keys and values of another loop's LayerCache (model.kv_sharing=first): as stored, or
-  under values-are-keys the raw keys placed at `positions` (their slots' positions)."""
-  if cfg.values_are_keys:
-    return place.keys(kv.k_BSKD, positions), kv.k_BSKD
-  return kv.k_BSKD, kv.v_BSKD
+def _placed(cfg: ModelConfig, qkv: Projected, place: PositionStep, positions: jax.Array,
+            step: DecodeStep | None, shared_kv: LayerCache | None, emit: bool):
+  """(q, k, v, emitted) of one call: its placed queries and keys and its values (`emit`: also
+  its keys and values in the cache's format, a LayerCache), or under model.kv_sharing=first
+  its queries and another loop's keys and values `shared_kv` (as stored; under values-are-keys
+  the raw keys, placed again at their slots' positions)."""
+  if shared_kv is not None:
+    k_BSKD = shared_kv.k_BSKD
+    if not cfg.values_are_keys:
+      return place.queries(qkv, positions), k_BSKD, shared_kv.v_BSKD, None
+    slots = positions if step is None else jnp.maximum(step.key_positions_BS, 0)
+    return place.queries(qkv, positions), place.keys(k_BSKD, slots), k_BSKD, None
+  q_BTHD, k_BTKD = place(qkv, positions)
+  emitted = None
+  if emit:
+    emitted = (LayerCache(qkv.k_BTKD, None) if cfg.values_are_keys
+               else LayerCache(k_BTKD, qkv.v_BTKD))
+  return q_BTHD, k_BTKD, qkv.v_BTKD, emitted
 
 
 class CausalAttention(nn.Module):
@@ -141,16 +152,9 @@ class CausalAttention(nn.Module):
         sow_l1(self, name, a)
     place = PositionStep(c, qkv.shares_query)
     positions = positions_T if step is None else step.positions_BT
-    emitted = None
-    if shared_kv is None:
-      q_BTHD, k_BTKD = place(qkv, positions)
-      v_BTKD = qkv.v_BTKD
-      if emit and cache is None:
-        emitted = LayerCache(qkv.k_BTKD, None) if c.values_are_keys else LayerCache(k_BTKD, v_BTKD)
-    else:   # a coordinate check sees the keys and values read where the layer has none
-      q_BTHD = place.queries(qkv, positions)
-      k_BTKD, v_BTKD = _read_shared(c, shared_kv, place, positions if step is None else
-                                    jnp.maximum(step.key_positions_BS, 0))
+    q_BTHD, k_BTKD, v_BTKD, emitted = _placed(c, qkv, place, positions, step, shared_kv,
+                                              emit and cache is None)
+    if shared_kv is not None:   # a coordinate check sees the keys and values read instead
       sow_l1(self, 'key', k_BTKD)
       sow_l1(self, 'value', v_BTKD)
     q_BTHD = nn.with_logical_constraint(
