@@ -5,7 +5,8 @@
 
 With --prompt TEXT (or --prompt_file FILE, one prompt per line) it generates instead
 (sharenet/generate.py, README "Generation"): one JSON line per prompt and sample, with the
-continuation as `text` (bytes that are not valid UTF-8 escaped as \\xNN) and `tokens_per_sec`:
+continuation as `text` (bytes that are not valid UTF-8 escaped as \\xNN), `tokens_per_sec` and
+`kv_bytes_per_token` (the KV cache's bytes per token of one sequence):
   python eval.py --workdir DIR --prompt "def fib(" --max_new_tokens 200 \\
       [--temperature 0.8 --top_k 40 --top_p 0.95 --seed 0 --num_samples 4]
 

@@ -74,6 +74,8 @@ ROUTED_LOOPS = 'routing picks each token\'s loops itself'
 UMUP_DEPTH = 'the u-muP residual rule counts applied layers, which the depth changes'
 NO_INJECT = 'loop-by-loop inference applies the stored layers without re-entering the input'
 PER_LOOP_PARTS = 'per-layer parts exist for the plan\'s R loops only; a sampled depth runs others'
+KV_LOOP = 'kv sharing reuses the first loop\'s keys and values in the later loops of the plan\'s ' \
+    'one looped cycle segment, which it lacks'
 
 
 def _features() -> tuple[Feature, ...]:
@@ -129,6 +131,14 @@ def _features() -> tuple[Feature, ...]:
       *[_setting(f'inject_{v}', 'injection', rc + 'injection', v,
                  refuses=loopless + (('loop_inference', NO_INJECT),)) for v in ('add', 'concat')],
       _setting('exit_all', 'exit_loss', 'train.exit_loss', 'all', refuses=loopless)]
+  # model.kv_sharing=first (models/kv_sharing.py): the later loops read the first loop's keys
+  # and values, in training and in cached generation.
+  kv = [_setting('kv_first', 'kv_sharing', 'model.kv_sharing', 'first', refuses=tuple(
+      (n, KV_LOOP) for n in ('untied', 'sequence', 'middle_sequence', 'explicit')) + tuple(
+      (n, 'routed recursions attend among their own tokens; recursive KV sharing of a routed '
+       'model is not implemented') for n in ('expert_choice', 'token_choice')) + (
+      ('poisson_lognormal', 'a no-grad prefix would hold the first loop and leave the keys and '
+       'values every later loop reads without gradient'),))]
   per_layer = 'model.scan_layers=False reuses one module per set: no per-layer parts'
   structure = [
       _setting('flat', 'lowering', 'model.scan_lowering', 'flat'),
@@ -191,8 +201,9 @@ def _features() -> tuple[Feature, ...]:
   actions = [Feature('generation', 'generation', (), lambda c: False, action=True),
              Feature('loop_inference', 'loop_inference', (), lambda c: False, action=True),
              Feature('test_time_depth', 'test_time_depth', (), lambda c: False, action=True)]
-  return tuple(schemes + routers + recurrent + structure + attention + norms + placements + qk +
-               pzs + loop_rules + reparams + projections + updates + remats + numerics + actions)
+  return tuple(schemes + routers + recurrent + kv + structure + attention + norms + placements +
+               qk + pzs + loop_rules + reparams + projections + updates + remats + numerics +
+               actions)
 
 
 FEATURES = _features()

@@ -58,6 +58,10 @@ def default_config() -> ml_collections.ConfigDict:
                               # the values are the keys (the KV cache holds K only), qk_shared
                               # the queries are the keys, qkv_shared one projection for all
                               # three (docs/sublayer_sharing.md)
+  m.kv_sharing = 'none'       # none | first: later loops of the looped segment attend to the
+                              # first loop's keys and values (Mixture-of-Recursions' recursive KV
+                              # sharing, arXiv:2507.10524): its decode cache holds one loop's
+                              # (docs/recurrence.md)
   m.masa = ma = ml_collections.ConfigDict()   # MASA, matrix atom sharing (arXiv:2508.04581)
   ma.atoms = 0                # S shared atoms per target kernel, W_l = sum_s c_ls D_s; 0 = off
   ma.targets = 'q,k,v,o'      # kernels built from atoms: any of q,k,v,o,mlp_in,mlp_out

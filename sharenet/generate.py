@@ -25,6 +25,11 @@ exit, which emits rows at different ticks, draws the same tokens.
 Depth: `loops=n` decodes a looped model at n loops of its looped segment (models/loops.py
 Schedule, sharenet/depth.py), the cache holding those loops' layers.
 
+KV across loops: under model.kv_sharing=first the looped segment's later loops attend to its
+first loop's keys and values (models/kv_sharing.py), so the cache holds one loop of it at any
+depth. `Generation.kv_bytes_per_token` (lm.kv_cache_bytes_per_token) is the cache's size per
+token of one sequence; eval.py --prompt prints it as `kv_bytes_per_token`.
+
 Position limit: learned positions have model.max_len rows; RoPE would extrapolate past the
 lengths it was trained on, so generation holds every position below model.max_len for both
 (model.position=none has no limit). prompt + max_new_tokens > model.max_len is a ConfigError.
@@ -48,15 +53,17 @@ import numpy as np
 from sharenet.data.tokenizer import ByteTokenizer
 from sharenet.errors import ConfigError
 from sharenet.models import DecoderLM
-from sharenet.models.lm import init_cache
+from sharenet.models.lm import init_cache, kv_cache_bytes_per_token
 from sharenet.models.loops import Schedule
 
 
 class Generation(NamedTuple):
-  """Generated tokens per prompt (the end token and everything after it removed), and timing."""
+  """Generated tokens per prompt (the end token and everything after it removed), timing, and
+  the KV cache's bytes per token of one sequence (lm.kv_cache_bytes_per_token)."""
   tokens: list[list[int]]
   seconds: float           # running the compiled program (prefill and decode)
   compile_seconds: float   # tracing and compiling it (0 when cached)
+  kv_bytes_per_token: int = 0
 
   @property
   def tokens_per_sec(self) -> float:
@@ -260,7 +267,7 @@ def generate(model: DecoderLM, variables: Any, prompts: Sequence[Sequence[int]],
     if eos_id is not None and eos_id in row:
       row = row[:row.index(eos_id)]
     result.append(row)
-  return Generation(result, t2 - t1, compile_seconds)
+  return Generation(result, t2 - t1, compile_seconds, kv_cache_bytes_per_token(model.cfg, loops))
 
 
 def encode(text: str) -> list[int]:

@@ -8,7 +8,10 @@ sampled (sharenet/generate.py `sample_rows`: greedy at temperature 0, else tempe
 top-p with the key of (request, token index), so a token draws what full-depth `generate` draws
 for it). The loops served are the plan's R, or another maximum depth M (`at_depth`: the applied
 layers are renumbered as prelude + M loops + coda, every layer reading its stored set, and
-per-layer parts only for M <= R, sharenet/depth.py).
+per-layer parts only for M <= R, sharenet/depth.py). Under model.kv_sharing=first a slot's cache
+holds one loop's rows of the looped segment (`cache_rows`): the first loop writes them, the
+later loops attend to them (their own keys and values computed and dropped), and an exit copies
+nothing.
 """
 from __future__ import annotations
 
@@ -72,7 +75,7 @@ class Slots(NamedTuple):
   h_BD: jax.Array          # the token's stream: embedded at depth 0, else entering loop depth
   depth_B: jax.Array       # next loop to run (0 .. R-1)
   pos_B: jax.Array         # position of the token being computed
-  k_BLSKD: jax.Array       # keys per applied layer; cache slot s holds position s
+  k_BLSKD: jax.Array       # keys per cache row (cache_rows); cache slot s holds position s
   v_BLSKD: jax.Array
   key_pos_BS: jax.Array    # position held by each cache slot (-1: empty)
   active_B: jax.Array      # slot holds an unfinished request
@@ -84,9 +87,15 @@ class Slots(NamedTuple):
   req_B: jax.Array         # the request's index: the row of its sampling keys
 
 
+def cache_rows(cfg, shape: loops.Looped) -> int:
+  """Cache rows of a slot: one per applied layer at the served depth, or under
+  model.kv_sharing=first one loop of the looped segment (the later loops read its rows)."""
+  return shape.num_layers - (shape.loops - 1) * shape.num_sets * (cfg.kv_segment is not None)
+
+
 def empty_slots(model: DecoderLM, batch: int, num_positions: int, max_new_tokens: int,
                 num_layers: int | None = None) -> Slots:
-  """`num_layers`: applied layers at the served depth (default the plan's)."""
+  """`num_layers`: cache rows at the served depth (`cache_rows`; default the plan's layers)."""
   c = model.cfg
   L = c.num_layers if num_layers is None else num_layers
   shape = (batch, L, num_positions, c.kv_heads, c.d_head)
@@ -105,8 +114,9 @@ def _slot_tick(cfg, shape: loops.Looped, store, h_D, depth, pos, run, k_LSKD, v_
   runs; returns the coda's columns uncommitted (written only when the token exits), and the
   stream entering the loop (the latent criterion's h_{r-1})."""
   key_pos_S = jnp.where(run, key_pos_S.at[pos].set(pos), key_pos_S)
-  apply = lambda x, first, n, k, v: loops.run_layers(cfg, store, x, first, n, k, v, pos,
-                                                     key_pos_S)
+  apply = lambda x, first, n, k, v, row=None, write=None: loops.run_layers(
+      cfg, store, x, first, n, k, v, pos, key_pos_S, row, write)
+  kv = cfg.kv_segment is not None   # the later loops attend to the first loop's rows
   if shape.start:
     pre_D, k_N, v_N = apply(h_D, jnp.int32(0), shape.start, k_LSKD, v_LSKD)
     starts = run & (depth == 0)
@@ -115,15 +125,22 @@ def _slot_tick(cfg, shape: loops.Looped, store, h_D, depth, pos, run, k_LSKD, v_
     h_D = jnp.where(depth == 0, pre_D, h_D)
   h_in_D = h_D
   first = shape.start + depth * shape.num_sets
-  h_D, k_N, v_N = apply(h_D, first, shape.num_sets, k_LSKD, v_LSKD)
-  k_LSKD = loops.write_columns(k_LSKD, first, pos, k_N, run)
-  v_LSKD = loops.write_columns(v_LSKD, first, pos, v_N, run)
+  row, write = (jnp.int32(shape.start), depth == 0) if kv else (first, None)
+  h_D, k_N, v_N = apply(h_D, first, shape.num_sets, k_LSKD, v_LSKD, row, write)
+  commit = run & (depth == 0) if kv else run   # kv: a later loop's columns are the held ones
+  k_LSKD = loops.write_columns(k_LSKD, row, pos, k_N, commit)
+  v_LSKD = loops.write_columns(v_LSKD, row, pos, v_N, commit)
   out_D, coda = h_D, None
   if shape.coda < shape.num_layers:
     out_D, k_N, v_N = apply(h_D, jnp.int32(shape.coda), shape.num_layers - shape.coda, k_LSKD,
-                            v_LSKD)
+                            v_LSKD, jnp.int32(_coda_row(cfg, shape)))
     coda = (k_N, v_N)
   return h_in_D, h_D, out_D, k_LSKD, v_LSKD, key_pos_S, coda
+
+
+def _coda_row(cfg, shape: loops.Looped) -> int:
+  """The cache row of the coda's first layer (`cache_rows`)."""
+  return shape.coda - (shape.num_layers - cache_rows(cfg, shape))
 
 
 def _copy_deeper(kv_LSKD, depth, pos, exited, shape: loops.Looped):
@@ -175,11 +192,13 @@ def _tick(variables, st: Slots, threshold, eos_id, rng=None, *, model: DecoderLM
   token_B = sample_rows(logits_BV, row_keys(rng, st.req_B, st.count_B), *sampling)
   if coda is not None:   # the coda's keys and values are the exiting token's
     write = jax.vmap(loops.write_columns, in_axes=(0, None, 0, 0, 0))
-    k_BLSKD = write(k_BLSKD, jnp.int32(shape.coda), st.pos_B, coda[0], exit_B)
-    v_BLSKD = write(v_BLSKD, jnp.int32(shape.coda), st.pos_B, coda[1], exit_B)
-  copy = jax.vmap(functools.partial(_copy_deeper, shape=shape))
-  k_BLSKD = copy(k_BLSKD, st.depth_B, st.pos_B, exit_B)
-  v_BLSKD = copy(v_BLSKD, st.depth_B, st.pos_B, exit_B)
+    coda_row = jnp.int32(_coda_row(model.cfg, shape))
+    k_BLSKD = write(k_BLSKD, coda_row, st.pos_B, coda[0], exit_B)
+    v_BLSKD = write(v_BLSKD, coda_row, st.pos_B, coda[1], exit_B)
+  if model.cfg.kv_segment is None:   # kv sharing: the deeper loops read the first loop's rows
+    copy = jax.vmap(functools.partial(_copy_deeper, shape=shape))
+    k_BLSKD = copy(k_BLSKD, st.depth_B, st.pos_B, exit_B)
+    v_BLSKD = copy(v_BLSKD, st.depth_B, st.pos_B, exit_B)
 
   out_BN = jnp.where(exit_B[:, None] & (jnp.arange(N)[None] == st.count_B[:, None]),
                      token_B[:, None], st.out_BN)

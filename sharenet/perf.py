@@ -66,6 +66,7 @@ def flops_per_token_at_depth(cfg, seq_len: int, loops_run: int, train: bool = Fa
   shape = loops.looped(cfg)
   per_layer = (2 * accounting.matmul_params_per_layer(cfg) +
                2 * seq_len * cfg.num_heads * cfg.d_head)
+  per_layer -= 2 * accounting.kv_params_skipped(cfg)   # kv_sharing: every loop past the first
   fwd = accounting.flops_per_token(cfg, seq_len, train=False)
   fwd += (loops_run - shape.loops) * shape.num_sets * per_layer
   return 3 * fwd if train else fwd

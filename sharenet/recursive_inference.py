@@ -22,6 +22,10 @@ With tied weights this equals propagating each block's last computed input state
 applications of the same block (CALM's "state propagation", Schuster et al., arXiv:2207.07502,
 propagates the exited state instead); it costs a cache copy and no extra compute. The RRT paper
 requires the missing caches to be filled but we do not claim to reproduce its exact policy.
+Under model.kv_sharing=first (Mixture-of-Recursions' recursive KV sharing,
+sharenet/models/kv_sharing.py) nothing is missing: a slot holds one loop's rows of the looped
+segment, written by the token's first loop, which every later loop (of this token and of the
+later ones) reads, so an exit copies nothing.
 
 The unit of work is a *tick*: one jitted application of one loop to every slot of a fixed-size
 batch, each slot at its own depth, position and cache (the per-slot computation is vmapped, so
@@ -63,8 +67,9 @@ import numpy as np
 from sharenet import exits
 from sharenet.errors import ConfigError
 from sharenet.generate import bucket, check_prompts, check_sampling
-from sharenet.loop_ticks import (Slots, _tick, at_depth, check_recursive, embed,  # noqa: F401
-                                 empty_slots, insert_jit, readout, run_jit)
+from sharenet.loop_ticks import (Slots, _tick, at_depth, cache_rows,  # noqa: F401
+                                 check_recursive, embed, empty_slots, insert_jit, readout,
+                                 run_jit)
 from sharenet.models import DecoderLM
 from sharenet.models.lm import init_cache
 from sharenet.models.loops import Schedule
@@ -208,7 +213,7 @@ class DepthwiseScheduler:
     _validate(self.model, requests, self.max_new_tokens, self.num_positions, self.eos_id)
     t0 = time.perf_counter()
     st = empty_slots(self.model, self.num_slots, self.num_positions, self.max_new_tokens,
-                     self.shape.num_layers)
+                     cache_rows(self.model.cfg, self.shape))
     owner = [-1] * self.num_slots   # request index per slot
     tokens: list[Any] = [None] * len(requests)
     depths: list[Any] = [None] * len(requests)

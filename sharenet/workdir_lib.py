@@ -15,6 +15,7 @@ from sharenet import checkpoint, config_json, data, defaults, eval_lib, optim, r
 from sharenet import train_lib
 from sharenet.errors import ConfigError
 from sharenet.models import DecoderLM, ModelConfig
+from sharenet.models.lm import kv_cache_bytes_per_token
 from sharenet.transforms import Transforms, convert, head_share
 
 
@@ -198,6 +199,8 @@ def generate_from_workdir(workdir: str, step: int | None, overrides: dict[str, A
                             loops=depth, **sampling)
     timing = {'tokens_per_sec': round(out.tokens_per_sec, 1),
               'compile_sec': round(out.compile_seconds, 2)}
+  # the cache's keys and values per token of one sequence (loop by loop: the same rows)
+  timing['kv_bytes_per_token'] = kv_cache_bytes_per_token(loaded.model.cfg, depth)
   if depth is not None:
     extra = [{'depth': depth, **e} for e in extra]
   return [{'prompt': prompts[i // num_samples], 'sample': i % num_samples,

@@ -40,12 +40,28 @@ def params_applied(variables: Any, cfg: ModelConfig) -> int:
 def matmul_params_per_layer(cfg: ModelConfig) -> int:
   """Weights one applied layer multiplies with (LoRA factors included), from the role table."""
   s = cfg.sharing   # LoRA where an untied layer keeps it (lora_layers=all), as segment_cfg
-  one = cfg.derive(num_layers=1, scan_layers=True, routing={'kind': 'none'},
+  one = cfg.derive(num_layers=1, scan_layers=True, routing={'kind': 'none'}, kv_sharing='none',
                    recurrence=RecurrenceConfig(),   # one layer: no loop to recur
                    sharing={'scheme': 'untied', 'num_unique': 0, 'repeats': 0, 'pattern': '',
                             'lora_rank': s.lora_rank if s.lora_layers == 'all' else 0})
   return sum(math.prod(i.shape[i.num_stack:]) for i in param_table(one).values()
              if i.branch is not None and i.role in ('reader', 'writer', 'lora'))
+
+
+def kv_params_skipped(cfg: ModelConfig) -> int:
+  """Weights a later loop's layer does not multiply with under model.kv_sharing=first
+  (models/kv_sharing.py): its key and value projections, except the one that is the query
+  (qk_shared, qkv_shared) and the one that is the other (kv_shared); their LoRA factors and
+  MASA kernels only where matmul_params_per_layer counts them. 0 without kv sharing."""
+  if cfg.kv_segment is None:
+    return 0
+  D, KD = cfg.d_model, cfg.kv_heads * cfg.d_head
+  skipped = {'none': ('k', 'v'), 'kv_shared': ('k',), 'qk_shared': ('v',),
+             'qkv_shared': ()}[cfg.attention_sharing]
+  s = cfg.sharing
+  rank = s.lora_rank if s.lora_layers == 'all' else 0   # as matmul_params_per_layer counts
+  return sum(D * KD + (rank * (D + KD) if t in s.lora_targets else 0)
+             for t in skipped if t not in cfg.atom_kernels)
 
 
 def router_flops(cfg: ModelConfig, seq_len: int) -> float:
@@ -74,7 +90,8 @@ def flops_per_token(cfg: ModelConfig, seq_len: int, train: bool = True) -> float
   choice runs every token through every recursion with the exited ones masked (static shapes),
   so its count is the executed FLOPs of the plain recursive model plus the router; the FLOPs
   its routing would need are data-dependent (train metrics routing_capacity_r give the
-  realised fractions).
+  realised fractions). Under model.kv_sharing=first the later loops' key and value projections
+  are not counted (`kv_params_skipped`).
   """
   if cfg.routing.kind == 'expert_choice':
     P, T = matmul_params_per_layer(cfg), seq_len
@@ -88,6 +105,9 @@ def flops_per_token(cfg: ModelConfig, seq_len: int, train: bool = True) -> float
       fwd += len(bucket) * routed.num_sets * (k / T) * (2 * P + 2 * k * HD)
     return 3 * fwd if train else fwd
   matmul = cfg.num_layers * matmul_params_per_layer(cfg) + cfg.d_model * cfg.vocab_size
+  if cfg.kv_segment is not None:   # later loops project no keys or values
+    seg = cfg.plan.segments[cfg.kv_segment]
+    matmul -= (seg.repeats - 1) * seg.num_sets * kv_params_skipped(cfg)
   # QK^T and PV: 2 * 2 * T * H * Dh per token per layer, halved for the causal mask.
   attn = cfg.num_layers * 2 * seq_len * cfg.num_heads * cfg.d_head
   fwd = 2 * matmul + attn

@@ -26,7 +26,7 @@ from sharenet.models import unit_scale
 from sharenet.models.config import ModelConfig
 from sharenet.models.layers import INTERMEDIATES, sow_l1
 from sharenet.models.positions import PositionStep
-from sharenet.models.projections import BRANCH, project_out, project_qkv
+from sharenet.models.projections import BRANCH, Projected, project_out, project_qkv
 from sharenet.params import param
 
 __all__ = ['BRANCH', 'CausalAttention', 'DecodeStep', 'LayerCache']
@@ -44,6 +44,9 @@ class DecodeStep(NamedTuple):
   index: jax.Array              # () int32: first cache slot written
   positions_BT: jax.Array       # (B, T) int32
   key_positions_BS: jax.Array   # (B, S) int32
+  # (B,) bool, None = all: where False the slots keep what they hold and the layer attends to
+  # it (loop-by-loop serving under model.kv_sharing=first: a later loop reads the first loop's)
+  write_B: jax.Array | None = None
 
 
 class LayerCache(NamedTuple):
@@ -76,8 +79,12 @@ def _write_cache(cfg: ModelConfig, cache: LayerCache, step: DecodeStep, raw_k_BT
                  k_BTKD: jax.Array, v_BTKD: jax.Array, place: PositionStep
                  ) -> tuple[LayerCache, jax.Array, jax.Array]:
   """(the cache with this call's entries at step.index, the keys and values the core reads)."""
-  write = lambda buf_BSKD, new_BTKD: jax.lax.dynamic_update_slice_in_dim(
-      buf_BSKD, new_BTKD.astype(buf_BSKD.dtype), step.index, axis=1)
+  def write(buf_BSKD, new_BTKD):
+    new_BTKD = new_BTKD.astype(buf_BSKD.dtype)
+    if step.write_B is not None:
+      held_BTKD = jax.lax.dynamic_slice_in_dim(buf_BSKD, step.index, new_BTKD.shape[1], axis=1)
+      new_BTKD = jnp.where(step.write_B[:, None, None, None], new_BTKD, held_BTKD)
+    return jax.lax.dynamic_update_slice_in_dim(buf_BSKD, new_BTKD, step.index, axis=1)
   if cfg.values_are_keys:
     # Values are the keys: the cache holds the key projection only (before QK-norm and
     # RoPE); the keys of every slot are normalised and rotated again at their positions.
@@ -88,6 +95,26 @@ def _write_cache(cfg: ModelConfig, cache: LayerCache, step: DecodeStep, raw_k_BT
   return cache, cache.k_BSKD, cache.v_BSKD
 
 
+def _placed(cfg: ModelConfig, qkv: Projected, place: PositionStep, positions: jax.Array,
+            step: DecodeStep | None, shared_kv: LayerCache | None, emit: bool):
+  """(q, k, v, emitted) of one call: its placed queries and keys and its values (`emit`: also
+  its keys and values in the cache's format, a LayerCache), or under model.kv_sharing=first
+  its queries and another loop's keys and values `shared_kv` (as stored; under values-are-keys
+  the raw keys, placed again at their slots' positions)."""
+  if shared_kv is not None:
+    k_BSKD = shared_kv.k_BSKD
+    if not cfg.values_are_keys:
+      return place.queries(qkv, positions), k_BSKD, shared_kv.v_BSKD, None
+    slots = positions if step is None else jnp.maximum(step.key_positions_BS, 0)
+    return place.queries(qkv, positions), place.keys(k_BSKD, slots), k_BSKD, None
+  q_BTHD, k_BTKD = place(qkv, positions)
+  emitted = None
+  if emit:
+    emitted = (LayerCache(qkv.k_BTKD, None) if cfg.values_are_keys
+               else LayerCache(k_BTKD, qkv.v_BTKD))
+  return q_BTHD, k_BTKD, qkv.v_BTKD, emitted
+
+
 class CausalAttention(nn.Module):
   """Attention with shape-suffixed names: B batch, T/S query/key time, K kv heads, G group."""
   cfg: ModelConfig
@@ -95,8 +122,14 @@ class CausalAttention(nn.Module):
   @nn.compact
   def __call__(self, x_BTD: jax.Array, positions_T: jax.Array | None,
                segment_ids_BT: jax.Array | None = None, cache: LayerCache | None = None,
-               step: DecodeStep | None = None, masa: dict[str, jax.Array] | None = None):
+               step: DecodeStep | None = None, masa: dict[str, jax.Array] | None = None,
+               shared_kv: LayerCache | None = None, emit: bool = False):
     """-> out (B, T, D); with a `cache` (and its `step`): (out, updated cache).
+
+    model.kv_sharing=first (models/loops.py): `emit` also returns this call's keys and values
+    as a LayerCache of its T tokens (out, kv), in the cache's format; `shared_kv` (such a
+    LayerCache, or in cached generation the first loop's updated cache) is attended to instead
+    of this call's own keys and values, which are then not projected.
 
     `masa`: {target: atoms} of the MASA targets (models/masa.py); those kernels are formed from
     the shared atoms and this module's coefficients.
@@ -113,25 +146,31 @@ class CausalAttention(nn.Module):
     """
     c = self.cfg
     masa = masa or {}
-    qkv = project_qkv(c, x_BTD, masa)
+    qkv = project_qkv(c, x_BTD, masa, keys=shared_kv is None)
     for name, a in (('query', qkv.q_BTHD), ('key', qkv.k_BTKD), ('value', qkv.v_BTKD)):
-      sow_l1(self, name, a)
+      if a is not None:
+        sow_l1(self, name, a)
     place = PositionStep(c, qkv.shares_query)
-    q_BTHD, k_BTKD = place(qkv, positions_T if cache is None else step.positions_BT)
-    v_BTKD = qkv.v_BTKD
+    positions = positions_T if step is None else step.positions_BT
+    q_BTHD, k_BTKD, v_BTKD, emitted = _placed(c, qkv, place, positions, step, shared_kv,
+                                              emit and cache is None)
+    if shared_kv is not None:   # a coordinate check sees the keys and values read instead
+      sow_l1(self, 'key', k_BTKD)
+      sow_l1(self, 'value', v_BTKD)
     q_BTHD = nn.with_logical_constraint(
         q_BTHD, ('activation_batch', 'activation_length', 'activation_heads', None))
     if c.umup_ops:   # u-muP's unit-scaled attention (models/unit_scale.py)
       # Its output scale is a constant of the forward's length T; a cached forward sees a part
       # of the sequence, so it takes the training length's (model.norm.qk_norm_len).
       Dh = c.d_head
-      s_att = unit_scale.attention_output_scale(x_BTD.shape[1] if cache is None else c.qk_len,
+      s_att = unit_scale.attention_output_scale(x_BTD.shape[1] if step is None else c.qk_len,
                                                 Dh, c.attn_mult * Dh)
       q_BTHD, k_BTKD, v_BTKD = (unit_scale.scale_bwd(t, s_att) for t in (q_BTHD, k_BTKD, v_BTKD))
-    if cache is None:
+    if step is None:
       masks = dict(segment_ids_BT=segment_ids_BT)
     else:
-      cache, k_BTKD, v_BTKD = _write_cache(c, cache, step, qkv.k_BTKD, k_BTKD, v_BTKD, place)
+      if cache is not None:
+        cache, k_BTKD, v_BTKD = _write_cache(c, cache, step, qkv.k_BTKD, k_BTKD, v_BTKD, place)
       masks = dict(q_positions_BT=step.positions_BT, k_positions_BS=step.key_positions_BS)
     # A coordinate check (mutable 'intermediates') sees the logits on the reference back-ends
     # (xla, chunked: then unchunked); a fused kernel never forms them, so nothing is sown there.
@@ -144,4 +183,6 @@ class CausalAttention(nn.Module):
       out_BTHD = unit_scale.scale_fwd(out_BTHD, s_att)
     out_BTD = project_out(c, out_BTHD, masa)
     sow_l1(self, 'attn_out', out_BTD)
-    return out_BTD if cache is None else (out_BTD, cache)
+    if cache is not None:
+      return out_BTD, cache
+    return out_BTD if emitted is None else (out_BTD, emitted)

@@ -51,6 +51,8 @@ class Shared(NamedTuple):
 class Scanned(NamedTuple):
   """What each applied layer of a scan reads its own entry of (sliced on the leading axis)."""
   cache: LayerCache | None = None            # this layer's KV cache (cached generation)
+  shared_kv: LayerCache | None = None        # model.kv_sharing=first: the first loop's keys
+                                             # and values, attended to instead of its own
 
 
 class Block(nn.Module):
@@ -60,16 +62,22 @@ class Block(nn.Module):
   `scanned` (this applied layer's LayerCache, models/attention.py) and the step in `shared`,
   the updated cache comes back (nn.scan stacks them, one per applied layer); None otherwise.
   The MASA atoms in `shared` are handed to the attention and the MLP.
+
+  model.kv_sharing=first (models/loops.py): with `emit_kv` the block returns its attention's
+  keys and values in the cache's place (a LayerCache of the call's tokens) when it has no cache;
+  with `shared_kv` in `scanned` it attends to those instead of its own.
   """
   cfg: ModelConfig
+  emit_kv: bool = False
 
   @nn.compact
   def __call__(self, carry: Stream, shared: Shared, scanned: Scanned = Scanned()
                ) -> tuple[Stream, LayerCache | None]:
     with placed(block=tuple(self.path)):   # structure metadata: block-local keys (params.py)
-      return self._layer(carry, shared, scanned.cache)
+      return self._layer(carry, shared, scanned.cache, scanned.shared_kv)
 
-  def _layer(self, carry: Stream, shared: Shared, cache: LayerCache | None):
+  def _layer(self, carry: Stream, shared: Shared, cache: LayerCache | None,
+             shared_kv: LayerCache | None):
     positions_T, segment_ids_BT, step, masa = shared
     c = self.cfg
     updated = []   # the attention's updated cache, when given one
@@ -85,11 +93,12 @@ class Block(nn.Module):
     mlp = lambda h_BTD: mlp_module(h_BTD, masa)
 
     def attn(h_BTD, positions_T, segment_ids_BT):
-      if cache is None:
-        return attention(h_BTD, positions_T, segment_ids_BT, masa=masa)
-      out_BTD, new_cache = attention(h_BTD, positions_T, segment_ids_BT, cache, step, masa)
-      updated.append(new_cache)
-      return out_BTD
+      out = attention(h_BTD, positions_T, segment_ids_BT, cache, step, masa, shared_kv,
+                      self.emit_kv)
+      if isinstance(out, tuple):   # (out, the updated cache or the emitted keys and values)
+        updated.append(out[1])
+        return out[0]
+      return out
 
     if c.umup_residual:                # u-muP: pre or peri (post rejected by the parametrization)
       x_BTD, layer = carry

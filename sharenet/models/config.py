@@ -37,6 +37,8 @@ ATTENTION_SHARINGS = ('none', 'kv_shared', 'qk_shared', 'qkv_shared')
 # are the keys; qkv_shared: one projection, stored as 'k').
 STORED_PROJECTIONS = {'none': ('q', 'k', 'v'), 'kv_shared': ('q', 'k'),
                       'qk_shared': ('k', 'v'), 'qkv_shared': ('k',)}
+# KV across loops (Mixture-of-Recursions' recursive KV sharing, docs/recurrence.md).
+KV_SHARINGS = ('none', 'first')
 _TRAIN_SEQ_LEN = defaults.default_config().train.seq_len
 
 
@@ -75,6 +77,7 @@ class ModelConfig:
   dense_grad: str = key('dense_grad')
   param_dtype: str = key('param_dtype')
   attention_sharing: str = key('attention_sharing')
+  kv_sharing: str = key('kv_sharing')
   masa: MasaConfig = section(MasaConfig)
   sharing: SharingConfig = section(SharingConfig)
   routing: RoutingConfig = section(RoutingConfig)
@@ -108,6 +111,8 @@ class ModelConfig:
   depth_mean: float = _resolved()               # recurrence.mean, 0 -> the plan's R
   grad_loops: int = _resolved()                 # loops with gradient per step (backprop, 0 ->
                                                 # the fixed depth)
+  kv_segment: int | None = _resolved()          # plan segment whose later loops read the first
+                                                # loop's keys and values (None: kv_sharing=none)
 
   def __post_init__(self):
     for f in dataclasses.fields(self):   # a section given as a dict of its keys (others default)
@@ -233,6 +238,7 @@ def _resolve(c: ModelConfig) -> list[tuple[str, Any]]:
   out.update(scaling.scalars(c, d_head))
   out.update(_resolve_routing(c, out['plan'], out['umup_residual']))
   out.update(_resolve_recurrence(c, out['plan'], out['umup_residual']))
+  out['kv_segment'] = _kv_segment(c, out['plan'])
   return list(out.items())
 
 
@@ -241,7 +247,8 @@ def _check_keys(c: ModelConfig) -> None:
   for field, valid in (('mlp', MLPS), ('position', POSITIONS), ('remat', REMATS),
                        ('scan_lowering', LOWERINGS), ('dtype', DTYPES), ('param_dtype', DTYPES),
                        ('kernels', KERNELS), ('dense_grad', DENSE_GRADS),
-                       ('attention', ATTENTIONS), ('attention_sharing', ATTENTION_SHARINGS)):
+                       ('attention', ATTENTIONS), ('attention_sharing', ATTENTION_SHARINGS),
+                       ('kv_sharing', KV_SHARINGS)):
     choice(f'model.{field}', getattr(c, field), valid)
   for name in ('vocab_size', 'd_model', 'num_layers', 'num_heads', 'mlp_dim', 'scan_unroll'):
     if getattr(c, name) < 1:
@@ -383,3 +390,25 @@ def _resolve_recurrence(c: ModelConfig, plan: sharing.SharingPlan,
       raise ConfigError(f'{what}: {why}')
   out['recurrent_segment'] = looped[0]
   return out
+
+
+def _kv_segment(c: ModelConfig, plan: sharing.SharingPlan) -> int | None:
+  """model.kv_sharing=first: the looped segment whose later loops read its first loop's keys
+  and values (models/kv_sharing.py); one ConfigError line where the model has none to share."""
+  if c.kv_sharing == 'none':
+    return None
+  looped = [i for i, s in enumerate(plan.segments) if s.order == 'cycle' and s.repeats > 1]
+  rc, what = c.recurrence, f'model.kv_sharing={c.kv_sharing!r}'
+  depth = rc.mean or (plan.segments[looped[0]].repeats if len(looped) == 1 else 0)
+  for bad, why in (
+      (len(looped) != 1, f' shares the first loop\'s keys and values with the later loops of the '
+       f'plan\'s looped segment; model.sharing.scheme={c.sharing.scheme!r} has {len(looped)}; '
+       f'valid schemes: {LOOPED_SCHEMES}, or kv_sharing=none'),
+      (c.routing.kind != 'none', ': routed recursions attend among their own tokens (recursive '
+       'KV sharing of a routed model is not implemented); valid: routing.kind=none'),
+      (rc.depth != 'fixed' or 0 < rc.backprop < depth, ': a no-grad prefix (a sampled depth, or '
+       'recurrence.backprop below the depth) would run the first loop, whose keys and values '
+       'every later loop reads, without gradient; valid: recurrence.backprop=0, fixed depth')):
+    if bad:
+      raise ConfigError(what + why)
+  return looped[0]

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import math
 from typing import NamedTuple
 
 import flax.linen as nn
@@ -38,6 +39,15 @@ def init_cache(cfg: ModelConfig, batch_size: int, num_slots: int,
   `loops`: for decoding at another depth (schedule=Schedule(loops=loops) on every call)."""
   return KVCache(init_layer_caches(cfg, batch_size, num_slots, loops_run=loops),
                  jnp.full((batch_size, num_slots), -1, jnp.int32), jnp.zeros((), jnp.int32))
+
+
+def kv_cache_bytes_per_token(cfg: ModelConfig, loops: int | None = None) -> int:
+  """Bytes of keys and values the decode cache (init_cache) holds per token of one sequence:
+  every cached layer, in the compute dtype; values-are-keys attention sharing holds no values,
+  model.kv_sharing=first one loop of the looped segment. `loops`: decoding at that depth.
+  Slot positions (4 bytes per slot) are bookkeeping, not counted."""
+  caches = jax.eval_shape(lambda: init_layer_caches(cfg, 1, 1, loops_run=loops))
+  return sum(math.prod(a.shape) * jnp.dtype(a.dtype).itemsize for a in jax.tree.leaves(caches))
 
 
 class DecoderLM(nn.Module):

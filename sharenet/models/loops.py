@@ -20,7 +20,8 @@ the `loops` loops' layers, lm.init_cache(loops=...)), run a prefix of `no_grad` 
 without gradient first (a traced count allowed: one compiled program for every prefix; nothing
 of the prefix is stored for the backward pass) and `collect` the stream after each loop. A
 recurrent-depth segment (models/recurrence.py) re-enters its input at the start of every loop
-(`inject`) in every lowering and schedule.
+(`inject`) in every lowering and schedule; under model.kv_sharing=first its later loops attend to
+the first loop's keys and values (models/kv_sharing.py drives `one_loop` for that).
 
 The layer itself is `Block.apply` on the gathered variables (`layer_fn`), rematerialised by the
 model's remat policy; what the blocks sow (coordinate checks) comes back stacked like the
@@ -89,14 +90,16 @@ class Schedule(NamedTuple):
 Layer = Callable[[dict, Stream, Shared, Scanned], tuple[Stream, tuple[Any, Any]]]
 
 
-def layer_fn(cfg: ModelConfig, observe: bool = False, capture: Any = False) -> Layer:
+def layer_fn(cfg: ModelConfig, observe: bool = False, capture: Any = False,
+             emit_kv: bool = False) -> Layer:
   """One applied layer as a pure function: (variables, carry, shared, scanned) -> (carry,
   (updated cache or None, what the block sowed or None)); `observe` collects the sown
   intermediates, `capture` is the caller's capture_intermediates (flax: True or a filter),
-  applied to the block's modules as if they were called in place. Rematerialised under
-  cfg.remat (prevent_cse is unnecessary inside scan, jax.checkpoint's docstring, and costs
-  speed)."""
-  block = Block(cfg)
+  applied to the block's modules as if they were called in place; `emit_kv` returns the
+  layer's keys and values in the cache's place where it has no cache (model.kv_sharing's first
+  loop, models/kv_sharing.py). Rematerialised under cfg.remat (prevent_cse is unnecessary
+  inside scan, jax.checkpoint's docstring, and costs speed)."""
+  block = Block(cfg, emit_kv=emit_kv)
   observe = observe or bool(capture)
 
   def layer(variables, carry, shared, scanned):
@@ -139,32 +142,36 @@ def _variables(params: Any, per_layer: Any) -> dict:
 
 def _scan_layers(layer: Layer, carry: Stream, shared: Shared, params: Any, per_layer: Any,
                  cache: Any, unroll: int, split_transpose: bool, inject: Any = None,
-                 starts: Any = None):
-  """One scan over stacked layers: params, per-layer parts and caches sliced per step; with
-  `inject`, the layers where `starts` (bool per layer) is true take the injection first."""
+                 starts: Any = None, shared_kv: Any = None):
+  """One scan over stacked layers: params, per-layer parts, caches and shared keys and values
+  sliced per step; with `inject`, the layers where `starts` (bool per layer) is true take the
+  injection first."""
   n = jax.tree.leaves(params)[0].shape[0]
 
   def body(carry, xs):
-    p, pl, c, start = xs
+    p, pl, c, kv, start = xs
     if inject is not None:   # a cond: the injection (concat: the adapter) runs once per loop
       carry = carry._replace(x_BTD=jax.lax.cond(start, lambda x: inject(x), lambda x: x,
                                                 carry.x_BTD))
-    return layer(_variables(p, pl), carry, shared, Scanned(c))
+    return layer(_variables(p, pl), carry, shared, Scanned(c, kv))
 
-  return jax.lax.scan(body, carry, (params, per_layer, cache, starts), unroll=min(unroll, n),
-                      _split_transpose=split_transpose)
+  return jax.lax.scan(body, carry, (params, per_layer, cache, shared_kv, starts),
+                      unroll=min(unroll, n), _split_transpose=split_transpose)
 
 
 def one_loop(layer: Layer, sets: Any, shared: Shared, *, unroll: int = 1,
-             split_transpose: bool = True, inject: Any = None) -> Callable:
+             split_transpose: bool = True, inject: Any = None, shared_kv: Any = None
+             ) -> Callable:
   """(carry, (per-layer parts (K, ...) or None, caches (K, ...) or None)) -> (carry, (caches,
   sown)): one pass through a cycle segment's K stored sets, the body of every loop; `inject`
-  (models/recurrence.py Injection, or None) first re-enters the segment's input."""
+  (models/recurrence.py Injection, or None) first re-enters the segment's input; `shared_kv`
+  (K, ...) the first loop's keys and values its layers attend to (models/kv_sharing.py)."""
   def run(carry, xs):
     per_layer, cache = xs
     if inject is not None:
       carry = carry._replace(x_BTD=inject(carry.x_BTD))
-    return _scan_layers(layer, carry, shared, sets, per_layer, cache, unroll, split_transpose)
+    return _scan_layers(layer, carry, shared, sets, per_layer, cache, unroll, split_transpose,
+                        shared_kv=shared_kv)
   return run
 
 
@@ -182,7 +189,7 @@ def stream_pass(layer: Layer, sets: Any, masa: Any, *, unroll: int = 1,
 def run_segment(layer: Layer, seg: Segment, lowering: str, sets: Any, per_layer: Any,
                 carry: Stream, shared: Shared, cache: Any = None,
                 schedule: Schedule = Schedule(), *, unroll: int = 1,
-                split_transpose: bool = True, inject: Any = None):
+                split_transpose: bool = True, inject: Any = None, emit_layer: Layer | None = None):
   """Applies plan segment `seg` -> (carry, caches, sown, per-loop streams or None).
 
   `sets`: the segment's stored block params, stacked (K, ...), or under `unrolled` a tuple of
@@ -191,9 +198,17 @@ def run_segment(layer: Layer, seg: Segment, lowering: str, sets: Any, per_layer:
   the lowering's leading axes ((R, K) nested cycle, (K, R) nested sequence, (L_seg,) flat;
   under `unrolled` a tuple, one per applied layer). `inject` (a looped cycle segment's
   models/recurrence.py Injection, or None) runs at the start of every loop in every lowering.
+  `emit_layer` (layer_fn(..., emit_kv=True)) makes the later loops of a looped segment attend to
+  its first loop's keys and values (model.kv_sharing=first, models/kv_sharing.py); `cache` then
+  holds one loop's K layers.
   """
   if lowering not in LOWERINGS:
     raise ConfigError(f'loop lowering {lowering!r} is unknown; valid: {", ".join(LOWERINGS)}')
+  if emit_layer is not None:
+    from sharenet.models import kv_sharing   # it drives this module's loops: imported here
+    return kv_sharing.run_shared(layer, emit_layer, seg, lowering, sets, per_layer, carry,
+                                 shared, cache, schedule, unroll=unroll,
+                                 split_transpose=split_transpose, inject=inject)
   if not schedule.is_default:
     return _run_schedule(layer, seg, sets, per_layer, carry, shared, cache, schedule,
                          unroll=unroll, split_transpose=split_transpose, inject=inject)
@@ -353,15 +368,20 @@ def _layer_variables(store: LayerStore, layer: jax.Array) -> dict:
 
 def run_layers(cfg: ModelConfig, store: LayerStore, x_D: jax.Array, first: jax.Array,
                count: int, k_LSKD: jax.Array, v_LSKD: jax.Array, pos: jax.Array,
-               key_pos_S: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+               key_pos_S: jax.Array, row: jax.Array | None = None,
+               write: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Applied layers first .. first+count-1 on one token at `pos` attending to its cache.
 
   -> (x after them, keys (count, Kh, Dh) and values the token wrote in those layers). The
-  caches are read, not written: callers commit the returned columns where a slot runs.
+  caches are read, not written: callers commit the returned columns where a slot runs. `row`:
+  the cache row of layer `first` (default `first`); `write` (a traced bool, default True):
+  False attends to the columns the rows hold at `pos` instead of the token's own (a later
+  loop under model.kv_sharing=first, its rows the first loop's) and returns those.
   """
-  step = DecodeStep(pos, pos[None, None], key_pos_S[None])
-  k_NSKD = jax.lax.dynamic_slice_in_dim(k_LSKD, first, count, axis=0)
-  v_NSKD = jax.lax.dynamic_slice_in_dim(v_LSKD, first, count, axis=0)
+  step = DecodeStep(pos, pos[None, None], key_pos_S[None], None if write is None else write[None])
+  row = first if row is None else row
+  k_NSKD = jax.lax.dynamic_slice_in_dim(k_LSKD, row, count, axis=0)
+  v_NSKD = jax.lax.dynamic_slice_in_dim(v_LSKD, row, count, axis=0)
   apply = layer_fn(cfg)
 
   def body(x_11D, inputs):

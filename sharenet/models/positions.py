@@ -45,6 +45,13 @@ class PositionStep:
     """Keys (raw projections) normalised and rotated to `positions`."""
     return rotate(self.cfg, k_BSKD if self.k_norm is None else self.k_norm(k_BSKD), positions)
 
+  def queries(self, qkv: Projected, positions: jax.Array) -> jax.Array:
+    """The placed queries alone (a shared query is the raw key projection, placed as keys)."""
+    if self.shares_query:
+      return self.keys(qkv.q_BTHD, positions)
+    q_BTHD = qkv.q_BTHD if self.q_norm is None else self.q_norm(qkv.q_BTHD)
+    return rotate(self.cfg, q_BTHD, positions)
+
   def __call__(self, qkv: Projected, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
     """(q, k) of one call's projections at `positions`; a shared query is the placed key."""
     k_BTKD = self.keys(qkv.k_BTKD, positions)

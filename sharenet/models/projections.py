@@ -29,14 +29,15 @@ BRANCH = 'attn'
 
 
 class Projected(NamedTuple):
-  """One call's projections, before QK-norm and RoPE; a shared mode aliases the shared tensor.
+  """One call's projections, before QK-norm and RoPE; a shared mode aliases the shared tensor
+  (k and v None where the call reads another loop's keys and values: project_qkv's `keys`).
 
   `shares_query`: the query is the key after QK-norm and RoPE (qk_shared, qkv_shared), so
   `q_BTHD` is the raw key projection and the position step takes the query from the keys.
   """
   q_BTHD: jax.Array
-  k_BTKD: jax.Array
-  v_BTKD: jax.Array
+  k_BTKD: jax.Array | None
+  v_BTKD: jax.Array | None
   shares_query: bool
 
 
@@ -48,24 +49,37 @@ def _dense(cfg: ModelConfig, name: str, heads: int, axis: str, use: str | None =
                param_dtype=jnp.dtype(cfg.param_dtype), dense_grad=cfg.dense_grad, name=name)
 
 
-def project_qkv(cfg: ModelConfig, x_BTD: jax.Array, masa: dict[str, jax.Array]) -> Projected:
-  """q, k, v of x (B, T, D) under model.attention_sharing; `masa`: {target: atoms}."""
+def project_qkv(cfg: ModelConfig, x_BTD: jax.Array, masa: dict[str, jax.Array],
+                keys: bool = True) -> Projected:
+  """q, k, v of x (B, T, D) under model.attention_sharing; `masa`: {target: atoms}.
+
+  `keys=False` (a later loop under model.kv_sharing=first, which reads the first loop's keys
+  and values): only what the query needs is projected; k and v are None unless they are it.
+  """
   H, K = cfg.num_heads, cfg.kv_heads
   proj = lambda name, heads, axis, use=None: dense_apply(
       _dense(cfg, name, heads, axis, use), x_BTD, masa.get(name))
   sharing = cfg.attention_sharing
   if sharing == 'none':   # unchanged arithmetic and tree (bit-identical to before sharing)
     q_BTHD = checkpoint_name(proj('q', H, 'heads', 'query'), 'query_proj')
+    if not keys:
+      return Projected(q_BTHD, None, None, False)
     k_BTKD = checkpoint_name(proj('k', K, 'kv_heads'), 'key_proj')
     v_BTKD = checkpoint_name(proj('v', K, 'kv_heads'), 'value_proj')
     return Projected(q_BTHD, k_BTKD, v_BTKD, False)
+  shares_query = sharing in ('qk_shared', 'qkv_shared')
+  if sharing == 'kv_shared' and not keys:
+    return Projected(checkpoint_name(proj('q', H, 'heads', 'query'), 'query_proj'), None, None,
+                     False)
   # The shared tensor is the key projection; qk_shared / qkv_shared have K == H.
   k_BTKD = checkpoint_name(proj('k', K, 'kv_heads'), 'key_proj')
   q_BTHD = (checkpoint_name(proj('q', H, 'heads', 'query'), 'query_proj')
             if sharing == 'kv_shared' else k_BTKD)
+  if not keys:   # the query is the key projection
+    return Projected(q_BTHD, None, None, shares_query)
   v_BTKD = (checkpoint_name(proj('v', K, 'kv_heads'), 'value_proj')
             if sharing == 'qk_shared' else k_BTKD)
-  return Projected(q_BTHD, k_BTKD, v_BTKD, sharing in ('qk_shared', 'qkv_shared'))
+  return Projected(q_BTHD, k_BTKD, v_BTKD, shares_query)
 
 
 def project_out(cfg: ModelConfig, out_BTHD: jax.Array, masa: dict[str, jax.Array]) -> jax.Array:

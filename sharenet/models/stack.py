@@ -20,8 +20,9 @@ per call (another depth, a no-grad prefix, per-loop outputs).
 
 Generation passes a KV cache through the same runner (sharenet/generate.py): one `LayerCache`
 per applied layer, never per stored set (tied layers share weights, not keys and values), each
-segment's stacked along a leading axis of its applied layers. The step information
-(`DecodeStep`) reaches every layer in block.Shared.
+segment's stacked along a leading axis of its applied layers (under model.kv_sharing=first the
+looped segment's later loops share its first loop's, models/kv_sharing.py: it holds K). The
+step information (`DecodeStep`) reaches every layer in block.Shared.
 
 MASA atoms (models/masa.py) are parameters of DecoderLM, outside the stack; the Stack takes them
 in block.Shared, so they are stored once whatever the plan and lowering.
@@ -151,8 +152,9 @@ class StoredSegment(nn.Module):
     if recurrent:
       carry, inject = _recurrent_input(self, c, carry, shared,
                                        variables['params'].get(NAMES['adapter']))
-    carry, cache, sown, streams = loops.run_segment(layer, seg, lowering, sets, per_layer, carry,
-                                                    shared, cache, schedule, inject=inject, **run)
+    carry, cache, sown, streams = loops.run_segment(
+        layer, seg, lowering, sets, per_layer, carry, shared, cache, schedule, inject=inject,
+        emit_layer=_emit_layer(c, self.index, observe), **run)
     if streams is not None:
       self.sow(loops.PER_LOOP, 'streams', streams)
     if observe and sown is not None:
@@ -212,6 +214,14 @@ class StoredSegment(nn.Module):
                                 sow=sow, recurse=recurse, bias_R=router.exit_bias())
 
 
+def _emit_layer(cfg: ModelConfig, index: int, observe: bool) -> loops.Layer | None:
+  """Segment `index`'s first-loop layer under model.kv_sharing=first (models/kv_sharing.py),
+  returning its keys and values; None for every other segment and without kv sharing."""
+  if index != cfg.kv_segment:
+    return None
+  return loops.layer_fn(cfg, observe, loops.outer_capture() if observe else False, emit_kv=True)
+
+
 def _create_adapter(cfg: ModelConfig, carry: Stream) -> None:
   """Creates concat's adapter (models/recurrence.py) at init, with the segment that loops."""
   if cfg.recurrence.injection == 'concat':
@@ -261,14 +271,19 @@ def init_cache(cfg: ModelConfig, batch_size: int, num_slots: int,
   (leaves (applied layers, B, S, kv heads, head_dim)), so sum of the leading axes is
   cfg.num_layers whatever the sharing plan. Values-are-keys sharing (model.attention_sharing
   kv_shared | qkv_shared) holds K only: v is None. `loops_run`: decoding at another depth
-  (loops.Schedule(loops=n)), the looped segment holds n loops of its K layers."""
+  (loops.Schedule(loops=n)), the looped segment holds n loops of its K layers. Under
+  model.kv_sharing=first the looped segment holds its first loop's K layers only (the later
+  loops read them: models/kv_sharing.py), whatever the depth."""
   dt = jnp.dtype(dtype or cfg.dtype)
   def one(n):
     shape = (n, batch_size, num_slots, cfg.kv_heads, cfg.d_head)
     return LayerCache(jnp.zeros(shape, dt), None if cfg.values_are_keys else jnp.zeros(shape, dt))
+  def layers(i, seg):
+    if i == cfg.kv_segment:   # model.kv_sharing=first: one loop's K layers at any depth
+      return seg.num_sets
+    return loops_run * seg.num_sets if i == looped else seg.num_applied
   looped = None if loops_run is None else loops.looped(cfg).segment
-  return tuple(one(loops_run * seg.num_sets if i == looped else seg.num_applied)
-               for i, seg in enumerate(cfg.plan.segments))
+  return tuple(one(layers(i, seg)) for i, seg in enumerate(cfg.plan.segments))
 
 
 class Stack(nn.Module):
@@ -334,7 +349,7 @@ class Stack(nn.Module):
           layer, seg, 'unrolled', sets, None, carry, shared,
           None if caches is None else caches[i],
           schedule if i == looped else loops.Schedule(), unroll=self.cfg.scan_unroll,
-          inject=inject)
+          inject=inject, emit_layer=_emit_layer(self.cfg, i, observe))
       if streams is not None:
         self.sow(loops.PER_LOOP, 'streams', streams)
       new_caches.append(cache)
