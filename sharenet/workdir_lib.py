@@ -197,7 +197,8 @@ def generate_from_workdir(workdir: str, step: int | None, overrides: dict[str, A
     out = generate.generate(loaded.model, loaded.variables, batch, max_new_tokens,
                             loops=depth, **sampling)
     timing = {'tokens_per_sec': round(out.tokens_per_sec, 1),
-              'compile_sec': round(out.compile_seconds, 2)}
+              'compile_sec': round(out.compile_seconds, 2),
+              'kv_bytes_per_token': round(out.kv_bytes_per_token, 1)}
   if depth is not None:
     extra = [{'depth': depth, **e} for e in extra]
   return [{'prompt': prompts[i // num_samples], 'sample': i % num_samples,
