@@ -58,8 +58,6 @@ NOT_ROUTED = 'per-layer parts are not routed (each recursion is one scan over th
 ROUTED_PLANS = 'routing needs a cycle segment to route (valid schemes: cycle, middle_cycle)'
 FLAT_ROUTED = 'each routed recursion is its own scan; valid: model.scan_lowering=nested'
 LOOPED = 'loop-by-loop inference needs exactly one looped cycle segment'
-NO_GEN_ROUTED = 'cached generation of a routed model is not implemented (expert choice is ' \
-    'not causal as trained)'
 LOOP_ROUTED = 'loop-by-loop inference runs every loop on every token; routing picks the loops'
 DEPTH = 'test-time depth (eval.py --depths / --depth) runs another number of loops of the one ' \
     'looped cycle segment'
@@ -113,7 +111,7 @@ def _features() -> tuple[Feature, ...]:
                refuses=(('lora', NOT_ROUTED), ('untie_norms', NOT_ROUTED),
                         ('python_loop', 'routing needs model.scan_layers=True'),
                         ('flat', FLAT_ROUTED), ('umup', 'the u-muP residual rule is not routed'),
-                        ('generation', NO_GEN_ROUTED), ('loop_inference', LOOP_ROUTED),
+                        ('loop_inference', LOOP_ROUTED),
                         ('test_time_depth', DEPTH_ROUTED)))
       for kind in ('expert_choice', 'token_choice')]
   rc = 'model.recurrence.'

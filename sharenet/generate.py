@@ -27,8 +27,13 @@ Schedule, sharenet/depth.py), the cache holding those loops' layers.
 
 KV across loops: under model.kv_sharing=first the looped segment's later loops attend to its
 first loop's keys and values (models/kv_sharing.py), so the cache holds one loop of it at any
-depth. `Generation.kv_bytes_per_token` (lm.kv_cache_bytes_per_token) is the cache's size per
-token of one sequence; eval.py --prompt prints it as `kv_bytes_per_token`.
+depth (lm.kv_cache_bytes_per_token: the bytes a cache allocates per token of one sequence).
+
+Routed models (Mixture-of-Recursions, model.routing): the routed segment keeps recursion-wise
+caches (models/routed_decoding.py): a token's keys and values only at the recursions it ran;
+token choice decodes as it trains, expert choice by its router's BCE-trained threshold
+(docs/routing.md "Decoding"). `Generation.kv_bytes_per_token` (`kv_cache_bytes_held`) counts
+the keys and values the final cache holds per token; eval.py --prompt prints it.
 
 Position limit: learned positions have model.max_len rows; RoPE would extrapolate past the
 lengths it was trained on, so generation holds every position below model.max_len for both
@@ -53,17 +58,18 @@ import numpy as np
 from sharenet.data.tokenizer import ByteTokenizer
 from sharenet.errors import ConfigError
 from sharenet.models import DecoderLM
-from sharenet.models.lm import init_cache, kv_cache_bytes_per_token
+from sharenet.models.lm import KVCache, init_cache
+from sharenet.models.routed_decoding import RoutedCache, held_layers
 from sharenet.models.loops import Schedule
 
 
 class Generation(NamedTuple):
   """Generated tokens per prompt (the end token and everything after it removed), timing, and
-  the KV cache's bytes per token of one sequence (lm.kv_cache_bytes_per_token)."""
+  the keys and values the final cache holds per token of one sequence (kv_cache_bytes_held)."""
   tokens: list[list[int]]
   seconds: float           # running the compiled program (prefill and decode)
   compile_seconds: float   # tracing and compiling it (0 when cached)
-  kv_bytes_per_token: int = 0
+  kv_bytes_per_token: float = 0.0   # kv_cache_bytes_held of the final cache
 
   @property
   def tokens_per_sec(self) -> float:
@@ -172,8 +178,29 @@ def _generate_padded(variables, tokens_BP, positions_BP, rng, *, model: DecoderL
     return i + 1, token_B, out_BN, cache, pos_B + 1, done_B
 
   state = (jnp.ones((), jnp.int32), token_B, out_BN, cache, pos_B, done_B)
-  steps, _, out_BN, _, _, _ = jax.lax.while_loop(cond, body, state)
-  return out_BN, steps
+  steps, _, out_BN, cache, _, _ = jax.lax.while_loop(cond, body, state)
+  return out_BN, steps, kv_cache_bytes_held(model, cache)
+
+
+def kv_cache_bytes_held(model: DecoderLM, cache: KVCache) -> jax.Array:
+  """Bytes of keys and values `cache` holds per token it holds, in its dtype: every cached
+  layer's, but a routed segment's recursion r only for the tokens routed through it
+  (recursion-wise caching, models/routed_decoding.py). Slot positions and recursion counts are
+  bookkeeping, not counted. A routed segment's arrays are dense (static shapes), so the memory
+  allocated is that of the unrouted plan; this is what a compacted recursion-wise cache holds."""
+  held_BS = cache.key_positions_BS >= 0
+  layers = jnp.zeros((), jnp.float32)
+  for entry in cache.layers:
+    if isinstance(entry, RoutedCache):
+      seg = model.cfg.plan.segments[model.cfg.routed_segment]
+      layers = layers + held_layers(entry, held_BS, seg.num_sets)
+    else:
+      layers = layers + entry.k_BSKD.shape[0]
+  first = cache.layers[0]
+  first = first.kv if isinstance(first, RoutedCache) else first
+  # k (and v) of one token in one layer: (kv heads, head_dim) each
+  per_layer = sum(a.shape[-2] * a.shape[-1] * a.dtype.itemsize for a in jax.tree.leaves(first))
+  return layers * per_layer
 
 
 _generate_jit = jax.jit(_generate_padded, static_argnames=(
@@ -211,10 +238,6 @@ def check_sampling(cfg: Any, temperature: float, top_k: int, top_p: float) -> No
 def validate(cfg: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int,
              temperature: float, top_k: int, top_p: float, eos_id: int | None) -> None:
   """One ConfigError line for settings generation cannot honour."""
-  if cfg.routing.kind != 'none':
-    raise ConfigError(f'model.routing.kind={cfg.routing.kind!r}: generation of a routed model '
-                      f'is not implemented (expert choice picks top-k over the whole sequence; no '
-                      f'per-recursion KV cache); valid: routing.kind=none')
   if not prompts:
     raise ConfigError('generation needs at least one prompt')
   if max_new_tokens < 1:
@@ -259,7 +282,7 @@ def generate(model: DecoderLM, variables: Any, prompts: Sequence[Sequence[int]],
     _COMPILED[key] = _generate_jit.lower(*args, **static).compile()
     compile_seconds = time.perf_counter() - t0
   t1 = time.perf_counter()
-  out_BN, steps = jax.block_until_ready(_COMPILED[key](*args))
+  out_BN, steps, kv_bytes = jax.block_until_ready(_COMPILED[key](*args))
   t2 = time.perf_counter()
   out_BN = np.asarray(out_BN)[:, :int(steps)]
   result = []
@@ -267,7 +290,7 @@ def generate(model: DecoderLM, variables: Any, prompts: Sequence[Sequence[int]],
     if eos_id is not None and eos_id in row:
       row = row[:row.index(eos_id)]
     result.append(row)
-  return Generation(result, t2 - t1, compile_seconds, kv_cache_bytes_per_token(model.cfg, loops))
+  return Generation(result, t2 - t1, compile_seconds, float(kv_bytes))
 
 
 def encode(text: str) -> list[int]:

@@ -199,8 +199,10 @@ def generate_from_workdir(workdir: str, step: int | None, overrides: dict[str, A
                             loops=depth, **sampling)
     timing = {'tokens_per_sec': round(out.tokens_per_sec, 1),
               'compile_sec': round(out.compile_seconds, 2)}
-  # the cache's keys and values per token of one sequence (loop by loop: the same rows)
-  timing['kv_bytes_per_token'] = kv_cache_bytes_per_token(loaded.model.cfg, depth)
+  # the keys and values the cache holds per token of one sequence (loop by loop: the bytes a
+  # cache of this depth allocates; it holds the same rows)
+  timing['kv_bytes_per_token'] = (round(out.kv_bytes_per_token, 1) if rule is None else
+                                  kv_cache_bytes_per_token(loaded.model.cfg, depth))
   if depth is not None:
     extra = [{'depth': depth, **e} for e in extra]
   return [{'prompt': prompts[i // num_samples], 'sample': i % num_samples,

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sharenet import config_lib, generate, train_lib
+from sharenet import config_lib, train_lib
 from sharenet.errors import ConfigError
 from sharenet.models import DecoderLM, ModelConfig, accounting, init_variables, routing
 from sharenet.models.block import Shared, Stream
@@ -148,9 +148,8 @@ def test_unrouted_model_has_no_router_and_sows_nothing():
   assert not sown
 
 
-def test_generation_of_a_routed_model_is_rejected():
-  with pytest.raises(ConfigError, match='generation of a routed model'):
-    generate.validate(tiny_cfg(), [[1, 2]], 4, 1.0, 0, 1.0, None)
+def test_loop_by_loop_inference_of_a_routed_model_is_rejected():
+  """Cached generation of routed models: tests/test_routed_decoding.py."""
   from sharenet import recursive_inference
   with pytest.raises(ConfigError, match='routes them'):
     recursive_inference.check_recursive(DecoderLM(tiny_cfg()), {})

@@ -26,7 +26,8 @@ fraction of tokens exiting there). Both routers can add the router z-loss (ST-Mo
 default for token choice at the reference's 1e-5. Shapes stay static by
 running every token through every recursion with the inactive ones masked out of attention
 (each its own attention segment) and discarded: the executed FLOPs are those of the plain
-recursive model (models/accounting.py).
+recursive model (models/accounting.py). Cached decoding, with recursion-wise KV caches:
+models/routed_decoding.py.
 """
 from __future__ import annotations
 
@@ -269,6 +270,22 @@ def token_recursion(level: Callable, r: jax.Array | int, carry: tuple[jax.Array,
   return jnp.where(active_BT[:, :, None], f_BTD, cur_BTD), out_BTD
 
 
+def token_route(h_BTD: jax.Array, *, cfg: ModelConfig, router: Router,
+                bias_R: jax.Array | None = None
+                ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+  """Each token's exit from its own segment input (causal: training and cached decoding read
+  the same): (logits (B, T, R), probabilities, exit recursion (B, T), gate alpha * p_exit
+  (B, T, 1)); `bias_R` as in `token_choice`."""
+  logits_BTR = router.token_logits(h_BTD)
+  probs_BTR = jax.nn.softmax(logits_BTR, axis=-1)
+  scores_BTR = cfg.router_alpha * probs_BTR
+  if bias_R is not None:
+    scores_BTR = scores_BTR + jax.lax.stop_gradient(bias_R).astype(scores_BTR.dtype)[None, None]
+  exit_BT = jnp.argmax(scores_BTR, axis=-1)
+  w_BT1 = cfg.router_alpha * jnp.take_along_axis(probs_BTR, exit_BT[:, :, None], axis=2)
+  return logits_BTR, probs_BTR, exit_BT, w_BT1
+
+
 def token_choice(h_BTD: jax.Array, positions_T: jax.Array | None,
                  segment_ids_BT: jax.Array | None, *, cfg: ModelConfig, router: Router,
                  sow: Callable[[str, jax.Array], Any], level: Callable | None = None,
@@ -286,13 +303,7 @@ def token_choice(h_BTD: jax.Array, positions_T: jax.Array | None,
   """
   B, T, _ = h_BTD.shape
   R = cfg.recursions
-  logits_BTR = router.token_logits(h_BTD)
-  probs_BTR = jax.nn.softmax(logits_BTR, axis=-1)
-  scores_BTR = cfg.router_alpha * probs_BTR
-  if bias_R is not None:
-    scores_BTR = scores_BTR + jax.lax.stop_gradient(bias_R).astype(scores_BTR.dtype)[None, None]
-  exit_BT = jnp.argmax(scores_BTR, axis=-1)
-  w_BT1 = cfg.router_alpha * jnp.take_along_axis(probs_BTR, exit_BT[:, :, None], axis=2)
+  logits_BTR, probs_BTR, exit_BT, w_BT1 = token_route(h_BTD, cfg=cfg, router=router, bias_R=bias_R)
   frac_R = jnp.mean(jax.nn.one_hot(exit_BT, R, dtype=jnp.float32), axis=(0, 1))
   for r in range(R):
     sow(f'exit_{r}', frac_R[r])

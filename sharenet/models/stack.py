@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sharenet.errors import ConfigError
-from sharenet.models import loops, recurrence, routing
+from sharenet.models import loops, recurrence, routed_decoding, routing
 from sharenet.models.attention import LayerCache
 from sharenet.models.block import Block, Scanned, Shared, Stream
 from sharenet.models.config import ModelConfig
@@ -139,12 +139,12 @@ class StoredSegment(nn.Module):
     sets, per_layer, stored = self._stored(seg, variables)
     run = dict(unroll=c.scan_unroll, split_transpose=c.scan_split_transpose)
     if routed:
-      for bad, what in ((cache is not None, 'cached generation'),
-                        (not schedule.is_default, 'a loop schedule (depth, no-grad prefix)')):
-        if bad:
-          raise ConfigError(f'model.routing.kind={c.routing.kind!r}: {what} of a routed model '
-                            f'is not implemented; valid: routing.kind=none')
-      return carry._replace(x_BTD=self._routed(seg, sets, carry.x_BTD, shared, run)), None
+      if not schedule.is_default:
+        raise ConfigError(f'model.routing.kind={c.routing.kind!r}: a loop schedule (depth, '
+                          f'no-grad prefix) of a routed model is not implemented; valid: '
+                          f'routing.kind=none')
+      x_BTD, cache = self._routed(seg, sets, carry.x_BTD, shared, run, cache)
+      return carry._replace(x_BTD=x_BTD), cache
     observe = self.is_mutable_collection(INTERMEDIATES)
     layer = loops.layer_fn(c, observe, loops.outer_capture() if observe else False)
     lowering = 'flat' if c.scan_lowering == 'flat' else 'nested'
@@ -184,13 +184,19 @@ class StoredSegment(nn.Module):
       per_layer = jax.tree.map(lambda a: a.reshape((-1,) + a.shape[2:]), per_layer)
     return at('params'), per_layer, path
 
-  def _routed(self, seg, sets, x_BTD: jax.Array, shared: Shared, run: dict) -> jax.Array:
+  def _routed(self, seg, sets, x_BTD: jax.Array, shared: Shared, run: dict, cache=None):
     """Mixture-of-Recursions over the segment's K sets: the routers pick each recursion's
     tokens; each recursion is one runner pass (compile time: expert choice R passes or one scan
-    per bucket, token choice one scan over the R recursions)."""
+    per bucket, token choice one scan over the R recursions). -> (x, None), or with a cache
+    (routed_decoding.RoutedCache) one cached step: (x, updated cache)."""
     c = self.cfg
     sow = lambda name, value: self.sow(routing.ROUTING, name, value)
     router = routing.Router(c, name=NAMES['router'])
+    if cache is not None:   # recursion-wise KV caching (models/routed_decoding.py)
+      layer = loops.layer_fn(c)
+      loop_at = lambda step: loops.one_loop(layer, sets, shared._replace(step=step), **run)
+      bias_R = router.exit_bias() if c.routing.kind == 'token_choice' else None
+      return routed_decoding.decode(c, router, loop_at, x_BTD, shared.step, cache, bias_R)
     level = loops.stream_pass(loops.layer_fn(c), sets, shared.masa, **run)
     positions_T, segment_ids_BT = shared.positions_T, shared.segment_ids_BT
     if c.routing.kind == 'expert_choice':
@@ -204,14 +210,14 @@ class StoredSegment(nn.Module):
                                                              kept)
           return jax.lax.scan(step, carry, steps)
       return routing.expert_choice(x_BTD, positions_T, segment_ids_BT, cfg=c, router=router,
-                                   level=level, sow=sow, recurse=recurse)
+                                   level=level, sow=sow, recurse=recurse), None
 
     def recurse(carry, routes, positions):
       step = lambda carry, r: (routing.token_recursion(level, r, carry, routes, positions), None)
       (_, out_BTD), _ = jax.lax.scan(step, carry, jnp.arange(seg.repeats))
       return out_BTD
     return routing.token_choice(x_BTD, positions_T, segment_ids_BT, cfg=c, router=router,
-                                sow=sow, recurse=recurse, bias_R=router.exit_bias())
+                                sow=sow, recurse=recurse, bias_R=router.exit_bias()), None
 
 
 def _emit_layer(cfg: ModelConfig, index: int, observe: bool) -> loops.Layer | None:
@@ -273,7 +279,8 @@ def init_cache(cfg: ModelConfig, batch_size: int, num_slots: int,
   kv_shared | qkv_shared) holds K only: v is None. `loops_run`: decoding at another depth
   (loops.Schedule(loops=n)), the looped segment holds n loops of its K layers. Under
   model.kv_sharing=first the looped segment holds its first loop's K layers only (the later
-  loops read them: models/kv_sharing.py), whatever the depth."""
+  loops read them: models/kv_sharing.py), whatever the depth. A routed segment's entry is a
+  routed_decoding.RoutedCache (its layers and each slot's recursions)."""
   dt = jnp.dtype(dtype or cfg.dtype)
   def one(n):
     shape = (n, batch_size, num_slots, cfg.kv_heads, cfg.d_head)
@@ -283,7 +290,8 @@ def init_cache(cfg: ModelConfig, batch_size: int, num_slots: int,
       return seg.num_sets
     return loops_run * seg.num_sets if i == looped else seg.num_applied
   looped = None if loops_run is None else loops.looped(cfg).segment
-  return tuple(one(layers(i, seg)) for i, seg in enumerate(cfg.plan.segments))
+  caches = tuple(one(layers(i, seg)) for i, seg in enumerate(cfg.plan.segments))
+  return routed_decoding.with_depths(cfg, caches)   # a routed segment's recursion-wise cache
 
 
 class Stack(nn.Module):
