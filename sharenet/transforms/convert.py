@@ -288,7 +288,8 @@ def to_recursive(cfg: ModelConfig, variables: Any, scheme: str, num_unique: int,
   if PER_LAYER in variables:
     src.update(layout.applied_per_layer(variables[PER_LAYER], cfg))
   picks = source_layers(cfg, num_unique, scheme, init)
-  target = init_variables(DecoderLM(new_cfg), jax.random.key(seed))
+  # one compiled program (op by op, an init compiles each scan and initializer separately)
+  target = jax.jit(lambda key: init_variables(DecoderLM(new_cfg), key))(jax.random.key(seed))
   shared_paths = layout.unique_sets(target['params'], new_cfg).keys()
   sets = {p: jnp.stack([jnp.mean(src[p][jnp.asarray(ls)], axis=0) for ls in picks])
           for p in shared_paths}
