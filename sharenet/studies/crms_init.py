@@ -68,20 +68,20 @@ def ratios(variables: Any, infos: dict) -> dict[str, list[float]]:
 
 @contextlib.contextmanager
 def writer_init(kind: str):
-  """Within the block, the train loop's fresh init (train_lib.init_variables) uses `kind`."""
-  from sharenet import train_lib
+  """Within the block, the train loop's fresh init (step_lib.init_variables) uses `kind`."""
+  from sharenet import step_lib
   from sharenet.models import param_table
-  plain = train_lib.init_variables
+  plain = step_lib.init_variables
 
   def init_variables(model, rng, *args, **kwargs):
     v = plain(model, rng, *args, **kwargs)
     return isotropic(v, param_table(model.cfg)) if kind == 'isotropic' else v
 
-  train_lib.init_variables = init_variables
+  step_lib.init_variables = init_variables
   try:
     yield init_variables
   finally:
-    train_lib.init_variables = plain
+    step_lib.init_variables = plain
 
 
 def run_one(config: Any, kind: str, workdir: str) -> dict[str, Any]:
