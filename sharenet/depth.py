@@ -154,5 +154,7 @@ def evaluate_workdir_depths(workdir: str, step: int | None, overrides: dict[str,
       model, params, config.data, config.train.seq_len, config.train.eval_batch_size, depths)]
   with open(os.path.join(workdir, RESULTS), 'w') as f:
     f.writelines(json.dumps(r) + '\n' for r in rows)
-  plot_depths(rows, shape.loops, os.path.join(workdir, PLOT))
+  from sharenet import recurrence   # the depth it trained at (a sampled run: its rounded mean)
+  trained = shape.loops if mcfg.recurrent_segment is None else recurrence.fixed_depth(mcfg)
+  plot_depths(rows, trained, os.path.join(workdir, PLOT))
   return rows

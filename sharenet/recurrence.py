@@ -61,6 +61,14 @@ def fixed_depth(cfg: ModelConfig) -> int:
   return max(int(round(cfg.depth_mean)), cfg.grad_loops)
 
 
+def eval_schedule(cfg: ModelConfig) -> loops.Schedule:
+  """The loops evaluation runs (the train loop's and eval.py's): the run's fixed depth, a
+  sampled run's rounded mean; the plan's R without model.recurrence (eval.py --depths: others)."""
+  if cfg.recurrent_segment is None or fixed_depth(cfg) == loops.looped(cfg).loops:
+    return loops.Schedule()
+  return loops.Schedule(loops=fixed_depth(cfg))
+
+
 def sample_depth(cfg: ModelConfig, seed: int, step: int) -> int:
   """Loops of the looped segment at train step `step` (0-based) of a run seeded `seed`."""
   if not sampled(cfg):

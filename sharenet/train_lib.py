@@ -149,7 +149,8 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, float]:
   def run_eval(step: int) -> dict[str, float]:
     with sharding.activate(mesh, rules):
       params = jax.jit(effective_params, static_argnums=(1, 2))(state, tr, pz)
-      out = eval_lib.evaluate(model, params, config.data, t.seq_len, t.eval_batch_size)
+      out = eval_lib.evaluate(model, params, config.data, t.seq_len, t.eval_batch_size,
+                              recurrence.eval_schedule(mcfg))
     writer.write(step, **out)
     return out
 

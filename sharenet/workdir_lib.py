@@ -11,7 +11,8 @@ import jax.numpy as jnp
 import ml_collections
 
 from sharenet.data import tokenizer as tokenizer_lib
-from sharenet import checkpoint, config_json, data, defaults, eval_lib, optim, resume, sharding
+from sharenet import checkpoint, config_json, data, defaults, eval_lib, optim, recurrence, resume
+from sharenet import sharding
 from sharenet import train_lib
 from sharenet.errors import ConfigError
 from sharenet.models import DecoderLM, ModelConfig
@@ -91,7 +92,7 @@ def evaluate_workdir(workdir: str, step: int | None = None,
   state, step, (model, _, pz, tr) = restore_state(config, workdir, step)
   params = jax.jit(train_lib.effective_params, static_argnums=(1, 2))(state, tr, pz)
   out = eval_lib.evaluate(model, params, config.data, config.train.seq_len,
-                          config.train.eval_batch_size)
+                          config.train.eval_batch_size, recurrence.eval_schedule(model.cfg))
   out = {'step': int(step), **out,
          'unigram_bits_per_byte': data.unigram_bits_per_byte(config.data)}
   with open(os.path.join(workdir, 'eval.json'), 'w') as f:

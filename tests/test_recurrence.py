@@ -319,3 +319,9 @@ def test_resume_after_kill_is_exact(tmp_path, tiny_config, train_cmd, subprocess
   assert all(np.isfinite(rows[s]['mfu_vs_matmul']) and 'exit_loss_1' in rows[s] for s in rows)
   killed = {r['step']: r['depth'] for r in read_metrics(workdir) if 'loss' in r}
   assert [killed[s] for s in range(1, 13)] == depths
+  # Evaluation runs the rounded mean (3 loops), not the plan's R = 2 (recurrence.eval_schedule).
+  from sharenet import depth
+  final = [r for r in read_metrics(ref_dir) if 'eval_loss' in r][-1]['eval_loss']
+  at = {r['depth']: r['eval_loss']
+        for r in depth.evaluate_workdir_depths(ref_dir, None, None, [2, 3])}
+  assert at[3] == pytest.approx(final, rel=1e-5) and at[2] != pytest.approx(final, rel=1e-3)
