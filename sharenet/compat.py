@@ -168,7 +168,7 @@ def _features() -> tuple[Feature, ...]:
   pzs = [_setting(k, 'parametrization', 'parametrization.kind', k, width)
          for k in ('mup', 'mup_table3', 'completep')]
   pzs.append(_setting('umup', 'parametrization', 'parametrization.kind', 'umup',
-                      refuses=(('loop_inference', UMUP_LAYER),)))
+                      refuses=(('loop_inference', UMUP_LAYER), ('test_time_depth', UMUP_DEPTH))))
   atoms = 'MASA atoms serve every set, so a per-set loop multiplier has no kernel to scale'
   loop_rules = [_setting(r, 'loop_rule', 'parametrization.loop_rule', r,
                          refuses=(('masa', atoms),)) for r in ('inv_R', 'inv_sqrt_R')]

@@ -59,6 +59,10 @@ def check_depth(cfg: Any, n: Any, what: str = '--depth') -> loops.Looped:
   if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
     raise ConfigError(f'{what}={n}: a depth is a number of loops of the looped segment; valid: '
                       f'an integer >= 1 (trained: {shape.loops})')
+  if getattr(cfg, 'umup_residual', ()) and n != shape.loops:
+    raise ConfigError(f'{what}={n}: the u-muP residual rule (parametrization.kind=umup) gives '
+                      f'each applied layer a tau by its index among the trained layers, which '
+                      f'another depth changes; valid: {shape.loops}')
   if n > shape.loops and has_per_layer_parts(cfg, shape):
     raise ConfigError(f'{what}={n}: depth-wise LoRA and untied norms exist for the trained '
                       f'{shape.loops} loops only; valid: 1 .. {shape.loops}')

@@ -165,7 +165,12 @@ def test_bad_input_is_one_line(cycle, tiny_config):
   untied = DecoderLM(_cfg(tiny_config, **{'model.sharing.scheme': 'untied',
                                          'model.sharing.num_unique': 0}))
   lora = ModelConfig.from_config(tiny_config(**RELAXED).model, 32)
+  umup_config = tiny_config(**{'model.num_layers': K * R, 'model.sharing.scheme': 'cycle',
+                               'model.sharing.num_unique': K, 'parametrization.kind': 'umup'})
+  umup = ModelConfig.from_experiment(umup_config)
+  assert depth.check_depth(umup, R).loops == R   # the trained depth serves
   cases = [
+      (lambda: depth.check_depth(umup, 1), f'another depth changes; valid: {R}'),
       (lambda: exits.parse('confidence:0.9'), 'unknown criterion; valid: maxprob:T'),
       (lambda: exits.parse('kl'), 'valid: maxprob:T'),
       (lambda: exits.parse('kl:abc'), 'not a number'),
