@@ -194,8 +194,12 @@ def init_boxed(model: DecoderLM, rng: jax.Array, batch_size: int = 1, seq_len: i
 
 
 def init_variables(model: DecoderLM, rng: jax.Array, batch_size: int = 1, seq_len: int = 8):
-  """Initializes the trainable collections ('params' and the per-layer one) as plain arrays."""
-  return nn.unbox(init_boxed(model, rng, batch_size, seq_len))
+  """Initializes the trainable collections ('params' and the per-layer one) as plain arrays.
+
+  One compiled program, traced afresh on every call (so a patched module is seen): op by op, an
+  init compiles each scan and each initializer shape separately.
+  """
+  return jax.jit(lambda key: nn.unbox(init_boxed(model, key, batch_size, seq_len)))(rng)
 
 
 def logical_axes(model: DecoderLM):
