@@ -42,29 +42,29 @@ def test_sampled_depth_steps_spend_the_budget(config):
 @pytest.mark.slow
 def test_study_writes_rows_tables_and_plot(config, tmp_path):
   out = str(tmp_path / 'study')
-  config = common.with_overrides(config, {'study.variants': 'recursive,sampled,mor_expert'})
+  config = common.with_overrides(config, {'study.variants': 'recursive,mor_expert'})
   assert depth_study.main(config, out) == 0
   rows = {r['variant']: r for r in json.load(open(os.path.join(out, 'depth_study.json')))}
-  assert list(rows) == ['recursive', 'sampled', 'mor_expert']
+  assert list(rows) == ['recursive', 'mor_expert']
   budget = rows['recursive']['train_flops']
   for v, r in rows.items():
     assert abs(r['train_flops'] - budget) <= r['flops_per_token'] * 4 * 32, v
     assert math.isfinite(r['eval_loss']) and r['decode']['tokens_per_sec'] > 0, v
     assert r['decode']['tokens'] == 2 * 4
-  for v in ('recursive', 'sampled'):
-    depths = {d['depth']: d for d in rows[v]['depths']}
-    assert sorted(depths) == [1, 3]
-    # the trained depth (3) is the plan: the train loop's own final evaluation
-    assert depths[3]['eval_loss'] == pytest.approx(rows[v]['eval_loss'], rel=1e-5)
-    assert depths[1]['flops_per_token'] < depths[3]['flops_per_token']
+  depths = {d['depth']: d for d in rows['recursive']['depths']}
+  assert sorted(depths) == [1, 3]
+  # the trained depth (3) is the plan: the train loop's own final evaluation
+  assert depths[3]['eval_loss'] == pytest.approx(rows['recursive']['eval_loss'], rel=1e-5)
+  assert depths[1]['flops_per_token'] < depths[3]['flops_per_token']
   assert 'depths' not in rows['mor_expert']
   kv = {v: rows[v]['decode']['kv_bytes_per_token'] for v in rows}
   kv_first = rows['recursive']['decode_kv_first']['kv_bytes_per_token']
   # 5 cached layers; kv_sharing=first holds prelude + one loop + coda = 3; MoR fewer than 5
-  assert kv['recursive'] == kv['sampled'] == pytest.approx(kv_first * 5 / 3)
+  assert kv['recursive'] == pytest.approx(kv_first * 5 / 3)
   assert kv['mor_expert'] < kv['recursive']
   table = open(os.path.join(out, 'depth_study.md')).read()
   assert '| recursive_kv_first |' in table and '| mor_expert |' in table
+  assert 'trained only' in table   # MoR: its trained depth only
   assert os.path.getsize(os.path.join(out, 'depth_study.png')) > 0
   with pytest.raises(ConfigError, match="study.variants: 'mod' is unknown; valid: vanilla"):
     depth_study.main(common.with_overrides(config, {'study.variants': 'mod'}), out)

@@ -1,7 +1,7 @@
 """Depth study: loops at training and at test time, at equal training FLOPs (issue 29 part 7).
 
   python -m sharenet.studies.depth_study --config configs/depth_study.py \
-      --out docs/results/depth_study [--config.study.variants=recursive,sampled,...]
+      --out runs/depth_study [--config.study.variants=recursive,sampled,...]
       [--config.study.seeds=0,1]
 
 Every variant trains the base model (configs/depth_study.py: middle_cycle, a prelude layer, one
@@ -13,13 +13,15 @@ runs; for a sampled depth the step's drawn depth, forward through every loop and
 through the last `backprop`), summed over the run's own draws (a pure function of (seed, step))
 until the budget is spent; the table reports their mean per token.
 
-Then each run is (a) evaluated at every test-time depth of study.depths (depth.evaluate_depths;
-MoR routes each token's recursions and takes no schedule: its trained depth only) and (b)
-decodes a fixed batch of study.prompts validation windows greedily (generate.generate, one
-warm-up call that compiles, then study.decode_repeats timed calls: the median tokens/s), with
-Generation.kv_bytes_per_token; the recursive run decodes a second time under
-model.kv_sharing=first with its own parameters (the stored tree is the same: docs/recurrence.md),
-so that row measures the cache and speed, not a model trained with shared KV.
+Each run is then evaluated at every test-time depth of study.depths (depth.evaluate_depths;
+MoR routes each token's recursions and takes no schedule: its trained depth only). After the
+last run every trained model decodes a fixed batch of study.prompts validation windows greedily
+(generate.generate): one warm-up call each that compiles, then study.decode_repeats rounds in
+which each model decodes once (round robin, so a change in the shared machine's load touches
+every model alike); the median tokens/s and Generation.kv_bytes_per_token. The recursive model
+decodes a second time under model.kv_sharing=first with its own parameters (the stored tree is
+the same: docs/recurrence.md), so that row measures the cache and the speed, not a model
+trained with shared KV.
 
 Writes OUT/depth_study.json (one row per variant x seed), OUT/depth_study.md (the tables: mean
 over seeds) and OUT/depth_study.png (eval loss against test-time depth).
@@ -90,20 +92,43 @@ def prompts(config: Any) -> list[list[int]]:
   return [np.asarray(val[i:i + s.prompt_len], np.int64).tolist() for i in starts]
 
 
-def decode(workdir: str, config: Any, kv: dict[str, Any] | None = None) -> dict[str, Any]:
-  """Greedy decoding of the fixed prompt batch: a warm-up (compiling) call, then the median
-  tokens/s of study.decode_repeats calls, and the KV bytes per token the cache holds."""
-  from sharenet import generate, workdir_lib
-  g = workdir_lib.load_for_generation(workdir, overrides=kv)
+def _loaded(out: str, rows: list[dict[str, Any]]) -> list[tuple[dict[str, Any], str, Any]]:
+  """(row, field, restored model) for every row not yet decoded: its own model under 'decode',
+  and the recursive model under kv_sharing=first under 'decode_kv_first'."""
+  from sharenet import workdir_lib
+  out_list = []
+  for r in rows:
+    if 'decode' in r:
+      continue
+    workdir = os.path.join(out, 'runs', f"{r['variant']}-seed{r['seed']}")
+    out_list.append((r, 'decode', workdir_lib.load_for_generation(workdir)))
+    if r['variant'] == 'recursive':
+      out_list.append((r, 'decode_kv_first', workdir_lib.load_for_generation(
+          workdir, overrides={'model.kv_sharing': 'first'})))
+  return out_list
+
+
+def decode_all(config: Any, out: str, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+  """Greedy decoding of the fixed prompt batch by every trained model not yet decoded: one
+  warm-up (compiling) call each, then study.decode_repeats rounds in which every model decodes
+  once (round robin, so that a change in the machine's load touches every model alike); the
+  median tokens/s, and the KV bytes per token the final cache holds. Returns the rows changed."""
+  from sharenet import generate
   batch, s = prompts(config), config.study
-  run = lambda: generate.generate(g.model, g.variables, batch, s.new_tokens, temperature=0.0)
-  warm = run()
-  timed = [run() for _ in range(s.decode_repeats)]
-  assert all(t.tokens == warm.tokens for t in timed)
-  return {'tokens_per_sec': statistics.median(t.tokens_per_sec for t in timed),
-          'kv_bytes_per_token': warm.kv_bytes_per_token,
-          'compile_seconds': round(warm.compile_seconds, 2),
-          'tokens': sum(len(t) for t in warm.tokens)}
+  loaded = _loaded(out, rows)
+  run = lambda g: generate.generate(g.model, g.variables, batch, s.new_tokens, temperature=0.0)
+  warm = [run(g) for _, _, g in loaded]
+  speeds: list[list[float]] = [[] for _ in loaded]
+  for _ in range(s.decode_repeats):
+    for i, (_, _, g) in enumerate(loaded):
+      gen = run(g)
+      assert gen.tokens == warm[i].tokens   # greedy: the same tokens every call
+      speeds[i].append(gen.tokens_per_sec)
+  for (row, field, _), w, sp in zip(loaded, warm, speeds):
+    row[field] = {'tokens_per_sec': statistics.median(sp), 'kv_bytes_per_token':
+                  w.kv_bytes_per_token, 'compile_seconds': round(w.compile_seconds, 2),
+                  'tokens': sum(len(t) for t in w.tokens)}
+  return list({id(r): r for r, _, _ in loaded}.values())
 
 
 def eval_depths(workdir: str, config: Any, depths: list[int]) -> list[dict[str, Any]]:
@@ -115,7 +140,7 @@ def eval_depths(workdir: str, config: Any, depths: list[int]) -> list[dict[str, 
 
 
 def run_one(base: Any, variant: str, out: str, seed: int, budget: float) -> dict[str, Any]:
-  """Trains one variant x seed at the budget, then evaluates its depths and decodes."""
+  """Trains one variant x seed at the budget, then evaluates it at every test-time depth."""
   from sharenet import train_lib
   config = common.with_overrides(base, {**overrides(variant, base.study), 'train.seed': seed})
   steps, flops_tok = steps_for(config, budget)
@@ -132,9 +157,6 @@ def run_one(base: Any, variant: str, out: str, seed: int, budget: float) -> dict
          'train_seconds': round(time.time() - t0, 1)}
   if variant in LOOPED:
     row['depths'] = eval_depths(workdir, config, common.parse_list(base.study.depths, int))
-  row['decode'] = decode(workdir, config)
-  if variant == 'recursive':
-    row['decode_kv_first'] = decode(workdir, config, {'model.kv_sharing': 'first'})
   row['seconds'] = round(time.time() - t0, 1)
   return row
 
@@ -159,6 +181,10 @@ def main(config: Any, out: str) -> int:
         row = run_one(base, v, out, seed, budget)
         print(json.dumps(row), flush=True)
         rows = common.append_row(path, row, lambda r: (r['variant'], r['seed']))
+  t1 = time.time()
+  for row in decode_all(base, out, rows):
+    rows = common.append_row(path, row, lambda r: (r['variant'], r['seed']))
+  print(f'depth_study: decoding {time.time() - t1:.0f} s', flush=True)
   table = depth_report.to_markdown(rows, common.parse_list(config.study.depths, int))
   with open(os.path.join(out, 'depth_study.md'), 'w') as f:
     f.write(table)
