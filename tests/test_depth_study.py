@@ -68,3 +68,8 @@ def test_study_writes_rows_tables_and_plot(config, tmp_path):
   assert os.path.getsize(os.path.join(out, 'depth_study.png')) > 0
   with pytest.raises(ConfigError, match="study.variants: 'mod' is unknown; valid: vanilla"):
     depth_study.main(common.with_overrides(config, {'study.variants': 'mod'}), out)
+
+
+def test_study_mean_must_be_the_plans_loops(config, tmp_path):
+  with pytest.raises(ConfigError, match=r'study.mean=4 must equal the plan\'s loops R=3'):
+    depth_study.main(common.with_overrides(config, {'study.mean': 4}), str(tmp_path))

@@ -161,14 +161,29 @@ def run_one(base: Any, variant: str, out: str, seed: int, budget: float) -> dict
   return row
 
 
+def check_mean(config: Any) -> None:
+  """One ConfigError line unless study.mean is the plan's loop count R (the fixed-depth model's
+  depth, the sampled models' mean, the plot's trained depth)."""
+  from sharenet import config_lib
+  from sharenet.errors import ConfigError
+  from sharenet.models import loops
+  R = loops.looped(config_lib.validate(config)).loops
+  if config.study.mean != R:
+    raise ConfigError(f'study.mean={config.study.mean} must equal the plan\'s loops R={R} (the '
+                      f'fixed-depth model\'s depth); valid: study.mean={R}, or model.num_layers '
+                      f'set for R=study.mean')
+
+
 def main(config: Any, out: str) -> int:
   """Runs config.study's variants x seeds not yet in OUT/depth_study.json, then the tables."""
   from sharenet.studies import depth_report
   variants = common.study_names(config, 'variants', VARIANTS, 'configs/depth_study.py')
   seeds = common.parse_list(config.study.seeds, int)
   base = common.with_overrides(config, {'train.progress': False})
+  recursive = common.with_overrides(base, overrides('recursive', base.study))
+  check_mean(recursive)
   # the budget: study.base_steps of the fixed-depth recursive model
-  per_token = step_flops(common.with_overrides(base, overrides('recursive', base.study)))(0)
+  per_token = step_flops(recursive)(0)
   budget = int(config.study.base_steps) * per_token * base.train.batch_size * base.train.seq_len
   os.makedirs(out, exist_ok=True)
   path = os.path.join(out, 'depth_study.json')
