@@ -53,7 +53,7 @@ ALLOWED_F32 = {
     ('layers.py', 'Embed.__call__'),                   # lookup in the float32 table
     ('_classification.py', None),                      # optax cross entropy: the loss
     ('eval_lib.py', 'token_nll'),
-    ('train_lib.py', 'loss_fn'),
+    ('step_lib.py', 'loss_fn'),
 }
 
 
