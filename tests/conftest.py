@@ -129,23 +129,6 @@ def randomized_per_layer():
   return randomize_per_layer
 
 
-# The costliest test files first (worker-seconds of a profiled full run, SHARENET_TEST_PROFILE
-# and benchmarks/suite_profile.py), the rest after them in name order: pytest-xdist hands out
-# whole files in collection order (--dist loadfile), so longest-first lets both workers end
-# together instead of one waiting on a large file started last. Refresh when files move.
-HEAVY_FILES = ('test_transforms.py', 'test_compatibility.py', 'test_model.py', 'test_lowering.py',
-               'test_routing.py', 'test_parametrization.py', 'test_sharding.py',
-               'test_sublayer_sharing.py', 'test_colabs.py', 'test_generate.py',
-               'test_kernels_attention.py', 'test_recursive_inference.py',
-               'test_test_time_depth.py', 'test_structure.py', 'test_kernels_norms.py',
-               'test_arrayrecord.py', 'test_recurrence.py', 'test_train_lib.py')
-
-
-def pytest_collection_modifyitems(items):
-  rank = {name: i for i, name in enumerate(HEAVY_FILES)}
-  items.sort(key=lambda item: rank.get(item.path.name, len(HEAVY_FILES)))   # stable
-
-
 # A worker's resident memory above which jax's in-memory caches are dropped after a module.
 RELEASE_RSS_BYTES = 3 << 30
 
