@@ -152,6 +152,7 @@ def _release_compiled_programs():
   if not os.path.exists('/proc/self/statm') or _resident_bytes() > RELEASE_RSS_BYTES:
     jax.clear_caches()
 
+
 # SHARENET_TEST_PROFILE=DIR: one JSON line per test (wall seconds, XLA compiles and their
 # seconds, lowering and tracing seconds) in DIR/<worker>.jsonl, to find where the suite's
 # time goes (`python benchmarks/suite_profile.py DIR` summarizes them).
