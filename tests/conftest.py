@@ -114,6 +114,15 @@ def text_cfg(tmp_path_factory):
   return ml_collections.ConfigDict({'source': 'text', 'path': str(path)})
 
 
+@pytest.fixture
+def small_corpus(tmp_path):
+  """Path of a 30 kB text file (the start of os.py): the data of the studies' tiny runs."""
+  path = tmp_path / 'corpus.txt'
+  with open(os.__file__, 'rb') as f:
+    path.write_bytes(f.read()[:30_000])
+  return str(path)
+
+
 def randomize_per_layer(variables, scale=0.3, seed=1):
   """`variables` with every per-layer part (depth-wise LoRA, untied norms) shifted by
   scale * N(0, 1), so that the loops of a looped model differ."""

@@ -15,11 +15,9 @@ TINY = {'model.d_model': 32, 'model.num_layers': 5, 'model.num_heads': 2, 'model
 
 
 @pytest.fixture
-def config(tmp_path):
-  corpus = tmp_path / 'corpus.txt'
-  corpus.write_bytes(open(os.__file__, 'rb').read()[:30_000])
+def config(small_corpus):
   return common.with_overrides(recursion_study_config.get_config(),
-                               {**TINY, 'data.path': str(corpus), 'study.seeds': '0'})
+                               {**TINY, 'data.path': small_corpus, 'study.seeds': '0'})
 
 
 @pytest.mark.slow
