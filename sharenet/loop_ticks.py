@@ -25,7 +25,7 @@ import numpy as np
 from sharenet import exits
 from sharenet.errors import ConfigError
 from sharenet.generate import row_keys, sample_rows
-from sharenet.models import DecoderLM, loops
+from sharenet.models import DecoderLM, layer_store, loops
 
 GREEDY = (0.0, 0, 1.0)   # (temperature, top_k, top_p)
 
@@ -114,22 +114,22 @@ def _slot_tick(cfg, shape: loops.Looped, store, h_D, depth, pos, run, k_LSKD, v_
   runs; returns the coda's columns uncommitted (written only when the token exits), and the
   stream entering the loop (the latent criterion's h_{r-1})."""
   key_pos_S = jnp.where(run, key_pos_S.at[pos].set(pos), key_pos_S)
-  apply = lambda x, first, n, k, v, row=None, write=None: loops.run_layers(
+  apply = lambda x, first, n, k, v, row=None, write=None: layer_store.run_layers(
       cfg, store, x, first, n, k, v, pos, key_pos_S, row, write)
   kv = cfg.kv_segment is not None   # the later loops attend to the first loop's rows
   if shape.start:
     pre_D, k_N, v_N = apply(h_D, jnp.int32(0), shape.start, k_LSKD, v_LSKD)
     starts = run & (depth == 0)
-    k_LSKD = loops.write_columns(k_LSKD, jnp.int32(0), pos, k_N, starts)
-    v_LSKD = loops.write_columns(v_LSKD, jnp.int32(0), pos, v_N, starts)
+    k_LSKD = layer_store.write_columns(k_LSKD, jnp.int32(0), pos, k_N, starts)
+    v_LSKD = layer_store.write_columns(v_LSKD, jnp.int32(0), pos, v_N, starts)
     h_D = jnp.where(depth == 0, pre_D, h_D)
   h_in_D = h_D
   first = shape.start + depth * shape.num_sets
   row, write = (jnp.int32(shape.start), depth == 0) if kv else (first, None)
   h_D, k_N, v_N = apply(h_D, first, shape.num_sets, k_LSKD, v_LSKD, row, write)
   commit = run & (depth == 0) if kv else run   # kv: a later loop's columns are the held ones
-  k_LSKD = loops.write_columns(k_LSKD, row, pos, k_N, commit)
-  v_LSKD = loops.write_columns(v_LSKD, row, pos, v_N, commit)
+  k_LSKD = layer_store.write_columns(k_LSKD, row, pos, k_N, commit)
+  v_LSKD = layer_store.write_columns(v_LSKD, row, pos, v_N, commit)
   out_D, coda = h_D, None
   if shape.coda < shape.num_layers:
     out_D, k_N, v_N = apply(h_D, jnp.int32(shape.coda), shape.num_layers - shape.coda, k_LSKD,
@@ -156,11 +156,12 @@ def _copy_deeper(kv_LSKD, depth, pos, exited, shape: loops.Looped):
   return jax.lax.dynamic_update_slice(kv_LSKD, filled_L1KD, at)
 
 
-def store_at(model: DecoderLM, variables, shape: loops.Looped | None = None) -> loops.LayerStore:
+def store_at(model: DecoderLM, variables,
+             shape: loops.Looped | None = None) -> layer_store.LayerStore:
   """Every applied layer's parts at the served depth, gathered once per program (not per tick):
   applied layer l of prelude + M loops + coda reads the plan's layer of its set (loop l's own
   per-layer parts for M <= R; deeper loops exist only without them, sharenet/depth.py)."""
-  store = loops.layer_store(model.cfg, variables, model.apply(variables, method='atoms'))
+  store = layer_store.layer_store(model.cfg, variables, model.apply(variables, method='atoms'))
   plan = loops.looped(model.cfg)
   if shape is None or shape.loops == plan.loops:
     return store
@@ -172,7 +173,7 @@ def store_at(model: DecoderLM, variables, shape: loops.Looped | None = None) -> 
 
 
 def _tick(variables, st: Slots, threshold, eos_id, rng=None, *, model: DecoderLM, sync: bool,
-          store: loops.LayerStore | None = None, shape: loops.Looped | None = None,
+          store: layer_store.LayerStore | None = None, shape: loops.Looped | None = None,
           criterion: str = 'maxprob', sampling: tuple = GREEDY) -> Slots:
   """One loop for every running slot; exits, emits and starts next tokens (jit-able).
   `criterion` (sharenet/exits.py) with the traced `threshold`; `sampling`: (temperature,
@@ -191,7 +192,7 @@ def _tick(variables, st: Slots, threshold, eos_id, rng=None, *, model: DecoderLM
   exit_B = run_B & (fire_B | (st.depth_B == R - 1))
   token_B = sample_rows(logits_BV, row_keys(rng, st.req_B, st.count_B), *sampling)
   if coda is not None:   # the coda's keys and values are the exiting token's
-    write = jax.vmap(loops.write_columns, in_axes=(0, None, 0, 0, 0))
+    write = jax.vmap(layer_store.write_columns, in_axes=(0, None, 0, 0, 0))
     coda_row = jnp.int32(_coda_row(model.cfg, shape))
     k_BLSKD = write(k_BLSKD, coda_row, st.pos_B, coda[0], exit_B)
     v_BLSKD = write(v_BLSKD, coda_row, st.pos_B, coda[1], exit_B)

@@ -21,7 +21,7 @@ from typing import Any
 from sharenet import defaults, sharing
 from sharenet.errors import ConfigError
 from sharenet.kernels import ATTENTIONS, DENSE_GRADS, KERNELS
-from sharenet.models import scaling
+from sharenet.models import looped_config, scaling
 from sharenet.models.sections import (MasaConfig, NormConfig, RecurrenceConfig, RoutingConfig,
                                       SharingConfig, choice, key, section)
 
@@ -30,7 +30,6 @@ POSITIONS = ('rope', 'learned', 'none')
 LOWERINGS = ('nested', 'flat')
 REMATS = ('none', 'full', 'dots', 'dots_no_batch', 'save_names', 'offload_dots', 'except_attn')
 DTYPES = ('float32', 'bfloat16', 'float64')
-ROUTED_SCHEMES = ('cycle', 'middle_cycle')   # Mixture-of-Recursions routes these (its code too)
 # Sub-layer sharing (docs/sublayer_sharing.md): which attention projections are one.
 ATTENTION_SHARINGS = ('none', 'kv_shared', 'qk_shared', 'qkv_shared')
 # The projections each sharing mode stores (kv_shared: values are the keys; qk_shared: queries
@@ -236,9 +235,9 @@ def _resolve(c: ModelConfig) -> list[tuple[str, Any]]:
                       f'valid: lora_layers=all or lora_rank=0')
   scaling.check(c)
   out.update(scaling.scalars(c, d_head))
-  out.update(_resolve_routing(c, out['plan'], out['umup_residual']))
-  out.update(_resolve_recurrence(c, out['plan'], out['umup_residual']))
-  out['kv_segment'] = _kv_segment(c, out['plan'])
+  out.update(looped_config.resolve_routing(c, out['plan'], out['umup_residual']))
+  out.update(looped_config.resolve_recurrence(c, out['plan'], out['umup_residual']))
+  out['kv_segment'] = looped_config.kv_segment(c, out['plan'])
   return list(out.items())
 
 
@@ -287,128 +286,3 @@ def _check_shapes(c: ModelConfig, r: dict[str, Any]) -> None:
     raise ConfigError(f'model.norm.qk_norm_len={c.norm.qk_norm_len}: the l2 QK-norm gain starts '
                       f'at log2(L^2 - L) with L the training sequence length; valid: L >= 2 '
                       f'(0 in a config means train.seq_len) or model.norm.qk_scale_init > 0')
-
-
-def _resolve_routing(c: ModelConfig, plan: sharing.SharingPlan,
-                     umup_residual: tuple[float, ...]) -> dict[str, Any]:
-  """Mixture-of-Recursions' resolved values (docs/routing.md), checking what the routing
-  section needs of the rest of the model."""
-  rt = c.routing
-  expert = rt.kind == 'expert_choice'
-  loss_free = rt.kind == 'token_choice' and rt.balancing == 'bias'
-  out = dict(
-      router_alpha=rt.alpha or (0.1 if expert else 1.0),
-      # -1 -> 0.001 BCE, 0.1 balancing loss, 0 under loss-free balancing (the reference drops it)
-      aux_loss_coeff=rt.aux_loss if rt.aux_loss >= 0 else
-      0.001 if expert else 0.0 if loss_free else 0.1,
-      z_loss_coeff=rt.z_loss if rt.z_loss >= 0 else 0.0 if expert else 1e-5,
-      loss_free=loss_free, routed_segment=None, recursions=0, capacities=(), expert_buckets=())
-  if rt.kind == 'none':
-    return out
-  s = c.sharing
-  if s.scheme not in ROUTED_SCHEMES:
-    raise ConfigError(f'model.routing.kind={rt.kind!r} routes the recursions of a shared '
-                      f'cycle; model.sharing.scheme={s.scheme!r} has none; valid schemes: '
-                      f'{", ".join(ROUTED_SCHEMES)}')
-  for bad, why in (
-      (s.lora_rank or s.untie_norms, 'per-layer parts (lora_rank, untie_norms) are not '
-       'routed; valid: lora_rank=0, untie_norms=False'),
-      (not c.scan_layers, 'it needs model.scan_layers=True'),
-      (c.scan_lowering != 'nested', 'each recursion is its own scan over the K sets; '
-       'valid: model.scan_lowering=nested'),
-      (umup_residual, 'the u-muP residual rule is not routed; valid: another '
-       'parametrization.kind')):
-    if bad:
-      raise ConfigError(f'model.routing.kind={rt.kind!r}: {why}')
-  seg = 1 if s.scheme == 'middle_cycle' else 0
-  R = plan.segments[seg].repeats
-  caps = _capacities(rt.capacity, R)
-  if len(caps) != R or not all(0 < x <= 1 for x in caps) or \
-      any(b > a for a, b in zip(caps, caps[1:])):
-    raise ConfigError(f'model.routing.capacity={rt.capacity!r}: needs {R} fractions '
-                      f'(one per recursion) in (0, 1], non-increasing; got {caps}')
-  if not 0 <= rt.buckets <= R:
-    raise ConfigError(f'model.routing.buckets={rt.buckets}: valid: 0 (one scan per '
-                      f'recursion) or 1..{R} (R = {R} recursions)')
-  out.update(routed_segment=seg, recursions=R, capacities=caps,
-             expert_buckets=_buckets(R, rt.buckets))
-  return out
-
-
-def _capacities(capacity: str, R: int) -> tuple[float, ...]:
-  """Expert choice: fraction of the sequence kept at each recursion ('' -> (R - r) / R)."""
-  if not capacity.strip():
-    return tuple((R - r) / R for r in range(R))
-  try:
-    return tuple(float(x) for x in capacity.replace(' ', '').split(',') if x)
-  except ValueError:
-    raise ConfigError(f'model.routing.capacity={capacity!r}: expected a comma '
-                      f'list of {R} fractions, e.g. "1,0.5"') from None
-
-
-def _buckets(R: int, n: int) -> tuple[tuple[int, ...], ...]:
-  """Expert choice: the recursions grouped into the scans that run them. buckets=0: one per
-  recursion (each at its own k_r); n: n contiguous groups, as even as possible with the larger
-  ones last (their padded length k is the smaller), each one scan at its first k."""
-  if not n:
-    return tuple((r,) for r in range(R))
-  sizes = [R // n + (i >= n - R % n) for i in range(n)]
-  starts = [sum(sizes[:i]) for i in range(n)]
-  return tuple(tuple(range(a, a + m)) for a, m in zip(starts, sizes))
-
-
-LOOPED_SCHEMES = 'cycle, universal, middle_cycle, groups, sandwich'
-
-
-def _resolve_recurrence(c: ModelConfig, plan: sharing.SharingPlan,
-                        umup_residual: tuple[float, ...]) -> dict[str, Any]:
-  """model.recurrence's resolved values (docs/recurrence.md), checking what it needs of the
-  plan: one looped cycle segment, per-layer parts only at the plan's R loops, no routing."""
-  rc = c.recurrence
-  looped = [i for i, s in enumerate(plan.segments) if s.order == 'cycle' and s.repeats > 1]
-  R = plan.segments[looped[0]].repeats if len(looped) == 1 else 0
-  mean = rc.mean or R
-  out = dict(recurrent_segment=None, depth_mean=float(mean), grad_loops=rc.backprop or int(mean))
-  if rc.is_default:
-    return out
-  what = f'model.recurrence (depth={rc.depth}, injection={rc.injection})'
-  if len(looped) != 1:
-    raise ConfigError(f'{what} loops the plan\'s looped segment; model.sharing.scheme='
-                      f'{c.sharing.scheme!r} has {len(looped)}; valid schemes: {LOOPED_SCHEMES}')
-  for bad, why in (
-      (c.routing.kind != 'none', 'routing picks each token\'s loops itself; valid: '
-       'routing.kind=none'),
-      (umup_residual, 'the u-muP residual rule counts applied layers, which the depth changes; '
-       'valid: another parametrization.kind'),
-      ((c.sharing.lora_rank or c.sharing.untie_norms) and
-       (rc.depth != 'fixed' or mean != R), f'per-layer parts (lora_rank, untie_norms) exist for '
-       f'the plan\'s {R} loops only; valid: depth=fixed with mean 0 or {R}, or lora_rank=0 and '
-       f'untie_norms=False'),
-      (rc.backprop > mean, f'backprop={rc.backprop} loops with gradient exceed the mean depth '
-       f'{mean:g}; valid: 0 (every loop, fixed depth) or 1..{int(mean)}')):
-    if bad:
-      raise ConfigError(f'{what}: {why}')
-  out['recurrent_segment'] = looped[0]
-  return out
-
-
-def _kv_segment(c: ModelConfig, plan: sharing.SharingPlan) -> int | None:
-  """model.kv_sharing=first: the looped segment whose later loops read its first loop's keys
-  and values (models/kv_sharing.py); one ConfigError line where the model has none to share."""
-  if c.kv_sharing == 'none':
-    return None
-  looped = [i for i, s in enumerate(plan.segments) if s.order == 'cycle' and s.repeats > 1]
-  rc, what = c.recurrence, f'model.kv_sharing={c.kv_sharing!r}'
-  depth = rc.mean or (plan.segments[looped[0]].repeats if len(looped) == 1 else 0)
-  for bad, why in (
-      (len(looped) != 1, f' shares the first loop\'s keys and values with the later loops of the '
-       f'plan\'s looped segment; model.sharing.scheme={c.sharing.scheme!r} has {len(looped)}; '
-       f'valid schemes: {LOOPED_SCHEMES}, or kv_sharing=none'),
-      (c.routing.kind != 'none', ': routed recursions attend among their own tokens (recursive '
-       'KV sharing of a routed model is not implemented); valid: routing.kind=none'),
-      (rc.depth != 'fixed' or 0 < rc.backprop < depth, ': a no-grad prefix (a sampled depth, or '
-       'recurrence.backprop below the depth) would run the first loop, whose keys and values '
-       'every later loop reads, without gradient; valid: recurrence.backprop=0, fixed depth')):
-    if bad:
-      raise ConfigError(what + why)
-  return looped[0]

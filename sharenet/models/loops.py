@@ -13,15 +13,16 @@ function of those arrays, in one of three lowerings of the same computation:
 
 Every caller goes through it: training and evaluation (models/stack.py), cached decoding (the KV
 caches ride along as per-layer scanned inputs), routed recursions (`one_loop`, driven by
-models/routing.py) and loop-by-loop serving (`run_layers`, one token through a dynamically placed
-range of applied layers). A `Schedule` changes the loops of a looped (`cycle`) segment per call:
-run `loops` of them instead of R (evaluate or decode at another depth: a KV cache then holds
-the `loops` loops' layers, lm.init_cache(loops=...)), run a prefix of `no_grad` loops
-without gradient first (a traced count allowed: one compiled program for every prefix; nothing
-of the prefix is stored for the backward pass) and `collect` the stream after each loop. A
-recurrent-depth segment (models/recurrence.py) re-enters its input at the start of every loop
-(`inject`) in every lowering and schedule; under model.kv_sharing=first its later loops attend to
-the first loop's keys and values (models/kv_sharing.py drives `one_loop` for that).
+models/routing.py) and loop-by-loop serving (models/layer_store.py `run_layers`, one token
+through a dynamically placed range of applied layers). A `Schedule` changes the loops of a
+looped (`cycle`) segment per call: run `loops` of them instead of R (evaluate or decode at
+another depth: a KV cache then holds the `loops` loops' layers, lm.init_cache(loops=...)), run a
+prefix of `no_grad` loops without gradient first (a traced count allowed: one compiled program
+for every prefix; nothing of the prefix is stored for the backward pass) and `collect` the
+stream after each loop. A recurrent-depth segment (models/recurrence.py) re-enters its input at
+the start of every loop (`inject`) in every lowering and schedule; under model.kv_sharing=first
+its later loops attend to the first loop's keys and values (models/kv_sharing.py drives
+`one_loop` for that).
 
 The layer itself is `Block.apply` on the gathered variables (`layer_fn`), rematerialised by the
 model's remat policy; what the blocks sow (coordinate checks) comes back stacked like the
@@ -31,7 +32,7 @@ A plan with one looped segment reads as prelude (the applied layers before it), 
 layers, and coda (the layers after it): `cycle` / `universal` have no prelude or coda,
 `middle_cycle` one unique layer each (Relaxed Recursive Transformers, arXiv:2410.20672).
 `LayerStore` gathers what applied layer l needs from the stored tree by the parameters'
-structure metadata (sharenet/params.py) for loop-by-loop serving.
+structure metadata (sharenet/params.py) for loop-by-loop serving (models/layer_store.py).
 """
 from __future__ import annotations
 
@@ -40,10 +41,8 @@ from typing import Any, Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax.traverse_util import unflatten_dict
 
 from sharenet.errors import ConfigError
-from sharenet.models.attention import DecodeStep, LayerCache
 from sharenet.models.block import Block, Scanned, Shared, Stream
 from sharenet.models.config import ModelConfig
 from sharenet.models.layers import INTERMEDIATES
@@ -213,30 +212,46 @@ def run_segment(layer: Layer, seg: Segment, lowering: str, sets: Any, per_layer:
     return _run_schedule(layer, seg, sets, per_layer, carry, shared, cache, schedule,
                          unroll=unroll, split_transpose=split_transpose, inject=inject)
   pattern = seg.local_indices()
-  L = len(pattern)
   if inject is not None and (seg.order != 'cycle' or seg.repeats < 2):
     raise ConfigError('an injection (model.recurrence.injection) re-enters a looped cycle '
                       'segment; valid schemes: cycle, universal, middle_cycle, groups, sandwich')
-  loop_start = [l % seg.num_sets == 0 for l in range(L)]   # the first layer of each loop
   if lowering == 'unrolled':
-    outs = []
-    for l, u in enumerate(pattern):
-      if inject is not None and loop_start[l]:
-        carry = carry._replace(x_BTD=inject(carry.x_BTD))
-      params = sets[u] if isinstance(sets, tuple) else _take(sets, u)
-      carry, out = layer(_variables(params, None if per_layer is None else _take(per_layer, l)),
-                         carry, shared, Scanned(None if cache is None else _take(cache, l)))
-      outs.append(out)
-    caches = [c for c, _ in outs]
-    stacked = None if cache is None else jax.tree.map(lambda *a: jnp.stack(a), *caches)
-    return carry, stacked, tuple(s for _, s in outs), None
+    return _run_unrolled(layer, seg, sets, per_layer, carry, shared, cache, inject)
   if lowering == 'flat' or seg.order == 'gather':
-    params = sets if pattern == tuple(range(L)) else jax.tree.map(
+    params = sets if pattern == tuple(range(len(pattern))) else jax.tree.map(
         lambda a: jnp.take(a, np.asarray(pattern), axis=0), sets)
-    starts = None if inject is None else jnp.asarray(loop_start)
+    starts = None if inject is None else jnp.asarray(_loop_starts(seg))
     carry, (cache, sown) = _scan_layers(layer, carry, shared, params, per_layer, cache, unroll,
                                         split_transpose, inject, starts)
     return carry, cache, sown, None
+  return _run_nested(layer, seg, sets, per_layer, carry, shared, cache, unroll=unroll,
+                     split_transpose=split_transpose, inject=inject)
+
+
+def _loop_starts(seg: Segment) -> list[bool]:
+  """Whether each applied layer of `seg` is the first of its loop."""
+  return [l % seg.num_sets == 0 for l in range(seg.num_applied)]
+
+
+def _run_unrolled(layer: Layer, seg: Segment, sets: Any, per_layer: Any, carry: Stream,
+                  shared: Shared, cache: Any, inject: Any):
+  """The `unrolled` lowering: a Python loop over the applied layers."""
+  outs = []
+  for l, (u, first) in enumerate(zip(seg.local_indices(), _loop_starts(seg))):
+    if inject is not None and first:
+      carry = carry._replace(x_BTD=inject(carry.x_BTD))
+    params = sets[u] if isinstance(sets, tuple) else _take(sets, u)
+    carry, out = layer(_variables(params, None if per_layer is None else _take(per_layer, l)),
+                       carry, shared, Scanned(None if cache is None else _take(cache, l)))
+    outs.append(out)
+  caches = [c for c, _ in outs]
+  stacked = None if cache is None else jax.tree.map(lambda *a: jnp.stack(a), *caches)
+  return carry, stacked, tuple(s for _, s in outs), None
+
+
+def _run_nested(layer: Layer, seg: Segment, sets: Any, per_layer: Any, carry: Stream,
+                shared: Shared, cache: Any, *, unroll: int, split_transpose: bool, inject: Any):
+  """The `nested` lowering: a cycle's R loops outside its K sets, a sequence the reverse."""
   R, K = seg.repeats, seg.num_sets
   if seg.order == 'cycle':   # loops outside, the K sets inside (closed over: tied)
     loop = one_loop(layer, sets, shared, unroll=unroll, split_transpose=split_transpose,
@@ -338,70 +353,3 @@ def looped(cfg: ModelConfig) -> Looped:
   i = loops[0]
   start = sum(s.num_applied for s in segs[:i])
   return Looped(start, segs[i].num_sets, segs[i].repeats, cfg.num_layers, i)
-
-
-class LayerStore(NamedTuple):
-  """What every applied layer reads (a pytree: jit and vmap see arrays only)."""
-  sets: dict            # {block-local path: (U, ...)} stored sets
-  set_of_L: jax.Array   # (L,) stored set of each applied layer
-  per_layer: dict       # {block-local path: (L, ...)} per-layer parts
-  atoms: Any            # MASA atoms or None
-
-
-def layer_store(cfg: ModelConfig, variables: Any, atoms: Any = None) -> LayerStore:
-  """The stored sets and per-layer parts of `variables` (a model of `cfg`), by metadata."""
-  from sharenet.models import layout   # layout reads the model's table: imported at call time
-  per_layer = variables.get(PER_LAYER)
-  return LayerStore(layout.unique_sets(variables['params'], cfg),
-                    jnp.asarray(np.asarray(cfg.plan.index, np.int32)),
-                    {} if per_layer is None else layout.applied_per_layer(per_layer, cfg), atoms)
-
-
-def _layer_variables(store: LayerStore, layer: jax.Array) -> dict:
-  """Applied layer `layer`'s block variables (traced index)."""
-  u = store.set_of_L[layer]
-  out = {'params': unflatten_dict({p: v[u] for p, v in store.sets.items()})}
-  if store.per_layer:
-    out[PER_LAYER] = unflatten_dict({p: v[layer] for p, v in store.per_layer.items()})
-  return out
-
-
-def run_layers(cfg: ModelConfig, store: LayerStore, x_D: jax.Array, first: jax.Array,
-               count: int, k_LSKD: jax.Array, v_LSKD: jax.Array, pos: jax.Array,
-               key_pos_S: jax.Array, row: jax.Array | None = None,
-               write: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """Applied layers first .. first+count-1 on one token at `pos` attending to its cache.
-
-  -> (x after them, keys (count, Kh, Dh) and values the token wrote in those layers). The
-  caches are read, not written: callers commit the returned columns where a slot runs. `row`:
-  the cache row of layer `first` (default `first`); `write` (a traced bool, default True):
-  False attends to the columns the rows hold at `pos` instead of the token's own (a later
-  loop under model.kv_sharing=first, its rows the first loop's) and returns those.
-  """
-  step = DecodeStep(pos, pos[None, None], key_pos_S[None], None if write is None else write[None])
-  row = first if row is None else row
-  k_NSKD = jax.lax.dynamic_slice_in_dim(k_LSKD, row, count, axis=0)
-  v_NSKD = jax.lax.dynamic_slice_in_dim(v_LSKD, row, count, axis=0)
-  apply = layer_fn(cfg)
-
-  def body(x_11D, inputs):
-    layer, k_SKD, v_SKD = inputs
-    stream, (cache, _) = apply(_layer_variables(store, layer), Stream(x_11D),
-                               Shared(None, None, step, store.atoms),
-                               Scanned(LayerCache(k_SKD[None], v_SKD[None])))
-    x_11D = stream.x_BTD
-    column = lambda a: jax.lax.dynamic_index_in_dim(a[0], pos, axis=0, keepdims=False)
-    return x_11D, (column(cache.k_BSKD), column(cache.v_BSKD))
-
-  layers = first + jnp.arange(count)
-  x_11D, (k_NKD, v_NKD) = jax.lax.scan(body, x_D[None, None], (layers, k_NSKD, v_NSKD))
-  return x_11D[0, 0], k_NKD, v_NKD
-
-
-def write_columns(kv_LSKD: jax.Array, first: jax.Array, pos: jax.Array, cols_NKD: jax.Array,
-                  where: jax.Array) -> jax.Array:
-  """The cache with layers first.. at position `pos` set to `cols_NKD` if `where`."""
-  at = (first, pos, 0, 0)
-  new_N1KD = cols_NKD[:, None].astype(kv_LSKD.dtype)
-  old_N1KD = jax.lax.dynamic_slice(kv_LSKD, at, new_N1KD.shape)
-  return jax.lax.dynamic_update_slice(kv_LSKD, jnp.where(where, new_N1KD, old_N1KD), at)
