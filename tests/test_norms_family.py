@@ -1,0 +1,164 @@
+"""Tests for the rest of the normalization family (docs/normalization_family.md): SELU, weight
+conditioning, the compander, Lp norms and Unified Normalization with its fold.
+
+Each method is checked against a numpy restatement of its forward; where the method is the
+identity (at init or for a parameter setting) the model's loss is unchanged.
+"""
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax.traverse_util import flatten_dict
+
+from configs import tiny as tiny_config
+from sharenet.errors import ConfigError
+from sharenet.models import DecoderLM, ModelConfig, init_variables, param_table
+from sharenet.models.mlp import Mlp
+from sharenet.step_lib import loss_fn
+from sharenet.transforms import Transforms, reparam
+from sharenet.transforms.roles import Leaf
+
+
+def _tiny(**model_kw):
+  c = tiny_config.get_config()
+  for k, v in model_kw.items():
+    node = c.model
+    *head, last = k.split('.')
+    for h in head:
+      node = node[h]
+    node[last] = v
+  return c
+
+
+def _tokens(B=2, T=9, vocab=256):
+  return jax.random.randint(jax.random.key(5), (B, T), 0, vocab)
+
+
+def _loss(c, variables=None, tstate=None, tr=None):
+  model = DecoderLM(ModelConfig.from_config(c.model))
+  variables = init_variables(model, jax.random.key(0)) if variables is None else variables
+  loss, _ = jax.jit(lambda p, s: loss_fn(p, s, _tokens(), model=model, tr=tr))(variables, tstate)
+  return float(loss), model, variables
+
+
+# ------------------------------------------------------------------------------------ SELU
+
+def _np_selu(z):
+  lam, alpha = 1.0507009873554805, 1.6732632423543772   # Klambauer et al., eq. 2
+  return lam * np.where(z > 0, z, alpha * (np.exp(z) - 1))
+
+
+def test_selu_mlp_matches_numpy_and_uses_lecun_normal_init():
+  c = _tiny(mlp='selu', **{'norm.kind': 'none'})
+  cfg = ModelConfig.from_config(c.model)
+  table = param_table(cfg)
+  kernels = {p: i for p, i in table.items() if p[-1] == 'kernel' and 'mlp' in '/'.join(p)}
+  assert kernels and not any('wi_gate' in '/'.join(p) for p in kernels)
+  for p, info in kernels.items():   # LeCun normal: N(0, 1/fan_in), read from the metadata
+    in_dim = cfg.d_model if p[-2] == 'wi' else cfg.mlp_dim
+    assert info.init_std == pytest.approx(in_dim ** -0.5), p
+  mlp = Mlp(cfg)
+  x = jax.random.normal(jax.random.key(1), (2, 3, cfg.d_model))
+  v = nn.unbox(mlp.init(jax.random.key(2), x))
+  y = jax.jit(mlp.apply)(v, x)
+  wi, wo = (np.asarray(v['params'][n]['kernel'], np.float64) for n in ('wi', 'wo'))
+  np.testing.assert_allclose(y, _np_selu(np.asarray(x, np.float64) @ wi) @ wo, rtol=1e-4,
+                             atol=1e-5)
+
+
+def test_selu_keeps_unit_variance_through_a_deep_lecun_stack():
+  """The paper's fixed point: zero-mean unit-variance input stays so under selu(x W),
+  W ~ N(0, 1/n); gelu with the same init shrinks the variance layer after layer."""
+  n, depth = 256, 16
+  keys = jax.random.split(jax.random.key(0), depth + 1)
+  x_sel = x_gel = jax.random.normal(keys[0], (512, n))
+  for k in keys[1:]:
+    w = jax.random.normal(k, (n, n)) * n ** -0.5
+    x_sel, x_gel = jax.nn.selu(x_sel @ w), jax.nn.gelu(x_gel @ w)
+  assert abs(float(jnp.var(x_sel)) - 1.0) < 0.15 and abs(float(jnp.mean(x_sel))) < 0.1
+  assert float(jnp.var(x_gel)) < 0.5
+
+
+def test_unknown_mlp_is_one_line_naming_the_choices():
+  with pytest.raises(ConfigError, match='selu') as e:
+    ModelConfig.from_config(_tiny(mlp='relu').model)
+  assert '\n' not in str(e.value)
+
+
+# ------------------------------------------------------------------------ weight reparams
+
+def _leaf(shape=(2, 12, 6), axes=('layers', 'embed', 'mlp')):
+  return Leaf(('params', 'w', 'kernel'), axes, shape, 'reader')
+
+
+def _np_conditioned(m, g):
+  """Row equilibration of each output unit's fan-in vector to the RMS unit norm, times g."""
+  norms = np.sqrt((m ** 2).sum(-2, keepdims=True))                   # (S, 1, O)
+  rho = np.sqrt((norms ** 2).mean(-1, keepdims=True))
+  return g[:, None, None] * m * rho / norms
+
+
+def test_weight_conditioning_matches_numpy_narrows_the_spectrum_and_is_idempotent():
+  leaf = _leaf()
+  # Badly scaled output units: condition number far from 1.
+  w = jax.random.normal(jax.random.key(0), leaf.shape) * jnp.logspace(-2, 1, 6)[None, None, :]
+  wc = reparam.WeightConditioning()
+  extras, state = wc.init(w, leaf)
+  extras = {'wcond_g': jnp.array([1.0, 0.7])}
+  out = jax.jit(lambda w: wc.apply(w, extras, state, leaf))(w)
+  np.testing.assert_allclose(out, _np_conditioned(np.asarray(w, np.float64), np.array([1, .7])),
+                             rtol=1e-5, atol=1e-6)
+  kappa = lambda m: np.linalg.cond(np.asarray(m, np.float64))
+  assert all(kappa(out[i]) < kappa(w[i]) / 5 for i in range(2))
+  # identity on equal-norm units (g = 1): applying it twice changes nothing
+  one = {'wcond_g': jnp.ones(2)}
+  once = wc.apply(w, one, state, leaf)
+  np.testing.assert_allclose(wc.apply(once, one, state, leaf), once, rtol=1e-5, atol=1e-7)
+  # the Frobenius norm (the init scale) is kept
+  np.testing.assert_allclose(jnp.linalg.norm(once, axis=(1, 2)), jnp.linalg.norm(w, axis=(1, 2)),
+                             rtol=1e-5)
+
+
+def _np_compand(m, s, gamma):
+  return np.sign(m) * s * (np.maximum(np.abs(m), 1e-6 * s) / s) ** gamma
+
+
+def test_compander_matches_numpy_and_companders():
+  leaf = _leaf()
+  w = jax.random.normal(jax.random.key(0), leaf.shape) * 0.05
+  wc = reparam.Compander(gamma=0.5)
+  extras, state = wc.init(w, leaf)
+  np.testing.assert_allclose(extras['wc_s'], np.sqrt(np.mean(np.asarray(w) ** 2, (1, 2))),
+                             rtol=1e-5)
+  out = jax.jit(lambda w, e: wc.apply(w, e, state, leaf))(w, extras)
+  s = np.asarray(extras['wc_s'], np.float64)[:, None, None]
+  np.testing.assert_allclose(out, _np_compand(np.asarray(w, np.float64), s, 0.5), rtol=1e-5,
+                             atol=1e-7)
+  small, large = jnp.abs(w) < 0.5 * s, jnp.abs(w) > 2 * s     # lifted from 0, large ones capped
+  assert bool(jnp.all(jnp.abs(out)[small] > jnp.abs(w)[small]))
+  assert bool(jnp.all(jnp.abs(out)[large] < jnp.abs(w)[large]))
+  grads = jax.jit(jax.grad(lambda e: jnp.sum(wc.apply(w, e, state, leaf) ** 2)))(extras)
+  assert all(bool(jnp.all(jnp.isfinite(g))) and float(jnp.abs(g).sum()) > 0
+             for g in grads.values())            # s and gamma are learnable
+  with pytest.raises(ConfigError, match='compander_gamma'):
+    reparam.Compander(gamma=0.0)
+
+
+def test_identity_settings_leave_the_model_unchanged():
+  """compander with gamma = 1; weight conditioning of a model whose kernels are already
+  conditioned. Both act on the stored tree (one pool entry per shared set of the cycle)."""
+  c = _tiny(**{'sharing.scheme': 'cycle', 'num_layers': 4, 'sharing.repeats': 2})
+  base, model, v = _loss(c)
+  c.transforms.reparam, c.transforms.compander_gamma = 'compander', 1.0
+  tr = Transforms(c.transforms, model)
+  params, tstate = tr.init(v)
+  assert 'reparam' in params and flatten_dict(params['reparam'])
+  assert _loss(c, params, tstate, tr)[0] == pytest.approx(base, abs=1e-5)
+  c.transforms.reparam = 'weight_conditioning'
+  tr = Transforms(c.transforms, model)
+  params, tstate = tr.init(v)
+  conditioned = tr.effective(params, tstate)              # W~ with g = 1
+  ref = _loss(c, {k: x for k, x in conditioned.items()})[0]
+  params2, tstate2 = tr.init(conditioned)
+  assert _loss(c, params2, tstate2, tr)[0] == pytest.approx(ref, abs=1e-5)
