@@ -111,7 +111,7 @@ def default_config() -> ml_collections.ConfigDict:
   rc.init = 'embed'           # embed | zeros | normal: the state entering the first loop (embed:
                               # the stream itself, the only choice with injection none)
   m.norm = n = ml_collections.ConfigDict()
-  n.kind = 'rmsnorm'          # layernorm | rmsnorm | crmsnorm | scalenorm | dyt | none
+  n.kind = 'rmsnorm'          # layernorm | rmsnorm | crmsnorm | scalenorm | dyt | none | lpnorm
   n.placement = 'pre'         # pre | post | peri
   n.qk_norm = 'none'          # none | rms | l2 (l2: learned scalar replaces 1/sqrt(d_head))
   n.qk_scale_init = 0.0       # l2 QK-norm gain init; 0 -> log2(L^2 - L), L = qk_norm_len
@@ -123,6 +123,7 @@ def default_config() -> ml_collections.ConfigDict:
   n.pre_activation = 'none'   # none | layernorm | rmsnorm: norm on the MLP hidden
                               # pre-activations (gate and value of SwiGLU), NaP's part 1
   n.eps = 1e-6
+  n.p = 1.0                   # lpnorm's order p > 0 (2 = layernorm; 1: Liao et al.'s L1)
 
   c.train = t = ml_collections.ConfigDict()
   t.steps = 120

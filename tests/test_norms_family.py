@@ -15,6 +15,7 @@ from configs import tiny as tiny_config
 from sharenet.errors import ConfigError
 from sharenet.models import DecoderLM, ModelConfig, init_variables, param_table
 from sharenet.models.mlp import Mlp
+from sharenet.norms import Norm
 from sharenet.step_lib import loss_fn
 from sharenet.transforms import Transforms, reparam
 from sharenet.transforms.roles import Leaf
@@ -162,3 +163,35 @@ def test_identity_settings_leave_the_model_unchanged():
   ref = _loss(c, {k: x for k, x in conditioned.items()})[0]
   params2, tstate2 = tr.init(conditioned)
   assert _loss(c, params2, tstate2, tr)[0] == pytest.approx(ref, abs=1e-5)
+
+
+# ------------------------------------------------------------------------------ Lp norm
+
+def _np_lpnorm(x, p, scale, bias, eps=1e-6):
+  """Liao et al.'s Lp normalization over the features: centred, over the p-th root of the p-th
+  absolute central moment."""
+  xc = x - x.mean(-1, keepdims=True)
+  return scale * xc / (np.mean(np.abs(xc) ** p, -1, keepdims=True) + eps) ** (1 / p) + bias
+
+
+@pytest.mark.parametrize('p', [1.0, 3.0])
+def test_lpnorm_matches_numpy(p):
+  x = jax.random.normal(jax.random.key(0), (2, 3, 16)) * 3 + 1
+  norm = Norm('lpnorm', 1e-6, p=p)
+  v = nn.unbox(norm.init(jax.random.key(1), x))
+  v = jax.tree.map(lambda a: a + jax.random.normal(jax.random.key(2), a.shape) * 0.1, v)
+  y = jax.jit(norm.apply)(v, x)
+  sb = {k: np.asarray(a, np.float64) for k, a in v['params'].items()}
+  np.testing.assert_allclose(y, _np_lpnorm(np.asarray(x, np.float64), p, sb['scale'], sb['bias']),
+                             rtol=1e-5, atol=1e-5)
+
+
+def test_lpnorm_with_p2_is_layernorm_and_p_le_0_is_one_line():
+  x = jax.random.normal(jax.random.key(0), (4, 16)) * 2 - 1
+  lp, ln = Norm('lpnorm', 1e-6, p=2.0), Norm('layernorm', 1e-6)
+  v = nn.unbox(ln.init(jax.random.key(1), x))
+  np.testing.assert_allclose(lp.apply(v, x), ln.apply(v, x), rtol=1e-5, atol=1e-6)
+  for p in (0.0, -1.0):
+    with pytest.raises(ConfigError, match='model.norm.p') as e:
+      ModelConfig.from_config(_tiny(**{'norm.kind': 'lpnorm', 'norm.p': p}).model)
+    assert '\n' not in str(e.value)
