@@ -158,8 +158,9 @@ def _features() -> tuple[Feature, ...]:
                if f.name in ('kv_shared', 'qkv_shared') else f for f in attention]
   norms = [_setting(k, 'norm', 'model.norm.kind', k)
            for k in ('layernorm', 'crmsnorm', 'scalenorm', 'dyt', 'none', 'lpnorm')]
-  # model.mlp=selu with no norm: Klambauer et al.'s self-normalizing baseline, a norm choice.
-  norms.append(_setting('selu', 'norm', 'model.mlp', 'selu', ('model.norm.kind', 'none')))
+  # model.mlp=selu with no norm: Klambauer et al.'s self-normalizing baseline, a norm choice;
+  # before `none`, so a refusal of a selu config names selu.
+  norms.insert(4, _setting('selu', 'norm', 'model.mlp', 'selu', ('model.norm.kind', 'none')))
   placements = [_setting('post', 'placement', 'model.norm.placement', 'post',
                          refuses=(('umup', 'u-muP\'s residual rule needs pre or peri norms'),)),
                 _setting('peri', 'placement', 'model.norm.placement', 'peri',

@@ -195,3 +195,19 @@ def test_lpnorm_with_p2_is_layernorm_and_p_le_0_is_one_line():
     with pytest.raises(ConfigError, match='model.norm.p') as e:
       ModelConfig.from_config(_tiny(**{'norm.kind': 'lpnorm', 'norm.p': p}).model)
     assert '\n' not in str(e.value)
+
+
+# ------------------------------------------------------------------------------ norm study
+
+@pytest.mark.parametrize('variant', ['lpnorm', 'selu', 'weight_conditioning', 'compander'])
+def test_new_variants_are_valid_norm_study_cells(variant):
+  """The study can run them later (python -m sharenet.studies.norm_study
+  --config.study.variants=lpnorm,selu,weight_conditioning,compander): every cell validates."""
+  from configs import norm_study as study_config
+  from sharenet import config_lib
+  from sharenet.studies import common, norm_study
+  for scheme in norm_study.SCHEMES:
+    c = common.with_overrides(study_config.get_config(), {**norm_study.SCHEMES[scheme],
+                                                          **norm_study.VARIANTS[variant][1]})
+    cfg = config_lib.validate(c)
+    assert cfg.norm.kind == c.model.norm.kind and cfg.mlp == c.model.mlp
