@@ -211,3 +211,61 @@ def test_new_variants_are_valid_norm_study_cells(variant):
                                                           **norm_study.VARIANTS[variant][1]})
     cfg = config_lib.validate(c)
     assert cfg.norm.kind == c.model.norm.kind and cfg.mlp == c.model.mlp
+
+
+# ---------------------------------------------------------------- PowerNorm's functional core
+
+def _np_power_norm(x, gain, bias, phi, ema_gz, dy, step, warmup, eps, a_fwd, a_bkw):
+  """MaskPowerNorm's PowerFunction (sIncerass/powernorm) restated in float64 numpy: forward,
+  running phi, and the approximate backward with its Gamma (ema_gz) update."""
+  psi2 = (x * x).mean(0)
+  z = x / np.sqrt((psi2 if step <= warmup else phi) + eps)
+  y = gain * z + bias
+  if step < warmup:
+    phi = phi * (step - 1) / step + psi2 / step
+  phi = a_fwd * phi + (1 - a_fwd) * psi2
+  g = dy * gain
+  g_hat = g - (1 - a_bkw) * ema_gz * z
+  ema_gz = ema_gz + (g_hat * z).mean(0)
+  dx = g_hat / np.sqrt(psi2 + eps)
+  return y, phi, ema_gz, dx, (dy * z).sum(0), dy.sum(0)
+
+
+@pytest.mark.parametrize('step', [3, 20])   # in warmup (batch moment) and after (running phi)
+def test_power_norm_forward_and_approximate_backward_match_the_reference(step):
+  from sharenet import norm_stats as ns
+  warmup, eps, a_fwd, a_bkw = 10, 1e-5, 0.9, 0.9
+  k = jax.random.split(jax.random.key(0), 6)
+  x = jax.random.normal(k[0], (12, 8)) * 2
+  gain, bias = 1 + 0.1 * jax.random.normal(k[1], (8,)), 0.1 * jax.random.normal(k[2], (8,))
+  phi = 1 + jax.random.uniform(k[3], (8,))
+  ema_gz, dy = 0.1 * jax.random.normal(k[4], (8,)), jax.random.normal(k[5], (12, 8))
+
+  def f(x, gain, bias, tap):
+    psi2 = ns.batch_moment(x)
+    v = jnp.where(step <= warmup, psi2, phi)
+    return ns.power_norm(x, gain, bias, v, psi2, ema_gz, tap, eps, a_bkw)
+
+  y, vjp = jax.vjp(jax.jit(f), x, gain, bias, jnp.zeros(8))
+  dx, dgain, dbias, d_ema = vjp(dy)
+  new_phi = ns.update_phi(phi, ns.batch_moment(x), step, a_fwd, warmup)
+  ref = _np_power_norm(*(np.asarray(a, np.float64) for a in (x, gain, bias, phi, ema_gz, dy)),
+                       step, warmup, eps, a_fwd, a_bkw)
+  got = (y, new_phi, ema_gz + d_ema, dx, dgain, dbias)
+  for name, a, b in zip(('y', 'phi', 'ema_gz', 'dx', 'dgain', 'dbias'), got, ref):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5, err_msg=name)
+  # the approximate backward is not autodiff's (which would differentiate psi2 in warmup)
+  exact = jax.grad(lambda x: jnp.sum(dy * gain[None] * x *
+                                     jax.lax.rsqrt(ns.batch_moment(x) + eps)[None]))(x)
+  assert step > warmup or not np.allclose(dx, exact, atol=1e-3)
+  # eval mode: the running phi alone
+  np.testing.assert_allclose(ns.power_norm_eval(x, gain, bias, phi, eps),
+                             gain[None] * x / jnp.sqrt(phi + eps)[None] + bias[None],
+                             rtol=1e-6)
+
+
+def test_group_scale_is_rms_per_channel_group():
+  from sharenet import norm_stats as ns
+  x = jax.random.normal(jax.random.key(0), (5, 12)) * 3
+  out = np.asarray(ns.group_scale(x, 3, 1e-5)).reshape(5, 3, 4)
+  np.testing.assert_allclose(np.mean(out ** 2, -1), np.ones((5, 3)), rtol=1e-4)
