@@ -158,7 +158,10 @@ def _features() -> tuple[Feature, ...]:
   attention = [dataclasses.replace(f, refuses=(('loop_inference', values_are_keys),))
                if f.name in ('kv_shared', 'qkv_shared') else f for f in attention]
   norms = [_setting(k, 'norm', 'model.norm.kind', k)
-           for k in ('layernorm', 'crmsnorm', 'scalenorm', 'dyt', 'none')]
+           for k in ('layernorm', 'crmsnorm', 'scalenorm', 'dyt', 'none', 'lpnorm')]
+  # model.mlp=selu with no norm: Klambauer et al.'s self-normalizing baseline, a norm choice;
+  # before `none`, so a refusal of a selu config names selu.
+  norms.insert(4, _setting('selu', 'norm', 'model.mlp', 'selu', ('model.norm.kind', 'none')))
   placements = [_setting('post', 'placement', 'model.norm.placement', 'post',
                          refuses=(('umup', 'u-muP\'s residual rule needs pre or peri norms'),)),
                 _setting('peri', 'placement', 'model.norm.placement', 'peri',
@@ -174,10 +177,12 @@ def _features() -> tuple[Feature, ...]:
   loop_rules = [_setting(r, 'loop_rule', 'parametrization.loop_rule', r,
                          refuses=(('masa', atoms),)) for r in ('inv_R', 'inv_sqrt_R')]
   reparams = [_setting(r, 'reparam', 'transforms.reparam', r, contains=True)
-              for r in ('zero_mean_writers', 'weight_std', 'weight_norm', 'sigma_reparam')]
+              for r in ('zero_mean_writers', 'weight_std', 'weight_norm', 'sigma_reparam',
+                        'weight_conditioning', 'compander')]
   no_gain = 'scale_vectors reparameterises norm gain vectors and this norm has none'
   reparams.append(_setting('scale_vectors', 'reparam', 'transforms.reparam', 'scale_vectors',
-                           contains=True, refuses=(('none', no_gain), ('scalenorm', no_gain))))
+                           contains=True, refuses=(('none', no_gain), ('scalenorm', no_gain),
+                                                   ('selu', no_gain))))
   projections = [_setting(p, 'project', 'transforms.project', p)
                  for p in ('ngpt', 'norm_project')]
   projections.append(_setting('nap', 'project', 'transforms.project', 'nap',
