@@ -1,0 +1,144 @@
+"""Imports a Hugging Face model directory as a sharenet workdir.
+
+  python -m sharenet.interop.import_hf --model DIR --out WORKDIR
+
+DIR: config.json, *.safetensors (with or without model.safetensors.index.json) and, when
+present, tokenizer.json. WORKDIR is an ordinary train.py workdir (config.json and a checkpoint
+with a fresh optimizer state): eval.py --prompt generates with the imported tokenizer
+(data.tokenizer=hf:WORKDIR/tokenizer.json), train.py continues it (configs/workdir.py:WORKDIR,
+naming the data: data.source=arrayrecord / bin and data.path), convert.py converts it.
+Architectures and the fields refused: sharenet/interop/hf_arch.py; docs/interop.md.
+
+Tensors are read one at a time into the stacked parameters (peak host memory: the parameters
+plus one source tensor; benchmarks/hf_streaming.py). Every tensor of the checkpoint must be a
+parameter of the model and every parameter must be in the checkpoint. On any error nothing is
+left at WORKDIR: the workdir is written beside it and renamed into place at the end.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from typing import Any
+
+import jax
+import numpy as np
+from flax.traverse_util import flatten_dict, unflatten_dict
+
+from sharenet import defaults
+from sharenet.errors import ConfigError
+from sharenet.interop import hf_arch, layout, safetensors_io
+
+TOKENIZER = 'tokenizer.json'
+
+
+def read_hf_config(model_dir: str) -> dict[str, Any]:
+  """The directory's config.json as a dict (ConfigError if missing or unreadable)."""
+  path = os.path.join(model_dir, 'config.json')
+  if not os.path.isfile(path):
+    raise ConfigError(f'--model {model_dir} has no config.json; valid: a Hugging Face model '
+                      f'directory (config.json and *.safetensors)')
+  try:
+    with open(path) as f:
+      return json.load(f)
+  except ValueError as e:
+    raise ConfigError(f'{path} is not valid JSON ({e})') from None
+
+
+def experiment_config(model_keys: dict[str, Any], tokenizer: str | None) -> dict[str, Any]:
+  """The workdir's experiment config: the defaults with the imported model; data is named by
+  the user (source bin, no path) and read with the imported tokenizer when there is one."""
+  config = defaults.complete({'model': model_keys}).to_dict()
+  config['data'].update(source='bin', path='', tokenizer=f'hf:{tokenizer}' if tokenizer else
+                        'auto')
+  config['train'].update(steps=0)
+  return config
+
+
+def _check_out(out: str) -> None:
+  if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
+    raise ConfigError(f'--out {out} exists and is not an empty directory; valid: a new '
+                      f'directory (an import never writes over a run)')
+
+
+def read_params(model_dir: str, arch: str, cfg: Any) -> dict[str, Any]:
+  """The 'params' tree of DecoderLM(cfg), read tensor by tensor from the checkpoint."""
+  from sharenet.models import DecoderLM
+  from sharenet.models.lm import init_variables
+  files = safetensors_io.open_model(model_dir)
+  abstract = jax.eval_shape(lambda: init_variables(DecoderLM(cfg), jax.random.key(0)))
+  want = flatten_dict(abstract['params'])
+  entries = hf_arch.entries(arch, cfg, hf_arch.prefix(arch, set(files)))
+  assert {e.path for e in entries} == set(want), 'interop entries do not match the model'
+  L = cfg.num_layers
+  out = {p: np.empty(want[p].shape, np.float32) for p in want}
+  used: set[str] = set()
+  cache: tuple[str, np.ndarray] | None = None   # GPT-2's fused c_attn is read once
+  for e in entries:
+    for i in range(L) if e.layer else [None]:
+      name = e.hf.format(i=i)
+      if name not in files:
+        raise ConfigError(f'--model {model_dir}: tensor {name} is missing (config.json '
+                          f'describes a {arch} model that has it)')
+      if cache is None or cache[0] != name:
+        cache = (name, files[name].read(name))
+      sn_shape = want[e.path].shape[1:] if e.layer else want[e.path].shape
+      if cache[1].shape != layout.hf_shape(e, sn_shape):
+        raise ConfigError(f'--model {model_dir}: tensor {name} has shape {cache[1].shape}, '
+                          f'config.json implies {layout.hf_shape(e, sn_shape)}')
+      value = layout.to_sharenet(e, cache[1], sn_shape)
+      if e.layer:
+        out[e.path][i] = value
+      else:
+        out[e.path][...] = value
+      used.add(name)
+  extra = sorted(n for n in set(files) - used if not hf_arch.ignored(arch, n))
+  if extra:
+    raise ConfigError(f'--model {model_dir}: tensor {extra[0]} is not modelled by sharenet '
+                      f'({len(extra)} such; config.json does not describe them)')
+  return unflatten_dict(out)
+
+
+def import_hf(model_dir: str, out: str) -> dict[str, Any]:
+  """Writes `out`, the sharenet workdir of Hugging Face directory `model_dir`."""
+  from sharenet import workdir_lib
+  from sharenet.models import ModelConfig
+  _check_out(out)
+  if not os.path.isdir(model_dir):
+    raise ConfigError(f'--model {model_dir} is not a directory')
+  arch, keys = hf_arch.model_keys(read_hf_config(model_dir))
+  out = os.path.abspath(out)
+  has_tok = os.path.isfile(os.path.join(model_dir, TOKENIZER))
+  raw = experiment_config(keys, os.path.join(out, TOKENIZER) if has_tok else None)
+  import ml_collections
+  cfg = ModelConfig.from_experiment(ml_collections.ConfigDict(raw))
+  params = read_params(model_dir, arch, cfg)
+  tmp = f'{out}.import-{os.getpid()}.tmp'
+  try:
+    workdir_lib.save_workdir(tmp, raw, cfg, {'params': params}, 0,
+                             {'imported_from': os.path.abspath(model_dir), 'hf_model_type': arch})
+    if has_tok:
+      shutil.copyfile(os.path.join(model_dir, TOKENIZER), os.path.join(tmp, TOKENIZER))
+    if os.path.isdir(out):
+      os.rmdir(out)   # empty (checked above)
+    os.rename(tmp, out)
+  finally:
+    if os.path.isdir(tmp):
+      shutil.rmtree(tmp)
+  return {'model_type': arch, 'workdir': out, 'num_layers': cfg.num_layers,
+          'params': int(sum(np.prod(a.shape) for a in jax.tree.leaves(params)))}
+
+
+def main(argv: list[str]) -> None:
+  del argv
+  from absl import flags
+  result = import_hf(flags.FLAGS.model, flags.FLAGS.out)
+  print(json.dumps(result), flush=True)
+
+
+if __name__ == '__main__':
+  from absl import flags
+  from sharenet import config_lib
+  flags.DEFINE_string('model', None, 'Hugging Face model directory.', required=True)
+  flags.DEFINE_string('out', None, 'New sharenet workdir.', required=True)
+  config_lib.run(main)
