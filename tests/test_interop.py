@@ -1,0 +1,187 @@
+"""Hugging Face checkpoints in and out (sharenet/interop/), on the committed tiny fixtures.
+
+tests/fixtures/hf/<arch>/ were built by tests/fixtures/make_hf_fixtures.py with transformers;
+their reference.npz holds transformers' own logits, so every check here runs without torch.
+Where transformers is importable, the exported directories are also loaded by it live.
+"""
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from sharenet import defaults, workdir_lib
+from sharenet.errors import ConfigError
+from sharenet.interop import export_hf, import_hf, safetensors_io
+from sharenet.models import ModelConfig
+
+FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'fixtures', 'hf')
+ARCHS = ('llama', 'mistral', 'qwen2', 'qwen3', 'gemma', 'gpt2')
+
+
+def _logits(workdir, tokens, dtype='float32'):
+  """Logits of `workdir`'s latest checkpoint on `tokens` (1, T), in `dtype`."""
+  config = workdir_lib.load_config(workdir)
+  state, _, exp = workdir_lib.restore_state(config, workdir)
+  model, params = exp.model, state.params
+  if dtype != 'float32':
+    model = type(model)(model.cfg.derive(dtype=dtype, param_dtype=dtype))
+    params = jax.tree.map(lambda a: jnp.asarray(a, dtype), params)
+  return np.asarray(model.apply(params, jnp.asarray(tokens)))
+
+
+def _reference(arch):
+  return np.load(os.path.join(FIXTURES, arch, 'reference.npz'))
+
+
+@pytest.fixture(scope='module')
+def imported(tmp_path_factory):
+  """{arch: workdir} of every fixture, imported once for the module."""
+  root = tmp_path_factory.mktemp('imported')
+  return {a: import_hf.import_hf(os.path.join(FIXTURES, a), str(root / a))['workdir']
+          for a in ARCHS}
+
+
+@pytest.mark.parametrize('arch', ARCHS)
+def test_import_matches_transformers_logits(imported, arch):
+  ref = _reference(arch)
+  err = np.abs(_logits(imported[arch], ref['tokens']) - ref['logits']).max()
+  assert err <= 1e-4, (arch, err)
+
+
+def test_fixtures_stay_small():
+  size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(FIXTURES) for f in fs)
+  assert size < 800_000, size
+
+
+def _copy_fixture(tmp_path, arch):
+  src = tmp_path / f'src_{arch}'
+  shutil.copytree(os.path.join(FIXTURES, arch), src)
+  return src
+
+
+def _edit_config(src, **changes):
+  path = src / 'config.json'
+  hf = json.loads(path.read_text())
+  hf.update(changes)
+  path.write_text(json.dumps(hf))
+
+
+@pytest.mark.parametrize('case,match', [
+    ('no_dir', 'is not a directory'),
+    ('no_config', 'has no config.json'),
+    ('arch', r"model_type='gemma2' is not supported; valid: llama, mistral"),
+    ('rope_scaling', r"rope_scaling='llama3' is not modelled"),
+    ('sliding', r'sliding_window=16 is not modelled'),
+    ('activation', r"hidden_act='relu' is not modelled"),
+    ('missing_shard', 'the shard index names model-00002-of-00003.safetensors, which is missing'),
+    ('dtype', 'has dtype I8, which sharenet cannot hold'),
+    ('extra_tensor', 'tensor lm_head.weight is not modelled'),
+])
+def test_bad_input_is_one_error_and_writes_nothing(tmp_path, case, match):
+  src = _copy_fixture(tmp_path, 'mistral' if case == 'sliding' else 'llama')
+  if case == 'no_dir':
+    shutil.rmtree(src)
+  elif case == 'no_config':
+    (src / 'config.json').unlink()
+  elif case == 'arch':
+    _edit_config(src, model_type='gemma2')
+  elif case == 'rope_scaling':
+    _edit_config(src, rope_scaling={'rope_type': 'llama3', 'factor': 8.0})
+  elif case == 'sliding':
+    _edit_config(src, sliding_window=16)
+  elif case == 'activation':
+    _edit_config(src, hidden_act='relu')
+  elif case == 'missing_shard':
+    (src / 'model-00002-of-00003.safetensors').unlink()
+  elif case == 'dtype':
+    _write_one(src, 'model.layers.0.input_layernorm.weight', 'I8')
+  else:   # a readout in a tied model: the checkpoint holds what config.json does not describe
+    _edit_config(src, tie_word_embeddings=True)
+  out = tmp_path / 'out'
+  with pytest.raises(ConfigError, match=match) as e:
+    import_hf.import_hf(str(src), str(out))
+  assert '\n' not in str(e.value)
+  assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == [src.name] * src.exists()
+
+
+def _write_one(src, name, dtype):
+  """Rewrites the shard holding `name` with that tensor stored as `dtype` (int8 bytes)."""
+  files = safetensors_io.open_model(str(src))
+  st = files[name]
+  header = {n: dict(st.entries[n]) for n in st.names()}
+  raw = {n: st.read(n) for n in st.names()}
+  blobs, offset = [], 0
+  for n in header:
+    data = raw[n].astype(np.int8 if n == name else np.float32).tobytes()
+    header[n].update(dtype=dtype if n == name else 'F32', data_offsets=[offset, offset + len(data)])
+    blobs.append(data)
+    offset += len(data)
+  text = json.dumps(header).encode()
+  with open(st.path, 'wb') as f:
+    f.write(len(text).to_bytes(8, 'little') + text + b''.join(blobs))
+
+
+def test_cli_error_is_one_line_and_out_untouched(tmp_path, repo_root):
+  src = _copy_fixture(tmp_path, 'gpt2')
+  _edit_config(src, model_type='bert')
+  out = tmp_path / 'out'
+  out.mkdir()
+  env = dict(os.environ, PYTHONPATH=repo_root)
+  r = subprocess.run([sys.executable, '-m', 'sharenet.interop.import_hf', f'--model={src}',
+                      f'--out={out}'], capture_output=True, text=True, env=env, cwd=repo_root)
+  assert r.returncode == 2, r.stderr
+  lines = [l for l in r.stderr.splitlines() if l.strip()]
+  assert len(lines) == 1 and "model_type='bert' is not supported" in lines[0], r.stderr
+  assert list(out.iterdir()) == []
+
+
+@pytest.mark.parametrize('arch', ARCHS)
+def test_export_round_trip(imported, tmp_path, arch):
+  """import -> export: the same tensors as the source checkpoint (Gemma's 1 + w within a
+  float32 rounding); export -> import: the same parameters."""
+  out = tmp_path / 'hf'
+  export_hf.export_hf(imported[arch], str(out))
+  src, dst = safetensors_io.open_model(os.path.join(FIXTURES, arch)), safetensors_io.open_model(
+      str(out))
+  from sharenet.interop import hf_arch
+  kept = {n for n in src if not hf_arch.ignored(arch, n)}
+  assert kept == set(dst)
+  for n in kept:
+    np.testing.assert_allclose(dst[n].read(n), src[n].read(n), rtol=0, atol=1e-6, err_msg=n)
+  again = import_hf.import_hf(str(out), str(tmp_path / 'again'))['workdir']
+  ref = _reference(arch)
+  np.testing.assert_allclose(_logits(again, ref['tokens']), _logits(imported[arch], ref['tokens']),
+                             rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize('arch', ARCHS)
+def test_transformers_loads_the_export(imported, tmp_path, arch):
+  """Where transformers and torch are importable (not dependencies of the suite): the export
+  of an imported fixture, loaded by transformers itself, gives the fixture's logits."""
+  transformers = pytest.importorskip('transformers')
+  torch = pytest.importorskip('torch')
+  out = tmp_path / 'hf'
+  export_hf.export_hf(imported[arch], str(out))
+  model = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+  ref = _reference(arch)
+  with torch.no_grad():
+    logits = model(torch.tensor(ref['tokens'], dtype=torch.long)).logits.numpy()
+  assert np.abs(logits - ref['logits']).max() <= 1e-4
+
+
+def test_export_refuses_what_no_architecture_holds():
+  base = ModelConfig.from_config(defaults.default_config().model)
+  assert export_hf.export_arch(base) == 'llama'
+  assert export_hf.export_arch(base.derive(proj_bias='qkv')) == 'qwen2'
+  for change, match in (({'sharing': {'scheme': 'cycle', 'num_unique': 2, 'lora_rank': 2}},
+                         'model.sharing.lora_rank=2'),
+                        ({'norm': {'placement': 'peri'}}, 'model.norm.placement=peri'),
+                        ({'mlp': 'gelu'}, 'model.mlp=gelu')):
+    with pytest.raises(ConfigError, match=match):
+      export_hf.export_arch(base.derive(**change))
