@@ -185,3 +185,60 @@ def test_export_refuses_what_no_architecture_holds():
                         ({'mlp': 'gelu'}, 'model.mlp=gelu')):
     with pytest.raises(ConfigError, match=match):
       export_hf.export_arch(base.derive(**change))
+
+
+def test_gpt2_layernorm_to_rmsnorm_to_crmsnorm_is_exact_in_float64(imported):
+  """The Pre-LN -> Pre-RMSNorm -> Pre-CRMSNorm conversions (Jiang et al., arXiv:2305.14858)
+  on imported GPT-2, whose every projection has a bias: the same logits in float64."""
+  from sharenet.models import DecoderLM
+  from sharenet.transforms import convert
+  config = workdir_lib.load_config(imported['gpt2'])
+  state, _, exp = workdir_lib.restore_state(config, imported['gpt2'])
+  tokens = jnp.asarray(_reference('gpt2')['tokens'])
+  with jax.enable_x64(True):
+    cfg = exp.model.cfg.derive(dtype='float64', param_dtype='float64')
+    v0 = jax.tree.map(lambda a: jnp.asarray(a, jnp.float64), state.params)
+    logits0 = DecoderLM(cfg).apply(v0, tokens)
+    cfg1, v1 = convert.ln_to_rms(cfg, v0)
+    cfg2, v2 = convert.rms_to_crms(cfg1, v1)
+    logits2 = DecoderLM(cfg2).apply(v2, tokens)
+    err = float(jnp.max(jnp.abs(logits2 - logits0)))
+  assert cfg2.norm.kind == 'crmsnorm' and cfg2.d_model == cfg.d_model - 1
+  assert err <= 1e-9, err
+  assert np.abs(np.asarray(logits0) - _reference('gpt2')['logits']).max() <= 1e-4
+
+
+def _convert(src, out, **opts):
+  o = defaults.conversion_config()
+  o.update(opts)
+  workdir_lib.convert_workdir(src, str(out), o)
+  return str(out)
+
+
+def test_llama_to_recursive_at_full_svd_rank_equals_the_import(imported, tmp_path):
+  """convert.py --config.to=recursive on imported Llama (Relaxed Recursive Transformers,
+  arXiv:2410.20672): a cycle of 2 averaged sets with depth-wise LoRA from the SVD of each
+  layer's residual at full rank and per-layer norms reproduces the imported model."""
+  ref = _reference('llama')
+  out = _convert(imported['llama'], tmp_path / 'rec', to='recursive', scheme='cycle',
+                 num_unique=2, init='average', lora_rank=32, lora_init='svd',
+                 lora_targets='q,k,v,o,mlp_in,mlp_out', untie_norms=True)
+  assert workdir_lib.load_config(out).model.sharing.scheme == 'cycle'
+  assert np.abs(_logits(out, ref['tokens']) - ref['logits']).max() <= 1e-4
+  with pytest.raises(ConfigError, match='lora_rank=32'):   # LoRA has no Hugging Face form
+    export_hf.export_hf(out, str(tmp_path / 'hf'))
+  assert not (tmp_path / 'hf').exists()
+
+
+def test_tied_plan_exports_expanded(imported, tmp_path, capsys):
+  """A recursive (tied) conversion exports as its applied layers: re-imported, the same
+  logits as the tied workdir."""
+  ref = _reference('llama')
+  tied = _convert(imported['llama'], tmp_path / 'rec', to='recursive', scheme='cycle',
+                  num_unique=2, init='stepwise')
+  export_hf.export_hf(tied, str(tmp_path / 'hf'))
+  assert 'written expanded to its 4 applied layers' in capsys.readouterr().out
+  assert json.loads((tmp_path / 'hf' / 'config.json').read_text())['num_hidden_layers'] == 4
+  again = import_hf.import_hf(str(tmp_path / 'hf'), str(tmp_path / 'again'))['workdir']
+  np.testing.assert_allclose(_logits(again, ref['tokens']), _logits(tied, ref['tokens']),
+                             rtol=0, atol=1e-5)
