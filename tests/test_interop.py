@@ -242,3 +242,43 @@ def test_tied_plan_exports_expanded(imported, tmp_path, capsys):
   again = import_hf.import_hf(str(tmp_path / 'hf'), str(tmp_path / 'again'))['workdir']
   np.testing.assert_allclose(_logits(again, ref['tokens']), _logits(tied, ref['tokens']),
                              rtol=0, atol=1e-5)
+
+
+def test_eval_generates_greedily_with_the_imported_tokenizer(imported, repo_root):
+  """eval.py --prompt on an imported model: its tokenizer encodes the prompt, and the first
+  greedy token is the argmax of the imported model's logits."""
+  from sharenet.data import tokenizer as tokenizer_lib
+  workdir = imported['llama']
+  env = dict(os.environ, PYTHONPATH=repo_root)
+  r = subprocess.run([sys.executable, os.path.join(repo_root, 'eval.py'), f'--workdir={workdir}',
+                      '--prompt=Hello world', '--max_new_tokens=3', '--temperature=0'],
+                     capture_output=True, text=True, env=env, cwd=repo_root)
+  assert r.returncode == 0, r.stderr
+  row = json.loads(r.stdout.strip().splitlines()[-1])
+  assert row['num_tokens'] == 3
+  tok = tokenizer_lib.for_data(workdir_lib.load_config(workdir).data)
+  prompt = tok.encode('Hello world')
+  first = int(np.argmax(_logits(workdir, prompt[None].astype(np.int32))[0, -1]))
+  assert row['text'].startswith(tok.decode([first]))
+
+
+@pytest.mark.slow
+def test_train_continues_an_imported_workdir(imported, tmp_path, repo_root):
+  """train.py --config configs/workdir.py:W continues an import on the user's token ids (a
+  fresh optimizer state: the imported config has train.restore=params)."""
+  workdir = str(tmp_path / 'w')
+  shutil.copytree(imported['llama'], workdir)
+  tokens = tmp_path / 'tokens.bin'
+  np.random.default_rng(0).integers(0, 63, 20000).astype(np.uint16).tofile(tokens)
+  env = dict(os.environ, PYTHONPATH=repo_root)
+  r = subprocess.run([sys.executable, os.path.join(repo_root, 'train.py'),
+                      f'--config={repo_root}/configs/workdir.py:{workdir}', f'--workdir={workdir}',
+                      '--config.data.source=bin', f'--config.data.path={tokens}',
+                      '--config.train.steps=2', '--config.train.batch_size=2',
+                      '--config.train.seq_len=16', '--config.train.eval_batch_size=2',
+                      '--config.data.eval_tokens=64', '--config.train.warmup_steps=1',
+                      '--config.train.progress=False'],
+                     capture_output=True, text=True, env=env, cwd=repo_root)
+  assert r.returncode == 0, r.stderr[-2000:]
+  assert 'optimizer state is fresh' in r.stdout
+  assert np.isfinite(json.loads(r.stdout.strip().splitlines()[-1])['eval_loss'])

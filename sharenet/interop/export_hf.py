@@ -199,7 +199,8 @@ def export_hf(workdir: str, out: str) -> dict[str, Any]:
 
 def main(argv: list[str]) -> None:
   del argv
-  from absl import flags
+  from absl import flags, logging
+  logging.set_verbosity(logging.WARNING)
   print(json.dumps(export_hf(flags.FLAGS.workdir, flags.FLAGS.out)), flush=True)
 
 

@@ -6,7 +6,9 @@ DIR: config.json, *.safetensors (with or without model.safetensors.index.json) a
 present, tokenizer.json. WORKDIR is an ordinary train.py workdir (config.json and a checkpoint
 with a fresh optimizer state): eval.py --prompt generates with the imported tokenizer
 (data.tokenizer=hf:WORKDIR/tokenizer.json), train.py continues it (configs/workdir.py:WORKDIR,
-naming the data: data.source=arrayrecord / bin and data.path), convert.py converts it.
+naming the data: data.source=bin and data.path, token ids of that tokenizer; train.restore is
+params, so the first run loads the parameters with a fresh optimizer state), convert.py
+converts it.
 Architectures and the fields refused: sharenet/interop/hf_arch.py; docs/interop.md.
 
 Tensors are read one at a time into the stacked parameters (peak host memory: the parameters
@@ -51,7 +53,9 @@ def experiment_config(model_keys: dict[str, Any], tokenizer: str | None) -> dict
   config = defaults.complete({'model': model_keys}).to_dict()
   config['data'].update(source='bin', path='', tokenizer=f'hf:{tokenizer}' if tokenizer else
                         'auto')
-  config['train'].update(steps=0)
+  # The data is the user's, so the data stream always changes on the first train.py run:
+  # parameters are loaded with a fresh optimizer state (sharenet/resume.py) without a flag.
+  config['train'].update(steps=0, restore='params')
   return config
 
 
@@ -131,7 +135,8 @@ def import_hf(model_dir: str, out: str) -> dict[str, Any]:
 
 def main(argv: list[str]) -> None:
   del argv
-  from absl import flags
+  from absl import flags, logging
+  logging.set_verbosity(logging.WARNING)
   result = import_hf(flags.FLAGS.model, flags.FLAGS.out)
   print(json.dumps(result), flush=True)
 
