@@ -32,7 +32,7 @@ def _logits(workdir, tokens, dtype='float32'):
   if dtype != 'float32':
     model = type(model)(model.cfg.derive(dtype=dtype, param_dtype=dtype))
     params = jax.tree.map(lambda a: jnp.asarray(a, dtype), params)
-  return np.asarray(model.apply(params, jnp.asarray(tokens)))
+  return np.asarray(jax.jit(model.apply)(params, jnp.asarray(tokens)))
 
 
 def _reference(arch):
@@ -154,10 +154,11 @@ def test_export_round_trip(imported, tmp_path, arch):
   assert kept == set(dst)
   for n in kept:
     np.testing.assert_allclose(dst[n].read(n), src[n].read(n), rtol=0, atol=1e-6, err_msg=n)
-  again = import_hf.import_hf(str(out), str(tmp_path / 'again'))['workdir']
-  ref = _reference(arch)
-  np.testing.assert_allclose(_logits(again, ref['tokens']), _logits(imported[arch], ref['tokens']),
-                             rtol=0, atol=1e-6)
+  if arch in ('llama', 'gemma', 'gpt2'):   # one per tensor layout; the others share llama's
+    again = import_hf.import_hf(str(out), str(tmp_path / 'again'))['workdir']
+    ref = _reference(arch)
+    np.testing.assert_allclose(_logits(again, ref['tokens']),
+                               _logits(imported[arch], ref['tokens']), rtol=0, atol=1e-6)
 
 
 @pytest.mark.parametrize('arch', ARCHS)
@@ -244,17 +245,14 @@ def test_tied_plan_exports_expanded(imported, tmp_path, capsys):
                              rtol=0, atol=1e-5)
 
 
-def test_eval_generates_greedily_with_the_imported_tokenizer(imported, repo_root):
-  """eval.py --prompt on an imported model: its tokenizer encodes the prompt, and the first
-  greedy token is the argmax of the imported model's logits."""
+def test_eval_generates_greedily_with_the_imported_tokenizer(imported):
+  """eval.py --prompt's library call on an imported model: its tokenizer encodes the prompt,
+  and the first greedy token is the argmax of the imported model's logits."""
   from sharenet.data import tokenizer as tokenizer_lib
   workdir = imported['llama']
-  env = dict(os.environ, PYTHONPATH=repo_root)
-  r = subprocess.run([sys.executable, os.path.join(repo_root, 'eval.py'), f'--workdir={workdir}',
-                      '--prompt=Hello world', '--max_new_tokens=3', '--temperature=0'],
-                     capture_output=True, text=True, env=env, cwd=repo_root)
-  assert r.returncode == 0, r.stderr
-  row = json.loads(r.stdout.strip().splitlines()[-1])
+  (row,) = workdir_lib.generate_from_workdir(
+      workdir, None, {}, ['Hello world'], max_new_tokens=3, temperature=0.0, top_k=0,
+      top_p=1.0, seed=0, num_samples=1, eos_id=None)
   assert row['num_tokens'] == 3
   tok = tokenizer_lib.for_data(workdir_lib.load_config(workdir).data)
   prompt = tok.encode('Hello world')
