@@ -25,6 +25,7 @@ from flax.traverse_util import flatten_dict
 
 from sharenet.errors import ConfigError
 from sharenet.interop import hf_arch, layout, safetensors_io
+from sharenet.models import layout as model_layout
 
 _CLASSES = {'llama': 'LlamaForCausalLM', 'qwen2': 'Qwen2ForCausalLM',
             'qwen3': 'Qwen3ForCausalLM', 'gemma': 'GemmaForCausalLM', 'gpt2': 'GPT2LMHeadModel'}
@@ -103,30 +104,11 @@ def hf_config(arch: str, cfg: Any) -> dict[str, Any]:
               use_sliding_window=False, sliding_window=None, attention_dropout=0.0)
 
 
-def applied_layer(params: dict[str, Any], cfg: Any, layer: int, rest: tuple[str, ...]
-                  ) -> np.ndarray:
-  """Block parameter `rest` (block-relative path) as applied layer `layer` uses it: the plan's
-  stored set for that layer (sharing.SharingPlan), sliced from its segment's stack."""
-  first = 0
-  for s, seg in enumerate(cfg.plan.segments):
-    if layer < first + seg.num_applied:
-      node = params['stack'][f'segment_{s}']
-      node = node['level']['block'] if 'level' in node else node['block']
-      for k in rest:
-        node = node[k]
-      return np.asarray(node[seg.local_indices()[layer - first]])
-    first += seg.num_applied
-  raise IndexError(layer)
-
-
-def _tensors(arch: str, cfg: Any, params: dict[str, Any]
-             ) -> list[tuple[str, list[tuple[hf_arch.Entry, int | None]]]]:
-  """[(Hugging Face name, its (entry, applied layer) parts in order)] of the expanded model."""
-  untied = cfg.derive(sharing={'scheme': 'untied', 'num_unique': 0, 'repeats': 0,
-                               'pattern': ''})
+def _tensors(arch: str, cfg: Any) -> list[tuple[str, list[tuple[hf_arch.Entry, int | None]]]]:
+  """[(Hugging Face name, its (entry, layer) parts in order)] of untied model `cfg`."""
   prefix = 'transformer.' if arch == 'gpt2' else 'model.'
   out: dict[str, list[tuple[hf_arch.Entry, int | None]]] = {}
-  for e in hf_arch.entries(arch, untied, prefix):
+  for e in hf_arch.entries(arch, cfg, prefix):
     for i in range(cfg.num_layers) if e.layer else [None]:
       out.setdefault(e.hf.format(i=i), []).append((e, i))
   for parts in out.values():
@@ -134,28 +116,24 @@ def _tensors(arch: str, cfg: Any, params: dict[str, Any]
   return list(out.items())
 
 
-def _value(params: dict[str, Any], cfg: Any, e: hf_arch.Entry, layer: int | None) -> np.ndarray:
-  if layer is None:
-    node = params
-    for k in e.path:
-      node = node[k]
-    return np.asarray(node, np.float32)
-  rest = e.path[len(hf_arch.BLOCK):]
-  return applied_layer(params, cfg, layer, rest).astype(np.float32)
+def _value(params: dict[str, Any], e: hf_arch.Entry, layer: int | None) -> np.ndarray:
+  node = params
+  for k in e.path:
+    node = node[k]
+  return np.asarray(node if layer is None else node[layer], np.float32)
 
 
 def write_hf(out: str, arch: str, cfg: Any, params: dict[str, Any]) -> int:
-  """Writes `out` (config.json, model.safetensors) from `params`; returns the tensor count."""
-  tensors = _tensors(arch, cfg, params)
-  shapes = {}
-  for name, parts in tensors:
-    e, layer = parts[0]
-    shapes[name] = layout.hf_shape(e, _value(params, cfg, e, layer).shape)
+  """Writes `out` (config.json, model.safetensors) from the params of untied model `cfg`;
+  returns the tensor count."""
+  tensors = _tensors(arch, cfg)
   by_name = dict(tensors)
+  shapes = {n: layout.hf_shape(parts[0][0], _value(params, *parts[0]).shape)
+            for n, parts in tensors}
 
   def produce(name):
-    e = by_name[name][0][0]
-    return layout.to_hf(e, [_value(params, cfg, pe, layer) for pe, layer in by_name[name]])
+    parts = by_name[name]
+    return layout.to_hf(parts[0][0], [_value(params, e, layer) for e, layer in parts])
 
   safetensors_io.write(os.path.join(out, 'model.safetensors'),
                        [(n, shapes[n], np.float32) for n, _ in tensors], produce)
@@ -180,9 +158,10 @@ def export_hf(workdir: str, out: str) -> dict[str, Any]:
   if extra:
     raise ConfigError(f'--workdir {workdir} holds the collection {extra[0]} (per-layer '
                       f'parts); no Hugging Face architecture holds it')
-  if any(seg.shared for seg in cfg.plan.segments):
+  if cfg.sharing.scheme != 'untied':   # models/layout.py: every applied layer its own set
     print(f'note: the tied plan {cfg.sharing.scheme} ({cfg.plan.num_unique} stored sets) is '
           f'written expanded to its {cfg.num_layers} applied layers', flush=True)
+    cfg, variables = model_layout.to_untied(variables, cfg)
   out = os.path.abspath(out)
   tmp = f'{out}.export-{os.getpid()}.tmp'
   try:
