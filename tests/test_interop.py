@@ -280,3 +280,22 @@ def test_train_continues_an_imported_workdir(imported, tmp_path, repo_root):
   assert r.returncode == 0, r.stderr[-2000:]
   assert 'optimizer state is fresh' in r.stdout
   assert np.isfinite(json.loads(r.stdout.strip().splitlines()[-1])['eval_loss'])
+
+
+def test_gpt2_head_shared_copies_whole_heads_with_their_biases(imported, tmp_path):
+  """convert.py --config.to=head_shared (DirectShare, arXiv:2402.11819) on imported GPT-2:
+  each replaced head is its source head, q / k / v biases included."""
+  from sharenet.models import layout as model_layout
+  out = _convert(imported['gpt2'], tmp_path / 'hs', to='head_shared', share_rate=0.25)
+  record = json.loads((tmp_path / 'hs' / 'config.json').read_text())['head_sharing']
+  assert len(record['replaced']) == 2 and record['distinct_heads'] == record['heads'] - 2
+  config = workdir_lib.load_config(out)
+  state, _, exp = workdir_lib.restore_state(config, out)
+  layers = model_layout.applied_params(state.params['params'], exp.model.cfg)
+  for r in record['replaced']:
+    for t in 'qkv':
+      for leaf in ('kernel', 'bias'):
+        a = np.asarray(layers[('attn', t, leaf)])
+        head = (lambda x, l, h: x[l, :, h]) if leaf == 'kernel' else (lambda x, l, h: x[l, h])
+        np.testing.assert_array_equal(head(a, r['layer'], r['head']),
+                                      head(a, r['source_layer'], r['source_head']))
