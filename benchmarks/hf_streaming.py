@@ -3,16 +3,16 @@
 Command: python -m benchmarks.hf_streaming [--d_model 2048 --layers 22 --mlp_dim 5632
              --vocab 32000 --heads 32 --kv_heads 4] [--dir /tmp/hf_streaming]
              [--out benchmarks/results/hf_streaming.json]          (from the repository root)
-Runtime: the defaults are TinyLlama's shape (~1.1B parameters, 4.4 GB in float32): ~10 min and
-~18 GB of host memory (the import's fresh Adam state is 2x the parameters); --d_model 1024
---layers 16 --mlp_dim 2816 (~0.3B) takes ~2 minutes on 2 cores.
+Runtime: the defaults are TinyLlama's shape (~1.1B parameters, 4.4 GB in float32), not
+run on the 24 GB CPU box (by the 246M figures, ~10 GB at the import); --d_model 1024 --layers 16 --mlp_dim 2816 --heads 16
+--kv_heads 4 (246M) takes ~2 minutes on 2 cores (README "Hugging Face checkpoints").
 Result: one JSON object, each phase run in its own process and measured by its peak RSS
 (ru_maxrss): `baseline` (the interpreter with the libraries imported), `write` (the synthetic checkpoint, written tensor by tensor), `read` (import's
 read of every tensor into the stacked parameters), `import` (read plus the workdir's orbax
-checkpoint with a fresh optimizer state) and `export` (restore plus the safetensors written
+checkpoint of the parameters) and `export` (restore plus the safetensors written
 tensor by tensor), beside the checkpoint's bytes and its largest tensor's. The reads and
-writes stream: `read` is about the parameters plus one tensor, `write` about one tensor; the
-import's orbax checkpoint holds the whole train state (parameters and Adam's two moments).
+writes stream: `read` is about the parameters plus one stacked parameter, `write` about one
+tensor; the import's orbax save adds its write buffers.
 """
 from __future__ import annotations
 

@@ -11,8 +11,9 @@ params, so the first run loads the parameters with a fresh optimizer state), con
 converts it.
 Architectures and the fields refused: sharenet/interop/hf_arch.py; docs/interop.md.
 
-Tensors are read one at a time into the stacked parameters (peak host memory: the parameters
-plus one source tensor; benchmarks/hf_streaming.py). Every tensor of the checkpoint must be a
+Tensors are read one at a time into the stacked parameters, each parameter moved to a jax
+array once complete (peak host memory: the parameters plus one stacked parameter; orbax's
+write buffers come on top: benchmarks/hf_streaming.py). Every tensor of the checkpoint must be a
 parameter of the model and every parameter must be in the checkpoint. On any error nothing is
 left at WORKDIR: the workdir is written beside it and renamed into place at the end.
 """
@@ -96,6 +97,8 @@ def read_params(model_dir: str, arch: str, cfg: Any) -> dict[str, Any]:
       else:
         out[e.path][...] = value
       used.add(name)
+    # complete: held as the jax array the checkpoint saves, the numpy buffer freed (one copy)
+    out[e.path] = jax.device_put(out[e.path])
   extra = sorted(n for n in set(files) - used if not hf_arch.ignored(arch, n))
   if extra:
     raise ConfigError(f'--model {model_dir}: tensor {extra[0]} is not modelled by sharenet '
@@ -119,8 +122,11 @@ def import_hf(model_dir: str, out: str) -> dict[str, Any]:
   params = read_params(model_dir, arch, cfg)
   tmp = f'{out}.import-{os.getpid()}.tmp'
   try:
+    # No optimizer state (train.restore=params makes a fresh one): the checkpoint and the
+    # import's memory are the parameters' size, not three times it.
     workdir_lib.save_workdir(tmp, raw, cfg, {'params': params}, 0,
-                             {'imported_from': os.path.abspath(model_dir), 'hf_model_type': arch})
+                             {'imported_from': os.path.abspath(model_dir), 'hf_model_type': arch},
+                             optimizer_state=False)
     if has_tok:
       shutil.copyfile(os.path.join(model_dir, TOKENIZER), os.path.join(tmp, TOKENIZER))
     if os.path.isdir(out):

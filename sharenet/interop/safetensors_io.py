@@ -113,7 +113,7 @@ def write(path: str, tensors: Iterable[tuple[str, tuple[int, ...], np.dtype]],
       a = np.ascontiguousarray(produce(name), dtype=np.dtype(dtype).newbyteorder('<'))
       if a.shape != tuple(shape):
         raise AssertionError(f'{name}: produced {a.shape}, declared {tuple(shape)}')
-      f.write(a.tobytes())
+      f.write(a.data)   # the buffer itself, no bytes copy
 
 
 def tensors(files: dict[str, SafetensorsFile]) -> Iterator[str]:
