@@ -116,24 +116,28 @@ def _tensors(arch: str, cfg: Any) -> list[tuple[str, list[tuple[hf_arch.Entry, i
   return list(out.items())
 
 
-def _value(params: dict[str, Any], e: hf_arch.Entry, layer: int | None) -> np.ndarray:
-  node = params
-  for k in e.path:
-    node = node[k]
-  return np.asarray(node if layer is None else node[layer], np.float32)
-
-
 def write_hf(out: str, arch: str, cfg: Any, params: dict[str, Any]) -> int:
-  """Writes `out` (config.json, model.safetensors) from the params of untied model `cfg`;
-  returns the tensor count."""
+  """Writes `out` (config.json, model.safetensors) from the params of `cfg`, every applied
+  layer its own (models/layout.py applied_params: a tied plan expanded); returns the tensor
+  count."""
+  applied = model_layout.applied_params(params, cfg)   # {block-local path: (L, ...)}
+  cfg = model_layout.untied_config(cfg)
+
+  def value(e: hf_arch.Entry, layer: int | None) -> np.ndarray:
+    if layer is not None:
+      return np.asarray(applied[e.path][layer], np.float32)
+    node = params
+    for k in e.path:
+      node = node[k]
+    return np.asarray(node, np.float32)
+
   tensors = _tensors(arch, cfg)
   by_name = dict(tensors)
-  shapes = {n: layout.hf_shape(parts[0][0], _value(params, *parts[0]).shape)
-            for n, parts in tensors}
+  shapes = {n: layout.hf_shape(parts[0][0], value(*parts[0]).shape) for n, parts in tensors}
 
   def produce(name):
     parts = by_name[name]
-    return layout.to_hf(parts[0][0], [_value(params, e, layer) for e, layer in parts])
+    return layout.to_hf(parts[0][0], [value(e, layer) for e, layer in parts])
 
   safetensors_io.write(os.path.join(out, 'model.safetensors'),
                        [(n, shapes[n], np.float32) for n, _ in tensors], produce)
@@ -158,10 +162,9 @@ def export_hf(workdir: str, out: str) -> dict[str, Any]:
   if extra:
     raise ConfigError(f'--workdir {workdir} holds the collection {extra[0]} (per-layer '
                       f'parts); no Hugging Face architecture holds it')
-  if cfg.sharing.scheme != 'untied':   # models/layout.py: every applied layer its own set
+  if cfg.sharing.scheme != 'untied':
     print(f'note: the tied plan {cfg.sharing.scheme} ({cfg.plan.num_unique} stored sets) is '
           f'written expanded to its {cfg.num_layers} applied layers', flush=True)
-    cfg, variables = model_layout.to_untied(variables, cfg)
   out = os.path.abspath(out)
   tmp = f'{out}.export-{os.getpid()}.tmp'
   try:

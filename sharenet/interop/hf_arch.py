@@ -23,12 +23,12 @@ from sharenet.errors import ConfigError
 ARCHITECTURES = ('llama', 'mistral', 'qwen2', 'qwen3', 'gemma', 'gpt2')
 LLAMA_FAMILY = ('llama', 'mistral', 'qwen2', 'qwen3', 'gemma')
 TANH_GELUS = ('gelu_new', 'gelu_pytorch_tanh', 'gelu_fast')   # sharenet's gelu is tanh GELU
-BLOCK = ('stack', 'segment_0', 'level', 'block')
 
 
 class Entry(NamedTuple):
-  """One sharenet parameter (path under 'params'; BLOCK-relative and stacked over layers when
-  `layer`) and the Hugging Face tensor `hf` it is read from ('{i}': the layer).
+  """One sharenet parameter (path under 'params', or with `layer` its block-local path,
+  ParamInfo.local: one per applied layer) and the Hugging Face tensor `hf` it is read from
+  ('{i}': the layer).
 
   kind: linear (HF (out, in) -> kernel (in..., out...), `n_in` input dims), conv1d (HF (in,
   out)), vector (reshaped) or same. `part` (j, n): the j-th of n equal chunks of the HF
@@ -154,7 +154,7 @@ def entries(arch: str, cfg: Any, prefix: str) -> list[Entry]:
          Entry(('final_norm', 'scale'), p + 'norm.weight', offset=g)]
   if not cfg.tie_embeddings:
     out.append(Entry(('readout', 'kernel'), 'lm_head.weight', 'linear'))
-  blk = lambda path, name, kind='same', **kw: Entry(BLOCK + path, L + name, kind, True, **kw)
+  blk = lambda path, name, kind='same', **kw: Entry(path, L + name, kind, True, **kw)
   out += [blk(('attn_norm', 'scale'), 'input_layernorm.weight', offset=g),
           blk(('mlp_norm', 'scale'), 'post_attention_layernorm.weight', offset=g),
           blk(('attn', 'o', 'kernel'), 'self_attn.o_proj.weight', 'linear', n_in=2),
@@ -178,7 +178,7 @@ def _gpt2_entries(cfg: Any, p: str) -> list[Entry]:
   if not cfg.tie_embeddings:
     out.append(Entry(('readout', 'kernel'), 'lm_head.weight', 'linear'))
   L = p + 'h.{i}.'
-  blk = lambda path, name, kind='same', **kw: Entry(BLOCK + path, L + name, kind, True, **kw)
+  blk = lambda path, name, kind='same', **kw: Entry(path, L + name, kind, True, **kw)
   for sn, hf in (('attn_norm', 'ln_1'), ('mlp_norm', 'ln_2')):
     out += [blk((sn, 'scale'), f'{hf}.weight'), blk((sn, 'bias'), f'{hf}.bias')]
   for j, t in enumerate('qkv'):

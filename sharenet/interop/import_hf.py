@@ -67,43 +67,48 @@ def _check_out(out: str) -> None:
 
 
 def read_params(model_dir: str, arch: str, cfg: Any) -> dict[str, Any]:
-  """The 'params' tree of DecoderLM(cfg), read tensor by tensor from the checkpoint."""
-  from sharenet.models import DecoderLM
-  from sharenet.models.lm import init_variables
+  """The 'params' tree of untied DecoderLM(cfg), read tensor by tensor from the checkpoint;
+  block parameters are stacked over the applied layers and placed by models/layout.py."""
+  from sharenet.models import DecoderLM, layout as model_layout
+  from sharenet.models.lm import init_variables, param_table
   files = safetensors_io.open_model(model_dir)
   abstract = jax.eval_shape(lambda: init_variables(DecoderLM(cfg), jax.random.key(0)))
-  want = flatten_dict(abstract['params'])
+  table = {p[1:]: i for p, i in param_table(cfg).items() if p[0] == 'params'}
+  shapes = {(i.local if i.in_block else p): ((cfg.num_layers,) + i.shape[i.num_layer_axes:]
+                                             if i.in_block else i.shape)
+            for p, i in table.items()}
   entries = hf_arch.entries(arch, cfg, hf_arch.prefix(arch, set(files)))
-  assert {e.path for e in entries} == set(want), 'interop entries do not match the model'
-  L = cfg.num_layers
-  out = {p: np.empty(want[p].shape, np.float32) for p in want}
+  assert {e.path for e in entries} == set(shapes), 'interop entries do not match the model'
+  flat = {p: leaf for p, leaf in flatten_dict(abstract['params']).items()}
   used: set[str] = set()
-  cache: tuple[str, np.ndarray] | None = None   # GPT-2's fused c_attn is read once
+  cache: list[Any] = [None, None]   # GPT-2's fused c_attn is read once for q, k and v
   for e in entries:
-    for i in range(L) if e.layer else [None]:
+    value = np.empty(shapes[e.path], np.float32)
+    for i in range(cfg.num_layers) if e.layer else [None]:
       name = e.hf.format(i=i)
       if name not in files:
         raise ConfigError(f'--model {model_dir}: tensor {name} is missing (config.json '
                           f'describes a {arch} model that has it)')
-      if cache is None or cache[0] != name:
-        cache = (name, files[name].read(name))
-      sn_shape = want[e.path].shape[1:] if e.layer else want[e.path].shape
-      if cache[1].shape != layout.hf_shape(e, sn_shape):
+      if cache[0] != name:
+        cache[:] = name, files[name].read(name)
+      one = value[i] if e.layer else value
+      if cache[1].shape != layout.hf_shape(e, one.shape):
         raise ConfigError(f'--model {model_dir}: tensor {name} has shape {cache[1].shape}, '
-                          f'config.json implies {layout.hf_shape(e, sn_shape)}')
-      value = layout.to_sharenet(e, cache[1], sn_shape)
-      if e.layer:
-        out[e.path][i] = value
-      else:
-        out[e.path][...] = value
+                          f'config.json implies {layout.hf_shape(e, one.shape)}')
+      one[...] = layout.to_sharenet(e, cache[1], one.shape)
       used.add(name)
     # complete: held as the jax array the checkpoint saves, the numpy buffer freed (one copy)
-    out[e.path] = jax.device_put(out[e.path])
+    if e.layer:
+      tree = model_layout.from_unique_sets(unflatten_dict(flat), {e.path: value}, cfg)
+      flat = dict(flatten_dict(tree))
+    else:
+      flat[e.path] = jax.device_put(value)
+    del value
   extra = sorted(n for n in set(files) - used if not hf_arch.ignored(arch, n))
   if extra:
     raise ConfigError(f'--model {model_dir}: tensor {extra[0]} is not modelled by sharenet '
                       f'({len(extra)} such; config.json does not describe them)')
-  return unflatten_dict(out)
+  return unflatten_dict(flat)
 
 
 def import_hf(model_dir: str, out: str) -> dict[str, Any]:
