@@ -26,6 +26,7 @@ from flax.traverse_util import flatten_dict
 from sharenet.errors import ConfigError
 from sharenet.interop import hf_arch, layout, safetensors_io
 from sharenet.models import layout as model_layout
+from sharenet.models.lm import param_table
 
 _CLASSES = {'llama': 'LlamaForCausalLM', 'qwen2': 'Qwen2ForCausalLM',
             'qwen3': 'Qwen3ForCausalLM', 'gemma': 'GemmaForCausalLM', 'gpt2': 'GPT2LMHeadModel'}
@@ -120,16 +121,21 @@ def write_hf(out: str, arch: str, cfg: Any, params: dict[str, Any]) -> int:
   """Writes `out` (config.json, model.safetensors) from the params of `cfg`, every applied
   layer its own (models/layout.py applied_params: a tied plan expanded); returns the tensor
   count."""
-  applied = model_layout.applied_params(params, cfg)   # {block-local path: (L, ...)}
+  def leaf(path: tuple[str, ...]) -> Any:
+    node = params
+    for k in path:
+      node = node[k]
+    return node
+
+  if cfg.sharing.scheme == 'untied':   # the stored leaves are per applied layer already
+    applied = {i.local: leaf(p[1:]) for p, i in param_table(cfg).items()
+               if p[0] == 'params' and i.in_block}
+  else:   # {block-local path: (L, ...)}, a copy: the expanded model
+    applied = model_layout.applied_params(params, cfg)
   cfg = model_layout.untied_config(cfg)
 
   def value(e: hf_arch.Entry, layer: int | None) -> np.ndarray:
-    if layer is not None:
-      return np.asarray(applied[e.path][layer], np.float32)
-    node = params
-    for k in e.path:
-      node = node[k]
-    return np.asarray(node, np.float32)
+    return np.asarray(leaf(e.path) if layer is None else applied[e.path][layer], np.float32)
 
   tensors = _tensors(arch, cfg)
   by_name = dict(tensors)
