@@ -199,6 +199,15 @@ def _features() -> tuple[Feature, ...]:
               Feature('grad_accum', 'grad_accum', (('train.grad_accum', 2),),
                       lambda c: _get(c, 'train.grad_accum') > 1),
               _setting('segment_mask', 'segment_mask', 'data.segment_mask', True)]
+  # Options a Hugging Face import sets (sharenet/interop/): Gemma's GeGLU and embedding scale,
+  # Qwen2's q/k/v biases, GPT-2's biases on every block projection.
+  imported = [_setting('geglu', 'mlp', 'model.mlp', 'geglu',
+                       refuses=(('umup', 'u-muP has no unit-scaled GeGLU; valid: mlp=swiglu or '
+                                 'gelu'),)),
+              _setting('proj_bias_qkv', 'proj_bias', 'model.proj_bias', 'qkv'),
+              _setting('proj_bias_all', 'proj_bias', 'model.proj_bias', 'all'),
+              Feature('embed_scale', 'embed_scale', (('model.embed_scale', 2.0),),
+                      lambda c: _get(c, 'model.embed_scale') != 1.0)]
   # test_time_depth: evaluation and cached generation at another number of loops
   # (sharenet/depth.py); loop_inference serves the exit criteria and sampling
   # (sharenet/exits.py, sharenet/recursive_inference.py).
@@ -207,7 +216,7 @@ def _features() -> tuple[Feature, ...]:
              Feature('test_time_depth', 'test_time_depth', (), lambda c: False, action=True)]
   return tuple(schemes + routers + recurrent + kv + structure + attention + norms + placements +
                qk + pzs + loop_rules + reparams + projections + updates + remats + numerics +
-               actions)
+               imported + actions)
 
 
 FEATURES = _features()

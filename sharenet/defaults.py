@@ -22,7 +22,9 @@ def default_config() -> ml_collections.ConfigDict:
   m.num_heads = 4             # must divide d_model
   m.num_kv_heads = 0          # 0 -> num_heads; fewer -> grouped-query attention
   m.mlp_dim = 768             # MLP hidden width
-  m.mlp = 'swiglu'            # swiglu | gelu | selu (self-normalizing; with model.norm.kind=none)
+  m.mlp = 'swiglu'            # swiglu | geglu | gelu | selu (geglu: gelu(x W_gate) * x W_up,
+                              # tanh GELU, Gemma's; selu: self-normalizing, with
+                              # model.norm.kind=none)
   m.position = 'rope'         # rope | learned | none
   m.rope_base = 10000.0
   m.max_len = 2048            # learned positions only
@@ -31,6 +33,11 @@ def default_config() -> ml_collections.ConfigDict:
   m.embed_init_std = 1.0
   m.head_dim = 0              # 0 -> d_model // num_heads
   m.reader_bias = False       # biases on q/k/v, MLP-in and readout (written by conversions)
+  m.proj_bias = 'none'        # none | qkv | all: biases on q, k, v (Qwen2), or on every block
+                              # projection q, k, v, o, mlp_in, mlp_out (GPT-2); Hugging Face
+                              # imports set it (docs/interop.md)
+  m.embed_scale = 1.0         # multiplier on the embedded tokens, not on a tied readout
+                              # (Gemma: sqrt(d_model))
   m.center_embedding = False  # subtract each embedded vector's mean (zero-mean writer, tied)
   m.remat = 'dots'            # none | full | dots | dots_no_batch | save_names | offload_dots |
                               # except_attn

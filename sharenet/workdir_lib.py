@@ -258,23 +258,38 @@ def convert_workdir(workdir: str, out: str, opts: Any) -> dict[str, Any]:
   raw = config.to_dict()
   raw['model'] = new_cfg.to_config()
   raw['transforms']['reparam'] = ''     # folded into the converted weights
+  summary = {'converted_from': os.path.abspath(workdir), 'conversion': opts.to, **extra}
+  save_workdir(out, raw, new_cfg, new_vars, step, summary)
+  return {'step': step, 'model': raw['model']}
+
+
+def save_workdir(out: str, raw: dict[str, Any], cfg: ModelConfig, variables: Any, step: int,
+                 extra: dict[str, Any], optimizer_state: bool = True) -> None:
+  """Writes `out` as a train.py workdir of config `raw` (a dict; its model section `cfg`'s)
+  holding `variables` at `step`: a checkpoint with a fresh optimizer state and data iterator
+  (train.py continues it), and config.json with `extra` added (convert.py, interop/import_hf).
+
+  `optimizer_state=False` saves none (the checkpoint is then the parameters' size, not three
+  times it): `raw` must have train.restore=params, so train.py makes a fresh one on resuming.
+  """
   new_config = ml_collections.ConfigDict(raw)
+  if not optimizer_state and new_config.train.restore != 'params':
+    raise ValueError('a checkpoint without optimizer state needs train.restore=params')
   os.makedirs(out, exist_ok=True)
-  new_tr = Transforms(new_config.transforms, DecoderLM(new_cfg))
+  new_tr = Transforms(new_config.transforms, DecoderLM(cfg))
   tx = optim.make_optimizer(new_config.train, new_tr)
-  params, tstate = new_tr.init(new_vars)
+  params, tstate = new_tr.init(variables)
   # A fresh optimizer state whose LR schedule continues at the source's step.
-  new_state = train_lib.TrainState(jnp.asarray(step, jnp.int32), params,
-                                   optim.at_step(tx.init(params), step), tstate)
+  opt_state = optim.at_step(tx.init(params), step) if optimizer_state else None
+  new_state = train_lib.TrainState(jnp.asarray(step, jnp.int32), params, opt_state, tstate)
   t = new_config.train
-  it = data.make_train_iterator(new_config.data, t.seq_len, t.batch_size, t.seed, 0, 1)
+  it = None
+  if new_config.data.source != 'bin' or new_config.data.path:
+    it = data.make_train_iterator(new_config.data, t.seq_len, t.batch_size, t.seed, 0, 1)
   mngr = checkpoint.manager(out, t.keep_checkpoints, async_save=False)
   shapes = train_lib.param_shapes(params)
   checkpoint.save(mngr, step, new_state, it,
                   {**resume.config_dict(new_config), 'param_shapes': shapes})
   mngr.wait_until_finished()
   mngr.close()
-  summary = {**raw, 'converted_from': os.path.abspath(workdir), 'conversion': opts.to,
-             'param_shapes': shapes, **extra}
-  config_json.write(out, summary)
-  return {'step': step, 'model': raw['model']}
+  config_json.write(out, {**raw, **extra, 'param_shapes': shapes})

@@ -230,6 +230,10 @@ def data_spec(data_cfg: Any) -> tuple[str | None, str | None]:
   """
   from sharenet.data import corpus   # here: corpus imports the pipeline's modules
   spec = corpus.get_field(data_cfg, 'tokenizer') or 'auto'
+  if corpus.get_field(data_cfg, 'source') == 'bin':
+    # Token ids name no tokenizer of their own, and generation reads no data: an imported
+    # model (sharenet/interop/import_hf.py) generates before any data.path is set.
+    return (None if spec == 'auto' else spec), None
   source, path = corpus.source_and_path(data_cfg)
   if source == 'arrayrecord':
     from sharenet.data import arrayrecord
@@ -239,8 +243,6 @@ def data_spec(data_cfg: Any) -> tuple[str | None, str | None]:
                         f'which were tokenized with {shards!r} (the files differ); valid: auto, '
                         f'{shards!r} or a copy of that file')
     return shards, base
-  if source == 'bin':
-    return (None if spec == 'auto' else spec), None
   if spec not in ('auto', 'bytes'):
     raise ConfigError(f'data.tokenizer={spec!r}: data.source={source!r} is read as UTF-8 bytes; '
                       f'valid: auto or bytes (tokenize text with python -m '

@@ -25,7 +25,8 @@ from sharenet.models import looped_config, scaling
 from sharenet.models.sections import (MasaConfig, NormConfig, RecurrenceConfig, RoutingConfig,
                                       SharingConfig, choice, key, section)
 
-MLPS = ('swiglu', 'gelu', 'selu')   # selu: Klambauer et al., arXiv:1706.02515 (models/mlp.py)
+MLPS = ('swiglu', 'geglu', 'gelu', 'selu')   # selu: Klambauer et al., arXiv:1706.02515
+PROJ_BIASES = ('none', 'qkv', 'all')   # model.proj_bias: which block projections carry biases
 POSITIONS = ('rope', 'learned', 'none')
 LOWERINGS = ('nested', 'flat')
 REMATS = ('none', 'full', 'dots', 'dots_no_batch', 'save_names', 'offload_dots', 'except_attn')
@@ -64,6 +65,8 @@ class ModelConfig:
   embed_init_std: float = key('embed_init_std')
   head_dim: int = key('head_dim')               # 0 -> d_model // num_heads (d_head)
   reader_bias: bool = key('reader_bias')
+  proj_bias: str = key('proj_bias')             # none | qkv | all (bias_on)
+  embed_scale: float = key('embed_scale')
   center_embedding: bool = key('center_embedding')
   remat: str = key('remat')
   scan_unroll: int = key('scan_unroll')
@@ -122,6 +125,13 @@ class ModelConfig:
       object.__setattr__(self, 'parametrization', scaling.Settings(**self.parametrization))
     for name, value in _resolve(self):
       object.__setattr__(self, name, value)
+
+  def bias_on(self, kernel: str) -> bool:
+    """Whether block kernel `kernel` (q, k, v, o, mlp_in, mlp_out) carries a bias: the readers
+    under model.reader_bias (written by conversions), q, k, v under proj_bias=qkv (Qwen2), all
+    six under proj_bias=all (GPT-2)."""
+    return (self.proj_bias == 'all' or (self.proj_bias == 'qkv' and kernel in ('q', 'k', 'v')) or
+            (self.reader_bias and kernel not in ('o', 'mlp_out')))
 
   def derive(self, **changes: Any) -> 'ModelConfig':
     """This config with `changes` to its keys, every resolved value resolved again.
@@ -243,7 +253,7 @@ def _resolve(c: ModelConfig) -> list[tuple[str, Any]]:
 
 def _check_keys(c: ModelConfig) -> None:
   """The top-level keys' choices and ranges."""
-  for field, valid in (('mlp', MLPS), ('position', POSITIONS), ('remat', REMATS),
+  for field, valid in (('mlp', MLPS), ('proj_bias', PROJ_BIASES), ('position', POSITIONS), ('remat', REMATS),
                        ('scan_lowering', LOWERINGS), ('dtype', DTYPES), ('param_dtype', DTYPES),
                        ('kernels', KERNELS), ('dense_grad', DENSE_GRADS),
                        ('attention', ATTENTIONS), ('attention_sharing', ATTENTION_SHARINGS),

@@ -104,6 +104,8 @@ class DecoderLM(nn.Module):
     positions in cached generation (default 0..T-1)."""
     c = self.cfg
     x_BTD = self.embedder(tokens_BT)
+    if c.embed_scale != 1.0:   # Gemma's sqrt(d_model); the tied readout reads the raw table
+      x_BTD = x_BTD * jnp.asarray(c.embed_scale, x_BTD.dtype)
     if c.position == 'learned':
       if positions_BT is None:
         x_BTD = x_BTD + self.pos_table[None, :tokens_BT.shape[1]].astype(x_BTD.dtype)

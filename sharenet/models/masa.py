@@ -38,7 +38,7 @@ def atom_specs(cfg: ModelConfig) -> dict[str, tuple]:
   MASA targets name: 'mlp_in' is the MLP's input kernels (SwiGLU: wi_gate and wi_up, one
   dictionary each, as each is its own projection type), 'mlp_out' its 'wo'."""
   D, H, K, Dh, F = cfg.d_model, cfg.num_heads, cfg.kv_heads, cfg.d_head, cfg.mlp_dim
-  mlp_in = ('wi_gate', 'wi_up') if cfg.mlp == 'swiglu' else ('wi',)
+  mlp_in = ('wi_gate', 'wi_up') if cfg.mlp in ('swiglu', 'geglu') else ('wi',)
   kernels = {'q': ('q',), 'k': ('k',), 'v': ('v',), 'o': ('o',), 'mlp_in': mlp_in,
              'mlp_out': ('wo',)}
   reader = lambda axes_out, shape_out, branch, use=None: (

@@ -1,4 +1,4 @@
-"""Feed-forward block: SwiGLU, GELU or SELU, optionally with a norm on the hidden pre-activations.
+"""Feed-forward block: SwiGLU, GeGLU, GELU or SELU, optionally with a norm on the hidden pre-activations.
 
 `model.mlp = selu` is the self-normalizing network of Klambauer et al. ("Self-Normalizing Neural
 Networks", arXiv:1706.02515): h = selu(x W_in) with selu(z) = lambda z (z > 0),
@@ -75,7 +75,7 @@ class Mlp(nn.Module):
       return lambda x: dense_apply(
           Dense((c.mlp_dim,), ('embed',), ('mlp',), branch=BRANCH, lora_rank=r_in,
                 lora_scale=c.sharing.lora_scale, lora_zero=c.sharing.lora_zero,
-                use_bias=c.reader_bias, dtype=dt, param_dtype=pdt, dense_grad=c.dense_grad,
+                use_bias=c.bias_on('mlp_in'), dtype=dt, param_dtype=pdt, dense_grad=c.dense_grad,
                 name=name), x,
           masa.get(name))
 
@@ -91,6 +91,10 @@ class Mlp(nn.Module):
       up = pre_act('up_norm')(dense_in('wi_up')(x_BTD))
       # u-muP's unit-scaled nonlinearities (models/unit_scale.py) under parametrization umup
       h_BTF = unit_scale.silu_glu(up, gate) if c.umup_ops else swiglu(gate, up)
+    elif c.mlp == 'geglu':   # Gemma's: tanh-approximate GELU of the gate times the value
+      gate = pre_act('gate_norm')(dense_in('wi_gate')(x_BTD))
+      up = pre_act('up_norm')(dense_in('wi_up')(x_BTD))
+      h_BTF = nn.gelu(gate, approximate=True) * up
     else:
       h = pre_act('pre_act_norm')(dense_in('wi')(x_BTD))
       if c.mlp == 'selu':
@@ -103,8 +107,8 @@ class Mlp(nn.Module):
                                                'activation_mlp'))
     out = dense_apply(Dense((c.d_model,), ('mlp',), ('embed',), role='writer', branch=BRANCH,
                             lora_rank=r_out, lora_scale=c.sharing.lora_scale,
-                            lora_zero=c.sharing.lora_zero, dtype=dt, param_dtype=pdt,
-                            dense_grad=c.dense_grad, name='wo'), h_BTF,
+                            lora_zero=c.sharing.lora_zero, use_bias=c.bias_on('mlp_out'),
+                            dtype=dt, param_dtype=pdt, dense_grad=c.dense_grad, name='wo'), h_BTF,
                     masa.get('wo'))
     sow_l1(self, 'mlp_out', out)
     return checkpoint_name(out, 'mlp_out')

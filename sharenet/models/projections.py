@@ -45,7 +45,7 @@ def _dense(cfg: ModelConfig, name: str, heads: int, axis: str, use: str | None =
   rank = cfg.sharing.lora_rank if name in cfg.sharing.lora_targets else 0
   return Dense((heads, cfg.d_head), ('embed',), (axis, 'head_dim'), branch=BRANCH, use=use,
                lora_rank=rank, lora_scale=cfg.sharing.lora_scale, lora_zero=cfg.sharing.lora_zero,
-               use_bias=cfg.reader_bias, dtype=jnp.dtype(cfg.dtype),
+               use_bias=cfg.bias_on(name), dtype=jnp.dtype(cfg.dtype),
                param_dtype=jnp.dtype(cfg.param_dtype), dense_grad=cfg.dense_grad, name=name)
 
 
@@ -87,6 +87,6 @@ def project_out(cfg: ModelConfig, out_BTHD: jax.Array, masa: dict[str, jax.Array
   rank = cfg.sharing.lora_rank if 'o' in cfg.sharing.lora_targets else 0
   dense = Dense((cfg.d_model,), ('heads', 'head_dim'), ('embed',), role='writer', branch=BRANCH,
                 lora_rank=rank, lora_scale=cfg.sharing.lora_scale, lora_zero=cfg.sharing.lora_zero,
-                dtype=jnp.dtype(cfg.dtype), param_dtype=jnp.dtype(cfg.param_dtype),
-                dense_grad=cfg.dense_grad, name='o')
+                use_bias=cfg.bias_on('o'), dtype=jnp.dtype(cfg.dtype),
+                param_dtype=jnp.dtype(cfg.param_dtype), dense_grad=cfg.dense_grad, name='o')
   return checkpoint_name(dense_apply(dense, out_BTHD, masa.get('o')), 'out_proj')

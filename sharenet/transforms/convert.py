@@ -74,8 +74,12 @@ def _stream_norms(table: dict[Path, ParamInfo]) -> list[tuple[Path, list[Path]]]
 
 
 def _writers(table: dict[Path, ParamInfo]) -> list[Path]:
-  """Kernels of the block branches that write the residual stream."""
-  return sorted(p for p, i in table.items() if i.role == 'writer')
+  """Kernels of the block branches that write the residual stream, and their biases (a model
+  with model.proj_bias=all, GPT-2's): a writer's bias is written to the stream as its output."""
+  kernels = sorted(p for p, i in table.items() if i.role == 'writer')
+  modules = {table[k].module for k in kernels}
+  return kernels + sorted(p for p, i in table.items() if i.role == 'bias' and
+                          i.module in modules)
 
 
 def _one(table: dict[Path, ParamInfo], role: str, branch: str | None = None) -> Path | None:

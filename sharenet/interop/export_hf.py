@@ -1,0 +1,201 @@
+"""Exports a sharenet workdir as a Hugging Face model directory (config.json, model.safetensors).
+
+  python -m sharenet.interop.export_hf --workdir WORKDIR --out DIR
+
+The model must be one a Hugging Face architecture expresses (hf_arch.py): Pre-RMSNorm, RoPE
+and SwiGLU (llama; qwen2 with proj_bias=qkv; qwen3 with RMS QK-norm), the same with GeGLU and
+embed_scale sqrt(d_model), tied (gemma), or Pre-LN with learned positions, GELU and
+proj_bias=all (gpt2). A tied plan is written expanded to its applied layers (every use of a
+stored set becomes its own layer: the same function, more parameters), with a printed note;
+what no such architecture holds (depth-wise LoRA, per-layer norms, routing, MASA, ...) is one
+ConfigError naming it. The safetensors file is written without torch, one tensor at a time;
+on any error nothing is left at DIR.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+from typing import Any
+
+import jax
+import numpy as np
+from flax.traverse_util import flatten_dict
+
+from sharenet.errors import ConfigError
+from sharenet.interop import hf_arch, layout, safetensors_io
+from sharenet.models import layout as model_layout
+from sharenet.models.lm import param_table
+
+_CLASSES = {'llama': 'LlamaForCausalLM', 'qwen2': 'Qwen2ForCausalLM',
+            'qwen3': 'Qwen3ForCausalLM', 'gemma': 'GemmaForCausalLM', 'gpt2': 'GPT2LMHeadModel'}
+
+
+def _refusals(cfg: Any) -> list[tuple[bool, str]]:
+  """(present, 'key=value ... valid: ...') of every feature no exported architecture holds."""
+  s, n = cfg.sharing, cfg.norm
+  return [
+      (s.lora_rank > 0, f'model.sharing.lora_rank={s.lora_rank}: depth-wise LoRA; valid: 0'),
+      (s.untie_norms, 'model.sharing.untie_norms=True: per-layer norm gains; valid: False'),
+      (cfg.routing.kind != 'none', f'model.routing.kind={cfg.routing.kind}; valid: none'),
+      (not cfg.recurrence.is_default, 'model.recurrence is not its default; valid: fixed depth'),
+      (cfg.masa.atoms > 0, f'model.masa.atoms={cfg.masa.atoms}; valid: 0'),
+      (cfg.attention_sharing != 'none', f'model.attention_sharing={cfg.attention_sharing}; '
+       f'valid: none'),
+      (cfg.kv_sharing != 'none', f'model.kv_sharing={cfg.kv_sharing}; valid: none'),
+      (cfg.reader_bias, 'model.reader_bias=True (written by the norm conversions); valid: '
+       'False'),
+      (cfg.center_embedding, 'model.center_embedding=True; valid: False'),
+      (n.placement != 'pre', f'model.norm.placement={n.placement}; valid: pre'),
+      (n.fixnorm, 'model.norm.fixnorm=True; valid: False'),
+      (n.pre_activation != 'none', f'model.norm.pre_activation={n.pre_activation}; valid: none'),
+      (n.qk_norm == 'l2', 'model.norm.qk_norm=l2; valid: none or rms'),
+      (cfg.attn_scale != 0, f'model.attn_scale={cfg.attn_scale}; valid: 0 (1/sqrt(head_dim))'),
+      (cfg.parametrization.kind != 'sp', f'parametrization.kind={cfg.parametrization.kind}; '
+       f'valid: sp')]
+
+
+def export_arch(cfg: Any) -> str:
+  """The Hugging Face architecture that expresses `cfg` (ConfigError naming what none does)."""
+  for bad, what in _refusals(cfg):
+    if bad:
+      raise ConfigError(f'{what} (Hugging Face export: no supported architecture holds it)')
+  n = cfg.norm
+  if n.kind == 'layernorm' and cfg.position == 'learned' and cfg.mlp == 'gelu' and \
+      cfg.proj_bias == 'all' and cfg.kv_heads == cfg.num_heads and cfg.embed_scale == 1.0 \
+      and n.qk_norm == 'none' and not cfg.head_dim:
+    return 'gpt2'
+  if n.kind != 'rmsnorm' or cfg.position != 'rope':
+    raise ConfigError(f'model.norm.kind={n.kind} with model.position={cfg.position}: '
+                      f'Hugging Face export needs rmsnorm with rope (llama, qwen2, qwen3, '
+                      f'gemma) or layernorm with learned positions, gelu and proj_bias=all '
+                      f'(gpt2)')
+  if cfg.mlp == 'geglu' and cfg.tie_embeddings and n.qk_norm == 'none' and \
+      cfg.proj_bias == 'none' and math.isclose(cfg.embed_scale, math.sqrt(cfg.d_model)):
+    return 'gemma'
+  if cfg.mlp != 'swiglu' or cfg.embed_scale != 1.0 or cfg.proj_bias == 'all' or \
+      (cfg.proj_bias == 'qkv' and n.qk_norm != 'none'):
+    raise ConfigError(f'model.mlp={cfg.mlp}, proj_bias={cfg.proj_bias}, embed_scale='
+                      f'{cfg.embed_scale:g}, norm.qk_norm={n.qk_norm}: no Hugging Face '
+                      f'architecture combines them; valid: swiglu with proj_bias none (llama, '
+                      f'qwen3 with qk_norm=rms) or qkv (qwen2), or geglu, tied, embed_scale '
+                      f'sqrt(d_model) (gemma)')
+  return 'qwen3' if n.qk_norm == 'rms' else 'qwen2' if cfg.proj_bias == 'qkv' else 'llama'
+
+
+def hf_config(arch: str, cfg: Any) -> dict[str, Any]:
+  """The Hugging Face config.json of `cfg` as architecture `arch` (untied: every layer)."""
+  common = dict(architectures=[_CLASSES[arch]], model_type=arch, vocab_size=cfg.vocab_size,
+                tie_word_embeddings=cfg.tie_embeddings, torch_dtype='float32',
+                bos_token_id=None, eos_token_id=None, pad_token_id=None)
+  if arch == 'gpt2':
+    return dict(common, n_embd=cfg.d_model, n_layer=cfg.num_layers, n_head=cfg.num_heads,
+                n_inner=cfg.mlp_dim, n_positions=cfg.max_len, activation_function='gelu_new',
+                layer_norm_epsilon=cfg.norm.eps, resid_pdrop=0.0, embd_pdrop=0.0,
+                attn_pdrop=0.0)
+  act = 'gelu_pytorch_tanh' if arch == 'gemma' else 'silu'
+  return dict(common, hidden_size=cfg.d_model, intermediate_size=cfg.mlp_dim,
+              num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
+              num_key_value_heads=cfg.kv_heads, head_dim=cfg.d_head,
+              max_position_embeddings=cfg.max_len, rms_norm_eps=cfg.norm.eps,
+              rope_theta=cfg.rope_base,
+              rope_parameters={'rope_type': 'default', 'rope_theta': cfg.rope_base},
+              hidden_act=act, hidden_activation=act, attention_bias=False, mlp_bias=False,
+              use_sliding_window=False, sliding_window=None, attention_dropout=0.0)
+
+
+def _tensors(arch: str, cfg: Any) -> list[tuple[str, list[tuple[hf_arch.Entry, int | None]]]]:
+  """[(Hugging Face name, its (entry, layer) parts in order)] of untied model `cfg`."""
+  prefix = 'transformer.' if arch == 'gpt2' else 'model.'
+  out: dict[str, list[tuple[hf_arch.Entry, int | None]]] = {}
+  for e in hf_arch.entries(arch, cfg, prefix):
+    for i in range(cfg.num_layers) if e.layer else [None]:
+      out.setdefault(e.hf.format(i=i), []).append((e, i))
+  for parts in out.values():
+    parts.sort(key=lambda p: p[0].part or (0, 1))
+  return list(out.items())
+
+
+def write_hf(out: str, arch: str, cfg: Any, params: dict[str, Any]) -> int:
+  """Writes `out` (config.json, model.safetensors) from the params of `cfg`, every applied
+  layer its own (models/layout.py applied_params: a tied plan expanded); returns the tensor
+  count."""
+  def leaf(path: tuple[str, ...]) -> Any:
+    node = params
+    for k in path:
+      node = node[k]
+    return node
+
+  if cfg.sharing.scheme == 'untied':   # the stored leaves are per applied layer already
+    applied = {i.local: leaf(p[1:]) for p, i in param_table(cfg).items()
+               if p[0] == 'params' and i.in_block}
+  else:   # {block-local path: (L, ...)}, a copy: the expanded model
+    applied = model_layout.applied_params(params, cfg)
+  cfg = model_layout.untied_config(cfg)
+
+  def value(e: hf_arch.Entry, layer: int | None) -> np.ndarray:
+    return np.asarray(leaf(e.path) if layer is None else applied[e.path][layer], np.float32)
+
+  tensors = _tensors(arch, cfg)
+  by_name = dict(tensors)
+  shapes = {n: layout.hf_shape(parts[0][0], value(*parts[0]).shape) for n, parts in tensors}
+
+  def produce(name):
+    parts = by_name[name]
+    return layout.to_hf(parts[0][0], [value(e, layer) for e, layer in parts])
+
+  safetensors_io.write(os.path.join(out, 'model.safetensors'),
+                       [(n, shapes[n], np.float32) for n, _ in tensors], produce)
+  with open(os.path.join(out, 'config.json'), 'w') as f:
+    json.dump(hf_config(arch, cfg), f, indent=2)
+  return len(tensors)
+
+
+def export_hf(workdir: str, out: str) -> dict[str, Any]:
+  """Writes Hugging Face directory `out` from `workdir`'s latest checkpoint."""
+  from sharenet import train_lib, workdir_lib
+  from sharenet.models import ModelConfig
+  if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
+    raise ConfigError(f'--out {out} exists and is not an empty directory; valid: a new '
+                      f'directory')
+  config = workdir_lib.load_config(workdir)
+  cfg = ModelConfig.from_experiment(config)
+  arch = export_arch(cfg)
+  state, step, exp = workdir_lib.restore_state(config, workdir)
+  variables = jax.device_get(train_lib.effective_params(state, exp.tr))
+  extra = [k for k, v in variables.items() if k != 'params' and flatten_dict(v)]
+  if extra:
+    raise ConfigError(f'--workdir {workdir} holds the collection {extra[0]} (per-layer '
+                      f'parts); no Hugging Face architecture holds it')
+  if cfg.sharing.scheme != 'untied':
+    print(f'note: the tied plan {cfg.sharing.scheme} ({cfg.plan.num_unique} stored sets) is '
+          f'written expanded to its {cfg.num_layers} applied layers', flush=True)
+  out = os.path.abspath(out)
+  tmp = f'{out}.export-{os.getpid()}.tmp'
+  try:
+    os.makedirs(tmp)
+    count = write_hf(tmp, arch, cfg, variables['params'])
+    if os.path.isdir(out):
+      os.rmdir(out)
+    os.rename(tmp, out)
+  finally:
+    if os.path.isdir(tmp):
+      shutil.rmtree(tmp)
+  return {'model_type': arch, 'out': out, 'step': step, 'tensors': count}
+
+
+def main(argv: list[str]) -> None:
+  del argv
+  from absl import flags, logging
+  logging.set_verbosity(logging.WARNING)
+  print(json.dumps(export_hf(flags.FLAGS.workdir, flags.FLAGS.out)), flush=True)
+
+
+if __name__ == '__main__':
+  from absl import flags
+  from sharenet import config_lib
+  flags.DEFINE_string('workdir', None, 'sharenet workdir (train.py, convert.py, import_hf).',
+                      required=True)
+  flags.DEFINE_string('out', None, 'New Hugging Face model directory.', required=True)
+  config_lib.run(main)

@@ -1,0 +1,210 @@
+"""The Hugging Face architectures sharenet reads and writes: config fields -> model keys, and
+each sharenet parameter's Hugging Face tensor.
+
+  llama, mistral, qwen2, qwen3   Pre-RMSNorm, RoPE (rotate-half, as sharenet's), SwiGLU, GQA;
+                                 qwen2 biases on q, k, v (model.proj_bias=qkv); qwen3 RMS
+                                 QK-norm over head_dim (model.norm.qk_norm=rms), before RoPE.
+  gemma                          the same with GeGLU (tanh GELU), RMSNorm gains stored as
+                                 1 + w (folded here: the same function), the embedded tokens
+                                 times sqrt(d_model) (model.embed_scale), tied readout.
+  gpt2                           Pre-LN LayerNorm with biases, learned positions, tanh GELU,
+                                 biases on every projection (model.proj_bias=all), tied
+                                 readout; Conv1D kernels are stored (in, out), q k v fused.
+A field whose value sharenet does not model is one ConfigError naming it (`model_keys`);
+dropout rates are training-only and sharenet trains without dropout, so they are not read.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+from sharenet.errors import ConfigError
+
+ARCHITECTURES = ('llama', 'mistral', 'qwen2', 'qwen3', 'gemma', 'gpt2')
+LLAMA_FAMILY = ('llama', 'mistral', 'qwen2', 'qwen3', 'gemma')
+TANH_GELUS = ('gelu_new', 'gelu_pytorch_tanh', 'gelu_fast')   # sharenet's gelu is tanh GELU
+
+
+class Entry(NamedTuple):
+  """One sharenet parameter (path under 'params', or with `layer` its block-local path,
+  ParamInfo.local: one per applied layer) and the Hugging Face tensor `hf` it is read from
+  ('{i}': the layer).
+
+  kind: linear (HF (out, in) -> kernel (in..., out...), `n_in` input dims), conv1d (HF (in,
+  out)), vector (reshaped) or same. `part` (j, n): the j-th of n equal chunks of the HF
+  tensor's output axis (GPT-2's fused c_attn). `offset` is added on import (Gemma's 1 + w)."""
+  path: tuple[str, ...]
+  hf: str
+  kind: str = 'same'
+  layer: bool = False
+  n_in: int = 1
+  part: tuple[int, int] | None = None
+  offset: float = 0.0
+
+
+def _get(hf: dict[str, Any], name: str, default: Any = None) -> Any:
+  return hf[name] if hf.get(name) is not None else default
+
+
+def _refuse(arch: str, field: str, value: Any, why: str) -> ConfigError:
+  return ConfigError(f'config.json ({arch}): {field}={value!r} is not modelled by sharenet '
+                     f'({why})')
+
+
+def _rope_base(arch: str, hf: dict[str, Any]) -> float:
+  """rope_theta (older configs) or rope_parameters' (newer); any scaling is refused."""
+  params = hf.get('rope_parameters') or {}
+  scaling = hf.get('rope_scaling') or {}
+  rope_type = scaling.get('rope_type', scaling.get('type')) or params.get('rope_type')
+  if rope_type not in (None, 'default'):
+    raise _refuse(arch, 'rope_scaling', rope_type, 'sharenet implements unscaled RoPE; valid: '
+                  'null / default')
+  return float(params.get('rope_theta', _get(hf, 'rope_theta', 10000.0)))
+
+
+def _check_llama(arch: str, hf: dict[str, Any]) -> None:
+  """The fields of the Llama family whose non-default values sharenet does not model."""
+  for field, ok, why in (
+      ('attention_bias', not hf.get('attention_bias') or arch == 'qwen2',
+       'biases on q, k, v and o; valid: false'),
+      ('mlp_bias', not hf.get('mlp_bias'), 'MLP biases; valid: false'),
+      ('pretraining_tp', _get(hf, 'pretraining_tp', 1) == 1, 'valid: 1'),
+      ('use_sliding_window', not hf.get('use_sliding_window'), 'sliding-window attention; '
+       'valid: false'),
+      ('attn_logit_softcapping', hf.get('attn_logit_softcapping') is None, 'valid: null'),
+      ('final_logit_softcapping', hf.get('final_logit_softcapping') is None, 'valid: null'),
+      ('quantization_config', hf.get('quantization_config') is None, 'quantized weights; '
+       'valid: a float checkpoint')):
+    if not ok:
+      raise _refuse(arch, field, hf.get(field), why)
+  window = hf.get('sliding_window')
+  if arch == 'mistral' and window is not None and window < hf['max_position_embeddings']:
+    raise _refuse(arch, 'sliding_window', window, f'sliding-window attention below '
+                  f'max_position_embeddings={hf["max_position_embeddings"]}; valid: null')
+  layer_types = set(hf.get('layer_types') or ['full_attention'])
+  if layer_types != {'full_attention'}:
+    raise _refuse(arch, 'layer_types', sorted(layer_types), 'valid: full_attention only')
+
+
+def _llama_keys(arch: str, hf: dict[str, Any]) -> dict[str, Any]:
+  _check_llama(arch, hf)
+  act = hf.get('hidden_activation') or hf.get('hidden_act', 'silu')
+  if arch == 'gemma':
+    if act not in TANH_GELUS:
+      raise _refuse(arch, 'hidden_act', act, f'valid: {", ".join(TANH_GELUS)}')
+  elif act != 'silu':
+    raise _refuse(arch, 'hidden_act', act, 'valid: silu')
+  d, heads = hf['hidden_size'], hf['num_attention_heads']
+  head_dim = _get(hf, 'head_dim', d // heads)
+  if arch == 'gemma' and _get(hf, 'query_pre_attn_scalar', head_dim) != head_dim:
+    raise _refuse(arch, 'query_pre_attn_scalar', hf['query_pre_attn_scalar'],
+                  f'valid: head_dim={head_dim}')
+  return dict(
+      vocab_size=hf['vocab_size'], d_model=d, num_layers=hf['num_hidden_layers'],
+      num_heads=heads, num_kv_heads=_get(hf, 'num_key_value_heads', heads),
+      head_dim=head_dim, mlp_dim=hf['intermediate_size'],
+      mlp='geglu' if arch == 'gemma' else 'swiglu', position='rope',
+      rope_base=_rope_base(arch, hf), max_len=_get(hf, 'max_position_embeddings', 2048),
+      tie_embeddings=bool(_get(hf, 'tie_word_embeddings', arch == 'gemma')),
+      proj_bias='qkv' if arch == 'qwen2' else 'none',
+      embed_scale=math.sqrt(d) if arch == 'gemma' else 1.0,
+      norm=dict(kind='rmsnorm', placement='pre', eps=float(_get(hf, 'rms_norm_eps', 1e-6)),
+                qk_norm='rms' if arch == 'qwen3' else 'none'))
+
+
+def _gpt2_keys(hf: dict[str, Any]) -> dict[str, Any]:
+  act = hf.get('activation_function', 'gelu_new')
+  for field, ok, why in (
+      ('activation_function', act in TANH_GELUS, f'valid: {", ".join(TANH_GELUS)}'),
+      ('scale_attn_weights', hf.get('scale_attn_weights', True), 'valid: true'),
+      ('scale_attn_by_inverse_layer_idx', not hf.get('scale_attn_by_inverse_layer_idx'),
+       'valid: false'),
+      ('add_cross_attention', not hf.get('add_cross_attention'), 'valid: false'),
+      ('quantization_config', hf.get('quantization_config') is None, 'valid: null')):
+    if not ok:
+      raise _refuse('gpt2', field, hf.get(field), why)
+  d = hf['n_embd']
+  return dict(
+      vocab_size=hf['vocab_size'], d_model=d, num_layers=hf['n_layer'], num_heads=hf['n_head'],
+      num_kv_heads=0, head_dim=0, mlp_dim=_get(hf, 'n_inner', 4 * d), mlp='gelu',
+      position='learned', max_len=hf['n_positions'],
+      tie_embeddings=bool(_get(hf, 'tie_word_embeddings', True)), proj_bias='all',
+      embed_scale=1.0,
+      norm=dict(kind='layernorm', placement='pre', eps=float(hf.get('layer_norm_epsilon', 1e-5)),
+                qk_norm='none'))
+
+
+def model_keys(hf: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+  """(architecture, the config.model keys it sets) of a Hugging Face config.json dict."""
+  arch = hf.get('model_type')
+  if arch not in ARCHITECTURES:
+    raise ConfigError(f'config.json: model_type={arch!r} is not supported; valid: '
+                      f'{", ".join(ARCHITECTURES)}')
+  return arch, (_gpt2_keys(hf) if arch == 'gpt2' else _llama_keys(arch, hf))
+
+
+def entries(arch: str, cfg: Any, prefix: str) -> list[Entry]:
+  """Every sharenet parameter of `cfg` with its Hugging Face tensor; `prefix` is the names'
+  ('model.' / 'transformer.' or '' for a bare base-model checkpoint)."""
+  if arch == 'gpt2':
+    return _gpt2_entries(cfg, prefix)
+  p, L = prefix, prefix + 'layers.{i}.'
+  g = 1.0 if arch == 'gemma' else 0.0
+  out = [Entry(('embed', 'embedding'), p + 'embed_tokens.weight'),
+         Entry(('final_norm', 'scale'), p + 'norm.weight', offset=g)]
+  if not cfg.tie_embeddings:
+    out.append(Entry(('readout', 'kernel'), 'lm_head.weight', 'linear'))
+  blk = lambda path, name, kind='same', **kw: Entry(path, L + name, kind, True, **kw)
+  out += [blk(('attn_norm', 'scale'), 'input_layernorm.weight', offset=g),
+          blk(('mlp_norm', 'scale'), 'post_attention_layernorm.weight', offset=g),
+          blk(('attn', 'o', 'kernel'), 'self_attn.o_proj.weight', 'linear', n_in=2),
+          blk(('mlp', 'wi_gate', 'kernel'), 'mlp.gate_proj.weight', 'linear'),
+          blk(('mlp', 'wi_up', 'kernel'), 'mlp.up_proj.weight', 'linear'),
+          blk(('mlp', 'wo', 'kernel'), 'mlp.down_proj.weight', 'linear')]
+  for t in 'qkv':
+    out.append(blk(('attn', t, 'kernel'), f'self_attn.{t}_proj.weight', 'linear'))
+    if cfg.proj_bias == 'qkv':
+      out.append(blk(('attn', t, 'bias'), f'self_attn.{t}_proj.bias', 'vector'))
+  if cfg.norm.qk_norm == 'rms':
+    out += [blk(('attn', f'{t}_norm', 'scale'), f'self_attn.{t}_norm.weight') for t in 'qk']
+  return out
+
+
+def _gpt2_entries(cfg: Any, p: str) -> list[Entry]:
+  out = [Entry(('embed', 'embedding'), p + 'wte.weight'),
+         Entry(('pos_embed',), p + 'wpe.weight'),
+         Entry(('final_norm', 'scale'), p + 'ln_f.weight'),
+         Entry(('final_norm', 'bias'), p + 'ln_f.bias')]
+  if not cfg.tie_embeddings:
+    out.append(Entry(('readout', 'kernel'), 'lm_head.weight', 'linear'))
+  L = p + 'h.{i}.'
+  blk = lambda path, name, kind='same', **kw: Entry(path, L + name, kind, True, **kw)
+  for sn, hf in (('attn_norm', 'ln_1'), ('mlp_norm', 'ln_2')):
+    out += [blk((sn, 'scale'), f'{hf}.weight'), blk((sn, 'bias'), f'{hf}.bias')]
+  for j, t in enumerate('qkv'):
+    out += [blk(('attn', t, 'kernel'), 'attn.c_attn.weight', 'conv1d', part=(j, 3)),
+            blk(('attn', t, 'bias'), 'attn.c_attn.bias', 'vector', part=(j, 3))]
+  for path, name, n_in in ((('attn', 'o'), 'attn.c_proj', 2), (('mlp', 'wi'), 'mlp.c_fc', 1),
+                           (('mlp', 'wo'), 'mlp.c_proj', 1)):
+    out += [blk(path + ('kernel',), f'{name}.weight', 'conv1d', n_in=n_in),
+            blk(path + ('bias',), f'{name}.bias', 'vector')]
+  return out
+
+
+# Tensors a checkpoint may hold that are not parameters (GPT-2's causal-mask buffers).
+IGNORED_SUFFIXES = ('.attn.bias', '.attn.masked_bias')
+
+
+def ignored(arch: str, name: str) -> bool:
+  return arch == 'gpt2' and name.endswith(IGNORED_SUFFIXES) and '.c_' not in name
+
+
+def prefix(arch: str, names: set[str]) -> str:
+  """The checkpoint's name prefix: a *ForCausalLM's ('model.', 'transformer.') or a bare base
+  model's ('')."""
+  first = 'wte.weight' if arch == 'gpt2' else 'embed_tokens.weight'
+  for p in (('transformer.', '') if arch == 'gpt2' else ('model.', '')):
+    if p + first in names:
+      return p
+  raise ConfigError(f'the checkpoint has no tensor {first} (nor with a model. / transformer. '
+                    f'prefix); valid: a {arch} checkpoint')

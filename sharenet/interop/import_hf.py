@@ -1,0 +1,160 @@
+"""Imports a Hugging Face model directory as a sharenet workdir.
+
+  python -m sharenet.interop.import_hf --model DIR --out WORKDIR
+
+DIR: config.json, *.safetensors (with or without model.safetensors.index.json) and, when
+present, tokenizer.json. WORKDIR is an ordinary train.py workdir (config.json and a checkpoint
+with a fresh optimizer state): eval.py --prompt generates with the imported tokenizer
+(data.tokenizer=hf:WORKDIR/tokenizer.json), train.py continues it (configs/workdir.py:WORKDIR,
+naming the data: data.source=bin and data.path, token ids of that tokenizer; train.restore is
+params, so the first run loads the parameters with a fresh optimizer state), convert.py
+converts it.
+Architectures and the fields refused: sharenet/interop/hf_arch.py; docs/interop.md.
+
+Tensors are read one at a time into the stacked parameters, each parameter moved to a jax
+array once complete (peak host memory: the parameters plus one stacked parameter; orbax's
+write buffers come on top: benchmarks/hf_streaming.py). Every tensor of the checkpoint must be a
+parameter of the model and every parameter must be in the checkpoint. On any error nothing is
+left at WORKDIR: the workdir is written beside it and renamed into place at the end.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from typing import Any
+
+import jax
+import numpy as np
+from flax.traverse_util import flatten_dict, unflatten_dict
+
+from sharenet import defaults
+from sharenet.errors import ConfigError
+from sharenet.interop import hf_arch, layout, safetensors_io
+
+TOKENIZER = 'tokenizer.json'
+
+
+def read_hf_config(model_dir: str) -> dict[str, Any]:
+  """The directory's config.json as a dict (ConfigError if missing or unreadable)."""
+  path = os.path.join(model_dir, 'config.json')
+  if not os.path.isfile(path):
+    raise ConfigError(f'--model {model_dir} has no config.json; valid: a Hugging Face model '
+                      f'directory (config.json and *.safetensors)')
+  try:
+    with open(path) as f:
+      return json.load(f)
+  except ValueError as e:
+    raise ConfigError(f'{path} is not valid JSON ({e})') from None
+
+
+def experiment_config(model_keys: dict[str, Any], tokenizer: str | None) -> dict[str, Any]:
+  """The workdir's experiment config: the defaults with the imported model; data is named by
+  the user (source bin, no path) and read with the imported tokenizer when there is one."""
+  config = defaults.complete({'model': model_keys}).to_dict()
+  config['data'].update(source='bin', path='', tokenizer=f'hf:{tokenizer}' if tokenizer else
+                        'auto')
+  # The data is the user's, so the data stream always changes on the first train.py run:
+  # parameters are loaded with a fresh optimizer state (sharenet/resume.py) without a flag.
+  config['train'].update(steps=0, restore='params')
+  return config
+
+
+def _check_out(out: str) -> None:
+  if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
+    raise ConfigError(f'--out {out} exists and is not an empty directory; valid: a new '
+                      f'directory (an import never writes over a run)')
+
+
+def read_params(model_dir: str, arch: str, cfg: Any) -> dict[str, Any]:
+  """The 'params' tree of untied DecoderLM(cfg), read tensor by tensor from the checkpoint;
+  block parameters are stacked over the applied layers and placed by models/layout.py."""
+  from sharenet.models import DecoderLM, layout as model_layout
+  from sharenet.models.lm import init_variables, param_table
+  files = safetensors_io.open_model(model_dir)
+  abstract = jax.eval_shape(lambda: init_variables(DecoderLM(cfg), jax.random.key(0)))
+  table = {p[1:]: i for p, i in param_table(cfg).items() if p[0] == 'params'}
+  shapes = {(i.local if i.in_block else p): ((cfg.num_layers,) + i.shape[i.num_layer_axes:]
+                                             if i.in_block else i.shape)
+            for p, i in table.items()}
+  entries = hf_arch.entries(arch, cfg, hf_arch.prefix(arch, set(files)))
+  assert {e.path for e in entries} == set(shapes), 'interop entries do not match the model'
+  flat = {p: leaf for p, leaf in flatten_dict(abstract['params']).items()}
+  used: set[str] = set()
+  cache: list[Any] = [None, None]   # GPT-2's fused c_attn is read once for q, k and v
+  for e in entries:
+    value = np.empty(shapes[e.path], np.float32)
+    for i in range(cfg.num_layers) if e.layer else [None]:
+      name = e.hf.format(i=i)
+      if name not in files:
+        raise ConfigError(f'--model {model_dir}: tensor {name} is missing (config.json '
+                          f'describes a {arch} model that has it)')
+      if cache[0] != name:
+        cache[:] = name, files[name].read(name)
+      one = value[i] if e.layer else value
+      if cache[1].shape != layout.hf_shape(e, one.shape):
+        raise ConfigError(f'--model {model_dir}: tensor {name} has shape {cache[1].shape}, '
+                          f'config.json implies {layout.hf_shape(e, one.shape)}')
+      one[...] = layout.to_sharenet(e, cache[1], one.shape)
+      used.add(name)
+    # complete: held as the jax array the checkpoint saves, the numpy buffer freed (one copy)
+    if e.layer:
+      tree = model_layout.from_unique_sets(unflatten_dict(flat), {e.path: value}, cfg)
+      flat = dict(flatten_dict(tree))
+    else:
+      flat[e.path] = jax.device_put(value)
+    del value
+  extra = sorted(n for n in set(files) - used if not hf_arch.ignored(arch, n))
+  if extra:
+    raise ConfigError(f'--model {model_dir}: tensor {extra[0]} is not modelled by sharenet '
+                      f'({len(extra)} such; config.json does not describe them)')
+  return unflatten_dict(flat)
+
+
+def import_hf(model_dir: str, out: str) -> dict[str, Any]:
+  """Writes `out`, the sharenet workdir of Hugging Face directory `model_dir`."""
+  from sharenet import workdir_lib
+  from sharenet.models import ModelConfig
+  _check_out(out)
+  if not os.path.isdir(model_dir):
+    raise ConfigError(f'--model {model_dir} is not a directory')
+  arch, keys = hf_arch.model_keys(read_hf_config(model_dir))
+  out = os.path.abspath(out)
+  has_tok = os.path.isfile(os.path.join(model_dir, TOKENIZER))
+  raw = experiment_config(keys, os.path.join(out, TOKENIZER) if has_tok else None)
+  import ml_collections
+  cfg = ModelConfig.from_experiment(ml_collections.ConfigDict(raw))
+  params = read_params(model_dir, arch, cfg)
+  tmp = f'{out}.import-{os.getpid()}.tmp'
+  try:
+    # No optimizer state (train.restore=params makes a fresh one): the checkpoint and the
+    # import's memory are the parameters' size, not three times it.
+    workdir_lib.save_workdir(tmp, raw, cfg, {'params': params}, 0,
+                             {'imported_from': os.path.abspath(model_dir), 'hf_model_type': arch},
+                             optimizer_state=False)
+    if has_tok:
+      shutil.copyfile(os.path.join(model_dir, TOKENIZER), os.path.join(tmp, TOKENIZER))
+    if os.path.isdir(out):
+      os.rmdir(out)   # empty (checked above)
+    os.rename(tmp, out)
+  finally:
+    if os.path.isdir(tmp):
+      shutil.rmtree(tmp)
+  return {'model_type': arch, 'workdir': out, 'num_layers': cfg.num_layers,
+          'params': int(sum(np.prod(a.shape) for a in jax.tree.leaves(params)))}
+
+
+def main(argv: list[str]) -> None:
+  del argv
+  from absl import flags, logging
+  logging.set_verbosity(logging.WARNING)
+  result = import_hf(flags.FLAGS.model, flags.FLAGS.out)
+  print(json.dumps(result), flush=True)
+
+
+if __name__ == '__main__':
+  from absl import flags
+  from sharenet import config_lib
+  flags.DEFINE_string('model', None, 'Hugging Face model directory.', required=True)
+  flags.DEFINE_string('out', None, 'New sharenet workdir.', required=True)
+  config_lib.run(main)

@@ -1,0 +1,321 @@
+"""Hugging Face checkpoints in and out (sharenet/interop/), on the committed tiny fixtures.
+
+tests/fixtures/hf/<arch>/ were built by tests/fixtures/make_hf_fixtures.py with transformers;
+their reference.npz holds transformers' own logits, so every check here runs without torch.
+Where transformers is importable, the exported directories are also loaded by it live.
+"""
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from sharenet import defaults, workdir_lib
+from sharenet.errors import ConfigError
+from sharenet.interop import export_hf, import_hf, safetensors_io
+from sharenet.models import ModelConfig
+
+FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'fixtures', 'hf')
+ARCHS = ('llama', 'mistral', 'qwen2', 'qwen3', 'gemma', 'gpt2')
+
+
+def _logits(workdir, tokens, dtype='float32'):
+  """Logits of `workdir`'s latest checkpoint on `tokens` (1, T), in `dtype`."""
+  config = workdir_lib.load_config(workdir)
+  state, _, exp = workdir_lib.restore_state(config, workdir)
+  model, params = exp.model, state.params
+  if dtype != 'float32':
+    model = type(model)(model.cfg.derive(dtype=dtype, param_dtype=dtype))
+    params = jax.tree.map(lambda a: jnp.asarray(a, dtype), params)
+  return np.asarray(jax.jit(model.apply)(params, jnp.asarray(tokens)))
+
+
+def _reference(arch):
+  return np.load(os.path.join(FIXTURES, arch, 'reference.npz'))
+
+
+@pytest.fixture(scope='module')
+def imported(tmp_path_factory):
+  """{arch: workdir} of every fixture, imported once for the module."""
+  root = tmp_path_factory.mktemp('imported')
+  return {a: import_hf.import_hf(os.path.join(FIXTURES, a), str(root / a))['workdir']
+          for a in ARCHS}
+
+
+@pytest.mark.parametrize('arch', ARCHS)
+def test_import_matches_transformers_logits(imported, arch):
+  ref = _reference(arch)
+  err = np.abs(_logits(imported[arch], ref['tokens']) - ref['logits']).max()
+  assert err <= 1e-4, (arch, err)
+
+
+def test_fixtures_stay_small():
+  size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(FIXTURES) for f in fs)
+  assert size < 800_000, size
+
+
+def _copy_fixture(tmp_path, arch):
+  src = tmp_path / f'src_{arch}'
+  shutil.copytree(os.path.join(FIXTURES, arch), src)
+  return src
+
+
+def _edit_config(src, **changes):
+  path = src / 'config.json'
+  hf = json.loads(path.read_text())
+  hf.update(changes)
+  path.write_text(json.dumps(hf))
+
+
+@pytest.mark.parametrize('case,match', [
+    ('no_dir', 'is not a directory'),
+    ('no_config', 'has no config.json'),
+    ('arch', r"model_type='gemma2' is not supported; valid: llama, mistral"),
+    ('rope_scaling', r"rope_scaling='llama3' is not modelled"),
+    ('sliding', r'sliding_window=16 is not modelled'),
+    ('activation', r"hidden_act='relu' is not modelled"),
+    ('missing_shard', 'the shard index names model-00002-of-00003.safetensors, which is missing'),
+    ('dtype', 'has dtype I8, which sharenet cannot hold'),
+    ('extra_tensor', 'tensor lm_head.weight is not modelled'),
+])
+def test_bad_input_is_one_error_and_writes_nothing(tmp_path, case, match):
+  src = _copy_fixture(tmp_path, 'mistral' if case == 'sliding' else 'llama')
+  if case == 'no_dir':
+    shutil.rmtree(src)
+  elif case == 'no_config':
+    (src / 'config.json').unlink()
+  elif case == 'arch':
+    _edit_config(src, model_type='gemma2')
+  elif case == 'rope_scaling':
+    _edit_config(src, rope_scaling={'rope_type': 'llama3', 'factor': 8.0})
+  elif case == 'sliding':
+    _edit_config(src, sliding_window=16)
+  elif case == 'activation':
+    _edit_config(src, hidden_act='relu')
+  elif case == 'missing_shard':
+    (src / 'model-00002-of-00003.safetensors').unlink()
+  elif case == 'dtype':
+    _write_one(src, 'model.layers.0.input_layernorm.weight', 'I8')
+  else:   # a readout in a tied model: the checkpoint holds what config.json does not describe
+    _edit_config(src, tie_word_embeddings=True)
+  out = tmp_path / 'out'
+  with pytest.raises(ConfigError, match=match) as e:
+    import_hf.import_hf(str(src), str(out))
+  assert '\n' not in str(e.value)
+  assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == [src.name] * src.exists()
+
+
+def _write_one(src, name, dtype):
+  """Rewrites the shard holding `name` with that tensor stored as `dtype` (int8 bytes)."""
+  files = safetensors_io.open_model(str(src))
+  st = files[name]
+  header = {n: dict(st.entries[n]) for n in st.names()}
+  raw = {n: st.read(n) for n in st.names()}
+  blobs, offset = [], 0
+  for n in header:
+    data = raw[n].astype(np.int8 if n == name else np.float32).tobytes()
+    header[n].update(dtype=dtype if n == name else 'F32', data_offsets=[offset, offset + len(data)])
+    blobs.append(data)
+    offset += len(data)
+  text = json.dumps(header).encode()
+  with open(st.path, 'wb') as f:
+    f.write(len(text).to_bytes(8, 'little') + text + b''.join(blobs))
+
+
+def test_cli_error_is_one_line_and_out_untouched(tmp_path, repo_root):
+  src = _copy_fixture(tmp_path, 'gpt2')
+  _edit_config(src, model_type='bert')
+  out = tmp_path / 'out'
+  out.mkdir()
+  env = dict(os.environ, PYTHONPATH=repo_root)
+  r = subprocess.run([sys.executable, '-m', 'sharenet.interop.import_hf', f'--model={src}',
+                      f'--out={out}'], capture_output=True, text=True, env=env, cwd=repo_root)
+  assert r.returncode == 2, r.stderr
+  lines = [l for l in r.stderr.splitlines() if l.strip()]
+  assert len(lines) == 1 and "model_type='bert' is not supported" in lines[0], r.stderr
+  assert list(out.iterdir()) == []
+
+
+@pytest.mark.parametrize('arch', ARCHS)
+def test_export_round_trip(imported, tmp_path, arch):
+  """import -> export: the same tensors as the source checkpoint (Gemma's 1 + w within a
+  float32 rounding); export -> import: the same parameters."""
+  out = tmp_path / 'hf'
+  export_hf.export_hf(imported[arch], str(out))
+  src, dst = safetensors_io.open_model(os.path.join(FIXTURES, arch)), safetensors_io.open_model(
+      str(out))
+  from sharenet.interop import hf_arch
+  kept = {n for n in src if not hf_arch.ignored(arch, n)}
+  assert kept == set(dst)
+  for n in kept:
+    np.testing.assert_allclose(dst[n].read(n), src[n].read(n), rtol=0, atol=1e-6, err_msg=n)
+  if arch in ('llama', 'gemma', 'gpt2'):   # one per tensor layout; the others share llama's
+    again = import_hf.import_hf(str(out), str(tmp_path / 'again'))['workdir']
+    ref = _reference(arch)
+    np.testing.assert_allclose(_logits(again, ref['tokens']),
+                               _logits(imported[arch], ref['tokens']), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize('arch', ARCHS)
+def test_transformers_loads_the_export(imported, tmp_path, arch):
+  """Where transformers and torch are importable (not dependencies of the suite): the export
+  of an imported fixture, loaded by transformers itself, gives the fixture's logits."""
+  transformers = pytest.importorskip('transformers')
+  torch = pytest.importorskip('torch')
+  out = tmp_path / 'hf'
+  export_hf.export_hf(imported[arch], str(out))
+  model = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+  ref = _reference(arch)
+  with torch.no_grad():
+    logits = model(torch.tensor(ref['tokens'], dtype=torch.long)).logits.numpy()
+  assert np.abs(logits - ref['logits']).max() <= 1e-4
+
+
+def test_export_refuses_what_no_architecture_holds():
+  base = ModelConfig.from_config(defaults.default_config().model)
+  assert export_hf.export_arch(base) == 'llama'
+  assert export_hf.export_arch(base.derive(proj_bias='qkv')) == 'qwen2'
+  for change, match in (({'sharing': {'scheme': 'cycle', 'num_unique': 2, 'lora_rank': 2}},
+                         'model.sharing.lora_rank=2'),
+                        ({'norm': {'placement': 'peri'}}, 'model.norm.placement=peri'),
+                        ({'mlp': 'gelu'}, 'model.mlp=gelu')):
+    with pytest.raises(ConfigError, match=match):
+      export_hf.export_arch(base.derive(**change))
+
+
+def test_gpt2_layernorm_to_rmsnorm_to_crmsnorm_is_exact_in_float64(imported):
+  """The Pre-LN -> Pre-RMSNorm -> Pre-CRMSNorm conversions (Jiang et al., arXiv:2305.14858)
+  on imported GPT-2, whose every projection has a bias: the same logits in float64."""
+  from sharenet.models import DecoderLM
+  from sharenet.transforms import convert
+  config = workdir_lib.load_config(imported['gpt2'])
+  state, _, exp = workdir_lib.restore_state(config, imported['gpt2'])
+  tokens = jnp.asarray(_reference('gpt2')['tokens'])
+  with jax.enable_x64(True):
+    cfg = exp.model.cfg.derive(dtype='float64', param_dtype='float64')
+    v0 = jax.tree.map(lambda a: jnp.asarray(a, jnp.float64), state.params)
+    logits0 = DecoderLM(cfg).apply(v0, tokens)
+    cfg1, v1 = convert.ln_to_rms(cfg, v0)
+    cfg2, v2 = convert.rms_to_crms(cfg1, v1)
+    logits2 = DecoderLM(cfg2).apply(v2, tokens)
+    err = float(jnp.max(jnp.abs(logits2 - logits0)))
+  assert cfg2.norm.kind == 'crmsnorm' and cfg2.d_model == cfg.d_model - 1
+  assert err <= 1e-9, err
+  assert np.abs(np.asarray(logits0) - _reference('gpt2')['logits']).max() <= 1e-4
+
+
+def _convert(src, out, **opts):
+  o = defaults.conversion_config()
+  o.update(opts)
+  workdir_lib.convert_workdir(src, str(out), o)
+  return str(out)
+
+
+def test_llama_to_recursive_at_full_svd_rank_equals_the_import(imported, tmp_path):
+  """convert.py --config.to=recursive on imported Llama (Relaxed Recursive Transformers,
+  arXiv:2410.20672): a cycle of 2 averaged sets with depth-wise LoRA from the SVD of each
+  layer's residual at full rank and per-layer norms reproduces the imported model."""
+  ref = _reference('llama')
+  out = _convert(imported['llama'], tmp_path / 'rec', to='recursive', scheme='cycle',
+                 num_unique=2, init='average', lora_rank=32, lora_init='svd',
+                 lora_targets='q,k,v,o,mlp_in,mlp_out', untie_norms=True)
+  assert workdir_lib.load_config(out).model.sharing.scheme == 'cycle'
+  assert np.abs(_logits(out, ref['tokens']) - ref['logits']).max() <= 1e-4
+  with pytest.raises(ConfigError, match='lora_rank=32'):   # LoRA has no Hugging Face form
+    export_hf.export_hf(out, str(tmp_path / 'hf'))
+  assert not (tmp_path / 'hf').exists()
+
+
+def test_tied_plan_exports_expanded(imported, tmp_path, capsys):
+  """A recursive (tied) conversion exports as its applied layers: re-imported, the same
+  logits as the tied workdir."""
+  ref = _reference('llama')
+  tied = _convert(imported['llama'], tmp_path / 'rec', to='recursive', scheme='cycle',
+                  num_unique=2, init='stepwise')
+  export_hf.export_hf(tied, str(tmp_path / 'hf'))
+  assert 'written expanded to its 4 applied layers' in capsys.readouterr().out
+  assert json.loads((tmp_path / 'hf' / 'config.json').read_text())['num_hidden_layers'] == 4
+  again = import_hf.import_hf(str(tmp_path / 'hf'), str(tmp_path / 'again'))['workdir']
+  np.testing.assert_allclose(_logits(again, ref['tokens']), _logits(tied, ref['tokens']),
+                             rtol=0, atol=1e-5)
+
+
+def test_eval_generates_greedily_with_the_imported_tokenizer(imported):
+  """eval.py --prompt's library call on an imported model: its tokenizer encodes the prompt,
+  and the first greedy token is the argmax of the imported model's logits."""
+  from sharenet.data import tokenizer as tokenizer_lib
+  workdir = imported['llama']
+  (row,) = workdir_lib.generate_from_workdir(
+      workdir, None, {}, ['Hello world'], max_new_tokens=3, temperature=0.0, top_k=0,
+      top_p=1.0, seed=0, num_samples=1, eos_id=None)
+  assert row['num_tokens'] == 3
+  tok = tokenizer_lib.for_data(workdir_lib.load_config(workdir).data)
+  prompt = tok.encode('Hello world')
+  first = int(np.argmax(_logits(workdir, prompt[None].astype(np.int32))[0, -1]))
+  assert row['text'].startswith(tok.decode([first]))
+
+
+@pytest.mark.slow
+def test_train_continues_an_imported_workdir(imported, tmp_path, repo_root):
+  """train.py --config configs/workdir.py:W continues an import on the user's token ids (a
+  fresh optimizer state: the imported config has train.restore=params)."""
+  workdir = str(tmp_path / 'w')
+  shutil.copytree(imported['llama'], workdir)
+  tokens = tmp_path / 'tokens.bin'
+  np.random.default_rng(0).integers(0, 63, 20000).astype(np.uint16).tofile(tokens)
+  env = dict(os.environ, PYTHONPATH=repo_root)
+  r = subprocess.run([sys.executable, os.path.join(repo_root, 'train.py'),
+                      f'--config={repo_root}/configs/workdir.py:{workdir}', f'--workdir={workdir}',
+                      '--config.data.source=bin', f'--config.data.path={tokens}',
+                      '--config.train.steps=2', '--config.train.batch_size=2',
+                      '--config.train.seq_len=16', '--config.train.eval_batch_size=2',
+                      '--config.data.eval_tokens=64', '--config.train.warmup_steps=1',
+                      '--config.train.progress=False'],
+                     capture_output=True, text=True, env=env, cwd=repo_root)
+  assert r.returncode == 0, r.stderr[-2000:]
+  assert 'optimizer state is fresh' in r.stdout
+  assert np.isfinite(json.loads(r.stdout.strip().splitlines()[-1])['eval_loss'])
+
+
+def test_gpt2_head_shared_copies_whole_heads_with_their_biases(imported, tmp_path):
+  """convert.py --config.to=head_shared (DirectShare, arXiv:2402.11819) on imported GPT-2:
+  each replaced head is its source head, q / k / v biases included."""
+  from sharenet.models import layout as model_layout
+  out = _convert(imported['gpt2'], tmp_path / 'hs', to='head_shared', share_rate=0.25)
+  record = json.loads((tmp_path / 'hs' / 'config.json').read_text())['head_sharing']
+  assert len(record['replaced']) == 2 and record['distinct_heads'] == record['heads'] - 2
+  config = workdir_lib.load_config(out)
+  state, _, exp = workdir_lib.restore_state(config, out)
+  layers = model_layout.applied_params(state.params['params'], exp.model.cfg)
+  for r in record['replaced']:
+    for t in 'qkv':
+      for leaf in ('kernel', 'bias'):
+        a = np.asarray(layers[('attn', t, leaf)])
+        head = (lambda x, l, h: x[l, :, h]) if leaf == 'kernel' else (lambda x, l, h: x[l, h])
+        np.testing.assert_array_equal(head(a, r['layer'], r['head']),
+                                      head(a, r['source_layer'], r['source_head']))
+
+
+@pytest.mark.slow
+def test_llama_recursive_error_shrinks_with_the_svd_rank(imported):
+  """Relaxed Recursive Transformers' trade-off on imported Llama: the distance of a cycle of
+  2 averaged sets to the import falls as the SVD-LoRA rank grows, and vanishes at full rank."""
+  from sharenet.models import DecoderLM
+  from sharenet.transforms import convert
+  config = workdir_lib.load_config(imported['llama'])
+  state, _, exp = workdir_lib.restore_state(config, imported['llama'])
+  tokens = jnp.asarray(_reference('llama')['tokens'])
+  ref = np.asarray(jax.jit(exp.model.apply)(state.params, tokens))
+  errs = []
+  for rank in (0, 8, 16, 32):
+    rcfg, rv = convert.to_recursive(exp.model.cfg, state.params, scheme='cycle', num_unique=2,
+                                    init='average', lora_rank=rank, lora_init='svd',
+                                    lora_targets=('q', 'k', 'v', 'o', 'mlp_in', 'mlp_out'),
+                                    untie_norms=True, lora_layers='shared')
+    errs.append(float(np.abs(np.asarray(jax.jit(DecoderLM(rcfg).apply)(rv, tokens)) - ref).max()))
+  assert errs[0] > errs[1] > errs[2] > errs[3] and errs[3] <= 1e-4, errs
