@@ -253,8 +253,8 @@ def _resolve(c: ModelConfig) -> list[tuple[str, Any]]:
 
 def _check_keys(c: ModelConfig) -> None:
   """The top-level keys' choices and ranges."""
-  for field, valid in (('mlp', MLPS), ('proj_bias', PROJ_BIASES), ('position', POSITIONS), ('remat', REMATS),
-                       ('scan_lowering', LOWERINGS), ('dtype', DTYPES), ('param_dtype', DTYPES),
+  for field, valid in (('mlp', MLPS), ('proj_bias', PROJ_BIASES), ('position', POSITIONS),
+                       ('remat', REMATS), ('scan_lowering', LOWERINGS), ('dtype', DTYPES), ('param_dtype', DTYPES),
                        ('kernels', KERNELS), ('dense_grad', DENSE_GRADS),
                        ('attention', ATTENTIONS), ('attention_sharing', ATTENTION_SHARINGS),
                        ('kv_sharing', KV_SHARINGS)):

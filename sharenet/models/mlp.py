@@ -1,4 +1,5 @@
-"""Feed-forward block: SwiGLU, GeGLU, GELU or SELU, optionally with a norm on the hidden pre-activations.
+"""Feed-forward block: SwiGLU, GeGLU, GELU or SELU, optionally with a norm on the hidden
+pre-activations.
 
 `model.mlp = selu` is the self-normalizing network of Klambauer et al. ("Self-Normalizing Neural
 Networks", arXiv:1706.02515): h = selu(x W_in) with selu(z) = lambda z (z > 0),
