@@ -220,3 +220,23 @@ def test_cli_train_with_experts(tmp_path, train_cmd, subprocess_env):
   assert np.isfinite(out['eval_loss'])
   config = json.load(open(tmp_path / 'config.json'))
   assert config['model']['moe']['kind'] == 'sigma_moe'
+
+
+@pytest.mark.slow
+def test_coord_check_sigma_moe_universal():
+  """A universal sigma-MoE model (one stored set of 4 experts applied twice): under mup the
+  activations' scale is flat in width (experts hidden matrices of their own fan-in, the selector
+  an output weight); under sp the residual stream grows (the negative control)."""
+  from configs.mup import coord_check as cc_config
+  from sharenet.studies import coord_check
+  c = cc_config.get_config()
+  c.model.num_layers, c.train.batch_size, c.train.seq_len = 2, 4, 16
+  c.model.sharing.scheme, c.model.sharing.num_unique = 'universal', 1
+  c.model.moe.kind, c.model.moe.num_experts, c.model.moe.top_k = 'sigma_moe', 4, 2
+  s = c.study
+  s.steps, s.seeds, s.width_values, s.width_variants = 3, 1, '32,64,128', 'sp,mup'
+  res = coord_check.run_axis(c, 'width', log=lambda m: None)
+  worst = coord_check.summary(res)
+  for a in ('residual', 'mlp_out', 'attn_out', 'embed_out'):
+    assert worst['mup'][a] < 0.2, (a, worst['mup'])
+  assert max(res['variants']['sp']['slopes']['residual'][1:]) > 0.4, res['variants']['sp']
