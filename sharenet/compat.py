@@ -148,18 +148,20 @@ def _features() -> tuple[Feature, ...]:
   mo = 'model.moe.'
   moe_refuses = (('expert_choice', MOE_ROUTED), ('token_choice', MOE_ROUTED),
                  ('umup', MOE_UMUP), ('nap', MOE_NAP), ('exit_all', MOE_EXITS))
-  experts = [
+  # The dispatch features come first: a config holding one holds a kind too, and a refused
+  # pair's line names the first feature of the table that refuses it.
+  experts = [Feature(f'moe_{d}', 'moe_dispatch',
+                     ((mo + 'dispatch', d), (mo + 'kind', 'sigma_moe'), (mo + 'num_experts', 4),
+                      (mo + 'top_k', 2)),
+                     lambda c, d=d: _get(c, mo + 'kind') != 'none' and
+                     _get(c, mo + 'dispatch') == d, moe_refuses)
+             for d in ('ragged_dot', 'reference')]
+  experts += [
       _setting('sigma_moe', 'moe', mo + 'kind', 'sigma_moe', (mo + 'num_experts', 4),
                (mo + 'top_k', 2), refuses=moe_refuses),
       _setting('switch', 'moe', mo + 'kind', 'switch', (mo + 'num_experts', 4), (mo + 'top_k', 1),
                refuses=moe_refuses + tuple((a, CAPACITY) for a in (
                    'generation', 'loop_inference', 'test_time_depth')))]
-  experts += [Feature(f'moe_{d}', 'moe_dispatch',
-                      ((mo + 'dispatch', d), (mo + 'kind', 'sigma_moe'), (mo + 'num_experts', 4),
-                       (mo + 'top_k', 2)),
-                      lambda c, d=d: _get(c, mo + 'kind') != 'none' and
-                      _get(c, mo + 'dispatch') == d, moe_refuses)
-              for d in ('ragged_dot', 'reference')]
   per_layer = 'model.scan_layers=False reuses one module per set: no per-layer parts'
   structure = [
       _setting('flat', 'lowering', 'model.scan_lowering', 'flat'),
