@@ -73,6 +73,13 @@ ROUTED_LOOPS = 'routing picks each token\'s loops itself'
 UMUP_DEPTH = 'the u-muP residual rule counts applied layers, which the depth changes'
 NO_INJECT = 'loop-by-loop inference applies the stored layers without re-entering the input'
 PER_LOOP_PARTS = 'per-layer parts exist for the plan\'s R loops only; a sampled depth runs others'
+MOE_ROUTED = 'routed recursions rebuild the layer carry that holds the experts\' aux loss'
+MOE_UMUP = 'u-muP\'s unit-scaled ops have no expert rule'
+MOE_NAP = 'NaP\'s pre-activation norms norm the dense MLP\'s hidden units, which experts lack'
+MOE_MLP = 'the experts are ReLU (sigma_moe, MoEUT\'s) or take model.mlp swiglu / gelu (switch)'
+MOE_EXITS = 'the exits\' pass through the coda does not collect the experts\' aux loss'
+CAPACITY = 'Switch capacity counts the call\'s tokens, so a cached or one-token pass drops ' \
+    'other tokens than the full forward'
 KV_LOOP = 'kv sharing reuses the first loop\'s keys and values in the later loops of the plan\'s ' \
     'one looped cycle segment, which it lacks'
 
@@ -138,6 +145,26 @@ def _features() -> tuple[Feature, ...]:
        'model is not implemented') for n in ('expert_choice', 'token_choice')) + (
       ('poisson_lognormal', 'a no-grad prefix would hold the first loop and leave the keys and '
        'values every later loop reads without gradient'),))]
+  # model.moe (models/moe.py): experts in the feed-forward's place; the dispatch features run
+  # sigma_moe with that grouped matmul (a switch row keeps its own kind: 'switch' sorts later).
+  mo = 'model.moe.'
+  moe_refuses = (('expert_choice', MOE_ROUTED), ('token_choice', MOE_ROUTED),
+                 ('umup', MOE_UMUP), ('nap', MOE_NAP), ('exit_all', MOE_EXITS),
+                 ('geglu', MOE_MLP), ('selu', MOE_MLP))
+  # The dispatch features come first: a config holding one holds a kind too, and a refused
+  # pair's line names the first feature of the table that refuses it.
+  experts = [Feature(f'moe_{d}', 'moe_dispatch',
+                     ((mo + 'dispatch', d), (mo + 'kind', 'sigma_moe'), (mo + 'num_experts', 4),
+                      (mo + 'top_k', 2)),
+                     lambda c, d=d: _get(c, mo + 'kind') != 'none' and
+                     _get(c, mo + 'dispatch') == d, moe_refuses)
+             for d in ('ragged_dot', 'reference')]
+  experts += [
+      _setting('sigma_moe', 'moe', mo + 'kind', 'sigma_moe', (mo + 'num_experts', 4),
+               (mo + 'top_k', 2), refuses=moe_refuses),
+      _setting('switch', 'moe', mo + 'kind', 'switch', (mo + 'num_experts', 4), (mo + 'top_k', 1),
+               refuses=moe_refuses + tuple((a, CAPACITY) for a in (
+                   'generation', 'loop_inference', 'test_time_depth')))]
   per_layer = 'model.scan_layers=False reuses one module per set: no per-layer parts'
   structure = [
       _setting('flat', 'lowering', 'model.scan_lowering', 'flat'),
@@ -159,9 +186,9 @@ def _features() -> tuple[Feature, ...]:
                if f.name in ('kv_shared', 'qkv_shared') else f for f in attention]
   norms = [_setting(k, 'norm', 'model.norm.kind', k)
            for k in ('layernorm', 'crmsnorm', 'scalenorm', 'dyt', 'none', 'lpnorm')]
-  # model.mlp=selu with no norm: Klambauer et al.'s self-normalizing baseline, a norm choice;
-  # before `none`, so a refusal of a selu config names selu.
-  norms.insert(4, _setting('selu', 'norm', 'model.mlp', 'selu', ('model.norm.kind', 'none')))
+  # model.mlp=selu: Klambauer et al.'s self-normalizing feed-forward, on the mlp axis with GeGLU;
+  # its pair with the norm `none` is the paper's normalization-free baseline.
+  norms.append(_setting('selu', 'mlp', 'model.mlp', 'selu'))
   placements = [_setting('post', 'placement', 'model.norm.placement', 'post',
                          refuses=(('umup', 'u-muP\'s residual rule needs pre or peri norms'),)),
                 _setting('peri', 'placement', 'model.norm.placement', 'peri',
@@ -181,8 +208,7 @@ def _features() -> tuple[Feature, ...]:
                         'weight_conditioning', 'compander')]
   no_gain = 'scale_vectors reparameterises norm gain vectors and this norm has none'
   reparams.append(_setting('scale_vectors', 'reparam', 'transforms.reparam', 'scale_vectors',
-                           contains=True, refuses=(('none', no_gain), ('scalenorm', no_gain),
-                                                   ('selu', no_gain))))
+                           contains=True, refuses=(('none', no_gain), ('scalenorm', no_gain))))
   projections = [_setting(p, 'project', 'transforms.project', p)
                  for p in ('ngpt', 'norm_project')]
   projections.append(_setting('nap', 'project', 'transforms.project', 'nap',
@@ -214,9 +240,9 @@ def _features() -> tuple[Feature, ...]:
   actions = [Feature('generation', 'generation', (), lambda c: False, action=True),
              Feature('loop_inference', 'loop_inference', (), lambda c: False, action=True),
              Feature('test_time_depth', 'test_time_depth', (), lambda c: False, action=True)]
-  return tuple(schemes + routers + recurrent + kv + structure + attention + norms + placements +
-               qk + pzs + loop_rules + reparams + projections + updates + remats + numerics +
-               imported + actions)
+  return tuple(schemes + routers + recurrent + kv + experts + structure + attention + norms +
+               placements + qk + pzs + loop_rules + reparams + projections + updates + remats +
+               numerics + imported + actions)
 
 
 FEATURES = _features()
@@ -330,6 +356,9 @@ def markdown() -> str:
            '| feature | axis | setting |', '|---|---|---|']
   lines += [f'| {f.name} | {f.axis} | `{f.label}` |' if not f.action else
             f'| {f.name} | {f.axis} | (an operation on a trained model) |' for f in FEATURES]
+  lines += ['', '`model.moe.dispatch=auto` (the default) runs `moe_ragged_dot` '
+            '(`jax.lax.ragged_dot`) on GPU / TPU and `moe_reference` (sorted rows in blocks) on '
+            'CPU, where ragged_dot expands to every expert (docs/moe.md).']
   refused = [(a, b, why) for a, b, why in pairs() if why]
   works = len(pairs()) - len(refused)
   lines += ['', f'{works} pairs work; {len(refused)} are refused:', '',

@@ -160,10 +160,12 @@ def test_shared_set_gets_one_tau_per_application():
 
 def _fake_lm():
   """A stand-in model whose `apply` returns the given logits (so d loss / d logits is a grad);
-  unrouted and not recurrent, as loss_fn reads model.cfg.routing and .recurrent_segment."""
+  unrouted, without experts and not recurrent, as loss_fn reads model.cfg.routing, .moe and
+  .recurrent_segment."""
   return types.SimpleNamespace(apply=lambda params, tokens, mutable=(): (params, {}),
                                cfg=types.SimpleNamespace(
                                    routing=types.SimpleNamespace(kind='none'),
+                                   moe=types.SimpleNamespace(kind='none'),
                                    recurrent_segment=None))
 
 
