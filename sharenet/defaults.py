@@ -110,6 +110,29 @@ def default_config() -> ml_collections.ConfigDict:
                               # re-enters every loop (concat: adapter on [state; injected])
   rc.init = 'embed'           # embed | zeros | normal: the state entering the first loop (embed:
                               # the stream itself, the only choice with injection none)
+  m.moe = mo = ml_collections.ConfigDict()   # experts inside the blocks (docs/moe.md)
+  mo.kind = 'none'            # none | sigma_moe | switch: the feed-forward as experts; sigma_moe
+                              # (MoEUT, arXiv:2405.16039): sigmoid-gated top-k of small ReLU
+                              # experts; switch (arXiv:2101.03961): softmax top-1 with a capacity
+  mo.num_experts = 8          # stored experts per block (tied with the block's set)
+  mo.top_k = 0                # experts each token runs; 0 -> the kind's: switch 1, sigma_moe 2
+  mo.expert_dim = 0           # hidden width of one expert; 0 -> mlp_dim // top_k (the executed
+                              # hidden width of a dense MLP)
+  mo.entropy_reg = 0.01       # sigma_moe: coefficient of the selection entropy regularizer
+                              # (MoEUT's gamma); 0 = off (never added to eval_loss)
+  mo.balance_loss = 0.01      # switch: coefficient of the load-balancing loss E sum_i f_i P_i
+  mo.capacity_factor = 1.25   # switch: an expert takes ceil(factor * tokens / experts) tokens;
+                              # the rest skip the feed-forward (the residual carries them)
+  mo.dispatch = 'auto'        # auto | ragged_dot | reference: grouped matmul of the routed
+                              # tokens; ragged_dot = jax.lax.ragged_dot, reference = sorted
+                              # tokens in row blocks; auto = ragged_dot on GPU / TPU, reference
+                              # on CPU (where ragged_dot expands to every expert)
+  mo.attention = 'none'       # none | switchhead (MoEUT's expert value / output projections;
+                              # not built yet)
+  mo.attention_experts = 8    # switchhead: experts per head
+  mo.attention_top_k = 2      # switchhead: experts each token's head runs
+  mo.lora_experts = 0         # Mixture of LoRAs (arXiv:2512.12880): routed LoRA experts on the
+                              # shared feed-forward; 0 = off (not built yet)
   m.norm = n = ml_collections.ConfigDict()
   n.kind = 'rmsnorm'          # layernorm | rmsnorm | crmsnorm | scalenorm | dyt | none
   n.placement = 'pre'         # pre | post | peri
@@ -205,6 +228,7 @@ def default_config() -> ml_collections.ConfigDict:
   mh.data = -1                # data-parallel replicas; -1 -> the devices left by fsdp, tensor
   mh.fsdp = 1                 # params and optimizer state sharded over embed (ZeRO-3 style)
   mh.tensor = 1               # tensor parallel: attention heads, MLP hidden, vocab
+  mh.expert = 1               # expert parallel: model.moe's experts (must divide num_experts)
   mh.distributed = False      # multi-host: jax.distributed.initialize()
                               # (or $SHARENET_DISTRIBUTED=1)
   # Logical axis -> mesh axes (first match wins; see sharenet/sharding.py). Scan axes unsharded.
@@ -214,7 +238,7 @@ def default_config() -> ml_collections.ConfigDict:
       ('activation_mlp', 'tensor'), ('activation_vocab', 'tensor'),
       ('embed', 'fsdp'), ('heads', 'tensor'), ('kv_heads', 'tensor'), ('mlp', 'tensor'),
       ('vocab', 'tensor'), ('head_dim', None), ('length', None), ('lora', None),
-      ('layers', None), ('repeats', None), ('atoms', None),
+      ('layers', None), ('repeats', None), ('atoms', None), ('experts', 'expert'),
   )
 
   c.dry_run = False           # print params' shardings and the step's memory, then exit

@@ -104,8 +104,10 @@ from sharenet.models.scaling import KINDS, LOOP_RULES, UNTIEABLE, WD_MODES, Sett
 # 'inject': the [state; injected] input of recurrent depth's adapter, 2 x embed
 # (models/recurrence.py).
 WIDTH_AXES = frozenset({'embed', 'mlp', 'heads', 'kv_heads', 'head_dim', 'inject'})
-# Leading axes that index separate matrices, never width: scan axes and the MASA atom index.
-SCAN_AXES = frozenset({'layers', 'repeats', 'atoms'})
+# Leading axes that index separate matrices, never width: scan axes, the MASA atom index and
+# the expert index (models/moe.py: each expert's matrices are hidden matrices of their own
+# fan-in; the expert selector's rows are output weights, like the recursion routers').
+SCAN_AXES = frozenset({'layers', 'repeats', 'atoms', 'experts'})
 FINITE_AXES = frozenset({'vocab', 'length', 'lora'})
 # Preset roles (the rule tables' rows) of the table's roles (sharenet/params.py).
 PRESET_ROLE = {'reader': 'hidden', 'writer': 'hidden', 'readout': 'readout', 'router': 'output',

@@ -28,7 +28,8 @@ Roles:
               MASA atoms forming one
   readout     the untied head kernel (embed, vocab)
   router      a router's output kernel (embed or mlp -> one logit per recursion or expert): a
-              muP output weight, its fan-out finite (Mixture-of-Recursions' routers)
+              muP output weight, its fan-out finite (Mixture-of-Recursions' routers; model.moe's
+              expert selectors, one row per expert on a leading 'experts' axis)
   lora        a depth-wise LoRA factor (A or B)
   norm_in     parameter of a norm on a branch input, or of a QK-norm
   norm_out    parameter of a norm on a branch output, or of the final norm
@@ -53,8 +54,9 @@ from sharenet.errors import ConfigError
 
 PER_LAYER = 'per_layer'   # collection scanned per applied layer while 'params' may be tied
 REPARAM = 'reparam'       # collection of reparameterization gains (sharenet/transforms/reparam.py)
-# Leading axes indexing separate matrices: scan axes, and the MASA atom index (models/masa.py).
-STACK_AXES = ('layers', 'repeats', 'atoms')
+# Leading axes indexing separate matrices: scan axes, the MASA atom index (models/masa.py) and
+# the expert index of model.moe's stacks (models/moe.py: each expert a matrix of its own fan-in).
+STACK_AXES = ('layers', 'repeats', 'atoms', 'experts')
 KERNEL_ROLES = ('reader', 'writer', 'readout')
 MATRIX_ROLES = KERNEL_ROLES + ('embedding', 'pos_embed', 'lora', 'router')
 ROLES = MATRIX_ROLES + ('norm_in', 'norm_out', 'bias', 'scalar', 'reparam')

@@ -1,9 +1,11 @@
 """Mesh, logical-axis rules, shardings of the train state, multi-host start-up, dry-run report.
 
 Modules name every parameter and activation axis (`embed`, `heads`, `activation_batch`, ...);
-`config.mesh.rules` maps those names to the mesh axes `data`, `fsdp`, `tensor` (first matching
-rule wins, a mesh axis is used once per array). The scan axes `layers` / `repeats` of stacked
-and shared sets are never sharded: each device holds its slice of every unique set.
+`config.mesh.rules` maps those names to the mesh axes `data`, `fsdp`, `tensor`, `expert` (first
+matching rule wins, a mesh axis is used once per array). The scan axes `layers` / `repeats` of
+stacked and shared sets are never sharded: each device holds its slice of every unique set. The
+`experts` axis of model.moe's expert stacks maps to `expert` (expert parallelism); an expert axis
+that does not divide model.moe.num_experts is a ConfigError (`validate`).
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from sharenet.errors import ConfigError
 
-MESH_AXES = ('data', 'fsdp', 'tensor')
+MESH_AXES = ('data', 'fsdp', 'tensor', 'expert')
 DISTRIBUTED_ENV = 'SHARENET_DISTRIBUTED'
 
 Rules = Sequence[tuple[str, Any]]
@@ -42,8 +44,9 @@ def maybe_initialize_distributed(config: Any) -> bool:
 
 
 def mesh_shape(mesh_cfg: Any, num_devices: int) -> tuple[int, ...]:
-  """(data, fsdp, tensor) sizes; one of them may be -1 to take the remaining devices."""
-  sizes = [int(mesh_cfg[a]) for a in MESH_AXES]
+  """(data, fsdp, tensor, expert) sizes; one of them may be -1 to take the remaining devices
+  (a config written before mesh.expert existed has expert 1)."""
+  sizes = [int(mesh_cfg[a]) if a in mesh_cfg else 1 for a in MESH_AXES]
   desc = ', '.join(f'mesh.{a}={s}' for a, s in zip(MESH_AXES, sizes))
   if any(s == 0 or s < -1 for s in sizes) or sizes.count(-1) > 1:
     raise ConfigError(f'{desc}: each must be >= 1, with at most one -1 (the remaining devices)')
@@ -76,7 +79,7 @@ def rules_of(mesh_cfg: Any) -> tuple[tuple[str, Any], ...]:
 
 
 def make_mesh(mesh_cfg: Any) -> Mesh:
-  """The (data, fsdp, tensor) mesh over all devices (all processes).
+  """The (data, fsdp, tensor, expert) mesh over all devices (all processes).
 
   jax.make_mesh orders devices for the physical topology. With several processes each must
   hold one contiguous block of batch rows (the data pipeline reads such a block); if that
@@ -118,6 +121,11 @@ def validate(config: Any, num_devices: int) -> None:
   batch_axes = nn.logical_to_mesh_axes(('activation_batch',), rules)[0]
   n = math.prod(shape[a] for a in (batch_axes if isinstance(batch_axes, tuple)
                                    else (batch_axes,)) if a is not None)
+  moe = config.model.get('moe')
+  if moe is not None and moe.kind != 'none' and moe.num_experts % shape['expert']:
+    raise ConfigError(f'mesh.expert={shape["expert"]} does not divide model.moe.num_experts='
+                      f'{moe.num_experts}; valid: mesh.expert among the divisors '
+                      f'{[d for d in range(1, moe.num_experts + 1) if moe.num_experts % d == 0]}')
   t = config.train
   for name, rows in (('train.batch_size / train.grad_accum', t.batch_size // t.grad_accum),
                      ('train.eval_batch_size', t.eval_batch_size)):

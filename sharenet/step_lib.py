@@ -17,7 +17,7 @@ import optax
 from sharenet import eval_lib, optim, parametrization, recurrence
 from sharenet.errors import ConfigError
 from sharenet.models import DecoderLM, ModelConfig, init_variables
-from sharenet.models import routing, unit_scale
+from sharenet.models import moe, routing, unit_scale
 from sharenet.transforms import Transforms
 
 
@@ -112,7 +112,8 @@ def loss_fn(params: Any, tstate: Any, batch_BT1: jax.Array, depth: Any = None, *
 
   A routed model (model.routing, Mixture-of-Recursions) adds its weighted auxiliary losses to
   the value (eval_loss never has them) and reports them and the realised capacities as
-  `routing_*` entries of the returned collections (models/routing.py aux_loss).
+  `routing_*` entries of the returned collections (models/routing.py aux_loss); a model with
+  experts (model.moe) adds their summed weighted aux loss, reported as `moe_aux_loss`.
 
   A recurrent-depth model (model.recurrence) or trained exits (`loops`, train.exit_loss) run
   sharenet/recurrence.py's loss at this step's `depth` (None: the fixed depth) and `step`.
@@ -122,15 +123,24 @@ def loss_fn(params: Any, tstate: Any, batch_BT1: jax.Array, depth: Any = None, *
                            loops or recurrence.StepLoops(), step, tuple(mutable))
   s = 1.0 if pz is None else pz.loss_grad_scale
   routed = model.cfg.routing.kind != 'none'
+  experts = model.cfg.moe.kind != 'none'
   if routed:   # Mixture-of-Recursions: its aux losses join the training loss (not eval_loss)
     mutable = tuple(mutable) + (routing.ROUTING,)
+  if experts:  # model.moe: the experts' entropy / balancing losses join it too (models/moe.py)
+    mutable = tuple(mutable) + (moe.MOE,)
   nll_BT, aux = eval_lib.token_nll(model, effective(params, tstate, tr, pz), batch_BT1, mutable,
                                    logits_grad_scale=s)
-  if routed:
-    aux = dict(aux)
-    router_loss, router_metrics = routing.aux_loss(model.cfg, aux.pop(routing.ROUTING))
-    aux.update(router_metrics)
-    return jnp.mean(nll_BT) + router_loss, aux
+  if routed or experts:
+    aux, extra = dict(aux), jnp.zeros((), jnp.float32)
+    if routed:
+      router_loss, router_metrics = routing.aux_loss(model.cfg, aux.pop(routing.ROUTING))
+      aux.update(router_metrics)
+      extra = extra + router_loss
+    if experts:
+      moe_loss = aux.pop(moe.MOE)['aux_loss'][0]
+      aux['moe_aux_loss'] = moe_loss
+      extra = extra + moe_loss
+    return jnp.mean(nll_BT) + extra, aux
   if s == 1.0:
     return jnp.mean(nll_BT), aux
   return unit_scale.scale_fwd(jnp.sum(nll_BT), 1.0 / nll_BT.size), aux

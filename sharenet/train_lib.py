@@ -174,7 +174,7 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, float]:
                  **{mfu_ref.name: window['flops'] * tokens_per_step / dt / mfu_ref.flops},
                  **flops_at.row(depth),
                  **{k: float(v) for k, v in metrics.items()
-                    if k.startswith(('routing_', 'exit_loss_'))})
+                    if k.startswith(('routing_', 'exit_loss_', 'moe_'))})
       writer.write(step, **row)
       last.clear()
       last.update(row)

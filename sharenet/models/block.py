@@ -24,6 +24,7 @@ from sharenet.models.attention import BRANCH as ATTN, CausalAttention, DecodeSte
 from sharenet.models.config import ModelConfig
 from sharenet.models.layers import sow_l1
 from sharenet.models.mlp import BRANCH as MLP, Mlp
+from sharenet.models.moe import MoeFfn
 from sharenet.models import unit_scale
 from sharenet import kernels as kernel_lib
 from sharenet.kernels import norms as norm_kernels
@@ -34,10 +35,14 @@ ACT_AXES = ('activation_batch', 'activation_length', 'activation_embed')
 
 
 class Stream(NamedTuple):
-  """The carry of the layer scans: the residual stream, and the applied layer index that
-  u-muP's residual rule reads (None otherwise)."""
+  """The carry of the layer scans: the residual stream, the applied layer index that u-muP's
+  residual rule reads (None otherwise), and the summed weighted aux losses of model.moe's
+  experts (a float32 scalar where a training or evaluation pass collects them, models/moe.py;
+  None otherwise). Riding in the carry, the aux loss passes through every lowering of the loop
+  runner as the stream does."""
   x_BTD: jax.Array
   layer: jax.Array | None = None
+  aux: jax.Array | None = None
 
 
 class Shared(NamedTuple):
@@ -89,8 +94,18 @@ class Block(nn.Module):
 
     a, m = ATTN, MLP
 
-    attention, mlp_module = CausalAttention(c, name='attn'), Mlp(c, name='mlp')
-    mlp = lambda h_BTD: mlp_module(h_BTD, masa)
+    attention = CausalAttention(c, name='attn')
+    auxes = []   # model.moe: each application's weighted aux loss, added to the carry's
+    if c.moe.kind != 'none':
+      moe_module = MoeFfn(c, name='moe')
+
+      def mlp(h_BTD):
+        out, aux = moe_module(h_BTD)
+        auxes.append(aux)
+        return out
+    else:
+      mlp_module = Mlp(c, name='mlp')
+      mlp = lambda h_BTD: mlp_module(h_BTD, masa)
 
     def attn(h_BTD, positions_T, segment_ids_BT):
       out = attention(h_BTD, positions_T, segment_ids_BT, cache, step, masa, shared_kv,
@@ -101,7 +116,7 @@ class Block(nn.Module):
       return out
 
     if c.umup_residual:                # u-muP: pre or peri (post rejected by the parametrization)
-      x_BTD, layer = carry
+      x_BTD, layer = carry.x_BTD, carry.layer
       if c.norm.placement == 'pre':
         f_attn = lambda x: attn(norm('attn_norm', a)(x), positions_T, segment_ids_BT)
         f_mlp = lambda x: mlp(norm('mlp_norm', m)(x))
@@ -114,7 +129,7 @@ class Block(nn.Module):
         x_BTD = unit_scale.residual_apply(f, x_BTD, tau).astype(x_BTD.dtype)
       sow_l1(self, 'residual', x_BTD)
       x_BTD = nn.with_logical_constraint(x_BTD, ACT_AXES)
-      return Stream(x_BTD, layer + 1), (updated or [None])[0]
+      return carry._replace(x_BTD=x_BTD, layer=layer + 1), (updated or [None])[0]
     x_BTD = carry.x_BTD
     fuse = c.norm.kind in norm_kernels.KINDS and kernel_lib.use_pallas(c.kernels)
     if c.norm.placement == 'pre' and fuse:   # the same, the first add fused with the MLP norm
@@ -132,5 +147,7 @@ class Block(nn.Module):
           attn(norm('attn_norm', a)(x_BTD), positions_T, segment_ids_BT))
       x_BTD = x_BTD + norm('mlp_out_norm', m, 'norm_out')(mlp(norm('mlp_norm', m)(x_BTD)))
     sow_l1(self, 'residual', x_BTD)
+    if carry.aux is not None and auxes:
+      carry = carry._replace(aux=carry.aux + sum(auxes))
     return carry._replace(x_BTD=nn.with_logical_constraint(x_BTD, ACT_AXES)), \
         (updated or [None])[0]

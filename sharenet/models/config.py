@@ -22,8 +22,8 @@ from sharenet import defaults, sharing
 from sharenet.errors import ConfigError
 from sharenet.kernels import ATTENTIONS, DENSE_GRADS, KERNELS
 from sharenet.models import scaling
-from sharenet.models.sections import (MasaConfig, NormConfig, RecurrenceConfig, RoutingConfig,
-                                      SharingConfig, choice, key, section)
+from sharenet.models.sections import (MasaConfig, MoeConfig, NormConfig, RecurrenceConfig,
+                                      RoutingConfig, SharingConfig, choice, key, section)
 
 MLPS = ('swiglu', 'gelu')
 POSITIONS = ('rope', 'learned', 'none')
@@ -83,6 +83,7 @@ class ModelConfig:
   routing: RoutingConfig = section(RoutingConfig)
   norm: NormConfig = section(NormConfig)
   recurrence: RecurrenceConfig = section(RecurrenceConfig)
+  moe: MoeConfig = section(MoeConfig)
   # Not a model key: the config.parametrization group, whose model-level scalars are resolved
   # below (the per-leaf rules are sharenet.parametrization's).
   parametrization: scaling.Settings = dataclasses.field(default_factory=scaling.Settings)
@@ -113,6 +114,8 @@ class ModelConfig:
                                                 # the fixed depth)
   kv_segment: int | None = _resolved()          # plan segment whose later loops read the first
                                                 # loop's keys and values (None: kv_sharing=none)
+  moe_top_k: int = _resolved()                  # moe.top_k, 0 -> the kind's (0 without experts)
+  moe_expert_dim: int = _resolved()             # moe.expert_dim, 0 -> mlp_dim // top_k
 
   def __post_init__(self):
     for f in dataclasses.fields(self):   # a section given as a dict of its keys (others default)
@@ -239,7 +242,37 @@ def _resolve(c: ModelConfig) -> list[tuple[str, Any]]:
   out.update(_resolve_routing(c, out['plan'], out['umup_residual']))
   out.update(_resolve_recurrence(c, out['plan'], out['umup_residual']))
   out['kv_segment'] = _kv_segment(c, out['plan'])
+  out.update(_resolve_moe(c))
   return list(out.items())
+
+
+def _resolve_moe(c: ModelConfig) -> dict[str, Any]:
+  """model.moe's resolved sizes (docs/moe.md), checking what the experts replace: the dense
+  MLP's LoRA / MASA targets and its pre-activation norms have no expert counterpart."""
+  mo = c.moe
+  if mo.kind == 'none':
+    return dict(moe_top_k=0, moe_expert_dim=0)
+  k = mo.k
+  what = f'model.moe.kind={mo.kind!r}'
+  for field, targets, on in (('sharing.lora_targets', c.sharing.lora_targets,
+                              c.sharing.lora_rank),
+                             ('masa.targets', c.masa.targets, c.masa.atoms)):
+    mlp = [t for t in targets if t.startswith('mlp')] if on else []
+    if mlp:
+      raise ConfigError(f'{what} replaces the dense MLP that model.{field} names '
+                        f'({",".join(mlp)}); valid: targets among q,k,v,o')
+  if c.parametrization.kind == 'umup':
+    raise ConfigError(f'{what}: u-muP\'s unit-scaled ops have no expert rule (the experts\' '
+                      f'gates and ReLU are not unit scaled); valid: parametrization.kind sp, '
+                      f'mup, mup_table3 or completep')
+  if c.norm.pre_activation != 'none':
+    raise ConfigError(f'{what}: model.norm.pre_activation={c.norm.pre_activation!r} norms the '
+                      f'dense MLP\'s hidden units, which experts do not have; valid: none')
+  dim = mo.expert_dim or c.mlp_dim // k
+  if dim < 1:
+    raise ConfigError(f'{what}: expert_dim 0 -> mlp_dim // top_k = {c.mlp_dim} // {k} = 0; '
+                      f'valid: expert_dim >= 1 or mlp_dim >= top_k')
+  return dict(moe_top_k=k, moe_expert_dim=dim)
 
 
 def _check_keys(c: ModelConfig) -> None:

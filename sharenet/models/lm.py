@@ -14,6 +14,7 @@ from sharenet.models.block import ACT_AXES, Shared, Stream
 from sharenet.models.config import ModelConfig
 from sharenet.models.layers import Dense, Embed, sow_l1
 from sharenet.models.masa import MasaAtoms
+from sharenet.models.moe import MOE
 from sharenet.models.loops import Schedule, looped
 from sharenet.models.stack import Stack, init_cache as init_layer_caches
 from sharenet import params
@@ -127,8 +128,12 @@ class DecoderLM(nn.Module):
     `schedule` changes the looped segment's loops (models/loops.py)."""
     # u-muP's residual rule carries the applied layer index (block.py).
     layer = jnp.zeros((), jnp.int32) if self.cfg.umup_residual else None
+    # model.moe: the experts' aux losses ride in the carry (block.Stream), sown as MOE
+    aux = jnp.zeros((), jnp.float32) if self.cfg.moe.kind != 'none' and step is None else None
     shared = Shared(positions_T, segment_ids_BT, step, self.atoms())
-    carry, layer_caches = self.stack(Stream(x_BTD, layer), shared, layer_caches, schedule)
+    carry, layer_caches = self.stack(Stream(x_BTD, layer, aux), shared, layer_caches, schedule)
+    if aux is not None:
+      self.sow(MOE, 'aux_loss', carry.aux)
     return carry.x_BTD if layer_caches is None else (carry.x_BTD, layer_caches)
 
   def head(self, x_BTD: jax.Array) -> jax.Array:

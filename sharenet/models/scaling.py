@@ -130,9 +130,15 @@ def base_config(cfg: Any) -> Any:
                       f'd_model {cfg.d_model} (and kv heads) must be integers; valid: base widths '
                       f'dividing the model evenly')
   kv0 = cfg.kv_heads * h0 // cfg.num_heads
+  e = cfg.moe.expert_dim   # experts are hidden matrices: their width scales with mlp_dim's
+  if (e * d0) % cfg.d_model:
+    raise ConfigError(f'parametrization.base_d_model={d0}: model.moe.expert_dim {e} x {d0} / '
+                      f'd_model {cfg.d_model} must be an integer; valid: base widths dividing '
+                      f'the model evenly')
   try:
     return cfg.derive(d_model=d0, num_heads=h0, num_kv_heads=kv0 if cfg.num_kv_heads else 0,
-                      mlp_dim=cfg.mlp_dim * d0 // cfg.d_model)
+                      mlp_dim=cfg.mlp_dim * d0 // cfg.d_model,
+                      moe={'expert_dim': e * d0 // cfg.d_model})
   except ConfigError as e:
     raise ConfigError(f'parametrization base model (base_d_model={d0}, base_num_heads={h0}): '
                       f'{e}') from None

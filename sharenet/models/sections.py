@@ -28,6 +28,9 @@ MASA_TARGETS = ('q', 'k', 'v', 'o', 'mlp_in', 'mlp_out')
 DEPTHS = ('fixed', 'poisson_lognormal')
 INJECTIONS = ('none', 'add', 'concat')
 STATE_INITS = ('embed', 'zeros', 'normal')
+MOE_KINDS = ('none', 'sigma_moe', 'switch')
+MOE_DISPATCHES = ('auto', 'ragged_dot', 'reference')
+MOE_ATTENTIONS = ('none', 'switchhead')
 _DEFAULTS = defaults.default_config().model
 
 
@@ -216,4 +219,60 @@ class RecurrenceConfig:
         ('fixed', 0.0, 0, 'none', 'embed')
 
 
-SECTIONS = (NormConfig, SharingConfig, RoutingConfig, MasaConfig, RecurrenceConfig)
+@dataclasses.dataclass(frozen=True)
+class MoeConfig:
+  """`config.model.moe`: experts inside the blocks (docs/moe.md). The feed-forward keys are
+  checked only with kind != none; SwitchHead attention and Mixture-of-LoRAs experts are keys of
+  the interface that are not built yet (one line each). What needs the rest of the model
+  (mlp_dim, the MLP's LoRA / MASA targets, the mesh) is the ModelConfig's or sharding's."""
+  KEY = 'moe'
+  kind: str = key('moe.kind')
+  num_experts: int = key('moe.num_experts')
+  top_k: int = key('moe.top_k')
+  expert_dim: int = key('moe.expert_dim')
+  entropy_reg: float = key('moe.entropy_reg', float)
+  balance_loss: float = key('moe.balance_loss', float)
+  capacity_factor: float = key('moe.capacity_factor', float)
+  dispatch: str = key('moe.dispatch')
+  attention: str = key('moe.attention')
+  attention_experts: int = key('moe.attention_experts')
+  attention_top_k: int = key('moe.attention_top_k')
+  lora_experts: int = key('moe.lora_experts')
+
+  def __post_init__(self):
+    choice('model.moe.kind', self.kind, MOE_KINDS)
+    choice('model.moe.attention', self.attention, MOE_ATTENTIONS)
+    if self.attention != 'none':
+      raise ConfigError(f'model.moe.attention={self.attention!r}: SwitchHead attention is not '
+                        f'built yet; valid: none')
+    if self.lora_experts:
+      raise ConfigError(f'model.moe.lora_experts={self.lora_experts}: Mixture-of-LoRAs experts '
+                        f'are not built yet; valid: 0')
+    if self.kind == 'none':
+      return
+    choice('model.moe.dispatch', self.dispatch, MOE_DISPATCHES)
+    if self.num_experts < 1:
+      raise ConfigError(f'model.moe.num_experts={self.num_experts} must be >= 1')
+    if not 0 <= self.top_k <= self.num_experts:
+      raise ConfigError(f'model.moe.top_k={self.top_k} with num_experts={self.num_experts}; '
+                        f'valid: 1..{self.num_experts}, or 0 (the kind\'s default)')
+    if self.kind == 'switch' and self.top_k not in (0, 1):
+      raise ConfigError(f'model.moe.top_k={self.top_k}: switch routes each token to one '
+                        f'expert; valid: 0 or 1 (sigma_moe for top-k)')
+    if self.expert_dim < 0:
+      raise ConfigError(f'model.moe.expert_dim={self.expert_dim} must be >= 0 (0: mlp_dim // '
+                        f'top_k)')
+    for name in ('entropy_reg', 'balance_loss'):
+      if getattr(self, name) < 0:
+        raise ConfigError(f'model.moe.{name}={getattr(self, name)} must be >= 0 (0 = off)')
+    if not self.capacity_factor > 0:
+      raise ConfigError(f'model.moe.capacity_factor={self.capacity_factor} must be > 0')
+
+  @property
+  def k(self) -> int:
+    """Experts each token runs (top_k, 0 -> the kind's: switch 1, sigma_moe 2 capped at
+    num_experts)."""
+    return self.top_k or (1 if self.kind == 'switch' else min(2, self.num_experts))
+
+
+SECTIONS = (NormConfig, SharingConfig, RoutingConfig, MasaConfig, RecurrenceConfig, MoeConfig)
