@@ -72,6 +72,12 @@ ROUTED_LOOPS = 'routing picks each token\'s loops itself'
 UMUP_DEPTH = 'the u-muP residual rule counts applied layers, which the depth changes'
 NO_INJECT = 'loop-by-loop inference applies the stored layers without re-entering the input'
 PER_LOOP_PARTS = 'per-layer parts exist for the plan\'s R loops only; a sampled depth runs others'
+MOE_ROUTED = 'routed recursions rebuild the layer carry that holds the experts\' aux loss'
+MOE_UMUP = 'u-muP\'s unit-scaled ops have no expert rule'
+MOE_NAP = 'NaP\'s pre-activation norms norm the dense MLP\'s hidden units, which experts lack'
+MOE_EXITS = 'the exits\' pass through the coda does not collect the experts\' aux loss'
+CAPACITY = 'Switch capacity counts the call\'s tokens, so a cached or one-token pass drops ' \
+    'other tokens than the full forward'
 KV_LOOP = 'kv sharing reuses the first loop\'s keys and values in the later loops of the plan\'s ' \
     'one looped cycle segment, which it lacks'
 
@@ -137,6 +143,23 @@ def _features() -> tuple[Feature, ...]:
        'model is not implemented') for n in ('expert_choice', 'token_choice')) + (
       ('poisson_lognormal', 'a no-grad prefix would hold the first loop and leave the keys and '
        'values every later loop reads without gradient'),))]
+  # model.moe (models/moe.py): experts in the feed-forward's place; the dispatch features run
+  # sigma_moe with that grouped matmul (a switch row keeps its own kind: 'switch' sorts later).
+  mo = 'model.moe.'
+  moe_refuses = (('expert_choice', MOE_ROUTED), ('token_choice', MOE_ROUTED),
+                 ('umup', MOE_UMUP), ('nap', MOE_NAP), ('exit_all', MOE_EXITS))
+  experts = [
+      _setting('sigma_moe', 'moe', mo + 'kind', 'sigma_moe', (mo + 'num_experts', 4),
+               (mo + 'top_k', 2), refuses=moe_refuses),
+      _setting('switch', 'moe', mo + 'kind', 'switch', (mo + 'num_experts', 4), (mo + 'top_k', 1),
+               refuses=moe_refuses + tuple((a, CAPACITY) for a in (
+                   'generation', 'loop_inference', 'test_time_depth')))]
+  experts += [Feature(f'moe_{d}', 'moe_dispatch',
+                      ((mo + 'dispatch', d), (mo + 'kind', 'sigma_moe'), (mo + 'num_experts', 4),
+                       (mo + 'top_k', 2)),
+                      lambda c, d=d: _get(c, mo + 'kind') != 'none' and
+                      _get(c, mo + 'dispatch') == d, moe_refuses)
+              for d in ('ragged_dot', 'reference')]
   per_layer = 'model.scan_layers=False reuses one module per set: no per-layer parts'
   structure = [
       _setting('flat', 'lowering', 'model.scan_lowering', 'flat'),
@@ -199,9 +222,9 @@ def _features() -> tuple[Feature, ...]:
   actions = [Feature('generation', 'generation', (), lambda c: False, action=True),
              Feature('loop_inference', 'loop_inference', (), lambda c: False, action=True),
              Feature('test_time_depth', 'test_time_depth', (), lambda c: False, action=True)]
-  return tuple(schemes + routers + recurrent + kv + structure + attention + norms + placements +
-               qk + pzs + loop_rules + reparams + projections + updates + remats + numerics +
-               actions)
+  return tuple(schemes + routers + recurrent + kv + experts + structure + attention + norms +
+               placements + qk + pzs + loop_rules + reparams + projections + updates + remats +
+               numerics + actions)
 
 
 FEATURES = _features()

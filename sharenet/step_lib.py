@@ -118,32 +118,38 @@ def loss_fn(params: Any, tstate: Any, batch_BT1: jax.Array, depth: Any = None, *
   A recurrent-depth model (model.recurrence) or trained exits (`loops`, train.exit_loss) run
   sharenet/recurrence.py's loss at this step's `depth` (None: the fixed depth) and `step`.
   """
+  experts = model.cfg.moe.kind != 'none'
+  if experts:  # model.moe: the experts' entropy / balancing losses join the training loss
+    mutable = tuple(mutable) + (moe.MOE,)   # (models/moe.py; never eval_loss)
   if model.cfg.recurrent_segment is not None or (loops is not None and loops.exits):
-    return recurrence.loss(model, effective(params, tstate, tr, pz), batch_BT1, depth,
-                           loops or recurrence.StepLoops(), step, tuple(mutable))
+    loss, aux = recurrence.loss(model, effective(params, tstate, tr, pz), batch_BT1, depth,
+                                loops or recurrence.StepLoops(), step, tuple(mutable))
+    return _with_moe_loss(loss, aux) if experts else (loss, aux)
   s = 1.0 if pz is None else pz.loss_grad_scale
   routed = model.cfg.routing.kind != 'none'
-  experts = model.cfg.moe.kind != 'none'
   if routed:   # Mixture-of-Recursions: its aux losses join the training loss (not eval_loss)
     mutable = tuple(mutable) + (routing.ROUTING,)
-  if experts:  # model.moe: the experts' entropy / balancing losses join it too (models/moe.py)
-    mutable = tuple(mutable) + (moe.MOE,)
   nll_BT, aux = eval_lib.token_nll(model, effective(params, tstate, tr, pz), batch_BT1, mutable,
                                    logits_grad_scale=s)
-  if routed or experts:
-    aux, extra = dict(aux), jnp.zeros((), jnp.float32)
-    if routed:
-      router_loss, router_metrics = routing.aux_loss(model.cfg, aux.pop(routing.ROUTING))
-      aux.update(router_metrics)
-      extra = extra + router_loss
-    if experts:
-      moe_loss = aux.pop(moe.MOE)['aux_loss'][0]
-      aux['moe_aux_loss'] = moe_loss
-      extra = extra + moe_loss
-    return jnp.mean(nll_BT) + extra, aux
+  if routed:
+    aux = dict(aux)
+    router_loss, router_metrics = routing.aux_loss(model.cfg, aux.pop(routing.ROUTING))
+    aux.update(router_metrics)
+    return jnp.mean(nll_BT) + router_loss, aux
+  if experts:
+    return _with_moe_loss(jnp.mean(nll_BT), aux)
   if s == 1.0:
     return jnp.mean(nll_BT), aux
   return unit_scale.scale_fwd(jnp.sum(nll_BT), 1.0 / nll_BT.size), aux
+
+
+def _with_moe_loss(loss: jax.Array, aux: Any) -> tuple[jax.Array, Any]:
+  """The loss plus the experts' summed weighted aux loss (sown by models/lm.py), which the
+  returned collections report as `moe_aux_loss`."""
+  aux = dict(aux)
+  moe_loss = aux.pop(moe.MOE)['aux_loss'][0]
+  aux['moe_aux_loss'] = moe_loss
+  return loss + moe_loss, aux
 
 
 def train_step(state: TrainState, batch_BT1: jax.Array, depth: Any = None, *, model: DecoderLM,

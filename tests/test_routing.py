@@ -585,25 +585,32 @@ def test_five_training_steps(kind, scheme, tiny_config, losses, tmp_path):
 
 # ---- 8 simulated devices ---------------------------------------------------------------------
 
-MESHES = {'data': {'data': 8}, 'data_fsdp_tensor': {'data': 2, 'fsdp': 2, 'tensor': 2}}
+MESHES = {'data': {'data': 8}, 'data_fsdp_tensor': {'data': 2, 'fsdp': 2, 'tensor': 2},
+          'data_expert': {'data': 2, 'expert': 4}}
+MOE_KINDS = ('sigma_moe', 'switch')   # model.moe (models/moe.py) rides in this subprocess too
 
 
 def _mesh_losses(out_path: str, tmp: str, corpus: str, kind: str, mesh: str) -> None:
   """Runs in a subprocess: 4 routed steps, on one device or on `mesh` over 8. `kind`
   'expert_choice_buckets' is expert choice in one bucketed scan (model.routing.buckets=1),
   'token_choice_bias' token choice with loss-free balancing (its bias replicated, updated from
-  the global batch's exit fractions)."""
+  the global batch's exit fractions). A model.moe kind (MOE_KINDS) is an unrouted cycle with
+  4 experts per block (sharded over mesh.expert in 'data_expert'; switch drops tokens at its
+  capacity over the global batch)."""
   sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
   import conftest
   buckets = int(kind == 'expert_choice_buckets')
   balancing = 'bias' if kind == 'token_choice_bias' else 'loss'
   kind = {'expert_choice_buckets': 'expert_choice', 'token_choice_bias': 'token_choice'}.get(
       kind, kind)
+  routed = kind if kind not in MOE_KINDS else 'none'
   c = conftest.make_tiny_config(**{
       'model.num_layers': 4, 'model.sharing.scheme': 'cycle', 'model.sharing.num_unique': 2,
-      'model.routing.kind': kind, 'model.routing.buckets': buckets,
+      'model.routing.kind': routed, 'model.routing.buckets': buckets,
       'model.routing.balancing': balancing,
       'model.routing.capacity': '0.5,0.25' if kind == 'expert_choice' else '',
+      'model.moe.kind': kind if kind in MOE_KINDS else 'none', 'model.moe.num_experts': 4,
+      'model.moe.capacity_factor': 1.0,
       'data.source': 'bin', 'data.path': corpus,
       'train.steps': 4, 'train.batch_size': 8, 'train.schedule': 'constant',
       'train.warmup_steps': 0, 'train.checkpoint_every': 4})
@@ -623,7 +630,8 @@ CPU_SCHEDULER_WORKAROUND = ' --xla_cpu_enable_concurrency_optimized_scheduler=fa
 
 
 EIGHT = [('expert_choice', 'data'), ('token_choice_bias', 'data'),
-         ('expert_choice_buckets', 'data_fsdp_tensor'), ('token_choice', 'data_fsdp_tensor')]
+         ('expert_choice_buckets', 'data_fsdp_tensor'), ('token_choice', 'data_fsdp_tensor'),
+         ('sigma_moe', 'data_expert'), ('switch', 'data_expert')]
 
 
 @pytest.fixture(scope='module')

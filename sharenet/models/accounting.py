@@ -38,14 +38,25 @@ def params_applied(variables: Any, cfg: ModelConfig) -> int:
 
 
 def matmul_params_per_layer(cfg: ModelConfig) -> int:
-  """Weights one applied layer multiplies with (LoRA factors included), from the role table."""
+  """Weights one applied layer multiplies with (LoRA factors included), from the role table;
+  experts (model.moe) as executed: the top_k a token runs, not all (`executed`)."""
   s = cfg.sharing   # LoRA where an untied layer keeps it (lora_layers=all), as segment_cfg
   one = cfg.derive(num_layers=1, scan_layers=True, routing={'kind': 'none'}, kv_sharing='none',
                    recurrence=RecurrenceConfig(),   # one layer: no loop to recur
                    sharing={'scheme': 'untied', 'num_unique': 0, 'repeats': 0, 'pattern': '',
                             'lora_rank': s.lora_rank if s.lora_layers == 'all' else 0})
-  return sum(math.prod(i.shape[i.num_stack:]) for i in param_table(one).values()
-             if i.branch is not None and i.role in ('reader', 'writer', 'lora'))
+  return sum(executed(i, cfg) for i in param_table(one).values()
+             if i.branch is not None and i.role in ('reader', 'writer', 'lora', 'router'))
+
+
+def executed(info: Any, cfg: ModelConfig) -> int:
+  """Weights of one block leaf a token multiplies with: one matrix of a stack, and of an expert
+  stack (model.moe, models/moe.py) the top_k experts the token runs; the expert selector's every
+  row (it scores all experts)."""
+  n = math.prod(info.shape[info.num_stack:])
+  if 'experts' in info.axes[:info.num_stack]:
+    return n * (cfg.moe.num_experts if info.role == 'router' else cfg.moe_top_k)
+  return n
 
 
 def kv_params_skipped(cfg: ModelConfig) -> int:

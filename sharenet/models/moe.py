@@ -155,13 +155,15 @@ class MoeFfn(nn.Module):
     B, T, _ = x_BTD.shape
     dt = jnp.dtype(c.dtype)
     sigma = mo.kind == 'sigma_moe'
-    w_sel = self._kernel('router', (D,), ('embed',), 'router', D ** -0.5)   # (E, D): one row each
+    # the selector: one row per expert (E, D), a muP output weight like the recursion routers
+    w_sel = self._kernel('router_kernel', (D,), ('embed',), 'router', D ** -0.5)
     logits_BTE = jnp.einsum('btd,ed->bte', x_BTD.astype(dt), w_sel.astype(dt))
     logits_NE = logits_BTE.reshape(B * T, E)
     gelu_in = not sigma and c.mlp == 'gelu'
-    ins = ('wi',) if sigma or gelu_in else ('wi_gate', 'wi_up')
-    w_in = {n: self._kernel(n, (D, F), ('embed', 'mlp'), 'reader', D ** -0.5) for n in ins}
-    w_out = self._kernel('wo', (F, D), ('mlp', 'embed'), 'writer',
+    ins = ('wi',) if sigma or gelu_in else ('wi_gate', 'wi_up')   # switch: model.mlp's form
+    w_in = {n: self._kernel(n + '_kernel', (D, F), ('embed', 'mlp'), 'reader', D ** -0.5)
+            for n in ins}
+    w_out = self._kernel('wo_kernel', (F, D), ('mlp', 'embed'), 'writer',
                          (E * F) ** -0.5 if sigma else F ** -0.5)
     dispatch = dispatch_of(c)
 
