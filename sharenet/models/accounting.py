@@ -51,12 +51,17 @@ def matmul_params_per_layer(cfg: ModelConfig) -> int:
 
 def executed(info: Any, cfg: ModelConfig) -> int:
   """Weights of one block leaf a token multiplies with: one matrix of a stack, and of an expert
-  stack (model.moe, models/moe.py) the top_k experts the token runs; the expert selector's every
-  row (it scores all experts)."""
+  stack (model.moe, models/moe.py) the top_k experts the token runs (SwitchHead's value / output
+  experts, models/switchhead.py: attention_top_k per head; Mixture-of-LoRAs factors,
+  models/lora_experts.py: every expert, which it runs masked); a selector's every row (it
+  scores all experts)."""
   n = math.prod(info.shape[info.num_stack:])
-  if 'experts' in info.axes[:info.num_stack]:
-    return n * (cfg.moe.num_experts if info.role == 'router' else cfg.moe_top_k)
-  return n
+  if 'experts' not in info.axes[:info.num_stack]:
+    return n
+  stored = info.shape[info.axes.index('experts')]
+  if info.role in ('router', 'lora'):
+    return n * stored
+  return n * (cfg.moe.attention_top_k if info.branch == 'attn' else cfg.moe_top_k)
 
 
 def kv_params_skipped(cfg: ModelConfig) -> int:

@@ -21,7 +21,7 @@ from typing import Any
 from sharenet import defaults, sharing
 from sharenet.errors import ConfigError
 from sharenet.kernels import ATTENTIONS, DENSE_GRADS, KERNELS
-from sharenet.models import scaling
+from sharenet.models import expert_checks, scaling
 from sharenet.models.sections import (MasaConfig, MoeConfig, NormConfig, RecurrenceConfig,
                                       RoutingConfig, SharingConfig, choice, key, section)
 
@@ -242,6 +242,7 @@ def _resolve(c: ModelConfig) -> list[tuple[str, Any]]:
   out.update(_resolve_routing(c, out['plan'], out['umup_residual']))
   out.update(_resolve_recurrence(c, out['plan'], out['umup_residual']))
   out['kv_segment'] = _kv_segment(c, out['plan'])
+  expert_checks.check(c)   # SwitchHead, Mixture of LoRAs
   out.update(_resolve_moe(c))
   return list(out.items())
 
