@@ -78,6 +78,9 @@ MOE_NAP = 'NaP\'s pre-activation norms norm the dense MLP\'s hidden units, which
 MOE_EXITS = 'the exits\' pass through the coda does not collect the experts\' aux loss'
 CAPACITY = 'Switch capacity counts the call\'s tokens, so a cached or one-token pass drops ' \
     'other tokens than the full forward'
+SWITCH_V = 'SwitchHead\'s value experts replace the stored v projection that the sharing mode ' \
+    'ties; valid: model.attention_sharing=none'
+SWITCH_LORA = 'SwitchHead makes v and o experts, which the LoRA / MASA targets name'
 KV_LOOP = 'kv sharing reuses the first loop\'s keys and values in the later loops of the plan\'s ' \
     'one looped cycle segment, which it lacks'
 
@@ -160,6 +163,12 @@ def _features() -> tuple[Feature, ...]:
                       lambda c, d=d: _get(c, mo + 'kind') != 'none' and
                       _get(c, mo + 'dispatch') == d, moe_refuses)
               for d in ('ragged_dot', 'reference')]
+  # model.moe.attention=switchhead (models/switchhead.py): value and output experts per head.
+  experts.append(_setting(
+      'switchhead', 'moe_attention', mo + 'attention', 'switchhead', (mo + 'attention_experts', 4),
+      (mo + 'attention_top_k', 2),
+      refuses=tuple((m, SWITCH_V) for m in ('kv_shared', 'qk_shared', 'qkv_shared')) + (
+          ('lora', SWITCH_LORA), ('masa', SWITCH_LORA), ('umup', MOE_UMUP))))
   per_layer = 'model.scan_layers=False reuses one module per set: no per-layer parts'
   structure = [
       _setting('flat', 'lowering', 'model.scan_lowering', 'flat'),

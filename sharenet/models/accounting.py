@@ -44,7 +44,8 @@ def matmul_params_per_layer(cfg: ModelConfig) -> int:
   one = cfg.derive(num_layers=1, scan_layers=True, routing={'kind': 'none'}, kv_sharing='none',
                    recurrence=RecurrenceConfig(),   # one layer: no loop to recur
                    sharing={'scheme': 'untied', 'num_unique': 0, 'repeats': 0, 'pattern': '',
-                            'lora_rank': s.lora_rank if s.lora_layers == 'all' else 0})
+                            'lora_rank': s.lora_rank if s.lora_layers == 'all' else 0},
+                   moe={'lora_experts': cfg.moe.lora_experts if s.lora_layers == 'all' else 0})
   return sum(executed(i, cfg) for i in param_table(one).values()
              if i.branch is not None and i.role in ('reader', 'writer', 'lora', 'router'))
 

@@ -149,7 +149,7 @@ class ModelConfig:
     schemes get none)."""
     s = self.sharing
     if s.lora_rank and s.lora_layers == 'shared' and not seg.shared:
-      return self.derive(sharing={'lora_rank': 0})
+      return self.derive(sharing={'lora_rank': 0}, moe={'lora_experts': 0})
     return self
 
   def capacity_tokens(self, seq_len: int) -> tuple[int, ...]:
