@@ -177,3 +177,16 @@ def test_bad_input_is_one_line(overrides, words, tiny_config):
   with pytest.raises(ConfigError) as e:
     config_lib.validate(c)
   assert '\n' not in str(e.value) and all(w in str(e.value) for w in words), str(e.value)
+
+
+def test_expert_axis_must_divide_attention_experts(tiny_config):
+  from sharenet import sharding
+  c = tiny_config(**{'model.moe.attention': 'switchhead', 'model.moe.attention_experts': 6,
+                     'mesh.expert': 4, 'mesh.data': 2, 'train.batch_size': 8,
+                     'train.eval_batch_size': 8})
+  with pytest.raises(ConfigError) as e:
+    sharding.validate(c, 8)
+  assert '\n' not in str(e.value) and 'model.moe.attention_experts=6' in str(e.value) and \
+      'valid: mesh.expert among the divisors [1, 2, 3, 6]' in str(e.value)
+  c.model.moe.attention_experts = 8
+  sharding.validate(c, 8)

@@ -93,3 +93,28 @@ def test_bad_input_is_one_line(overrides, words, tiny_config):
   with pytest.raises(ConfigError) as e:
     config_lib.validate(tiny_config(**overrides))
   assert '\n' not in str(e.value) and all(w in str(e.value) for w in words), str(e.value)
+
+
+@pytest.mark.slow
+def test_convert_cli_merges_a_trained_run(tiny_config, tmp_path):
+  """convert_workdir --config.to=merge_lora_experts: a trained Mixture-of-LoRAs run becomes a
+  depth-wise LoRA run that evaluates; the weights must be N floats (one line otherwise)."""
+  import json
+  import os
+  from sharenet import defaults, train_lib, workdir_lib
+  src, dst = str(tmp_path / 'src'), str(tmp_path / 'dst')
+  train_lib.train_and_evaluate(tiny_config(**{
+      'train.steps': 2, 'train.checkpoint_every': 2, 'model.sharing.scheme': 'universal',
+      'model.sharing.num_unique': 1, 'model.sharing.lora_rank': 2,
+      'model.sharing.lora_targets': 'mlp_in,mlp_out', 'model.moe.lora_experts': 2}), src)
+  opts = defaults.conversion_config()
+  opts.to, opts.expert_weights = 'merge_lora_experts', '1,0,0'
+  with pytest.raises(ConfigError) as e:
+    workdir_lib.convert_workdir(src, dst, opts)
+  assert '\n' not in str(e.value) and 'valid: e.g. one-hot 1,0' in str(e.value)
+  opts.expert_weights = '0.5,0.5'
+  workdir_lib.convert_workdir(src, dst, opts)
+  assert np.isfinite(workdir_lib.evaluate_workdir(dst)['eval_loss'])
+  with open(os.path.join(dst, 'config.json')) as f:
+    model = json.load(f)['model']
+  assert model['moe']['lora_experts'] == 0 and model['sharing']['lora_rank'] == 2
