@@ -79,7 +79,7 @@ MOE_EXITS = 'the exits\' pass through the coda does not collect the experts\' au
 CAPACITY = 'Switch capacity counts the call\'s tokens, so a cached or one-token pass drops ' \
     'other tokens than the full forward'
 SWITCH_V = 'SwitchHead\'s value experts replace the stored v projection that the sharing mode ' \
-    'ties; valid: model.attention_sharing=none'
+    'ties'
 SWITCH_LORA = 'SwitchHead makes v and o experts, which the LoRA / MASA targets name'
 KV_LOOP = 'kv sharing reuses the first loop\'s keys and values in the later loops of the plan\'s ' \
     'one looped cycle segment, which it lacks'
@@ -173,10 +173,11 @@ def _features() -> tuple[Feature, ...]:
   # model.moe.lora_experts (models/lora_experts.py): routed LoRA experts on the feed-forward;
   # on the 'lora' axis (it sets lora_rank), refusing what depth-wise LoRA or experts refuse.
   no_mlp = 'the LoRA experts adapt the dense feed-forward, which model.moe.kind replaces'
-  experts.append(_setting(
-      'lora_experts', 'lora', mo + 'lora_experts', 2, (s + 'lora_rank', 2),
-      (s + 'lora_targets', 'mlp_in,mlp_out'),
-      refuses=(('untied', 'LoRA relaxes shared layers and untied shares none; valid: '
+  experts.append(Feature(
+      'lora_experts', 'lora', ((mo + 'lora_experts', 2), (s + 'lora_rank', 2),
+                               (s + 'lora_targets', 'mlp_in,mlp_out')),
+      lambda c: _get(c, mo + 'lora_experts') > 0,
+      (('untied', 'LoRA relaxes shared layers and untied shares none; valid: '
                 'model.sharing.lora_layers=all'), ('expert_choice', NOT_ROUTED),
                ('token_choice', NOT_ROUTED), ('python_loop', per_layer),
                ('poisson_lognormal', PER_LOOP_PARTS),

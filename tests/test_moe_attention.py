@@ -160,16 +160,16 @@ def test_roles_and_accounting():
 
 
 @pytest.mark.parametrize('overrides, words', [
-    ({'model.attention_sharing': 'kv_shared'},
-     ['attention_sharing=\'kv_shared\'', 'valid: attention_sharing=none, or moe.attention=none']),
+    ({'model.attention_sharing': 'kv_shared'},   # the compatibility table's line (compat.py)
+     ['model.attention_sharing=kv_shared', 'value experts', 'valid: either one without']),
     ({'model.moe.attention_top_k': 3, 'model.moe.attention_experts': 2},
      ['attention_top_k=3', 'valid: attention_experts >= 1 and attention_top_k in 1..2']),
     ({'model.sharing.lora_rank': 2, 'model.sharing.lora_targets': 'q,v',
       'model.sharing.scheme': 'universal', 'model.sharing.num_unique': 1},
-     ['(v)', 'valid: targets among q,k,mlp_in,mlp_out']),
+     ['lora_rank=2', 'v and o experts', 'valid: either one without']),
     ({'model.masa.atoms': 2, 'model.masa.targets': 'o'},
-     ['(o)', 'valid: targets among q,k,mlp_in,mlp_out']),
-    ({'parametrization.kind': 'umup'}, ['u-muP', 'valid: parametrization.kind sp']),
+     ['masa.atoms=2', 'v and o experts', 'valid: either one without']),
+    ({'parametrization.kind': 'umup'}, ['kind=umup', 'valid: either one without']),
     ({'model.moe.dispatch': 'gmm'}, ['valid: auto, ragged_dot, reference']),
 ])
 def test_bad_input_is_one_line(overrides, words, tiny_config):

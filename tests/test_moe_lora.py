@@ -1,5 +1,7 @@
 """Mixture of LoRAs (model.moe.lora_experts, sharenet/models/lora_experts.py) and its merge into
 one depth-wise LoRA (sharenet/transforms/lora_merge.py)."""
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -24,6 +26,11 @@ def _cfg(N=3, **kw):
   return ModelConfig(**BASE, sharing={**SHARING, **kw}, moe={'lora_experts': N})
 
 
+def _init(cfg):
+  return jax.jit(lambda key: init_variables(DecoderLM(cfg), key))(jax.random.key(0))
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
 def _randomized(variables, seed, zero_router):
   """Every LoRA factor random (B starts at zero), the routers zero if `zero_router`: equal
   logits, so every token picks expert 0 (argmax's first)."""
@@ -42,7 +49,7 @@ def test_merged_equals_routed_when_every_token_picks_one_expert():
   function; one_hot(1) is not, and neither is the routed model once its routers spread tokens."""
   with jax.enable_x64(True):
     cfg = _cfg()
-    v = _randomized(init_variables(DecoderLM(cfg), jax.random.key(0)), 1, zero_router=True)
+    v = _randomized(_init(cfg), 1, zero_router=True)
     routed_apply = jax.jit(DecoderLM(cfg).apply)
     routed = routed_apply(v, TOKENS)
     mcfg, merged = merge_lora_experts(cfg, v, [1.0, 0.0, 0.0])
@@ -68,7 +75,7 @@ def test_experts_are_tied_block_params_and_the_router_learns():
     assert ('params', 'lora_experts_a', 'lora') in kinds and ('params', 'lora_router', 'router') \
         in kinds and (PER_LAYER, 'lora_a', 'lora') in kinds
     assert not any(p[0] == PER_LAYER and 'mlp' in p for p in table)
-    v = _randomized(init_variables(DecoderLM(cfg), jax.random.key(0)), 1, zero_router=False)
+    v = _randomized(_init(cfg), 1, zero_router=False)
 
     def loss(params):
       logits = DecoderLM(cfg).apply({**v, 'params': params}, TOKENS[:, :-1])
@@ -83,7 +90,8 @@ def test_experts_are_tied_block_params_and_the_router_learns():
 
 
 @pytest.mark.parametrize('overrides, words', [
-    ({'model.moe.lora_experts': 2}, ['lora_experts=2', 'valid: lora_rank >= 1']),
+    ({'model.moe.lora_experts': 2, 'model.sharing.scheme': 'universal',
+      'model.sharing.num_unique': 1}, ['lora_experts=2', 'valid: lora_rank >= 1']),
     ({'model.moe.lora_experts': 2, 'model.sharing.lora_rank': 2, 'model.sharing.scheme':
       'universal', 'model.sharing.num_unique': 1, 'model.sharing.lora_targets': 'q,v'},
      ['names no feed-forward kernel', 'valid: targets including mlp_in']),

@@ -44,15 +44,40 @@ def merge_lora_experts(cfg: ModelConfig, variables: Any, weights: Any
                        ) -> tuple[ModelConfig, Any]:
   """(the config with lora_experts=0, its variables): the experts merged per applied layer with
   `weights` (N,) for every layer or (num_layers, N) per applied layer (module docstring)."""
-  N, L, r = cfg.moe.lora_experts, cfg.num_layers, cfg.sharing.lora_rank
+  N, L = cfg.moe.lora_experts, cfg.num_layers
   require(N > 0, 'merge_lora_experts needs a model with model.moe.lora_experts >= 1')
   w_LN = np.broadcast_to(np.asarray(weights, np.float64), (L, N))
   new_cfg = cfg.derive(moe={'lora_experts': 0})
+  target = jax.eval_shape(lambda: init_variables(DecoderLM(new_cfg), jax.random.key(0)))
+  missing = []
+
+  def per_layer(variables):   # one compiled program (op by op, each gather compiles alone)
+    layers = _merged_layers(cfg, variables, w_LN)
+    merged = flatten_dict(layout.from_applied_per_layer(target[PER_LAYER], layers, new_cfg))
+    for p, v in merged.items():
+      if isinstance(v, jax.ShapeDtypeStruct):
+        missing.append(p)
+        merged[p] = jnp.zeros(v.shape, v.dtype)
+    return unflatten_dict(merged)
+  merged = jax.jit(per_layer)(variables)
+  require(not missing, f'merge_lora_experts: no value for per-layer {missing[:3]}')
+  table = param_table(cfg)
+  dropped = {p for p, i in table.items() if p[0] == 'params' and 'experts' in i.axes and
+             i.branch == 'mlp' and i.role in ('lora', 'router')}
+  out = {c: v for c, v in variables.items() if c not in ('params', PER_LAYER)}
+  out['params'] = unflatten_dict({p: v for p, v in flatten_dict(variables['params']).items()
+                                  if ('params',) + p not in dropped})
+  out[PER_LAYER] = merged
+  return new_cfg, out
+
+
+def _merged_layers(cfg: ModelConfig, variables: Any, w_LN: np.ndarray) -> dict[Path, Any]:
+  """The source's per-layer parts (applied order) plus each expert Dense's merged A_l, B_l."""
+  N, L, r = cfg.moe.lora_experts, cfg.num_layers, cfg.sharing.lora_rank
   params = layout.applied_params(variables['params'], cfg)            # {local: (L, ...)}
   layers = layout.applied_per_layer(variables.get(PER_LAYER, {}), cfg)
   for module, ab in _expert_factors(cfg).items():
-    a_LN = params[ab['a'].local]
-    b_LN = params[ab['b'].local]
+    a_LN, b_LN = params[ab['a'].local], params[ab['b'].local]
     in_shape, out_shape = a_LN.shape[2:-1], b_LN.shape[3:]
     a = a_LN.reshape(L, N, -1, r).astype(jnp.promote_types(a_LN.dtype, jnp.float32))
     b = b_LN.reshape(L, N, r, -1).astype(a.dtype)
@@ -64,15 +89,4 @@ def merge_lora_experts(cfg: ModelConfig, variables: Any, weights: Any
         s[:, :k, None] * vt[:, :k])
     layers[module + ('lora_a',)] = lora_a.reshape((L,) + in_shape + (r,))
     layers[module + ('lora_b',)] = lora_b.reshape((L, r) + out_shape)
-  table = param_table(cfg)
-  dropped = {p for p, i in table.items() if p[0] == 'params' and 'experts' in i.axes and
-             i.branch == 'mlp' and i.role in ('lora', 'router')}
-  out = {c: v for c, v in variables.items() if c not in ('params', PER_LAYER)}
-  out['params'] = unflatten_dict({p: v for p, v in flatten_dict(variables['params']).items()
-                                  if ('params',) + p not in dropped})
-  target = jax.eval_shape(lambda: init_variables(DecoderLM(new_cfg), jax.random.key(0)))
-  merged = layout.from_applied_per_layer(target[PER_LAYER], layers, new_cfg)
-  missing = [p for p, v in flatten_dict(merged).items() if isinstance(v, jax.ShapeDtypeStruct)]
-  require(not missing, f'merge_lora_experts: no value for per-layer {missing[:3]}')
-  out[PER_LAYER] = merged
-  return new_cfg, out
+  return layers
