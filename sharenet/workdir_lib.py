@@ -251,6 +251,12 @@ def convert_workdir(workdir: str, out: str, opts: Any) -> dict[str, Any]:
     raise ConfigError(f'conversions support parametrization.kind=sp, got '
                       f'{config.parametrization.kind} (its forward multipliers would be folded '
                       f'into the weights and then applied again)')
+  moe = config.model.get('moe', {})
+  if opts.to != 'merge_lora_experts' and (moe.get('attention', 'none') != 'none' or
+                                          moe.get('lora_experts', 0)):
+    raise ConfigError(f'config.to={opts.to} does not know SwitchHead\'s or the LoRA experts\' '
+                      f'parameters (model.moe.attention / lora_experts); valid: '
+                      f'merge_lora_experts, or a source without them')
   state, step, exp = restore_state(config, workdir)
   cfg = exp.model.cfg
   variables = jax.device_get(train_lib.effective_params(state, exp.tr))   # reparams resolved

@@ -126,3 +126,18 @@ def test_convert_cli_merges_a_trained_run(tiny_config, tmp_path):
   with open(os.path.join(dst, 'config.json')) as f:
     model = json.load(f)['model']
   assert model['moe']['lora_experts'] == 0 and model['sharing']['lora_rank'] == 2
+
+
+def test_other_conversions_refuse_expert_parts(tmp_path):
+  """Norm, recursive and head conversions do not know the expert parameters: one line."""
+  import json
+  from sharenet import defaults, workdir_lib
+  cfg = defaults.default_config()
+  cfg.model.moe.attention = 'switchhead'
+  with open(tmp_path / 'config.json', 'w') as f:
+    json.dump(cfg.to_dict(), f)
+  opts = defaults.conversion_config()
+  opts.to = 'rmsnorm'
+  with pytest.raises(ConfigError) as e:
+    workdir_lib.convert_workdir(str(tmp_path), str(tmp_path / 'out'), opts)
+  assert '\n' not in str(e.value) and 'valid: merge_lora_experts' in str(e.value)

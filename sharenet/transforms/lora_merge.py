@@ -46,20 +46,20 @@ def merge_lora_experts(cfg: ModelConfig, variables: Any, weights: Any
   `weights` (N,) for every layer or (num_layers, N) per applied layer (module docstring)."""
   N, L = cfg.moe.lora_experts, cfg.num_layers
   require(N > 0, 'merge_lora_experts needs a model with model.moe.lora_experts >= 1')
-  w_LN = np.broadcast_to(np.asarray(weights, np.float64), (L, N))
+  w_LN = np.array(np.broadcast_to(np.asarray(weights, np.float32), (L, N)))
   new_cfg = cfg.derive(moe={'lora_experts': 0})
   target = jax.eval_shape(lambda: init_variables(DecoderLM(new_cfg), jax.random.key(0)))
   missing = []
 
-  def per_layer(variables):   # one compiled program (op by op, each gather compiles alone)
-    layers = _merged_layers(cfg, variables, w_LN)
+  def per_layer(variables, w_LN):   # one program (op by op, each gather compiles alone);
+    layers = _merged_layers(cfg, variables, w_LN)   # weights an argument: one per model
     merged = flatten_dict(layout.from_applied_per_layer(target[PER_LAYER], layers, new_cfg))
     for p, v in merged.items():
       if isinstance(v, jax.ShapeDtypeStruct):
         missing.append(p)
         merged[p] = jnp.zeros(v.shape, v.dtype)
     return unflatten_dict(merged)
-  merged = jax.jit(per_layer)(variables)
+  merged = jax.jit(per_layer)(variables, w_LN)
   require(not missing, f'merge_lora_experts: no value for per-layer {missing[:3]}')
   table = param_table(cfg)
   dropped = {p for p, i in table.items() if p[0] == 'params' and 'experts' in i.axes and
@@ -71,7 +71,7 @@ def merge_lora_experts(cfg: ModelConfig, variables: Any, weights: Any
   return new_cfg, out
 
 
-def _merged_layers(cfg: ModelConfig, variables: Any, w_LN: np.ndarray) -> dict[Path, Any]:
+def _merged_layers(cfg: ModelConfig, variables: Any, w_LN: jax.Array) -> dict[Path, Any]:
   """The source's per-layer parts (applied order) plus each expert Dense's merged A_l, B_l."""
   N, L, r = cfg.moe.lora_experts, cfg.num_layers, cfg.sharing.lora_rank
   params = layout.applied_params(variables['params'], cfg)            # {local: (L, ...)}
@@ -81,7 +81,7 @@ def _merged_layers(cfg: ModelConfig, variables: Any, w_LN: np.ndarray) -> dict[P
     in_shape, out_shape = a_LN.shape[2:-1], b_LN.shape[3:]
     a = a_LN.reshape(L, N, -1, r).astype(jnp.promote_types(a_LN.dtype, jnp.float32))
     b = b_LN.reshape(L, N, r, -1).astype(a.dtype)
-    delta_LIO = jnp.einsum('ln,lnir,lnro->lio', jnp.asarray(w_LN, a.dtype), a, b)
+    delta_LIO = jnp.einsum('ln,lnir,lnro->lio', w_LN.astype(a.dtype), a, b)
     u, s, vt = jnp.linalg.svd(delta_LIO, full_matrices=False)
     k = min(r, s.shape[-1])
     lora_a = jnp.zeros(delta_LIO.shape[:2] + (r,), a.dtype).at[..., :k].set(u[..., :k])
