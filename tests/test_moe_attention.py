@@ -35,7 +35,7 @@ def _attn(cfg, params, x_BTD):
 
 
 def _init(cfg, x_BTD, seed=0):
-  boxed = CausalAttention(cfg).init(jax.random.key(seed), x_BTD, jnp.arange(T))
+  boxed = jax.jit(CausalAttention(cfg).init)(jax.random.key(seed), x_BTD, jnp.arange(T))
   return jax.tree.map(lambda b: b.value, boxed['params'], is_leaf=lambda b: hasattr(b, 'value'))
 
 
