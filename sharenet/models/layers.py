@@ -74,9 +74,12 @@ def unit_sphere(key: jax.Array, shape: tuple[int, ...], dtype=jnp.float32) -> ja
   return g / jnp.linalg.norm(g, axis=-1, keepdims=True)
 
 
-def dense_apply(dense: nn.Module, x: jax.Array, atoms: jax.Array | None) -> jax.Array:
-  """dense(x), or dense(x, atoms) when the kernel is formed from MASA atoms."""
-  return dense(x) if atoms is None else dense(x, atoms)
+def dense_apply(dense: nn.Module, x: jax.Array, atoms: jax.Array | None,
+                route: jax.Array | None = None) -> jax.Array:
+  """dense(x), with `atoms` when the kernel is formed from MASA atoms and `route` when it has
+  Mixture-of-LoRAs experts (each only when given)."""
+  kw = {k: v for k, v in (('atoms', atoms), ('route', route)) if v is not None}
+  return dense(x, **kw)
 
 
 class Dense(nn.Module):

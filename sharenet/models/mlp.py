@@ -18,7 +18,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from sharenet.models import lora_experts, unit_scale
 from sharenet.models.config import ModelConfig
-from sharenet.models.layers import Dense, sow_l1
+from sharenet.models.layers import Dense, dense_apply, sow_l1
 from sharenet.norms import PER_LAYER, Norm
 
 
@@ -66,11 +66,12 @@ class Mlp(nn.Module):
     route_BTN = lora_experts.route(self, c, x_BTD) if n_experts else None
 
     def dense_in(name):
-      return lambda x: Dense(
-          (c.mlp_dim,), ('embed',), ('mlp',), branch=BRANCH, lora_rank=r_in,
-          lora_scale=c.sharing.lora_scale, lora_zero=c.sharing.lora_zero,
-          use_bias=c.reader_bias, dtype=dt, param_dtype=pdt, dense_grad=c.dense_grad,
-          lora_experts=n_experts, name=name)(x, masa.get(name), route_BTN if r_in else None)
+      return lambda x: dense_apply(
+          Dense((c.mlp_dim,), ('embed',), ('mlp',), branch=BRANCH, lora_rank=r_in,
+                lora_scale=c.sharing.lora_scale, lora_zero=c.sharing.lora_zero,
+                use_bias=c.reader_bias, dtype=dt, param_dtype=pdt, dense_grad=c.dense_grad,
+                lora_experts=n_experts, name=name), x,
+          masa.get(name), route_BTN if r_in else None)
 
     def pre_act(name):   # identity unless model.norm.pre_activation is set
       if c.norm.pre_activation == 'none':
@@ -91,10 +92,10 @@ class Mlp(nn.Module):
     sow_l1(self, 'mlp_hidden', h_BTF)
     h_BTF = nn.with_logical_constraint(h_BTF, ('activation_batch', 'activation_length',
                                                'activation_mlp'))
-    out = Dense((c.d_model,), ('mlp',), ('embed',), role='writer', branch=BRANCH,
-                lora_rank=r_out, lora_scale=c.sharing.lora_scale,
-                lora_zero=c.sharing.lora_zero, dtype=dt, param_dtype=pdt,
-                dense_grad=c.dense_grad, lora_experts=n_experts, name='wo')(
-                    h_BTF, masa.get('wo'), route_BTN if r_out else None)
+    out = dense_apply(Dense((c.d_model,), ('mlp',), ('embed',), role='writer', branch=BRANCH,
+                            lora_rank=r_out, lora_scale=c.sharing.lora_scale,
+                            lora_zero=c.sharing.lora_zero, dtype=dt, param_dtype=pdt,
+                            dense_grad=c.dense_grad, lora_experts=n_experts, name='wo'), h_BTF,
+                      masa.get('wo'), route_BTN if r_out else None)
     sow_l1(self, 'mlp_out', out)
     return checkpoint_name(out, 'mlp_out')
