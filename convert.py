@@ -1,9 +1,9 @@
 """Converts a run: python convert.py --workdir SRC --out DST --config.to=rmsnorm|crmsnorm|recursive|
-head_shared [--config.a.b=v]; the options and their defaults: sharenet/defaults.py conversion_config.
+head_shared|merge_lora_experts [--config.a.b=v]; the options and their defaults: sharenet/defaults.py conversion_config.
 
 DST gets config.json and a checkpoint (fresh optimizer state and data iterator) that eval.py
 reads and train.py continues (--config configs/workdir.py:DST); the conversions are in
-sharenet/transforms/convert.py.
+sharenet/transforms/convert.py (merge_lora_experts: sharenet/transforms/lora_merge.py).
 """
 from absl import flags, logging
 

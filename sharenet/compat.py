@@ -80,6 +80,10 @@ MOE_MLP = 'the experts are ReLU (sigma_moe, MoEUT\'s) or take model.mlp swiglu /
 MOE_EXITS = 'the exits\' pass through the coda does not collect the experts\' aux loss'
 CAPACITY = 'Switch capacity counts the call\'s tokens, so a cached or one-token pass drops ' \
     'other tokens than the full forward'
+SWITCH_V = 'SwitchHead\'s value experts replace the stored v projection that the sharing mode ' \
+    'ties'
+SWITCH_LORA = 'SwitchHead makes v and o experts, which the LoRA / MASA targets name'
+SWITCH_BIAS = 'SwitchHead\'s value / output experts carry no biases'
 KV_LOOP = 'kv sharing reuses the first loop\'s keys and values in the later loops of the plan\'s ' \
     'one looped cycle segment, which it lacks'
 
@@ -165,13 +169,33 @@ def _features() -> tuple[Feature, ...]:
       _setting('switch', 'moe', mo + 'kind', 'switch', (mo + 'num_experts', 4), (mo + 'top_k', 1),
                refuses=moe_refuses + tuple((a, CAPACITY) for a in (
                    'generation', 'loop_inference', 'test_time_depth')))]
+  # model.moe.attention=switchhead (models/switchhead.py): value and output experts per head.
+  experts.append(_setting(
+      'switchhead', 'moe_attention', mo + 'attention', 'switchhead', (mo + 'attention_experts', 4),
+      (mo + 'attention_top_k', 2),
+      refuses=tuple((m, SWITCH_V) for m in ('kv_shared', 'qk_shared', 'qkv_shared')) + (
+          ('lora', SWITCH_LORA), ('masa', SWITCH_LORA), ('umup', MOE_UMUP),
+          ('proj_bias_qkv', SWITCH_BIAS), ('proj_bias_all', SWITCH_BIAS))))
   per_layer = 'model.scan_layers=False reuses one module per set: no per-layer parts'
+  # model.moe.lora_experts (models/lora_experts.py): routed LoRA experts on the feed-forward;
+  # on the 'lora' axis (it sets lora_rank), refusing what depth-wise LoRA or experts refuse.
+  no_mlp = 'the LoRA experts adapt the dense feed-forward, which model.moe.kind replaces'
+  experts.append(Feature(
+      'lora_experts', 'lora', ((mo + 'lora_experts', 2), (s + 'lora_rank', 2),
+                               (s + 'lora_targets', 'mlp_in,mlp_out')),
+      lambda c: _get(c, mo + 'lora_experts') > 0,
+      (('untied', 'LoRA relaxes shared layers and untied shares none; valid: '
+                'model.sharing.lora_layers=all'), ('expert_choice', NOT_ROUTED),
+               ('token_choice', NOT_ROUTED), ('python_loop', per_layer),
+               ('poisson_lognormal', PER_LOOP_PARTS),
+               ('umup', 'u-muP defines no rule for LoRA factors'), ('nap', MOE_NAP)) + tuple(
+          (k, no_mlp) for k in ('sigma_moe', 'switch', 'moe_ragged_dot', 'moe_reference'))))
   structure = [
       _setting('flat', 'lowering', 'model.scan_lowering', 'flat'),
       _setting('python_loop', 'lowering', 'model.scan_layers', False,
                refuses=(('lora', per_layer), ('untie_norms', per_layer))),
-      Feature('lora', 'lora', ((s + 'lora_rank', 2),),
-              lambda c: _get(c, s + 'lora_rank') > 0,
+      Feature('lora', 'lora', ((s + 'lora_rank', 2),),   # depth-wise: not as lora_experts' rank
+              lambda c: _get(c, s + 'lora_rank') > 0 and not _get(c, mo + 'lora_experts'),
               (('kv_shared', NO_V), ('qkv_shared', NO_V), ('qk_shared', NO_Q),
                ('umup', 'u-muP defines no rule for depth-wise LoRA factors'))),
       _setting('untie_norms', 'untie_norms', s + 'untie_norms', True),

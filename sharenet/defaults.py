@@ -258,7 +258,8 @@ def default_config() -> ml_collections.ConfigDict:
 def conversion_config() -> ml_collections.ConfigDict:
   """Options of convert.py (sharenet.workdir_lib.convert_workdir)."""
   c = ml_collections.ConfigDict()
-  c.to = ''                   # rmsnorm | crmsnorm | recursive | head_shared
+  c.to = ''                   # rmsnorm | crmsnorm | recursive | head_shared |
+                              # merge_lora_experts
   c.scheme = 'cycle'          # recursive: universal | cycle | sequence | middle_cycle |
                               # middle_sequence
   c.num_unique = 0            # recursive: stored sets (middle schemes count first and last), >= 1
@@ -270,6 +271,8 @@ def conversion_config() -> ml_collections.ConfigDict:
   c.untie_norms = False       # recursive: norm gains per applied layer
   c.share_rate = 0.3          # head_shared: fraction of all heads replaced by their best match
                               # in an earlier layer (DirectShare, arXiv:2402.11819)
+  c.expert_weights = ''       # merge_lora_experts: comma list of model.moe.lora_experts weights
+                              # (one-hot e: exact where every token picks e; docs/moe.md)
   return c
 
 

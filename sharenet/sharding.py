@@ -122,10 +122,17 @@ def validate(config: Any, num_devices: int) -> None:
   n = math.prod(shape[a] for a in (batch_axes if isinstance(batch_axes, tuple)
                                    else (batch_axes,)) if a is not None)
   moe = config.model.get('moe')
-  if moe is not None and moe.kind != 'none' and moe.num_experts % shape['expert']:
-    raise ConfigError(f'mesh.expert={shape["expert"]} does not divide model.moe.num_experts='
-                      f'{moe.num_experts}; valid: mesh.expert among the divisors '
-                      f'{[d for d in range(1, moe.num_experts + 1) if moe.num_experts % d == 0]}')
+  stacks = [] if moe is None else [   # every 'experts' stack: FFN, SwitchHead, LoRA experts
+      (key, e) for key, e, on in (('num_experts', moe.num_experts, moe.kind != 'none'),
+                                  ('attention_experts', moe.get('attention_experts', 1),
+                                   moe.get('attention', 'none') != 'none'),
+                                  ('lora_experts', moe.get('lora_experts', 0),
+                                   moe.get('lora_experts', 0) > 0)) if on]
+  for key, e in stacks:
+    if e % shape['expert']:
+      raise ConfigError(f'mesh.expert={shape["expert"]} does not divide model.moe.{key}={e}; '
+                        f'valid: mesh.expert among the divisors '
+                        f'{[d for d in range(1, e + 1) if e % d == 0]}')
   t = config.train
   for name, rows in (('train.batch_size / train.grad_accum', t.batch_size // t.grad_accum),
                      ('train.eval_batch_size', t.eval_batch_size)):

@@ -17,7 +17,7 @@ from sharenet import train_lib
 from sharenet.errors import ConfigError
 from sharenet.models import DecoderLM, ModelConfig
 from sharenet.models.lm import kv_cache_bytes_per_token
-from sharenet.transforms import Transforms, convert, head_share
+from sharenet.transforms import Transforms, convert, head_share, lora_merge
 
 
 def load_config(workdir: str) -> ml_collections.ConfigDict:
@@ -212,7 +212,22 @@ def generate_from_workdir(workdir: str, step: int | None, overrides: dict[str, A
           for i, tokens in enumerate(out.tokens)]
 
 
-CONVERSIONS = ('rmsnorm', 'crmsnorm', 'recursive', 'head_shared')
+CONVERSIONS = ('rmsnorm', 'crmsnorm', 'recursive', 'head_shared', 'merge_lora_experts')
+
+
+def _expert_weights(opts: Any, cfg: Any) -> list[float]:
+  """config.expert_weights as model.moe.lora_experts floats (one ConfigError line if not)."""
+  n = cfg.moe.lora_experts
+  try:
+    w = [float(x) for x in str(opts.get('expert_weights', '')).split(',') if x.strip()]
+  except ValueError:
+    w = []
+  if not n or len(w) != n:
+    raise ConfigError(f'config.to=merge_lora_experts needs a source with model.moe.lora_experts '
+                      f'>= 1 (has {n}) and config.expert_weights={opts.get("expert_weights")!r} '
+                      f'as {n or "N"} comma-separated floats; valid: e.g. one-hot 1' +
+                      ',0' * max(n - 1, 0))
+  return w
 
 
 def convert_workdir(workdir: str, out: str, opts: Any) -> dict[str, Any]:
@@ -236,6 +251,12 @@ def convert_workdir(workdir: str, out: str, opts: Any) -> dict[str, Any]:
     raise ConfigError(f'conversions support parametrization.kind=sp, got '
                       f'{config.parametrization.kind} (its forward multipliers would be folded '
                       f'into the weights and then applied again)')
+  moe = config.model.get('moe', {})
+  if opts.to != 'merge_lora_experts' and (moe.get('attention', 'none') != 'none' or
+                                          moe.get('lora_experts', 0)):
+    raise ConfigError(f'config.to={opts.to} does not know SwitchHead\'s or the LoRA experts\' '
+                      f'parameters (model.moe.attention / lora_experts); valid: '
+                      f'merge_lora_experts, or a source without them')
   state, step, exp = restore_state(config, workdir)
   cfg = exp.model.cfg
   variables = jax.device_get(train_lib.effective_params(state, exp.tr))   # reparams resolved
@@ -246,6 +267,9 @@ def convert_workdir(workdir: str, out: str, opts: Any) -> dict[str, Any]:
     if cfg.norm.kind == 'layernorm':
       cfg, variables = convert.ln_to_rms(cfg, variables)
     new_cfg, new_vars = convert.rms_to_crms(cfg, variables)
+  elif opts.to == 'merge_lora_experts':   # Mixture of LoRAs -> depth-wise LoRA
+    new_cfg, new_vars = lora_merge.merge_lora_experts(cfg, variables,
+                                                      _expert_weights(opts, cfg))
   elif opts.to == 'head_shared':
     new_cfg, new_vars, extra['head_sharing'] = head_share.to_head_shared(cfg, variables,
                                                                          opts.share_rate)

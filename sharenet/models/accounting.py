@@ -44,19 +44,25 @@ def matmul_params_per_layer(cfg: ModelConfig) -> int:
   one = cfg.derive(num_layers=1, scan_layers=True, routing={'kind': 'none'}, kv_sharing='none',
                    recurrence=RecurrenceConfig(),   # one layer: no loop to recur
                    sharing={'scheme': 'untied', 'num_unique': 0, 'repeats': 0, 'pattern': '',
-                            'lora_rank': s.lora_rank if s.lora_layers == 'all' else 0})
+                            'lora_rank': s.lora_rank if s.lora_layers == 'all' else 0},
+                   moe={'lora_experts': cfg.moe.lora_experts if s.lora_layers == 'all' else 0})
   return sum(executed(i, cfg) for i in param_table(one).values()
              if i.branch is not None and i.role in ('reader', 'writer', 'lora', 'router'))
 
 
 def executed(info: Any, cfg: ModelConfig) -> int:
   """Weights of one block leaf a token multiplies with: one matrix of a stack, and of an expert
-  stack (model.moe, models/moe.py) the top_k experts the token runs; the expert selector's every
-  row (it scores all experts)."""
+  stack (model.moe, models/moe.py) the top_k experts the token runs (SwitchHead's value / output
+  experts, models/switchhead.py: attention_top_k per head; Mixture-of-LoRAs factors,
+  models/lora_experts.py: every expert, which it runs masked); a selector's every row (it
+  scores all experts)."""
   n = math.prod(info.shape[info.num_stack:])
-  if 'experts' in info.axes[:info.num_stack]:
-    return n * (cfg.moe.num_experts if info.role == 'router' else cfg.moe_top_k)
-  return n
+  if 'experts' not in info.axes[:info.num_stack]:
+    return n
+  stored = info.shape[info.axes.index('experts')]
+  if info.role in ('router', 'lora'):
+    return n * stored
+  return n * (cfg.moe.attention_top_k if info.branch == 'attn' else cfg.moe_top_k)
 
 
 def kv_params_skipped(cfg: ModelConfig) -> int:

@@ -1,7 +1,9 @@
 """Causal self-attention in parts: projections, the position step and one attention core.
 
   projections  models/projections.py: q, k, v with projection sharing (model.attention_sharing),
-               depth-wise LoRA and MASA atoms, and the output projection o.
+               depth-wise LoRA and MASA atoms, and the output projection o; under
+               model.moe.attention=switchhead the value and output projections are experts
+               (models/switchhead.py) and the KV cache holds the experts' values.
   positions    models/positions.py: QK-norm, then RoPE at the tokens' positions.
   core         sharenet/kernels/attention.py `attention`, on the back-end model.attention /
                model.kernels pick: training (causal over the call's T tokens, optional segment
@@ -22,7 +24,7 @@ import jax.numpy as jnp
 
 from sharenet import kernels
 from sharenet.kernels import attention as attention_kernel
-from sharenet.models import unit_scale
+from sharenet.models import switchhead, unit_scale
 from sharenet.models.config import ModelConfig
 from sharenet.models.layers import INTERMEDIATES, sow_l1
 from sharenet.models.positions import PositionStep
@@ -146,7 +148,9 @@ class CausalAttention(nn.Module):
     """
     c = self.cfg
     masa = masa or {}
-    qkv = project_qkv(c, x_BTD, masa, keys=shared_kv is None)
+    switch = c.moe.attention == 'switchhead'   # expert values and outputs (models/switchhead.py)
+    qkv = project_qkv(c, x_BTD, masa, keys=shared_kv is None,
+                      values=(lambda x: switchhead.values(self, c, x)) if switch else None)
     for name, a in (('query', qkv.q_BTHD), ('key', qkv.k_BTKD), ('value', qkv.v_BTKD)):
       if a is not None:
         sow_l1(self, name, a)
@@ -181,7 +185,8 @@ class CausalAttention(nn.Module):
         impl=kernels.attention_backend(c.attention, c.kernels), observe=observe, **masks)
     if c.umup_ops:
       out_BTHD = unit_scale.scale_fwd(out_BTHD, s_att)
-    out_BTD = project_out(c, out_BTHD, masa)
+    out_BTD = (switchhead.output(self, c, out_BTHD, x_BTD) if switch
+               else project_out(c, out_BTHD, masa))
     sow_l1(self, 'attn_out', out_BTD)
     if cache is not None:
       return out_BTD, cache

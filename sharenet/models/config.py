@@ -21,7 +21,7 @@ from typing import Any
 from sharenet import defaults, sharing
 from sharenet.errors import ConfigError
 from sharenet.kernels import ATTENTIONS, DENSE_GRADS, KERNELS
-from sharenet.models import looped_config, scaling
+from sharenet.models import expert_checks, looped_config, scaling
 from sharenet.models.sections import (MasaConfig, MoeConfig, NormConfig, RecurrenceConfig,
                                       RoutingConfig, SharingConfig, choice, key, section)
 
@@ -158,7 +158,7 @@ class ModelConfig:
     schemes get none)."""
     s = self.sharing
     if s.lora_rank and s.lora_layers == 'shared' and not seg.shared:
-      return self.derive(sharing={'lora_rank': 0})
+      return self.derive(sharing={'lora_rank': 0}, moe={'lora_experts': 0})
     return self
 
   def capacity_tokens(self, seq_len: int) -> tuple[int, ...]:
@@ -251,6 +251,7 @@ def _resolve(c: ModelConfig) -> list[tuple[str, Any]]:
   out.update(looped_config.resolve_routing(c, out['plan'], out['umup_residual']))
   out.update(looped_config.resolve_recurrence(c, out['plan'], out['umup_residual']))
   out['kv_segment'] = looped_config.kv_segment(c, out['plan'])
+  expert_checks.check(c)   # SwitchHead, Mixture of LoRAs
   out.update(_resolve_moe(c))
   return list(out.items())
 

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from sharenet import kernels as kernel_lib
 # einsum_f32 lives with the kernels (a leaf: kernels import nothing from models); re-exported.
 from sharenet.kernels.einsum import einsum_f32
+from sharenet.models import lora_experts
 from sharenet.params import PER_LAYER, param
 
 
@@ -73,9 +74,12 @@ def unit_sphere(key: jax.Array, shape: tuple[int, ...], dtype=jnp.float32) -> ja
   return g / jnp.linalg.norm(g, axis=-1, keepdims=True)
 
 
-def dense_apply(dense: nn.Module, x: jax.Array, atoms: jax.Array | None) -> jax.Array:
-  """dense(x), or dense(x, atoms) when the kernel is formed from MASA atoms."""
-  return dense(x) if atoms is None else dense(x, atoms)
+def dense_apply(dense: nn.Module, x: jax.Array, atoms: jax.Array | None,
+                route: jax.Array | None = None) -> jax.Array:
+  """dense(x), with `atoms` when the kernel is formed from MASA atoms and `route` when it has
+  Mixture-of-LoRAs experts (each only when given)."""
+  kw = {k: v for k, v in (('atoms', atoms), ('route', route)) if v is not None}
+  return dense(x, **kw)
 
 
 class Dense(nn.Module):
@@ -106,9 +110,13 @@ class Dense(nn.Module):
   param_dtype: jnp.dtype = jnp.float32
   float32_out: bool = False            # low-precision dtype: float32 result (einsum_f32)
   dense_grad: str = 'xla'              # model.dense_grad: auto | xla | rows (matmul_rows)
+  lora_experts: int = 0                # Mixture of LoRAs (models/lora_experts.py): N routed
+                                       # LoRA experts of lora_rank in the block's params
 
   @nn.compact
-  def __call__(self, x: jax.Array, atoms: jax.Array | None = None) -> jax.Array:
+  def __call__(self, x: jax.Array, atoms: jax.Array | None = None,
+               route: jax.Array | None = None) -> jax.Array:
+    """`route` (batch..., N): the Mixture-of-LoRAs gates of each row (lora_experts only)."""
     n_in = len(self.in_axes)
     in_shape, out_shape = x.shape[-n_in:], tuple(self.features)
     fan_in, fan_out = math.prod(in_shape), math.prod(out_shape)
@@ -134,7 +142,9 @@ class Dense(nn.Module):
       y = matmul_rows(x2, w)
     else:
       y = x2 @ w
-    if self.lora_rank:
+    if self.lora_rank and self.lora_experts:   # routed experts instead of depth-wise LoRA
+      y = y + lora_experts.delta(self, x2, route, in_shape, out_shape)
+    elif self.lora_rank:
       r = self.lora_rank
       zeros = nn.initializers.zeros   # one factor starts at zero, so the delta does
       a_init = dict(init=zeros) if self.lora_zero == 'a' else dict(std=fan_in ** -0.5)

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from sharenet.models import unit_scale
+from sharenet.models import lora_experts, unit_scale
 from sharenet.models.config import ModelConfig
 from sharenet.models.layers import Dense, dense_apply, sow_l1
 from sharenet.norms import PER_LAYER, Norm
@@ -72,13 +72,17 @@ class Mlp(nn.Module):
     r_in = c.sharing.lora_rank if 'mlp_in' in c.sharing.lora_targets else 0
     r_out = c.sharing.lora_rank if 'mlp_out' in c.sharing.lora_targets else 0
 
+    # Mixture of LoRAs (models/lora_experts.py): one route per token for both LoRA targets
+    n_experts = c.moe.lora_experts if r_in or r_out else 0
+    route_BTN = lora_experts.route(self, c, x_BTD) if n_experts else None
+
     def dense_in(name):
       return lambda x: dense_apply(
           Dense((c.mlp_dim,), ('embed',), ('mlp',), branch=BRANCH, lora_rank=r_in,
                 lora_scale=c.sharing.lora_scale, lora_zero=c.sharing.lora_zero,
                 use_bias=c.bias_on('mlp_in'), dtype=dt, param_dtype=pdt, dense_grad=c.dense_grad,
-                name=name), x,
-          masa.get(name))
+                lora_experts=n_experts, name=name), x,
+          masa.get(name), route_BTN if r_in else None)
 
     def pre_act(name):   # identity unless model.norm.pre_activation is set
       if c.norm.pre_activation == 'none':
@@ -109,7 +113,8 @@ class Mlp(nn.Module):
     out = dense_apply(Dense((c.d_model,), ('mlp',), ('embed',), role='writer', branch=BRANCH,
                             lora_rank=r_out, lora_scale=c.sharing.lora_scale,
                             lora_zero=c.sharing.lora_zero, use_bias=c.bias_on('mlp_out'),
-                            dtype=dt, param_dtype=pdt, dense_grad=c.dense_grad, name='wo'), h_BTF,
-                    masa.get('wo'))
+                            dtype=dt, param_dtype=pdt, dense_grad=c.dense_grad,
+                            lora_experts=n_experts, name='wo'), h_BTF,
+                    masa.get('wo'), route_BTN if r_out else None)
     sow_l1(self, 'mlp_out', out)
     return checkpoint_name(out, 'mlp_out')

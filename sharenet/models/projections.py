@@ -16,7 +16,7 @@ its children 'q', 'k', 'v' and 'o', so the parameter paths are the attention mod
 """
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -50,8 +50,12 @@ def _dense(cfg: ModelConfig, name: str, heads: int, axis: str, use: str | None =
 
 
 def project_qkv(cfg: ModelConfig, x_BTD: jax.Array, masa: dict[str, jax.Array],
-                keys: bool = True) -> Projected:
+                keys: bool = True, values: Callable[[jax.Array], jax.Array] | None = None
+                ) -> Projected:
   """q, k, v of x (B, T, D) under model.attention_sharing; `masa`: {target: atoms}.
+
+  `values` (SwitchHead's value experts, models/switchhead.py; attention_sharing none only)
+  replaces the 'v' projection: x -> v (B, T, K, Dh).
 
   `keys=False` (a later loop under model.kv_sharing=first, which reads the first loop's keys
   and values): only what the query needs is projected; k and v are None unless they are it.
@@ -65,7 +69,8 @@ def project_qkv(cfg: ModelConfig, x_BTD: jax.Array, masa: dict[str, jax.Array],
     if not keys:
       return Projected(q_BTHD, None, None, False)
     k_BTKD = checkpoint_name(proj('k', K, 'kv_heads'), 'key_proj')
-    v_BTKD = checkpoint_name(proj('v', K, 'kv_heads'), 'value_proj')
+    v_BTKD = checkpoint_name(values(x_BTD) if values else proj('v', K, 'kv_heads'),
+                             'value_proj')
     return Projected(q_BTHD, k_BTKD, v_BTKD, False)
   shares_query = sharing in ('qk_shared', 'qkv_shared')
   if sharing == 'kv_shared' and not keys:

@@ -226,8 +226,9 @@ class RecurrenceConfig:
 @dataclasses.dataclass(frozen=True)
 class MoeConfig:
   """`config.model.moe`: experts inside the blocks (docs/moe.md). The feed-forward keys are
-  checked only with kind != none; SwitchHead attention and Mixture-of-LoRAs experts are keys of
-  the interface that are not built yet (one line each). What needs the rest of the model
+  checked only with kind != none, the attention keys only with attention=switchhead
+  (models/switchhead.py), lora_experts (Mixture of LoRAs, models/lora_experts.py) with the
+  model's LoRA keys (models/expert_checks.py). What needs the rest of the model
   (mlp_dim, the MLP's LoRA / MASA targets, the mesh) is the ModelConfig's or sharding's."""
   KEY = 'moe'
   kind: str = key('moe.kind')
@@ -246,15 +247,16 @@ class MoeConfig:
   def __post_init__(self):
     choice('model.moe.kind', self.kind, MOE_KINDS)
     choice('model.moe.attention', self.attention, MOE_ATTENTIONS)
-    if self.attention != 'none':
-      raise ConfigError(f'model.moe.attention={self.attention!r}: SwitchHead attention is not '
-                        f'built yet; valid: none')
-    if self.lora_experts:
-      raise ConfigError(f'model.moe.lora_experts={self.lora_experts}: Mixture-of-LoRAs experts '
-                        f'are not built yet; valid: 0')
+    if self.kind != 'none' or self.attention != 'none':
+      choice('model.moe.dispatch', self.dispatch, MOE_DISPATCHES)
+    if self.attention != 'none' and not 1 <= self.attention_top_k <= self.attention_experts:
+      raise ConfigError(f'model.moe.attention_top_k={self.attention_top_k} with '
+                        f'attention_experts={self.attention_experts}; valid: attention_experts '
+                        f'>= 1 and attention_top_k in 1..{max(self.attention_experts, 1)}')
+    if self.lora_experts < 0:
+      raise ConfigError(f'model.moe.lora_experts={self.lora_experts} must be >= 0 (0 = off)')
     if self.kind == 'none':
       return
-    choice('model.moe.dispatch', self.dispatch, MOE_DISPATCHES)
     if self.num_experts < 1:
       raise ConfigError(f'model.moe.num_experts={self.num_experts} must be >= 1')
     if not 0 <= self.top_k <= self.num_experts:

@@ -22,10 +22,11 @@ the recursive conversion follows Relaxed Recursive Transformers (arXiv:2410.2067
                  lora_scale (B is divided by it), on the layers that hold LoRA
                  (model.sharing.lora_layers: shared = RRT's looped layers only, or all).
 
-DirectShare head-wise sharing (config.to=head_shared) lives in transforms/head_share.py.
+DirectShare head-wise sharing (config.to=head_shared) lives in transforms/head_share.py, the
+Mixture-of-LoRAs merge (config.to=merge_lora_experts) in transforms/lora_merge.py.
 
 CLI: python convert.py --workdir SRC --out DST
-     --config.to=rmsnorm|crmsnorm|recursive|head_shared [...]
+     --config.to=rmsnorm|crmsnorm|recursive|head_shared|merge_lora_experts [...]
 (sharenet.workdir_lib.convert_workdir) writes DST/config.json and a checkpoint (fresh optimizer
 state and data iterator) that eval.py reads and train.py continues with
 `--config configs/workdir.py:DST`.

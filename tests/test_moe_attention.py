@@ -1,0 +1,192 @@
+"""SwitchHead attention (model.moe.attention, sharenet/models/switchhead.py): one expert against
+plain attention, top-k against a numpy restatement, cached decoding, tying, accounting, bad
+input."""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from sharenet import config_lib, generate
+from sharenet.errors import ConfigError
+from sharenet.models import DecoderLM, accounting, init_variables, param_table
+from sharenet.models.attention import CausalAttention
+from sharenet.models.config import ModelConfig
+
+BASE = dict(d_model=16, num_heads=2, mlp_dim=32, num_layers=2, vocab_size=32, mlp='gelu',
+            position='none', dtype='float64', param_dtype='float64')
+T = 6
+
+
+def _cfg(E=4, k=2, **kw):
+  moe = {'attention': 'switchhead', 'attention_experts': E, 'attention_top_k': k,
+         **kw.pop('moe', {})}
+  return ModelConfig(**{**BASE, **kw}, moe=moe)
+
+
+@functools.lru_cache(maxsize=None)
+def _apply(cfg):
+  return jax.jit(CausalAttention(cfg).apply)
+
+
+def _attn(cfg, params, x_BTD):
+  return _apply(cfg)({'params': params}, x_BTD, jnp.arange(T))
+
+
+def _init(cfg, x_BTD, seed=0):
+  boxed = jax.jit(CausalAttention(cfg).init)(jax.random.key(seed), x_BTD, jnp.arange(T))
+  return jax.tree.map(lambda b: b.value, boxed['params'], is_leaf=lambda b: hasattr(b, 'value'))
+
+
+@pytest.fixture(scope='module')
+def x_BTD():
+  with jax.enable_x64(True):
+    yield jax.random.normal(jax.random.key(1), (2, T, 16), jnp.float64)
+
+
+def test_one_expert_is_plain_attention_with_a_sigmoid_output_gate(x_BTD):
+  """E = 1, k = 1 (the reference's special case): value and output projections of the plain
+  module's weights, each head's output gated by sigmoid(x W_sel,h). Zero selector: exactly half
+  the plain attention; any selector: sum_h gate_h x the plain module restricted to head h."""
+  with jax.enable_x64(True):
+    plain = ModelConfig(**BASE)
+    p = _init(plain, x_BTD)
+    want = _attn(plain, p, x_BTD)
+    sh = {'q': p['q'], 'k': p['k'], 'v_experts': p['v']['kernel'][None],
+          'o_experts': p['o']['kernel'][None], 'o_router': jnp.zeros((1, 16, 2))}
+    assert jax.tree.structure(sh) == jax.tree.structure(_init(_cfg(1, 1), x_BTD))
+    np.testing.assert_allclose(np.asarray(_attn(_cfg(1, 1), sh, x_BTD)), 0.5 * np.asarray(want),
+                               rtol=1e-12, atol=1e-14)
+    w_DH = jax.random.normal(jax.random.key(2), (16, 2), jnp.float64)
+    gate_BTH = jax.nn.sigmoid(x_BTD @ w_DH)
+    got = _attn(_cfg(1, 1), {**sh, 'o_router': w_DH[None]}, x_BTD)
+    restricted = 0.0
+    for h in range(2):
+      o_h = p['o']['kernel'] * (jnp.arange(2) == h)[:, None, None]
+      restricted += gate_BTH[..., h:h + 1] * _attn(plain, {**p, 'o': {'kernel': o_h}}, x_BTD)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(restricted), rtol=1e-10, atol=1e-13)
+
+
+def _numpy_switchhead(p, x_BTD, k):
+  """SwitchHead restated densely in numpy: every (head, expert) product formed, the top-k
+  sigmoid scores of each head weighting them, causal softmax attention with 1/sqrt(Dh)."""
+  x = np.asarray(x_BTD)
+  sel = lambda w: 1 / (1 + np.exp(-np.einsum('btd,edh->bthe', x, np.asarray(w))))
+
+  def gates(w):
+    s = sel(w)
+    kth = -np.sort(-s, axis=-1)[..., k - 1:k]
+    return np.where(s >= kth, s, 0.0)
+  q = np.einsum('btd,dhk->bthk', x, np.asarray(p['q']['kernel']))
+  kk = np.einsum('btd,dhk->bthk', x, np.asarray(p['k']['kernel']))
+  v = np.einsum('btd,edhk,bthe->bthk', x, np.asarray(p['v_experts']), gates(p['v_router']))
+  logits = np.einsum('bthk,bshk->bhts', q, kk) / np.sqrt(q.shape[-1])
+  logits = np.where(np.tril(np.ones((T, T), bool)), logits, -np.inf)
+  a = np.exp(logits - logits.max(-1, keepdims=True))
+  a /= a.sum(-1, keepdims=True)
+  heads = np.einsum('bhts,bshk->bthk', a, v)
+  return np.einsum('bthk,ehko,bthe->bto', heads, np.asarray(p['o_experts']), gates(p['o_router']))
+
+
+@pytest.mark.parametrize('dispatch', ['reference', 'ragged_dot'])
+def test_top_k_experts_match_numpy(dispatch, x_BTD):
+  """E = 4, k = 2, both grouped matmuls: the module's output is the numpy restatement's (to the
+  attention core's float32 logits and softmax; a wrong selection is off by O(1))."""
+  with jax.enable_x64(True):
+    cfg = _cfg(4, 2, moe={'dispatch': dispatch})
+    p = _init(cfg, x_BTD, seed=3)
+    np.testing.assert_allclose(np.asarray(_attn(cfg, p, x_BTD)), _numpy_switchhead(p, x_BTD, 2),
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_cached_generation_equals_full_forward():
+  """The cache holds the value experts' output; greedy cached decoding picks the full
+  forward's argmax (RoPE on, float32, grouped-query heads)."""
+  cfg = _cfg(4, 2, position='rope', num_heads=4, num_kv_heads=2, dtype='float32',
+             param_dtype='float32', moe={'dispatch': 'ragged_dot'})   # compiles fastest
+  model = DecoderLM(cfg)
+  v = init_variables(model, jax.random.key(3))
+  prompt = [5, 17, 2]
+  out = generate.generate(model, v, [prompt], 4, temperature=0).tokens[0]
+  full = prompt + list(out)
+  logits = model.apply(v, jnp.asarray([full[:-1]]))
+  assert list(np.asarray(jnp.argmax(logits[0, len(prompt) - 1:], -1))) == list(out)
+
+
+def test_tied_switchhead_experts_get_the_summed_gradient():
+  """A universal block applied twice: its expert and selector gradients are the sums of the two
+  uses' in an untied copy holding the same weights in both layers."""
+  with jax.enable_x64(True):
+    fast = {'dispatch': 'ragged_dot'}   # the two dispatches agree: test_top_k_experts_match_numpy
+    tied = _cfg(sharing={'scheme': 'universal', 'num_unique': 1}, moe=fast)
+    untied = _cfg(sharing={'scheme': 'untied', 'num_unique': 0}, moe=fast)
+    v = init_variables(DecoderLM(tied), jax.random.key(0))
+    stack = jax.tree.map(lambda a: jnp.concatenate([a, a]), v['params']['stack'])
+    v2 = {**v, 'params': {**v['params'], 'stack': stack}}
+    toks = jnp.asarray(np.random.default_rng(0).integers(0, 32, (2, 9)))
+
+    def grad(model, variables):
+      def f(variables):
+        logits = model.apply(variables, toks[:, :-1])
+        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), toks[:, 1:, None], -1))
+      return jax.jit(jax.grad(f))(variables)['params']['stack']
+    g_tied, g_untied = grad(DecoderLM(tied), v), grad(DecoderLM(untied), v2)
+    leaves = jax.tree_util.tree_leaves_with_path(g_tied)
+    names = {jax.tree_util.keystr(p).split("'")[-2] for p, _ in leaves}
+    assert {'v_experts', 'o_experts', 'v_router', 'o_router'} <= names
+    for (path, a), b in zip(leaves, jax.tree.leaves(g_untied)):
+      np.testing.assert_allclose(np.asarray(a[0]), np.asarray(b.sum(0)), rtol=1e-8, atol=1e-12,
+                                 err_msg=jax.tree_util.keystr(path))
+      assert float(jnp.abs(a).sum()) > 0, jax.tree_util.keystr(path)
+
+
+def test_roles_and_accounting():
+  """Expert stacks are readers / writers of their own fan-in, selectors routers; FLOPs count
+  the top-k experts per head, every selector row; parameters every stored expert."""
+  cfg = _cfg(4, 2, dtype='float32', param_dtype='float32')
+  table = {p[-1]: i for p, i in param_table(cfg).items() if 'attn' in p and 'experts' in i.axes}
+  assert {n: (i.role, i.fan_in) for n, i in table.items()} == {
+      'v_experts': ('reader', 16), 'o_experts': ('writer', 16), 'v_router': ('router', 16),
+      'o_router': ('router', 16)}
+  qk, mlp, one = 2 * 16 * 16, 2 * 16 * 32, 16 * 16
+  assert accounting.matmul_params_per_layer(cfg) == qk + mlp + 2 * 2 * one + 2 * 4 * 16 * 2
+  assert accounting.matmul_params_per_layer(_cfg(1, 1)) == qk + mlp + 2 * one + 16 * 2
+  shapes = lambda c: jax.eval_shape(lambda: init_variables(DecoderLM(c), jax.random.key(0)))
+  v = shapes(cfg)
+  dense = shapes(ModelConfig(**{**BASE, 'dtype': 'float32', 'param_dtype': 'float32'}))
+  stored = 2 * (3 * 2 * one + 2 * 4 * 16 * 2)   # per layer: 4 - 1 copies of v and o, selectors
+  assert accounting.params_unique(v) - accounting.params_unique(dense) == stored
+
+
+@pytest.mark.parametrize('overrides, words', [
+    ({'model.attention_sharing': 'kv_shared'},   # the compatibility table's line (compat.py)
+     ['model.attention_sharing=kv_shared', 'value experts', 'valid: either one without']),
+    ({'model.moe.attention_top_k': 3, 'model.moe.attention_experts': 2},
+     ['attention_top_k=3', 'valid: attention_experts >= 1 and attention_top_k in 1..2']),
+    ({'model.sharing.lora_rank': 2, 'model.sharing.lora_targets': 'q,v',
+      'model.sharing.scheme': 'universal', 'model.sharing.num_unique': 1},
+     ['lora_rank=2', 'v and o experts', 'valid: either one without']),
+    ({'model.masa.atoms': 2, 'model.masa.targets': 'o'},
+     ['masa.atoms=2', 'v and o experts', 'valid: either one without']),
+    ({'parametrization.kind': 'umup'}, ['kind=umup', 'valid: either one without']),
+    ({'model.moe.dispatch': 'gmm'}, ['valid: auto, ragged_dot, reference']),
+])
+def test_bad_input_is_one_line(overrides, words, tiny_config):
+  c = tiny_config(**{'model.moe.attention': 'switchhead', **overrides})
+  with pytest.raises(ConfigError) as e:
+    config_lib.validate(c)
+  assert '\n' not in str(e.value) and all(w in str(e.value) for w in words), str(e.value)
+
+
+def test_expert_axis_must_divide_attention_experts(tiny_config):
+  from sharenet import sharding
+  c = tiny_config(**{'model.moe.attention': 'switchhead', 'model.moe.attention_experts': 6,
+                     'mesh.expert': 4, 'mesh.data': 2, 'train.batch_size': 8,
+                     'train.eval_batch_size': 8})
+  with pytest.raises(ConfigError) as e:
+    sharding.validate(c, 8)
+  assert '\n' not in str(e.value) and 'model.moe.attention_experts=6' in str(e.value) and \
+      'valid: mesh.expert among the divisors [1, 2, 3, 6]' in str(e.value)
+  c.model.moe.attention_experts = 8
+  sharding.validate(c, 8)
