@@ -259,3 +259,38 @@ def test_adam_only_parametrization_is_one_line(kind):
 def test_muon_mup_on_the_readout_is_one_line():
   with pytest.raises(ConfigError, match='hidden kernels on Muon only.*valid train.matrix_roles'):
     _pz(64, 'mup', 'muon', matrix_roles='reader,writer,readout')
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('name', ['muon', 'shampoo'])
+def test_base_width_mup_trains_bitwise_like_sp(name):
+  """Three steps of the tiny model under the optimizer: base-width muP == SP bit for bit; half
+  the base width changes them (not vacuous)."""
+  from sharenet import parametrization as P
+  from sharenet.models import DecoderLM, init_variables, param_table
+
+  def run(kind, base):
+    t = _train(optimizer=name, lr=1e-2, weight_decay=0.1, grad_clip=1.0,
+               shampoo=dict(block_size=16, eps=1e-3))
+    pz = P.Parametrization(_tiny(D0, kind, base), t)
+    model = DecoderLM(pz.cfg)
+    tx = optim.make_optimizer(t, multipliers=pz.opt_multipliers(), table=param_table(pz.cfg))
+    p = pz.init(init_variables(model, jax.random.key(0)))
+
+    def loss(p, toks):
+      logits = model.apply(pz.forward(p), toks[:, :-1])
+      return optax.softmax_cross_entropy_with_integer_labels(logits, toks[:, 1:]).mean()
+
+    @jax.jit
+    def step(p, s, toks):
+      u, s = tx.update(jax.grad(loss)(p, toks), s, p)
+      return optax.apply_updates(p, u), s
+    s = tx.init(p)
+    for i in range(3):
+      p, s = step(p, s, jax.random.randint(jax.random.key(i), (2, 12), 0, 64))
+    return jax.tree.leaves(p)
+
+  sp = run('sp', D0)
+  for a, b in zip(sp, run('mup', D0)):
+    np.testing.assert_array_equal(a, b)
+  assert any(not np.array_equal(a, b) for a, b in zip(sp, run('mup', D0 // 2)))
