@@ -211,6 +211,8 @@ def default_config() -> ml_collections.ConfigDict:
   p.residual_attn_ratio = 1.0 # umup tau rule: attention / MLP branch contribution
   p.readout_zero_init = False
   p.query_zero_init = False
+  p.qk_lr = 1.0               # LR multiplier on the query and key kernels (any kind and optimizer;
+                              # a parameter-dependent LR as an alternative to QK-norm)
 
   c.mesh = mh = ml_collections.ConfigDict()
   mh.data = -1                # data-parallel replicas; -1 -> the devices left by fsdp, tensor

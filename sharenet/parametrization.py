@@ -202,7 +202,8 @@ class Parametrization:
     # u-muP cross entropy's backward scale on the logits (train_lib.loss_fn); 1 = plain loss.
     self.loss_grad_scale = unit_scale.loss_grad_scale(cfg.vocab_size) if s.kind == 'umup' else 1.0
     self.rules = parametrization_optim.adjust(
-        self._rules(cfg), *self._tables, self.settings.kind, self.optimizer, self.matrix_roles)
+        self._rules(cfg), *self._tables, self.settings.kind, self.optimizer, self.matrix_roles,
+        self.settings.qk_lr)
 
   # ---- per-leaf rules ------------------------------------------------------------------------
   def _rules(self, cfg: ModelConfig) -> dict[Path, LeafRule]:

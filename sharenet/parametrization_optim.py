@@ -25,6 +25,10 @@ switches optimizer with one key:
            arXiv:2312.12226, Table 1: init, LR and damping exponents for ungrafted Shampoo /
            K-FAC), whose table we could not verify and do not implement (docs/optimizers.md).
 
+parametrization.qk_lr (any kind, any optimizer) multiplies the LR of the query and key kernels
+(their `use` in the role table; MASA atoms forming them too, not LoRA factors): a parameter-dependent query/key LR as an
+alternative to QK-norm; 1 leaves every rule as it is.
+
 Every other preset (mup_table3, umup, completep) is written for Adam: under muon or shampoo it
 is one ConfigError line naming the valid kinds.
 """
@@ -39,6 +43,7 @@ from sharenet.errors import ConfigError
 # Presets with a rule for each optimizer (module docstring).
 KINDS_FOR = {'adamw': None, 'muon': ('sp', 'mup'), 'shampoo': ('sp', 'mup')}
 MUON_MUP_ROLES = ('reader', 'writer')
+QK_USES = ('query', 'key')   # ParamInfo.use of the query and key kernels (models/projections.py)
 
 
 def check(kind: str, optimizer: str, matrix_roles: tuple[str, ...]) -> None:
@@ -61,19 +66,20 @@ def muon_lr_mult(fan_in: int, fan_out: int, base_fan_in: int, base_fan_out: int)
 
 
 def adjust(rules: dict, target: dict, base: dict, kind: str, optimizer: str,
-           matrix_roles: tuple[str, ...]) -> dict:
-  """`rules` (Adam's, parametrization.LeafRule per path) for the optimizer of each leaf."""
+           matrix_roles: tuple[str, ...], qk_lr: float = 1.0) -> dict:
+  """`rules` (Adam's, parametrization.LeafRule per path) for the optimizer of each leaf, with
+  parametrization.qk_lr on the query and key kernels."""
   check(kind, optimizer, matrix_roles)
-  if optimizer != 'muon' or kind != 'mup':
-    return rules   # adamw; sp (all 1); shampoo's grafted muP is Adam's
   out = dict(rules)
   for path, rule in rules.items():
-    info = target[path]
-    if info.role not in matrix_roles:
-      continue
-    b = base[path]
-    lr = muon_lr_mult(info.fan_in, info.fan_out, b.fan_in, b.fan_out)
-    out[path] = dataclasses.replace(rule, lr_mult=lr)
+    info, lr = target[path], rule.lr_mult
+    if optimizer == 'muon' and kind == 'mup' and info.role in matrix_roles:
+      b = base[path]
+      lr = muon_lr_mult(info.fan_in, info.fan_out, b.fan_in, b.fan_out)
+    # adamw; sp (all 1); shampoo's grafted muP is Adam's: the rule's LR as it is.
+    if info.use in QK_USES and info.role == 'reader':
+      lr *= qk_lr
+    out[path] = rule if lr == rule.lr_mult else dataclasses.replace(rule, lr_mult=lr)
   return out
 
 

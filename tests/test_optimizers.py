@@ -294,3 +294,20 @@ def test_base_width_mup_trains_bitwise_like_sp(name):
   for a, b in zip(sp, run('mup', D0)):
     np.testing.assert_array_equal(a, b)
   assert any(not np.array_equal(a, b) for a, b in zip(sp, run('mup', D0 // 2)))
+
+
+@pytest.mark.parametrize('name', ['adamw', 'muon'])
+def test_qk_lr_multiplies_the_query_and_key_kernels_only(name):
+  from sharenet import parametrization as P
+  t = _train(optimizer=name)
+  cfg = _tiny(64, 'mup')
+  plain = P.Parametrization(cfg, t).rules
+  cfg2 = cfg.derive(parametrization=P.Settings(kind='mup', base_d_model=D0, qk_lr=4.0))
+  scaled = P.Parametrization(cfg2, t).rules
+  changed = {p[-2] for p in plain if scaled[p].lr_mult != plain[p].lr_mult}
+  assert changed == {'q', 'k'}
+  for p in plain:
+    if p[-2] in changed:
+      assert scaled[p].lr_mult == pytest.approx(4.0 * plain[p].lr_mult)
+  with pytest.raises(ConfigError, match='qk_lr=0.0 must be > 0'):
+    P.Settings(qk_lr=0.0).validate()
