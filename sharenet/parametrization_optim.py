@@ -26,8 +26,8 @@ switches optimizer with one key:
            K-FAC), whose table we could not verify and do not implement (docs/optimizers.md).
 
 parametrization.qk_lr (any kind, any optimizer) multiplies the LR of the query and key kernels
-(their `use` in the role table; MASA atoms forming them too, not LoRA factors): a parameter-dependent query/key LR as an
-alternative to QK-norm; 1 leaves every rule as it is.
+(their `use` in the role table; MASA atoms forming them too, not LoRA factors): a
+parameter-dependent query/key LR as an alternative to QK-norm; 1 leaves every rule as it is.
 
 Every other preset (mup_table3, umup, completep) is written for Adam: under muon or shampoo it
 is one ConfigError line naming the valid kinds.
