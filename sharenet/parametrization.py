@@ -37,6 +37,8 @@ Presets (papers in docs/references.md):
 Loop rule (any preset; Wang et al., arXiv:2606.18524; no settled rule): the residual branches of a
 block applied R times get x 1/R (`inv_R`) or x 1/sqrt(R) (`inv_sqrt_R`); Adam LR and eps are
 not scaled by R (Adam normalises the summed per-use gradient; our derivation, not a published rule).
+Under train.optimizer=muon | shampoo (`Parametrization(cfg, config.train)`) `mup` is that
+optimizer's muP and the Adam-only presets are refused (sharenet/parametrization_optim.py).
 
 Depth-wise LoRA factors (role 'lora'; Relaxed Recursive Transformers, arXiv:2410.20672): the
 delta x A B of a kernel, A: (in..., r), B: (r, out...), rank r fixed as width grows. muP sorts a
