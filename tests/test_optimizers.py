@@ -311,3 +311,18 @@ def test_qk_lr_multiplies_the_query_and_key_kernels_only(name):
       assert scaled[p].lr_mult == pytest.approx(4.0 * plain[p].lr_mult)
   with pytest.raises(ConfigError, match='qk_lr=0.0 must be > 0'):
     P.Settings(qk_lr=0.0).validate()
+
+
+@pytest.mark.parametrize('overrides, match', [
+    ({'train.optimizer': 'shampoo', 'train.shampoo.block_size': 0},
+     'train.shampoo.block_size=0 must be >= 1; valid'),
+    ({'train.optimizer': 'muon', 'train.matrix_roles': 'reader,bias'},
+     "cannot take role 'bias'.*valid: reader, writer"),
+    ({'train.optimizer': 'muon', 'parametrization.kind': 'umup'},
+     'with train.optimizer=muon.*written for AdamW.*valid with muon / shampoo: sp, mup'),
+])
+def test_config_validation_is_one_line_before_building(tiny_config, overrides, match):
+  from sharenet import config_lib
+  with pytest.raises(ConfigError, match=match) as e:
+    config_lib.validate(tiny_config(**overrides))
+  assert '\n' not in str(e.value)
