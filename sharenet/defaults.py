@@ -22,7 +22,7 @@ def default_config() -> ml_collections.ConfigDict:
   m.num_heads = 4             # must divide d_model
   m.num_kv_heads = 0          # 0 -> num_heads; fewer -> grouped-query attention
   m.mlp_dim = 768             # MLP hidden width
-  m.mlp = 'swiglu'            # swiglu | gelu
+  m.mlp = 'swiglu'            # swiglu | gelu | selu (self-normalizing; with model.norm.kind=none)
   m.position = 'rope'         # rope | learned | none
   m.rope_base = 10000.0
   m.max_len = 2048            # learned positions only
@@ -111,7 +111,7 @@ def default_config() -> ml_collections.ConfigDict:
   rc.init = 'embed'           # embed | zeros | normal: the state entering the first loop (embed:
                               # the stream itself, the only choice with injection none)
   m.norm = n = ml_collections.ConfigDict()
-  n.kind = 'rmsnorm'          # layernorm | rmsnorm | crmsnorm | scalenorm | dyt | none
+  n.kind = 'rmsnorm'          # layernorm | rmsnorm | crmsnorm | scalenorm | dyt | none | lpnorm
   n.placement = 'pre'         # pre | post | peri
   n.qk_norm = 'none'          # none | rms | l2 (l2: learned scalar replaces 1/sqrt(d_head))
   n.qk_scale_init = 0.0       # l2 QK-norm gain init; 0 -> log2(L^2 - L), L = qk_norm_len
@@ -123,6 +123,7 @@ def default_config() -> ml_collections.ConfigDict:
   n.pre_activation = 'none'   # none | layernorm | rmsnorm: norm on the MLP hidden
                               # pre-activations (gate and value of SwiGLU), NaP's part 1
   n.eps = 1e-6
+  n.p = 1.0                   # lpnorm's order p > 0 (2 = layernorm; 1: Liao et al.'s L1)
 
   c.train = t = ml_collections.ConfigDict()
   t.steps = 120
@@ -181,10 +182,12 @@ def default_config() -> ml_collections.ConfigDict:
 
   c.transforms = tr = ml_collections.ConfigDict()   # sharenet/transforms
   tr.reparam = ''             # comma list, applied in order: zero_mean_writers, weight_std,
-                              # weight_norm, sigma_reparam, scale_vectors
+                              # weight_norm, sigma_reparam, scale_vectors, weight_conditioning,
+                              # compander
   tr.reparam_paths = 'kernel$'  # regex over '/'-joined paths selecting kernels to reparametrize
   tr.reparam_roles = ''       # and/or kernel roles: reader, writer, readout ('' = any)
   tr.sigma_iters = 1          # sigma-reparam power iterations per step
+  tr.compander_gamma = 0.5    # compander's initial exponent (learned; 1 = identity)
   tr.project = 'none'         # post-step projection: none | ngpt | nap (Normalize-and-Project;
                               # needs model.norm.pre_activation) | norm_project (matrices only)
   tr.updates = ''             # comma list: agc, adamp

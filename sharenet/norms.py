@@ -7,6 +7,11 @@ Formulas (papers in docs/references.md):
              compressed (n)-vector of a zero-mean (n+1)-vector whose last entry is -sum z
   scalenorm  g * x / max(||x||_2, eps), one scalar g initialised to sqrt(d)  (Nguyen & Salazar)
   dyt        gamma * tanh(alpha * x) + beta, one scalar alpha (init 0.5)   (Zhu et al.)
+  lpnorm     gamma * (x - mean) / (mean(|x - mean|^p) + eps)^(1/p) + beta, p = model.norm.p
+             (Liao, Kawaguchi & Poggio, "Streaming Normalization", arXiv:1610.06160, Lp
+             normalization: the p-th root of the p-th absolute central moment; p = 2 is
+             layernorm, p = 1 their fast L1 form). Over the features of one token, as layernorm:
+             stateless, so batch- and device-independent
   l2         x / max(||x||_2, eps) with no gain (QK-norm of Henry et al.: the gain is a
              scalar in the attention logits instead)
 
@@ -27,7 +32,7 @@ from sharenet import kernels as kernel_lib
 from sharenet.kernels import norms as norm_kernels
 from sharenet.params import PER_LAYER, param  # PER_LAYER re-exported for the model modules
 
-KINDS = ('layernorm', 'rmsnorm', 'crmsnorm', 'scalenorm', 'dyt', 'l2', 'none')
+KINDS = ('layernorm', 'rmsnorm', 'crmsnorm', 'scalenorm', 'dyt', 'l2', 'none', 'lpnorm')
 
 
 class Norm(nn.Module):
@@ -46,6 +51,7 @@ class Norm(nn.Module):
   axis_name: str = 'embed'
   param_dtype: jnp.dtype = jnp.float32
   dyt_alpha: float = 0.5
+  p: float = 2.0   # lpnorm's order
   role: str = 'norm_in'
   branch: str | None = None
   kernels: str = 'xla'
@@ -96,6 +102,11 @@ class Norm(nn.Module):
       return y.astype(x.dtype)
     if self.kind == 'dyt':
       y = jnp.tanh(scalar('alpha', self.dyt_alpha) * xf) * vec('scale', 'gain')
+      return (y + vec('bias', 'shift')).astype(x.dtype)
+    if self.kind == 'lpnorm':
+      xc = xf - jnp.mean(xf, axis=-1, keepdims=True)
+      moment = jnp.mean(jnp.maximum(jnp.abs(xc), 1e-30) ** self.p, axis=-1, keepdims=True)
+      y = xc * (moment + self.eps) ** (-1.0 / self.p) * vec('scale', 'gain')
       return (y + vec('bias', 'shift')).astype(x.dtype)
     if self.kind == 'layernorm':
       xf = xf - jnp.mean(xf, axis=-1, keepdims=True)

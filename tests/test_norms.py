@@ -24,6 +24,7 @@ PARAMS = {
     'dyt': {'alpha': np.float32(0.5), 'scale': np.ones(D), 'bias': np.zeros(D)},
     'l2': {},
     'none': {},
+    'lpnorm': {'scale': np.ones(D), 'bias': np.zeros(D)},   # p = 2 (Norm's default)
 }
 
 
@@ -46,6 +47,9 @@ def _expected(kind, x, p):
     mu = x.mean(-1, keepdims=True)
     var = ((x - mu) ** 2).mean(-1, keepdims=True)
     return p['scale'] * (x - mu) / np.sqrt(var + EPS) + p['bias']
+  if kind == 'lpnorm':   # p = 2, the 2nd absolute central moment (other p: test_norms_family.py)
+    xc = x - x.mean(-1, keepdims=True)
+    return p['scale'] * xc / np.sqrt(np.mean(np.abs(xc) ** 2, -1, keepdims=True) + EPS) + p['bias']
   if kind == 'rmsnorm':
     return p['scale'] * x / np.sqrt(sq / x.shape[-1] + EPS)
   if kind == 'crmsnorm':

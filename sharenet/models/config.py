@@ -25,7 +25,7 @@ from sharenet.models import looped_config, scaling
 from sharenet.models.sections import (MasaConfig, NormConfig, RecurrenceConfig, RoutingConfig,
                                       SharingConfig, choice, key, section)
 
-MLPS = ('swiglu', 'gelu')
+MLPS = ('swiglu', 'gelu', 'selu')   # selu: Klambauer et al., arXiv:1706.02515 (models/mlp.py)
 POSITIONS = ('rope', 'learned', 'none')
 LOWERINGS = ('nested', 'flat')
 REMATS = ('none', 'full', 'dots', 'dots_no_batch', 'save_names', 'offload_dots', 'except_attn')

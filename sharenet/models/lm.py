@@ -87,7 +87,8 @@ class DecoderLM(nn.Module):
     self.final_norm = None
     if c.norm.placement != 'post':
       self.final_norm = Norm(c.norm.kind, c.norm.eps, param_dtype=pdt,
-                             dyt_alpha=c.norm.dyt_alpha, role='norm_out', kernels=c.kernels,
+                             dyt_alpha=c.norm.dyt_alpha, p=c.norm.p, role='norm_out',
+                             kernels=c.kernels,
                              name='final_norm')
     self.readout = None
     if not c.tie_embeddings:

@@ -1,4 +1,14 @@
-"""Feed-forward block: SwiGLU or GELU, optionally with a norm on the hidden pre-activations.
+"""Feed-forward block: SwiGLU, GELU or SELU, optionally with a norm on the hidden pre-activations.
+
+`model.mlp = selu` is the self-normalizing network of Klambauer et al. ("Self-Normalizing Neural
+Networks", arXiv:1706.02515): h = selu(x W_in) with selu(z) = lambda z (z > 0),
+lambda alpha (e^z - 1) (z <= 0), lambda ~ 1.0507, alpha ~ 1.6733 (their eq. 2), whose mapping of
+(mean, variance) has the fixed point (0, 1) when the weights have zero mean and variance 1/fan_in
+(their section "Initialization": LeCun normal). That is the default SP init of every Dense here
+(normal with std 1/sqrt(fan_in), recorded as the leaf's init_std), so SELU needs no init of its
+own; with `model.norm.kind=none` it is the paper's normalization-free baseline. jax.nn.selu
+carries the paper's constants. Under u-muP it stays as is (already unit-scaled at the fixed
+point).
 
 `model.norm.pre_activation` (layernorm | rmsnorm) is part 1 of Normalize-and-Project (Lyle et
 al., "Normalization and effective learning rates in reinforcement learning", NeurIPS 2024,
@@ -49,7 +59,7 @@ BRANCH = 'mlp'
 
 
 class Mlp(nn.Module):
-  """x -> W_out act(W_in x); SwiGLU gates with a second input projection."""
+  """x -> W_out act(W_in x), act gelu or selu; SwiGLU gates with a second input projection."""
   cfg: ModelConfig
 
   @nn.compact
@@ -83,7 +93,10 @@ class Mlp(nn.Module):
       h_BTF = unit_scale.silu_glu(up, gate) if c.umup_ops else swiglu(gate, up)
     else:
       h = pre_act('pre_act_norm')(dense_in('wi')(x_BTD))
-      h_BTF = unit_scale.gelu(h) if c.umup_ops else nn.gelu(h)
+      if c.mlp == 'selu':
+        h_BTF = jax.nn.selu(h)
+      else:
+        h_BTF = unit_scale.gelu(h) if c.umup_ops else nn.gelu(h)
     h_BTF = checkpoint_name(h_BTF, 'mlp_hidden')
     sow_l1(self, 'mlp_hidden', h_BTF)
     h_BTF = nn.with_logical_constraint(h_BTF, ('activation_batch', 'activation_length',

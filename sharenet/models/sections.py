@@ -14,7 +14,7 @@ from typing import Any, Callable
 from sharenet import defaults
 from sharenet.errors import ConfigError
 
-NORMS = ('layernorm', 'rmsnorm', 'crmsnorm', 'scalenorm', 'dyt', 'none')
+NORMS = ('layernorm', 'rmsnorm', 'crmsnorm', 'scalenorm', 'dyt', 'none', 'lpnorm')
 PLACEMENTS = ('pre', 'post', 'peri')
 QK_NORMS = ('none', 'rms', 'l2')
 PRE_ACTIVATION_NORMS = ('none', 'layernorm', 'rmsnorm')
@@ -80,9 +80,13 @@ class NormConfig:
   fixnorm: bool = key('norm.fixnorm')
   pre_activation: str = key('norm.pre_activation')
   eps: float = key('norm.eps')
+  p: float = key('norm.p')
 
   def __post_init__(self):
     choice('model.norm.kind', self.kind, NORMS)
+    if not float(self.p) > 0:
+      raise ConfigError(f'model.norm.p={self.p} must be > 0 (the Lp norm divides by the p-th '
+                        f'root of the p-th absolute moment); valid: a positive float, e.g. 1 or 2')
     choice('model.norm.placement', self.placement, PLACEMENTS)
     choice('model.norm.qk_norm', self.qk_norm, QK_NORMS)
     choice('model.norm.pre_activation', self.pre_activation, PRE_ACTIVATION_NORMS)

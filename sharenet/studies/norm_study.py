@@ -35,6 +35,8 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     'scalenorm': ('activation norm', {'model.norm.kind': 'scalenorm'}),
     'dyt': ('activation norm', {'model.norm.kind': 'dyt'}),
     'none': ('activation norm', {'model.norm.kind': 'none'}),
+    'lpnorm': ('activation norm', {'model.norm.kind': 'lpnorm', 'model.norm.p': 1.0}),
+    'selu': ('no norm', {'model.mlp': 'selu', 'model.norm.kind': 'none'}),   # Klambauer et al.
     'peri_rmsnorm': ('placement', {'model.norm.placement': 'peri'}),
     'qk_rms': ('QK-norm', {'model.norm.qk_norm': 'rms'}),
     'qk_l2': ('QK-norm', {'model.norm.qk_norm': 'l2'}),
@@ -44,6 +46,8 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     'sigma_reparam': ('reparam', {'transforms.reparam': 'sigma_reparam'}),
     'weight_std': ('reparam', {'transforms.reparam': 'weight_std'}),
     'scale_vectors': ('reparam', {'transforms.reparam': 'scale_vectors'}),
+    'weight_conditioning': ('reparam', {'transforms.reparam': 'weight_conditioning'}),
+    'compander': ('reparam', {'transforms.reparam': 'compander'}),
     'ngpt_projection': ('projection', {'transforms.project': 'ngpt', 'train.weight_decay': 0.0}),
     'nap': ('projection', {'transforms.project': 'nap',                # Lyle et al.'s two parts
                            'model.norm.pre_activation': 'layernorm'}),

@@ -35,7 +35,8 @@ class Transforms:
     self.infos: dict[tuple, Leaf] = leaf_infos(model)
     self.reparam = ReparamChain(_names(t.reparam), self.infos, t.reparam_paths,
                                 int(t.sigma_iters), _names(t.reparam_roles),
-                                tied_embeddings=model.cfg.tie_embeddings)
+                                tied_embeddings=model.cfg.tie_embeddings,
+                                compander_gamma=float(t.compander_gamma))
     self.projection = t.project or 'none'
     if self.projection not in project_lib.PROJECTIONS:
       raise ConfigError(f'transforms.project={self.projection!r} is unknown; valid: '

@@ -184,14 +184,75 @@ class ScaleVectors(Reparam):
     return _normalize(w) * extras['sv_m'][..., None]
 
 
-REPARAMS = ('zero_mean_writers', 'weight_std', 'weight_norm', 'sigma_reparam', 'scale_vectors')
+class WeightConditioning(Reparam):
+  """W~ = g E W with E = diag(rho / ||w_i||) over the output units' fan-in rows w_i and
+  rho = sqrt(mean_i ||w_i||^2) (Saratchandran et al., "Weight Conditioning for Smooth
+  Optimization of Neural Networks", arXiv:2409.03424): a diagonal preconditioner that
+  narrows the spread of W's singular values, one learnable scalar g per matrix (init 1).
+
+  Our reading, not checked against the paper's section 3: the abstract fixes only "a
+  normalization of weight matrices that narrows the gap between the smallest and largest
+  singular values", motivated by preconditioning; we take row equilibration, the diagonal
+  scaling that is within sqrt(fan_out) of the best one for the condition number (van der
+  Sluis, 1969), normalised to keep W's Frobenius norm so the init scale (and muP's) is kept.
+  Unlike weight_norm the unit norms are tied to one value, not learned per unit. It is the
+  identity on a matrix whose units already have equal norms (and idempotent).
+  """
+  name = 'weight_conditioning'
+
+  def init(self, w, leaf):
+    return {'wcond_g': jnp.ones(leaf.stack_shape, w.dtype)}, {}
+
+  def apply(self, w, extras, state, leaf):
+    m = leaf.as_matrix(w)
+    sq = jnp.maximum(_unit_sq(m), 1e-30)                     # (..., fan_out)
+    rho = jnp.sqrt(jnp.mean(sq, axis=-1, keepdims=True))
+    scale = rho * jax.lax.rsqrt(sq) * extras['wcond_g'][..., None]
+    return (m * scale[..., None, :]).reshape(w.shape)
+
+
+class Compander(Reparam):
+  """w~ = sign(w) s (|w| / s)^gamma elementwise (a weight compander in the sense of Cakaj et al.,
+  "Weight Compander: A Simple Weight Reparameterization for Regularization", arXiv:2306.16993),
+  with learnable scalars s and gamma per matrix.
+
+  The paper's function "restricts the magnitude of the weights while forcing them away from
+  zero" and has learnable hyperparameters; its exact form is not restated here (our reading):
+  a power-law compander, which for gamma < 1 lifts weights below s towards it and compresses
+  those above, scale-free because s starts at the matrix's RMS (so muP's init scale is kept).
+  gamma = 1 is the identity for every s; gamma starts at transforms.compander_gamma. |w| is
+  floored at 1e-6 s so the gradient (infinite at 0 for gamma < 1) stays finite.
+  """
+  name = 'compander'
+
+  def __init__(self, gamma: float = 0.5):
+    if not gamma > 0:
+      raise ConfigError(f'transforms.compander_gamma={gamma} must be > 0 (1 = identity; valid: '
+                        f'a positive float, the paper\'s companding regime is < 1)')
+    self.gamma = gamma
+
+  def init(self, w, leaf):
+    m = leaf.as_matrix(w)
+    rms = jnp.sqrt(jnp.mean(jnp.square(m), axis=(-2, -1)))
+    return {'wc_s': rms, 'wc_gamma': jnp.full(leaf.stack_shape, self.gamma, w.dtype)}, {}
+
+  def apply(self, w, extras, state, leaf):
+    m = leaf.as_matrix(w)
+    s = extras['wc_s'][..., None, None]
+    a = jnp.maximum(jnp.abs(m), 1e-6 * s) / s
+    return (jnp.sign(m) * s * a ** extras['wc_gamma'][..., None, None]).reshape(w.shape)
+
+
+REPARAMS = ('zero_mean_writers', 'weight_std', 'weight_norm', 'sigma_reparam', 'scale_vectors',
+            'weight_conditioning', 'compander')
 
 
 class ReparamChain:
   """The configured reparameterizations, composed left to right on the effective tree."""
 
   def __init__(self, names: Sequence[str], infos: dict[tuple, Leaf], paths_regex: str = 'kernel$',
-               sigma_iters: int = 1, roles: Sequence[str] = (), tied_embeddings: bool = False):
+               sigma_iters: int = 1, roles: Sequence[str] = (), tied_embeddings: bool = False,
+               compander_gamma: float = 0.5):
     for n in names:
       if n not in REPARAMS:
         raise ConfigError(f'transforms.reparam: {n!r} is unknown; valid: {", ".join(REPARAMS)}')
@@ -208,7 +269,8 @@ class ReparamChain:
     make = {'zero_mean_writers': lambda: ZeroMeanWriters(tied_embeddings),
             'weight_std': WeightStandardization,
             'weight_norm': WeightNorm, 'sigma_reparam': lambda: SigmaReparam(sigma_iters),
-            'scale_vectors': ScaleVectors}
+            'scale_vectors': ScaleVectors, 'weight_conditioning': WeightConditioning,
+            'compander': lambda: Compander(compander_gamma)}
     self.steps = [make[n]() for n in names]
     self.infos = infos
     # (transform index, leaf) pairs in application order.
