@@ -242,6 +242,13 @@ def _features() -> tuple[Feature, ...]:
              _setting('adamp', 'updates', 'transforms.updates', 'adamp', contains=True,
                       refuses=tuple((k, no_rule) for k in ('mup', 'mup_table3', 'completep',
                                                            'umup')))]
+  # train.optimizer (sharenet/optim_matrix.py): Muon / Shampoo on the hidden kernels, Adam on
+  # the rest; the Adam-only presets and AdamP (which replaces Adam) are refused.
+  adam_only = 'this parametrization is written for AdamW (valid with muon / shampoo: sp, mup)'
+  optimizers = [_setting(o, 'optimizer', 'train.optimizer', o, refuses=tuple(
+      (k, adam_only) for k in ('mup_table3', 'completep', 'umup')) + (
+      ('adamp', 'AdamP replaces Adam; valid with it: train.optimizer=adamw'),))
+      for o in ('muon', 'shampoo')]
   remats = [_setting(r, 'remat', 'model.remat', r)
             for r in ('full', 'dots', 'dots_no_batch', 'save_names', 'except_attn')]
   numerics = [_setting('pallas', 'kernels', 'model.kernels', 'pallas'),
@@ -265,8 +272,8 @@ def _features() -> tuple[Feature, ...]:
              Feature('loop_inference', 'loop_inference', (), lambda c: False, action=True),
              Feature('test_time_depth', 'test_time_depth', (), lambda c: False, action=True)]
   return tuple(schemes + routers + recurrent + kv + experts + structure + attention + norms +
-               placements + qk + pzs + loop_rules + reparams + projections + updates + remats +
-               numerics + imported + actions)
+               placements + qk + pzs + loop_rules + reparams + projections + updates + optimizers +
+               remats + numerics + imported + actions)
 
 
 FEATURES = _features()

@@ -15,7 +15,8 @@ from absl import app, flags
 from ml_collections import config_flags
 from ml_collections.config_flags import config_flags as config_flags_lib
 
-from sharenet import compat, data, optim, parametrization, recurrence, resume, sharding
+from sharenet import (compat, data, optim, optim_matrix, parametrization, parametrization_optim,
+                      recurrence, resume, sharding)
 from sharenet.errors import ConfigError, NonFiniteLoss
 from sharenet.models import ModelConfig
 
@@ -46,6 +47,9 @@ def validate(config: Any, process_count: int | None = None) -> ModelConfig:
                       f'{", ".join(resume.RESTORE_MODES)}')
   optim.lr_schedule(t)  # raises for an unknown schedule
   optim.decay_roles(t)
+  optim_matrix.check_settings(t)   # train.optimizer, matrix_roles, shampoo settings
+  parametrization_optim.check(mcfg.parametrization.kind,
+                              *parametrization_optim.settings_of(t))
   recurrence.exit_weights(t.exit_loss, mcfg)   # train.exit_loss against the plan's loops
   if t.lr <= 0:
     raise ConfigError(f'train.lr={t.lr} must be > 0')

@@ -170,6 +170,17 @@ def default_config() -> ml_collections.ConfigDict:
   t.b2 = 0.95
   t.eps = 1e-8
   t.grad_clip = 1.0           # global-norm clipping; 0 = off
+  t.optimizer = 'adamw'       # adamw | muon | shampoo: the optimizer of the matrix_roles kernels;
+                              # every other leaf stays on AdamW (sharenet/optim_matrix.py)
+  t.matrix_roles = 'reader,writer'  # muon / shampoo: kernel roles they take (reader, writer,
+                              # readout, router, embedding, pos_embed, lora)
+  t.muon = mu = ml_collections.ConfigDict()
+  mu.momentum = 0.95          # Muon's Nesterov momentum (optax.contrib.scale_by_muon beta)
+  mu.ns_steps = 5             # Newton-Schulz iterations
+  t.shampoo = sh = ml_collections.ConfigDict()
+  sh.block_size = 128         # preconditioner blocks of at most block_size x block_size (>= 1)
+  sh.update_every = 1         # recompute the inverse 4th roots every n steps
+  sh.eps = 1e-6               # damping added to each statistic before its inverse root
   t.grad_accum = 1            # micro-batches per step (batch_size must divide)
   t.exit_loss = 'last'        # last | all | comma list of weights: the loss at the exit of every
                               # gradient loop of the looped segment through the coda and the
@@ -233,6 +244,8 @@ def default_config() -> ml_collections.ConfigDict:
   p.residual_attn_ratio = 1.0 # umup tau rule: attention / MLP branch contribution
   p.readout_zero_init = False
   p.query_zero_init = False
+  p.qk_lr = 1.0               # LR multiplier on the query and key kernels (any kind and optimizer;
+                              # a parameter-dependent LR as an alternative to QK-norm)
 
   c.mesh = mh = ml_collections.ConfigDict()
   mh.data = -1                # data-parallel replicas; -1 -> the devices left by fsdp, tensor

@@ -1,4 +1,5 @@
-"""Optax chain: [AGC] -> clipping -> Adam(W) or AdamP -> [post-step projection].
+"""Optax chain: [AGC] -> clipping -> Adam(W), AdamP, or Muon / Shampoo on the hidden kernels
+beside Adam (train.optimizer; sharenet/optim_matrix.py) -> [post-step projection].
 
 The peak learning rate (train.lr) is a hyperparameter in the optimizer state
 (optax.inject_hyperparams; `with_peak_lr` sets it), so one jitted step can train cells at
@@ -15,6 +16,7 @@ optax.adamw (asserted in tests/test_parametrization.py).
 from __future__ import annotations
 
 import functools
+import types
 from typing import Any
 
 import jax
@@ -23,6 +25,7 @@ import optax
 from flax.traverse_util import flatten_dict, unflatten_dict
 
 from sharenet import defaults
+from sharenet import optim_matrix
 from sharenet import params as params_lib
 from sharenet.errors import ConfigError
 
@@ -133,6 +136,9 @@ def make_optimizer(t: Any, transforms: Any = None, multipliers: Any = None,
   return optax.inject_hyperparams(chain, hyperparam_dtype=jnp.float32)(peak_lr=t.lr)
 
 
+# parametrization.OptMultipliers' fields with every multiplier 1 (that module imports models).
+_NO_MULTIPLIERS = types.SimpleNamespace(lr=None, eps=None, independent_wd=False, wd=None)
+
 # Optimizer states whose `count` drives the LR schedule (not Adam's bias correction).
 _SCHEDULE_STATES = ('ScaleByScheduleState', 'InjectStatefulHyperparamsState',
                     'InjectHyperparamsState')
@@ -190,6 +196,9 @@ def make_chain(t: Any, transforms: Any = None, multipliers: Any = None,
   if t.grad_clip > 0:
     parts.append(optax.clip_by_global_norm(t.grad_clip))
   if 'adamp' in updates:
+    if optim_matrix.optimizer_name(t) != 'adamw':
+      raise ConfigError(f'transforms.updates=adamp replaces Adam and cannot run beside '
+                        f'train.optimizer={t.optimizer}; valid with adamp: train.optimizer=adamw')
     if multipliers is not None:
       raise ConfigError('transforms.updates=adamp has no per-leaf multipliers yet; valid with '
                         'adamp: parametrization.kind=sp')
@@ -197,21 +206,38 @@ def make_chain(t: Any, transforms: Any = None, multipliers: Any = None,
     parts += [scale_by_adamp(t.b1, t.b2, t.eps, t.weight_decay, mask, transforms.infos,
                              transforms.adamp_delta, transforms.adamp_wd_ratio),
               optax.scale_by_learning_rate(lr_schedule(t, peak_lr))]
-  elif multipliers is None:
+  elif multipliers is None and optim_matrix.optimizer_name(t) == 'adamw':
     parts.append(optax.adamw(lr_schedule(t, peak_lr), b1=t.b1, b2=t.b2, eps=t.eps,
                              weight_decay=t.weight_decay, mask=mask))
   else:
-    wd = t.weight_decay / (t.lr if peak_lr is None else peak_lr) if multipliers.independent_wd \
-        else t.weight_decay
-    flat_lr, flat_eps = flatten_dict(multipliers.lr), flatten_dict(multipliers.eps)
-    flat_wd = {} if multipliers.wd is None else flatten_dict(multipliers.wd)
-    decayed = lambda path: table is not None and params_lib.role_at(table, path) in roles
-    # The role mask alone decides which leaves decay; the multiplier only how strongly.
-    wd_of = lambda path: wd * flat_wd.get(path, 1.0) if decayed(path) else 0.0
-    parts += [scale_by_adam_tree_eps(t.b1, t.b2, lambda path: t.eps * flat_eps.get(path, 1.0)),
-              scale_and_decay(lambda path: flat_lr.get(path, 1.0), wd_of),
-              optax.scale_by_learning_rate(lr_schedule(t, peak_lr))]
+    parts += _multiplied(t, multipliers, table, roles, peak_lr)
   if transforms is not None and transforms.projection != 'none':
     from sharenet.transforms.project import projection
     parts.append(projection(transforms.projection, transforms.infos))
   return optax.chain(*parts)
+
+
+def _multiplied(t: Any, multipliers: Any, table: dict | None, roles: tuple[str, ...],
+                peak_lr: Any) -> list[optax.GradientTransformation]:
+  """Direction (Adam, or train.optimizer's matrix optimizer beside Adam) -> per-leaf LR
+  multipliers and decay -> the LR schedule (make_chain's docstring)."""
+  if multipliers is None:   # SP: every multiplier 1
+    multipliers = _NO_MULTIPLIERS
+  wd = t.weight_decay / (t.lr if peak_lr is None else peak_lr) if multipliers.independent_wd \
+      else t.weight_decay
+  flat_lr = {} if multipliers.lr is None else flatten_dict(multipliers.lr)
+  flat_eps = {} if multipliers.eps is None else flatten_dict(multipliers.eps)
+  flat_wd = {} if multipliers.wd is None else flatten_dict(multipliers.wd)
+  decayed = lambda path: table is not None and params_lib.role_at(table, path) in roles
+  # The role mask alone decides which leaves decay; the multiplier only how strongly.
+  wd_of = lambda path: wd * flat_wd.get(path, 1.0) if decayed(path) else 0.0
+  eps_of = lambda path: t.eps * flat_eps.get(path, 1.0)
+  direction = scale_by_adam_tree_eps(t.b1, t.b2, eps_of)
+  if optim_matrix.optimizer_name(t) != 'adamw':
+    if table is None:
+      raise ConfigError(f'train.optimizer={t.optimizer} needs the model\'s role table '
+                        f'(table=models.param_table(cfg) or transforms=); valid: adamw without')
+    direction = optim_matrix.matrix_transform(t, table, direction, eps_of)
+  return [direction, scale_and_decay(lambda path: flat_lr.get(path, 1.0), wd_of),
+          optax.scale_by_learning_rate(lr_schedule(t, peak_lr))]
+

@@ -37,6 +37,8 @@ Presets (papers in docs/references.md):
 Loop rule (any preset; Wang et al., arXiv:2606.18524; no settled rule): the residual branches of a
 block applied R times get x 1/R (`inv_R`) or x 1/sqrt(R) (`inv_sqrt_R`); Adam LR and eps are
 not scaled by R (Adam normalises the summed per-use gradient; our derivation, not a published rule).
+Under train.optimizer=muon | shampoo (`Parametrization(cfg, config.train)`) `mup` is that
+optimizer's muP and the Adam-only presets are refused (sharenet/parametrization_optim.py).
 
 Depth-wise LoRA factors (role 'lora'; Relaxed Recursive Transformers, arXiv:2410.20672): the
 delta x A B of a kernel, A: (in..., r), B: (r, out...), rank r fixed as width grows. muP sorts a
@@ -94,6 +96,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 from flax.traverse_util import flatten_dict, unflatten_dict
 
+from sharenet import parametrization_optim
 from sharenet import params as params_lib
 from sharenet.errors import ConfigError
 from sharenet.models import ModelConfig, param_table, unit_scale
@@ -192,19 +195,23 @@ class Parametrization:
   this class never rewrites it.
   """
 
-  def __init__(self, cfg: ModelConfig):
+  def __init__(self, cfg: ModelConfig, train: Any = None):
     self.cfg = cfg
+    # train.optimizer picks the optimizer's version of the preset (parametrization_optim.py).
+    self.optimizer, self.matrix_roles = parametrization_optim.settings_of(train)
     s = self.settings = cfg.parametrization
     self.base_cfg = base_config(cfg)
     self.m_d = cfg.d_model / self.base_cfg.d_model
     self.m_L = cfg.plan.num_unique / (s.base_depth or cfg.plan.num_unique)
     # u-muP cross entropy's backward scale on the logits (train_lib.loss_fn); 1 = plain loss.
     self.loss_grad_scale = unit_scale.loss_grad_scale(cfg.vocab_size) if s.kind == 'umup' else 1.0
-    self.rules = self._rules(cfg)
+    self.rules = parametrization_optim.adjust(
+        self._rules(cfg), *self._tables, self.settings.kind, self.optimizer, self.matrix_roles,
+        self.settings.qk_lr)
 
   # ---- per-leaf rules ------------------------------------------------------------------------
   def _rules(self, cfg: ModelConfig) -> dict[Path, LeafRule]:
-    target, base = param_table(cfg), param_table(self.base_cfg)
+    target, base = self._tables = param_table(cfg), param_table(self.base_cfg)
     if target.keys() != base.keys():
       raise ConfigError('parametrization: the base-width model has different parameters '
                         f'({sorted(set(target) ^ set(base))[:3]})')

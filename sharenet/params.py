@@ -71,7 +71,7 @@ class Param(nn.LogicallyPartitioned):
   init_std: float | None = struct.field(pytree_node=False, default=None)   # None: constant init
   branch: str | None = struct.field(pytree_node=False, default=None)   # 'attn' | 'mlp' in blocks
   writes: bool = struct.field(pytree_node=False, default=False)   # output joins the residual
-  use: str | None = struct.field(pytree_node=False, default=None)  # 'query', 'gain', 'shift'
+  use: str | None = struct.field(pytree_node=False, default=None)  # 'query', 'key', 'gain', 'shift'
   segment: int | None = struct.field(pytree_node=False, default=None)   # structure: see above
   sets: tuple[int, ...] = struct.field(pytree_node=False, default=())
   uses: tuple[int, ...] = struct.field(pytree_node=False, default=())

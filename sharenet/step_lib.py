@@ -92,7 +92,7 @@ def setup(config: Any, mcfg: ModelConfig | None = None) -> Experiment:
     raise ConfigError(f'the model config\'s parametrization (kind={mcfg.parametrization.kind}) '
                       f'is not the experiment\'s (kind={settings.kind}, or its other keys); '
                       f'valid: ModelConfig.from_experiment(config)')
-  pz = parametrization.Parametrization(mcfg)
+  pz = parametrization.Parametrization(mcfg, config.train)
   model = DecoderLM(mcfg)
   tr = Transforms(config.transforms, model)
   return Experiment(model, optim.make_optimizer(config.train, tr, pz.opt_multipliers()), pz, tr)

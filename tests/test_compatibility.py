@@ -14,7 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sharenet import compat, config_lib, parametrization, recurrence, sharing, train_lib
+from sharenet import (compat, config_lib, optim_matrix, parametrization, recurrence, sharing,
+                      train_lib)
 from sharenet.errors import ConfigError
 from sharenet.kernels import KERNELS
 from sharenet.models import config as model_config
@@ -24,7 +25,7 @@ from sharenet.transforms import project, reparam, update
 ROWS = compat.covering_rows()
 # Values that are defaults of their axis (the base config has them), or that need hardware
 # this suite does not have: declared here, so a new value fails test_every_choice_is_declared.
-NOT_FEATURES = {'sp', 'none', 'rmsnorm', 'pre', 'nested', 'xla', 'auto', 'float32',
+NOT_FEATURES = {'sp', 'adamw', 'none', 'rmsnorm', 'pre', 'nested', 'xla', 'auto', 'float32',
                 'float64',   # exactness tests run in float64; not a training setting
                 'fixed',     # model.recurrence.depth's default
                 'offload_dots'}   # offloads to pinned host memory: accelerators only
@@ -46,7 +47,7 @@ def test_every_choice_is_declared():
              *model_config.ATTENTION_SHARINGS, *sections.NORMS, *sections.PLACEMENTS,
              *parametrization.KINDS, *parametrization.LOOP_RULES, *reparam.REPARAMS,
              *project.PROJECTIONS, *update.UPDATES, *model_config.REMATS, *KERNELS,
-             *model_config.DTYPES}
+             *model_config.DTYPES, *optim_matrix.OPTIMIZERS}
   choices |= {f'qk_{q}' for q in sections.QK_NORMS if q != 'none'}
   choices |= set(sections.DEPTHS) | {f'exit_{e}' for e in recurrence.EXIT_LOSSES if e != 'last'}
   choices |= {f'inject_{i}' for i in sections.INJECTIONS if i != 'none'}

@@ -52,3 +52,28 @@ def test_coord_check_runs_the_train_step():
   np.testing.assert_allclose(losses[0], want, rtol=1e-6)
   assert want[-1] < want[0] - 0.1
   assert len(runs[0]) == 4 and {'residual', 'mlp_out', 'attn_out'} <= set(runs[0][0])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('optimizer', ['muon', 'shampoo'])
+def test_coord_check_optimizer_mup_is_flat(optimizer):
+  """Width 32-128 under train.optimizer=muon / shampoo with that optimizer's muP
+  (docs/optimizers.md): residual stream, attention and MLP outputs flat. Measured 2026-12-03
+  (1 layer, 4 steps, max |slope| over t >= 1): muon mup residual 0.03, mlp_out 0.18, attn_out
+  0.06; shampoo mup residual 0.05, mlp_out 0.18, attn_out 0.03. SP contrast: shampoo sp residual
+  0.55, mlp_out 0.60 (grows, like Adam: the graft gives Adam's step; asserted); muon sp residual
+  0.04 (flat already: optax's shape factor is the spectral scaling for uniformly widened hidden
+  kernels, so muP differs from SP only on the Adam leaves; not asserted, not run)."""
+  c = cc_config.get_config()
+  c.model.num_layers, c.train.batch_size, c.train.seq_len = 1, 4, 16
+  c.train.optimizer = optimizer
+  s = c.study
+  s.steps, s.seeds, s.width_values = 4, 1, '32,64,128'
+  s.width_variants = 'sp,mup' if optimizer == 'shampoo' else 'mup'
+  summary = coord_check.summary(coord_check.run_axis(c, 'width', log=lambda m: None))
+  worst = summary['mup']
+  for a in ('residual', 'attn_out', 'mlp_out', 'mlp_hidden', 'embed_out'):
+    assert worst[a] < 0.2, (a, worst)
+  assert worst['residual'] < 0.12, worst
+  if optimizer == 'shampoo':
+    assert summary['sp']['residual'] > 0.45 and summary['sp']['mlp_out'] > 0.45, summary['sp']

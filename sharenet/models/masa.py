@@ -45,7 +45,7 @@ def atom_specs(cfg: ModelConfig) -> dict[str, tuple]:
       (D,) + shape_out, ('embed',) + axes_out, 'reader', 1, branch, use)
   specs = {
       'q': reader(('heads', 'head_dim'), (H, Dh), 'attn', 'query'),
-      'k': reader(('kv_heads', 'head_dim'), (K, Dh), 'attn'),
+      'k': reader(('kv_heads', 'head_dim'), (K, Dh), 'attn', 'key'),
       'v': reader(('kv_heads', 'head_dim'), (K, Dh), 'attn'),
       'o': ((H, Dh, D), ('heads', 'head_dim', 'embed'), 'writer', 2, 'attn', None),
       'wo': ((F, D), ('mlp', 'embed'), 'writer', 1, 'mlp', None),

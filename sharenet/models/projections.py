@@ -68,7 +68,7 @@ def project_qkv(cfg: ModelConfig, x_BTD: jax.Array, masa: dict[str, jax.Array],
     q_BTHD = checkpoint_name(proj('q', H, 'heads', 'query'), 'query_proj')
     if not keys:
       return Projected(q_BTHD, None, None, False)
-    k_BTKD = checkpoint_name(proj('k', K, 'kv_heads'), 'key_proj')
+    k_BTKD = checkpoint_name(proj('k', K, 'kv_heads', 'key'), 'key_proj')
     v_BTKD = checkpoint_name(values(x_BTD) if values else proj('v', K, 'kv_heads'),
                              'value_proj')
     return Projected(q_BTHD, k_BTKD, v_BTKD, False)
@@ -77,7 +77,7 @@ def project_qkv(cfg: ModelConfig, x_BTD: jax.Array, masa: dict[str, jax.Array],
     return Projected(checkpoint_name(proj('q', H, 'heads', 'query'), 'query_proj'), None, None,
                      False)
   # The shared tensor is the key projection; qk_shared / qkv_shared have K == H.
-  k_BTKD = checkpoint_name(proj('k', K, 'kv_heads'), 'key_proj')
+  k_BTKD = checkpoint_name(proj('k', K, 'kv_heads', 'key'), 'key_proj')
   q_BTHD = (checkpoint_name(proj('q', H, 'heads', 'query'), 'query_proj')
             if sharing == 'kv_shared' else k_BTKD)
   if not keys:   # the query is the key projection

@@ -37,6 +37,7 @@ class Settings:
   residual_attn_ratio: float = _DEFAULTS.residual_attn_ratio  # umup tau rule
   readout_zero_init: bool = _DEFAULTS.readout_zero_init
   query_zero_init: bool = _DEFAULTS.query_zero_init
+  qk_lr: float = _DEFAULTS.qk_lr                  # LR multiplier on the query and key kernels
 
   def validate(self) -> 'Settings':
     for field, value, valid in (('kind', self.kind, KINDS), ('loop_rule', self.loop_rule,
@@ -44,7 +45,7 @@ class Settings:
       if value not in valid:
         raise ConfigError(f'parametrization.{field}={value!r} is unknown; valid: '
                           f'{", ".join(valid)}')
-    for field in ('residual_mult', 'residual_attn_ratio'):
+    for field in ('residual_mult', 'residual_attn_ratio', 'qk_lr'):
       if not getattr(self, field) > 0:
         raise ConfigError(f'parametrization.{field}={getattr(self, field)} must be > 0')
     for field in ('base_d_model', 'base_num_heads', 'base_depth'):
