@@ -48,6 +48,14 @@ def _layer_variables(store: LayerStore, layer: jax.Array) -> dict:
   return out
 
 
+def _serving_cfg(cfg: ModelConfig) -> ModelConfig:
+  """The schedulers vmap this per-token pass over their slots, and jax.lax.ragged_dot has a
+  batching rule over its leading axis only: experts dispatch through the sort-based reference
+  here (models/moe.py, the same function)."""
+  experts = cfg.moe.kind != 'none' or cfg.moe.attention != 'none'
+  return cfg.derive(moe={'dispatch': 'reference'}) if experts else cfg
+
+
 def run_layers(cfg: ModelConfig, store: LayerStore, x_D: jax.Array, first: jax.Array,
                count: int, k_LSKD: jax.Array, v_LSKD: jax.Array, pos: jax.Array,
                key_pos_S: jax.Array, row: jax.Array | None = None,
@@ -64,7 +72,7 @@ def run_layers(cfg: ModelConfig, store: LayerStore, x_D: jax.Array, first: jax.A
   row = first if row is None else row
   k_NSKD = jax.lax.dynamic_slice_in_dim(k_LSKD, row, count, axis=0)
   v_NSKD = jax.lax.dynamic_slice_in_dim(v_LSKD, row, count, axis=0)
-  apply = layer_fn(cfg)
+  apply = layer_fn(_serving_cfg(cfg))
 
   def body(x_11D, inputs):
     layer, k_SKD, v_SKD = inputs
