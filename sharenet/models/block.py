@@ -90,23 +90,13 @@ class Block(nn.Module):
     def norm(name, branch, role='norm_in'):
       return Norm(c.norm.kind, c.norm.eps, PER_LAYER if c.sharing.untie_norms else 'params',
                   param_dtype=jnp.dtype(c.param_dtype), dyt_alpha=c.norm.dyt_alpha, role=role,
-                  p=c.norm.p,
-                  branch=branch, kernels=c.kernels, name=name)
+                  p=c.norm.p, branch=branch, kernels=c.kernels, name=name)
 
     a, m = ATTN, MLP
 
     attention = CausalAttention(c, name='attn')
     auxes = []   # model.moe: each application's weighted aux loss, added to the carry's
-    if c.moe.kind != 'none':
-      moe_module = MoeFfn(c, name='moe')
-
-      def mlp(h_BTD):
-        out, aux = moe_module(h_BTD)
-        auxes.append(aux)
-        return out
-    else:
-      mlp_module = Mlp(c, name='mlp')
-      mlp = lambda h_BTD: mlp_module(h_BTD, masa)
+    mlp = self._feed_forward(masa, auxes)
 
     def attn(h_BTD, positions_T, segment_ids_BT):
       out = attention(h_BTD, positions_T, segment_ids_BT, cache, step, masa, shared_kv,
@@ -152,3 +142,17 @@ class Block(nn.Module):
       carry = carry._replace(aux=carry.aux + sum(auxes))
     return carry._replace(x_BTD=nn.with_logical_constraint(x_BTD, ACT_AXES)), \
         (updated or [None])[0]
+
+  def _feed_forward(self, masa: dict[str, jax.Array] | None, auxes: list):
+    """The feed-forward branch h -> f(h): the dense MLP (with the MASA atoms), or under
+    model.moe the experts, whose aux loss is appended to `auxes`."""
+    if self.cfg.moe.kind == 'none':
+      mlp_module = Mlp(self.cfg, name='mlp')
+      return lambda h_BTD: mlp_module(h_BTD, masa)
+    moe_module = MoeFfn(self.cfg, name='moe')
+
+    def experts(h_BTD):
+      out, aux = moe_module(h_BTD)
+      auxes.append(aux)
+      return out
+    return experts
