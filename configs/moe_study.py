@@ -1,0 +1,52 @@
+"""Experts study (issue 30 part 7): a MoEUT-shaped model (sigma-MoE feed-forward, groups G=2) vs
+a dense G=2 model vs the untied baseline, at equal stored parameters and at equal training FLOPs.
+
+Base: untied, 6 applied layers, d_model 64, 2 heads, SwiGLU 256, RoPE, pre-RMSNorm, byte-level,
+the embedded stdlib corpus, batch 8 x 64 bytes, AdamW at the default LR and WSD schedule. The
+variants (sharenet/studies/moe_study.py VARIANTS) change the sharing plan and the feed-forward:
+dense_universal and moeut use MoEUT's grouping (arXiv:2405.16039: G=2 stored layers applied
+A B A B A B) and are sized to the untied model's stored parameters, dense_universal by its
+mlp_dim, moeut by its expert count at expert_dim 32 and top_k 8 (k x expert_dim = 256 = the
+base mlp_dim, as MoEUT's 44M model runs k x d_expert = 12 x 128 = 1536 ~ 3.7 d_model);
+dense_universal_small is the same G=2 plan at the base mlp_dim (the untied FLOPs per token).
+
+Command:   taskset -c 1 python -m sharenet.studies.moe_study --config configs/moe_study.py \
+               --out runs/moe_study
+           (docs/results/moe_study/ holds copies of OUT/{results.json,table.md,plot.png}; the
+           runs' workdirs stay in OUT/runs; --config.study.variants=a,b runs a slice)
+Runtime:   ~12 min pinned to one core of the 2-core CPU (`taskset -c 1`; measured 2026-12-03:
+           713 s for the 10 runs of 107-370 steps of 8 x 64 bytes with their evaluations, plus
+           ~10 s of start-up; the MoE runs take 85-95 s each, the untied ones 24-45 s).
+Result:    docs/results/moe_study/README.md (tables and the reading against the paper's claim),
+           table.md (generated tables), plot.png (eval loss against training FLOPs). Seeds 0-3
+           (2 and 3 added with --config.study.seeds): equal stored params (300 steps): untied
+           1.842, moeut 1.879 (worse in 3 of 4 seeds), dense G=2 1.905 nats/byte; equal train
+           FLOPs: moeut 1.823 (370 steps; paired vs untied -0.076, -0.001, +0.025, -0.023: a
+           tie), dense G=2 2.222 (107 steps).
+"""
+import ml_collections
+
+from configs import default
+
+
+def get_config():
+  c = default.get_config()
+  m, t = c.model, c.train
+  m.d_model, m.num_heads, m.mlp_dim = 64, 2, 256
+  m.num_layers = 6                  # applied layers; G=2 variants: 2 stored sets x 3 repeats
+  m.remat = 'none'
+  t.batch_size, t.seq_len = 8, 64
+  t.warmup_steps = 10
+  t.log_every = 25
+  t.eval_batch_size = 32
+  t.keep_checkpoints = 1
+  c.data.eval_tokens = 16384        # the first 16 K validation tokens (every run)
+  c.study = s = ml_collections.ConfigDict()
+  s.variants = 'all'      # comma list of sharenet/studies/moe_study.py VARIANTS, or all
+  s.seeds = '0,1'         # train.seed values (init and data order)
+  s.base_steps = 300      # steps of the equal-params comparison; x untied FLOPs = the budget
+  s.groups = 2            # G: stored layer sets of the grouped (MoEUT) plan
+  s.expert_dim = 32       # moeut: hidden width of one sigma-MoE expert
+  s.top_k = 8             # moeut: experts each token runs
+  s.entropy_reg = 0.01    # moeut: MoEUT's selection-entropy coefficient (its gamma)
+  return c
