@@ -264,10 +264,8 @@ def _resolve_moe(c: ModelConfig) -> dict[str, Any]:
     return dict(moe_top_k=0, moe_expert_dim=0)
   k = mo.k
   what = f'model.moe.kind={mo.kind!r}'
-  for field, targets, on in (('sharing.lora_targets', c.sharing.lora_targets,
-                              c.sharing.lora_rank),
-                             ('masa.targets', c.masa.targets, c.masa.atoms)):
-    mlp = [t for t in targets if t.startswith('mlp')] if on else []
+  for field, targets in expert_checks.kernel_targets(c):
+    mlp = [t for t in targets if t.startswith('mlp')]
     if mlp:
       raise ConfigError(f'{what} replaces the dense MLP that model.{field} names '
                         f'({",".join(mlp)}); valid: targets among q,k,v,o')
@@ -321,10 +319,8 @@ def _check_shapes(c: ModelConfig, r: dict[str, Any]) -> None:
                       f'keys, so it needs as many kv heads as heads; valid: num_kv_heads=0 '
                       f'(or {c.num_heads}), or attention_sharing=none|kv_shared')
   stored = r['projections']
-  for field, targets, on in (('sharing.lora_targets', c.sharing.lora_targets,
-                              c.sharing.lora_rank),
-                             ('masa.targets', c.masa.targets, c.masa.atoms)):
-    missing = [t for t in targets if t not in stored] if on else []
+  for field, targets in expert_checks.kernel_targets(c):
+    missing = [t for t in targets if t not in stored]
     if missing:
       raise ConfigError(f'model.{field} names {",".join(missing)}, which '
                         f'model.attention_sharing={c.attention_sharing} does not store; '

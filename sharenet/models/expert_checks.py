@@ -14,6 +14,14 @@ SWITCH_REPLACES = ('v', 'o')   # the projections SwitchHead makes experts
 LORA_EXPERT_TARGETS = ('mlp_in', 'mlp_out')
 
 
+def kernel_targets(c: Any) -> tuple[tuple[str, tuple[str, ...]], ...]:
+  """(key, kernels) of each kernel-target list that is on: depth-wise LoRA's
+  (model.sharing.lora_targets with lora_rank > 0) and MASA's (model.masa.targets with atoms)."""
+  return tuple((field, tuple(targets)) for field, targets, on in (
+      ('sharing.lora_targets', c.sharing.lora_targets, c.sharing.lora_rank),
+      ('masa.targets', c.masa.targets, c.masa.atoms)) if on)
+
+
 def check(c: Any) -> None:
   """ConfigError for a SwitchHead or Mixture-of-LoRAs setting that does not compose."""
   if c.moe.attention == 'switchhead':
@@ -28,10 +36,8 @@ def _check_switchhead(c: Any) -> None:
     raise ConfigError(f'{what} with model.attention_sharing={c.attention_sharing!r}: the '
                       f'value experts replace the stored v projection that the sharing modes '
                       f'tie; valid: attention_sharing=none, or moe.attention=none')
-  for field, targets, on in (('sharing.lora_targets', c.sharing.lora_targets,
-                              c.sharing.lora_rank),
-                             ('masa.targets', c.masa.targets, c.masa.atoms)):
-    hit = [t for t in targets if t in SWITCH_REPLACES] if on else []
+  for field, targets in kernel_targets(c):
+    hit = [t for t in targets if t in SWITCH_REPLACES]
     if hit:
       raise ConfigError(f'{what} replaces the v / o projections that model.{field} names '
                         f'({",".join(hit)}); valid: targets among q,k,mlp_in,mlp_out')
