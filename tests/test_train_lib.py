@@ -175,3 +175,21 @@ def test_sigterm_saves_and_exits_cleanly(tmp_path, train_cmd, subprocess_env):
   step = int(out.split('SIGTERM at step ')[1].split(';')[0])
   assert 3 <= step < 40
   assert os.path.isdir(os.path.join(workdir, 'checkpoints', str(step)))
+
+
+def test_grad_accum_steps_like_the_whole_batch(tiny_config):
+  """train.grad_accum=2 on a batch of 4 rows: the loss, the metrics and the update are those of
+  one step on all 4 rows (mean of the micro-batches' means = the batch mean), in float64."""
+  with jax.enable_x64(True):
+    config = tiny_config(**{'model.num_layers': 2, 'model.dtype': 'float64',
+                            'model.param_dtype': 'float64', 'train.batch_size': 4,
+                            'train.seq_len': 8})
+    exp = train_lib.setup(config, config_lib.validate(config))
+    state = train_lib.init_state(exp.model, exp.tx, jax.random.key(0), exp.tr, exp.pz)
+    batch = jax.random.randint(jax.random.key(1), (4, 9), 0, 256)
+    one, m1 = jax.jit(train_lib.make_train_step(exp, 1))(state, batch)
+    two, m2 = jax.jit(train_lib.make_train_step(exp, 2))(state, batch)
+    np.testing.assert_allclose(m2['loss'], m1['loss'], rtol=1e-12)
+    np.testing.assert_allclose(m2['grad_norm'], m1['grad_norm'], rtol=1e-10)
+    for a, b in zip(jax.tree.leaves(two.params), jax.tree.leaves(one.params)):
+      np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-12)
