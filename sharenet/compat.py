@@ -336,11 +336,13 @@ def covering_rows(seed: int = 0, tries: int = 24) -> list[tuple[str, ...]]:
   """Feature sets, at most one per axis and no refused pair among them, that together hold
   every working pair (a greedy pairwise covering, deterministic for a seed).
 
-  Each row starts from an uncovered pair of the feature with the most uncovered pairs left (the
-  rows a pairwise covering needs are bounded below by the largest axes' products), fills the
-  other axes in a random order with the feature covering the most uncovered pairs, and is the
-  best of `tries` such candidates: every row is a traced train step in the tests, so fewer rows
-  is less suite time (about 10 % fewer than one candidate per row).
+  Every row is a traced train step in the tests and a row holding an action (generation,
+  loop-by-loop inference, test-time depth) also compiles and runs it, ~4x a trace: so the
+  pairs of the actions are covered first, by rows as wide as the refusals allow (their lower
+  bound is the largest axis an action pairs with, the sharing schemes), and the rows after
+  them hold no action. Each row starts from an uncovered pair of the feature with the most
+  uncovered pairs left, fills the other axes in a random order with the feature covering the
+  most uncovered pairs (pairs of an action first), and is the best of `tries` such candidates.
   """
   rng = random.Random(seed)
   axes: dict[str, list[str]] = {}
@@ -348,30 +350,38 @@ def covering_rows(seed: int = 0, tries: int = 24) -> list[tuple[str, ...]]:
     axes.setdefault(f.axis, []).append(f.name)
   refused = {frozenset((a, b)) for a, b, why in pairs() if why}
   todo = {frozenset((a, b)) for a, b, why in pairs() if why is None}
+  actions = {f.name for f in FEATURES if f.action}
 
-  def candidate(a: str, b: str) -> list[str]:
+  def gain(pair: frozenset) -> int:
+    """An uncovered pair of an action weighs more than all other pairs of a row together."""
+    return 0 if pair not in todo else 1000 if pair & actions else 1
+
+  def candidate(a: str, b: str, serving: bool) -> list[str]:
     row = [a, b]
     order = [x for x in axes if x not in (BY_NAME[a].axis, BY_NAME[b].axis)]
     rng.shuffle(order)
     for axis in order:
-      best, gain = None, 0
+      best, best_gain = None, 0
       for name in axes[axis]:
-        if any(frozenset((name, r)) in refused for r in row):
+        if (not serving and name in actions
+            or any(frozenset((name, r)) in refused for r in row)):
           continue
-        g = sum(frozenset((name, r)) in todo for r in row)
-        if g > gain:
-          best, gain = name, g
+        g = sum(gain(frozenset((name, r))) for r in row)
+        if g > best_gain:
+          best, best_gain = name, g
       if best is not None:
         row.append(best)
     return row
 
   rows = []
   while todo:
-    left = collections.Counter(n for p in todo for n in p)
+    serving = any(p & actions for p in todo)
+    pool = [p for p in todo if p & actions] if serving else todo
+    left = collections.Counter(n for p in pool for n in p)
     top = min(left, key=lambda n: (-left[n], n))
-    starts = sorted(tuple(sorted(p)) for p in todo if top in p)
-    row = max((candidate(*rng.choice(starts)) for _ in range(tries)),
-              key=lambda r: sum(frozenset(p) in todo for p in itertools.combinations(r, 2)))
+    starts = sorted(tuple(sorted(p)) for p in pool if top in p)
+    row = max((candidate(*rng.choice(starts), serving) for _ in range(tries)),
+              key=lambda r: sum(gain(frozenset(p)) for p in itertools.combinations(r, 2)))
     todo -= {frozenset(p) for p in itertools.combinations(row, 2)}
     rows.append(tuple(sorted(row)))
   return rows
