@@ -157,7 +157,7 @@ def plot(result: dict[str, Any], axis: str, path: str) -> None:
 def to_markdown(result: dict[str, Any]) -> str:
   """Per axis: each variant's optimum (log2 LR, the quadratic vertex; `edge` where the grid
   argmin is a grid end), the optimum's shift and slope per doubling, and the seed-mean final
-  loss at the grid argmin."""
+  train loss of every (variant, LR, x) cell."""
   out = []
   for axis in [a for a, r in result.items() if isinstance(r, dict) and 'variants' in r]:
     r = result[axis]
@@ -170,13 +170,16 @@ def to_markdown(result: dict[str, Any]) -> str:
                                                         else '') for x in xs]
       out.append(f"| {v} | {' | '.join(cells)} | {vr['optimum_shift_log2']:.2f} | "
                  f"{vr['optimum_slope_log2_per_doubling']:+.2f} |")
-    out += ['', f'**{axis}**: seed-mean final train loss at the grid argmin', '',
-            f'| variant | {" | ".join(xs)} |', '|---|' + '---|' * len(xs)]
+    out += ['', f'**{axis}**: seed-mean final train loss per log2 LR (the optimum row\'s '
+            'neighbourhood is what the fit uses)', '',
+            f'| variant | log2 LR | {" | ".join(xs)} |', '|---|---|' + '---|' * len(xs)]
     for v, vr in r['variants'].items():
-      best = [float(np.min(np.where(np.isfinite(m := np.asarray(vr['cells'][x]['final_loss'],
-                                                                   float)), m, np.inf)
-                                  .mean(axis=1))) for x in xs]
-      out.append(f"| {v} | {' | '.join(f'{b:.3f}' for b in best)} |")
+      for i, lr in enumerate(vr['log2_lrs']):
+        means = []
+        for x in xs:
+          m = np.asarray(vr['cells'][x]['final_loss'][i], float)
+          means.append(f'{m.mean():.3f}' if np.all(np.isfinite(m)) else 'diverged')
+        out.append(f"| {v} | {lr:g} | {' | '.join(means)} |")
     out.append('')
   return '\n'.join(out)
 
