@@ -32,9 +32,13 @@ RUN = [
     'python train.py',
     'python eval.py --workdir runs/default',
     'python eval.py --workdir runs/default --prompt "def fib(" --max_new_tokens 40 --temperature 0',
-    'python convert.py --workdir runs/default --out runs/crms --config.to=crmsnorm',
+    'python convert.py --workdir runs/default --out runs/rec --config.to=recursive '
+    '--config.scheme=universal --config.num_unique=1 --config.init=average --config.lora_rank=8 --config.lora_init=svd',
     'python -m sharenet.studies.results_tables --check',
 ]
+
+# RUN modules cheap enough to run in this process.
+IN_PROCESS = {'sharenet.studies.results_tables'}
 
 # Known heavy flags, rewritten to tiny values when a command runs here.
 TINY = {'config.train.steps': '3', 'config.train.checkpoint_every': '3',
@@ -97,6 +101,20 @@ def extract_commands(path):
       out.append(Command(s, f'{path}:{line0}', long))
       long = None
   return out
+
+
+def extract_inline(path):
+  """Commands quoted in running text (`python ...` in backticks outside code blocks): their
+  flags are checked like a block's; their time is given in the sentence."""
+  text = re.sub(r'^([ \t]*)```.*?^\1```', '', open(os.path.join(ROOT, path)).read(),
+                flags=re.M | re.S)
+  return [Command(m.group(1), f'{path} (inline)', 'in running text')
+          for m in re.finditer(r'`((?:[A-Z_]+=\S+ )*(?:taskset -c \d+ )?python3? [^`]+)`', text)]
+
+
+@functools.lru_cache(maxsize=None)
+def inline_commands():
+  return [c for p in doc_files() for c in extract_inline(p)]
 
 
 @functools.lru_cache(maxsize=None)
@@ -188,6 +206,7 @@ def cli_spec(cli):
   src = open(cli_path(cli)).read()
   names = set(re.findall(r"DEFINE_\w+\(\s*'(\w+)'", src))
   names |= set(re.findall(r"add_argument\(\s*'--([\w-]+)'", src))
+  names |= set(re.findall(r"'--([\w-]+)' in argv", src))
   configs = {}
   for m in re.finditer(r"define_config_(file|dict)\(\s*'(\w+)',\s*([^\n]+)", src):
     configs[m.group(2)] = (m.group(1), m.group(3))
@@ -294,7 +313,7 @@ def normalise(text):
 def test_commands_flags_exist():
   """Every shown command, long ones included, passes only flags its entry point defines and
   config keys its config has; a renamed flag or key fails here."""
-  cmds = all_commands()
+  cmds = all_commands() + inline_commands()
   assert len(cmds) > 20, cmds
   problems = [p for c in cmds for p in check_command(c)]
   assert not problems, '\n'.join(problems)
@@ -331,12 +350,18 @@ def tiny_args(cli, args):
   return out
 
 
+@pytest.mark.slow
 def test_run_commands(tmp_path, subprocess_env):
-  """RUN's commands, at tiny size, in one directory: each exits 0."""
+  """RUN's commands, at tiny size, in one directory: each exits 0 (a module of this repository
+  that needs no JAX runs in-process, its main(argv) returning the exit status)."""
   env = dict(subprocess_env, JAX_PLATFORMS='cpu')
   for text in RUN:
     (seg,) = segments(text)
     cli, args = parse_segment(seg)
+    if cli in IN_PROCESS:
+      module = importlib.import_module(cli)
+      assert module.main([cli] + args) == 0, text
+      continue
     argv = [sys.executable] + (['-m', cli] if not cli.endswith('.py')
                                else [os.path.join(ROOT, cli)]) + tiny_args(cli, args)
     t0 = time.time()
