@@ -4,7 +4,7 @@
 --config.train.eval_batch_size=64 or --config.data.path=...); any key of the default config.
 
 With --prompt TEXT (or --prompt_file FILE, one prompt per line) it generates instead
-(sharenet/generate.py, README "Generation"): one JSON line per prompt and sample, with the
+(sharenet/generate.py, docs/generation.md): one JSON line per prompt and sample, with the
 continuation as `text` (bytes that are not valid UTF-8 escaped as \\xNN), `tokens_per_sec` and
 `kv_bytes_per_token` (the KV cache's bytes per token of one sequence):
   python eval.py --workdir DIR --prompt "def fib(" --max_new_tokens 200 \\

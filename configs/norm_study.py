@@ -28,7 +28,7 @@ def get_config():
   # The table's rows were measured with this weight-gradient and attention program (before the
   # CPU defaults dense_grad=rows and attention=chunked existed): every cell keeps one program.
   # (A rerun of rmsnorm seed 1 under the new defaults moved by +0.004 bits/byte, but two other
-  # cells reproduced to 3 decimals under both programs: README "Normalization variants".)
+  # cells reproduced to 3 decimals under both programs: docs/normalization.md.)
   c.model.dense_grad = 'xla'
   c.model.attention = 'xla'
   c.study = s = ml_collections.ConfigDict()
