@@ -57,7 +57,7 @@ def default_config() -> ml_collections.ConfigDict:
                               # jax.nn.dot_product_attention on cuDNN (GPU)
   m.dense_grad = 'auto'       # auto | xla | rows: how dense layers' weight gradients are formed;
                               # rows = one 2-D matmul x^T g over the flattened rows (what XLA:CPU
-                              # runs without transposing the cotangent, docs/performance.md "CPU speed against PyTorch eager"), xla =
+                              # runs without transposing the cotangent, docs/performance.md), xla =
                               # jax's own transpose rule; auto = rows on CPU, xla on GPU / TPU
   m.param_dtype = 'float32'
   m.attention_sharing = 'none'  # none | kv_shared | qk_shared | qkv_shared: attention

@@ -33,7 +33,8 @@ RUN = [
     'python eval.py --workdir runs/default',
     'python eval.py --workdir runs/default --prompt "def fib(" --max_new_tokens 40 --temperature 0',
     'python convert.py --workdir runs/default --out runs/rec --config.to=recursive '
-    '--config.scheme=universal --config.num_unique=1 --config.init=average --config.lora_rank=8 --config.lora_init=svd',
+    '--config.scheme=universal --config.num_unique=1 --config.init=average '
+    '--config.lora_rank=8 --config.lora_init=svd',
     'python -m sharenet.studies.results_tables --check',
 ]
 
@@ -241,7 +242,7 @@ def default_config(cli, name):
       return load_config_file(f'configs/{m.group(1)}')
     if expr and expr.startswith('configs/'):
       return load_config_file(expr)
-    raise AssertionError(f'{cli}: --{name} has no default config file; a shown command must name one')
+    raise AssertionError(f'{cli}: --{name} has no default config file; name one in the command')
   call = re.match(r'([\w.]+)\(\)', expr.strip()).group(1)
   if call.startswith('defaults.'):
     from sharenet import defaults
