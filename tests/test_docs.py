@@ -414,3 +414,26 @@ def test_readme_is_short_and_its_layout_exists():
   for link in re.findall(r'\]\(([^)#\s]+)', text):
     if not re.match(r'https?:', link):
       assert link.rstrip('/') in files or link.rstrip('/') in dirs, f'README link {link}'
+
+
+def test_generated_tables_are_not_copied():
+  """No hand-written table row (README, pages, study READMEs) repeats three or more measured
+  numbers of one row of a generated table: pages link to the table instead."""
+  from sharenet.studies import results_tables
+  number = re.compile(r'(?<![\w.])-?\d[\d,]*\.\d+|\d{1,3}(?:,\d{3})+')
+  generated = {os.path.join('docs', 'results', t) for t in results_tables.TABLES}
+  rows = []
+  for table in generated:
+    for line in open(os.path.join(ROOT, table)):
+      found = set(number.findall(line))
+      if line.startswith('|') and len(found) >= 3:
+        rows.append((table, found))
+  copies = []
+  for path in doc_files():
+    if path in generated or path == os.path.join('docs', 'compatibility.md'):
+      continue
+    for i, line in enumerate(open(os.path.join(ROOT, path)), 1):
+      if line.startswith('|'):
+        found = set(number.findall(line))
+        copies += [f'{path}:{i} copies a row of {t}' for t, r in rows if len(found & r) >= 3]
+  assert not copies, '\n'.join(copies)
