@@ -418,9 +418,10 @@ def test_readme_is_short_and_its_layout_exists():
 
 def test_generated_tables_are_not_copied():
   """No hand-written table row (README, pages, study READMEs) repeats three or more measured
-  numbers of one row of a generated table: pages link to the table instead."""
+  numbers (3+ decimals or thousands) of one row of a generated table: pages link to it instead."""
   from sharenet.studies import results_tables
-  number = re.compile(r'(?<![\w.])-?\d[\d,]*\.\d+|\d{1,3}(?:,\d{3})+')
+  # numbers specific enough to identify a measurement: >= 1 with 3+ decimals, or thousands
+  number = re.compile(r'(?<![\w.+-])[1-9]\d*\.\d{3,}|(?<![\w.])\d{1,3}(?:,\d{3})+')
   generated = {os.path.join('docs', 'results', t) for t in results_tables.TABLES}
   rows = []
   for table in generated:
