@@ -4,13 +4,13 @@
 --config.train.eval_batch_size=64 or --config.data.path=...); any key of the default config.
 
 With --prompt TEXT (or --prompt_file FILE, one prompt per line) it generates instead
-(sharenet/generate.py, README "Generation"): one JSON line per prompt and sample, with the
+(sharenet/generate.py, docs/generation.md): one JSON line per prompt and sample, with the
 continuation as `text` (bytes that are not valid UTF-8 escaped as \\xNN), `tokens_per_sec` and
 `kv_bytes_per_token` (the KV cache's bytes per token of one sequence):
   python eval.py --workdir DIR --prompt "def fib(" --max_new_tokens 200 \\
       [--temperature 0.8 --top_k 40 --top_p 0.95 --seed 0 --num_samples 4]
 
-Test-time depth of a looped model (sharenet/depth.py, docs/test_time.md): --depths 1,2,4,8
+Test-time depth of a looped model (sharenet/depth.py, docs/generation.md): --depths 1,2,4,8
 evaluates at every depth (one JSON line each: depth, eval_loss, eval_bits_per_byte,
 flops_per_token; writes loss_vs_depth.png and eval_depths.jsonl into the workdir); --depth N
 evaluates, or with --prompt generates, at N loops; --exit maxprob:0.9 | entropy:0.5 | kl:0.01 |

@@ -6,7 +6,7 @@ Runtime: under 8 minutes on one GPU / TPU chip (each section stops adding shapes
 budget is spent); --smoke runs every section at tiny size on the CPU (Pallas interpret mode) in
 about a minute and is part of the tests (tests/test_accelerator_bench.py).
 
-Sections (docs/accelerators.md explains how to read them):
+Sections (docs/scaling.md explains how to read them):
   1. check    every kernel against its jnp reference on this backend: attention (pallas, cudnn
               where present) and the fused residual-add + norm (rmsnorm, layernorm, crmsnorm),
               values and gradients, float32 and bfloat16.

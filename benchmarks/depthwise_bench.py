@@ -6,7 +6,7 @@ Result:  at exit_threshold 0.5 (mean exit depth 1.60 of 3 loops) depth-wise batc
          tokens/s, 1.67x vanilla batching (1,589 tokens/s) and 1.33-1.56x the same tick
          machinery without exits; early exit in static batches gained nothing over no exit
          (374 of 384 ticks: each batch waits for its slowest member); 57 % of the tokens equal
-         vanilla greedy's. README "Generation" has the table (measured 2026-12-01,
+         vanilla greedy's. docs/generation.md has the table (measured 2026-12-01,
          benchmarks/results/depthwise_cpu.json).
 
 Model: a cycle model (2 stored sets looped 3 times, width 128, 4 heads, SwiGLU 384, RoPE, byte

@@ -17,7 +17,7 @@ shapes on the same 2 threads, interleaved by round; the minimum over rounds is k
 
 Reading: the step-time gap between sharenet and the PyTorch reference (peer_compare.py) that
 the GEMM floors' difference accounts for is the part only a faster XLA:CPU dot library would
-remove; what is left over is the rest of the program (README "CPU speed against PyTorch eager").
+remove; what is left over is the rest of the program (docs/performance.md).
 The same file runs under either library (--lib jax | torch prints one JSON line), so it imports
 neither sharenet nor the other library.
 """

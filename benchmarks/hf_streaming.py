@@ -5,7 +5,7 @@ Command: python -m benchmarks.hf_streaming [--d_model 2048 --layers 22 --mlp_dim
              [--out benchmarks/results/hf_streaming.json]          (from the repository root)
 Runtime: the defaults are TinyLlama's shape (~1.1B parameters, 4.4 GB in float32), not
 run on the 24 GB CPU box (by the 246M figures, ~10 GB at the import); --d_model 1024 --layers 16 --mlp_dim 2816 --heads 16
---kv_heads 4 (246M) takes ~2 minutes on 2 cores (README "Hugging Face checkpoints").
+--kv_heads 4 (246M) takes ~2 minutes on 2 cores (docs/interop.md, "Tests and memory").
 Result: one JSON object, each phase run in its own process and measured by its peak RSS
 (ru_maxrss): `baseline` (the interpreter with the libraries imported), `write` (the synthetic checkpoint, written tensor by tensor), `read` (import's
 read of every tensor into the stacked parameters), `import` (read plus the workdir's orbax

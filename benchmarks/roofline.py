@@ -30,7 +30,7 @@ tokens per chip, in a subprocess with that many CPU devices. The train state per
 exact (its shardings); the step's peak is XLA:CPU's memory analysis of the compiled CPU step
 (arguments + outputs - aliases + temporaries: CPU buffer assignment, the chunked XLA attention
 instead of FlashAttention), an estimate of the chip's.
-Writes --out (JSON) and the tables into docs/accelerators.md between its roofline markers.
+Writes --out (JSON) and the tables into docs/scaling.md between its roofline markers.
 """
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ from sharenet import kernels, perf, train_lib
 from sharenet.models import ModelConfig, accounting
 
 _OUT = flags.DEFINE_string('out', 'benchmarks/results/roofline.json', 'JSON results')
-_DOCS = flags.DEFINE_string('docs', 'docs/accelerators.md', 'Markdown page whose roofline '
+_DOCS = flags.DEFINE_string('docs', 'docs/scaling.md', 'Markdown page whose roofline '
                             'section is rewritten ("" to leave it)')
 _NO_MEMORY = flags.DEFINE_bool('no_memory', False, 'skip the memory dry runs')
 _MEMORY_WORKER = flags.DEFINE_integer('memory_worker', 0, 'internal: dry runs on this many '

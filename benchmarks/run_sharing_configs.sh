@@ -12,4 +12,4 @@ for c in $CONFIGS; do
     --config.train.progress=False
   dirs+=("$OUT/$c")
 done
-python -m benchmarks.summarize_runs "${dirs[@]}"
+python -m benchmarks.summarize_runs "${dirs[@]}" --json="$OUT/sharing_cpu.json"

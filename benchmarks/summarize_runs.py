@@ -1,4 +1,6 @@
 """Markdown table of finished runs: python -m benchmarks.summarize_runs runs/untied runs/cycle ...
+[--json=PATH] (PATH: the rows as JSON, e.g. docs/results/sharing_cpu.json, whose table
+`python -m sharenet.studies.results_tables` regenerates).
 
 Per run: eval bits per byte (last eval), params_unique, params_applied, median tokens/s over the
 logged steps after the first log window (which includes compilation).
@@ -7,8 +9,12 @@ import json
 import os
 import statistics
 
+from absl import flags
+
 from sharenet import config_lib
 from sharenet.errors import ConfigError
+
+_JSON = flags.DEFINE_string('json', None, 'also write the rows as JSON to this path')
 
 
 def summarize(workdir: str) -> dict:
@@ -26,16 +32,26 @@ def summarize(workdir: str) -> dict:
           'tokens_per_sec': statistics.median(r['tokens_per_sec'] for r in train[1:] or train)}
 
 
+def to_markdown(rows: list[dict]) -> str:
+  lines = ['| config | plan | LoRA r | steps | eval bits/byte | params_unique | params_applied | '
+           'tokens/s |', '|---|---|---|---|---|---|---|---|']
+  for r in rows:
+    lines.append(f"| {r['run']} | {r['plan']} | {r['lora_rank']} | {r['steps']} | "
+                 f"{r['eval_bpb']:.3f} | {r['params_unique']:,} | {r['params_applied']:,} | "
+                 f"{r['tokens_per_sec']:,.0f} |")
+  return '\n'.join(lines) + '\n'
+
+
 def main(argv):
   dirs = argv[1:]
   if not dirs:
-    raise ConfigError('no workdirs given; valid: python -m benchmarks.summarize_runs DIR [DIR ...]')
+    raise ConfigError('no workdirs given; valid: python -m benchmarks.summarize_runs DIR [DIR ...] '
+                      '[--json=PATH]')
   rows = [summarize(d) for d in dirs]
-  print('| config | plan | LoRA r | steps | eval bits/byte | params_unique | params_applied | tokens/s |')
-  print('|---|---|---|---|---|---|---|---|')
-  for r in rows:
-    print(f"| {r['run']} | {r['plan']} | {r['lora_rank']} | {r['steps']} | {r['eval_bpb']:.3f} | "
-          f"{r['params_unique']:,} | {r['params_applied']:,} | {r['tokens_per_sec']:,.0f} |")
+  if _JSON.value:
+    with open(_JSON.value, 'w') as f:
+      json.dump(rows, f, indent=1)
+  print(to_markdown(rows), end='')
 
 
 if __name__ == '__main__':

@@ -2,7 +2,8 @@
 
 Command:   python train.py --config configs/cycle.py --workdir runs/cycle
 Runtime:   ~7.9 min on the 2-core CPU (200 steps, eval over the full split).
-Result:    eval bits/byte 2.205 after 200 steps; params_unique 2,688,768, params_applied 5,246,208; 1,959 tokens/s (measured 2026-11-29).
+Result:    its row of docs/results/sharing_cpu.md (eval bits/byte, parameters, tokens/s;
+           generated from docs/results/sharing_cpu.json).
 """
 from configs import sharing_common
 

@@ -3,8 +3,8 @@
 Command:   python train.py                      (same as --config configs/default.py)
 Runtime:   ~1 min 45 s on the 2-core CPU (120 steps at ~7,000 tokens/s, then the final eval
            over the full validation split; measured 2026-12-01 on a fresh clone, no install).
-Result:    eval bits per byte 2.573 (2026-12-01; 2.58 before the CPU-speed defaults; 150 steps
-           gave 2.41, 200 steps 2.22); the unigram reference is 4.76.
+Result:    eval bits per byte: README.md, Quickstart (the one place it is quoted);
+           docs/performance.md, "Default run", for the history of that number.
 """
 import ml_collections
 

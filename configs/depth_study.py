@@ -17,10 +17,7 @@ Runtime:   ~11 min wall pinned to one core of the shared 2-core CPU (`taskset -c
            x 256 tokens by every model).
 Result:    docs/results/depth_study/README.md (tables and discussion), depth_study.png (eval
            loss against test-time depth), depth_study.json (raw rows), depth_study.md (the
-           generated tables). At equal FLOPs MoR expert choice has the lowest eval loss (1.735
-           nats vs 1.788 recursive); loss is lowest at the trained depth 3 for every looped model
-           (more loops do not help); sampling + injection degrades least past it (+0.06 nats at
-           12 loops vs +0.57 fixed depth); kv_sharing=first holds 0.60 of the KV bytes, MoR 0.70.
+           tables generated from it).
 """
 import ml_collections
 

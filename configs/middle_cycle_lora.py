@@ -6,11 +6,9 @@ layers are not relaxed).
 
 Command:   python train.py --config configs/middle_cycle_lora.py --workdir runs/middle_cycle_lora
 Runtime:   ~8.8 min on the 2-core CPU (200 steps, eval over the full split).
-Result:    params_unique 3,640,576, params_applied 5,344,512 (counted 2026-12-01); eval bits/byte
-           not yet measured with lora_layers=shared. With --config.model.sharing.lora_layers=all
-           (LoRA on every applied layer, the default before 2026-12-01): eval bits/byte 2.192
-           after 200 steps; params_unique 3,689,728, params_applied 5,393,664; 1,845 tokens/s
-           (measured 2026-11-29).
+Result:    docs/results/sharing_cpu.md's middle_cycle_lora row was measured with
+           --config.model.sharing.lora_layers=all; docs/performance.md ("Sharing configs") gives
+           the parameter counts under today's lora_layers=shared (eval not yet rerun).
 """
 from configs import sharing_common
 

@@ -18,11 +18,8 @@ Runtime:   ~12 min pinned to one core of the 2-core CPU (`taskset -c 1`; measure
            713 s for the 10 runs of 107-370 steps of 8 x 64 bytes with their evaluations, plus
            ~10 s of start-up; the MoE runs take 85-95 s each, the untied ones 24-45 s).
 Result:    docs/results/moe_study/README.md (tables and the reading against the paper's claim),
-           table.md (generated tables), plot.png (eval loss against training FLOPs). Seeds 0-3
-           (2 and 3 added with --config.study.seeds): equal stored params (300 steps): untied
-           1.842, moeut 1.879 (worse in 3 of 4 seeds), dense G=2 1.905 nats/byte; equal train
-           FLOPs: moeut 1.823 (370 steps; paired vs untied -0.076, -0.001, +0.025, -0.023: a
-           tie), dense G=2 2.222 (107 steps).
+           table.md (generated from results.json by python -m sharenet.studies.results_tables),
+           plot.png (eval loss against training FLOPs).
 """
 import ml_collections
 

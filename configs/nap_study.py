@@ -10,11 +10,8 @@ Runtime:   ~7.5 min on the 2-core CPU shared with other jobs (137-145 s per run:
            validation eval); 8.5 min wall measured with `nice -n 5`.
 Result:    OUT/nap_study.{json,md,png}: per step, ||W|| / ||W_0|| and the angular update
            ||W_{t+1} - W_t|| / ||W_t|| of the MLP input kernels, the residual writers and the
-           readout; the eval loss of each run. Measured 2026-12-01 (docs/results/nap/): after 200
-           steps the MLP input kernels grew to 1.45x (baseline) / 1.48x (pre_act) their initial
-           norm and their angular step fell from ~0.021 to 0.012; under nap the norm stays 1.000
-           and the step settles at 0.017 (writers: 0.014 vs 0.022). Eval loss 1.973 / 1.950 /
-           1.964 nats (one seed, no seed spread measured: the loss ranking is not established).
+           readout; the eval loss of each run.
+           Measured: docs/results/nap/README.md and nap_study.md (generated from its JSON).
 """
 import ml_collections
 

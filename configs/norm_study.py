@@ -10,11 +10,9 @@ Command:   python -m sharenet.studies.norm_study --config configs/norm_study.py 
 Runtime:   ~5.3 min per run on the 2-core CPU (200 steps of 4,096 tokens + full validation
            eval), ~3.4 h for the grid in one process; ~9 min per run with two single-core
            workers, ~2.8 h for the grid.
-Result:    OUT/norm_study.{json,md,png}. Measured 2026-11-30 (eval bits per byte, untied / cycle):
-           rmsnorm 2.223 / 2.240, qk_rms 2.140 / 2.199, weight_std 2.201 / 2.231, ngpt_projection
-           2.361 / 2.465, none unstable under both plans (82.8 / 2e5); every transform trains
-           without divergence under both plans; all 38 cells measured. Full table in README
-           and docs/results/norm_study/.
+Result:    OUT/norm_study.{json,md,png}; the measured tables are docs/results/norm_study/
+           norm_study.md (seed 0) and norm_study_seeds.md (3 seeds), generated from their JSON;
+           the reading: docs/normalization.md.
 """
 import ml_collections
 
@@ -30,7 +28,7 @@ def get_config():
   # The table's rows were measured with this weight-gradient and attention program (before the
   # CPU defaults dense_grad=rows and attention=chunked existed): every cell keeps one program.
   # (A rerun of rmsnorm seed 1 under the new defaults moved by +0.004 bits/byte, but two other
-  # cells reproduced to 3 decimals under both programs: README "Normalization variants".)
+  # cells reproduced to 3 decimals under both programs: docs/normalization.md.)
   c.model.dense_grad = 'xla'
   c.model.attention = 'xla'
   c.study = s = ml_collections.ConfigDict()

@@ -1,5 +1,5 @@
 """Recurrent depth (Geiping et al., arXiv:2502.05171): a prelude, a recurrent block and a coda,
-the prelude's output re-injected at every loop, the depth sampled per step (docs/recurrence.md).
+the prelude's output re-injected at every loop, the depth sampled per step (docs/loops.md).
 
 middle_cycle with 10 applied layers: the unique first layer (prelude), a 2-set block looped
 R = 4 times, the unique last layer (coda). Each step draws its loops from the Poisson /

@@ -8,9 +8,8 @@ Command:   python -m sharenet.studies.recursion_study --config configs/recursion
 Runtime:   estimate before the first full run: ~10-15 min per run on one core of the 2-core CPU
            (the vanilla model: 200 steps of 16 x 256 bytes; routed models take more steps at
            the same training FLOPs), ~1.5 h for the grid with two single-core workers.
-Result:    OUT/recursion_study.{json,md,png}: eval bits per byte, stored parameters,
-           FLOPs/token, steps and tokens/s per variant (mean +- sd over seeds); measured values
-           go into README "Sharing plans" when run.
+Result:    docs/results/recursion_study/ (recursion_study.md generated from its JSON); the
+           reading: docs/routing.md, "The recursion study".
 """
 import ml_collections
 

@@ -399,7 +399,7 @@ def markdown() -> str:
             f'| {f.name} | {f.axis} | (an operation on a trained model) |' for f in FEATURES]
   lines += ['', '`model.moe.dispatch=auto` (the default) runs `moe_ragged_dot` '
             '(`jax.lax.ragged_dot`) on GPU / TPU and `moe_reference` (sorted rows in blocks) on '
-            'CPU, where ragged_dot expands to every expert (docs/moe.md).']
+            'CPU, where ragged_dot expands to every expert (docs/experts.md).']
   refused = [(a, b, why) for a, b, why in pairs() if why]
   works = len(pairs()) - len(refused)
   lines += ['', f'{works} pairs work; {len(refused)} are refused:', '',

@@ -47,7 +47,7 @@ def default_config() -> ml_collections.ConfigDict:
   m.scan_lowering = 'nested'  # nested | flat: tied plans as nested scans, or one scan over
                               # gathered sets
   m.dtype = 'float32'         # compute dtype: float32 | bfloat16 (parameters, norm statistics,
-                              # softmax, logits and loss stay float32; docs/accelerators.md)
+                              # softmax, logits and loss stay float32; docs/scaling.md)
   m.kernels = 'auto'          # auto | xla | pallas: Pallas kernels (sharenet/kernels/) for the
                               # fused residual-add + norm and attention; auto = Pallas on GPU/TPU
                               # where the shapes allow, XLA otherwise; pallas on CPU = interpret
@@ -57,18 +57,18 @@ def default_config() -> ml_collections.ConfigDict:
                               # jax.nn.dot_product_attention on cuDNN (GPU)
   m.dense_grad = 'auto'       # auto | xla | rows: how dense layers' weight gradients are formed;
                               # rows = one 2-D matmul x^T g over the flattened rows (what XLA:CPU
-                              # runs without transposing the cotangent, README "CPU speed"), xla =
+                              # runs without transposing the cotangent, docs/performance.md), xla =
                               # jax's own transpose rule; auto = rows on CPU, xla on GPU / TPU
   m.param_dtype = 'float32'
   m.attention_sharing = 'none'  # none | kv_shared | qk_shared | qkv_shared: attention
                               # projections that are one (Q-K=V, arXiv:2606.04032): kv_shared
                               # the values are the keys (the KV cache holds K only), qk_shared
                               # the queries are the keys, qkv_shared one projection for all
-                              # three (docs/sublayer_sharing.md)
+                              # three (docs/sharing.md)
   m.kv_sharing = 'none'       # none | first: later loops of the looped segment attend to the
                               # first loop's keys and values (Mixture-of-Recursions' recursive KV
                               # sharing, arXiv:2507.10524): its decode cache holds one loop's
-                              # (docs/recurrence.md)
+                              # (docs/loops.md)
   m.masa = ma = ml_collections.ConfigDict()   # MASA, matrix atom sharing (arXiv:2508.04581)
   ma.atoms = 0                # S shared atoms per target kernel, W_l = sum_s c_ls D_s; 0 = off
   ma.targets = 'q,k,v,o'      # kernels built from atoms: any of q,k,v,o,mlp_in,mlp_out
@@ -107,7 +107,7 @@ def default_config() -> ml_collections.ConfigDict:
   rt.balancing = 'loss'       # token_choice: loss (Switch-style aux loss) | bias (loss-free: a
                               # non-trainable bias on the exit scores, updated after every step)
   rt.bias_rate = 0.001        # balancing=bias: bias_i += bias_rate * sign(1/R - exit fraction_i)
-  m.recurrence = rc = ml_collections.ConfigDict()   # recurrent depth (docs/recurrence.md)
+  m.recurrence = rc = ml_collections.ConfigDict()   # recurrent depth (docs/loops.md)
   rc.depth = 'fixed'          # fixed | poisson_lognormal: loops of the looped segment per train
                               # step (poisson_lognormal: Geiping et al., arXiv:2502.05171)
   rc.mean = 0.0               # mean loops per step; 0 -> the plan's R (fixed: the loops, an int)
@@ -117,7 +117,7 @@ def default_config() -> ml_collections.ConfigDict:
                               # re-enters every loop (concat: adapter on [state; injected])
   rc.init = 'embed'           # embed | zeros | normal: the state entering the first loop (embed:
                               # the stream itself, the only choice with injection none)
-  m.moe = mo = ml_collections.ConfigDict()   # experts inside the blocks (docs/moe.md)
+  m.moe = mo = ml_collections.ConfigDict()   # experts inside the blocks (docs/experts.md)
   mo.kind = 'none'            # none | sigma_moe | switch: the feed-forward as experts; sigma_moe
                               # (MoEUT, arXiv:2405.16039): sigmoid-gated top-k of small ReLU
                               # experts; switch (arXiv:2101.03961): softmax top-1 with a capacity
@@ -285,7 +285,7 @@ def conversion_config() -> ml_collections.ConfigDict:
   c.share_rate = 0.3          # head_shared: fraction of all heads replaced by their best match
                               # in an earlier layer (DirectShare, arXiv:2402.11819)
   c.expert_weights = ''       # merge_lora_experts: comma list of model.moe.lora_experts weights
-                              # (one-hot e: exact where every token picks e; docs/moe.md)
+                              # (one-hot e: exact where every token picks e; docs/experts.md)
   return c
 
 

@@ -1,7 +1,7 @@
 """Text generation: prefill the prompts, then decode one token per step with a KV cache.
 
 `generate(model, variables, prompts, max_new_tokens, ...)` is the library function behind
-`python eval.py --workdir DIR --prompt ...` (README "Generation") and for notebooks.
+`python eval.py --workdir DIR --prompt ...` (docs/generation.md) and for notebooks.
 `variables` are the variables the model *applies*: for a trained workdir that is
 `train_lib.effective_params` (reparameterizations and parametrization forward multipliers
 resolved once, not per token); `workdir_lib.load_for_generation` returns them.

@@ -43,7 +43,7 @@ def check_recursive(model: DecoderLM, variables: Any) -> loops.Looped:
   if c.recurrence.injection != 'none':
     raise ConfigError(f'recursive inference applies the stored layers one token at a time '
                       f'without re-entering the input; model.recurrence.injection='
-                      f'{c.recurrence.injection!r} needs it (docs/recurrence.md); valid: none')
+                      f'{c.recurrence.injection!r} needs it (docs/loops.md); valid: none')
   if c.values_are_keys:
     raise ConfigError(f'recursive inference keeps keys and values per layer; model.'
                       f'attention_sharing={c.attention_sharing} stores no values; valid: none, '

@@ -6,7 +6,7 @@ platforms=[platform])`: from abstract shapes (jax.ShapeDtypeStruct), on any host
 compile. A kernel whose block shapes Mosaic or Triton reject fails here, as on the chip.
 `kernel_calls` names the Pallas kernels in the module (Mosaic `tpu_custom_call` on TPU, Triton
 calls on GPU); `f32_matmuls` lists its float32 x float32 dot_generals by op name.
-tests/test_lowering.py and benchmarks/roofline.py use them (docs/accelerators.md, "Lowering").
+tests/test_lowering.py and benchmarks/roofline.py use them (docs/scaling.md, "Lowering").
 """
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ Shen et al., "PowerNorm: Rethinking Batch Normalization in Transformers", arXiv:
 
 Gamma is written by the backward pass. JAX's VJP cannot write state, so the increment
 mean(g^ z) leaves `power_norm` as the cotangent of `tap_C`, a zero input the caller
-differentiates and adds to Gamma. Not wired into the model yet (docs/normalization_family.md:
+differentiates and adds to Gamma. Not wired into the model yet (docs/normalization.md:
 the per-layer statistics collection it needs); the functions here are the forward and backward
 the model will call.
 """

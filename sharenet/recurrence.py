@@ -1,5 +1,5 @@
 """Recurrent-depth training: each step's sampled depth, its loop schedule and executed FLOPs,
-and the loss at every loop's exit (docs/recurrence.md).
+and the loss at every loop's exit (docs/loops.md).
 
 Depth (model.recurrence.depth, Geiping et al., arXiv:2502.05171, the reference's
 `poisson-lognormal-filling` sampler): tau ~ N(log(mean - 1) - sigma^2 / 2, sigma), sigma = 1/2,

@@ -7,7 +7,7 @@ are the ones a TPU or GPU user compiles, Mosaic's and Triton's lowering rules in
 the train step (built as sharenet/train_lib.py builds it), generation's compiled program
 (prefill and the decode loop, sharenet/generate.py) and recursive inference's tick
 (sharenet/recursive_inference.py). Each lowers for 'tpu' and 'cuda' and calls every Pallas
-kernel docs/accelerators.md ("Lowering") claims for the platform; bfloat16 TPU modules hold no
+kernel docs/scaling.md ("Lowering") claims for the platform; bfloat16 TPU modules hold no
 float32 x float32 matmul outside the allowlist there. On an 8-device mesh (data x fsdp x
 tensor; a subprocess, as jax fixes the device count at start-up) the train step and generation
 lower with their shardings, each kernel per shard. Shapes are the smallest the kernels' block
@@ -52,7 +52,7 @@ TICK_CONFIGS = ('cycle', 'middle_cycle_lora')
 # Every config under both kernel switches and both dtypes on each platform.
 SETTINGS = (('pallas', 'bfloat16'), ('auto', 'float32'))
 
-# The kernels docs/accelerators.md claims, by name in the platform's custom call.
+# The kernels docs/scaling.md claims, by name in the platform's custom call.
 ATTENTION = {'tpu': ('_flash_attention_kernel',), 'cuda': ('mha_forward',)}
 ATTENTION_GRAD = {'tpu': ('_flash_attention_dq_kernel', '_flash_attention_dkv_kernel'),
                   'cuda': ('mha_backward',)}
@@ -65,7 +65,7 @@ EXPECTED = {
     'decode': {p: NORMS for p in PLATFORMS},
     'tick': {p: NORMS for p in PLATFORMS},
 }
-# float32 x float32 matmuls a bfloat16 TPU module may hold, by op name (docs/accelerators.md).
+# float32 x float32 matmuls a bfloat16 TPU module may hold, by op name (docs/scaling.md).
 F32_MATMULS_ALLOWED = ('router.expert_logits', 'router.token_logits')
 
 
@@ -246,12 +246,12 @@ def test_unknown_target_is_one_line_config_error():
 
 
 def test_docs_name_every_asserted_kernel_and_allowed_matmul(repo_root):
-  with open(os.path.join(repo_root, 'docs', 'accelerators.md')) as f:
+  with open(os.path.join(repo_root, 'docs', 'scaling.md')) as f:
     text = f.read()
   names = {n for program in EXPECTED.values() for p in program.values() for n in p}
   names |= {f'add_{k}_{s}' for k in norm_kernels.KINDS for s in ('fwd', 'bwd')}
   missing = [n for n in sorted(names) + list(F32_MATMULS_ALLOWED) if f'`{n}`' not in text]
-  assert not missing, f'docs/accelerators.md does not name {missing}'
+  assert not missing, f'docs/scaling.md does not name {missing}'
 
 
 # ---- an 8-device mesh (data 2 x fsdp 2 x tensor 2), in a subprocess -------------------------

@@ -1,4 +1,4 @@
-"""Tests for the rest of the normalization family (docs/normalization_family.md): SELU, weight
+"""Tests for the rest of the normalization family (docs/normalization.md): SELU, weight
 conditioning, the compander, Lp norms and Unified Normalization with its fold.
 
 Each method is checked against a numpy restatement of its forward; where the method is the

@@ -1,4 +1,4 @@
-"""SharingPlan index maps against the published schedules (RRT, arXiv:2410.20672; README table)."""
+"""SharingPlan index maps against the published schedules (RRT, arXiv:2410.20672; docs/sharing)."""
 import pytest
 
 from sharenet.errors import ConfigError

@@ -1,4 +1,4 @@
-"""Sub-layer weight sharing (docs/sublayer_sharing.md): attention projection sharing
+"""Sub-layer weight sharing (docs/sharing.md): attention projection sharing
 (model.attention_sharing, arXiv:2606.04032), MASA matrix atoms (model.masa.*, arXiv:2508.04581)
 and the DirectShare head-sharing conversion (convert.py --config.to=head_shared,
 arXiv:2402.11819), each against an independent construction."""

@@ -3,9 +3,7 @@
 Command:   nice -n 5 python -m sharenet.studies.coord_check \
                --config configs/mup/coord_check_umup.py --out docs/results/mup/umup
 Runtime:   1,515 s on the 2-core CPU shared with other jobs (15 model points; compile dominates).
-Result:    (docs/results/mup/umup/README.md; max |slope| of log mean|x| over steps t >= 1)
-           width 64-256: umup residual 0.11, mlp_out 0.29 (0.08 at lr 0.125); sp residual 1.12.
-           depth 2-8: umup final residual stream 0.07; mup (no depth rule) 1.38.
+Result:    docs/results/mup/umup/README.md and coord_check.md (generated from its JSON).
 """
 import ml_collections
 

@@ -4,9 +4,8 @@ Command:   python -m sharenet.studies.lr_sweep --config configs/mup/transfer.py 
                --out docs/results/mup
 Runtime:   10 min 26 s wall on the idle 2-core CPU (measured 2026-12-01 with the CPU-speed
            defaults; 25 min 19 s before them). Width 512 dominates (~3 min per parametrization).
-Result:    (measured 2026-12-01) optimum log2 LR per width 64/128/256/512:
-           sp  -7.03 / -8.36 / -9.53 / -10.70 (512 at the grid edge): shift 3.67 (12.7x)
-           mup -7.03 / -7.30 / -7.08 / -7.22: shift 0.27 (1.21x); loss at 2^-7 falls with width.
+Result:    docs/results/mup/lr_sweep.md (optima, shift, every cell's loss; generated from
+           lr_sweep.json); the reading: docs/parametrizations.md, "LR transfer".
 """
 import ml_collections
 

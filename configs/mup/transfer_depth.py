@@ -8,17 +8,11 @@ Command:   nice -n 5 python -m sharenet.studies.lr_sweep --config configs/mup/tr
                --out docs/results/mup/depth
 Runtime:   1,504 s (25 min) wall, nice 5, on the 2-core CPU shared with 4 other jobs (load ~11);
            depth 16 dominates (5.5-6.7 min per variant).
-Result:    (measured 2026-12-01; 50 steps, 1 seed, so +-0.3 in log2 is within noise) optimum
-           log2 LR (quadratic vertex) for depth 2 / 4 / 8 / 16, and the best final train loss:
-           mup        -6.80 / -6.83 / -7.08 / -7.49  (loss 2.624 / 2.633 / 2.690 / 2.746)
-           completep  -6.80 / -6.12 / -6.11 / -6.16  (loss 2.624 / 2.594 / 2.627 / 2.591)
-           mup's optimum falls steadily (-0.23 log2 per depth doubling, 0.69 over 2 -> 16) and its
-           loss gets worse with depth; completep moves once, 2 -> 4 (the depth-2 basin is flat from
-           2^-7 to 2^-5), then stays within 0.05 from 4 to 16 while its loss does not degrade.
-           alpha 0.5 (--config.study.depth_variants=completep:base_depth=2:depth_alpha=0.5
-           --out docs/results/mup/depth/alpha_0.5, 453 s at a lower load):
-                      -6.80 / -5.83 / -5.65 / -5.86  (loss 2.624 / 2.593 / 2.593 / 2.604)
-           i.e. the same one-step move 2 -> 4 and 0.21 spread from 4 to 16 (vs 0.05 at alpha 1).
+Result:    docs/results/mup/depth/lr_sweep.md and, for alpha 0.5
+           (--config.study.depth_variants=completep:base_depth=2:depth_alpha=0.5
+           --out docs/results/mup/depth/alpha_0.5, 453 s at a lower load),
+           docs/results/mup/depth/alpha_0.5/lr_sweep.md, generated from their JSON; the reading:
+           docs/parametrizations.md, "CompleteP across depth".
 """
 from configs.mup import transfer
 

@@ -3,9 +3,9 @@
 Command:   python -m sharenet.studies.lr_sweep --config configs/mup/transfer_loops.py \
                --out docs/results/mup/loops
 Runtime:   16 min wall on the shared 2-core CPU (run at nice 10 next to the width sweep).
-Result:    (measured 2026-11-30, before the sweep ran the loop's step and schedule: see README)
-           optimum log2 LR for R = 1/2/4/8: mup -6.96/-6.60/-7.00/-7.42 (shift 0.82);
-           mup + inv_R -6.96/-6.28/-6.06/-6.00 (shift 0.96). Neither moves 2x here.
+Result:    docs/results/mup/loops/lr_sweep.md (generated from its JSON; measured 2026-11-30,
+           before the sweep ran the loop's step and schedule); the reading:
+           docs/parametrizations.md.
 """
 from configs.mup import transfer
 

@@ -4,7 +4,7 @@ Sources (`data.source`):
   stdlib: every `.py` file under `sysconfig.get_paths()['stdlib']` (site-packages excluded),
     sorted by relative path, bytes concatenated (vocab 256). A file is validation iff
     `int(sha1(relpath).hexdigest()[:8], 16) % 50 == 0` (sizes on the development machine's
-    CPython in README "Results"). Reading is fast enough that there is no on-disk cache.
+    CPython in docs/performance.md). Reading is fast enough that there is no on-disk cache.
     Other Python builds ship other files (e.g. Debian's python3.11 lacks test/), so numbers
     are only comparable on one build.
   text: `data.path` is a recursive glob of plain-text files, sorted by path relative to the

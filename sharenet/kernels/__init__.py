@@ -13,7 +13,7 @@ kernel and reason), under `auto` and `pallas` alike: never silently.
 `model.attention = auto | xla | chunked | cudnn | pallas` picks the attention back-end on its own;
 `auto` follows `model.kernels` on GPU / TPU and is the chunked XLA attention on a CPU.
 `model.dense_grad = auto | xla | rows` picks how dense layers form weight gradients (rows on a
-CPU). See docs/accelerators.md and README "CPU speed".
+CPU). See docs/scaling.md and docs/performance.md "CPU speed against PyTorch eager".
 
 Every choice above follows `backend()`: the host's default backend, or the platform set by
 `target(platform)` around tracing, so that a CPU machine can lower the TPU or GPU program

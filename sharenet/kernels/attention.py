@@ -10,7 +10,7 @@ saved log-sum-exp. Every back-end here computes the same function as `reference`
           0..end of chunk i only, so the causal upper triangle beyond each chunk is never
           computed (at T = 256 a quarter of the logits, at T = 2048 about half) and no (T, T)
           array is formed. The same function (each query row's softmax sees all of its keys);
-          the CPU default (model.attention=auto; README "CPU speed").
+          the CPU default (model.attention=auto; docs/performance.md).
   pallas  GPU, and CPU in Pallas interpret mode: the FlashAttention kernel jax ships in
           `jax.experimental.pallas.ops.gpu.attention.mha` (Pallas forward, Pallas backward
           through its custom VJP). TPU: `jax.experimental.pallas.ops.tpu.flash_attention`.
@@ -112,7 +112,7 @@ def reference(q_BTHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array, *, scale,
       # An additive 0 / MASK_VALUE bias: the same logits bit for bit (|logits| << 1e30 is
       # absorbed), the same gradients (masked probabilities are exactly 0), and XLA:CPU fuses the
       # add into the softmax where it runs a select as its own pass (3 % of the d=256 train
-      # step in a one-core A/B, README "CPU speed against PyTorch eager").
+      # step in a one-core A/B, docs/performance.md).
       bias = jnp.where(mask_BKGCS, 0.0, MASK_VALUE).astype(logits_BKGCS.dtype)
       logits_BKGCS = logits_BKGCS + bias
     logits_BKGCS = checkpoint_name(logits_BKGCS, 'attn_logits')

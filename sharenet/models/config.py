@@ -31,13 +31,13 @@ POSITIONS = ('rope', 'learned', 'none')
 LOWERINGS = ('nested', 'flat')
 REMATS = ('none', 'full', 'dots', 'dots_no_batch', 'save_names', 'offload_dots', 'except_attn')
 DTYPES = ('float32', 'bfloat16', 'float64')
-# Sub-layer sharing (docs/sublayer_sharing.md): which attention projections are one.
+# Sub-layer sharing (docs/sharing.md): which attention projections are one.
 ATTENTION_SHARINGS = ('none', 'kv_shared', 'qk_shared', 'qkv_shared')
 # The projections each sharing mode stores (kv_shared: values are the keys; qk_shared: queries
 # are the keys; qkv_shared: one projection, stored as 'k').
 STORED_PROJECTIONS = {'none': ('q', 'k', 'v'), 'kv_shared': ('q', 'k'),
                       'qk_shared': ('k', 'v'), 'qkv_shared': ('k',)}
-# KV across loops (Mixture-of-Recursions' recursive KV sharing, docs/recurrence.md).
+# KV across loops (Mixture-of-Recursions' recursive KV sharing, docs/loops.md).
 KV_SHARINGS = ('none', 'first')
 _TRAIN_SEQ_LEN = defaults.default_config().train.seq_len
 
@@ -257,7 +257,7 @@ def _resolve(c: ModelConfig) -> list[tuple[str, Any]]:
 
 
 def _resolve_moe(c: ModelConfig) -> dict[str, Any]:
-  """model.moe's resolved sizes (docs/moe.md), checking what the experts replace: the dense
+  """model.moe's resolved sizes (docs/experts.md), checking what the experts replace: the dense
   MLP's LoRA / MASA targets and its pre-activation norms have no expert counterpart."""
   mo = c.moe
   if mo.kind == 'none':

@@ -1,5 +1,5 @@
 """What SwitchHead attention and Mixture-of-LoRAs experts need of the rest of the model
-(model.moe.attention, model.moe.lora_experts; docs/moe.md): one ConfigError line each.
+(model.moe.attention, model.moe.lora_experts; docs/experts.md): one ConfigError line each.
 
 Read by models/config.py when a ModelConfig is resolved; takes the config duck-typed so it
 imports nothing of the model.

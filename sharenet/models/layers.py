@@ -49,7 +49,7 @@ def matmul_rows(x: jax.Array, w: jax.Array) -> jax.Array:
   The same product and the same gradients as `x @ w` (up to the order of float additions); only
   the program differs. jax's own transpose rule leaves XLA:CPU a dot whose cotangent operand it
   lays out transposed, in a loop fusion with the elementwise backward that runs several times
-  slower than the matmul itself (a train step spent ~40 % of its time there: README "CPU speed",
+  slower than the matmul itself (a train step spent ~40 % of its time there: docs/performance.md,
   benchmarks/peer_compare.py). model.dense_grad selects it (auto: on CPU).
   """
   return x @ w

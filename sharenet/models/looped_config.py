@@ -1,5 +1,5 @@
 """What a model's looped segment resolves to: Mixture-of-Recursions' routing (docs/routing.md),
-recurrent depth (docs/recurrence.md) and recursive KV sharing (models/kv_sharing.py).
+recurrent depth (docs/loops.md) and recursive KV sharing (models/kv_sharing.py).
 
 Each reads the config's sections and the sharing plan, checks what it needs of the rest of the
 model (one ConfigError line naming the valid choices), and returns the resolved fields the
@@ -88,7 +88,7 @@ LOOPED_SCHEMES = 'cycle, universal, middle_cycle, groups, sandwich'
 
 def resolve_recurrence(c: Any, plan: sharing.SharingPlan,
                         umup_residual: tuple[float, ...]) -> dict[str, Any]:
-  """model.recurrence's resolved values (docs/recurrence.md), checking what it needs of the
+  """model.recurrence's resolved values (docs/loops.md), checking what it needs of the
   plan: one looped cycle segment, per-layer parts only at the plan's R loops, no routing."""
   rc = c.recurrence
   looped = [i for i, s in enumerate(plan.segments) if s.order == 'cycle' and s.repeats > 1]

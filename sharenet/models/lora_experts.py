@@ -1,4 +1,4 @@
-"""Mixture of LoRAs (model.moe.lora_experts = N; docs/moe.md).
+"""Mixture of LoRAs (model.moe.lora_experts = N; docs/experts.md).
 
 "Improving Recursive Transformers with Mixture of LoRAs" (ModernALBERT, arXiv:2512.12880): N
 LoRA experts of rank model.sharing.lora_rank on the shared feed-forward's kernels (the mlp_in /

@@ -38,8 +38,8 @@ def swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
   """silu(gate) * up, with a hand-written backward: d gate = dh up s (1 + gate (1 - s)),
   d up = dh gate s (s = sigmoid(gate), computed once). The same function as autodiff's; its
   backward is one elementwise pass where autodiff's is several (the two product-rule terms of
-  silu summed separately): 2.5 % of the d=256 train step in a one-core XLA:CPU A/B (README
-  "CPU speed against PyTorch eager"). Reverse mode only (custom_vjp)."""
+  silu summed separately): 2.5 % of the d=256 train step in a one-core XLA:CPU A/B
+  (docs/performance.md, "CPU speed against PyTorch eager"). Reverse mode only (custom_vjp)."""
   return jax.nn.silu(gate) * up
 
 

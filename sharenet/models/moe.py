@@ -1,4 +1,4 @@
-"""Experts in the feed-forward's place (model.moe; docs/moe.md).
+"""Experts in the feed-forward's place (model.moe; docs/experts.md).
 
 sigma_moe (MoEUT, Csordas et al., arXiv:2405.16039, Sec. 2.1 and reference code moeut.py
 SigmaMoE): a selector s = sigmoid(x W_S^T) over E small ReLU experts, the top-k of s run and

@@ -1,7 +1,7 @@
 """Attention's projections: q, k, v with projection sharing, and the output projection o.
 
 Projection sharing, model.attention_sharing (Kayyam, Madan Gopal, Lewis, "Do Transformers Need
-Three Projections?", arXiv:2606.04032; docs/sublayer_sharing.md):
+Three Projections?", arXiv:2606.04032; docs/sharing.md):
   none        q, k, v projections.
   kv_shared   values are the keys: no 'v' kernel, v = x W_k (the projection, before QK-norm
               and RoPE, exactly a `none` model with W_v = W_k); the KV cache holds K only.

@@ -185,7 +185,7 @@ class MasaConfig:
 @dataclasses.dataclass(frozen=True)
 class RecurrenceConfig:
   """`config.model.recurrence`: recurrent depth over the plan's looped segment
-  (docs/recurrence.md; Geiping et al., arXiv:2502.05171). What needs the plan (a looped segment,
+  (docs/loops.md; Geiping et al., arXiv:2502.05171). What needs the plan (a looped segment,
   backprop against the depth, per-layer parts) is the ModelConfig's check."""
   KEY = 'recurrence'
   depth: str = key('recurrence.depth')
@@ -225,7 +225,7 @@ class RecurrenceConfig:
 
 @dataclasses.dataclass(frozen=True)
 class MoeConfig:
-  """`config.model.moe`: experts inside the blocks (docs/moe.md). The feed-forward keys are
+  """`config.model.moe`: experts inside the blocks (docs/experts.md). The feed-forward keys are
   checked only with kind != none, the attention keys only with attention=switchhead
   (models/switchhead.py), lora_experts (Mixture of LoRAs, models/lora_experts.py) with the
   model's LoRA keys (models/expert_checks.py). What needs the rest of the model

@@ -14,7 +14,7 @@ Application. Every call (training, evaluation, cached generation, routed recursi
 stored arrays to models/loops.py `run_segment`, the one place layers are applied:
 `model.scan_lowering` nested or flat (the stored tree is identical, so checkpoints move freely
 between the two; flat costs R*K transient copies of the set weights and buys one loop instead of
-two, README "Results"; benchmarks/step_bench.py and benchmarks/compile_bench.py measure both),
+two, docs/performance.md; benchmarks/step_bench.py and benchmarks/compile_bench.py measure both),
 unrolled for the Python-loop baseline. A `loops.Schedule` changes the looped segment's loops
 per call (another depth, a no-grad prefix, per-loop outputs).
 

@@ -1,4 +1,4 @@
-"""SwitchHead attention (model.moe.attention = switchhead; docs/moe.md).
+"""SwitchHead attention (model.moe.attention = switchhead; docs/experts.md).
 
 Csordas, Piekos, Irie, Schmidhuber, "SwitchHead: Accelerating Transformers with Mixture-of-
 Experts Attention" (arXiv:2312.07987, Sec. 3), as MoEUT uses it (arXiv:2405.16039; reference

@@ -127,10 +127,13 @@ def point_overrides(axis: str, x: int, s: Any) -> dict[str, Any]:
 
 def run_axes(config: Any, out_dir: str, name: str, run_axis: Callable[..., dict[str, Any]],
              plot: Callable[[dict[str, Any], str, str], None],
-             annotate: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+             annotate: Callable[[dict[str, Any]], None] | None = None,
+             table: Callable[[dict[str, Any]], str] | None = None) -> dict[str, Any]:
   """Runs a study over each of `config.study.axes`: result[axis] = run_axis(config, axis, log),
   `annotate(result[axis])` if given, a plot OUT/<name>_<axis>.png per axis, then OUT/<name>.json
-  with the total runtime and the config (progress lines go to stderr)."""
+  with the total runtime and the config (progress lines go to stderr), and OUT/<name>.md =
+  `table(result)` if given (the same function regenerates it from the JSON:
+  `python -m sharenet.studies.results_tables`)."""
   from sharenet import config_lib
   from sharenet.errors import ConfigError
   axes = parse_list(config.study.axes, str)
@@ -150,6 +153,9 @@ def run_axes(config: Any, out_dir: str, name: str, run_axis: Callable[..., dict[
   result['config'] = json.loads(config_lib.to_json(config))
   with open(os.path.join(out_dir, f'{name}.json'), 'w') as f:
     json.dump(result, f, indent=1)
+  if table is not None:
+    with open(os.path.join(out_dir, f'{name}.md'), 'w') as f:
+      f.write(table(result))
   return result
 
 

@@ -165,10 +165,31 @@ def plot_activations(result: dict[str, Any], axis: str, acts: list[str], path: s
   plt.close(fig)
 
 
+def axes_of(result: dict[str, Any]) -> list[str]:
+  """The study axes a result holds (width, repeats, depth), in the order run."""
+  return [a for a, r in result.items() if isinstance(r, dict) and 'variants' in r]
+
+
+def to_markdown(result: dict[str, Any]) -> str:
+  """Per axis: the largest |slope| of log mean|x| against log x over steps >= 1, per variant
+  (rows) and activation (columns); flat (muP-like) is near 0."""
+  out = []
+  for axis in axes_of(result):
+    r = result[axis]
+    acts = sorted({a for row in r['max_abs_slope_t_ge_1'].values() for a in row})
+    out += [f'**{axis}** {", ".join(str(x) for x in r["xs"])}: max |slope| over steps >= 1', '',
+            '| variant | ' + ' | '.join(acts) + ' |', '|---|' + '---|' * len(acts)]
+    for v, row in r['max_abs_slope_t_ge_1'].items():
+      out.append(f'| {v} | ' + ' | '.join(f'{row[a]:.2f}' if a in row else '-' for a in acts)
+                 + ' |')
+    out.append('')
+  return '\n'.join(out)
+
+
 def main(config: Any, out_dir: str) -> dict[str, Any]:
   def annotate(res: dict[str, Any]) -> None:
     res['max_abs_slope_t_ge_1'] = summary(res)
-  result = common.run_axes(config, out_dir, 'coord_check', run_axis, plot, annotate)
+  result = common.run_axes(config, out_dir, 'coord_check', run_axis, plot, annotate, to_markdown)
   for axis in common.parse_list(config.study.axes, str):
     for v, row in result[axis]['max_abs_slope_t_ge_1'].items():
       print(f'{axis:8s} {v:34s} ' + ' '.join(f'{a}={row[a]:.2f}' for a in sorted(row)))

@@ -20,7 +20,7 @@ last run every trained model decodes a fixed batch of study.prompts validation w
 which each model decodes once (round robin, so a change in the shared machine's load touches
 every model alike); the median tokens/s and Generation.kv_bytes_per_token. The recursive model
 decodes a second time under model.kv_sharing=first with its own parameters (the stored tree is
-the same: docs/recurrence.md), so that row measures the cache and the speed, not a model
+the same: docs/loops.md), so that row measures the cache and the speed, not a model
 trained with shared KV.
 
 Writes OUT/depth_study.json (one row per variant x seed), OUT/depth_study.md (the tables: mean

@@ -154,8 +154,38 @@ def plot(result: dict[str, Any], axis: str, path: str) -> None:
   plt.close(fig)
 
 
+def to_markdown(result: dict[str, Any]) -> str:
+  """Per axis: each variant's optimum (log2 LR, the quadratic vertex; `edge` where the grid
+  argmin is a grid end), the optimum's shift and slope per doubling, and the seed-mean final
+  train loss of every (variant, LR, x) cell."""
+  out = []
+  for axis in [a for a, r in result.items() if isinstance(r, dict) and 'variants' in r]:
+    r = result[axis]
+    xs = [str(x) for x in r['xs']]
+    out += [f'**{axis}**: optimum log2 LR', '',
+            f'| variant | {" | ".join(xs)} | shift (log2) | slope per doubling |',
+            '|---|' + '---|' * (len(xs) + 2)]
+    for v, vr in r['variants'].items():
+      cells = [f"{vr['cells'][x]['fit_log2_lr']:.2f}" + (' (edge)' if vr['cells'][x]['at_edge']
+                                                        else '') for x in xs]
+      out.append(f"| {v} | {' | '.join(cells)} | {vr['optimum_shift_log2']:.2f} | "
+                 f"{vr['optimum_slope_log2_per_doubling']:+.2f} |")
+    out += ['', f'**{axis}**: seed-mean final train loss per log2 LR (the optimum row\'s '
+            'neighbourhood is what the fit uses)', '',
+            f'| variant | log2 LR | {" | ".join(xs)} |', '|---|---|' + '---|' * len(xs)]
+    for v, vr in r['variants'].items():
+      for i, lr in enumerate(vr['log2_lrs']):
+        means = []
+        for x in xs:
+          m = np.asarray(vr['cells'][x]['final_loss'][i], float)
+          means.append(f'{m.mean():.3f}' if np.all(np.isfinite(m)) else 'diverged')
+        out.append(f"| {v} | {lr:g} | {' | '.join(means)} |")
+    out.append('')
+  return '\n'.join(out)
+
+
 def main(config: Any, out_dir: str) -> dict[str, Any]:
-  result = common.run_axes(config, out_dir, 'lr_sweep', run_axis, plot)
+  result = common.run_axes(config, out_dir, 'lr_sweep', run_axis, plot, table=to_markdown)
   for axis in common.parse_list(config.study.axes, str):
     for v, r in result[axis]['variants'].items():
       opts = ' '.join(f'{x}:2^{r["cells"][str(x)]["fit_log2_lr"]:.2f}' for x in result[axis]['xs'])

@@ -1,4 +1,4 @@
-"""Mixture of LoRAs -> one depth-wise LoRA for inference (models/lora_experts.py; docs/moe.md).
+"""Mixture of LoRAs -> one depth-wise LoRA for inference (models/lora_experts.py; docs/experts.md).
 
 "Improving Recursive Transformers with Mixture of LoRAs" (arXiv:2512.12880) merges its routed
 LoRA experts into one adapter for inference. Here each applied layer l gets its own adapter
