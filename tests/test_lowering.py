@@ -334,3 +334,22 @@ def test_kernels_per_shard_give_the_xla_paths_gradients(eight):
 if __name__ == '__main__':
   import conftest  # the suite's compilation cache and flags, and its plain helpers
   _worker(conftest.make_tiny_config, sys.argv[1])
+
+
+EXPERTS = {**CONFIGS['cycle'], 'model.moe.kind': 'sigma_moe', 'model.moe.num_experts': 4,
+           'model.moe.top_k': 2, 'model.moe.expert_dim': 64, 'model.moe.attention': 'switchhead',
+           'model.moe.attention_experts': 2, 'model.moe.attention_top_k': 1}
+
+
+@pytest.mark.parametrize('platform', PLATFORMS)
+def test_experts_dispatch_through_ragged_dot(tiny_config, platform):
+  """model.moe.dispatch=auto on TPU / GPU: sigma-MoE and SwitchHead's train step (forward and
+  backward, bfloat16 with the Pallas kernels) lowers with its grouped matmuls as XLA's
+  ragged_dot (jax.lax.ragged_dot, the maintained grouped matmul those compilers implement),
+  not as the CPU's sorted-block reference."""
+  c = tiny_config(**SMALL, **EXPERTS, **{'model.kernels': 'pallas', 'model.dtype': 'bfloat16'})
+  exported = lower(train_program(c), platform)
+  check(exported, platform, 'train', 'bfloat16')
+  text = exported.mlir_module()
+  # 3 grouped matmuls forward (experts' up and down, SwitchHead's values and outputs), more back
+  assert text.count('ragged_dot') >= 8, text.count('ragged_dot')
