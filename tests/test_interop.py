@@ -188,6 +188,7 @@ def test_export_refuses_what_no_architecture_holds():
       export_hf.export_arch(base.derive(**change))
 
 
+@pytest.mark.slow
 def test_gpt2_layernorm_to_rmsnorm_to_crmsnorm_is_exact_in_float64(imported):
   """The Pre-LN -> Pre-RMSNorm -> Pre-CRMSNorm conversions (Jiang et al., arXiv:2305.14858)
   on imported GPT-2, whose every projection has a bias: the same logits in float64."""
@@ -216,6 +217,7 @@ def _convert(src, out, **opts):
   return str(out)
 
 
+@pytest.mark.slow
 def test_llama_to_recursive_at_full_svd_rank_equals_the_import(imported, tmp_path):
   """convert.py --config.to=recursive on imported Llama (Relaxed Recursive Transformers,
   arXiv:2410.20672): a cycle of 2 averaged sets with depth-wise LoRA from the SVD of each

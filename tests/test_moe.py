@@ -204,6 +204,7 @@ def test_cached_generation_equals_full_forward():
   assert list(np.asarray(jnp.argmax(logits[0, len(prompt) - 1:], -1))) == list(out)
 
 
+@pytest.mark.slow
 def test_cli_train_with_experts(tmp_path, train_cmd, subprocess_env):
   """train.py with sigma-MoE: the loss falls, the train rows report the aux loss, which
   eval_loss does not hold."""

@@ -114,6 +114,7 @@ def test_cached_generation_equals_full_forward():
   assert list(np.asarray(jnp.argmax(logits[0, len(prompt) - 1:], -1))) == list(out)
 
 
+@pytest.mark.slow
 def test_tied_switchhead_experts_get_the_summed_gradient():
   """A universal block applied twice: its expert and selector gradients are the sums of the two
   uses' in an untied copy holding the same weights in both layers."""

@@ -44,6 +44,7 @@ def _randomized(variables, seed, zero_router):
   return unflatten_dict(flat)
 
 
+@pytest.mark.slow
 def test_merged_equals_routed_when_every_token_picks_one_expert():
   """Zero routers: every token runs expert 0 at gate 1, so merging with one_hot(0) is the same
   function; one_hot(1) is not, and neither is the routed model once its routers spread tokens."""

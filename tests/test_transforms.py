@@ -313,6 +313,7 @@ def _from_torch_rows(leaf, rows, shape):
   return rows.reshape(shape)
 
 
+@pytest.mark.slow
 def test_agc_clips_each_unit_to_its_ratio():
   """Unit-wise AGC (Brock et al., arXiv:2102.06171, eq. 3, units = rows of the PyTorch weight):
   every unit's ||G_i|| / max(||W_i||, eps) ends <= lambda, clipped units keep their direction
