@@ -9,15 +9,14 @@ is built), and `check_action` does the same for an action on a model's config.
 tests/test_compatibility.py is generated from this table: a pairwise covering set of tiny
 configs (every working pair in at least one, none with a refused pair) each initialised and
 trained one step, the actions run on them, and every refused pair checked to raise its line;
-docs/compatibility.md is `markdown()`. A feature whose config value is not in the table fails
+docs/compatibility.md is `compat_cover.markdown()`; the covering set is
+`compat_cover.covering_rows()`. A feature whose config value is not in the table fails
 tests/test_compatibility.py::test_every_choice_is_declared.
 """
 from __future__ import annotations
 
-import collections
 import dataclasses
 import itertools
-import random
 from typing import Any, Callable
 
 from sharenet.errors import ConfigError
@@ -332,81 +331,6 @@ def pairs() -> list[tuple[str, str, str | None]]:
           for a, b in itertools.combinations(FEATURES, 2) if a.axis != b.axis]
 
 
-def covering_rows(seed: int = 0, tries: int = 24) -> list[tuple[str, ...]]:
-  """Feature sets, at most one per axis and no refused pair among them, that together hold
-  every working pair (a greedy pairwise covering, deterministic for a seed).
-
-  Every row is a traced train step in the tests and a row holding an action (generation,
-  loop-by-loop inference, test-time depth) also compiles and runs it, ~4x a trace: so the
-  pairs of the actions are covered first, by rows as wide as the refusals allow (their lower
-  bound is the largest axis an action pairs with, the sharing schemes), and the rows after
-  them hold no action. Each row starts from an uncovered pair of the feature with the most
-  uncovered pairs left, fills the other axes in a random order with the feature covering the
-  most uncovered pairs (pairs of an action first), and is the best of `tries` such candidates.
-  """
-  rng = random.Random(seed)
-  axes: dict[str, list[str]] = {}
-  for f in FEATURES:
-    axes.setdefault(f.axis, []).append(f.name)
-  refused = {frozenset((a, b)) for a, b, why in pairs() if why}
-  todo = {frozenset((a, b)) for a, b, why in pairs() if why is None}
-  actions = {f.name for f in FEATURES if f.action}
-
-  def gain(pair: frozenset) -> int:
-    """An uncovered pair of an action weighs more than all other pairs of a row together."""
-    return 0 if pair not in todo else 1000 if pair & actions else 1
-
-  def candidate(a: str, b: str, serving: bool) -> list[str]:
-    row = [a, b]
-    order = [x for x in axes if x not in (BY_NAME[a].axis, BY_NAME[b].axis)]
-    rng.shuffle(order)
-    for axis in order:
-      best, best_gain = None, 0
-      for name in axes[axis]:
-        if (not serving and name in actions
-            or any(frozenset((name, r)) in refused for r in row)):
-          continue
-        g = sum(gain(frozenset((name, r))) for r in row)
-        if g > best_gain:
-          best, best_gain = name, g
-      if best is not None:
-        row.append(best)
-    return row
-
-  rows = []
-  while todo:
-    serving = any(p & actions for p in todo)
-    pool = [p for p in todo if p & actions] if serving else todo
-    left = collections.Counter(n for p in pool for n in p)
-    top = min(left, key=lambda n: (-left[n], n))
-    starts = sorted(tuple(sorted(p)) for p in pool if top in p)
-    row = max((candidate(*rng.choice(starts), serving) for _ in range(tries)),
-              key=lambda r: sum(gain(frozenset(p)) for p in itertools.combinations(r, 2)))
-    todo -= {frozenset(p) for p in itertools.combinations(row, 2)}
-    rows.append(tuple(sorted(row)))
-  return rows
-
-
-def markdown() -> str:
-  """docs/compatibility.md: the features and every refused pair with its reason."""
-  lines = ['# Compatibility', '',
-           'Generated from `sharenet/compat.py` by `python -m sharenet.compat` (do not edit).',
-           'Every pair of features below works, and `tests/test_compatibility.py` trains a '
-           'config holding it for one step (or runs the action on one), except the pairs '
-           'in the second table, which are one `ConfigError` line.', '',
-           '| feature | axis | setting |', '|---|---|---|']
-  lines += [f'| {f.name} | {f.axis} | `{f.label}` |' if not f.action else
-            f'| {f.name} | {f.axis} | (an operation on a trained model) |' for f in FEATURES]
-  lines += ['', '`model.moe.dispatch=auto` (the default) runs `moe_ragged_dot` '
-            '(`jax.lax.ragged_dot`) on GPU / TPU and `moe_reference` (sorted rows in blocks) on '
-            'CPU, where ragged_dot expands to every expert (docs/experts.md).']
-  refused = [(a, b, why) for a, b, why in pairs() if why]
-  works = len(pairs()) - len(refused)
-  lines += ['', f'{works} pairs work; {len(refused)} are refused:', '',
-            '| feature | with | why |', '|---|---|---|']
-  lines += [f'| {a} | {b} | {why} |' for a, b, why in refused]
-  return '\n'.join(lines) + '\n'
-
-
 if __name__ == '__main__':
+  from sharenet.compat_cover import markdown
   print(markdown(), end='')

@@ -14,15 +14,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sharenet import (compat, config_lib, optim_matrix, parametrization, recurrence, sharing,
-                      train_lib)
+from sharenet import (compat, compat_cover, config_lib, optim_matrix, parametrization,
+                      recurrence, sharing, train_lib)
 from sharenet.errors import ConfigError
 from sharenet.kernels import KERNELS
 from sharenet.models import config as model_config
 from sharenet.models import sections
 from sharenet.transforms import project, reparam, update
 
-ROWS = compat.covering_rows()
+ROWS = compat_cover.covering_rows()
 # Values that are defaults of their axis (the base config has them), or that need hardware
 # this suite does not have: declared here, so a new value fails test_every_choice_is_declared.
 NOT_FEATURES = {'sp', 'adamw', 'none', 'rmsnorm', 'pre', 'nested', 'xla', 'auto', 'float32',
@@ -73,7 +73,7 @@ def test_the_table_is_consistent():
 
 def test_docs_are_generated_from_the_table(repo_root):
   with open(os.path.join(repo_root, 'docs', 'compatibility.md')) as f:
-    assert f.read() == compat.markdown(), 'regenerate: python -m sharenet.compat > ' \
+    assert f.read() == compat_cover.markdown(), 'regenerate: python -m sharenet.compat > ' \
         'docs/compatibility.md'
 
 
