@@ -16,11 +16,13 @@ def covering_rows(seed: int = 0, tries: int = 24) -> list[tuple[str, ...]]:
 
   Every row is a traced train step in the tests and a row holding an action (generation,
   loop-by-loop inference, test-time depth) also compiles and runs it, ~4x a trace: so the
-  pairs of the actions are covered first, by rows as wide as the refusals allow (their lower
-  bound is the largest axis an action pairs with, the sharing schemes), and the rows after
-  them hold no action. Each row starts from an uncovered pair of the feature with the most
-  uncovered pairs left, fills the other axes in a random order with the feature covering the
-  most uncovered pairs (pairs of an action first), and is the best of `tries` such candidates.
+  pairs of the actions are covered first, by rows holding a feature only for a pair of an
+  action (their number is bounded below by the largest axis an action pairs with, the
+  sharing schemes; a costly feature such as pallas or bfloat16 is then served once, not in
+  every serving row), and the rows after them hold no action. Each row starts from an
+  uncovered pair of the feature with the most uncovered pairs left, fills the other axes in a
+  random order with the feature covering the most uncovered pairs (pairs of an action first),
+  and is the best of `tries` such candidates.
   """
   rng = random.Random(seed)
   axes: dict[str, list[str]] = {}
@@ -30,9 +32,10 @@ def covering_rows(seed: int = 0, tries: int = 24) -> list[tuple[str, ...]]:
   todo = {frozenset((a, b)) for a, b, why in pairs() if why is None}
   actions = {f.name for f in FEATURES if f.action}
 
-  def gain(pair: frozenset) -> int:
-    """An uncovered pair of an action weighs more than all other pairs of a row together."""
-    return 0 if pair not in todo else 1000 if pair & actions else 1
+  def gain(pair: frozenset, serving: bool = False) -> int:
+    """An uncovered pair of an action weighs more than all other pairs of a row together; a
+    serving row takes a feature only for a pair of an action (it compiles what it holds)."""
+    return 0 if pair not in todo else 1000 if pair & actions else int(not serving)
 
   def candidate(a: str, b: str, serving: bool) -> list[str]:
     row = [a, b]
@@ -44,7 +47,7 @@ def covering_rows(seed: int = 0, tries: int = 24) -> list[tuple[str, ...]]:
         if (not serving and name in actions
             or any(frozenset((name, r)) in refused for r in row)):
           continue
-        g = sum(gain(frozenset((name, r))) for r in row)
+        g = sum(gain(frozenset((name, r)), serving) for r in row)
         if g > best_gain:
           best, best_gain = name, g
       if best is not None:
@@ -59,7 +62,7 @@ def covering_rows(seed: int = 0, tries: int = 24) -> list[tuple[str, ...]]:
     top = min(left, key=lambda n: (-left[n], n))
     starts = sorted(tuple(sorted(p)) for p in pool if top in p)
     row = max((candidate(*rng.choice(starts), serving) for _ in range(tries)),
-              key=lambda r: sum(gain(frozenset(p)) for p in itertools.combinations(r, 2)))
+              key=lambda r: sum(gain(frozenset(p), serving) for p in itertools.combinations(r, 2)))
     todo -= {frozenset(p) for p in itertools.combinations(row, 2)}
     rows.append(tuple(sorted(row)))
   return rows

@@ -8,6 +8,8 @@ from typing import NamedTuple
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from flax.traverse_util import unflatten_dict
+from jax.sharding import PartitionSpec
 
 from sharenet.models.attention import DecodeStep, LayerCache
 from sharenet.models.block import ACT_AXES, Shared, Stream
@@ -211,9 +213,10 @@ def init_variables(model: DecoderLM, rng: jax.Array, batch_size: int = 1, seq_le
 
 
 def logical_axes(model: DecoderLM):
-  """Pytree of logical axis names (PartitionSpec) matching init_variables' tree."""
-  boxed = jax.eval_shape(lambda: init_boxed(model, jax.random.key(0)))
-  return nn.get_partition_spec(boxed)
+  """Pytree of logical axis names (PartitionSpec) matching init_variables' tree: read from the
+  role table (every leaf is a `params.Param` box), so no second trace of the init."""
+  return unflatten_dict(
+      {path: PartitionSpec(*info.axes) for path, info in param_table(model.cfg).items()})
 
 
 @functools.lru_cache(maxsize=64)
