@@ -41,8 +41,7 @@ def measure(repeats: int, d_model: int, seq_len: int, batch: int,
   m.routing.buckets = buckets
   mcfg = ModelConfig.from_experiment(config)
   exp = train_lib.setup(config, mcfg)
-  state = jax.eval_shape(lambda: train_lib.init_state(exp.model, exp.tx, jax.random.key(0),
-                                                      tr=exp.tr, pz=exp.pz))
+  state = train_lib.abstract_state(exp.model, exp.tx, exp.tr, exp.pz)
   batch_BT1 = jax.ShapeDtypeStruct((batch, seq_len + 1), jnp.int32)
   step = jax.jit(train_lib.make_train_step(exp, config.train.grad_accum))
   t0 = time.perf_counter()

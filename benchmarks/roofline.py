@@ -35,7 +35,6 @@ Writes --out (JSON) and the tables into docs/scaling.md between its roofline mar
 from __future__ import annotations
 
 import contextlib
-import functools
 import io
 import json
 import os
@@ -119,8 +118,7 @@ def step_costs(size: tuple, plan: str) -> dict[str, Any]:
   with kernels.target('tpu'):
     mcfg = ModelConfig.from_experiment(c)
     exp = train_lib.setup(c, mcfg)
-    state = jax.eval_shape(functools.partial(train_lib.init_state, exp.model, exp.tx, tr=exp.tr,
-                                             pz=exp.pz), jax.random.key(0))
+    state = train_lib.abstract_state(exp.model, exp.tx, exp.tr, exp.pz)
     batch = jax.ShapeDtypeStruct((BATCH, SEQ_LEN + 1), jnp.int32)
     lowered = jax.jit(train_lib.make_train_step(exp)).lower(state, batch)
   loops = [n for n in trip_counts(lowered.as_text()) if n != 1]

@@ -153,6 +153,7 @@ class ParamInfo:
   uses: tuple[int, ...] = ()
   layers: tuple[int, ...] = ()
   local: tuple[str, ...] = ()
+  dtype: Any = None   # the initialised array's dtype (None in hand-built tables)
 
   @property
   def key(self) -> str:
@@ -219,7 +220,7 @@ def table(boxed: Any) -> dict[Path, ParamInfo]:
                         f'sharenet.params.param')
     out[path] = ParamInfo(path, tuple(box.names), tuple(box.value.shape), box.role, box.num_in,
                           box.init_std, box.branch, box.writes, box.use, box.segment, box.sets,
-                          box.uses, box.layers, box.local)
+                          box.uses, box.layers, box.local, box.value.dtype)
   return out
 
 

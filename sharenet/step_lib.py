@@ -16,7 +16,7 @@ import optax
 
 from sharenet import eval_lib, optim, parametrization, recurrence
 from sharenet.errors import ConfigError
-from sharenet.models import DecoderLM, ModelConfig, init_variables
+from sharenet.models import DecoderLM, ModelConfig, abstract_variables, init_variables
 from sharenet.models import moe, routing, unit_scale
 from sharenet.transforms import Transforms
 
@@ -63,10 +63,28 @@ def _fresh_state_jit(same: _Same, rng: jax.Array) -> TrainState:
   return _fresh_state(model, tx, rng, tr=tr, pz=pz)
 
 
+def abstract_state(model: DecoderLM, tx: optax.GradientTransformation,
+                   tr: Transforms | None = None,
+                   pz: parametrization.Parametrization | None = None) -> TrainState:
+  """init_state's shapes and dtypes (as `jax.eval_shape(init_state, ...)`): the model's init
+  is read from its role table (`models.param_table`, cached per config), so only the preset,
+  the transforms and the optimizer are traced here."""
+  return jax.eval_shape(functools.partial(_finish_state, model, tx, tr=tr, pz=pz),
+                        abstract_variables(model))
+
+
 def _fresh_state(model: DecoderLM, tx: optax.GradientTransformation, rng: jax.Array,
                  tr: Transforms | None = None,
                  pz: parametrization.Parametrization | None = None) -> TrainState:
-  params, tstate = init_variables(model, rng), {}
+  return _finish_state(model, tx, init_variables(model, rng), tr=tr, pz=pz)
+
+
+def _finish_state(model: DecoderLM, tx: optax.GradientTransformation, params: Any,
+                  tr: Transforms | None = None,
+                  pz: parametrization.Parametrization | None = None) -> TrainState:
+  """The state from the model's SP init `params`: `pz`'s rescaling, `tr`'s gains and
+  projections, the optimizer's state."""
+  tstate = {}
   if pz is not None:
     params = pz.init(params)
   if tr is not None:

@@ -22,8 +22,8 @@ from sharenet.metrics import MetricsWriter, note
 from sharenet.models import ModelConfig, accounting, logical_axes
 # The step (sharenet/step_lib.py), re-exported: callers use train_lib.setup, .loss_fn, ...
 from sharenet.step_lib import (  # noqa: F401
-    Experiment, TrainState, effective, effective_params, init_state, loss_fn, make_train_step,
-    setup, train_step)
+    Experiment, TrainState, abstract_state, effective, effective_params, init_state, loss_fn,
+    make_train_step, setup, train_step)
 
 
 def param_shapes(tree: Any) -> dict[str, list[int]]:
@@ -42,12 +42,12 @@ class _Compiled(NamedTuple):
   sampled: bool          # a sampled-depth model: the step takes its depth (sharenet/recurrence)
 
 
-def _compile_step(config: Any, exp: Any, rng: jax.Array) -> tuple[_Compiled, Any, list[str]]:
+def _compile_step(config: Any, exp: Any) -> tuple[_Compiled, Any, list[str]]:
   """The state's shapes and shardings on config.mesh and the jitted step; -> (compiled,
   logical axes, sharding notes)."""
   model, tx, pz, tr = exp
   t = config.train
-  abstract = jax.eval_shape(functools.partial(init_state, model, tx, tr=tr, pz=pz), rng)
+  abstract = abstract_state(model, tx, tr, pz)
   mesh, rules = sharding.make_mesh(config.mesh), sharding.rules_of(config.mesh)
   logical, notes = logical_axes(model), []
   if 'reparam' in abstract.params:   # transform gains carry no logical axes: replicated
@@ -106,7 +106,7 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, float]:
   model, tx, pz, tr = exp
   schedule = optim.lr_schedule(t)
   rng = jax.random.key(t.seed)
-  c, logical, notes = _compile_step(config, exp, rng)
+  c, logical, notes = _compile_step(config, exp)
   abstract, shardings, step_fn, mesh, rules = c.abstract, c.shardings, c.step_fn, c.mesh, c.rules
   batch_sharding, batch_shape = c.batch_sharding, c.batch_shape
   shapes = param_shapes(abstract.params)

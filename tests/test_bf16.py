@@ -32,8 +32,7 @@ def _experiment(tiny_config, **overrides):
   c = tiny_config(**{'model.dtype': 'bfloat16', 'train.batch_size': B, 'train.seq_len': T,
                      **overrides})
   exp = train_lib.setup(c, config_lib.validate(c))
-  state = jax.eval_shape(lambda r: train_lib.init_state(exp.model, exp.tx, r, exp.tr, exp.pz),
-                         jax.random.key(0))
+  state = train_lib.abstract_state(exp.model, exp.tx, exp.tr, exp.pz)
   return c, exp, state
 
 

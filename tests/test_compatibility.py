@@ -114,8 +114,10 @@ def _trace(tiny_config, row, monkeypatch):
   exp = train_lib.setup(config, config_lib.validate(config))
   step = train_lib.make_train_step(exp, config.train.grad_accum,
                                    loops=recurrence.step_loops(config, exp.model.cfg))
-  init = lambda: train_lib.init_state(exp.model, exp.tx, jax.random.key(0), exp.tr, exp.pz)
-  new, metrics = jax.eval_shape(lambda: step(init(), _batch(config)))
+  # the init's trace is the role table's (config validation built it): the abstract state
+  # adds the preset, the transforms and the optimizer's init
+  state = train_lib.abstract_state(exp.model, exp.tx, exp.tr, exp.pz)
+  new, metrics = jax.eval_shape(step, state, _batch(config))
   assert metrics['loss'].shape == () and new.step.shape == ()
 
 

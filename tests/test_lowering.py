@@ -92,8 +92,7 @@ def _mesh(c):
 def train_program(c, sharded: bool = False) -> Program:
   """The train step as train_lib.train_and_evaluate jits it, on abstract state and batch."""
   exp = train_lib.setup(c, config_lib.validate(c))
-  abstract = jax.eval_shape(functools.partial(train_lib.init_state, exp.model, exp.tx,
-                                              tr=exp.tr, pz=exp.pz), jax.random.key(0))
+  abstract = train_lib.abstract_state(exp.model, exp.tx, exp.tr, exp.pz)
   batch = jax.ShapeDtypeStruct((c.train.batch_size, c.train.seq_len + 1), jnp.int32)
   step = train_lib.make_train_step(exp)
   if not sharded:

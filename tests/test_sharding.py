@@ -284,8 +284,6 @@ def test_hosts_must_read_contiguous_rows(eight):
 
 def test_scan_axes_unsharded_and_optimizer_state_follows_params(tiny_config):
   """Stacked ('layers') and per-applied-layer ('repeats', 'layers') axes stay whole."""
-  import functools
-
   import jax
   from flax.traverse_util import flatten_dict
 
@@ -296,8 +294,7 @@ def test_scan_axes_unsharded_and_optimizer_state_follows_params(tiny_config):
                      'model.sharing.untie_norms': True})
   mcfg = ModelConfig.from_config(c.model)
   model, tx = DecoderLM(mcfg), optim.make_optimizer(c.train, table=param_table(mcfg))
-  abstract = jax.eval_shape(functools.partial(train_lib.init_state, model, tx),
-                            jax.random.key(0))
+  abstract = train_lib.abstract_state(model, tx)
   mesh, rules = sharding.make_mesh(c.mesh), sharding.rules_of(c.mesh)
   logical = logical_axes(model)
   specs = sharding.param_specs(logical, abstract.params, mesh, rules)

@@ -212,6 +212,12 @@ def init_variables(model: DecoderLM, rng: jax.Array, batch_size: int = 1, seq_le
   return jax.jit(lambda key: nn.unbox(init_boxed(model, key, batch_size, seq_len)))(rng)
 
 
+def abstract_variables(model: DecoderLM):
+  """init_variables' tree as ShapeDtypeStructs, read from the role table (no second trace)."""
+  return unflatten_dict({path: jax.ShapeDtypeStruct(info.shape, info.dtype)
+                         for path, info in param_table(model.cfg).items()})
+
+
 def logical_axes(model: DecoderLM):
   """Pytree of logical axis names (PartitionSpec) matching init_variables' tree: read from the
   role table (every leaf is a `params.Param` box), so no second trace of the init."""
