@@ -32,7 +32,7 @@ def covering_rows(seed: int = 0, tries: int = 24) -> list[tuple[str, ...]]:
   todo = {frozenset((a, b)) for a, b, why in pairs() if why is None}
   actions = {f.name for f in FEATURES if f.action}
 
-  def gain(pair: frozenset, serving: bool = False) -> int:
+  def gain(pair: frozenset, serving: bool) -> int:
     """An uncovered pair of an action weighs more than all other pairs of a row together; a
     serving row takes a feature only for a pair of an action (it compiles what it holds)."""
     return 0 if pair not in todo else 1000 if pair & actions else int(not serving)

@@ -38,29 +38,7 @@ def init_state(model: DecoderLM, tx: optax.GradientTransformation, rng: jax.Arra
   rescalings) would each be compiled on first use (~20 s on a 2-core CPU for a tiny model
   with sigma-reparam). Inside a caller's jit or eval_shape it is inlined.
   """
-  return _fresh_state_jit(_Same((model, tx, tr, pz)), rng)
-
-
-class _Same:
-  """A static jit argument equal only to itself's objects (compared by identity): the abstract
-  state (`jax.eval_shape(init_state, ...)`) and the real init of the same model, optimizer and
-  transforms share one trace, while a new or patched model is traced afresh."""
-  __slots__ = ('objs',)
-
-  def __init__(self, objs: tuple):
-    self.objs = objs
-
-  def __hash__(self) -> int:
-    return hash(tuple(map(id, self.objs)))
-
-  def __eq__(self, other: Any) -> bool:
-    return isinstance(other, _Same) and all(a is b for a, b in zip(self.objs, other.objs))
-
-
-@functools.partial(jax.jit, static_argnums=0)
-def _fresh_state_jit(same: _Same, rng: jax.Array) -> TrainState:
-  model, tx, tr, pz = same.objs
-  return _fresh_state(model, tx, rng, tr=tr, pz=pz)
+  return jax.jit(functools.partial(_fresh_state, model, tx, tr=tr, pz=pz))(rng)
 
 
 def abstract_state(model: DecoderLM, tx: optax.GradientTransformation,

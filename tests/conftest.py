@@ -65,6 +65,13 @@ def make_train_cmd(workdir, *flags):
           f'--config.data.eval_tokens={EVAL_TOKENS}', *flags]
 
 
+def rel_err(a, b):
+  """max |a - b| / max |b|, on the host: op by op, jnp would compile each leaf's shape."""
+  import numpy as np
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  return float(np.max(np.abs(a - b)) / (np.max(np.abs(b)) + 1e-30))
+
+
 def make_subprocess_env():
   """This environment plus the repo on PYTHONPATH and the suite's compilation cache."""
   e = dict(os.environ)

@@ -142,8 +142,8 @@ def test_row_serves(row, tiny_config, monkeypatch):
   step is test_row_traces'): cached greedy generation runs, loop-by-loop inference that
   never exits early equals it token for token (greedy; sampled under a never-firing kl
   criterion on SAMPLED_ROW: sampling reads the logits greedy decoding compared, with no
-  feature of its own); at test-time depth the plan's R through a schedule is the plan and cached decoding
-  at one loop runs."""
+  feature of its own); at test-time depth the plan's R through a schedule is the plan and
+  cached decoding at one loop runs."""
   from sharenet import depth
   from sharenet import generate as gen
   from sharenet import recursive_inference as ri

@@ -16,6 +16,7 @@ from sharenet.models.config import REMATS
 from sharenet.errors import ConfigError
 from sharenet.norms import PER_LAYER
 from sharenet.sharing import SCHEMES
+from conftest import rel_err as _rel_err
 
 SCHEME_KW = {   # model.sharing keys of each scheme's tiny model
     'untied': {}, 'universal': {}, 'cycle': dict(repeats=2), 'sequence': dict(repeats=2),
@@ -130,11 +131,6 @@ def test_flops_per_token_counts_applied_depth():
 
 
 # ---- tied-gradient identity ---------------------------------------------------------------
-
-def _rel_err(a, b):   # on the host: op by op, jnp would compile each leaf's shape
-  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-  return float(np.max(np.abs(a - b)) / (np.max(np.abs(b)) + 1e-30))
-
 
 @pytest.mark.slow
 @pytest.mark.parametrize('scheme, lora', [

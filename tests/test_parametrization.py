@@ -16,6 +16,7 @@ from sharenet import optim, parametrization as P
 from sharenet.errors import ConfigError
 from sharenet.models import DecoderLM, ModelConfig, init_variables, layout, param_table
 from sharenet.parametrization import KINDS
+from conftest import rel_err as _rel_err
 
 D0 = 32
 
@@ -217,11 +218,6 @@ def test_independent_weight_decay_does_not_move_with_lr():
 
 
 # ---- tied gradients under every preset --------------------------------------------------
-
-def _rel_err(a, b):   # on the host: op by op, jnp would compile each leaf's shape
-  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-  return float(np.max(np.abs(a - b)) / (np.max(np.abs(b)) + 1e-30))
-
 
 @pytest.mark.slow
 @pytest.mark.parametrize('kind', KINDS)
