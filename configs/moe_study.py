@@ -46,4 +46,7 @@ def get_config():
   s.expert_dim = 32       # moeut: hidden width of one sigma-MoE expert
   s.top_k = 8             # moeut: experts each token runs
   s.entropy_reg = 0.01    # moeut: MoEUT's selection-entropy coefficient (its gamma)
+  s.attention_experts = 4   # moeut: SwitchHead experts per head (MoEUT's 44M model: 8)
+  s.attention_top_k = 2     # moeut: SwitchHead experts each head runs (MoEUT's: 2)
+  s.attention_entropy_reg = 0.001   # moeut: SwitchHead selection entropy (MoEUT's default)
   return c

@@ -54,6 +54,7 @@ def _setting(name: str, axis: str, key: str, value: Any, *extra: tuple[str, Any]
   return Feature(name, axis, ((key, value),) + extra, on, refuses)
 
 
+MOEUT_V = 'MoEUT norms read the values un-normalised and the keys normed; values are keys here'
 NOT_ROUTED = 'per-layer parts are not routed (each recursion is one scan over the K sets)'
 ROUTED_PLANS = 'routing needs a cycle segment to route (valid schemes: cycle, middle_cycle)'
 FLAT_ROUTED = 'each routed recursion is its own scan; valid: model.scan_lowering=nested'
@@ -215,7 +216,12 @@ def _features() -> tuple[Feature, ...]:
   placements = [_setting('post', 'placement', 'model.norm.placement', 'post',
                          refuses=(('umup', 'u-muP\'s residual rule needs pre or peri norms'),)),
                 _setting('peri', 'placement', 'model.norm.placement', 'peri',
-                         refuses=(('completep', PERI), ('inv_R', PERI), ('inv_sqrt_R', PERI)))]
+                         refuses=(('completep', PERI), ('inv_R', PERI), ('inv_sqrt_R', PERI))),
+                # MoEUT's peri-layernorm (models/block.py): values read the raw stream
+                _setting('moeut', 'placement', 'model.norm.placement', 'moeut',
+                         refuses=(('umup', 'u-muP\'s residual rule is written for pre and peri '
+                                           'norms'),
+                                  ('kv_shared', MOEUT_V), ('qkv_shared', MOEUT_V)))]
   qk = [_setting('qk_rms', 'qk_norm', 'model.norm.qk_norm', 'rms'),
         _setting('qk_l2', 'qk_norm', 'model.norm.qk_norm', 'l2')]
   width = ('parametrization.base_d_model', 16)

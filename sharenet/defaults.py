@@ -134,15 +134,17 @@ def default_config() -> ml_collections.ConfigDict:
                               # tokens; ragged_dot = jax.lax.ragged_dot, reference = sorted
                               # tokens in row blocks; auto = ragged_dot on GPU / TPU, reference
                               # on CPU (where ragged_dot expands to every expert)
-  mo.attention = 'none'       # none | switchhead (MoEUT's expert value / output projections;
-                              # not built yet)
+  mo.attention = 'none'       # none | switchhead (MoEUT's expert value / output projections)
   mo.attention_experts = 8    # switchhead: experts per head
   mo.attention_top_k = 2      # switchhead: experts each token's head runs
+  mo.attention_entropy_reg = 0.001  # switchhead: coefficient of the value / output selections'
+                              # entropy regularizer (MoEUT's att_entropy_reg); 0 = off
   mo.lora_experts = 0         # Mixture of LoRAs (arXiv:2512.12880): routed LoRA experts on the
-                              # shared feed-forward; 0 = off (not built yet)
+                              # shared feed-forward; 0 = off
   m.norm = n = ml_collections.ConfigDict()
   n.kind = 'rmsnorm'          # layernorm | rmsnorm | crmsnorm | scalenorm | dyt | none | lpnorm
-  n.placement = 'pre'         # pre | post | peri
+  n.placement = 'pre'         # pre | post | peri | moeut (MoEUT's peri-layernorm: norms only
+                              # where a softmax / sigmoid reads: queries, keys, selectors)
   n.qk_norm = 'none'          # none | rms | l2 (l2: learned scalar replaces 1/sqrt(d_head))
   n.qk_scale_init = 0.0       # l2 QK-norm gain init; 0 -> log2(L^2 - L), L = qk_norm_len
   n.qk_norm_len = 0           # L of that init: the *training* sequence length (Henry et al.);

@@ -136,7 +136,7 @@ def loss_fn(params: Any, tstate: Any, batch_BT1: jax.Array, depth: Any = None, *
   A recurrent-depth model (model.recurrence) or trained exits (`loops`, train.exit_loss) run
   sharenet/recurrence.py's loss at this step's `depth` (None: the fixed depth) and `step`.
   """
-  experts = model.cfg.moe.kind != 'none'
+  experts = model.cfg.moe.aux
   if experts:  # model.moe: the experts' entropy / balancing losses join the training loss
     mutable = tuple(mutable) + (moe.MOE,)   # (models/moe.py; never eval_loss)
   if model.cfg.recurrent_segment is not None or (loops is not None and loops.exits):

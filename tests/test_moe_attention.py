@@ -191,3 +191,96 @@ def test_expert_axis_must_divide_attention_experts(tiny_config):
       'valid: mesh.expert among the divisors [1, 2, 3, 6]' in str(e.value)
   c.model.moe.attention_experts = 8
   sharding.validate(c, 8)
+
+
+def _numpy_entropy_reg(logits_BTE):
+  """MoEUT's entropy_reg restated: per sequence the mean softmax over its tokens, sum p log p,
+  averaged over sequences."""
+  p = np.exp(logits_BTE - logits_BTE.max(-1, keepdims=True))
+  p /= p.sum(-1, keepdims=True)
+  pbar = p.mean(1)
+  return np.mean(np.sum(pbar * np.log(pbar), -1))
+
+
+def _rms(x, g):
+  return x / np.sqrt(np.mean(x * x, -1, keepdims=True) + 1e-6) * g
+
+
+def _dense_sigma(p, x_ND, sel_ND, k):
+  """sigma-MoE restated densely: experts run on x, their top-k sigmoid gates from sel."""
+  logits = sel_ND @ np.asarray(p['router_kernel']).T
+  kth = -np.sort(-logits, axis=-1)[:, k - 1:k]
+  gates = np.where(logits >= kth, 1 / (1 + np.exp(-logits)), 0.0)
+  h = np.maximum(np.einsum('nd,edf->nef', x_ND, np.asarray(p['wi_kernel'])), 0)
+  return np.einsum('nef,efd,ne->nd', h, np.asarray(p['wo_kernel']), gates)
+
+
+def test_moeut_norm_placement_and_selection_entropy_match_numpy(x_BTD):
+  """model.norm.placement=moeut (MoEUT's peri-layernorm, as moeut.py MoEUTLayer): one block of
+  SwitchHead attention and a sigma-MoE feed-forward restated in numpy: queries, keys and both
+  attention selectors read RMSNorm_a(x), the value experts the raw x; the experts read the raw
+  x1 = x + attention, their selector RMSNorm_m(x1). The carried aux loss is the feed-forward's
+  entropy term plus attention_entropy_reg x (the value and the output selectors' negative
+  entropies per (sequence, head))."""
+  from sharenet.models.block import Block, Shared, Stream
+  with jax.enable_x64(True):
+    cfg = _cfg(3, 2, moe={'kind': 'sigma_moe', 'num_experts': 4, 'top_k': 2, 'expert_dim': 8,
+                          'attention_entropy_reg': 0.003, 'entropy_reg': 0.02,
+                          'dispatch': 'ragged_dot'},
+               norm={'placement': 'moeut'}, sharing={'scheme': 'universal', 'num_unique': 1},
+               num_layers=1)
+    block = Block(cfg)
+    carry = Stream(x_BTD, None, jnp.zeros((), jnp.float32))
+    boxed = jax.jit(block.init)(jax.random.key(4), carry, Shared(jnp.arange(T)))
+    v = jax.tree.map(lambda b: b.value, boxed, is_leaf=lambda b: hasattr(b, 'value'))
+    p = v['params']
+    g_a = 1 + 0.3 * np.random.default_rng(0).normal(size=16)   # gains off 1: a wrong read shows
+    g_m = 1 + 0.3 * np.random.default_rng(1).normal(size=16)
+    p = {**p, 'attn_norm': {'scale': jnp.asarray(g_a)}, 'mlp_norm': {'scale': jnp.asarray(g_m)}}
+    out, _ = jax.jit(block.apply)({'params': p}, carry, Shared(jnp.arange(T)))
+    x = np.asarray(x_BTD)
+    h = _rms(x, g_a)
+    a = p['attn']
+    sel = lambda w: 1 / (1 + np.exp(-np.einsum('btd,edh->bthe', h, np.asarray(w))))
+
+    def gates(w):
+      s = sel(w)
+      kth = -np.sort(-s, axis=-1)[..., 1:2]
+      return np.where(s >= kth, s, 0.0)
+    q = np.einsum('btd,dhk->bthk', h, np.asarray(a['q']['kernel']))
+    kk = np.einsum('btd,dhk->bthk', h, np.asarray(a['k']['kernel']))
+    vv = np.einsum('btd,edhk,bthe->bthk', x, np.asarray(a['v_experts']), gates(a['v_router']))
+    logits = np.einsum('bthk,bshk->bhts', q, kk) / np.sqrt(q.shape[-1])
+    logits = np.where(np.tril(np.ones((T, T), bool)), logits, -np.inf)
+    w = np.exp(logits - logits.max(-1, keepdims=True))
+    w /= w.sum(-1, keepdims=True)
+    heads = np.einsum('bhts,bshk->bthk', w, vv)
+    x1 = x + np.einsum('bthk,ehko,bthe->bto', heads, np.asarray(a['o_experts']),
+                       gates(a['o_router']))
+    ffn = _dense_sigma(p['moe'], x1.reshape(-1, 16), _rms(x1, g_m).reshape(-1, 16), 2)
+    want = x1 + ffn.reshape(x1.shape)
+    np.testing.assert_allclose(np.asarray(out.x_BTD), want, rtol=1e-5, atol=1e-6)
+
+    per_head = lambda w: np.einsum('btd,edh->bhte', h, np.asarray(w)).reshape(-1, T, 3)
+    attn_reg = sum(_numpy_entropy_reg(per_head(a[n])) for n in ('v_router', 'o_router'))
+    ffn_logits = (_rms(x1, g_m) @ np.asarray(p['moe']['router_kernel']).T)
+    want_aux = 0.003 * attn_reg + 0.02 * _numpy_entropy_reg(ffn_logits)
+    assert attn_reg < 0 and float(out.aux) == pytest.approx(want_aux, rel=1e-5)
+
+
+def test_moeut_placement_norms_only_what_selects():
+  """A dense MoEUT-norm block stores the attention norm only (x + MLP(x) reads no norm);
+  the aux loss is there only with more than one attention expert and a coefficient."""
+  names = lambda c: {p[-2] for p in param_table(c) if p[-1] == 'scale'}
+  dense = ModelConfig(**BASE, norm={'placement': 'moeut'})
+  assert names(dense) == {'attn_norm', 'final_norm'}
+  assert names(ModelConfig(**BASE)) == {'attn_norm', 'mlp_norm', 'final_norm'}
+  assert _cfg(4, 2).moe.aux and not _cfg(1, 1).moe.aux
+  assert not _cfg(4, 2, moe={'attention_entropy_reg': 0.0}).moe.aux
+
+
+@pytest.mark.parametrize('sharing', ['kv_shared', 'qkv_shared'])
+def test_moeut_placement_refuses_values_that_are_keys(sharing):
+  with pytest.raises(ConfigError) as e:
+    ModelConfig(**BASE, attention_sharing=sharing, norm={'placement': 'moeut'})
+  assert '\n' not in str(e.value) and 'valid: attention_sharing=none|qk_shared' in str(e.value)

@@ -125,8 +125,13 @@ class CausalAttention(nn.Module):
   def __call__(self, x_BTD: jax.Array, positions_T: jax.Array | None,
                segment_ids_BT: jax.Array | None = None, cache: LayerCache | None = None,
                step: DecodeStep | None = None, masa: dict[str, jax.Array] | None = None,
-               shared_kv: LayerCache | None = None, emit: bool = False):
+               shared_kv: LayerCache | None = None, emit: bool = False,
+               value_in_BTD: jax.Array | None = None, auxes: list | None = None):
     """-> out (B, T, D); with a `cache` (and its `step`): (out, updated cache).
+
+    `value_in_BTD` (model.norm.placement=moeut, models/block.py): the stream the values are
+    projected from, where queries, keys and the selectors read x. `auxes`: a list SwitchHead's
+    selection regularizers are appended to (models/switchhead.py).
 
     model.kv_sharing=first (models/loops.py): `emit` also returns this call's keys and values
     as a LayerCache of its T tokens (out, kv), in the cache's format; `shared_kv` (such a
@@ -150,7 +155,9 @@ class CausalAttention(nn.Module):
     masa = masa or {}
     switch = c.moe.attention == 'switchhead'   # expert values and outputs (models/switchhead.py)
     qkv = project_qkv(c, x_BTD, masa, keys=shared_kv is None,
-                      values=(lambda x: switchhead.values(self, c, x)) if switch else None)
+                      values=((lambda v: switchhead.values(self, c, v, x_BTD, auxes))
+                              if switch else None),
+                      value_in_BTD=value_in_BTD)
     for name, a in (('query', qkv.q_BTHD), ('key', qkv.k_BTKD), ('value', qkv.v_BTKD)):
       if a is not None:
         sow_l1(self, name, a)
@@ -185,7 +192,7 @@ class CausalAttention(nn.Module):
         impl=kernels.attention_backend(c.attention, c.kernels), observe=observe, **masks)
     if c.umup_ops:
       out_BTHD = unit_scale.scale_fwd(out_BTHD, s_att)
-    out_BTD = (switchhead.output(self, c, out_BTHD, x_BTD) if switch
+    out_BTD = (switchhead.output(self, c, out_BTHD, x_BTD, auxes) if switch
                else project_out(c, out_BTHD, masa))
     sow_l1(self, 'attn_out', out_BTD)
     if cache is not None:

@@ -1,4 +1,13 @@
-"""Transformer block with pre / post / peri norm placement.
+"""Transformer block with pre / post / peri / moeut norm placement.
+
+moeut is MoEUT's peri-layernorm (Csordas et al., arXiv:2405.16039; reference code moeut.py
+MoEUTLayer): a norm only before the linear maps a softmax or sigmoid reads, so the
+residual stream itself is read un-normalised elsewhere:
+
+  x <- x + attn(q, k from N_a(x); v from x)       (SwitchHead: value selector from N_a(x))
+  x <- x + ffn(x; its selector from N_m(x))       (dense MLP: x + MLP(x), no norm)
+
+and the final norm before the readout, as the reference's out_norm.
 
 Under u-muP (`cfg.umup_residual` = (alpha_attn, alpha_mlp), set by the parametrization) each
 branch is applied as u-muP's residual_split / residual_add with the tau of its index among the
@@ -97,10 +106,11 @@ class Block(nn.Module):
     attention = CausalAttention(c, name='attn')
     auxes = []   # model.moe: each application's weighted aux loss, added to the carry's
     mlp = self._feed_forward(masa, auxes)
+    selects = c.moe.kind != 'none' or c.moe.lora_experts > 0   # the feed-forward has a router
 
-    def attn(h_BTD, positions_T, segment_ids_BT):
+    def attn(h_BTD, positions_T, segment_ids_BT, value_in_BTD=None):
       out = attention(h_BTD, positions_T, segment_ids_BT, cache, step, masa, shared_kv,
-                      self.emit_kv)
+                      self.emit_kv, value_in_BTD, auxes)
       if isinstance(out, tuple):   # (out, the updated cache or the emitted keys and values)
         updated.append(out[1])
         return out[0]
@@ -133,6 +143,9 @@ class Block(nn.Module):
     elif c.norm.placement == 'post':   # N(x + f(x))
       x_BTD = norm('attn_norm', a)(x_BTD + attn(x_BTD, positions_T, segment_ids_BT))
       x_BTD = norm('mlp_norm', m)(x_BTD + mlp(x_BTD))
+    elif c.norm.placement == 'moeut':  # norms only where a softmax / sigmoid reads
+      x_BTD = x_BTD + attn(norm('attn_norm', a)(x_BTD), positions_T, segment_ids_BT, x_BTD)
+      x_BTD = x_BTD + mlp(x_BTD, norm('mlp_norm', m)(x_BTD) if selects else None)
     else:                              # peri: x + N_out(f(N_in(x)))
       x_BTD = x_BTD + norm('attn_out_norm', a, 'norm_out')(
           attn(norm('attn_norm', a)(x_BTD), positions_T, segment_ids_BT))
@@ -144,15 +157,16 @@ class Block(nn.Module):
         (updated or [None])[0]
 
   def _feed_forward(self, masa: dict[str, jax.Array] | None, auxes: list):
-    """The feed-forward branch h -> f(h): the dense MLP (with the MASA atoms), or under
-    model.moe the experts, whose aux loss is appended to `auxes`."""
+    """The feed-forward branch (h, select_BTD=None) -> f(h): the dense MLP (with the MASA
+    atoms), or under model.moe the experts, whose aux loss is appended to `auxes`. `select_BTD`
+    (model.norm.placement=moeut): what its router reads instead of h (the normed stream)."""
     if self.cfg.moe.kind == 'none':
       mlp_module = Mlp(self.cfg, name='mlp')
-      return lambda h_BTD: mlp_module(h_BTD, masa)
+      return lambda h_BTD, select_BTD=None: mlp_module(h_BTD, masa, select_BTD)
     moe_module = MoeFfn(self.cfg, name='moe')
 
-    def experts(h_BTD):
-      out, aux = moe_module(h_BTD)
+    def experts(h_BTD, select_BTD=None):
+      out, aux = moe_module(h_BTD, select_BTD)
       auxes.append(aux)
       return out
     return experts

@@ -325,6 +325,11 @@ def _check_shapes(c: ModelConfig, r: dict[str, Any]) -> None:
       raise ConfigError(f'model.{field} names {",".join(missing)}, which '
                         f'model.attention_sharing={c.attention_sharing} does not store; '
                         f'valid: {",".join(stored)}')
+  if c.norm.placement == 'moeut' and r['values_are_keys']:
+    raise ConfigError(f'model.norm.placement=moeut reads the values from the un-normalised '
+                      f'stream and the keys from the normed one, and model.attention_sharing='
+                      f'{c.attention_sharing} makes the values the keys; valid: '
+                      f'attention_sharing=none|qk_shared')
   if c.position == 'rope' and r['d_head'] % 2:
     raise ConfigError(f'model.position=rope needs an even head_dim, got {r["d_head"]}')
   if c.norm.qk_norm == 'l2' and not c.norm.qk_scale_init and r['qk_len'] < 2:

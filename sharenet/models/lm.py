@@ -134,7 +134,7 @@ class DecoderLM(nn.Module):
     # u-muP's residual rule carries the applied layer index (block.py).
     layer = jnp.zeros((), jnp.int32) if self.cfg.umup_residual else None
     # model.moe: the experts' aux losses ride in the carry (block.Stream), sown as MOE
-    aux = jnp.zeros((), jnp.float32) if self.cfg.moe.kind != 'none' and step is None else None
+    aux = jnp.zeros((), jnp.float32) if self.cfg.moe.aux and step is None else None
     shared = Shared(positions_T, segment_ids_BT, step, self.atoms())
     carry, layer_caches = self.stack(Stream(x_BTD, layer, aux), shared, layer_caches, schedule)
     if aux is not None:

@@ -64,8 +64,11 @@ class Mlp(nn.Module):
   cfg: ModelConfig
 
   @nn.compact
-  def __call__(self, x_BTD: jax.Array, masa: dict[str, jax.Array] | None = None) -> jax.Array:
-    """`masa`: {kernel name: atoms} (models/masa.py) forms those kernels from shared atoms."""
+  def __call__(self, x_BTD: jax.Array, masa: dict[str, jax.Array] | None = None,
+               select_BTD: jax.Array | None = None) -> jax.Array:
+    """`masa`: {kernel name: atoms} (models/masa.py) forms those kernels from shared atoms.
+    `select_BTD` (model.norm.placement=moeut): what the Mixture-of-LoRAs router reads instead
+    of x (the normed stream, where the kernels read the un-normalised one)."""
     c = self.cfg
     masa = masa or {}
     dt, pdt = jnp.dtype(c.dtype), jnp.dtype(c.param_dtype)
@@ -74,7 +77,8 @@ class Mlp(nn.Module):
 
     # Mixture of LoRAs (models/lora_experts.py): one route per token for both LoRA targets
     n_experts = c.moe.lora_experts if r_in or r_out else 0
-    route_BTN = lora_experts.route(self, c, x_BTD) if n_experts else None
+    route_BTN = (lora_experts.route(self, c, x_BTD if select_BTD is None else select_BTD)
+                 if n_experts else None)
 
     def dense_in(name):
       return lambda x: dense_apply(

@@ -149,7 +149,11 @@ class MoeFfn(nn.Module):
                  writes=role == 'writer')
 
   @nn.compact
-  def __call__(self, x_BTD: jax.Array) -> tuple[jax.Array, jax.Array]:
+  def __call__(self, x_BTD: jax.Array, select_BTD: jax.Array | None = None
+               ) -> tuple[jax.Array, jax.Array]:
+    """`select_BTD` (model.norm.placement=moeut): what the selector reads instead of x (the
+    normed stream, where the experts read the un-normalised one, as the reference's
+    sel_input)."""
     c = self.cfg
     mo, E, F, D = c.moe, c.moe.num_experts, c.moe_expert_dim, c.d_model
     B, T, _ = x_BTD.shape
@@ -157,7 +161,8 @@ class MoeFfn(nn.Module):
     sigma = mo.kind == 'sigma_moe'
     # the selector: one row per expert (E, D), a muP output weight like the recursion routers
     w_sel = self._kernel('router_kernel', (D,), ('embed',), 'router', D ** -0.5)
-    logits_BTE = jnp.einsum('btd,ed->bte', x_BTD.astype(dt), w_sel.astype(dt))
+    sel_BTD = x_BTD if select_BTD is None else select_BTD
+    logits_BTE = jnp.einsum('btd,ed->bte', sel_BTD.astype(dt), w_sel.astype(dt))
     logits_NE = logits_BTE.reshape(B * T, E)
     gelu_in = not sigma and c.mlp == 'gelu'
     ins = ('wi',) if sigma or gelu_in else ('wi_gate', 'wi_up')   # switch: model.mlp's form

@@ -50,26 +50,31 @@ def _dense(cfg: ModelConfig, name: str, heads: int, axis: str, use: str | None =
 
 
 def project_qkv(cfg: ModelConfig, x_BTD: jax.Array, masa: dict[str, jax.Array],
-                keys: bool = True, values: Callable[[jax.Array], jax.Array] | None = None
-                ) -> Projected:
+                keys: bool = True, values: Callable[[jax.Array], jax.Array] | None = None,
+                value_in_BTD: jax.Array | None = None) -> Projected:
   """q, k, v of x (B, T, D) under model.attention_sharing; `masa`: {target: atoms}.
 
   `values` (SwitchHead's value experts, models/switchhead.py; attention_sharing none only)
   replaces the 'v' projection: x -> v (B, T, K, Dh).
 
+  `value_in_BTD` (model.norm.placement=moeut: the un-normalised stream) is what the value
+  projection reads instead of x; only where the values have their own projection
+  (attention_sharing none or qk_shared: the compatibility table refuses the others).
+
   `keys=False` (a later loop under model.kv_sharing=first, which reads the first loop's keys
   and values): only what the query needs is projected; k and v are None unless they are it.
   """
   H, K = cfg.num_heads, cfg.kv_heads
+  v_in_BTD = x_BTD if value_in_BTD is None else value_in_BTD
   proj = lambda name, heads, axis, use=None: dense_apply(
-      _dense(cfg, name, heads, axis, use), x_BTD, masa.get(name))
+      _dense(cfg, name, heads, axis, use), v_in_BTD if name == 'v' else x_BTD, masa.get(name))
   sharing = cfg.attention_sharing
   if sharing == 'none':   # unchanged arithmetic and tree (bit-identical to before sharing)
     q_BTHD = checkpoint_name(proj('q', H, 'heads', 'query'), 'query_proj')
     if not keys:
       return Projected(q_BTHD, None, None, False)
     k_BTKD = checkpoint_name(proj('k', K, 'kv_heads', 'key'), 'key_proj')
-    v_BTKD = checkpoint_name(values(x_BTD) if values else proj('v', K, 'kv_heads'),
+    v_BTKD = checkpoint_name(values(v_in_BTD) if values else proj('v', K, 'kv_heads'),
                              'value_proj')
     return Projected(q_BTHD, k_BTKD, v_BTKD, False)
   shares_query = sharing in ('qk_shared', 'qkv_shared')

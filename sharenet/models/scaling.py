@@ -107,9 +107,10 @@ def check(cfg: Any) -> None:
                       f'(one tensor cannot carry both roles); valid with '
                       f'model.tie_embeddings=True: sp, mup, completep')
   branch_rules = s.kind == 'completep' or s.loop_rule != 'none'
-  if s.kind == 'umup' and cfg.norm.placement == 'post':
-    raise ConfigError('parametrization.kind=umup: u-muP\'s residual rule needs the stream '
-                      'outside the norms; valid: model.norm.placement=pre or peri')
+  if s.kind == 'umup' and cfg.norm.placement in ('post', 'moeut'):
+    raise ConfigError(f'parametrization.kind=umup: u-muP\'s residual rule is written for pre '
+                      f'and peri norms, not model.norm.placement={cfg.norm.placement}; valid: '
+                      f'model.norm.placement=pre or peri')
   if branch_rules and cfg.norm.placement == 'peri':
     raise ConfigError('parametrization: depth/loop branch multipliers are cancelled by peri '
                       'norms; valid: model.norm.placement=pre or post')

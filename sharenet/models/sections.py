@@ -15,7 +15,7 @@ from sharenet import defaults
 from sharenet.errors import ConfigError
 
 NORMS = ('layernorm', 'rmsnorm', 'crmsnorm', 'scalenorm', 'dyt', 'none', 'lpnorm')
-PLACEMENTS = ('pre', 'post', 'peri')
+PLACEMENTS = ('pre', 'post', 'peri', 'moeut')
 QK_NORMS = ('none', 'rms', 'l2')
 PRE_ACTIVATION_NORMS = ('none', 'layernorm', 'rmsnorm')
 LORA_TARGETS = ('q', 'k', 'v', 'o', 'mlp_in', 'mlp_out')
@@ -242,6 +242,7 @@ class MoeConfig:
   attention: str = key('moe.attention')
   attention_experts: int = key('moe.attention_experts')
   attention_top_k: int = key('moe.attention_top_k')
+  attention_entropy_reg: float = key('moe.attention_entropy_reg', float)
   lora_experts: int = key('moe.lora_experts')
 
   def __post_init__(self):
@@ -253,6 +254,9 @@ class MoeConfig:
       raise ConfigError(f'model.moe.attention_top_k={self.attention_top_k} with '
                         f'attention_experts={self.attention_experts}; valid: attention_experts '
                         f'>= 1 and attention_top_k in 1..{max(self.attention_experts, 1)}')
+    if self.attention_entropy_reg < 0:
+      raise ConfigError(f'model.moe.attention_entropy_reg={self.attention_entropy_reg} must be '
+                        f'>= 0 (0 = off)')
     if self.lora_experts < 0:
       raise ConfigError(f'model.moe.lora_experts={self.lora_experts} must be >= 0 (0 = off)')
     if self.kind == 'none':
@@ -273,6 +277,14 @@ class MoeConfig:
         raise ConfigError(f'model.moe.{name}={getattr(self, name)} must be >= 0 (0 = off)')
     if not self.capacity_factor > 0:
       raise ConfigError(f'model.moe.capacity_factor={self.capacity_factor} must be > 0')
+
+  @property
+  def aux(self) -> bool:
+    """Whether the forward pass collects an aux loss (models/lm.py sows it as MOE): the
+    feed-forward experts' entropy / balancing loss, or SwitchHead's selection entropy (with
+    more than one attention expert and attention_entropy_reg > 0)."""
+    return self.kind != 'none' or (self.attention == 'switchhead' and self.attention_experts > 1
+                                   and self.attention_entropy_reg > 0)
 
   @property
   def k(self) -> int:

@@ -15,9 +15,14 @@ weighted by the scores:
 With one expert (E = 1) the reference has no value selector and gates each head's output by
 sigmoid(x_t W^O_sel,h) (its special case "att_n_experts=1"): v_t = x_t W^V, out_t =
 sum_h sigmoid(x_t W^O_sel,h) a_{t,h} W^O_h, plain attention with a sigmoid output gate per head.
-Not built: MoEUT's entropy regularizer of the attention selections (its delta) and its peri-norm
-value input (v from the un-normalised stream); the values here read the block's normed input
-like q and k.
+The selections' regularizer (E > 1) is MoEUT's att_entropy_reg: for each of the value and the
+output selectors, the negative entropy of the selection distribution per (sequence, head)
+averaged over its tokens (models/moe.py entropy_reg on the raw logits), both summed, times
+model.moe.attention_entropy_reg; like sigma-MoE's, each application of a stored set adds its
+share (num_unique / num_layers of it), where the reference pools a set's applications into one
+distribution. Under model.norm.placement=moeut (MoEUT's peri-layernorm, models/block.py) the
+value experts read the un-normalised stream and their selector the normed one, as the
+reference's v_src and k_src; otherwise both read the block's normed input.
 
 Parameters (the attention module's, so a tied block ties them): 'v_experts' (E, D, K, Dh)
 readers of fan-in D, 'o_experts' (E, H, Dh, D) writers of fan-in H Dh, both with the leading
@@ -47,12 +52,18 @@ def _param(module: nn.Module, cfg: ModelConfig, name: str, shape: tuple[int, ...
 
 
 def _select(module: nn.Module, cfg: ModelConfig, name: str, x_BTD: jax.Array, heads: int,
-            axis: str) -> tuple[jax.Array, jax.Array]:
-  """(experts (B T heads, k) as global group ids head * E + e, sigmoid gates (B T heads, k))."""
+            axis: str, auxes: list | None) -> tuple[jax.Array, jax.Array]:
+  """(experts (B T heads, k) as global group ids head * E + e, sigmoid gates (B T heads, k));
+  the selection's weighted entropy regularizer is appended to `auxes` (when not None)."""
   D, E = cfg.d_model, cfg.moe.attention_experts
   w_EDH = _param(module, cfg, name, (D, heads), ('embed', axis), 'router', 1, D)
   dt = jnp.dtype(cfg.dtype)
   logits_BTHE = jnp.einsum('btd,edh->bthe', x_BTD.astype(dt), w_EDH.astype(dt))
+  if auxes is not None and E > 1 and cfg.moe.attention_entropy_reg:
+    B, T = x_BTD.shape[:2]
+    per_head = jnp.transpose(logits_BTHE, (0, 2, 1, 3)).reshape(B * heads, T, E)
+    share = cfg.moe.attention_entropy_reg * cfg.plan.num_unique / cfg.num_layers
+    auxes.append(share * moe.entropy_reg(per_head))
   experts_NK, gates_NK = moe.sigma_select(logits_BTHE.reshape(-1, E), cfg.moe.attention_top_k)
   head_N = jnp.tile(jnp.arange(heads), x_BTD.shape[0] * x_BTD.shape[1])
   return experts_NK + (head_N * E)[:, None], gates_NK
@@ -66,8 +77,10 @@ def _grouped(cfg: ModelConfig, rows_MI: jax.Array, experts_MK: jax.Array, gates_
   return moe.combine(rows_MI, experts_MK, gates_MK, fn, w_GIO.shape[0])
 
 
-def values(module: nn.Module, cfg: ModelConfig, x_BTD: jax.Array) -> jax.Array:
-  """The value experts' output v (B, T, K, Dh), selected from the source tokens x."""
+def values(module: nn.Module, cfg: ModelConfig, x_BTD: jax.Array, select_BTD: jax.Array,
+           auxes: list | None = None) -> jax.Array:
+  """The value experts' output v (B, T, K, Dh) of the source tokens x, selected by their
+  `select_BTD` (x itself, or under model.norm.placement=moeut its normed form)."""
   D, K, Dh, E = cfg.d_model, cfg.kv_heads, cfg.d_head, cfg.moe.attention_experts
   B, T, _ = x_BTD.shape
   dt = jnp.dtype(cfg.dtype)
@@ -75,21 +88,21 @@ def values(module: nn.Module, cfg: ModelConfig, x_BTD: jax.Array) -> jax.Array:
                   'reader', 1, D)
   if E == 1:   # the reference's special case: one value projection, no selector
     return jnp.einsum('btd,dkh->btkh', x_BTD.astype(dt), w_EDKH[0].astype(dt))
-  experts_NK, gates_NK = _select(module, cfg, 'v_router', x_BTD, K, 'kv_heads')
+  experts_NK, gates_NK = _select(module, cfg, 'v_router', select_BTD, K, 'kv_heads', auxes)
   w_GDH = jnp.transpose(w_EDKH, (2, 0, 1, 3)).reshape(K * E, D, Dh)
   rows_ND = jnp.repeat(x_BTD.reshape(B * T, D).astype(dt), K, axis=0)   # one row per (t, head)
   return _grouped(cfg, rows_ND, experts_NK, gates_NK, w_GDH).reshape(B, T, K, Dh)
 
 
-def output(module: nn.Module, cfg: ModelConfig, out_BTHD: jax.Array, x_BTD: jax.Array
-           ) -> jax.Array:
+def output(module: nn.Module, cfg: ModelConfig, out_BTHD: jax.Array, x_BTD: jax.Array,
+           auxes: list | None = None) -> jax.Array:
   """The output experts: heads (B, T, H, Dh) -> (B, T, D), selected from the query tokens x."""
   D, H, Dh, E = cfg.d_model, cfg.num_heads, cfg.d_head, cfg.moe.attention_experts
   B, T = out_BTHD.shape[:2]
   dt = jnp.dtype(cfg.dtype)
   w_EHDO = _param(module, cfg, 'o_experts', (H, Dh, D), ('heads', 'head_dim', 'embed'),
                   'writer', 2, H * Dh)
-  experts_NK, gates_NK = _select(module, cfg, 'o_router', x_BTD, H, 'heads')
+  experts_NK, gates_NK = _select(module, cfg, 'o_router', x_BTD, H, 'heads', auxes)
   w_GDO = w_EHDO.transpose(1, 0, 2, 3).reshape(H * E, Dh, D)
   rows_ND = out_BTHD.reshape(B * T * H, Dh).astype(dt)
   out_NHD = _grouped(cfg, rows_ND, experts_NK, gates_NK, w_GDO).reshape(B * T, H, D)

@@ -4,13 +4,15 @@
       [--config.study.variants=untied,moeut,...] [--config.study.seeds=0,1]
 
 MoEUT (Csordas et al., "MoEUT: Mixture-of-Experts Universal Transformers", arXiv:2405.16039)
-reports that a shared-layer model with sigma-MoE feed-forwards, G = 2 groups of layers,
-slightly outperforms a dense untied transformer of the same parameter count with less compute.
-Every variant here trains the base model (configs/moe_study.py: untied, dense SwiGLU) with its
-overrides (VARIANTS). The two G = 2 models that carry the claim are sized to the untied model's
-stored parameters, fitting one key each (FIT: the dense model's mlp_dim, the MoEUT model's
-num_experts at fixed expert_dim and top_k; `fit`), so the only difference between them is the
-feed-forward: one wide dense SwiGLU against many small sigma-MoE experts of which top_k run.
+reports that a shared-layer model with sigma-MoE feed-forwards, SwitchHead attention, its
+peri-layernorm and G = 2 groups of layers slightly outperforms a dense untied transformer of the
+same parameter count with less compute. Every variant here trains the base model
+(configs/moe_study.py: untied, dense SwiGLU) with its overrides (VARIANTS). The G = 2 models
+that carry the claim are sized to the untied model's stored parameters, fitting one key each
+(FIT: the dense model's mlp_dim, the MoE models' num_experts at fixed expert_dim and top_k;
+`fit`). moeut is the whole MoEUT layer; moeut_ffn keeps dense attention and pre-norms, so it
+differs from dense_universal only in the feed-forward (one wide dense SwiGLU against many small
+sigma-MoE experts of which top_k run) and from moeut only in attention and norm placement.
 
 Two comparisons, one budget each:
 - equal stored parameters: every variant trains study.base_steps steps (same tokens);
@@ -37,10 +39,14 @@ from sharenet.studies import common, depth_study
 VARIANTS: dict[str, str] = {
     'untied': 'dense SwiGLU, untied (the baseline)',
     'dense_universal': 'dense SwiGLU, groups G=2, mlp_dim widened to the untied params',
-    'moeut': 'sigma-MoE, groups G=2, num_experts fitted to the untied params',
+    'moeut': 'sigma-MoE + SwitchHead, MoEUT norms, groups G=2, num_experts fitted to the '
+             'untied params',
+    'moeut_ffn': 'sigma-MoE feed-forward only (dense attention, pre-norm), groups G=2, '
+                 'num_experts fitted to the untied params',
     'dense_universal_small': 'dense SwiGLU, groups G=2, base mlp_dim (untied FLOPs/token)',
 }
-FIT = {'dense_universal': 'model.mlp_dim', 'moeut': 'model.moe.num_experts'}
+FIT = {'dense_universal': 'model.mlp_dim', 'moeut': 'model.moe.num_experts',
+       'moeut_ffn': 'model.moe.num_experts'}
 COMPARISONS = ('params', 'flops')   # equal stored parameters (same steps), equal train FLOPs
 
 
@@ -51,8 +57,15 @@ def overrides(variant: str, s: Any) -> dict[str, Any]:
   moe = {'model.moe.kind': 'sigma_moe', 'model.moe.expert_dim': int(s.expert_dim),
          'model.moe.top_k': int(s.top_k), 'model.moe.num_experts': int(s.top_k),
          'model.moe.entropy_reg': float(s.entropy_reg)}
-  return {'untied': {}, 'dense_universal': groups, 'moeut': {**groups, **moe},
-          'dense_universal_small': groups}[variant]
+  # MoEUT's attention and norms: SwitchHead (expert value / output projections with their
+  # selection entropy) and its peri-layernorm (models/block.py placement moeut)
+  attention = {'model.moe.attention': 'switchhead',
+               'model.moe.attention_experts': int(s.attention_experts),
+               'model.moe.attention_top_k': int(s.attention_top_k),
+               'model.moe.attention_entropy_reg': float(s.attention_entropy_reg),
+               'model.norm.placement': 'moeut'}
+  return {'untied': {}, 'dense_universal': groups, 'moeut': {**groups, **moe, **attention},
+          'moeut_ffn': {**groups, **moe}, 'dense_universal_small': groups}[variant]
 
 
 def stored_params(config: Any) -> int:
