@@ -1,22 +1,27 @@
-"""Experts study (issue 30 part 7): a MoEUT-shaped model (sigma-MoE feed-forward, groups G=2) vs
-a dense G=2 model vs the untied baseline, at equal stored parameters and at equal training FLOPs.
+"""Experts study (issue 30 part 7): a MoEUT model (sigma-MoE feed-forward, SwitchHead attention,
+MoEUT's norms, groups G=2) vs a sigma-MoE-only G=2 model vs a dense G=2 model vs the untied
+baseline, at equal stored parameters and at equal training FLOPs.
 
 Base: untied, 6 applied layers, d_model 64, 2 heads, SwiGLU 256, RoPE, pre-RMSNorm, byte-level,
 the embedded stdlib corpus, batch 8 x 64 bytes, AdamW at the default LR and WSD schedule. The
-variants (sharenet/studies/moe_study.py VARIANTS) change the sharing plan and the feed-forward:
-dense_universal and moeut use MoEUT's grouping (arXiv:2405.16039: G=2 stored layers applied
-A B A B A B) and are sized to the untied model's stored parameters, dense_universal by its
-mlp_dim, moeut by its expert count at expert_dim 32 and top_k 8 (k x expert_dim = 256 = the
-base mlp_dim, as MoEUT's 44M model runs k x d_expert = 12 x 128 = 1536 ~ 3.7 d_model);
-dense_universal_small is the same G=2 plan at the base mlp_dim (the untied FLOPs per token).
+variants (sharenet/studies/moe_study.py VARIANTS) change the sharing plan, the feed-forward and
+(moeut) the attention and norm placement: dense_universal, moeut and moeut_ffn use MoEUT's
+grouping (arXiv:2405.16039: G=2 stored layers applied A B A B A B) and are sized to the untied
+model's stored parameters, dense_universal by its mlp_dim, the MoE models by their expert count
+at expert_dim 32 and top_k 8 (k x expert_dim = 256 = the base mlp_dim, as MoEUT's 44M model
+runs k x d_expert = 12 x 128 = 1536 ~ 3.7 d_model); moeut adds SwitchHead (4 experts per head,
+2 active) and model.norm.placement=moeut; dense_universal_small is the same G=2 plan at the
+base mlp_dim (the untied FLOPs per token).
 
 Command:   taskset -c 1 python -m sharenet.studies.moe_study --config configs/moe_study.py \
                --out runs/moe_study
            (docs/results/moe_study/ holds copies of OUT/{results.json,table.md,plot.png}; the
            runs' workdirs stay in OUT/runs; --config.study.variants=a,b runs a slice)
-Runtime:   ~12 min pinned to one core of the 2-core CPU (`taskset -c 1`; measured 2026-12-03:
-           713 s for the 10 runs of 107-370 steps of 8 x 64 bytes with their evaluations, plus
-           ~10 s of start-up; the MoE runs take 85-95 s each, the untied ones 24-45 s).
+Runtime:   ~18 min pinned to one core of the 2-core CPU (`taskset -c 1`), measured in two
+           parts: 713 s on 2026-12-03 for the 10 runs of the other variants (107-370 steps of
+           8 x 64 bytes with their evaluations, plus ~10 s of start-up) and 356 s on 2026-12-04
+           for moeut's 4 runs (300 and 321 steps); the MoE runs take 77-96 s each, the untied
+           ones 24-45 s.
 Result:    docs/results/moe_study/README.md (tables and the reading against the paper's claim),
            table.md (generated from results.json by python -m sharenet.studies.results_tables),
            plot.png (eval loss against training FLOPs).
