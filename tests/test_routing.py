@@ -587,7 +587,8 @@ def test_five_training_steps(kind, scheme, tiny_config, losses, tmp_path):
 
 MESHES = {'data': {'data': 8}, 'data_fsdp_tensor': {'data': 2, 'fsdp': 2, 'tensor': 2},
           'data_expert': {'data': 2, 'expert': 4}}
-MOE_KINDS = ('sigma_moe', 'switch')   # model.moe (models/moe.py) rides in this subprocess too
+MOE_KINDS = ('sigma_moe', 'switch', 'moeut')   # model.moe (models/moe.py) rides here too;
+# moeut: sigma_moe with SwitchHead attention (4 experts per head) and MoEUT's norm placement
 
 
 def _mesh_losses(out_path: str, tmp: str, corpus: str, kind: str, mesh: str) -> None:
@@ -596,7 +597,7 @@ def _mesh_losses(out_path: str, tmp: str, corpus: str, kind: str, mesh: str) -> 
   'token_choice_bias' token choice with loss-free balancing (its bias replicated, updated from
   the global batch's exit fractions). A model.moe kind (MOE_KINDS) is an unrouted cycle with
   4 experts per block (sharded over mesh.expert in 'data_expert'; switch drops tokens at its
-  capacity over the global batch)."""
+  capacity over the global batch; moeut also has 4 SwitchHead experts per head, sharded too)."""
   sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
   import conftest
   buckets = int(kind == 'expert_choice_buckets')
@@ -609,8 +610,11 @@ def _mesh_losses(out_path: str, tmp: str, corpus: str, kind: str, mesh: str) -> 
       'model.routing.kind': routed, 'model.routing.buckets': buckets,
       'model.routing.balancing': balancing,
       'model.routing.capacity': '0.5,0.25' if kind == 'expert_choice' else '',
-      'model.moe.kind': kind if kind in MOE_KINDS else 'none', 'model.moe.num_experts': 4,
-      'model.moe.capacity_factor': 1.0,
+      'model.moe.kind': ('sigma_moe' if kind == 'moeut' else kind) if kind in MOE_KINDS
+      else 'none', 'model.moe.num_experts': 4, 'model.moe.capacity_factor': 1.0,
+      'model.moe.attention': 'switchhead' if kind == 'moeut' else 'none',
+      'model.moe.attention_experts': 4,
+      'model.norm.placement': 'moeut' if kind == 'moeut' else 'pre',
       'data.source': 'bin', 'data.path': corpus,
       'train.steps': 4, 'train.batch_size': 8, 'train.schedule': 'constant',
       'train.warmup_steps': 0, 'train.checkpoint_every': 4})
@@ -631,7 +635,7 @@ CPU_SCHEDULER_WORKAROUND = ' --xla_cpu_enable_concurrency_optimized_scheduler=fa
 
 EIGHT = [('expert_choice', 'data'), ('token_choice_bias', 'data'),
          ('expert_choice_buckets', 'data_fsdp_tensor'), ('token_choice', 'data_fsdp_tensor'),
-         ('sigma_moe', 'data_expert'), ('switch', 'data_expert')]
+         ('moeut', 'data_expert'), ('switch', 'data_expert')]
 
 
 @pytest.fixture(scope='module')
