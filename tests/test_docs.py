@@ -8,26 +8,27 @@
 - Every shell command shown in README.md and docs/**/*.md (```bash / sh / shell / console
   blocks) has its flags checked against the code: an absl flag must be defined by the CLI it is
   passed to, a `--config.a.b=v` key must exist in the config the command names (or the CLI's
-  default config). Commands marked `# long: <measured time>` are only checked; the others run
-  here at tiny size (RUN), or are the same CLI as one that runs, differing only in flags.
+  default config). Commands marked `# long: <measured time>` are only checked; every other one
+  runs here at tiny size (test_shown_commands_run, through tests/docs_runner.py).
 """
 import ast
 import functools
 import glob
 import importlib.util
+import json
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
-import time
 
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# The commands that run here (as shown in the docs, whitespace-normalised), in this order, in
-# one temporary directory; each other unmarked command must use one of their CLIs.
+# The quickstart (as shown in the README, whitespace-normalised): run first, in this order, in
+# the one temporary directory every shown command runs in (they make runs/default).
 RUN = [
     'python train.py',
     'python eval.py --workdir runs/default',
@@ -38,14 +39,31 @@ RUN = [
     'python -m sharenet.studies.results_tables --check',
 ]
 
-# RUN modules cheap enough to run in this process.
-IN_PROCESS = {'sharenet.studies.results_tables'}
-
 # Known heavy flags, rewritten to tiny values when a command runs here.
 TINY = {'config.train.steps': '3', 'config.train.checkpoint_every': '3',
         'config.data.eval_tokens': '8192', 'max_new_tokens': '8', 'num_samples': '1'}
-# train.py runs configs/tiny.py in place of the default model.
+# train.py runs configs/tiny.py in place of the default model; a command naming another config
+# file keeps it (its plan, norms, parametrization) at tiny width and batch. A run's own config
+# (configs/workdir.py:DIR) is kept whole: its checkpoint has that shape.
 TINY_CONFIG = 'configs/tiny.py'
+TINY_MODEL = {'config.model.d_model': '32', 'config.model.num_heads': '2',
+              'config.model.mlp_dim': '64', 'config.model.remat': 'none',
+              'config.train.batch_size': '4', 'config.train.seq_len': '32',
+              'config.train.eval_batch_size': '64', 'config.train.progress': 'False'}
+# On 8 simulated devices (a command with XLA_FLAGS or a mesh of several devices) the batch
+# divides over them.
+EIGHT_DEVICES = {'config.train.batch_size': '8', 'config.train.eval_batch_size': '64'}
+# Files some shown commands read, written into the run directory first: a prompt file, and
+# token ids for the imported fixture model (tests/fixtures/hf/llama, vocabulary 64).
+PROMPTS = 'def fib(\nclass Stack:\n'
+TOKENS_VOCAB = 64
+# A workdir that only a long command makes (a download) is stood in by one the docs' runnable
+# commands make: the command is run as shown, on the stand-in.
+STAND_INS = {'runs/tinyllama': 'runs/llama'}
+# Directories of the repository the commands name by relative path (run directory links).
+LINKED = ('configs', 'tests', 'benchmarks')
+# The only environment a command may set and still run here.
+RUNNABLE_ENV = {'XLA_FLAGS'}
 
 # Segments that set up an environment or are the test suite itself: shown, never run here
 # (.ci/run runs exactly the README's set-up and test commands).
@@ -320,56 +338,138 @@ def test_commands_flags_exist():
   assert not problems, '\n'.join(problems)
 
 
-def test_unmarked_commands_run_here():
-  """A command not marked `# long: T` is one of RUN or uses the entry point of one of RUN."""
-  shown = {normalise(s) for c in all_commands() for s in
-           [' '.join(shlex.quote(t) for t in seg) for seg in segments(c.text)]}
-  missing = [r for r in RUN if normalise(r) not in shown]
-  assert not missing, f'RUN commands no longer shown in the docs: {missing}'
-  run_clis = {c for r in RUN for c in cli_of(r)}
-  bad = [c for c in all_commands() if c.long is None
-         and any(cli not in run_clis for cli in cli_of(c.text))]
-  assert not bad, ('shown commands neither run here nor marked `# long: <measured time>`:\n'
-                   + '\n'.join(map(repr, bad)))
+def env_of(seg):
+  """{VAR: value} of a segment's VAR=value prefixes."""
+  env = {}
+  for t in seg:
+    m = re.fullmatch(r'([A-Za-z_][A-Za-z0-9_]*)=(.*)', t)
+    if not m:
+      break
+    env[m.group(1)] = m.group(2)
+  return env
 
 
-def tiny_args(cli, args):
-  """A shown command's arguments at tiny size (TINY, TINY_CONFIG)."""
-  out, seen, i = [], set(), 0
+def on_eight_devices(seg, args):
+  """A command that needs several devices: XLA_FLAGS (simulated devices) or a mesh of more than
+  one device (--config.mesh.AXIS=N, N > 1 or -1)."""
+  if 'XLA_FLAGS' in env_of(seg):
+    return True
+  return any(n.startswith('config.mesh.') and v not in (None, '0', '1', 'True', 'False')
+             for n, v in parse_flags(args))
+
+
+def tiny_args(cli, args, eight=False):
+  """A shown command's arguments at tiny size (TINY, TINY_CONFIG, TINY_MODEL; EIGHT_DEVICES on
+  8 simulated devices); results_tables rewrites a copy of docs/results/ (--results)."""
+  out, seen = [], set()
   flags_ = parse_flags(args)
-  if cli == 'train.py' and not any(n == 'config' for n, _ in flags_):
-    out += ['--config', os.path.join(ROOT, TINY_CONFIG)]
+  names = {n for n, _ in flags_}
+  config = dict(flags_).get('config') if cli == 'train.py' else None
+  own_run = bool(config) and os.path.basename(config.partition(':')[0]) == 'workdir.py'
+  extra = {}
+  if cli == 'train.py':
+    if config is None:
+      out += ['--config', os.path.join(ROOT, TINY_CONFIG)]
+    elif not own_run:
+      extra.update(TINY_MODEL)
+    if eight and not own_run:
+      extra.update(EIGHT_DEVICES)
   for name, value in flags_:
-    if name == 'config' and value:
-      value = os.path.join(ROOT, TINY_CONFIG if cli == 'train.py' else value)
     if name in TINY:
       value = TINY[name]
+      seen.add(name)
+    if name in extra:
+      value = extra[name]
       seen.add(name)
     out.append(f'--{name}' if value is None else f'--{name}={value}')
   if cli == 'train.py':
     out += [f'--{k}={v}' for k, v in TINY.items() if k.startswith('config.') and k not in seen]
+    out += [f'--{k}={v}' for k, v in extra.items() if k not in seen and k not in names]
+  if cli == 'sharenet.studies.results_tables':
+    out.append('--results=results_copy')
   return out
 
 
-@pytest.mark.slow
-def test_run_commands(tmp_path, subprocess_env):
-  """RUN's commands, at tiny size, in one directory: each exits 0 (a module of this repository
-  that needs no JAX runs in-process, its main(argv) returning the exit status)."""
-  env = dict(subprocess_env, JAX_PLATFORMS='cpu')
-  for text in RUN:
-    (seg,) = segments(text)
-    cli, args = parse_segment(seg)
-    if cli in IN_PROCESS:
-      module = importlib.import_module(cli)
-      assert module.main([cli] + args) == 0, text
+def shown_jobs(run_dir):
+  """(one-device jobs, 8-device jobs) for tests/docs_runner.py: every entry point a shown
+  command runs that is not marked long (RUN's first, then the docs' in order), each distinct
+  one once, at tiny size, in `run_dir`."""
+  seen, one, eight = set(), [], []
+  texts = list(RUN) + [c.text for c in all_commands() if c.long is None]
+  for text in texts:
+    for seg in segments(text):
+      cli, args = parse_segment(seg)
+      key = normalise(' '.join(shlex.quote(t) for t in seg))
+      if cli is None or key in seen:
+        continue
+      seen.add(key)
+      many = on_eight_devices(seg, args)
+      job = {'cli': cli, 'argv': tiny_args(cli, args, many), 'cwd': str(run_dir), 'text': text}
+      (eight if many else one).append(job)
+  return one, eight
+
+
+def test_unmarked_commands_run_here():
+  """Every command not marked `# long: T` can run here: its entry points are this repository's
+  Python CLIs, it sets no environment but XLA_FLAGS, and it has no placeholder; RUN's commands
+  are still shown."""
+  shown = {normalise(s) for c in all_commands() for s in
+           [' '.join(shlex.quote(t) for t in seg) for seg in segments(c.text)]}
+  missing = [r for r in RUN if normalise(r) not in shown]
+  assert not missing, f'RUN commands no longer shown in the docs: {missing}'
+  bad = []
+  for c in all_commands():
+    if c.long is not None:
       continue
-    argv = [sys.executable] + (['-m', cli] if not cli.endswith('.py')
-                               else [os.path.join(ROOT, cli)]) + tiny_args(cli, args)
-    t0 = time.time()
-    r = subprocess.run(argv, cwd=tmp_path if cli.endswith('.py') else ROOT, env=env,
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, f'{text} -> {argv}\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}'
-    print(f'{time.time() - t0:5.1f} s  {text}')
+    for seg in segments(c.text):
+      cli, _ = parse_segment(seg)
+      if (cli or '').startswith('bash:') or '...' in seg or set(env_of(seg)) - RUNNABLE_ENV:
+        bad.append(c)
+  assert not bad, ('shown commands that cannot run here, not marked `# long: <measured time>`:'
+                   '\n' + '\n'.join(map(repr, bad)))
+
+
+def _run_jobs(jobs, tmp_path, env, name):
+  """Runs `jobs` in one tests/docs_runner.py process; {shown text: [(rc, seconds, tail)]}."""
+  jobs_path, results = tmp_path / f'{name}.json', tmp_path / f'{name}.jsonl'
+  jobs_path.write_text(json.dumps(jobs))
+  r = subprocess.run([sys.executable, os.path.join(ROOT, 'tests', 'docs_runner.py'),
+                      str(jobs_path), str(results)], env=env, capture_output=True, text=True,
+                     timeout=900, cwd=ROOT)
+  rows = [json.loads(l) for l in results.read_text().splitlines()] if results.exists() else []
+  assert len(rows) == len(jobs), f'{name}: the runner stopped\n{r.stdout[-2000:]}{r.stderr[-3000:]}'
+  return rows
+
+
+@pytest.mark.slow
+def test_shown_commands_run(tmp_path, subprocess_env):
+  """Every shown command that is not marked long runs at tiny size (shown_jobs), one-device
+  commands in one process, 8-device ones in another (8 simulated devices), all in one
+  directory, in the order shown, so a command reads what the ones before it wrote; each exits
+  0. Prints each command's seconds."""
+  import numpy as np
+  run_dir = tmp_path / 'run'
+  run_dir.mkdir()
+  for d in LINKED:
+    os.symlink(os.path.join(ROOT, d), run_dir / d)
+  shutil.copytree(os.path.join(ROOT, 'docs', 'results'), run_dir / 'results_copy')
+  (run_dir / 'prompts.txt').write_text(PROMPTS)
+  np.random.default_rng(0).integers(0, TOKENS_VOCAB, 20_000).astype(np.uint16).tofile(
+      run_dir / 'tokens.bin')
+  (run_dir / 'runs').mkdir()
+  for stand_in, source in STAND_INS.items():
+    os.symlink(os.path.abspath(run_dir / source), run_dir / stand_in)
+  one, eight = shown_jobs(run_dir)
+  assert len(one) > 20 and len(eight) >= 3, (len(one), len(eight))
+  env = dict(subprocess_env, JAX_PLATFORMS='cpu')
+  rows = _run_jobs(one, tmp_path, env, 'one')
+  env['XLA_FLAGS'] = (env.get('XLA_FLAGS', '') + ' --xla_force_host_platform_device_count=8'
+                      ' --xla_cpu_collective_timeout_seconds=900')
+  rows += _run_jobs(eight, tmp_path, env, 'eight')
+  for r in rows:
+    print(f"{r['seconds']:5.1f} s  rc {r['rc']}  {r['text']}")
+  failed = [f"{r['text']}\n{r['tail']}" for r in rows if r['rc'] != 0]
+  assert not failed, '\n\n'.join(failed)
 
 
 def test_mkdocs_build_strict(tmp_path):

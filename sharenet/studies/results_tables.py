@@ -2,6 +2,7 @@
 
     python -m sharenet.studies.results_tables           # rewrite the tables
     python -m sharenet.studies.results_tables --check   # exit 1 naming each table that differs
+    [--results=DIR]   # another copy of docs/results/ (tests/test_docs.py runs the rewrite so)
 
 Each table is written by the same function its study uses when it runs (depth_report,
 moe_report, norm_study, recursion_study, nap_study, coord_check, lr_sweep, and
@@ -78,7 +79,11 @@ def generate() -> dict[str, str]:
 
 
 def main(argv: list[str]) -> int:
+  global RESULTS
   check = '--check' in argv[1:]
+  for a in argv[1:]:
+    if a.startswith('--results='):
+      RESULTS = a.split('=', 1)[1]
   stale = []
   for table, text in generate().items():
     path = os.path.join(RESULTS, table)
