@@ -165,7 +165,7 @@ def _fake_lm():
   return types.SimpleNamespace(apply=lambda params, tokens, mutable=(): (params, {}),
                                cfg=types.SimpleNamespace(
                                    routing=types.SimpleNamespace(kind='none'),
-                                   moe=types.SimpleNamespace(kind='none'),
+                                   moe=types.SimpleNamespace(kind='none', aux=False),
                                    recurrent_segment=None))
 
 
