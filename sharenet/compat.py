@@ -269,7 +269,13 @@ def _features() -> tuple[Feature, ...]:
               _setting('proj_bias_qkv', 'proj_bias', 'model.proj_bias', 'qkv'),
               _setting('proj_bias_all', 'proj_bias', 'model.proj_bias', 'all'),
               Feature('embed_scale', 'embed_scale', (('model.embed_scale', 2.0),),
-                      lambda c: _get(c, 'model.embed_scale') != 1.0)]
+                      lambda c: _get(c, 'model.embed_scale') != 1.0),
+              # Llama 3.1's RoPE scaling and position interpolation (models/positions.py)
+              _setting('rope_llama3', 'rope_scaling', 'model.rope_scaling.kind', 'llama3',
+                       ('model.rope_scaling.factor', 8.0),
+                       ('model.rope_scaling.original_max_len', 16)),
+              _setting('rope_linear', 'rope_scaling', 'model.rope_scaling.kind', 'linear',
+                       ('model.rope_scaling.factor', 2.0))]
   # test_time_depth: evaluation and cached generation at another number of loops
   # (sharenet/depth.py); loop_inference serves the exit criteria and sampling
   # (sharenet/exits.py, sharenet/recursive_inference.py).

@@ -27,6 +27,13 @@ def default_config() -> ml_collections.ConfigDict:
                               # model.norm.kind=none)
   m.position = 'rope'         # rope | learned | none
   m.rope_base = 10000.0
+  m.rope_scaling = rs = ml_collections.ConfigDict()   # RoPE for a longer context
+  rs.kind = 'none'            # none | linear (every frequency / factor) | llama3 (Llama 3.1's:
+                              # low frequencies / factor, high ones kept, smooth between)
+  rs.factor = 1.0             # linear, llama3: the context stretch
+  rs.low_freq_factor = 1.0    # llama3: wavelengths above original_max_len / this are divided
+  rs.high_freq_factor = 4.0   # llama3: wavelengths below original_max_len / this are kept
+  rs.original_max_len = 8192  # llama3: the context length the model was trained at
   m.max_len = 2048            # learned positions only
   m.attn_scale = 0.0          # 0 -> 1/sqrt(head_dim)
   m.tie_embeddings = False    # readout shares the embedding table

@@ -55,6 +55,7 @@ def test_every_choice_is_declared():
   choices |= {f'kv_{k}' for k in model_config.KV_SHARINGS if k != 'none'}
   choices |= set(sections.MOE_KINDS) | {f'moe_{d}' for d in sections.MOE_DISPATCHES if d != 'auto'}
   choices |= set(sections.MOE_ATTENTIONS)
+  choices |= {f'rope_{k}' for k in sections.ROPE_SCALINGS if k != 'none'}
   choices -= {'none'}
   missing = sorted(choices - set(compat.BY_NAME) - NOT_FEATURES)
   assert not missing, f'undeclared in sharenet/compat.py: {missing}'

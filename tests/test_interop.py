@@ -5,6 +5,7 @@ their reference.npz holds transformers' own logits, so every check here runs wit
 Where transformers is importable, the exported directories are also loaded by it live.
 """
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -21,7 +22,7 @@ from sharenet.interop import export_hf, import_hf, safetensors_io
 from sharenet.models import ModelConfig
 
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'fixtures', 'hf')
-ARCHS = ('llama', 'mistral', 'qwen2', 'qwen3', 'gemma', 'gpt2')
+ARCHS = ('llama', 'mistral', 'qwen2', 'qwen3', 'gemma', 'gpt2', 'llama3_rope')
 
 
 def _logits(workdir, tokens, dtype='float32'):
@@ -76,7 +77,8 @@ def _edit_config(src, **changes):
     ('no_dir', 'is not a directory'),
     ('no_config', 'has no config.json'),
     ('arch', r"model_type='gemma2' is not supported; valid: llama, mistral"),
-    ('rope_scaling', r"rope_scaling='llama3' is not modelled"),
+    ('rope_scaling', r"rope_scaling='yarn' is not modelled by sharenet \(valid: null, "
+                     r"default, linear, llama3\)"),
     ('sliding', r'sliding_window=16 is not modelled'),
     ('activation', r"hidden_act='relu' is not modelled"),
     ('missing_shard', 'the shard index names model-00002-of-00003.safetensors, which is missing'),
@@ -92,7 +94,7 @@ def test_bad_input_is_one_error_and_writes_nothing(tmp_path, case, match):
   elif case == 'arch':
     _edit_config(src, model_type='gemma2')
   elif case == 'rope_scaling':
-    _edit_config(src, rope_scaling={'rope_type': 'llama3', 'factor': 8.0})
+    _edit_config(src, rope_scaling={'rope_type': 'yarn', 'factor': 8.0})
   elif case == 'sliding':
     _edit_config(src, sliding_window=16)
   elif case == 'activation':
@@ -321,3 +323,43 @@ def test_llama_recursive_error_shrinks_with_the_svd_rank(imported):
                                     untie_norms=True, lora_layers='shared')
     errs.append(float(np.abs(np.asarray(jax.jit(DecoderLM(rcfg).apply)(rv, tokens)) - ref).max()))
   assert errs[0] > errs[1] > errs[2] > errs[3] and errs[3] <= 1e-4, errs
+
+
+def _hf_llama3_freq(theta, d, factor, low, high, original):
+  """transformers' _compute_llama3_parameters restated in numpy, loop by loop."""
+  out = []
+  for i in range(0, d, 2):
+    f = 1.0 / theta ** (i / d)
+    wavelen = 2 * math.pi / f
+    if wavelen < original / high:
+      out.append(f)
+    elif wavelen > original / low:
+      out.append(f / factor)
+    else:
+      s = (original / wavelen - low) / (high - low)
+      out.append((1 - s) * f / factor + s * f)
+  return np.array(out)
+
+
+def test_rope_scaling_frequencies_and_bad_input():
+  """llama3 and linear RoPE frequencies against a restatement of transformers' formulas, with
+  every band of llama3's piecewise rule present; bad keys are one line."""
+  from sharenet.models import positions
+  llama3 = dict(kind='llama3', factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                original_max_len=32)
+  cfg = ModelConfig(d_model=32, num_heads=4, num_layers=1, mlp_dim=8, vocab_size=16,
+                    rope_base=500.0, rope_scaling=llama3)
+  plain = 500.0 ** (-np.arange(0, 8, 2) / 8)
+  got = positions.frequencies(cfg, 8)
+  np.testing.assert_allclose(got, _hf_llama3_freq(500.0, 8, 8.0, 1.0, 4.0, 32), rtol=1e-12)
+  kept, divided = got == plain, np.isclose(got, plain / 8)
+  assert kept.sum() == 1 and divided.sum() == 2, got / plain   # and one smoothed between
+  linear = cfg.derive(rope_scaling=dict(kind='linear', factor=4.0))
+  np.testing.assert_allclose(positions.frequencies(linear, 8), plain / 4, rtol=1e-12)
+  for kw, words in ((dict(rope_scaling=dict(kind='linear', factor=0.5)), 'factor=0.5 must be'),
+                    (dict(rope_scaling=dict(llama3, high_freq_factor=1.0)), 'valid: 0 < low'),
+                    (dict(rope_scaling=dict(kind='ntk')), 'valid: none, linear, llama3'),
+                    (dict(rope_scaling=llama3, position='learned'), 'valid: position=rope')):
+    with pytest.raises(ConfigError, match=words) as e:
+      ModelConfig(d_model=32, num_heads=4, num_layers=1, mlp_dim=8, vocab_size=16, **kw)
+    assert '\n' not in str(e.value)

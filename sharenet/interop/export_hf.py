@@ -99,10 +99,21 @@ def hf_config(arch: str, cfg: Any) -> dict[str, Any]:
               num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
               num_key_value_heads=cfg.kv_heads, head_dim=cfg.d_head,
               max_position_embeddings=cfg.max_len, rms_norm_eps=cfg.norm.eps,
-              rope_theta=cfg.rope_base,
-              rope_parameters={'rope_type': 'default', 'rope_theta': cfg.rope_base},
+              rope_theta=cfg.rope_base, rope_parameters=_rope_parameters(cfg),
               hidden_act=act, hidden_activation=act, attention_bias=False, mlp_bias=False,
               use_sliding_window=False, sliding_window=None, attention_dropout=0.0)
+
+
+def _rope_parameters(cfg: Any) -> dict[str, Any]:
+  """transformers' rope_parameters of model.rope_base and model.rope_scaling."""
+  rs = cfg.rope_scaling
+  if rs.kind == 'none':
+    return {'rope_type': 'default', 'rope_theta': cfg.rope_base}
+  out = {'rope_type': rs.kind, 'rope_theta': cfg.rope_base, 'factor': rs.factor}
+  if rs.kind == 'llama3':
+    out.update(low_freq_factor=rs.low_freq_factor, high_freq_factor=rs.high_freq_factor,
+               original_max_position_embeddings=rs.original_max_len)
+  return out
 
 
 def _tensors(arch: str, cfg: Any) -> list[tuple[str, list[tuple[hf_arch.Entry, int | None]]]]:

@@ -51,15 +51,32 @@ def _refuse(arch: str, field: str, value: Any, why: str) -> ConfigError:
                      f'({why})')
 
 
-def _rope_base(arch: str, hf: dict[str, Any]) -> float:
-  """rope_theta (older configs) or rope_parameters' (newer); any scaling is refused."""
-  params = hf.get('rope_parameters') or {}
-  scaling = hf.get('rope_scaling') or {}
-  rope_type = scaling.get('rope_type', scaling.get('type')) or params.get('rope_type')
-  if rope_type not in (None, 'default'):
-    raise _refuse(arch, 'rope_scaling', rope_type, 'sharenet implements unscaled RoPE; valid: '
-                  'null / default')
-  return float(params.get('rope_theta', _get(hf, 'rope_theta', 10000.0)))
+ROPE_TYPES = ('default', 'linear', 'llama3')   # rope_type values sharenet models
+
+
+def _rope(arch: str, hf: dict[str, Any]) -> tuple[float, dict[str, Any]]:
+  """(rope_theta, model.rope_scaling) from rope_theta / rope_scaling (older configs) or
+  rope_parameters (newer): default, linear and llama3 RoPE; another rope_type, or a partial
+  rotary factor, is refused."""
+  params = dict(hf.get('rope_parameters') or {})
+  params.update(hf.get('rope_scaling') or {})
+  rope_type = params.get('rope_type', params.get('type')) or 'default'
+  if rope_type not in ROPE_TYPES:
+    raise _refuse(arch, 'rope_scaling', rope_type, f'valid: null, {", ".join(ROPE_TYPES)}')
+  partial = params.get('partial_rotary_factor', hf.get('partial_rotary_factor'))
+  if partial not in (None, 1, 1.0):
+    raise _refuse(arch, 'partial_rotary_factor', partial, 'RoPE on every head dimension; '
+                  'valid: 1.0')
+  base = float(params.get('rope_theta', _get(hf, 'rope_theta', 10000.0)))
+  if rope_type == 'default':
+    return base, dict(kind='none')
+  scaling = dict(kind=rope_type, factor=float(params['factor']))
+  if rope_type == 'llama3':
+    scaling.update(low_freq_factor=float(params['low_freq_factor']),
+                   high_freq_factor=float(params['high_freq_factor']),
+                   original_max_len=int(params.get('original_max_position_embeddings')
+                                        or hf['max_position_embeddings']))
+  return base, scaling
 
 
 def _check_llama(arch: str, hf: dict[str, Any]) -> None:
@@ -99,12 +116,14 @@ def _llama_keys(arch: str, hf: dict[str, Any]) -> dict[str, Any]:
   if arch == 'gemma' and _get(hf, 'query_pre_attn_scalar', head_dim) != head_dim:
     raise _refuse(arch, 'query_pre_attn_scalar', hf['query_pre_attn_scalar'],
                   f'valid: head_dim={head_dim}')
+  base, scaling = _rope(arch, hf)
   return dict(
       vocab_size=hf['vocab_size'], d_model=d, num_layers=hf['num_hidden_layers'],
       num_heads=heads, num_kv_heads=_get(hf, 'num_key_value_heads', heads),
       head_dim=head_dim, mlp_dim=hf['intermediate_size'],
       mlp='geglu' if arch == 'gemma' else 'swiglu', position='rope',
-      rope_base=_rope_base(arch, hf), max_len=_get(hf, 'max_position_embeddings', 2048),
+      rope_base=base, rope_scaling=scaling,
+      max_len=_get(hf, 'max_position_embeddings', 2048),
       tie_embeddings=bool(_get(hf, 'tie_word_embeddings', arch == 'gemma')),
       proj_bias='qkv' if arch == 'qwen2' else 'none',
       embed_scale=math.sqrt(d) if arch == 'gemma' else 1.0,

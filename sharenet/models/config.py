@@ -23,7 +23,8 @@ from sharenet.errors import ConfigError
 from sharenet.kernels import ATTENTIONS, DENSE_GRADS, KERNELS
 from sharenet.models import expert_checks, looped_config, scaling
 from sharenet.models.sections import (MasaConfig, MoeConfig, NormConfig, RecurrenceConfig,
-                                      RoutingConfig, SharingConfig, choice, key, section)
+                                      RopeScalingConfig, RoutingConfig, SharingConfig, choice,
+                                      key, section)
 
 MLPS = ('swiglu', 'geglu', 'gelu', 'selu')   # selu: Klambauer et al., arXiv:1706.02515
 PROJ_BIASES = ('none', 'qkv', 'all')   # model.proj_bias: which block projections carry biases
@@ -86,6 +87,7 @@ class ModelConfig:
   norm: NormConfig = section(NormConfig)
   recurrence: RecurrenceConfig = section(RecurrenceConfig)
   moe: MoeConfig = section(MoeConfig)
+  rope_scaling: RopeScalingConfig = section(RopeScalingConfig)
   # Not a model key: the config.parametrization group, whose model-level scalars are resolved
   # below (the per-leaf rules are sharenet.parametrization's).
   parametrization: scaling.Settings = dataclasses.field(default_factory=scaling.Settings)
@@ -330,6 +332,10 @@ def _check_shapes(c: ModelConfig, r: dict[str, Any]) -> None:
                       f'stream and the keys from the normed one, and model.attention_sharing='
                       f'{c.attention_sharing} makes the values the keys; valid: '
                       f'attention_sharing=none|qk_shared')
+  if c.rope_scaling.kind != 'none' and c.position != 'rope':
+    raise ConfigError(f'model.rope_scaling.kind={c.rope_scaling.kind} scales RoPE, and '
+                      f'model.position={c.position}; valid: position=rope, or '
+                      f'rope_scaling.kind=none')
   if c.position == 'rope' and r['d_head'] % 2:
     raise ConfigError(f'model.position=rope needs an even head_dim, got {r["d_head"]}')
   if c.norm.qk_norm == 'l2' and not c.norm.qk_scale_init and r['qk_len'] < 2:

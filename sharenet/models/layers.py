@@ -203,8 +203,10 @@ class Embed(nn.Module):
     return x @ table.T
 
 
-def rope(x_BTHD: jax.Array, positions_T: jax.Array, base: float) -> jax.Array:
-  """Rotary embedding (rotate-half convention) over the last axis.
+def rope(x_BTHD: jax.Array, positions_T: jax.Array, base: float,
+         freq: jax.Array | None = None) -> jax.Array:
+  """Rotary embedding (rotate-half convention) over the last axis, at the frequencies
+  base^(-2i/d), or `freq` (d/2,) when given (models/positions.py: RoPE scaling).
 
   Angles, sin and cos are float32; the rotation runs in float32, or in the activations' own
   dtype when that is narrower (bfloat16: sin and cos are rounded to it, as MaxText does), so no
@@ -212,7 +214,8 @@ def rope(x_BTHD: jax.Array, positions_T: jax.Array, base: float) -> jax.Array:
   """
   d = x_BTHD.shape[-1]
   ct = x_BTHD.dtype if low_precision(x_BTHD.dtype) else jnp.float32
-  freq = base ** (-jnp.arange(0, d, 2, dtype=jnp.float32) / d)
+  if freq is None:
+    freq = base ** (-jnp.arange(0, d, 2, dtype=jnp.float32) / d)
   angle_TF = positions_T[:, None].astype(jnp.float32) * freq[None, :]
   sin = jnp.sin(angle_TF).astype(ct)[None, :, None, :]
   cos = jnp.cos(angle_TF).astype(ct)[None, :, None, :]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from sharenet.models.config import ModelConfig
 from sharenet.models.layers import rope
@@ -18,13 +19,43 @@ from sharenet.models.projections import BRANCH, Projected
 from sharenet.norms import Norm
 
 
+def frequencies(cfg: ModelConfig, d: int) -> np.ndarray:
+  """RoPE's d/2 angular frequencies base^(-2i/d) under model.rope_scaling (float64 constants;
+  the rotation casts them to float32):
+
+  - linear: every frequency divided by `factor` (position interpolation, Chen et al.,
+    arXiv:2306.15595);
+  - llama3 (Llama 3.1's rope_type 'llama3', as transformers' _compute_llama3_parameters): with
+    L = original_max_len and the wavelength w = 2 pi / f, a frequency with w > L / low_freq_factor
+    is divided by `factor`, one with w < L / high_freq_factor is kept, and between them
+    f' = (1 - s) f / factor + s f with s = (L / w - low_freq_factor) / (high_freq_factor -
+    low_freq_factor).
+  """
+  freq = cfg.rope_base ** (-np.arange(0, d, 2, dtype=np.float64) / d)
+  rs = cfg.rope_scaling
+  if rs.kind == 'linear':
+    return freq / rs.factor
+  if rs.kind == 'llama3':
+    wavelen = 2 * np.pi / freq
+    low_wavelen = rs.original_max_len / rs.low_freq_factor
+    high_wavelen = rs.original_max_len / rs.high_freq_factor
+    smooth = ((rs.original_max_len / wavelen - rs.low_freq_factor)
+              / (rs.high_freq_factor - rs.low_freq_factor))
+    between = (1 - smooth) * freq / rs.factor + smooth * freq
+    return np.where(wavelen > low_wavelen, freq / rs.factor,
+                    np.where(wavelen < high_wavelen, freq, between))
+  return freq
+
+
 def rotate(cfg: ModelConfig, x_BTHD: jax.Array, positions: jax.Array) -> jax.Array:
   """RoPE at `positions`, (T,) or per sequence (B, T); the identity unless model.position=rope."""
   if cfg.position != 'rope':
     return x_BTHD
+  freq = None if cfg.rope_scaling.kind == 'none' else jnp.asarray(
+      frequencies(cfg, x_BTHD.shape[-1]), jnp.float32)
   if positions.ndim == 2:
-    return jax.vmap(lambda x, p: rope(x[None], p, cfg.rope_base)[0])(x_BTHD, positions)
-  return rope(x_BTHD, positions, cfg.rope_base)
+    return jax.vmap(lambda x, p: rope(x[None], p, cfg.rope_base, freq)[0])(x_BTHD, positions)
+  return rope(x_BTHD, positions, cfg.rope_base, freq)
 
 
 class PositionStep:

@@ -27,6 +27,7 @@ BALANCINGS = ('loss', 'bias')
 MASA_TARGETS = ('q', 'k', 'v', 'o', 'mlp_in', 'mlp_out')
 DEPTHS = ('fixed', 'poisson_lognormal')
 INJECTIONS = ('none', 'add', 'concat')
+ROPE_SCALINGS = ('none', 'linear', 'llama3')
 STATE_INITS = ('embed', 'zeros', 'normal')
 MOE_KINDS = ('none', 'sigma_moe', 'switch')
 MOE_DISPATCHES = ('auto', 'ragged_dot', 'reference')
@@ -164,6 +165,35 @@ class RoutingConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class RopeScalingConfig:
+  """`config.model.rope_scaling`: RoPE's frequencies for a longer context (models/positions.py).
+  kind linear divides every frequency by `factor` (position interpolation, arXiv:2306.15595);
+  llama3 divides only the low ones, keeps the high ones and interpolates between them (Llama
+  3.1's rope_type llama3, as Hugging Face transformers computes it); none: unscaled."""
+  KEY = 'rope_scaling'
+  kind: str = key('rope_scaling.kind')
+  factor: float = key('rope_scaling.factor', float)
+  low_freq_factor: float = key('rope_scaling.low_freq_factor', float)
+  high_freq_factor: float = key('rope_scaling.high_freq_factor', float)
+  original_max_len: int = key('rope_scaling.original_max_len')
+
+  def __post_init__(self):
+    choice('model.rope_scaling.kind', self.kind, ROPE_SCALINGS)
+    if self.kind == 'none':
+      return
+    if not self.factor >= 1:
+      raise ConfigError(f'model.rope_scaling.factor={self.factor} must be >= 1 (the context '
+                        f'is stretched, not shrunk)')
+    if self.kind == 'llama3':
+      if not 0 < self.low_freq_factor < self.high_freq_factor:
+        raise ConfigError(f'model.rope_scaling: low_freq_factor={self.low_freq_factor} and '
+                          f'high_freq_factor={self.high_freq_factor}; valid: 0 < low < high')
+      if self.original_max_len < 1:
+        raise ConfigError(f'model.rope_scaling.original_max_len={self.original_max_len} must '
+                          f'be >= 1 (the context the model was trained at)')
+
+
+@dataclasses.dataclass(frozen=True)
 class MasaConfig:
   """`config.model.masa`: MASA, matrix atom sharing (arXiv:2508.04581). targets is a tuple (a
   comma list is read as one)."""
@@ -293,4 +323,5 @@ class MoeConfig:
     return self.top_k or (1 if self.kind == 'switch' else min(2, self.num_experts))
 
 
-SECTIONS = (NormConfig, SharingConfig, RoutingConfig, MasaConfig, RecurrenceConfig, MoeConfig)
+SECTIONS = (NormConfig, SharingConfig, RoutingConfig, MasaConfig, RecurrenceConfig, MoeConfig,
+            RopeScalingConfig)
