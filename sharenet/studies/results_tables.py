@@ -5,7 +5,7 @@
     [--results=DIR]   # another copy of docs/results/ (tests/test_docs.py runs the rewrite so)
 
 Each table is written by the same function its study uses when it runs (depth_report,
-moe_report, norm_study, recursion_study, nap_study, coord_check, lr_sweep, and
+moe_report, norm_study, recursion_study, nap_study, rank_study, coord_check, lr_sweep, and
 benchmarks/summarize_runs for the sharing configs), so a table is never edited by hand: the
 README and the pages link to these files instead of copying their numbers.
 tests/test_docs.py checks that the committed tables equal what this writes.
@@ -65,6 +65,7 @@ TABLES: dict[str, tuple[str, Callable[[str], str]]] = {
     'recursion_study/recursion_study.md': ('recursion_study/recursion_study.json',
                                            _fn('recursion_study')),
     'nap/nap_study.md': ('nap/nap_study.json', _nap),
+    'rank_study/rank_study.md': ('rank_study/rank_study.json', _fn('rank_study')),
     **{f'mup/{d}coord_check.md': (f'mup/{d}coord_check.json', _fn('coord_check'))
        for d in ('', 'depth/coord_check/', 'lora/', 'lora/a_zero/', 'lora/lr_0.04/', 'umup/',
                  'umup/lr0.125/', 'zero_init/')},
