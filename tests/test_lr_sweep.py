@@ -61,3 +61,31 @@ def test_lr_sweep_cell_with_transforms_equals_a_train_run(tmp_path):
   out = train_lib.train_and_evaluate(ref, str(tmp_path))
   assert final[1, 0] == pytest.approx(out['loss'], rel=1e-5)
   assert abs(final[0, 0] - final[1, 0]) > 1e-3
+
+
+def test_cells_resume_and_recompute_when_their_inputs_change(tmp_path, monkeypatch):
+  """An interrupted sweep resumes: a rerun reads each (variant, x) row kept under OUT/cells
+  instead of training it, and trains again a cell whose config changed (here its steps)."""
+  calls = []
+
+  def fake_train_cells(c, lrs, seeds, tokens, val, avg_last):
+    calls.append((c.model.d_model, c.train.steps))
+    loss = np.asarray([[(np.log2(lr) + 6.0) ** 2 + c.model.d_model / 1000] * seeds
+                       for lr in lrs])
+    return loss, loss + 0.1
+  monkeypatch.setattr(lr_sweep, 'train_cells', fake_train_cells)
+  monkeypatch.setattr(lr_sweep, 'batches', lambda config, steps: None)
+  monkeypatch.setattr(lr_sweep, 'val_batch', lambda config, n: None)
+  c = common.with_overrides(sweep_config({}), {'study.width_values': '32,64',
+                                               'study.log2_lrs': '-8..-4', 'study.seeds': 1})
+  cells = str(tmp_path / 'cells')
+  first = lr_sweep.run_axis(c, 'width', log=lambda m: None, cells_dir=cells)
+  n = len(calls)
+  assert n == 2 * len(common.parse_list(c.study.width_variants, str))
+  again = lr_sweep.run_axis(c, 'width', log=lambda m: None, cells_dir=cells)
+  assert len(calls) == n and again == first                    # every cell read back
+  longer = common.with_overrides(c, {'study.steps': c.study.steps + 1})
+  lr_sweep.run_axis(longer, 'width', log=lambda m: None, cells_dir=cells)
+  assert len(calls) == 2 * n                                   # every cell trained again
+  lr_sweep.run_axis(c, 'width', log=lambda m: None)             # no cells_dir: always trains
+  assert len(calls) == 3 * n

@@ -4,6 +4,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 import sys
 import time
 from typing import Any, Callable
@@ -123,6 +124,35 @@ def point_overrides(axis: str, x: int, s: Any) -> dict[str, Any]:
     out.update({'model.num_layers': x, 'model.sharing.scheme': 'untied',
                 'model.sharing.num_unique': 0, 'model.sharing.repeats': 0})
   return out
+
+
+def cached_cell(cells_dir: str | None, key: str, inputs: Any,
+                compute: Callable[[], dict[str, Any]], log=print) -> dict[str, Any]:
+  """A study cell's row, computed once: with `cells_dir`, the row is kept in
+  CELLS_DIR/<key>.json with a fingerprint of `inputs` (everything the cell's result depends on,
+  JSON-serialisable: its config, learning rates, seeds), and a rerun whose cell has the same
+  fingerprint reads it back instead of training (an interrupted sweep resumes at its first
+  missing cell). A cell whose inputs changed is computed again and overwritten. Without
+  `cells_dir` it is computed every time."""
+  if cells_dir is None:
+    return compute()
+  import hashlib
+  blob = json.dumps(inputs, sort_keys=True, default=str)
+  fingerprint = hashlib.sha256(blob.encode()).hexdigest()[:16]
+  path = os.path.join(cells_dir, re.sub(r'[^\w.=-]+', '_', key) + '.json')
+  if os.path.exists(path):
+    with open(path) as f:
+      kept = json.load(f)
+    if kept.get('fingerprint') == fingerprint:
+      log(f'{key}: kept from {path}')
+      return kept['row']
+  row = compute()
+  os.makedirs(cells_dir, exist_ok=True)
+  tmp = path + '.tmp'
+  with open(tmp, 'w') as f:
+    json.dump({'fingerprint': fingerprint, 'row': row}, f)
+  os.replace(tmp, path)   # a cell file is whole or absent, never half written
+  return row
 
 
 def run_axes(config: Any, out_dir: str, name: str, run_axis: Callable[..., dict[str, Any]],

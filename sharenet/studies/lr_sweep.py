@@ -11,10 +11,14 @@ train.seed in the same order.
 Per width the optimum is the vertex of a quadratic in log2 LR fitted to the seed-mean loss at
 the grid argmin and its neighbours (the protocol of Lingle, arXiv:2404.05728). Writes
 DIR/lr_sweep.json and DIR/lr_sweep_{axis}.png (loss against LR, one curve per x, one panel per
-parametrization).
+parametrization). Each (variant, x) row is also kept in DIR/cells/ with a fingerprint of its
+config and LRs: rerunning the command on DIR trains only the rows not there (an interrupted
+sweep resumes; a changed config trains again).
 """
 from __future__ import annotations
 
+import functools
+import os
 import time
 from typing import Any
 
@@ -81,7 +85,10 @@ def optimum(log2_lrs: list[float], losses: np.ndarray) -> dict[str, Any]:
   return out
 
 
-def run_axis(config: Any, axis: str, log=print) -> dict[str, Any]:
+def run_axis(config: Any, axis: str, log=print, cells_dir: str | None = None) -> dict[str, Any]:
+  """One axis of the sweep: per variant, per point x, every (LR, seed) cell trained at once.
+  With `cells_dir` each (variant, x) row is kept there and a rerun with the same inputs reads
+  it back (common.cached_cell: an interrupted sweep resumes at its first missing point)."""
   s = config.study
   xs = common.parse_list(s[f'{axis}_values'])
   steps, seeds = s.steps, s.seeds
@@ -97,12 +104,16 @@ def run_axis(config: Any, axis: str, log=print) -> dict[str, Any]:
     base['train.steps'] = steps      # the schedule spans the sweep, as in a run of that length
     rows = {}
     for x in xs:
-      t0 = time.perf_counter()
       c = common.with_overrides(config, {**base, **common.point_overrides(axis, x, s)})
-      final, vloss = train_cells(c, lrs, seeds, tokens, val, s.avg_last)
-      opt = optimum(log2_lrs, final)
-      rows[str(x)] = {'final_loss': final.tolist(), 'val_loss': vloss.tolist(), **opt,
-                      'seconds': round(time.perf_counter() - t0, 1)}
+
+      def cell(c=c):
+        t0 = time.perf_counter()
+        final, vloss = train_cells(c, lrs, seeds, tokens, val, s.avg_last)
+        return {'final_loss': final.tolist(), 'val_loss': vloss.tolist(),
+                **optimum(log2_lrs, final), 'seconds': round(time.perf_counter() - t0, 1)}
+      inputs = {'config': config_lib.to_json(c), 'log2_lrs': log2_lrs}
+      rows[str(x)] = common.cached_cell(cells_dir, f'{axis}-{name}-{x}', inputs, cell, log)
+      opt = rows[str(x)]
       log(f'lr_sweep {axis} {name} x={x}: opt 2^{opt["fit_log2_lr"]:.2f} '
           f'(grid 2^{opt["grid_argmin_log2_lr"]:g}) {rows[str(x)]["seconds"]}s')
     fits = [rows[str(x)]['fit_log2_lr'] for x in xs]
@@ -185,7 +196,8 @@ def to_markdown(result: dict[str, Any]) -> str:
 
 
 def main(config: Any, out_dir: str) -> dict[str, Any]:
-  result = common.run_axes(config, out_dir, 'lr_sweep', run_axis, plot, table=to_markdown)
+  cells = functools.partial(run_axis, cells_dir=os.path.join(out_dir, 'cells'))
+  result = common.run_axes(config, out_dir, 'lr_sweep', cells, plot, table=to_markdown)
   for axis in common.parse_list(config.study.axes, str):
     for v, r in result[axis]['variants'].items():
       opts = ' '.join(f'{x}:2^{r["cells"][str(x)]["fit_log2_lr"]:.2f}' for x in result[axis]['xs'])
