@@ -58,9 +58,10 @@ def _rope(arch: str, hf: dict[str, Any]) -> tuple[float, dict[str, Any]]:
   """(rope_theta, model.rope_scaling) from rope_theta / rope_scaling (older configs) or
   rope_parameters (newer): default, linear and llama3 RoPE; another rope_type, or a partial
   rotary factor, is refused."""
-  params = dict(hf.get('rope_parameters') or {})
-  params.update(hf.get('rope_scaling') or {})
-  rope_type = params.get('rope_type', params.get('type')) or 'default'
+  scaling = hf.get('rope_scaling') or {}
+  params = {**(hf.get('rope_parameters') or {}), **scaling}
+  rope_type = (scaling.get('rope_type', scaling.get('type')) or params.get('rope_type')
+               or 'default')
   if rope_type not in ROPE_TYPES:
     raise _refuse(arch, 'rope_scaling', rope_type, f'valid: null, {", ".join(ROPE_TYPES)}')
   partial = params.get('partial_rotary_factor', hf.get('partial_rotary_factor'))
