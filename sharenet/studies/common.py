@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import os
 import re
@@ -136,7 +137,6 @@ def cached_cell(cells_dir: str | None, key: str, inputs: Any,
   `cells_dir` it is computed every time."""
   if cells_dir is None:
     return compute()
-  import hashlib
   blob = json.dumps(inputs, sort_keys=True, default=str)
   fingerprint = hashlib.sha256(blob.encode()).hexdigest()[:16]
   path = os.path.join(cells_dir, re.sub(r'[^\w.=-]+', '_', key) + '.json')

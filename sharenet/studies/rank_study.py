@@ -3,7 +3,7 @@
   python -m sharenet.studies.rank_study --config configs/rank_study.py --out runs/rank_study \
       --config.study.source=WORKDIR
 
-Relaxed Recursive Transformers (Bae et al., arXiv:2410.20672, Fig. 5 / Sec. 3.3) convert a
+Relaxed Recursive Transformers (Bae et al., arXiv:2410.20672) convert a
 pretrained model into a recursive one (K shared sets, cycled) and relax the tying with
 depth-wise LoRA initialised from the truncated SVD of each layer's residual against its shared
 set: at full rank the converted model is the source, at rank 0 it is the plain recursive model.
@@ -11,9 +11,10 @@ This study converts `study.source` (any untied workdir: a Hugging Face import, o
 repository) at each rank in `study.ranks` with `convert.py`'s own conversion
 (workdir_lib.convert_workdir: `--config.to=recursive`, the scheme, sets, init, targets and
 untied norms of `study`), evaluates each converted workdir and the source on the same
-validation bytes of the embedded corpus (`study.eval_tokens` of them), and writes OUT/rank_study.json (one row per rank:
-eval loss, bits per byte, stored parameters), OUT/rank_study.md and OUT/rank_study.png (eval loss
-against rank, the source and rank 0 as lines). No training: the conversion alone, as the paper's
+validation bytes of the embedded corpus (`study.eval_tokens` of them), and writes
+OUT/rank_study.json (one row per rank: eval loss, bits per byte, stored parameters),
+OUT/rank_study.md and OUT/rank_study.png (eval loss against rank, the source and rank 0 as
+lines). No training: the conversion alone, as the paper's
 initialisation before uptraining. Converted workdirs stay in OUT/runs/rank{r}; a rerun converts
 only the ranks not yet there.
 """
