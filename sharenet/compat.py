@@ -270,6 +270,13 @@ def _features() -> tuple[Feature, ...]:
               _setting('proj_bias_all', 'proj_bias', 'model.proj_bias', 'all'),
               Feature('embed_scale', 'embed_scale', (('model.embed_scale', 2.0),),
                       lambda c: _get(c, 'model.embed_scale') != 1.0),
+              # Gemma 2's logit soft-capping of the attention and the output logits
+              Feature('attn_softcap', 'attn_softcap', (('model.attn_softcap', 5.0),),
+                      lambda c: _get(c, 'model.attn_softcap') > 0,
+                      (('umup', 'u-muP\'s unit-scaled attention has no soft-capping rule'),)),
+              Feature('logit_softcap', 'logit_softcap', (('model.logit_softcap', 5.0),),
+                      lambda c: _get(c, 'model.logit_softcap') > 0,
+                      (('umup', 'u-muP\'s unit-scaled loss has no soft-capping rule'),)),
               # Llama 3.1's RoPE scaling and position interpolation (models/positions.py)
               _setting('rope_llama3', 'rope_scaling', 'model.rope_scaling.kind', 'llama3',
                        ('model.rope_scaling.factor', 8.0),

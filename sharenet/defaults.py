@@ -36,6 +36,10 @@ def default_config() -> ml_collections.ConfigDict:
   rs.original_max_len = 8192  # llama3: the context length the model was trained at
   m.max_len = 2048            # learned positions only
   m.attn_scale = 0.0          # 0 -> 1/sqrt(head_dim)
+  m.attn_softcap = 0.0        # > 0: attention logits -> cap * tanh(logits / cap) (Gemma 2's
+                              # attn_logit_softcapping); 0 = off
+  m.logit_softcap = 0.0       # > 0: output logits -> cap * tanh(logits / cap) (Gemma 2's
+                              # final_logit_softcapping); 0 = off
   m.tie_embeddings = False    # readout shares the embedding table
   m.embed_init_std = 1.0
   m.head_dim = 0              # 0 -> d_model // num_heads

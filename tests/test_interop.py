@@ -22,7 +22,7 @@ from sharenet.interop import export_hf, import_hf, safetensors_io
 from sharenet.models import ModelConfig
 
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'fixtures', 'hf')
-ARCHS = ('llama', 'mistral', 'qwen2', 'qwen3', 'gemma', 'gpt2', 'llama3_rope')
+ARCHS = ('llama', 'mistral', 'qwen2', 'qwen3', 'gemma', 'gemma2', 'gpt2', 'llama3_rope')
 
 
 def _logits(workdir, tokens, dtype='float32'):
@@ -76,7 +76,8 @@ def _edit_config(src, **changes):
 @pytest.mark.parametrize('case,match', [
     ('no_dir', 'is not a directory'),
     ('no_config', 'has no config.json'),
-    ('arch', r"model_type='gemma2' is not supported; valid: llama, mistral"),
+    ('arch', r"model_type='gemma3' is not supported; valid: llama, mistral"),
+    ('gemma2_sliding', r'\(gemma2\): sliding_window=16 is not modelled'),
     ('rope_scaling', r"rope_scaling='yarn' is not modelled by sharenet \(valid: null, "
                      r"default, linear, llama3\)"),
     ('sliding', r'sliding_window=16 is not modelled'),
@@ -86,13 +87,16 @@ def _edit_config(src, **changes):
     ('extra_tensor', 'tensor lm_head.weight is not modelled'),
 ])
 def test_bad_input_is_one_error_and_writes_nothing(tmp_path, case, match):
-  src = _copy_fixture(tmp_path, 'mistral' if case == 'sliding' else 'llama')
+  src = _copy_fixture(tmp_path, {'sliding': 'mistral', 'gemma2_sliding': 'gemma2'}.get(case,
+                                                                                     'llama'))
   if case == 'no_dir':
     shutil.rmtree(src)
   elif case == 'no_config':
     (src / 'config.json').unlink()
   elif case == 'arch':
-    _edit_config(src, model_type='gemma2')
+    _edit_config(src, model_type='gemma3')
+  elif case == 'gemma2_sliding':   # alternate layers slide, within max_position_embeddings
+    _edit_config(src, sliding_window=16)
   elif case == 'rope_scaling':
     _edit_config(src, rope_scaling={'rope_type': 'yarn', 'factor': 8.0})
   elif case == 'sliding':
@@ -362,4 +366,20 @@ def test_rope_scaling_frequencies_and_bad_input():
                     (dict(rope_scaling=llama3, position='learned'), 'valid: position=rope')):
     with pytest.raises(ConfigError, match=words) as e:
       ModelConfig(d_model=32, num_heads=4, num_layers=1, mlp_dim=8, vocab_size=16, **kw)
+    assert '\n' not in str(e.value)
+
+
+def test_softcaps_bend_logits_and_bad_values_are_one_line():
+  """model.logit_softcap maps logits to cap * tanh(logits / cap); a negative cap is one line."""
+  from sharenet.models import DecoderLM, init_variables
+  base = dict(d_model=16, num_heads=2, num_layers=1, mlp_dim=16, vocab_size=32)
+  cfg = ModelConfig(**base)
+  v = init_variables(DecoderLM(cfg), jax.random.key(0))
+  toks = jnp.arange(8)[None] % 32
+  plain = np.asarray(DecoderLM(cfg).apply(v, toks))
+  capped = np.asarray(DecoderLM(cfg.derive(logit_softcap=0.5)).apply(v, toks))
+  np.testing.assert_allclose(capped, 0.5 * np.tanh(plain / 0.5), rtol=1e-5, atol=1e-6)
+  for name in ('attn_softcap', 'logit_softcap'):
+    with pytest.raises(ConfigError, match=f'model.{name}=-1.0 must be >= 0') as e:
+      ModelConfig(**base, **{name: -1.0})
     assert '\n' not in str(e.value)

@@ -5,7 +5,8 @@
 The model must be one a Hugging Face architecture expresses (hf_arch.py): Pre-RMSNorm, RoPE
 and SwiGLU (llama; qwen2 with proj_bias=qkv; qwen3 with RMS QK-norm), the same with GeGLU and
 embed_scale sqrt(d_model), tied (gemma), or Pre-LN with learned positions, GELU and
-proj_bias=all (gpt2). A tied plan is written expanded to its applied layers (every use of a
+proj_bias=all (gpt2); gemma with peri norms, an attention scale and logit soft-capping is
+gemma2. A tied plan is written expanded to its applied layers (every use of a
 stored set becomes its own layer: the same function, more parameters), with a printed note;
 what no such architecture holds (depth-wise LoRA, per-layer norms, routing, MASA, ...) is one
 ConfigError naming it. The safetensors file is written without torch, one tensor at a time;
@@ -29,7 +30,8 @@ from sharenet.models import layout as model_layout
 from sharenet.models.lm import param_table
 
 _CLASSES = {'llama': 'LlamaForCausalLM', 'qwen2': 'Qwen2ForCausalLM',
-            'qwen3': 'Qwen3ForCausalLM', 'gemma': 'GemmaForCausalLM', 'gpt2': 'GPT2LMHeadModel'}
+            'qwen3': 'Qwen3ForCausalLM', 'gemma': 'GemmaForCausalLM',
+            'gemma2': 'Gemma2ForCausalLM', 'gpt2': 'GPT2LMHeadModel'}
 
 
 def _refusals(cfg: Any) -> list[tuple[bool, str]]:
@@ -47,11 +49,12 @@ def _refusals(cfg: Any) -> list[tuple[bool, str]]:
       (cfg.reader_bias, 'model.reader_bias=True (written by the norm conversions); valid: '
        'False'),
       (cfg.center_embedding, 'model.center_embedding=True; valid: False'),
-      (n.placement != 'pre', f'model.norm.placement={n.placement}; valid: pre'),
+      (n.placement not in ('pre', 'peri'), f'model.norm.placement={n.placement}; valid: pre, '
+       f'or peri (gemma2)'),
       (n.fixnorm, 'model.norm.fixnorm=True; valid: False'),
       (n.pre_activation != 'none', f'model.norm.pre_activation={n.pre_activation}; valid: none'),
       (n.qk_norm == 'l2', 'model.norm.qk_norm=l2; valid: none or rms'),
-      (cfg.attn_scale != 0, f'model.attn_scale={cfg.attn_scale}; valid: 0 (1/sqrt(head_dim))'),
+      (cfg.attn_scale < 0, f'model.attn_scale={cfg.attn_scale}; valid: >= 0'),
       (cfg.parametrization.kind != 'sp', f'parametrization.kind={cfg.parametrization.kind}; '
        f'valid: sp')]
 
@@ -62,6 +65,19 @@ def export_arch(cfg: Any) -> str:
     if bad:
       raise ConfigError(f'{what} (Hugging Face export: no supported architecture holds it)')
   n = cfg.norm
+  gemma_like = cfg.mlp == 'geglu' and cfg.tie_embeddings and n.qk_norm == 'none' and \
+      cfg.proj_bias == 'none' and math.isclose(cfg.embed_scale, math.sqrt(cfg.d_model))
+  gemma2 = n.placement == 'peri' or cfg.attn_softcap or cfg.logit_softcap or cfg.attn_scale
+  if gemma2:   # only Gemma 2 has norms after the branches, soft-capping, its own scale
+    if not (gemma_like and n.placement == 'peri' and n.kind == 'rmsnorm' and
+            cfg.position == 'rope'):
+      raise ConfigError(f'model.norm.placement={n.placement}, attn_scale={cfg.attn_scale:g}, '
+                        f'attn_softcap={cfg.attn_softcap:g}, logit_softcap='
+                        f'{cfg.logit_softcap:g}: of the Hugging Face architectures only '
+                        f'gemma2 holds peri norms, an attention scale or soft-capping; valid '
+                        f'with them: geglu, tied, embed_scale sqrt(d_model), peri (gemma2)')
+    _query_pre_attn_scalar(cfg)   # the scale gemma2 can store
+    return 'gemma2'
   if n.kind == 'layernorm' and cfg.position == 'learned' and cfg.mlp == 'gelu' and \
       cfg.proj_bias == 'all' and cfg.kv_heads == cfg.num_heads and cfg.embed_scale == 1.0 \
       and n.qk_norm == 'none' and not cfg.head_dim:
@@ -71,8 +87,7 @@ def export_arch(cfg: Any) -> str:
                       f'Hugging Face export needs rmsnorm with rope (llama, qwen2, qwen3, '
                       f'gemma) or layernorm with learned positions, gelu and proj_bias=all '
                       f'(gpt2)')
-  if cfg.mlp == 'geglu' and cfg.tie_embeddings and n.qk_norm == 'none' and \
-      cfg.proj_bias == 'none' and math.isclose(cfg.embed_scale, math.sqrt(cfg.d_model)):
+  if gemma_like:
     return 'gemma'
   if cfg.mlp != 'swiglu' or cfg.embed_scale != 1.0 or cfg.proj_bias == 'all' or \
       (cfg.proj_bias == 'qkv' and n.qk_norm != 'none'):
@@ -94,14 +109,32 @@ def hf_config(arch: str, cfg: Any) -> dict[str, Any]:
                 n_inner=cfg.mlp_dim, n_positions=cfg.max_len, activation_function='gelu_new',
                 layer_norm_epsilon=cfg.norm.eps, resid_pdrop=0.0, embd_pdrop=0.0,
                 attn_pdrop=0.0)
-  act = 'gelu_pytorch_tanh' if arch == 'gemma' else 'silu'
-  return dict(common, hidden_size=cfg.d_model, intermediate_size=cfg.mlp_dim,
-              num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
-              num_key_value_heads=cfg.kv_heads, head_dim=cfg.d_head,
-              max_position_embeddings=cfg.max_len, rms_norm_eps=cfg.norm.eps,
-              rope_theta=cfg.rope_base, rope_parameters=_rope_parameters(cfg),
-              hidden_act=act, hidden_activation=act, attention_bias=False, mlp_bias=False,
-              use_sliding_window=False, sliding_window=None, attention_dropout=0.0)
+  act = 'gelu_pytorch_tanh' if arch in hf_arch.GEMMAS else 'silu'
+  out = dict(common, hidden_size=cfg.d_model, intermediate_size=cfg.mlp_dim,
+             num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
+             num_key_value_heads=cfg.kv_heads, head_dim=cfg.d_head,
+             max_position_embeddings=cfg.max_len, rms_norm_eps=cfg.norm.eps,
+             rope_theta=cfg.rope_base, rope_parameters=_rope_parameters(cfg),
+             hidden_act=act, hidden_activation=act, attention_bias=False, mlp_bias=False,
+             use_sliding_window=False, sliding_window=None, attention_dropout=0.0)
+  if arch == 'gemma2':   # every layer full attention; the window covers every position
+    out.update(query_pre_attn_scalar=_query_pre_attn_scalar(cfg),
+               attn_logit_softcapping=cfg.attn_softcap or None,
+               final_logit_softcapping=cfg.logit_softcap or None,
+               sliding_window=cfg.max_len, layer_types=['full_attention'] * cfg.num_layers)
+  return out
+
+
+def _query_pre_attn_scalar(cfg: Any) -> int:
+  """Gemma 2's query_pre_attn_scalar (an integer: scale = scalar^-1/2) of model.attn_scale."""
+  if not cfg.attn_scale:
+    return cfg.d_head
+  scalar = cfg.attn_scale ** -2
+  if not math.isclose(scalar, round(scalar), rel_tol=1e-6):
+    raise ConfigError(f'model.attn_scale={cfg.attn_scale:g} is not n^-1/2 for an integer n '
+                      f'(gemma2 stores the scale as the integer query_pre_attn_scalar); valid: '
+                      f'0 or n^-1/2')
+  return int(round(scalar))
 
 
 def _rope_parameters(cfg: Any) -> dict[str, Any]:

@@ -7,6 +7,12 @@ each sharenet parameter's Hugging Face tensor.
   gemma                          the same with GeGLU (tanh GELU), RMSNorm gains stored as
                                  1 + w (folded here: the same function), the embedded tokens
                                  times sqrt(d_model) (model.embed_scale), tied readout.
+  gemma2                         gemma with a norm after each branch too (input / post-attention
+                                 and pre / post-feedforward: model.norm.placement=peri), the
+                                 attention scale query_pre_attn_scalar^-1/2 (model.attn_scale)
+                                 and logit soft-capping of the attention and the output
+                                 (model.attn_softcap, model.logit_softcap); its sliding-window
+                                 layers only where the window covers max_position_embeddings.
   gpt2                           Pre-LN LayerNorm with biases, learned positions, tanh GELU,
                                  biases on every projection (model.proj_bias=all), tied
                                  readout; Conv1D kernels are stored (in, out), q k v fused.
@@ -20,8 +26,9 @@ from typing import Any, NamedTuple
 
 from sharenet.errors import ConfigError
 
-ARCHITECTURES = ('llama', 'mistral', 'qwen2', 'qwen3', 'gemma', 'gpt2')
-LLAMA_FAMILY = ('llama', 'mistral', 'qwen2', 'qwen3', 'gemma')
+ARCHITECTURES = ('llama', 'mistral', 'qwen2', 'qwen3', 'gemma', 'gemma2', 'gpt2')
+LLAMA_FAMILY = ('llama', 'mistral', 'qwen2', 'qwen3', 'gemma', 'gemma2')
+GEMMAS = ('gemma', 'gemma2')
 TANH_GELUS = ('gelu_new', 'gelu_pytorch_tanh', 'gelu_fast')   # sharenet's gelu is tanh GELU
 
 
@@ -89,17 +96,29 @@ def _check_llama(arch: str, hf: dict[str, Any]) -> None:
       ('pretraining_tp', _get(hf, 'pretraining_tp', 1) == 1, 'valid: 1'),
       ('use_sliding_window', not hf.get('use_sliding_window'), 'sliding-window attention; '
        'valid: false'),
-      ('attn_logit_softcapping', hf.get('attn_logit_softcapping') is None, 'valid: null'),
-      ('final_logit_softcapping', hf.get('final_logit_softcapping') is None, 'valid: null'),
+      ('attn_logit_softcapping', hf.get('attn_logit_softcapping') is None or arch == 'gemma2',
+       'valid: null'),
+      ('final_logit_softcapping', hf.get('final_logit_softcapping') is None or arch == 'gemma2',
+       'valid: null'),
       ('quantization_config', hf.get('quantization_config') is None, 'quantized weights; '
        'valid: a float checkpoint')):
     if not ok:
       raise _refuse(arch, field, hf.get(field), why)
   window = hf.get('sliding_window')
-  if arch == 'mistral' and window is not None and window < hf['max_position_embeddings']:
+  windowed = window is not None and window < hf['max_position_embeddings']
+  raw_types = hf.get('layer_types')
+  layer_types = set(raw_types or ['full_attention'])
+  # Gemma 2's every other layer slides (its default when layer_types is absent): the same as
+  # full attention when the window covers every position
+  slides = arch == 'mistral' or (arch == 'gemma2' and (
+      raw_types is None or 'sliding_attention' in layer_types))
+  if arch == 'gemma2':
+    layer_types.discard('sliding_attention')
+    layer_types = layer_types or {'full_attention'}
+  if windowed and slides:
     raise _refuse(arch, 'sliding_window', window, f'sliding-window attention below '
-                  f'max_position_embeddings={hf["max_position_embeddings"]}; valid: null')
-  layer_types = set(hf.get('layer_types') or ['full_attention'])
+                  f'max_position_embeddings={hf["max_position_embeddings"]}; valid: null or '
+                  f'>= max_position_embeddings')
   if layer_types != {'full_attention'}:
     raise _refuse(arch, 'layer_types', sorted(layer_types), 'valid: full_attention only')
 
@@ -107,28 +126,34 @@ def _check_llama(arch: str, hf: dict[str, Any]) -> None:
 def _llama_keys(arch: str, hf: dict[str, Any]) -> dict[str, Any]:
   _check_llama(arch, hf)
   act = hf.get('hidden_activation') or hf.get('hidden_act', 'silu')
-  if arch == 'gemma':
+  if arch in GEMMAS:
     if act not in TANH_GELUS:
       raise _refuse(arch, 'hidden_act', act, f'valid: {", ".join(TANH_GELUS)}')
   elif act != 'silu':
     raise _refuse(arch, 'hidden_act', act, 'valid: silu')
   d, heads = hf['hidden_size'], hf['num_attention_heads']
   head_dim = _get(hf, 'head_dim', d // heads)
-  if arch == 'gemma' and _get(hf, 'query_pre_attn_scalar', head_dim) != head_dim:
+  scalar = _get(hf, 'query_pre_attn_scalar', head_dim)
+  if arch == 'gemma' and scalar != head_dim:
     raise _refuse(arch, 'query_pre_attn_scalar', hf['query_pre_attn_scalar'],
                   f'valid: head_dim={head_dim}')
+  gemma2 = arch == 'gemma2'
   base, scaling = _rope(arch, hf)
   return dict(
       vocab_size=hf['vocab_size'], d_model=d, num_layers=hf['num_hidden_layers'],
       num_heads=heads, num_kv_heads=_get(hf, 'num_key_value_heads', heads),
       head_dim=head_dim, mlp_dim=hf['intermediate_size'],
-      mlp='geglu' if arch == 'gemma' else 'swiglu', position='rope',
+      mlp='geglu' if arch in GEMMAS else 'swiglu', position='rope',
       rope_base=base, rope_scaling=scaling,
       max_len=_get(hf, 'max_position_embeddings', 2048),
-      tie_embeddings=bool(_get(hf, 'tie_word_embeddings', arch == 'gemma')),
+      tie_embeddings=bool(_get(hf, 'tie_word_embeddings', arch in GEMMAS)),
       proj_bias='qkv' if arch == 'qwen2' else 'none',
-      embed_scale=math.sqrt(d) if arch == 'gemma' else 1.0,
-      norm=dict(kind='rmsnorm', placement='pre', eps=float(_get(hf, 'rms_norm_eps', 1e-6)),
+      embed_scale=math.sqrt(d) if arch in GEMMAS else 1.0,
+      attn_scale=float(scalar) ** -0.5 if gemma2 and scalar != head_dim else 0.0,
+      attn_softcap=float(_get(hf, 'attn_logit_softcapping', 0.0)) if gemma2 else 0.0,
+      logit_softcap=float(_get(hf, 'final_logit_softcapping', 0.0)) if gemma2 else 0.0,
+      norm=dict(kind='rmsnorm', placement='peri' if gemma2 else 'pre',
+                eps=float(_get(hf, 'rms_norm_eps', 1e-6)),
                 qk_norm='rms' if arch == 'qwen3' else 'none'))
 
 
@@ -169,14 +194,19 @@ def entries(arch: str, cfg: Any, prefix: str) -> list[Entry]:
   if arch == 'gpt2':
     return _gpt2_entries(cfg, prefix)
   p, L = prefix, prefix + 'layers.{i}.'
-  g = 1.0 if arch == 'gemma' else 0.0
+  g = 1.0 if arch in GEMMAS else 0.0
   out = [Entry(('embed', 'embedding'), p + 'embed_tokens.weight'),
          Entry(('final_norm', 'scale'), p + 'norm.weight', offset=g)]
   if not cfg.tie_embeddings:
     out.append(Entry(('readout', 'kernel'), 'lm_head.weight', 'linear'))
   blk = lambda path, name, kind='same', **kw: Entry(path, L + name, kind, True, **kw)
+  if arch == 'gemma2':   # a norm before and after each branch (peri placement)
+    out += [blk(('attn_out_norm', 'scale'), 'post_attention_layernorm.weight', offset=g),
+            blk(('mlp_norm', 'scale'), 'pre_feedforward_layernorm.weight', offset=g),
+            blk(('mlp_out_norm', 'scale'), 'post_feedforward_layernorm.weight', offset=g)]
+  else:
+    out.append(blk(('mlp_norm', 'scale'), 'post_attention_layernorm.weight', offset=g))
   out += [blk(('attn_norm', 'scale'), 'input_layernorm.weight', offset=g),
-          blk(('mlp_norm', 'scale'), 'post_attention_layernorm.weight', offset=g),
           blk(('attn', 'o', 'kernel'), 'self_attn.o_proj.weight', 'linear', n_in=2),
           blk(('mlp', 'wi_gate', 'kernel'), 'mlp.gate_proj.weight', 'linear'),
           blk(('mlp', 'wi_up', 'kernel'), 'mlp.up_proj.weight', 'linear'),

@@ -76,7 +76,7 @@ def reference(q_BTHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array, *, scale,
               causal: bool = True, segment_ids_BT: jax.Array | None = None, chunk: int = 0,
               observe: Callable[[jax.Array, jax.Array], None] | None = None,
               q_positions_BT: jax.Array | None = None,
-              k_positions_BS: jax.Array | None = None) -> jax.Array:
+              k_positions_BS: jax.Array | None = None, softcap: float = 0.0) -> jax.Array:
   """softmax(scale * q k^T, masked) v with float32 logits and softmax; output in q's dtype.
 
   The arithmetic of the `xla` back-end: q * scale in q's dtype, the grouped einsum with a
@@ -90,7 +90,8 @@ def reference(q_BTHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array, *, scale,
   `chunk` > 0 (causal by slot only): query rows in chunks of `chunk`, each against the keys up
   to its last row (the `chunked` back-end). `observe(logits, mask)` sees the whole (B, K, G, T,
   S) logits before masking and their mask (None: no mask) for coordinate checks; it needs
-  chunk = 0.
+  chunk = 0. `softcap` > 0 (Gemma 2's attn_logit_softcapping): the scaled logits become
+  softcap * tanh(logits / softcap) before the mask.
   """
   B, T, H, Dh = q_BTHD.shape
   S, K = k_BSKD.shape[1], k_BSKD.shape[2]
@@ -108,6 +109,8 @@ def reference(q_BTHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array, *, scale,
     mask_BKGCS = _mask(start, stop, keys, causal, segment_ids_BT, q_positions_BT, k_positions_BS)
     if observe is not None:
       observe(logits_BKGCS, mask_BKGCS)
+    if softcap:
+      logits_BKGCS = softcap * jnp.tanh(logits_BKGCS / softcap)
     if mask_BKGCS is not None:
       # An additive 0 / MASK_VALUE bias: the same logits bit for bit (|logits| << 1e30 is
       # absorbed), the same gradients (masked probabilities are exactly 0), and XLA:CPU fuses the
@@ -144,7 +147,8 @@ def _mask(start: int, stop: int, keys: int, causal: bool, segment_ids_BT, q_posi
 def attention(q_BTHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array, *, scale,
               impl: str, segment_ids_BT: jax.Array | None = None,
               q_positions_BT: jax.Array | None = None, k_positions_BS: jax.Array | None = None,
-              observe: Callable[[jax.Array, jax.Array], None] | None = None) -> jax.Array:
+              observe: Callable[[jax.Array, jax.Array], None] | None = None,
+              softcap: float = 0.0) -> jax.Array:
   """Causal attention by back-end `impl` (xla | chunked | cudnn | pallas): the one entry of
   training and cached decoding; see the module docstring.
 
@@ -152,12 +156,13 @@ def attention(q_BTHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array, *, scale,
   With `q_positions_BT` / `k_positions_BS` (decoding) the mask is by position, see `reference`.
   `observe` (coordinate checks) sees the logits on the reference back-ends, unchunked; the fused
   kernels never form them, so there it is not called. A case a back-end cannot take runs
-  `reference` instead, with a one-line note on stderr.
+  `reference` instead, with a one-line note on stderr: cached decoding, and `softcap` > 0 (the
+  fused kernels have no logit soft-capping).
   """
   _check_shapes(q_BTHD, k_BSKD, v_BSKD, segment_ids_BT, q_positions_BT, k_positions_BS)
   ref = functools.partial(reference, q_BTHD, k_BSKD, v_BSKD, scale=scale,
                           segment_ids_BT=segment_ids_BT, q_positions_BT=q_positions_BT,
-                          k_positions_BS=k_positions_BS)
+                          k_positions_BS=k_positions_BS, softcap=softcap)
   decoding = q_positions_BT is not None
   if impl in ('xla', 'chunked'):
     chunked = impl == 'chunked' and observe is None and not decoding
@@ -166,6 +171,9 @@ def attention(q_BTHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array, *, scale,
     raise ConfigError(f'attention implementation {impl!r} is unknown; valid: {", ".join(IMPLS)}')
   if decoding:
     kernels.note_fallback(f'{impl} attention', 'query / key positions (cached decoding)')
+    return ref()
+  if softcap:
+    kernels.note_fallback(f'{impl} attention', 'logit soft-capping (model.attn_softcap)')
     return ref()
   if impl == 'cudnn':
     if segment_ids_BT is not None:

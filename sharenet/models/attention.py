@@ -189,7 +189,8 @@ class CausalAttention(nn.Module):
                if self.is_mutable_collection(INTERMEDIATES) else None)
     out_BTHD = attention_kernel.attention(
         q_BTHD, k_BTKD, v_BTKD, scale=_logit_scale(self, c),
-        impl=kernels.attention_backend(c.attention, c.kernels), observe=observe, **masks)
+        impl=kernels.attention_backend(c.attention, c.kernels), observe=observe,
+        softcap=c.attn_softcap, **masks)
     if c.umup_ops:
       out_BTHD = unit_scale.scale_fwd(out_BTHD, s_att)
     out_BTD = (switchhead.output(self, c, out_BTHD, x_BTD, auxes) if switch

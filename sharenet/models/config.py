@@ -62,6 +62,8 @@ class ModelConfig:
   rope_base: float = key('rope_base')
   max_len: int = key('max_len')
   attn_scale: float = key('attn_scale')         # 0 -> 1/sqrt(d_head) (attn_mult)
+  attn_softcap: float = key('attn_softcap')     # 0 = off; cap * tanh(logits / cap)
+  logit_softcap: float = key('logit_softcap')   # 0 = off; on the output logits
   tie_embeddings: bool = key('tie_embeddings')
   embed_init_std: float = key('embed_init_std')
   head_dim: int = key('head_dim')               # 0 -> d_model // num_heads (d_head)
@@ -301,6 +303,10 @@ def _check_keys(c: ModelConfig) -> None:
   for name in ('vocab_size', 'd_model', 'num_layers', 'num_heads', 'mlp_dim', 'scan_unroll'):
     if getattr(c, name) < 1:
       raise ConfigError(f'model.{name}={getattr(c, name)} must be >= 1')
+  for name in ('attn_softcap', 'logit_softcap'):
+    if not getattr(c, name) >= 0:
+      raise ConfigError(f'model.{name}={getattr(c, name)} must be >= 0 (0 = off; > 0: logits '
+                        f'-> cap * tanh(logits / cap))')
   if c.head_dim < 0:
     raise ConfigError(f'model.head_dim={c.head_dim} must be >= 0')
   if c.d_model % c.num_heads and not c.head_dim:

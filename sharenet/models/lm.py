@@ -155,6 +155,10 @@ class DecoderLM(nn.Module):
       logits_BTV = self.readout(x_BTD)
     if c.logits_mult != 1.0:   # muP readout multiplier (microsoft/mup MuReadout)
       logits_BTV = logits_BTV * c.logits_mult
+    if c.logit_softcap:        # Gemma 2's final_logit_softcapping
+      cap = c.logit_softcap
+      logits_BTV = cap * jnp.tanh(logits_BTV.astype(jnp.promote_types(logits_BTV.dtype,
+                                                                      jnp.float32)) / cap)
     sow_l1(self, 'logits', logits_BTV)
     # float32 logits: a low-precision model's readout already returns them unrounded
     # (layers.einsum_f32); float64 stays float64 (exactness tests).

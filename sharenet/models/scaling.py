@@ -107,6 +107,9 @@ def check(cfg: Any) -> None:
                       f'(one tensor cannot carry both roles); valid with '
                       f'model.tie_embeddings=True: sp, mup, completep')
   branch_rules = s.kind == 'completep' or s.loop_rule != 'none'
+  if s.kind == 'umup' and (cfg.attn_softcap or cfg.logit_softcap):
+    raise ConfigError('parametrization.kind=umup: u-muP\'s unit-scaled attention and loss have '
+                      'no soft-capping rule; valid: model.attn_softcap=0 and logit_softcap=0')
   if s.kind == 'umup' and cfg.norm.placement in ('post', 'moeut'):
     raise ConfigError(f'parametrization.kind=umup: u-muP\'s residual rule is written for pre '
                       f'and peri norms, not model.norm.placement={cfg.norm.placement}; valid: '
