@@ -89,3 +89,51 @@ def test_cells_resume_and_recompute_when_their_inputs_change(tmp_path, monkeypat
   assert len(calls) == 2 * n                                   # every cell trained again
   lr_sweep.run_axis(c, 'width', log=lambda m: None)             # no cells_dir: always trains
   assert len(calls) == 3 * n
+
+
+def test_beyond_width_axes_set_their_key_and_read_their_own_batches(monkeypatch):
+  """batch / steps / weight_decay / warmup (configs/mup/transfer_beyond.py): each point changes
+  only its train key, at d_model = fixed_width with muP's base at base_width; a batch or steps
+  point trains on that many sequences and steps of the loop's stream; wd_scale multiplies the
+  weight_decay point and is refused on another axis."""
+  from configs.mup import transfer_beyond
+  seen = []
+
+  def fake_train_cells(c, lrs, seeds, tokens, val, avg_last):
+    seen.append((c.train.batch_size, c.train.steps, c.train.weight_decay, c.train.warmup_steps,
+                 c.parametrization.wd_mode, tokens.shape[:2], c.model.d_model,
+                 c.parametrization.base_d_model))
+    loss = np.asarray([[(np.log2(lr) + 7.0) ** 2] * seeds for lr in lrs])
+    return loss, loss
+  monkeypatch.setattr(lr_sweep, 'train_cells', fake_train_cells)
+  monkeypatch.setattr(lr_sweep, 'val_batch', lambda config, n: None)
+  c = common.with_overrides(transfer_beyond.get_config(), {
+      'study.steps': 6, 'study.fixed_width': 32, 'study.base_width': 16,
+      'study.batch_values': '2,4', 'study.steps_values': '3,5', 'study.warmup_values': '0,2',
+      'study.weight_decay_values': '0,0.5', 'study.batch_variants': 'mup',
+      'study.steps_variants': 'mup', 'study.warmup_variants': 'sp',
+      'study.weight_decay_variants': 'mup,mup:wd_mode=independent:wd_scale=0.25'})
+  d = (32, 16)
+  b0, wd0, w0 = c.train.batch_size, c.train.weight_decay, c.train.warmup_steps
+  res = lr_sweep.run_axis(c, 'batch', log=lambda m: None)
+  assert seen == [(b, 6, wd0, w0, 'auto', (6, b), *d) for b in (2, 4)]
+  assert res['variants']['mup']['optimum_slope_log2_per_doubling'] == pytest.approx(0.0, abs=1e-9)
+  seen.clear()
+  lr_sweep.run_axis(c, 'steps', log=lambda m: None)
+  assert seen == [(b0, s, wd0, w0, 'auto', (s, b0), *d) for s in (3, 5)]
+  seen.clear()
+  lr_sweep.run_axis(c, 'warmup', log=lambda m: None)
+  assert seen == [(b0, 6, wd0, w, 'auto', (6, b0), *d) for w in (0, 2)]
+  seen.clear()
+  res = lr_sweep.run_axis(c, 'weight_decay', log=lambda m: None)
+  assert [s[2:5] for s in seen] == [(0.0, w0, 'auto'), (0.5, w0, 'auto'),
+                                    (0.0, w0, 'independent'), (0.125, w0, 'independent')]
+  assert res['variants']['mup']['optimum_slope_log2_per_doubling'] is None   # one x > 0
+  bad = common.with_overrides(c, {'study.batch_variants': 'mup:wd_scale=0.5'})
+  with pytest.raises(config_lib.ConfigError, match='only the weight_decay axis'):
+    lr_sweep.run_axis(bad, 'batch', log=lambda m: None)
+
+
+def test_slope_per_doubling_skips_zero_points():
+  assert lr_sweep.slope_per_doubling([0, 1, 2, 4], [9.0, -7.0, -7.5, -8.0]) == pytest.approx(-0.5)
+  assert lr_sweep.slope_per_doubling([0, 2], [1.0, 2.0]) is None

@@ -124,7 +124,17 @@ def point_overrides(axis: str, x: int, s: Any) -> dict[str, Any]:
   elif axis == 'depth':
     out.update({'model.num_layers': x, 'model.sharing.scheme': 'untied',
                 'model.sharing.num_unique': 0, 'model.sharing.repeats': 0})
+  elif axis in BEYOND_WIDTH:
+    out[BEYOND_WIDTH[axis]] = x
   return out
+
+
+# Transfer beyond width: the swept axis -> the train key it sets, at d_model = study.fixed_width.
+# batch: sequences per step at a fixed number of steps (more tokens at a larger batch); steps:
+# the training horizon (the schedule spans it); weight_decay: train.weight_decay, read under the
+# variant's parametrization.wd_mode (lr_coupled or independent); warmup: train.warmup_steps.
+BEYOND_WIDTH = {'batch': 'train.batch_size', 'steps': 'train.steps',
+                'weight_decay': 'train.weight_decay', 'warmup': 'train.warmup_steps'}
 
 
 def cached_cell(cells_dir: str | None, key: str, inputs: Any,

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sharenet import config_lib, data, optim, train_lib
+from sharenet.errors import ConfigError
 from sharenet.studies import common
 
 
@@ -88,26 +89,44 @@ def optimum(log2_lrs: list[float], losses: np.ndarray) -> dict[str, Any]:
 def run_axis(config: Any, axis: str, log=print, cells_dir: str | None = None) -> dict[str, Any]:
   """One axis of the sweep: per variant, per point x, every (LR, seed) cell trained at once.
   With `cells_dir` each (variant, x) row is kept there and a rerun with the same inputs reads
-  it back (common.cached_cell: an interrupted sweep resumes at its first missing point)."""
+  it back (common.cached_cell: an interrupted sweep resumes at its first missing point).
+
+  Beyond width (common.BEYOND_WIDTH: batch, steps, weight_decay, warmup) every point is at
+  d_model = study.fixed_width with muP's base width study.base_width, so SP and muP differ there
+  as they do at that width in the width sweep. A variant may carry `log2_lrs=` (its own grid) and,
+  on the weight_decay axis, `wd_scale=` (its point sets train.weight_decay = x * wd_scale, e.g. an
+  independent-decay variant whose decay per step is not multiplied by the LR)."""
   s = config.study
-  xs = common.parse_list(s[f'{axis}_values'])
+  xs = common.parse_list(s[f'{axis}_values'], float if axis == 'weight_decay' else int)
   steps, seeds = s.steps, s.seeds
-  tokens = batches(config, steps)
   val = val_batch(config, s.val_windows)
+  beyond = axis in common.BEYOND_WIDTH
+  if axis == 'width':
+    base_width = xs[0]
+  else:
+    base_width = s.get('base_width', s.fixed_width) if beyond else s.fixed_width
   out: dict[str, Any] = {'xs': xs, 'variants': {}}
   for spec in common.parse_list(s[f'{axis}_variants'], str):
     name, settings = common.parse_variant(spec)
     log2_lrs = _grid(settings.pop('log2_lrs', s.log2_lrs))
+    wd_scale = float(settings.pop('wd_scale', 1.0))
+    if wd_scale != 1.0 and axis != 'weight_decay':
+      raise ConfigError(f'study.{axis}_variants: {spec!r} sets wd_scale, which only the '
+                        'weight_decay axis reads; valid there: wd_scale=<float>')
     lrs = [2.0 ** v for v in log2_lrs]
     base = {f'parametrization.{k}': v for k, v in settings.items()}
-    base.setdefault('parametrization.base_d_model', xs[0] if axis == 'width' else s.fixed_width)
+    base.setdefault('parametrization.base_d_model', base_width)
     base['train.steps'] = steps      # the schedule spans the sweep, as in a run of that length
     rows = {}
     for x in xs:
-      c = common.with_overrides(config, {**base, **common.point_overrides(axis, x, s)})
+      point = common.point_overrides(axis, x, s)
+      if axis == 'weight_decay':
+        point['train.weight_decay'] = x * wd_scale
+      c = common.with_overrides(config, {**base, **point})
 
       def cell(c=c):
         t0 = time.perf_counter()
+        tokens = batches(c, c.train.steps)   # a batch / steps point reads its own stream
         final, vloss = train_cells(c, lrs, seeds, tokens, val, s.avg_last)
         return {'final_loss': final.tolist(), 'val_loss': vloss.tolist(),
                 **optimum(log2_lrs, final), 'seconds': round(time.perf_counter() - t0, 1)}
@@ -118,11 +137,20 @@ def run_axis(config: Any, axis: str, log=print, cells_dir: str | None = None) ->
           f'(grid 2^{opt["grid_argmin_log2_lr"]:g}) {rows[str(x)]["seconds"]}s')
     fits = [rows[str(x)]['fit_log2_lr'] for x in xs]
     out['variants'][name] = {
-        'log2_lrs': log2_lrs, 'cells': rows,
+        'log2_lrs': log2_lrs, 'cells': rows, 'wd_scale': wd_scale,
         'optimum_shift_log2': float(max(fits) - min(fits)),
-        'optimum_slope_log2_per_doubling': float(np.polyfit(np.log2(xs), fits, 1)[0]),
+        'optimum_slope_log2_per_doubling': slope_per_doubling(xs, fits),
         'any_at_edge': any(rows[str(x)]['at_edge'] for x in xs)}
   return out
+
+
+def slope_per_doubling(xs: list[float], fits: list[float]) -> float | None:
+  """Least-squares slope of the optimum (log2 LR) against log2 x over the points x > 0 (a
+  weight-decay or warmup axis may start at 0); None with fewer than two such points."""
+  pos = [(x, f) for x, f in zip(xs, fits) if x > 0]
+  if len(pos) < 2:
+    return None
+  return float(np.polyfit(np.log2([x for x, _ in pos]), [f for _, f in pos], 1)[0])
 
 
 def _grid(spec: str) -> list[float]:
@@ -179,8 +207,9 @@ def to_markdown(result: dict[str, Any]) -> str:
     for v, vr in r['variants'].items():
       cells = [f"{vr['cells'][x]['fit_log2_lr']:.2f}" + (' (edge)' if vr['cells'][x]['at_edge']
                                                         else '') for x in xs]
+      slope = vr['optimum_slope_log2_per_doubling']
       out.append(f"| {v} | {' | '.join(cells)} | {vr['optimum_shift_log2']:.2f} | "
-                 f"{vr['optimum_slope_log2_per_doubling']:+.2f} |")
+                 f"{'-' if slope is None else f'{slope:+.2f}'} |")
     out += ['', f'**{axis}**: seed-mean final train loss per log2 LR (the optimum row\'s '
             'neighbourhood is what the fit uses)', '',
             f'| variant | log2 LR | {" | ".join(xs)} |', '|---|---|' + '---|' * len(xs)]
