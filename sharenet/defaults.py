@@ -289,7 +289,11 @@ def conversion_config() -> ml_collections.ConfigDict:
   c.scheme = 'cycle'          # recursive: universal | cycle | sequence | middle_cycle |
                               # middle_sequence
   c.num_unique = 0            # recursive: stored sets (middle schemes count first and last), >= 1
-  c.init = 'stepwise'         # recursive: stepwise | average | lower
+  c.init = 'stepwise'         # recursive: stepwise | average | lower | similar (with
+                              # scheme=explicit: contiguous groups by output similarity, FoldGPT)
+  c.calibration = ''          # init=similar: a text file for the calibration batch, encoded
+                              # with the workdir's tokenizer; '' = its data's validation split
+  c.calibration_windows = 8   # init=similar: windows of train.seq_len tokens
   c.lora_rank = 0             # recursive: depth-wise LoRA rank; 0 = off
   c.lora_init = 'zero'        # zero | svd (truncated SVD of each layer's residual)
   c.lora_layers = 'shared'    # recursive: shared (LoRA on shared layers only, RRT) | all

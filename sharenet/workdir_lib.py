@@ -9,6 +9,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import ml_collections
+import numpy as np
 
 from sharenet.data import tokenizer as tokenizer_lib
 from sharenet import checkpoint, config_json, data, defaults, eval_lib, optim, recurrence, resume
@@ -275,16 +276,46 @@ def convert_workdir(workdir: str, out: str, opts: Any) -> dict[str, Any]:
                                                                          opts.share_rate)
   else:
     targets = tuple(t for t in opts.lora_targets.replace(' ', '').split(',') if t)
+    calibration = calibration_tokens(config, opts, cfg.max_len) if opts.init == 'similar' \
+        else None
     new_cfg, new_vars = convert.to_recursive(
         cfg, variables, scheme=opts.scheme, num_unique=opts.num_unique, init=opts.init,
         lora_rank=opts.lora_rank, lora_init=opts.lora_init, lora_targets=targets,
-        untie_norms=opts.untie_norms, lora_layers=opts.lora_layers)
+        untie_norms=opts.untie_norms, lora_layers=opts.lora_layers, calibration=calibration)
+    if calibration is not None:
+      extra['pattern'] = new_cfg.sharing.pattern
   raw = config.to_dict()
   raw['model'] = new_cfg.to_config()
   raw['transforms']['reparam'] = ''     # folded into the converted weights
   summary = {'converted_from': os.path.abspath(workdir), 'conversion': opts.to, **extra}
   save_workdir(out, raw, new_cfg, new_vars, step, summary)
   return {'step': step, 'model': raw['model']}
+
+
+def calibration_tokens(config: Any, opts: Any, max_len: int) -> np.ndarray:
+  """(calibration_windows, T) tokens for convert.py's init=similar, T = min(train.seq_len,
+  max_len): windows evenly spaced over `opts.calibration` (a text file, encoded with the
+  workdir's tokenizer, bytes without one) or else the validation split of the workdir's data."""
+  if opts.calibration:
+    if not os.path.isfile(opts.calibration):
+      raise ConfigError(f'config.calibration={opts.calibration!r} is not a file; valid: a text '
+                        f'file, or \'\' for the workdir\'s validation split')
+    with open(opts.calibration, encoding='utf-8') as f:
+      text = f.read()
+    tok = tokenizer_lib.for_data(config.data) or tokenizer_lib.ByteTokenizer()
+    ids = np.asarray(tok.encode(text), np.int64)
+  elif config.data.source == 'bin' and not config.data.path:
+    raise ConfigError('config.init=similar needs a calibration batch and this workdir names no '
+                      'data (an import); valid: --config.calibration=TEXT_FILE')
+  else:
+    _, ids = data.load_splits(config.data)
+  T = min(config.train.seq_len, max_len)
+  n = opts.calibration_windows
+  if n < 1 or len(ids) < T + n:
+    raise ConfigError(f'config.calibration: {len(ids)} tokens for {n} windows of {T}; valid: '
+                      f'calibration_windows >= 1 and a text of at least {T + n} tokens')
+  starts = np.linspace(0, len(ids) - T, n).astype(np.int64)
+  return np.asarray(ids)[starts[:, None] + np.arange(T)].astype(np.int32)
 
 
 def save_workdir(out: str, raw: dict[str, Any], cfg: ModelConfig, variables: Any, step: int,

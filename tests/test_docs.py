@@ -60,8 +60,8 @@ TOKENS_VOCAB = 64
 # A workdir that only a long command makes (a download) is stood in by one the docs' runnable
 # commands make: the command is run as shown, on the stand-in.
 STAND_INS = {'runs/tinyllama': 'runs/llama'}
-# Directories of the repository the commands name by relative path (run directory links).
-LINKED = ('configs', 'tests', 'benchmarks')
+# Paths of the repository the commands name relatively (links in the run directory).
+LINKED = ('configs', 'tests', 'benchmarks', 'README.md')   # README.md: a calibration text
 # The only environment a command may set and still run here.
 RUNNABLE_ENV = {'XLA_FLAGS'}
 

@@ -383,3 +383,71 @@ def test_softcaps_bend_logits_and_bad_values_are_one_line():
     with pytest.raises(ConfigError, match=f'model.{name}=-1.0 must be >= 0') as e:
       ModelConfig(**base, **{name: -1.0})
     assert '\n' not in str(e.value)
+
+
+def test_similarity_groups_is_the_best_contiguous_split():
+  """convert.similarity_groups (init=similar) against an exhaustive search over every split of
+  the layers into K contiguous groups and every choice of their representatives."""
+  import itertools
+  from sharenet.transforms import convert
+  rng = np.random.default_rng(0)
+  L = 6
+  sim = rng.uniform(-1, 1, (L, L))
+  for K in range(1, L + 1):
+    best = -np.inf
+    for cuts in itertools.combinations(range(1, L), K - 1):
+      bounds = (0,) + cuts + (L,)
+      best = max(best, sum(max(sim[a:b, r].sum() for r in range(a, b))
+                           for a, b in zip(bounds, bounds[1:])))
+    groups, reps = convert.similarity_groups(sim, K)
+    assert groups == sorted(groups) and sorted(set(groups)) == list(range(K))
+    assert all(groups[r] == g for g, r in enumerate(reps))
+    assert sum(sim[l, reps[groups[l]]] for l in range(L)) == pytest.approx(best)
+
+
+@pytest.mark.slow
+def test_llama_folded_by_output_similarity(imported, tmp_path):
+  """FoldGPT-style folding of imported Llama (convert.py --config.to=recursive
+  --config.scheme=explicit --config.init=similar): the captured layer outputs are the model's
+  own stream (their mean |x| is what the block sows as 'residual'); each group's set is its
+  representative's weights; with SVD LoRA at full rank (pruned-block replacement) the folded
+  model equals the import; without a calibration batch or with a mismatched scheme it is one
+  error line."""
+  from flax.traverse_util import flatten_dict
+  from sharenet.models import layout
+  from sharenet.models.layers import INTERMEDIATES
+  from sharenet.transforms import convert
+  text = tmp_path / 'calibration.txt'
+  text.write_text('the quick brown fox jumps over the lazy dog. ' * 40)
+  config = workdir_lib.load_config(imported['llama'])
+  state, _, exp = workdir_lib.restore_state(config, imported['llama'])
+  cfg = exp.model.cfg
+  o = defaults.conversion_config()
+  o.update(calibration=str(text), calibration_windows=4)
+  tokens = workdir_lib.calibration_tokens(config, o, cfg.max_len)
+  h = convert.layer_outputs(cfg, state.params, tokens)
+  _, sown = exp.model.apply(state.params, jnp.asarray(tokens), mutable=[INTERMEDIATES])
+  residual = [np.ravel(v) for p, v in flatten_dict(sown[INTERMEDIATES]).items()
+              if p[-1] == 'residual']
+  np.testing.assert_allclose(np.abs(h).mean(axis=(1, 2, 3)), np.concatenate(residual),
+                             rtol=1e-5)
+  opts = dict(to='recursive', scheme='explicit', init='similar', num_unique=2,
+              calibration=str(text), calibration_windows=4)
+  folded = _convert(imported['llama'], tmp_path / 'fold', **opts)
+  pattern = [int(p) for p in workdir_lib.load_config(folded).model.sharing.pattern.split(',')]
+  groups, reps = convert.similarity_groups(convert.output_similarity(h), 2)
+  assert pattern == groups and len(pattern) == cfg.num_layers
+  fstate, _, fexp = workdir_lib.restore_state(workdir_lib.load_config(folded), folded)
+  src = layout.applied_params(state.params['params'], cfg)
+  sets = layout.unique_sets(fstate.params['params'], fexp.model.cfg)
+  for path, stored in sets.items():
+    np.testing.assert_array_equal(np.asarray(stored), np.asarray(src[path])[reps])
+  ref = _reference('llama')
+  exact = _convert(imported['llama'], tmp_path / 'replaced', lora_rank=32, lora_init='svd',
+                   lora_targets='q,k,v,o,mlp_in,mlp_out', untie_norms=True, **opts)
+  assert np.abs(_logits(exact, ref['tokens']) - ref['logits']).max() <= 1e-4
+  with pytest.raises(ConfigError, match='--config.calibration=TEXT_FILE'):
+    _convert(imported['llama'], tmp_path / 'nocal', **{**opts, 'calibration': ''})
+  with pytest.raises(ConfigError, match='valid: init=similar with scheme=explicit'):
+    _convert(imported['llama'], tmp_path / 'mixed', **{**opts, 'init': 'average'})
+  assert not (tmp_path / 'nocal').exists() and not (tmp_path / 'mixed').exists()
