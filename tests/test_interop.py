@@ -451,3 +451,51 @@ def test_llama_folded_by_output_similarity(imported, tmp_path):
   with pytest.raises(ConfigError, match='valid: init=similar with scheme=explicit'):
     _convert(imported['llama'], tmp_path / 'mixed', **{**opts, 'init': 'average'})
   assert not (tmp_path / 'nocal').exists() and not (tmp_path / 'mixed').exists()
+
+
+MESH_IMPORT = r'''
+import json, sys
+import jax, jax.numpy as jnp, numpy as np
+from sharenet import workdir_lib
+from sharenet.interop import hf_arch, import_hf
+from sharenet.models import ModelConfig
+import ml_collections
+src, out = sys.argv[1], sys.argv[2]
+arch, keys = hf_arch.model_keys(import_hf.read_hf_config(src))
+raw = import_hf.experiment_config(keys, None)
+raw['mesh'].update(import_hf.mesh_overrides('fsdp=4,tensor=2'))
+cfg = ModelConfig.from_experiment(ml_collections.ConfigDict(raw))
+shardings = import_hf.param_shardings(raw, cfg)
+params = import_hf.read_params(src, arch, cfg, shardings)
+flat = {k: v for k, v in import_hf.flatten_dict(params).items()}
+placed = all(v.sharding == shardings[k] for k, v in flat.items())
+split = sum(v.addressable_shards[0].data.shape != v.shape for v in flat.values())
+import_hf.import_hf(src, out, mesh='fsdp=4,tensor=2')
+config = workdir_lib.load_config(out)
+state, _, exp = workdir_lib.restore_state(config, out)
+ref = np.load(src + '/reference.npz')
+err = float(np.abs(np.asarray(exp.model.apply(state.params, jnp.asarray(ref['tokens'])))
+                   - ref['logits']).max())
+print(json.dumps({'placed': placed, 'split': split, 'leaves': len(flat), 'err': err,
+                  'mesh': [config.mesh.fsdp, config.mesh.tensor]}))
+'''
+
+
+@pytest.mark.slow
+def test_import_under_a_mesh_places_each_tensor_in_its_sharding(tmp_path, subprocess_env,
+                                                                 repo_root):
+  """import_hf --mesh fsdp=4,tensor=2 on 8 simulated devices: every parameter is created in
+  its NamedSharding (most of them split over the devices, none gathered first), the workdir's
+  config.mesh is the import's, and its checkpoint restores to the reference logits."""
+  env = dict(subprocess_env)
+  env['XLA_FLAGS'] = env.get('XLA_FLAGS', '') + ' --xla_force_host_platform_device_count=8'
+  r = subprocess.run([sys.executable, '-c', MESH_IMPORT, os.path.join(FIXTURES, 'llama'),
+                      str(tmp_path / 'wd')], cwd=repo_root, env=env, capture_output=True,
+                     text=True, timeout=600)
+  assert r.returncode == 0, r.stderr[-3000:]
+  res = json.loads(r.stdout.strip().splitlines()[-1])
+  assert res['placed'] and res['mesh'] == [4, 2], res
+  assert res['split'] >= res['leaves'] // 2, res
+  assert res['err'] <= 1e-4, res
+  with pytest.raises(ConfigError, match='valid axes: data, fsdp, tensor, expert'):
+    import_hf.mesh_overrides('fsdp=4,pipeline=2')

@@ -1,6 +1,6 @@
 """Imports a Hugging Face model directory as a sharenet workdir.
 
-  python -m sharenet.interop.import_hf --model DIR --out WORKDIR
+  python -m sharenet.interop.import_hf --model DIR --out WORKDIR [--mesh fsdp=8,tensor=2]
 
 DIR: config.json, *.safetensors (with or without model.safetensors.index.json) and, when
 present, tokenizer.json. WORKDIR is an ordinary train.py workdir (config.json and a checkpoint
@@ -16,6 +16,11 @@ array once complete (peak host memory: the parameters plus one stacked parameter
 write buffers come on top: benchmarks/hf_streaming.py). Every tensor of the checkpoint must be a
 parameter of the model and every parameter must be in the checkpoint. On any error nothing is
 left at WORKDIR: the workdir is written beside it and renamed into place at the end.
+
+Under a mesh (`--mesh`, the workdir's config.mesh: data / fsdp / tensor / expert sizes), each
+completed parameter goes straight into its sharding (jax.make_array_from_callback over the
+devices this process addresses: a pod host places only its shards), and the checkpoint is
+written sharded; train.py on that mesh restores it without a gather.
 """
 from __future__ import annotations
 
@@ -66,9 +71,48 @@ def _check_out(out: str) -> None:
                       f'directory (an import never writes over a run)')
 
 
-def read_params(model_dir: str, arch: str, cfg: Any) -> dict[str, Any]:
+def mesh_overrides(spec: str) -> dict[str, int]:
+  """'fsdp=8,tensor=2' -> {'fsdp': 8, 'tensor': 2}: sizes of config.mesh's axes."""
+  valid = ('data', 'fsdp', 'tensor', 'expert')
+  out = {}
+  for part in (p for p in spec.replace(' ', '').split(',') if p):
+    key, _, value = part.partition('=')
+    if key not in valid or not value.lstrip('-').isdigit():
+      raise ConfigError(f'--mesh {spec!r}: {part!r} is not AXIS=SIZE; valid axes: '
+                        f'{", ".join(valid)} (e.g. --mesh fsdp=8,tensor=2)')
+    out[key] = int(value)
+  return out
+
+
+def param_shardings(raw: dict[str, Any], cfg: Any) -> dict[tuple, Any]:
+  """{path below 'params': NamedSharding} of DecoderLM(cfg) on raw['mesh'] (train.py's)."""
+  import ml_collections
+  from sharenet import sharding
+  from sharenet.models import DecoderLM
+  from sharenet.models.lm import init_variables, logical_axes
+  mesh_cfg = ml_collections.ConfigDict(raw['mesh'])
+  sharding.validate(ml_collections.ConfigDict(raw), jax.device_count())
+  mesh, rules = sharding.make_mesh(mesh_cfg), sharding.rules_of(mesh_cfg)
+  abstract = jax.eval_shape(lambda: init_variables(DecoderLM(cfg), jax.random.key(0)))
+  specs = sharding.param_specs(logical_axes(DecoderLM(cfg))['params'], abstract['params'], mesh,
+                               rules)
+  return {p: jax.sharding.NamedSharding(mesh, s) for p, s in flatten_dict(
+      specs, is_leaf=lambda _, x: isinstance(x, jax.sharding.PartitionSpec)).items()}
+
+
+def _place(value: np.ndarray, sharding: Any) -> jax.Array:
+  """`value` as a jax array: on the default device, or only the addressable shards of
+  `sharding`."""
+  if sharding is None:
+    return jax.device_put(value)
+  return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
+
+
+def read_params(model_dir: str, arch: str, cfg: Any,
+                shardings: dict[tuple, Any] | None = None) -> dict[str, Any]:
   """The 'params' tree of untied DecoderLM(cfg), read tensor by tensor from the checkpoint;
-  block parameters are stacked over the applied layers and placed by models/layout.py."""
+  block parameters are stacked over the applied layers and placed by models/layout.py; with
+  `shardings` ({path: NamedSharding}) each is placed straight into its sharding."""
   from sharenet.models import DecoderLM, layout as model_layout
   from sharenet.models.lm import init_variables, param_table
   files = safetensors_io.open_model(model_dir)
@@ -80,6 +124,7 @@ def read_params(model_dir: str, arch: str, cfg: Any) -> dict[str, Any]:
   entries = hf_arch.entries(arch, cfg, hf_arch.prefix(arch, set(files)))
   assert {e.path for e in entries} == set(shapes), 'interop entries do not match the model'
   flat = {p: leaf for p, leaf in flatten_dict(abstract['params']).items()}
+  stored = {p: i for p, i in table.items() if i.in_block}
   used: set[str] = set()
   cache: list[Any] = [None, None]   # GPT-2's fused c_attn is read once for q, k and v
   for e in entries:
@@ -98,11 +143,12 @@ def read_params(model_dir: str, arch: str, cfg: Any) -> dict[str, Any]:
       one[...] = layout.to_sharenet(e, cache[1], one.shape)
       used.add(name)
     # complete: held as the jax array the checkpoint saves, the numpy buffer freed (one copy)
-    if e.layer:
-      tree = model_layout.from_unique_sets(unflatten_dict(flat), {e.path: value}, cfg)
-      flat = dict(flatten_dict(tree))
+    if e.layer:   # the stored leaf of an untied plan: its applied layers' values, in order
+      for path, info in stored.items():
+        if info.local == e.path:
+          flat[path] = _place(value[np.asarray(info.sets)], (shardings or {}).get(path))
     else:
-      flat[e.path] = jax.device_put(value)
+      flat[e.path] = _place(value, (shardings or {}).get(e.path))
     del value
   extra = sorted(n for n in set(files) - used if not hf_arch.ignored(arch, n))
   if extra:
@@ -111,8 +157,9 @@ def read_params(model_dir: str, arch: str, cfg: Any) -> dict[str, Any]:
   return unflatten_dict(flat)
 
 
-def import_hf(model_dir: str, out: str) -> dict[str, Any]:
-  """Writes `out`, the sharenet workdir of Hugging Face directory `model_dir`."""
+def import_hf(model_dir: str, out: str, mesh: str = '') -> dict[str, Any]:
+  """Writes `out`, the sharenet workdir of Hugging Face directory `model_dir`; `mesh`
+  ('fsdp=8,tensor=2') sets its config.mesh and places each parameter in its sharding."""
   from sharenet import workdir_lib
   from sharenet.models import ModelConfig
   _check_out(out)
@@ -123,8 +170,10 @@ def import_hf(model_dir: str, out: str) -> dict[str, Any]:
   has_tok = os.path.isfile(os.path.join(model_dir, TOKENIZER))
   raw = experiment_config(keys, os.path.join(out, TOKENIZER) if has_tok else None)
   import ml_collections
+  raw['mesh'].update(mesh_overrides(mesh))
   cfg = ModelConfig.from_experiment(ml_collections.ConfigDict(raw))
-  params = read_params(model_dir, arch, cfg)
+  shardings = param_shardings(raw, cfg) if mesh else None
+  params = read_params(model_dir, arch, cfg, shardings)
   tmp = f'{out}.import-{os.getpid()}.tmp'
   try:
     # No optimizer state (train.restore=params makes a fresh one): the checkpoint and the
@@ -148,7 +197,7 @@ def main(argv: list[str]) -> None:
   del argv
   from absl import flags, logging
   logging.set_verbosity(logging.WARNING)
-  result = import_hf(flags.FLAGS.model, flags.FLAGS.out)
+  result = import_hf(flags.FLAGS.model, flags.FLAGS.out, flags.FLAGS.mesh)
   print(json.dumps(result), flush=True)
 
 
@@ -157,4 +206,6 @@ if __name__ == '__main__':
   from sharenet import config_lib
   flags.DEFINE_string('model', None, 'Hugging Face model directory.', required=True)
   flags.DEFINE_string('out', None, 'New sharenet workdir.', required=True)
+  flags.DEFINE_string('mesh', '', 'AXIS=SIZE,... of config.mesh (data, fsdp, tensor, expert): '
+                      'each parameter is placed in its sharding, the checkpoint written sharded.')
   config_lib.run(main)
