@@ -154,6 +154,7 @@ def default_config() -> ml_collections.ConfigDict:
                               # shared feed-forward; 0 = off
   m.norm = n = ml_collections.ConfigDict()
   n.kind = 'rmsnorm'          # layernorm | rmsnorm | crmsnorm | scalenorm | dyt | none | lpnorm
+                              # | powernorm (running statistics: sharenet/norm_stats.py)
   n.placement = 'pre'         # pre | post | peri | moeut (MoEUT's peri-layernorm: norms only
                               # where a softmax / sigmoid reads: queries, keys, selectors)
   n.qk_norm = 'none'          # none | rms | l2 (l2: learned scalar replaces 1/sqrt(d_head))
@@ -167,6 +168,10 @@ def default_config() -> ml_collections.ConfigDict:
                               # pre-activations (gate and value of SwiGLU), NaP's part 1
   n.eps = 1e-6
   n.p = 1.0                   # lpnorm's order p > 0 (2 = layernorm; 1: Liao et al.'s L1)
+  n.stats_momentum = 0.9      # powernorm: EMA of the running quadratic mean (alpha_fwd)
+  n.stats_grad_momentum = 0.9 # powernorm: the approximate backward's alpha_bkw
+  n.stats_warmup = 10000      # powernorm: steps normalised by the batch statistic (warmup_iters)
+  n.groups = 1                # powernorm: channel groups of the group scaling (group_num)
 
   c.train = t = ml_collections.ConfigDict()
   t.steps = 120

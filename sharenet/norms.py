@@ -14,6 +14,10 @@ Formulas (papers in docs/references.md):
              stateless, so batch- and device-independent
   l2         x / max(||x||_2, eps) with no gain (QK-norm of Henry et al.: the gain is a
              scalar in the attention logits instead)
+  powernorm  gamma * s / sqrt(v + eps) + beta, s = x over its channel groups' RMS per token,
+             v the batch's quadratic mean per channel in warmup, else the running one; eval
+             mode reads the running one; approximate backward (Shen et al., "PowerNorm",
+             arXiv:2003.07845). Its statistics: sharenet/norm_stats.py
 
 `Norm(..., kernels=...)` follows model.kernels (sharenet/kernels/__init__.py): on the Pallas
 path layernorm, rmsnorm and crmsnorm run sharenet/kernels/norms.py's fused kernel, which also
@@ -32,7 +36,8 @@ from sharenet import kernels as kernel_lib
 from sharenet.kernels import norms as norm_kernels
 from sharenet.params import PER_LAYER, param  # PER_LAYER re-exported for the model modules
 
-KINDS = ('layernorm', 'rmsnorm', 'crmsnorm', 'scalenorm', 'dyt', 'l2', 'none', 'lpnorm')
+KINDS = ('layernorm', 'rmsnorm', 'crmsnorm', 'scalenorm', 'dyt', 'l2', 'none', 'lpnorm',
+         'powernorm')
 
 
 class Norm(nn.Module):
@@ -52,6 +57,9 @@ class Norm(nn.Module):
   param_dtype: jnp.dtype = jnp.float32
   dyt_alpha: float = 0.5
   p: float = 2.0   # lpnorm's order
+  stats_grad_momentum: float = 0.9   # powernorm's alpha_bkw
+  stats_warmup: int = 10000          # powernorm's warmup steps (batch statistic)
+  groups: int = 1                    # powernorm's group scaling
   role: str = 'norm_in'
   branch: str | None = None
   kernels: str = 'xla'
@@ -103,6 +111,11 @@ class Norm(nn.Module):
     if self.kind == 'dyt':
       y = jnp.tanh(scalar('alpha', self.dyt_alpha) * xf) * vec('scale', 'gain')
       return (y + vec('bias', 'shift')).astype(x.dtype)
+    if self.kind == 'powernorm':
+      from sharenet import norm_stats
+      return norm_stats.apply_power_norm(self, x, vec('scale', 'gain').reshape(d),
+                                         vec('bias', 'shift').reshape(d), self.eps,
+                                         self.stats_grad_momentum, self.stats_warmup, self.groups)
     if self.kind == 'lpnorm':
       xc = xf - jnp.mean(xf, axis=-1, keepdims=True)
       moment = jnp.mean(jnp.maximum(jnp.abs(xc), 1e-30) ** self.p, axis=-1, keepdims=True)

@@ -14,7 +14,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from sharenet import eval_lib, optim, parametrization, recurrence
+from sharenet import eval_lib, norm_stats, optim, parametrization, recurrence
+from sharenet.norm_stats import NORM_STATS
 from sharenet.errors import ConfigError
 from sharenet.models import DecoderLM, ModelConfig, abstract_variables, init_variables
 from sharenet.models import moe, routing, unit_scale
@@ -68,6 +69,7 @@ def _finish_state(model: DecoderLM, tx: optax.GradientTransformation, params: An
   if tr is not None:
     params, tstate = tr.init(params)
   tstate = {**tstate, **routing.balance_state(model.cfg)}   # loss-free balancing's bias
+  tstate = {**tstate, **norm_stats.initial_state(model.cfg)}   # a statistics norm's state
   return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params), tstate)
 
 
@@ -75,11 +77,14 @@ def effective(params: Any, tstate: Any, tr: Transforms | None = None,
               pz: parametrization.Parametrization | None = None) -> Any:
   """Stored params -> the variables the model applies: `tr`'s reparameterizations (with their
   state `tstate`), then `pz`'s forward multipliers; plus loss-free balancing's non-trainable
-  bias from `tstate` (routing.BALANCE), read but never trained."""
+  bias from `tstate` (routing.BALANCE), read but never trained, and a statistics norm's
+  running statistics (norm_stats.NORM_STATS)."""
   params = params if tr is None else tr.effective(params, tstate)
   params = params if pz is None or not pz.has_forward else pz.forward(params)
   if tstate and routing.BALANCE in tstate:
     params = {**params, routing.BALANCE: tstate[routing.BALANCE]}
+  if tstate and NORM_STATS in tstate:   # a statistics norm's running statistics
+    params = {**params, NORM_STATS: tstate[NORM_STATS]}
   return params
 
 
@@ -135,7 +140,23 @@ def loss_fn(params: Any, tstate: Any, batch_BT1: jax.Array, depth: Any = None, *
 
   A recurrent-depth model (model.recurrence) or trained exits (`loops`, train.exit_loss) run
   sharenet/recurrence.py's loss at this step's `depth` (None: the fixed depth) and `step`.
+
+  With a statistics norm (NORM_STATS in `tstate`) the forward is in its training mode
+  (sharenet/norm_stats.py); train_step reads the statistics from the cotangents.
   """
+  if NORM_STATS in (tstate or {}):   # a statistics norm normalises in training mode
+    loss, aux = _loss(params, tstate, batch_BT1, depth, model=model, tr=tr, pz=pz,
+                      mutable=tuple(mutable) + (NORM_STATS,), loops=loops, step=step)
+    return loss, {k: v for k, v in aux.items() if k != NORM_STATS}
+  return _loss(params, tstate, batch_BT1, depth, model=model, tr=tr, pz=pz, mutable=mutable,
+               loops=loops, step=step)
+
+
+def _loss(params: Any, tstate: Any, batch_BT1: jax.Array, depth: Any = None, *,
+          model: DecoderLM, tr: Transforms | None, pz: parametrization.Parametrization | None,
+          mutable: Sequence[str], loops: recurrence.StepLoops | None,
+          step: Any) -> tuple[jax.Array, Any]:
+  """loss_fn's value and collections (`mutable` as given)."""
   experts = model.cfg.moe.aux
   if experts:  # model.moe: the experts' entropy / balancing losses join the training loss
     mutable = tuple(mutable) + (moe.MOE,)   # (models/moe.py; never eval_loss)
@@ -187,12 +208,23 @@ def train_step(state: TrainState, batch_BT1: jax.Array, depth: Any = None, *, mo
   model's loops this step (a traced int32; sharenet/recurrence.py), `loops` its exits and seed.
   """
   tstate = state.tstate if tr is None else tr.update_state(state.params, state.tstate)
-  grad_fn = jax.value_and_grad(
-      functools.partial(loss_fn, depth=depth, model=model, tr=tr, pz=pz, mutable=mutable,
-                        loops=loops, step=state.step), has_aux=True)
-  if grad_accum == 1:
+  loss_of = functools.partial(loss_fn, depth=depth, model=model, tr=tr, pz=pz, mutable=mutable,
+                              loops=loops, step=state.step)
+  if NORM_STATS in tstate:   # a statistics norm: its statistics leave as cotangents
+    if grad_accum != 1:
+      raise ConfigError(f'model.norm.kind={model.cfg.norm.kind} keeps per-batch statistics; '
+                        f'valid: train.grad_accum=1')
+    with_stats = lambda p, s, b: loss_of(p, {**tstate, NORM_STATS: s}, b)
+    (loss, aux), (grads, cot) = jax.value_and_grad(with_stats, argnums=(0, 1), has_aux=True)(
+        state.params, tstate[NORM_STATS], batch_BT1)
+    n = model.cfg.norm
+    tstate = {**tstate, NORM_STATS: norm_stats.update(tstate[NORM_STATS], cot,
+                                                      n.stats_momentum, n.stats_warmup)}
+  elif grad_accum == 1:
+    grad_fn = jax.value_and_grad(loss_of, has_aux=True)
     (loss, aux), grads = grad_fn(state.params, tstate, batch_BT1)
-  else:   # a batch is an array or, with data.segment_mask, a dict of them (eval_lib.split_batch)
+  else:
+    grad_fn = jax.value_and_grad(loss_of, has_aux=True)   # a batch is an array or, with data.segment_mask, a dict of them (eval_lib.split_batch)
     micro = jax.tree.map(lambda x: x.reshape((grad_accum, -1) + x.shape[1:]), batch_BT1)
 
     # Gradients (shaped as the params) accumulate in the carry; each micro-batch's loss and

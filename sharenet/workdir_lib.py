@@ -18,6 +18,7 @@ from sharenet import train_lib
 from sharenet.errors import ConfigError
 from sharenet.models import DecoderLM, ModelConfig
 from sharenet.models.lm import kv_cache_bytes_per_token
+from sharenet.models.sections import NORMS, STATS_NORMS
 from sharenet.transforms import Transforms, convert, head_share, lora_merge
 
 
@@ -248,6 +249,11 @@ def convert_workdir(workdir: str, out: str, opts: Any) -> dict[str, Any]:
     raise ConfigError('conversions of a model trained with transforms.project=ngpt are not '
                       'function-preserving (its projection would re-normalise the converted '
                       'matrices); valid: a source with project=none, nap or norm_project')
+  if config.model.norm.kind in STATS_NORMS:
+    stateless = ', '.join(n for n in NORMS if n not in STATS_NORMS)
+    raise ConfigError(f'model.norm.kind={config.model.norm.kind}: no conversion knows its '
+                      f'running statistics (they would restart at their init); valid: a '
+                      f'source with a stateless norm ({stateless})')
   if config.parametrization.kind != 'sp':
     raise ConfigError(f'conversions support parametrization.kind=sp, got '
                       f'{config.parametrization.kind} (its forward multipliers would be folded '

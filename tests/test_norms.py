@@ -25,6 +25,7 @@ PARAMS = {
     'l2': {},
     'none': {},
     'lpnorm': {'scale': np.ones(D), 'bias': np.zeros(D)},   # p = 2 (Norm's default)
+    'powernorm': {'scale': np.ones(D), 'bias': np.zeros(D)},   # eval mode, phi at init (ones)
 }
 
 
@@ -58,6 +59,9 @@ def _expected(kind, x, p):
     return p['scale'] * x / np.sqrt(np.mean(full ** 2, -1, keepdims=True) + EPS)
   if kind == 'scalenorm':
     return p['g'] * x / np.maximum(np.sqrt(sq), EPS)
+  if kind == 'powernorm':   # eval mode: group scaling (1 group), then the running phi = 1
+    s = x / np.sqrt(sq / x.shape[-1] + EPS)
+    return p['scale'] * s / np.sqrt(1 + EPS) + p['bias']
   if kind == 'dyt':
     return p['scale'] * np.tanh(p['alpha'] * x) + p['bias']
   if kind == 'l2':
@@ -86,8 +90,9 @@ def test_each_kind_matches_its_formula(kind):
     np.testing.assert_allclose(params[name], want, rtol=1e-6, err_msg=name)
   np.testing.assert_allclose(norm.apply(v, x), _expected(kind, x, params), rtol=1e-5, atol=1e-6)
   params = _randomized(params)
-  np.testing.assert_allclose(norm.apply({'params': params}, x), _expected(kind, x, params),
-                             rtol=1e-5, atol=1e-6)
+  state = {k: c for k, c in v.items() if k != 'params'}   # powernorm's running statistics
+  np.testing.assert_allclose(norm.apply({'params': params, **state}, x),
+                             _expected(kind, x, params), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize('kind', ['layernorm', 'rmsnorm', 'crmsnorm', 'dyt'])

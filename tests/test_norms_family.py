@@ -199,10 +199,12 @@ def test_lpnorm_with_p2_is_layernorm_and_p_le_0_is_one_line():
 
 # ------------------------------------------------------------------------------ norm study
 
-@pytest.mark.parametrize('variant', ['lpnorm', 'selu', 'weight_conditioning', 'compander'])
+@pytest.mark.parametrize('variant', ['lpnorm', 'selu', 'weight_conditioning', 'compander',
+                                     'powernorm'])
 def test_new_variants_are_valid_norm_study_cells(variant):
   """The study can run them later (python -m sharenet.studies.norm_study
-  --config.study.variants=lpnorm,selu,weight_conditioning,compander): every cell validates."""
+  --config.study.variants=lpnorm,selu,weight_conditioning,compander,powernorm): every cell
+  validates."""
   from configs import norm_study as study_config
   from sharenet import config_lib
   from sharenet.studies import common, norm_study
@@ -241,8 +243,8 @@ def test_power_norm_forward_and_approximate_backward_match_the_reference(step):
   phi = 1 + jax.random.uniform(k[3], (8,))
   ema_gz, dy = 0.1 * jax.random.normal(k[4], (8,)), jax.random.normal(k[5], (12, 8))
 
-  def f(x, gain, bias, tap):
-    psi2 = ns.batch_moment(x)
+  def f(x, gain, bias, tap):   # psi2 enters stop-gradient'ed, as norm_stats.apply_power_norm
+    psi2 = jax.lax.stop_gradient(ns.batch_moment(x))
     v = jnp.where(step <= warmup, psi2, phi)
     return ns.power_norm(x, gain, bias, v, psi2, ema_gz, tap, eps, a_bkw)
 
@@ -269,3 +271,48 @@ def test_group_scale_is_rms_per_channel_group():
   x = jax.random.normal(jax.random.key(0), (5, 12)) * 3
   out = np.asarray(ns.group_scale(x, 3, 1e-5)).reshape(5, 3, 4)
   np.testing.assert_allclose(np.mean(out ** 2, -1), np.ones((5, 3)), rtol=1e-4)
+
+
+def test_power_norm_module_keeps_the_reference_statistics_over_steps():
+  """norms.Norm(kind='powernorm') over 6 training steps (3 in warmup) against MaskPowerNorm
+  restated in numpy: group scaling, output, the running phi, Gamma (ema_gz; the reference
+  back-propagates the summed token loss, sharenet the mean, and its Gamma is the reference's),
+  the last batch moment, the step count; then eval mode reads phi alone."""
+  import flax.linen as nn
+  from sharenet import norm_stats as ns
+  from sharenet.norms import Norm
+  eps, a_fwd, a_bkw, warmup, G, C = 1e-5, 0.9, 0.8, 3, 2, 8
+  norm = Norm('powernorm', eps, stats_grad_momentum=a_bkw, stats_warmup=warmup, groups=G)
+  rng = np.random.default_rng(0)
+  xs = rng.normal(size=(6, 3, 4, C)) * rng.uniform(0.5, 2, C)
+  dys = rng.normal(size=(6, 12, C))
+  variables = nn.unbox(norm.init(jax.random.key(0), jnp.asarray(xs[0], jnp.float32)))
+  params = jax.tree.map(lambda a: a + 0.1 * jnp.arange(C, dtype=a.dtype) / C,
+                        variables['params'])
+  stats = variables[ns.NORM_STATS]
+  gain, bias = (np.asarray(params[k], np.float64) for k in ('scale', 'bias'))
+  phi, ema_gz = np.ones(C), np.zeros(C)
+  for step in range(1, 7):
+    x, dy = jnp.asarray(xs[step - 1], jnp.float32), jnp.asarray(dys[step - 1], jnp.float32)
+
+    def loss(p, s):   # the token mean of a summed-loss reference's dy . y
+      y, _ = norm.apply({'params': p, ns.NORM_STATS: s}, x, mutable=[ns.NORM_STATS])
+      return jnp.sum(dy * y.reshape(12, C)) / 12, y
+    (_, y), (dp, cot) = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(params, stats)
+    stats = ns.update(stats, cot, a_fwd, warmup)
+    g = xs[step - 1].reshape(12, G, C // G)
+    s = (g / np.sqrt((g * g).mean(-1, keepdims=True) + eps)).reshape(12, C)
+    y_ref, phi, ema_gz, _, dgain, dbias = _np_power_norm(s, gain, bias, phi, ema_gz,
+                                                         dys[step - 1], step, warmup, eps,
+                                                         a_fwd, a_bkw)
+    np.testing.assert_allclose(np.asarray(y).reshape(12, C), y_ref, rtol=1e-4, atol=1e-5)
+    for got, want in ((stats['phi'], phi), (stats['gz'], ema_gz),
+                      (stats['psi2'], (s * s).mean(0)), (dp['scale'], dgain / 12),
+                      (dp['bias'], dbias / 12)):
+      np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-6)
+    assert float(stats['count']) == step
+  y_eval = norm.apply({'params': params, ns.NORM_STATS: stats}, jnp.asarray(xs[0], jnp.float32))
+  g = xs[0].reshape(12, G, C // G)
+  s = (g / np.sqrt((g * g).mean(-1, keepdims=True) + eps)).reshape(12, C)
+  np.testing.assert_allclose(np.asarray(y_eval).reshape(12, C),
+                             gain * s / np.sqrt(phi + eps) + bias, rtol=1e-4, atol=1e-5)

@@ -16,6 +16,7 @@ import sys
 import tempfile
 import time
 
+import numpy as np
 import pytest
 
 from sharenet import config_lib
@@ -35,6 +36,18 @@ RESHARD = {'untied': ('fsdp=8', 'data=2,fsdp=4'), 'cycle': ('data=2,fsdp=2,tenso
 # Parameter transforms add trainable gains, non-trainable state and optimizer state of their own.
 TRANSFORMS = {'transforms.reparam': 'weight_norm,sigma_reparam', 'transforms.project': 'nap',
               'model.norm.pre_activation': 'layernorm', 'transforms.updates': 'agc'}
+# A statistics norm: running statistics per applied layer, batch statistics over the global batch
+POWERNORM = {'model.norm.kind': 'powernorm', 'model.norm.stats_warmup': 2}
+
+
+def norm_statistics(workdir: str) -> dict:
+  """{path: values} of the running statistics in `workdir`'s last checkpoint."""
+  import jax
+  from sharenet import workdir_lib
+  from sharenet.norm_stats import NORM_STATS
+  state = workdir_lib.restore_state(workdir_lib.load_config(workdir), workdir)[0]
+  return {jax.tree_util.keystr(p): jax.numpy.ravel(v).tolist() for p, v in
+          jax.tree_util.tree_flatten_with_path(state.tstate[NORM_STATS])[0]}
 
 
 def write_corpus(directory: str) -> str:
@@ -105,6 +118,11 @@ def _worker(tiny_config, losses, out_path: str, tmp: str, corpus: str) -> None:
   train_lib.train_and_evaluate(cfg('cycle', corpus, LAYOUTS['data=2,fsdp=2,tensor=2'],
                                    **TRANSFORMS), workdir)
   out['losses']['cycle transforms'] = losses(workdir)
+  workdir = os.path.join(tmp, 'cycle-powernorm')
+  train_lib.train_and_evaluate(cfg('cycle', corpus, LAYOUTS['data=2,fsdp=2,tensor=2'],
+                                   **POWERNORM), workdir)
+  out['losses']['cycle powernorm'] = losses(workdir)
+  out['norm_statistics'] = norm_statistics(workdir)
   workdir = os.path.join(tmp, 'cycle-flat')
   train_lib.train_and_evaluate(cfg('cycle', corpus, LAYOUTS['data=2,fsdp=2,tensor=2'],
                                    **{'model.scan_lowering': 'flat'}), workdir)
@@ -160,6 +178,10 @@ def single(tmp_path_factory, corpus, tiny_config, losses):
   workdir = str(tmp_path_factory.mktemp('cycle-transforms'))
   train_lib.train_and_evaluate(config(tiny_config, 'cycle', corpus, **TRANSFORMS), workdir)
   out['cycle transforms'] = losses(workdir)
+  workdir = str(tmp_path_factory.mktemp('cycle-powernorm'))
+  train_lib.train_and_evaluate(config(tiny_config, 'cycle', corpus, **POWERNORM), workdir)
+  out['cycle powernorm'] = losses(workdir)
+  out['norm_statistics'] = norm_statistics(workdir)
   return out
 
 
@@ -178,6 +200,18 @@ def test_losses_match_one_device_with_parameter_transforms(eight, single):
   got, want = eight['losses']['cycle transforms'], single['cycle transforms']
   assert len(want) == STEPS and want != single['cycle']
   assert_close(got, want)
+
+
+@pytest.mark.slow   # the 8-device subprocess (module fixture `eight`)
+def test_running_statistics_on_a_mesh_match_one_device(eight, single):
+  """model.norm.kind=powernorm under data x fsdp x tensor: the losses (2 warmup steps on the
+  batch statistic, then the running one) and every running statistic after the 5 steps equal
+  one device's: the statistics are means over the global batch."""
+  assert_close(eight['losses']['cycle powernorm'], single['cycle powernorm'])
+  got, want = eight['norm_statistics'], single['norm_statistics']
+  assert got.keys() == want.keys() and any(k.endswith("['phi']") for k in want)
+  for k in want:
+    np.testing.assert_allclose(got[k], want[k], rtol=RTOL, atol=1e-7, err_msg=k)
 
 
 @pytest.mark.slow   # the 8-device subprocess (module fixture `eight`)

@@ -99,7 +99,9 @@ class Block(nn.Module):
     def norm(name, branch, role='norm_in'):
       return Norm(c.norm.kind, c.norm.eps, PER_LAYER if c.sharing.untie_norms else 'params',
                   param_dtype=jnp.dtype(c.param_dtype), dyt_alpha=c.norm.dyt_alpha, role=role,
-                  p=c.norm.p, branch=branch, kernels=c.kernels, name=name)
+                  p=c.norm.p, branch=branch, kernels=c.kernels,
+                  stats_grad_momentum=c.norm.stats_grad_momentum,
+                  stats_warmup=c.norm.stats_warmup, groups=c.norm.groups, name=name)
 
     a, m = ATTN, MLP
 

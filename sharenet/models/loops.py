@@ -46,7 +46,7 @@ from sharenet.errors import ConfigError
 from sharenet.models.block import Block, Scanned, Shared, Stream
 from sharenet.models.config import ModelConfig
 from sharenet.models.layers import INTERMEDIATES
-from sharenet.norms import PER_LAYER
+from sharenet.norm_stats import NORM_STATS
 from sharenet.sharing import Segment
 
 LOWERINGS = ('nested', 'flat', 'unrolled')
@@ -90,23 +90,30 @@ Layer = Callable[[dict, Stream, Shared, Scanned], tuple[Stream, tuple[Any, Any]]
 
 
 def layer_fn(cfg: ModelConfig, observe: bool = False, capture: Any = False,
-             emit_kv: bool = False) -> Layer:
+             emit_kv: bool = False, train_stats: bool = False) -> Layer:
   """One applied layer as a pure function: (variables, carry, shared, scanned) -> (carry,
   (updated cache or None, what the block sowed or None)); `observe` collects the sown
   intermediates, `capture` is the caller's capture_intermediates (flax: True or a filter),
   applied to the block's modules as if they were called in place; `emit_kv` returns the
   layer's keys and values in the cache's place where it has no cache (model.kv_sharing's first
-  loop, models/kv_sharing.py). Rematerialised under cfg.remat (prevent_cse is unnecessary
-  inside scan, jax.checkpoint's docstring, and costs speed)."""
+  loop, models/kv_sharing.py). `train_stats`: a statistics norm's collection is mutable, so
+  it normalises in training mode (sharenet/norm_stats.py; its statistics leave by cotangents,
+  never as outputs). Rematerialised under cfg.remat (prevent_cse is unnecessary inside scan,
+  jax.checkpoint's docstring, and costs speed)."""
   block = Block(cfg, emit_kv=emit_kv)
   observe = observe or bool(capture)
+  stats = [NORM_STATS] if train_stats else []
 
   def layer(variables, carry, shared, scanned):
     if not observe:
-      carry, cache = block.apply(variables, carry, shared, scanned)
+      if not stats:
+        carry, cache = block.apply(variables, carry, shared, scanned)
+      else:
+        (carry, cache), _ = block.apply(variables, carry, shared, scanned, mutable=stats)
       return carry, (cache, None)
     (carry, cache), state = block.apply(variables, carry, shared, scanned,
-                                        mutable=[INTERMEDIATES], capture_intermediates=capture)
+                                        mutable=[INTERMEDIATES] + stats,
+                                        capture_intermediates=capture)
     return carry, (cache, state.get(INTERMEDIATES, {}))
 
   if cfg.remat == 'none':
@@ -136,7 +143,9 @@ def _ungroup(tree: Any, n_lead: int) -> Any:
 
 
 def _variables(params: Any, per_layer: Any) -> dict:
-  return {'params': params} if per_layer is None else {'params': params, PER_LAYER: per_layer}
+  """A block's variables: its set's params and its applied layer's parts ({collection:
+  tree}: PER_LAYER, NORM_STATS)."""
+  return {'params': params} if per_layer is None else {'params': params, **per_layer}
 
 
 def _scan_layers(layer: Layer, carry: Stream, shared: Shared, params: Any, per_layer: Any,

@@ -14,7 +14,9 @@ from typing import Any, Callable
 from sharenet import defaults
 from sharenet.errors import ConfigError
 
-NORMS = ('layernorm', 'rmsnorm', 'crmsnorm', 'scalenorm', 'dyt', 'none', 'lpnorm')
+NORMS = ('layernorm', 'rmsnorm', 'crmsnorm', 'scalenorm', 'dyt', 'none', 'lpnorm', 'powernorm')
+# Norms whose statistics are carried across steps (sharenet/norm_stats.py)
+STATS_NORMS = ('powernorm',)
 PLACEMENTS = ('pre', 'post', 'peri', 'moeut')
 QK_NORMS = ('none', 'rms', 'l2')
 PRE_ACTIVATION_NORMS = ('none', 'layernorm', 'rmsnorm')
@@ -85,9 +87,20 @@ class NormConfig:
   pre_activation: str = key('norm.pre_activation')
   eps: float = key('norm.eps')
   p: float = key('norm.p')
+  stats_momentum: float = key('norm.stats_momentum')
+  stats_grad_momentum: float = key('norm.stats_grad_momentum')
+  stats_warmup: int = key('norm.stats_warmup')
+  groups: int = key('norm.groups')
 
   def __post_init__(self):
     choice('model.norm.kind', self.kind, NORMS)
+    for name in ('stats_momentum', 'stats_grad_momentum'):
+      if not 0 <= float(getattr(self, name)) < 1:
+        raise ConfigError(f'model.norm.{name}={getattr(self, name)} must be in [0, 1) (an EMA '
+                          f'coefficient); valid: e.g. 0.9')
+    if int(self.stats_warmup) < 0 or int(self.groups) < 1:
+      raise ConfigError(f'model.norm.stats_warmup={self.stats_warmup} must be >= 0 and '
+                        f'model.norm.groups={self.groups} >= 1')
     if not float(self.p) > 0:
       raise ConfigError(f'model.norm.p={self.p} must be > 0 (the Lp norm divides by the p-th '
                         f'root of the p-th absolute moment); valid: a positive float, e.g. 1 or 2')

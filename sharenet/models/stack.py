@@ -42,6 +42,7 @@ from sharenet.models.attention import LayerCache
 from sharenet.models.block import Block, Scanned, Shared, Stream
 from sharenet.models.config import ModelConfig
 from sharenet.models.layers import INTERMEDIATES
+from sharenet.norm_stats import NORM_STATS
 from sharenet.norms import PER_LAYER
 from sharenet.params import placed
 from sharenet.sharing import Segment, SharingPlan
@@ -58,10 +59,11 @@ def _scan(target, length: int, stacked: bool, axis_name: str):
   params broadcast (tied); PER_LAYER per iteration either way. The body takes (carry: Stream,
   shared: Shared, scanned: Scanned), `shared` broadcast."""
   if stacked:
-    return nn.scan(target, variable_axes={'params': 0, PER_LAYER: 0, INTERMEDIATES: 0},
+    return nn.scan(target, variable_axes={'params': 0, PER_LAYER: 0, NORM_STATS: 0,
+                                          INTERMEDIATES: 0},
                    split_rngs={'params': True, PER_LAYER: True}, in_axes=(nn.broadcast, 0),
                    length=length, metadata_params={nn.PARTITION_NAME: axis_name})
-  return nn.scan(target, variable_axes={PER_LAYER: 0, INTERMEDIATES: 0},
+  return nn.scan(target, variable_axes={PER_LAYER: 0, NORM_STATS: 0, INTERMEDIATES: 0},
                  variable_broadcast='params', split_rngs={'params': False, PER_LAYER: True},
                  in_axes=(nn.broadcast, 0), length=length,
                  metadata_params={nn.PARTITION_NAME: axis_name})
@@ -101,7 +103,8 @@ def _create_pool(cfg: ModelConfig, pattern: tuple[int, ...]) -> nn.Module:
     return fn
 
   body = _scan(Block, len(pattern), True, 'layers')
-  mapped = nn.map_variables(body, ['params', PER_LAYER], trans_in_fn=take(np.asarray(pattern)),
+  mapped = nn.map_variables(body, ['params', PER_LAYER, NORM_STATS],
+                            trans_in_fn=take(np.asarray(pattern)),
                             trans_out_fn=take(first_use), init=True)
   return mapped(cfg, name=NAMES['block'])
 
@@ -146,7 +149,8 @@ class StoredSegment(nn.Module):
       x_BTD, cache = self._routed(seg, sets, carry.x_BTD, shared, run, cache)
       return carry._replace(x_BTD=x_BTD), cache
     observe = self.is_mutable_collection(INTERMEDIATES)
-    layer = loops.layer_fn(c, observe, loops.outer_capture() if observe else False)
+    layer = loops.layer_fn(c, observe, loops.outer_capture() if observe else False,
+                           train_stats=self.is_mutable_collection(NORM_STATS))
     lowering = 'flat' if c.scan_lowering == 'flat' else 'nested'
     inject = None
     if recurrent:
@@ -179,7 +183,8 @@ class StoredSegment(nn.Module):
           return None
         tree = tree[k]
       return tree
-    per_layer = at(PER_LAYER)
+    # per applied layer: the per-layer parts and a statistics norm's running statistics
+    per_layer = {c: at(c) for c in (PER_LAYER, NORM_STATS) if at(c) is not None} or None
     if per_layer is not None and seg.order != 'gather':
       per_layer = jax.tree.map(lambda a: a.reshape((-1,) + a.shape[2:]), per_layer)
     return at('params'), per_layer, path

@@ -37,6 +37,10 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     'none': ('activation norm', {'model.norm.kind': 'none'}),
     'lpnorm': ('activation norm', {'model.norm.kind': 'lpnorm', 'model.norm.p': 1.0}),
     'selu': ('no norm', {'model.mlp': 'selu', 'model.norm.kind': 'none'}),   # Klambauer et al.
+    # Shen et al.'s running statistics; warmup on the batch statistic for 10 % of the 200 steps
+    # (the reference's 10,000 would never leave it here)
+    'powernorm': ('activation norm', {'model.norm.kind': 'powernorm',
+                                      'model.norm.stats_warmup': 20}),
     'peri_rmsnorm': ('placement', {'model.norm.placement': 'peri'}),
     'qk_rms': ('QK-norm', {'model.norm.qk_norm': 'rms'}),
     'qk_l2': ('QK-norm', {'model.norm.qk_norm': 'l2'}),

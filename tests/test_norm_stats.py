@@ -1,0 +1,105 @@
+"""Running statistics of a statistics norm (model.norm.kind=powernorm, sharenet/norm_stats.py)
+in the model: one entry per applied layer under a tied block, the same under both lowerings,
+in TrainState.tstate, and restored exactly after a kill -9. The forward and backward against
+the reference: tests/test_norms_family.py; 8 devices against one: tests/test_sharding.py."""
+import os
+import signal
+import subprocess
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from sharenet import config_lib, train_lib, workdir_lib
+from sharenet.norm_stats import NORM_STATS
+
+POWERNORM = {'model.norm.kind': 'powernorm', 'model.norm.stats_warmup': 2}
+
+
+def _train(config, steps):
+  exp = train_lib.setup(config, config_lib.validate(config))
+  state = train_lib.init_state(exp.model, exp.tx, jax.random.key(0), exp.tr, exp.pz)
+  step = jax.jit(train_lib.make_train_step(exp))
+  rng = np.random.default_rng(0)
+  t = config.train
+  losses = []
+  for _ in range(steps):
+    tokens = rng.integers(0, 256, (t.batch_size, t.seq_len + 1)).astype(np.int32)
+    state, metrics = step(state, tokens)
+    losses.append(float(metrics['loss']))
+  return state, losses
+
+
+def _block_stats(state):
+  """The stack's statistics leaves {path: array} (the final norm's are outside it)."""
+  flat = jax.tree_util.tree_flatten_with_path(state.tstate[NORM_STATS])[0]
+  return {jax.tree_util.keystr(p): np.asarray(v) for p, v in flat if np.ndim(v) >= 2}
+
+
+def test_statistics_are_per_applied_layer_and_equal_under_both_lowerings(tiny_config):
+  """A cycle of 2 sets applied twice (4 layers): every statistic has one entry per applied
+  layer ((R, K) leading axes), the two applications of one set keep different statistics, and
+  the nested and flat lowerings train to the same losses and statistics (4 steps: warmup's
+  batch statistic, then the running one)."""
+  cycle = {'model.num_layers': 4, 'model.sharing.scheme': 'cycle',
+           'model.sharing.num_unique': 2, **POWERNORM}
+  nested, losses = _train(tiny_config(**cycle), 4)
+  flat, flat_losses = _train(tiny_config(**cycle, **{'model.scan_lowering': 'flat'}), 4)
+  np.testing.assert_allclose(flat_losses, losses, rtol=1e-5)
+  stats, flat_stats = _block_stats(nested), _block_stats(flat)
+  assert stats and stats.keys() == flat_stats.keys()
+  for path, value in stats.items():
+    assert value.shape[:2] == (2, 2), (path, value.shape)     # (R, K): every applied layer
+    np.testing.assert_allclose(flat_stats[path], value, rtol=1e-5, atol=1e-7, err_msg=path)
+    if path.endswith("['psi2']"):
+      assert not np.allclose(value[0, 0], value[1, 0])          # set 0's two uses differ
+    if path.endswith("['count']"):
+      assert (value == 4).all()
+  assert losses[-1] != pytest.approx(losses[0])
+
+
+@pytest.mark.slow
+def test_resume_after_kill_keeps_the_statistics_exactly(tmp_path, losses, train_cmd,
+                                                        subprocess_env):
+  """train.py with powernorm killed (-9) after its step-20 checkpoint and resumed: steps 21-40
+  give the uninterrupted run's losses bit for bit, and the final statistics are identical (the
+  running phi is used from step 11, after warmup)."""
+  flags = ['--config.model.norm.kind=powernorm', '--config.model.norm.stats_warmup=10']
+  ref_dir, workdir = str(tmp_path / 'ref'), str(tmp_path / 'killed')
+  subprocess.run(train_cmd(ref_dir, *flags), env=subprocess_env, check=True,
+                 capture_output=True)
+  proc = subprocess.Popen(train_cmd(workdir, *flags), env=subprocess_env,
+                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+  ckpt20 = os.path.join(workdir, 'checkpoints', '20')
+  deadline = time.time() + 300
+  while not os.path.isdir(ckpt20) and proc.poll() is None and time.time() < deadline:
+    time.sleep(0.05)
+  proc.send_signal(signal.SIGKILL)
+  proc.wait()
+  assert os.path.isdir(ckpt20), 'the run never wrote its step-20 checkpoint'
+  subprocess.run(train_cmd(workdir, *flags), env=subprocess_env, check=True,
+                 capture_output=True)
+  ref, resumed = losses(ref_dir), losses(workdir)
+  assert [resumed[s] for s in range(21, 41)] == [ref[s] for s in range(21, 41)]
+  a, b = (workdir_lib.restore_state(workdir_lib.load_config(d), d)[0] for d in (ref_dir, workdir))
+  for x, y in zip(jax.tree.leaves(a.tstate[NORM_STATS]), jax.tree.leaves(b.tstate[NORM_STATS])):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  counts = [np.asarray(v) for p, v in jax.tree_util.tree_flatten_with_path(
+      a.tstate[NORM_STATS])[0] if jax.tree_util.keystr(p).endswith("['count']")]
+  assert counts and all((c == 40).all() for c in counts)
+
+
+def test_a_conversion_of_a_powernorm_run_is_one_line(tmp_path, tiny_config):
+  """convert.py would restart the running statistics at their init: refused, nothing written."""
+  from sharenet import defaults
+  from sharenet.errors import ConfigError
+  src = str(tmp_path / 'src')
+  train_lib.train_and_evaluate(tiny_config(**{**POWERNORM, 'train.steps': 2}), src)
+  opts = defaults.conversion_config()
+  opts.update(to='recursive', scheme='universal', num_unique=1, init='average')
+  with pytest.raises(ConfigError, match='no conversion knows its running statistics') as e:
+    workdir_lib.convert_workdir(src, str(tmp_path / 'out'), opts)
+  assert '\n' not in str(e.value) and not (tmp_path / 'out').exists()
+  # eval.py's path (eval mode, the running statistics) reads the run back
+  assert np.isfinite(workdir_lib.evaluate_workdir(src)['eval_loss'])
