@@ -1,5 +1,5 @@
 """Converts a run: python convert.py --workdir SRC --out DST --config.to=rmsnorm|crmsnorm|recursive|
-head_shared|merge_lora_experts [--config.a.b=v]; the options and their defaults: sharenet/defaults.py conversion_config.
+head_shared|merge_lora_experts|fold_unified_norm [--config.a.b=v]; the options and their defaults: sharenet/defaults.py conversion_config.
 
 DST gets config.json and a checkpoint (fresh optimizer state and data iterator) that eval.py
 reads and train.py continues (--config configs/workdir.py:DST); the conversions are in

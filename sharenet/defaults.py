@@ -154,7 +154,8 @@ def default_config() -> ml_collections.ConfigDict:
                               # shared feed-forward; 0 = off
   m.norm = n = ml_collections.ConfigDict()
   n.kind = 'rmsnorm'          # layernorm | rmsnorm | crmsnorm | scalenorm | dyt | none | lpnorm
-                              # | powernorm (running statistics: sharenet/norm_stats.py)
+                              # | powernorm | unified_norm (running statistics:
+                              # sharenet/norm_stats.py)
   n.placement = 'pre'         # pre | post | peri | moeut (MoEUT's peri-layernorm: norms only
                               # where a softmax / sigmoid reads: queries, keys, selectors)
   n.qk_norm = 'none'          # none | rms | l2 (l2: learned scalar replaces 1/sqrt(d_head))
@@ -168,10 +169,14 @@ def default_config() -> ml_collections.ConfigDict:
                               # pre-activations (gate and value of SwiGLU), NaP's part 1
   n.eps = 1e-6
   n.p = 1.0                   # lpnorm's order p > 0 (2 = layernorm; 1: Liao et al.'s L1)
-  n.stats_momentum = 0.9      # powernorm: EMA of the running quadratic mean (alpha_fwd)
+  n.stats_momentum = 0.9      # powernorm / unified_norm: EMA of the running statistic (alpha_fwd,
+                              # momentum)
   n.stats_grad_momentum = 0.9 # powernorm: the approximate backward's alpha_bkw
-  n.stats_warmup = 10000      # powernorm: steps normalised by the batch statistic (warmup_iters)
+  n.stats_warmup = 10000      # steps on the batch statistic (warmup_iters: powernorm's 10,000;
+                              # unified_norm's reference default is 4,000)
   n.groups = 1                # powernorm: channel groups of the group scaling (group_num)
+  n.stats_window = 4          # unified_norm: window of batch statistics (window_size)
+  n.outlier_filter = False    # unified_norm: outlier filtration (the reference's NLP default)
 
   c.train = t = ml_collections.ConfigDict()
   t.steps = 120
@@ -290,7 +295,7 @@ def conversion_config() -> ml_collections.ConfigDict:
   """Options of convert.py (sharenet.workdir_lib.convert_workdir)."""
   c = ml_collections.ConfigDict()
   c.to = ''                   # rmsnorm | crmsnorm | recursive | head_shared |
-                              # merge_lora_experts
+                              # merge_lora_experts | fold_unified_norm
   c.scheme = 'cycle'          # recursive: universal | cycle | sequence | middle_cycle |
                               # middle_sequence
   c.num_unique = 0            # recursive: stored sets (middle schemes count first and last), >= 1

@@ -99,36 +99,175 @@ def power_norm_eval(x_NC: jax.Array, gain_C: jax.Array, bias_C: jax.Array, phi_C
 
 
 def apply_power_norm(module: Any, x: jax.Array, gain_C: jax.Array, bias_C: jax.Array,
-                     eps: float, a_bkw: float, warmup: int, groups: int) -> jax.Array:
-  """PowerNorm over the last axis of x (..., C) inside flax `module` (norms.Norm): group
-  scaling, then the training forward and approximate backward where NORM_STATS is mutable, the
-  eval forward with the running phi otherwise. Creates the module's statistics."""
+                     eps: float, n: Any) -> jax.Array:
+  """PowerNorm over the last axis of x (..., C) inside flax `module` (norms.Norm), with the
+  options of NormConfig `n`: group scaling, then the training forward and approximate backward
+  where NORM_STATS is mutable, the eval forward with the running phi otherwise. Creates the
+  module's statistics."""
   c = x.shape[-1]
   var = lambda name, init: module.variable(NORM_STATS, name, init, (c,), jnp.float32).value
   phi, gz, last_psi2 = var('phi', jnp.ones), var('gz', jnp.zeros), var('psi2', jnp.zeros)
   count = module.variable(NORM_STATS, 'count', jnp.zeros, (), jnp.float32).value
-  x_NC = group_scale(x.reshape(-1, c).astype(jnp.float32), groups, eps)
+  x_NC = group_scale(x.reshape(-1, c).astype(jnp.float32), n.groups, eps)
   if not module.is_mutable_collection(NORM_STATS):
     y = power_norm_eval(x_NC, gain_C, bias_C, phi, eps)
     return y.reshape(x.shape).astype(x.dtype)
   psi2 = jax.lax.stop_gradient(batch_moment(x_NC))
-  psi2_in = psi2 + (last_psi2 - jax.lax.stop_gradient(last_psi2))   # value psi2, cotangent out
-  v = jnp.where(count + 1 <= warmup, psi2, jax.lax.stop_gradient(phi))
-  y = power_norm(x_NC, gain_C, bias_C, v, psi2_in, jax.lax.stop_gradient(gz), gz, eps, a_bkw,
-                 float(x_NC.shape[0]))
+  v = jnp.where(count + 1 <= n.stats_warmup, psi2, jax.lax.stop_gradient(phi))
+  y = power_norm(x_NC, gain_C, bias_C, v, psi2 + _tap(last_psi2), jax.lax.stop_gradient(gz), gz,
+                 eps, n.stats_grad_momentum, float(x_NC.shape[0]))
   return y.reshape(x.shape).astype(x.dtype)
 
 
-def update(stats: Any, cotangents: Any, a_fwd: float, warmup: int) -> Any:
+def _tap(leaf: jax.Array) -> jax.Array:
+  """Zero in value, so that `value + _tap(leaf)` is `value` and its cotangent reaches `leaf`."""
+  return leaf - jax.lax.stop_gradient(leaf)
+
+
+def _power_norm_update(stats: dict, cot: dict, n: Any) -> dict:
+  step = stats['count'] + 1
+  psi2 = cot['psi2']
+  phi = update_phi(stats['phi'], psi2, step[..., None], n.stats_momentum, n.stats_warmup)
+  return {'phi': phi, 'gz': stats['gz'] + cot['gz'], 'psi2': psi2, 'count': step}
+
+
+# ------------------------------------------------------------------------------ Unified Norm
+#
+# Yang et al., "Unified Normalization for Accelerating and Stabilizing Transformers",
+# arXiv:2208.01313, as its reference code (hikvision-research/Unified-Normalization, UN1d and
+# UN2dFunction) computes it. Per channel, at training step t (counting from 1), window M:
+#   x2        the batch's quadratic mean of x (no mean subtraction)
+#   window    buffer_x2[t % M] <- x2; with the outlier filter (after warmup), when the
+#             window's arithmetic mean exceeds its geometric mean by more than M times the
+#             variance of sqrt(buffer) (taken before the write) in any channel, the slot takes
+#             the running statistic instead and the step is skipped (batch statistics only)
+#   v         x2 while t <= M, t < warmup or skipped, else the window's geometric mean
+#   r         sqrt(v + eps) / sqrt(running_var + eps) clipped to [1/5, 5]; 1 while
+#             t <= max(1000, warmup) or skipped (gradient compensation)
+#   forward   z = x / sqrt(v + eps), y = gamma z + beta; running_var <- m rv + (1 - m) v
+#   backward  g = dy gamma r; gz = mean(g z); buffer_gz[t % M] <- gz (ema_gz if skipped);
+#             mean_gz = gz while t <= M, t < warmup or skipped, else the window's mean;
+#             ema_gz <- m ema_gz + (1 - m) mean_gz; dx = (g - c z) / sqrt(v + eps) with
+#             c = ema_gz (mean_gz if skipped); d gamma = sum(dy r z), d beta = sum(dy)
+#   eval      y = gamma x / sqrt(running_var + eps) + beta (foldable into the next linear map)
+# As for PowerNorm, gz is taken at the summed loss's scale (x the rows' count) and dx divided
+# back; x2 and gz leave the differentiated forward as the cotangents of taps.
+
+COMPENSATION_START = 1000   # the reference's hard-coded start of the gradient compensation
+
+
+def _un_forward_state(st: dict, x2: jax.Array, t: jax.Array, n: Any, eps: float):
+  """(v, r, skipped, {'buffer_x2', 'running_var'} after this step) from the state `st`."""
+  buf, rv = st['buffer_x2'], st['running_var']
+  M = buf.shape[-2]
+  slot = jax.nn.one_hot(jnp.mod(t, M).astype(jnp.int32), M)[..., :, None]   # (..., M, 1)
+  recorded = jnp.var(jnp.sqrt(buf), axis=(-2, -1), ddof=1)[..., None] if M > 1 else 0.0
+  buf = buf * (1 - slot) + x2[..., None, :] * slot
+  skip = jnp.full(t.shape, M <= 1)
+  log_mean = lambda b: jnp.mean(jnp.log(jnp.maximum(b, 1e-30)), axis=-2)
+  if n.outlier_filter and M > 1:
+    am, gm = jnp.mean(buf, axis=-2), jnp.exp(log_mean(buf))
+    out = (t >= n.stats_warmup) & jnp.any(am - gm > recorded * M, axis=-1)
+    buf = jnp.where(out[..., None, None], buf * (1 - slot) + rv[..., None, :] * slot, buf)
+    skip = skip | out
+  batch = ((t <= M) | (t < n.stats_warmup) | skip)[..., None]
+  v = jnp.where(batch, x2, jnp.exp(log_mean(buf)))
+  early = ((t <= max(COMPENSATION_START, n.stats_warmup)) | skip)[..., None]
+  r = jnp.where(early, 1.0, jnp.clip(jnp.sqrt(v + eps) / jnp.sqrt(rv + eps), 0.2, 5.0))
+  m = n.stats_momentum
+  return v, r, skip, {'buffer_x2': buf, 'running_var': m * rv + (1 - m) * v}
+
+
+def _un_backward_state(st: dict, gz: jax.Array, t: jax.Array, skip: jax.Array, n: Any):
+  """(the backward's correction coefficient, {'buffer_gz', 'ema_gz'} after this step)."""
+  buf, ema = st['buffer_gz'], st['ema_gz']
+  M = buf.shape[-2]
+  slot = jax.nn.one_hot(jnp.mod(t, M).astype(jnp.int32), M)[..., :, None]
+  written = jnp.where(skip[..., None], ema, gz)
+  buf = buf * (1 - slot) + written[..., None, :] * slot
+  current = ((t <= M) | (t < n.stats_warmup) | skip)[..., None]
+  mean_gz = jnp.where(current, gz, jnp.mean(buf, axis=-2))
+  m = n.stats_momentum
+  ema = m * ema + (1 - m) * mean_gz
+  return jnp.where(skip[..., None], mean_gz, ema), {'buffer_gz': buf, 'ema_gz': ema}
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
+def unified_norm(x_NC, gain_C, bias_C, x2_C, bwd_state, gz_tap_C, n, eps, grad_scale):
+  """Unified Norm's training forward (v, r from `bwd_state`['v'], ['r']) with its approximate
+  backward; x2_C's cotangent is x2 itself, gz_tap_C's the step's gz."""
+  del x2_C, gz_tap_C, n, grad_scale
+  z = x_NC * jax.lax.rsqrt(bwd_state['v'] + eps)[None]
+  return z * gain_C[None] + bias_C[None]
+
+
+def _unified_norm_fwd(x_NC, gain_C, bias_C, x2_C, bwd_state, gz_tap_C, n, eps, grad_scale):
+  z = x_NC * jax.lax.rsqrt(bwd_state['v'] + eps)[None]
+  return z * gain_C[None] + bias_C[None], (z, gain_C, x2_C, bwd_state)
+
+
+def _unified_norm_bwd(n, eps, grad_scale, res, dy_NC):
+  z, gain_C, x2_C, st = res
+  r = st['r']
+  g = dy_NC * (gain_C * r)[None] * grad_scale
+  gz = jnp.mean(g * z, axis=0)
+  coef, _ = _un_backward_state(st, gz, st['t'], st['skip'] > 0.5, n)
+  dx = (g - coef[None] * z) * jax.lax.rsqrt(st['v'] + eps)[None] / grad_scale
+  zeros = jax.tree.map(jnp.zeros_like, st)
+  return (dx, jnp.sum(dy_NC * r[None] * z, axis=0), jnp.sum(dy_NC, axis=0), x2_C, zeros, gz)
+
+
+unified_norm.defvjp(_unified_norm_fwd, _unified_norm_bwd)
+
+UN_FIELDS = ('running_var', 'ema_gz', 'buffer_x2', 'buffer_gz', 'x2', 'gz', 'count', 'skips')
+
+
+def apply_unified_norm(module: Any, x: jax.Array, gain_C: jax.Array, bias_C: jax.Array,
+                       eps: float, n: Any) -> jax.Array:
+  """Unified Norm over the last axis of x (..., C) inside flax `module` (norms.Norm): training
+  mode where NORM_STATS is mutable, eval mode (the running statistic) otherwise."""
+  c, M = x.shape[-1], n.stats_window
+  v = lambda name, init, shape: module.variable(NORM_STATS, name, init, shape, jnp.float32).value
+  st = {'running_var': v('running_var', jnp.ones, (c,)), 'ema_gz': v('ema_gz', jnp.zeros, (c,)),
+        'buffer_x2': v('buffer_x2', jnp.zeros, (M, c)),
+        'buffer_gz': v('buffer_gz', jnp.zeros, (M, c)), 'x2': v('x2', jnp.zeros, (c,)),
+        'gz': v('gz', jnp.zeros, (c,)), 'count': v('count', jnp.zeros, ()),
+        'skips': v('skips', jnp.zeros, ())}
+  x_NC = x.reshape(-1, c).astype(jnp.float32)
+  if not module.is_mutable_collection(NORM_STATS):
+    y = power_norm_eval(x_NC, gain_C, bias_C, st['running_var'], eps)
+    return y.reshape(x.shape).astype(x.dtype)
+  st = jax.lax.stop_gradient({k: st[k] for k in UN_FIELDS if k not in ('x2', 'gz')})
+  x2 = jax.lax.stop_gradient(batch_moment(x_NC))
+  t = st['count'] + 1
+  var, r, skip, _ = _un_forward_state(st, x2, t, n, eps)
+  bwd = {'v': var, 'r': r, 't': t, 'skip': skip.astype(jnp.float32),
+         'buffer_gz': st['buffer_gz'], 'ema_gz': st['ema_gz']}
+  y = unified_norm(x_NC, gain_C, bias_C, x2 + _tap(module.get_variable(NORM_STATS, 'x2')), bwd,
+                   module.get_variable(NORM_STATS, 'gz'), n, eps, float(x_NC.shape[0]))
+  return y.reshape(x.shape).astype(x.dtype)
+
+
+def _unified_norm_update(stats: dict, cot: dict, n: Any, eps: float) -> dict:
+  t = stats['count'] + 1
+  _, _, skip, fwd = _un_forward_state(stats, cot['x2'], t, n, eps)
+  _, bwd = _un_backward_state(stats, cot['gz'], t, skip, n)
+  return {**fwd, **bwd, 'x2': cot['x2'], 'gz': cot['gz'], 'count': t,
+          'skips': stats['skips'] + skip.astype(jnp.float32)}
+
+
+APPLY = {'powernorm': apply_power_norm, 'unified_norm': apply_unified_norm}
+
+
+def update(stats: Any, cotangents: Any, n: Any) -> Any:
   """The statistics after a training step, from the step's cotangents of NORM_STATS (module
-  docstring): count + 1, phi by `update_phi` with the step's psi2, Gamma plus its increment,
-  psi2 the step's. Works on any leading (per applied layer) axes."""
+  docstring), with the options of NormConfig `n`. Works on any leading (per applied layer)
+  axes."""
   if isinstance(stats, dict) and set(stats) == {'phi', 'gz', 'psi2', 'count'}:
-    step = stats['count'] + 1
-    psi2 = cotangents['psi2']
-    phi = update_phi(stats['phi'], psi2, step[..., None], a_fwd, warmup)
-    return {'phi': phi, 'gz': stats['gz'] + cotangents['gz'], 'psi2': psi2, 'count': step}
-  return {k: update(v, cotangents[k], a_fwd, warmup) for k, v in stats.items()}
+    return _power_norm_update(stats, cotangents, n)
+  if isinstance(stats, dict) and set(stats) == set(UN_FIELDS):
+    return _unified_norm_update(stats, cotangents, n, n.eps)
+  return {k: update(v, cotangents[k], n) for k, v in stats.items()}
 
 
 def initial_state(cfg: Any) -> dict[str, Any]:

@@ -18,6 +18,10 @@ Formulas (papers in docs/references.md):
              v the batch's quadratic mean per channel in warmup, else the running one; eval
              mode reads the running one; approximate backward (Shen et al., "PowerNorm",
              arXiv:2003.07845). Its statistics: sharenet/norm_stats.py
+  unified_norm gamma * x / sqrt(v + eps) + beta, v the batch's quadratic mean per channel, then
+             the geometric mean of a window of them; eval mode (and the fold into the next
+             linear layer) reads the running one (Yang et al., "Unified Normalization",
+             arXiv:2208.01313); sharenet/norm_stats.py
 
 `Norm(..., kernels=...)` follows model.kernels (sharenet/kernels/__init__.py): on the Pallas
 path layernorm, rmsnorm and crmsnorm run sharenet/kernels/norms.py's fused kernel, which also
@@ -27,6 +31,7 @@ other kinds, and the default kernels='xla', run the jnp code below.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -37,7 +42,7 @@ from sharenet.kernels import norms as norm_kernels
 from sharenet.params import PER_LAYER, param  # PER_LAYER re-exported for the model modules
 
 KINDS = ('layernorm', 'rmsnorm', 'crmsnorm', 'scalenorm', 'dyt', 'l2', 'none', 'lpnorm',
-         'powernorm')
+         'powernorm', 'unified_norm')
 
 
 class Norm(nn.Module):
@@ -57,9 +62,7 @@ class Norm(nn.Module):
   param_dtype: jnp.dtype = jnp.float32
   dyt_alpha: float = 0.5
   p: float = 2.0   # lpnorm's order
-  stats_grad_momentum: float = 0.9   # powernorm's alpha_bkw
-  stats_warmup: int = 10000          # powernorm's warmup steps (batch statistic)
-  groups: int = 1                    # powernorm's group scaling
+  stats: Any = None   # a statistics norm's options: the model's NormConfig (None: defaults)
   role: str = 'norm_in'
   branch: str | None = None
   kernels: str = 'xla'
@@ -111,11 +114,12 @@ class Norm(nn.Module):
     if self.kind == 'dyt':
       y = jnp.tanh(scalar('alpha', self.dyt_alpha) * xf) * vec('scale', 'gain')
       return (y + vec('bias', 'shift')).astype(x.dtype)
-    if self.kind == 'powernorm':
+    if self.kind in ('powernorm', 'unified_norm'):
       from sharenet import norm_stats
-      return norm_stats.apply_power_norm(self, x, vec('scale', 'gain').reshape(d),
-                                         vec('bias', 'shift').reshape(d), self.eps,
-                                         self.stats_grad_momentum, self.stats_warmup, self.groups)
+      from sharenet.models.sections import NormConfig
+      apply = norm_stats.APPLY[self.kind]
+      return apply(self, x, vec('scale', 'gain').reshape(d), vec('bias', 'shift').reshape(d),
+                   self.eps, self.stats or NormConfig())
     if self.kind == 'lpnorm':
       xc = xf - jnp.mean(xf, axis=-1, keepdims=True)
       moment = jnp.mean(jnp.maximum(jnp.abs(xc), 1e-30) ** self.p, axis=-1, keepdims=True)

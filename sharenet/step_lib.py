@@ -217,9 +217,7 @@ def train_step(state: TrainState, batch_BT1: jax.Array, depth: Any = None, *, mo
     with_stats = lambda p, s, b: loss_of(p, {**tstate, NORM_STATS: s}, b)
     (loss, aux), (grads, cot) = jax.value_and_grad(with_stats, argnums=(0, 1), has_aux=True)(
         state.params, tstate[NORM_STATS], batch_BT1)
-    n = model.cfg.norm
-    tstate = {**tstate, NORM_STATS: norm_stats.update(tstate[NORM_STATS], cot,
-                                                      n.stats_momentum, n.stats_warmup)}
+    tstate = {**tstate, NORM_STATS: norm_stats.update(tstate[NORM_STATS], cot, model.cfg.norm)}
   elif grad_accum == 1:
     grad_fn = jax.value_and_grad(loss_of, has_aux=True)
     (loss, aux), grads = grad_fn(state.params, tstate, batch_BT1)

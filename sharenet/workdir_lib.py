@@ -19,6 +19,7 @@ from sharenet.errors import ConfigError
 from sharenet.models import DecoderLM, ModelConfig
 from sharenet.models.lm import kv_cache_bytes_per_token
 from sharenet.models.sections import NORMS, STATS_NORMS
+from sharenet.norm_stats import NORM_STATS
 from sharenet.transforms import Transforms, convert, head_share, lora_merge
 
 
@@ -214,7 +215,8 @@ def generate_from_workdir(workdir: str, step: int | None, overrides: dict[str, A
           for i, tokens in enumerate(out.tokens)]
 
 
-CONVERSIONS = ('rmsnorm', 'crmsnorm', 'recursive', 'head_shared', 'merge_lora_experts')
+CONVERSIONS = ('rmsnorm', 'crmsnorm', 'recursive', 'head_shared', 'merge_lora_experts',
+               'fold_unified_norm')
 
 
 def _expert_weights(opts: Any, cfg: Any) -> list[float]:
@@ -249,11 +251,13 @@ def convert_workdir(workdir: str, out: str, opts: Any) -> dict[str, Any]:
     raise ConfigError('conversions of a model trained with transforms.project=ngpt are not '
                       'function-preserving (its projection would re-normalise the converted '
                       'matrices); valid: a source with project=none, nap or norm_project')
-  if config.model.norm.kind in STATS_NORMS:
+  if config.model.norm.kind in STATS_NORMS and opts.to != 'fold_unified_norm':
     stateless = ', '.join(n for n in NORMS if n not in STATS_NORMS)
-    raise ConfigError(f'model.norm.kind={config.model.norm.kind}: no conversion knows its '
-                      f'running statistics (they would restart at their init); valid: a '
-                      f'source with a stateless norm ({stateless})')
+    fold = ', or config.to=fold_unified_norm' if config.model.norm.kind == 'unified_norm' \
+        else ''
+    raise ConfigError(f'model.norm.kind={config.model.norm.kind}: config.to={opts.to} does not '
+                      f'carry its running statistics (they would restart at their init); '
+                      f'valid: a source with a stateless norm ({stateless}){fold}')
   if config.parametrization.kind != 'sp':
     raise ConfigError(f'conversions support parametrization.kind=sp, got '
                       f'{config.parametrization.kind} (its forward multipliers would be folded '
@@ -274,6 +278,9 @@ def convert_workdir(workdir: str, out: str, opts: Any) -> dict[str, Any]:
     if cfg.norm.kind == 'layernorm':
       cfg, variables = convert.ln_to_rms(cfg, variables)
     new_cfg, new_vars = convert.rms_to_crms(cfg, variables)
+  elif opts.to == 'fold_unified_norm':   # eval-mode Unified Norm folded into the readers
+    new_cfg, new_vars = convert.fold_unified_norm(
+        cfg, variables, jax.device_get(state.tstate.get(NORM_STATS, {})))
   elif opts.to == 'merge_lora_experts':   # Mixture of LoRAs -> depth-wise LoRA
     new_cfg, new_vars = lora_merge.merge_lora_experts(cfg, variables,
                                                       _expert_weights(opts, cfg))

@@ -1,4 +1,5 @@
-"""Running statistics of a statistics norm (model.norm.kind=powernorm, sharenet/norm_stats.py)
+"""Running statistics of a statistics norm (model.norm.kind=powernorm | unified_norm,
+sharenet/norm_stats.py)
 in the model: one entry per applied layer under a tied block, the same under both lowerings,
 in TrainState.tstate, and restored exactly after a kill -9. The forward and backward against
 the reference: tests/test_norms_family.py; 8 devices against one: tests/test_sharding.py."""
@@ -60,12 +61,13 @@ def test_statistics_are_per_applied_layer_and_equal_under_both_lowerings(tiny_co
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize('kind', ['powernorm', 'unified_norm'])
 def test_resume_after_kill_keeps_the_statistics_exactly(tmp_path, losses, train_cmd,
-                                                        subprocess_env):
-  """train.py with powernorm killed (-9) after its step-20 checkpoint and resumed: steps 21-40
-  give the uninterrupted run's losses bit for bit, and the final statistics are identical (the
-  running phi is used from step 11, after warmup)."""
-  flags = ['--config.model.norm.kind=powernorm', '--config.model.norm.stats_warmup=10']
+                                                        subprocess_env, kind):
+  """train.py with a statistics norm killed (-9) after its step-20 checkpoint and resumed:
+  steps 21-40 give the uninterrupted run's losses bit for bit, and the final statistics are
+  identical (the running statistic, or Unified Norm's window, is used from step 11)."""
+  flags = [f'--config.model.norm.kind={kind}', '--config.model.norm.stats_warmup=10']
   ref_dir, workdir = str(tmp_path / 'ref'), str(tmp_path / 'killed')
   subprocess.run(train_cmd(ref_dir, *flags), env=subprocess_env, check=True,
                  capture_output=True)
@@ -98,8 +100,40 @@ def test_a_conversion_of_a_powernorm_run_is_one_line(tmp_path, tiny_config):
   train_lib.train_and_evaluate(tiny_config(**{**POWERNORM, 'train.steps': 2}), src)
   opts = defaults.conversion_config()
   opts.update(to='recursive', scheme='universal', num_unique=1, init='average')
-  with pytest.raises(ConfigError, match='no conversion knows its running statistics') as e:
+  with pytest.raises(ConfigError, match='does not carry its running statistics') as e:
     workdir_lib.convert_workdir(src, str(tmp_path / 'out'), opts)
   assert '\n' not in str(e.value) and not (tmp_path / 'out').exists()
   # eval.py's path (eval mode, the running statistics) reads the run back
   assert np.isfinite(workdir_lib.evaluate_workdir(src)['eval_loss'])
+
+
+def test_fold_unified_norm_keeps_the_eval_loss(tmp_path, tiny_config):
+  """convert.py --config.to=fold_unified_norm: a Unified-Norm run (past its warmup and first
+  window, so the running statistics are the window's) folded into its readers and readout
+  evaluates to the same loss (<= 1e-4) with no norms; a fold of another norm or of a tied plan
+  is one line and writes nothing."""
+  from sharenet import defaults
+  from sharenet.errors import ConfigError
+  src = str(tmp_path / 'un')
+  train_lib.train_and_evaluate(tiny_config(**{
+      'model.norm.kind': 'unified_norm', 'model.norm.stats_warmup': 3,
+      'model.norm.stats_window': 2, 'train.steps': 8}), src)
+  opts = defaults.conversion_config()
+  opts.update(to='fold_unified_norm')
+  out = str(tmp_path / 'folded')
+  workdir_lib.convert_workdir(src, out, opts)
+  assert workdir_lib.load_config(out).model.norm.kind == 'none'
+  before, after = workdir_lib.evaluate_workdir(src), workdir_lib.evaluate_workdir(out)
+  assert abs(after['eval_loss'] - before['eval_loss']) <= 1e-4, (before, after)
+  other = str(tmp_path / 'rms')
+  train_lib.train_and_evaluate(tiny_config(**{'train.steps': 1}), other)
+  with pytest.raises(ConfigError, match='needs a model with model.norm.kind=unified_norm') as e:
+    workdir_lib.convert_workdir(other, str(tmp_path / 'x'), opts)
+  assert '\n' not in str(e.value) and not (tmp_path / 'x').exists()
+  tied = str(tmp_path / 'tied')
+  train_lib.train_and_evaluate(tiny_config(**{
+      'model.norm.kind': 'unified_norm', 'model.sharing.scheme': 'universal',
+      'model.sharing.num_unique': 1, 'train.steps': 1}), tied)
+  with pytest.raises(ConfigError, match='valid: an untied model'):
+    workdir_lib.convert_workdir(tied, str(tmp_path / 'y'), opts)
+  assert not (tmp_path / 'y').exists()

@@ -26,6 +26,7 @@ PARAMS = {
     'none': {},
     'lpnorm': {'scale': np.ones(D), 'bias': np.zeros(D)},   # p = 2 (Norm's default)
     'powernorm': {'scale': np.ones(D), 'bias': np.zeros(D)},   # eval mode, phi at init (ones)
+    'unified_norm': {'scale': np.ones(D), 'bias': np.zeros(D)},   # eval mode, running_var = 1
 }
 
 
@@ -59,6 +60,8 @@ def _expected(kind, x, p):
     return p['scale'] * x / np.sqrt(np.mean(full ** 2, -1, keepdims=True) + EPS)
   if kind == 'scalenorm':
     return p['g'] * x / np.maximum(np.sqrt(sq), EPS)
+  if kind == 'unified_norm':   # eval mode: the running statistic, 1 at init
+    return p['scale'] * x / np.sqrt(1 + EPS) + p['bias']
   if kind == 'powernorm':   # eval mode: group scaling (1 group), then the running phi = 1
     s = x / np.sqrt(sq / x.shape[-1] + EPS)
     return p['scale'] * s / np.sqrt(1 + EPS) + p['bias']

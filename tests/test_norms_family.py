@@ -200,7 +200,7 @@ def test_lpnorm_with_p2_is_layernorm_and_p_le_0_is_one_line():
 # ------------------------------------------------------------------------------ norm study
 
 @pytest.mark.parametrize('variant', ['lpnorm', 'selu', 'weight_conditioning', 'compander',
-                                     'powernorm'])
+                                     'powernorm', 'unified_norm'])
 def test_new_variants_are_valid_norm_study_cells(variant):
   """The study can run them later (python -m sharenet.studies.norm_study
   --config.study.variants=lpnorm,selu,weight_conditioning,compander,powernorm): every cell
@@ -282,7 +282,10 @@ def test_power_norm_module_keeps_the_reference_statistics_over_steps():
   from sharenet import norm_stats as ns
   from sharenet.norms import Norm
   eps, a_fwd, a_bkw, warmup, G, C = 1e-5, 0.9, 0.8, 3, 2, 8
-  norm = Norm('powernorm', eps, stats_grad_momentum=a_bkw, stats_warmup=warmup, groups=G)
+  from sharenet.models.sections import NormConfig
+  norm = Norm('powernorm', eps, stats=NormConfig(kind='powernorm', stats_momentum=a_fwd,
+                                                 stats_grad_momentum=a_bkw,
+                                                 stats_warmup=warmup, groups=G))
   rng = np.random.default_rng(0)
   xs = rng.normal(size=(6, 3, 4, C)) * rng.uniform(0.5, 2, C)
   dys = rng.normal(size=(6, 12, C))
@@ -299,7 +302,7 @@ def test_power_norm_module_keeps_the_reference_statistics_over_steps():
       y, _ = norm.apply({'params': p, ns.NORM_STATS: s}, x, mutable=[ns.NORM_STATS])
       return jnp.sum(dy * y.reshape(12, C)) / 12, y
     (_, y), (dp, cot) = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(params, stats)
-    stats = ns.update(stats, cot, a_fwd, warmup)
+    stats = ns.update(stats, cot, norm.stats)
     g = xs[step - 1].reshape(12, G, C // G)
     s = (g / np.sqrt((g * g).mean(-1, keepdims=True) + eps)).reshape(12, C)
     y_ref, phi, ema_gz, _, dgain, dbias = _np_power_norm(s, gain, bias, phi, ema_gz,
@@ -316,3 +319,100 @@ def test_power_norm_module_keeps_the_reference_statistics_over_steps():
   s = (g / np.sqrt((g * g).mean(-1, keepdims=True) + eps)).reshape(12, C)
   np.testing.assert_allclose(np.asarray(y_eval).reshape(12, C),
                              gain * s / np.sqrt(phi + eps) + bias, rtol=1e-4, atol=1e-5)
+
+
+def _np_unified_norm_step(x, dy, gain, bias, st, t, M, warmup, eps, m, outlier):
+  """UN2dFunction (hikvision-research/Unified-Normalization) restated in float64 numpy: one
+  training step's forward, backward and state updates; `st` is updated in place."""
+  x2 = (x * x).mean(0)
+  recorded = np.var(np.sqrt(st['buffer_x2']), ddof=1)
+  st['buffer_x2'][t % M] = x2
+  skip = M <= 1
+  if t >= warmup and outlier:
+    buf = st['buffer_x2']
+    am, gm = buf.mean(0), np.exp(np.log(buf).mean(0))
+    if ((am - gm) > recorded * M).sum() > 0:
+      buf[t % M] = st['running_var']
+      skip = True
+      st['skips'] += 1
+  if t <= M or t < warmup or skip:
+    var = x2
+  else:
+    var = np.exp(np.log(st['buffer_x2']).mean(0))
+  r = np.sqrt(var + eps) / np.sqrt(st['running_var'] + eps)
+  r = np.ones_like(r) if t <= max(1000, warmup) or skip else np.clip(r, 0.2, 5)
+  z = x / np.sqrt(var + eps)
+  st['running_var'] = m * st['running_var'] + (1 - m) * var
+  y = gain * z + bias
+  g = dy * gain * r
+  gz = (g * z).mean(0)
+  st['buffer_gz'][t % M] = st['ema_gz'] if skip else gz
+  mean_gz = gz if (t <= M or t < warmup or skip) else st['buffer_gz'].mean(0)
+  st['ema_gz'] = st['ema_gz'] * m + (1 - m) * mean_gz
+  dx = (g - (mean_gz if skip else st['ema_gz']) * z) / np.sqrt(var + eps)
+  return y, dx, (dy * r * z).sum(0), dy.sum(0), skip
+
+
+@pytest.mark.parametrize('outlier', [False, True])
+def test_unified_norm_matches_the_reference_over_a_thousand_steps(outlier):
+  """norms.Norm(kind='unified_norm') for 1,006 training steps against UN2dFunction restated in
+  numpy: the batch statistic in warmup and the first window, then the window's geometric mean
+  (fluctuation smoothing), the gradient compensation r after step 1,000, the backward's window
+  and EMA of gz, the outlier filter (a batch 30x larger after warmup is skipped), the running
+  statistic, and eval mode on it; output, dx, the gains' gradients and every statistic each
+  step (sharenet's loss is the token mean: its dx and gains' gradients are 1/N of the
+  reference's, its statistics equal)."""
+  import flax.linen as nn
+  from sharenet import norm_stats as ns
+  from sharenet.models.sections import NormConfig
+  from sharenet.norms import Norm
+  eps, m, warmup, M, C, N, steps = 1e-5, 0.9, 5, 3, 6, 8, 1006
+  cfg = NormConfig(kind='unified_norm', stats_momentum=m, stats_warmup=warmup, stats_window=M,
+                   outlier_filter=outlier)
+  norm = Norm('unified_norm', eps, stats=cfg)
+  rng = np.random.default_rng(1)
+  scale = rng.uniform(0.5, 2, C)
+  variables = nn.unbox(norm.init(jax.random.key(0), jnp.ones((2, 4, C))))
+  params = jax.tree.map(lambda a: a + 0.1 * jnp.arange(C, dtype=a.dtype) / C,
+                        variables['params'])
+  gain, bias = (np.asarray(params[k], np.float64) for k in ('scale', 'bias'))
+  stats = variables[ns.NORM_STATS]
+  ref = {'running_var': np.ones(C), 'ema_gz': np.zeros(C), 'buffer_x2': np.zeros((M, C)),
+         'buffer_gz': np.zeros((M, C)), 'skips': 0}
+
+  @jax.jit
+  def step(params, stats, x, dy):
+    def loss(x, p, s):
+      y, _ = norm.apply({'params': p, ns.NORM_STATS: s}, x, mutable=[ns.NORM_STATS])
+      return jnp.sum(dy * y.reshape(N, C)) / N, y
+    (_, y), (dx, dp, cot) = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(
+        x, params, stats)
+    return y, dx, dp, ns.update(stats, cot, cfg)
+
+  skipped = []
+  for t in range(1, steps + 1):
+    x = rng.normal(size=(2, 4, C)) * scale * rng.uniform(0.7, 1.4)
+    if t == 30:
+      x = x * 30.0   # an outlier batch after warmup
+    dy = rng.normal(size=(N, C))
+    y, dx, dp, stats = step(params, stats, jnp.asarray(x, jnp.float32),
+                            jnp.asarray(dy, jnp.float32))
+    y_ref, dx_ref, dgain, dbias, skip = _np_unified_norm_step(
+        x.reshape(N, C), dy, gain, bias, ref, t, M, warmup, eps, m, outlier)
+    skipped.append(skip)
+    if t in (1, 3, 4, 5, 6, 29, 30, 31, 999, 1000, 1001, steps):
+      np.testing.assert_allclose(np.asarray(y).reshape(N, C), y_ref, rtol=2e-4, atol=1e-5)
+      np.testing.assert_allclose(np.asarray(dx).reshape(N, C), dx_ref / N, rtol=2e-3,
+                                 atol=1e-6, err_msg=str(t))
+      np.testing.assert_allclose(np.asarray(dp['scale']), dgain / N, rtol=2e-3, atol=1e-6)
+      np.testing.assert_allclose(np.asarray(dp['bias']), dbias / N, rtol=1e-4, atol=1e-6)
+      for k in ('running_var', 'ema_gz', 'buffer_x2', 'buffer_gz'):
+        np.testing.assert_allclose(np.asarray(stats[k]), ref[k], rtol=2e-3, atol=1e-6,
+                                   err_msg=f'{k} at step {t}')
+  assert float(stats['count']) == steps and float(stats['skips']) == ref['skips']
+  assert (ref['skips'] > 0) == outlier and skipped[29] == outlier
+  x = rng.normal(size=(2, 4, C))
+  y_eval = norm.apply({'params': params, ns.NORM_STATS: stats}, jnp.asarray(x, jnp.float32))
+  np.testing.assert_allclose(np.asarray(y_eval),
+                             gain * x / np.sqrt(ref['running_var'] + eps) + bias, rtol=1e-3,
+                             atol=1e-5)

@@ -100,8 +100,7 @@ class Block(nn.Module):
       return Norm(c.norm.kind, c.norm.eps, PER_LAYER if c.sharing.untie_norms else 'params',
                   param_dtype=jnp.dtype(c.param_dtype), dyt_alpha=c.norm.dyt_alpha, role=role,
                   p=c.norm.p, branch=branch, kernels=c.kernels,
-                  stats_grad_momentum=c.norm.stats_grad_momentum,
-                  stats_warmup=c.norm.stats_warmup, groups=c.norm.groups, name=name)
+                  stats=c.norm, name=name)
 
     a, m = ATTN, MLP
 

@@ -91,8 +91,7 @@ class DecoderLM(nn.Module):
     if c.norm.placement != 'post':
       self.final_norm = Norm(c.norm.kind, c.norm.eps, param_dtype=pdt,
                              dyt_alpha=c.norm.dyt_alpha, p=c.norm.p, role='norm_out',
-                             kernels=c.kernels, stats_grad_momentum=c.norm.stats_grad_momentum,
-                             stats_warmup=c.norm.stats_warmup, groups=c.norm.groups,
+                             kernels=c.kernels, stats=c.norm,
                              name='final_norm')
     self.readout = None
     if not c.tie_embeddings:

@@ -14,9 +14,10 @@ from typing import Any, Callable
 from sharenet import defaults
 from sharenet.errors import ConfigError
 
-NORMS = ('layernorm', 'rmsnorm', 'crmsnorm', 'scalenorm', 'dyt', 'none', 'lpnorm', 'powernorm')
+NORMS = ('layernorm', 'rmsnorm', 'crmsnorm', 'scalenorm', 'dyt', 'none', 'lpnorm', 'powernorm',
+         'unified_norm')
 # Norms whose statistics are carried across steps (sharenet/norm_stats.py)
-STATS_NORMS = ('powernorm',)
+STATS_NORMS = ('powernorm', 'unified_norm')
 PLACEMENTS = ('pre', 'post', 'peri', 'moeut')
 QK_NORMS = ('none', 'rms', 'l2')
 PRE_ACTIVATION_NORMS = ('none', 'layernorm', 'rmsnorm')
@@ -91,6 +92,8 @@ class NormConfig:
   stats_grad_momentum: float = key('norm.stats_grad_momentum')
   stats_warmup: int = key('norm.stats_warmup')
   groups: int = key('norm.groups')
+  stats_window: int = key('norm.stats_window')
+  outlier_filter: bool = key('norm.outlier_filter')
 
   def __post_init__(self):
     choice('model.norm.kind', self.kind, NORMS)
@@ -98,9 +101,10 @@ class NormConfig:
       if not 0 <= float(getattr(self, name)) < 1:
         raise ConfigError(f'model.norm.{name}={getattr(self, name)} must be in [0, 1) (an EMA '
                           f'coefficient); valid: e.g. 0.9')
-    if int(self.stats_warmup) < 0 or int(self.groups) < 1:
-      raise ConfigError(f'model.norm.stats_warmup={self.stats_warmup} must be >= 0 and '
-                        f'model.norm.groups={self.groups} >= 1')
+    if int(self.stats_warmup) < 0 or int(self.groups) < 1 or int(self.stats_window) < 1:
+      raise ConfigError(f'model.norm.stats_warmup={self.stats_warmup} must be >= 0, '
+                        f'model.norm.groups={self.groups} and model.norm.stats_window='
+                        f'{self.stats_window} >= 1')
     if not float(self.p) > 0:
       raise ConfigError(f'model.norm.p={self.p} must be > 0 (the Lp norm divides by the p-th '
                         f'root of the p-th absolute moment); valid: a positive float, e.g. 1 or 2')

@@ -41,6 +41,9 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     # (the reference's 10,000 would never leave it here)
     'powernorm': ('activation norm', {'model.norm.kind': 'powernorm',
                                       'model.norm.stats_warmup': 20}),
+    # Yang et al.'s window of statistics (4, the reference's) after the same 20 steps
+    'unified_norm': ('activation norm', {'model.norm.kind': 'unified_norm',
+                                         'model.norm.stats_warmup': 20}),
     'peri_rmsnorm': ('placement', {'model.norm.placement': 'peri'}),
     'qk_rms': ('QK-norm', {'model.norm.qk_norm': 'rms'}),
     'qk_l2': ('QK-norm', {'model.norm.qk_norm': 'l2'}),

@@ -29,6 +29,12 @@ the recursive conversion follows Relaxed Recursive Transformers (arXiv:2410.2067
                  other member is a removed block replaced by the kept block's weights plus a
                  low-rank adapter from the SVD of the difference.
 
+  fold_unified_norm  Unified Norm -> no norm (Yang et al., arXiv:2208.01313): in eval mode
+                 each norm is the per-channel affine map gamma x / sqrt(running_var + eps) +
+                 beta, so its scale multiplies the 'embed' input rows of the readers (the
+                 readout for the final norm; a tied table becomes an untied readout) and beta
+                 through them becomes their bias. Pre placement, untied plans.
+
 DirectShare head-wise sharing (config.to=head_shared) lives in transforms/head_share.py, the
 Mixture-of-LoRAs merge (config.to=merge_lora_experts) in transforms/lora_merge.py.
 
@@ -154,6 +160,50 @@ def ln_to_rms(cfg: ModelConfig, variables: Any) -> tuple[ModelConfig, Any]:
     flat[pos] = _center(flat[pos])
   out = dict(variables)
   out['params'] = unflatten_dict({k[1:]: v for k, v in flat.items()})
+  return new_cfg, _fill_missing(new_cfg, out)
+
+
+def fold_unified_norm(cfg: ModelConfig, variables: Any, stats: Any) -> tuple[ModelConfig, Any]:
+  """A Unified-Norm model in eval mode -> the same function with no norms, the norms' affine
+  maps folded into the linear maps that read them (module docstring); `stats` is the model's
+  norm_stats collection (TrainState.tstate)."""
+  require(cfg.norm.kind == 'unified_norm', f'config.to=fold_unified_norm needs a model with '
+          f'model.norm.kind=unified_norm, got {cfg.norm.kind}; valid: a unified_norm run')
+  require(cfg.norm.placement == 'pre', f'config.to=fold_unified_norm needs norm placement pre '
+          f'(only the readers read a norm), got {cfg.norm.placement}')
+  require(cfg.sharing.scheme == 'untied' and not cfg.sharing.untie_norms and
+          not cfg.sharing.lora_rank, f'config.to=fold_unified_norm folds each applied layer\'s '
+          f'statistics into its own readers, which a tied plan ({cfg.sharing.scheme}) shares; '
+          f'valid: an untied model without depth-wise LoRA')
+  new_cfg = cfg.derive(norm={'kind': 'none'}, reader_bias=True, tie_embeddings=False)
+  table, new_table = param_table(cfg), param_table(new_cfg)
+  flat = {('params',) + k: v for k, v in flatten_dict(variables['params']).items()}
+  running = flatten_dict(stats)
+  eps = cfg.norm.eps
+
+  def affine(module):   # (scale, shift) of a norm in eval mode, shaped as its gain
+    gain, beta = flat.pop(_part(table, module, 'gain')), flat.pop(_part(table, module, 'shift'))
+    rv = jnp.reshape(running[module[1:] + ('running_var',)], gain.shape)
+    return gain / jnp.sqrt(rv + eps), beta
+
+  for norm, readers in _stream_norms(table):
+    scale, beta = affine(norm)
+    for r in readers:
+      _fold_bias(flat, r, _bias_of(new_table, r), beta, stacked=True)
+      w = flat[r]
+      flat[r] = w * scale.reshape(scale.shape + (1,) * (w.ndim - 2))
+  scale, beta = affine(_final_norm(table))
+  readout = _one(new_table, 'readout')
+  if cfg.tie_embeddings:
+    head, old_bias = flat[_one(table, 'embedding')].T, _one(table, 'bias')
+  else:
+    head = flat[readout]
+    old_bias = next((p for p, i in table.items() if i.role == 'bias' and
+                     i.module == readout[:-1]), None)
+  bias = (flat.pop(old_bias) if old_bias is not None else 0) + beta @ head
+  flat[_bias_of(new_table, readout)] = bias
+  flat[readout] = scale[:, None] * head
+  out = {'params': unflatten_dict({k[1:]: v for k, v in flat.items()})}
   return new_cfg, _fill_missing(new_cfg, out)
 
 
