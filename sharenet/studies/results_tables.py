@@ -70,7 +70,7 @@ TABLES: dict[str, tuple[str, Callable[[str], str]]] = {
        for d in ('', 'depth/coord_check/', 'lora/', 'lora/a_zero/', 'lora/lr_0.04/', 'umup/',
                  'umup/lr0.125/', 'zero_init/')},
     **{f'mup/{d}lr_sweep.md': (f'mup/{d}lr_sweep.json', _fn('lr_sweep'))
-       for d in ('', 'depth/', 'depth/alpha_0.5/', 'loops/')},
+       for d in ('', 'depth/', 'depth/alpha_0.5/', 'loops/', 'muon/', 'shampoo/')},
 }
 
 
