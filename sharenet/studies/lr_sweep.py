@@ -224,6 +224,24 @@ def to_markdown(result: dict[str, Any]) -> str:
   return '\n'.join(out)
 
 
+def shift_table(sweeps: dict[str, dict[str, Any]]) -> str:
+  """One row per (sweep, axis, variant) of several lr_sweep.json results ({label: result}):
+  the swept points, the optimum's shift over them (log2 LR, max - min) and its slope per
+  doubling of x (over x > 0), with `edge` where an optimum sits at a grid end."""
+  out = ['| optimizer | axis | variant | points | shift (log2) | slope per doubling |',
+         '|---|---|---|---|---|---|']
+  for label, result in sweeps.items():
+    for axis in [a for a, r in result.items() if isinstance(r, dict) and 'variants' in r]:
+      r = result[axis]
+      points = ', '.join(str(x) for x in r['xs'])
+      for v, vr in r['variants'].items():
+        slope = vr['optimum_slope_log2_per_doubling']
+        edge = ' (edge)' if vr['any_at_edge'] else ''
+        out.append(f"| {label} | {axis} | {v} | {points} | {vr['optimum_shift_log2']:.2f}{edge} | "
+                   f"{'-' if slope is None else f'{slope:+.2f}'} |")
+  return '\n'.join(out) + '\n'
+
+
 def main(config: Any, out_dir: str) -> dict[str, Any]:
   cells = functools.partial(run_axis, cells_dir=os.path.join(out_dir, 'cells'))
   result = common.run_axes(config, out_dir, 'lr_sweep', cells, plot, table=to_markdown)

@@ -52,6 +52,16 @@ def _fn(module: str, name: str = 'to_markdown') -> Callable[[str], str]:
   return make
 
 
+def _shifts(paths: tuple[tuple[str, str], ...]) -> str:
+  from sharenet.studies import lr_sweep
+  return lr_sweep.shift_table({label: _load(path) for label, path in paths
+                               if os.path.exists(os.path.join(RESULTS, path))})
+
+
+# The optimum shifts of the transfer sweeps, one table across optimizers and axes
+SHIFT_SWEEPS = (('adamw', 'mup/lr_sweep.json'), ('muon', 'mup/muon/lr_sweep.json'),
+                ('shampoo', 'mup/shampoo/lr_sweep.json'), ('adamw', 'mup/beyond/lr_sweep.json'))
+
 # configs/depth_study.py's study.depths when the committed rows were measured
 DEPTH_STUDY_DEPTHS = '1,2,3,4,6,8,12'
 
@@ -68,9 +78,10 @@ TABLES: dict[str, tuple[str, Callable[[str], str]]] = {
     'rank_study/rank_study.md': ('rank_study/rank_study.json', _fn('rank_study')),
     **{f'mup/{d}coord_check.md': (f'mup/{d}coord_check.json', _fn('coord_check'))
        for d in ('', 'depth/coord_check/', 'lora/', 'lora/a_zero/', 'lora/lr_0.04/', 'umup/',
-                 'umup/lr0.125/', 'zero_init/')},
+                 'umup/lr0.125/', 'zero_init/', 'muon/coord_check/', 'shampoo/coord_check/')},
     **{f'mup/{d}lr_sweep.md': (f'mup/{d}lr_sweep.json', _fn('lr_sweep'))
        for d in ('', 'depth/', 'depth/alpha_0.5/', 'loops/', 'muon/', 'shampoo/')},
+    'mup/transfer_shifts.md': (SHIFT_SWEEPS, _shifts),
 }
 
 
