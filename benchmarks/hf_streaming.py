@@ -9,10 +9,11 @@ run on the 24 GB CPU box (by the 246M figures, ~10 GB at the import); --d_model 
 Result: one JSON object, each phase run in its own process and measured by its peak RSS
 (ru_maxrss): `baseline` (the interpreter with the libraries imported), `write` (the synthetic checkpoint, written tensor by tensor), `read` (import's
 read of every tensor into the stacked parameters), `import` (read plus the workdir's orbax
-checkpoint of the parameters) and `export` (restore plus the safetensors written
-tensor by tensor), beside the checkpoint's bytes and its largest tensor's. The reads and
-writes stream: `read` is about the parameters plus one stacked parameter, `write` about one
-tensor; the import's orbax save adds its write buffers.
+checkpoint of the parameters) and `export` (one stored parameter restored at a time, the
+safetensors written tensor by tensor), beside the checkpoint's bytes and its largest tensor's.
+`read` is about the parameters plus one stacked parameter, `write` about one tensor, `export`
+about twice the largest stored parameter plus one tensor; the import's orbax save adds its
+write buffers.
 """
 from __future__ import annotations
 

@@ -220,6 +220,25 @@ def restore_parts(mngr: ocp.CheckpointManager, step: int, parts: dict[str, Any],
   return out, data_ok
 
 
+def restore_leaf(mngr: ocp.CheckpointManager, step: int, name: str, path: tuple[str, ...],
+                 abstract: Any) -> np.ndarray:
+  """One leaf of the saved state's field `name` (at `path` below it; `abstract` its
+  ShapeDtypeStruct) as a host array: a partial restore that reads that leaf only."""
+  tree = jax.ShapeDtypeStruct(abstract.shape, abstract.dtype,
+                              sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+  for k in reversed(path):
+    tree = {k: tree}
+  parts = {name: tree}
+  out = ocp.PyTreeCheckpointer().restore(
+      _state_dir(mngr, step), args=ocp.args.PyTreeRestore(
+          item=parts, restore_args=ocp.checkpoint_utils.construct_restore_args(parts),
+          partial_restore=True))
+  node = out[name]
+  for k in path:
+    node = node[k]
+  return np.asarray(node)
+
+
 @jax.jit
 def _all_finite(tree: Any) -> jax.Array:
   return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -82,6 +82,41 @@ def restore_state(config: ml_collections.ConfigDict, workdir: str,
     raise ConfigError(f'--workdir {workdir}: no readable checkpoint')
   finally:
     mngr.close()
+
+
+def param_reader(config: ml_collections.ConfigDict, workdir: str
+                 ) -> tuple[int, dict[tuple, Any], Callable[[tuple], np.ndarray]]:
+  """(step, {params path: ShapeDtypeStruct}, read) for `workdir`'s latest checkpoint:
+  read(path) restores that one stored parameter as a host array (checkpoint.restore_leaf), so
+  a caller holds one tensor at a time. The checkpoint's parameter tree must be the config's
+  (else one ConfigError line, as restore_state)."""
+  from flax.traverse_util import flatten_dict as flat_of
+  exp = train_lib.setup(config, ModelConfig.from_experiment(config))
+  abstract = train_lib.abstract_state(exp.model, exp.tx, exp.tr, exp.pz).params['params']
+  shapes = dict(flat_of(abstract))
+  mngr = checkpoint.manager(workdir, config.train.keep_checkpoints, async_save=False)
+  try:
+    steps = sorted(mngr.all_steps())
+    if not steps:
+      raise ConfigError(f'--workdir {workdir} holds no checkpoint')
+    step = steps[-1]
+    saved = {k: v for k, v in checkpoint.saved_signatures(mngr, step).items()
+             if k.startswith('params/params/')}
+    want = {'params/params/' + k: v for k, v in checkpoint.leaf_signatures(abstract).items()}
+    diff = checkpoint.first_difference(saved, want)
+    if diff is not None:
+      raise ConfigError(f'--workdir {workdir}: checkpoint {step}: {diff}: it was written by '
+                        f'another config; valid: the workdir\'s own config.json')
+  finally:
+    mngr.close()
+
+  def read(path: tuple) -> np.ndarray:
+    m = checkpoint.manager(workdir, config.train.keep_checkpoints, async_save=False)
+    try:
+      return checkpoint.restore_leaf(m, step, 'params', ('params',) + tuple(path), shapes[path])
+    finally:
+      m.close()
+  return step, shapes, read
 
 
 def evaluate_workdir(workdir: str, step: int | None = None,

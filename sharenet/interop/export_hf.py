@@ -10,15 +10,18 @@ gemma2. A tied plan is written expanded to its applied layers (every use of a
 stored set becomes its own layer: the same function, more parameters), with a printed note;
 what no such architecture holds (depth-wise LoRA, per-layer norms, routing, MASA, ...) is one
 ConfigError naming it. The safetensors file is written without torch, one tensor at a time;
-on any error nothing is left at DIR.
+an untied model is also read one stored parameter at a time (a partial restore of the
+checkpoint), so the export holds about the largest stored parameter (a stacked (L, ...) block
+kernel) plus one output tensor. On any error nothing is left at DIR.
 """
 from __future__ import annotations
 
+import collections
 import json
 import math
 import os
 import shutil
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import numpy as np
@@ -161,39 +164,68 @@ def _tensors(arch: str, cfg: Any) -> list[tuple[str, list[tuple[hf_arch.Entry, i
   return list(out.items())
 
 
-def write_hf(out: str, arch: str, cfg: Any, params: dict[str, Any]) -> int:
+def write_hf(out: str, arch: str, cfg: Any, params: dict[str, Any] | None = None,
+             read: Callable[[tuple], np.ndarray] | None = None,
+             shapes: dict[tuple, tuple] | None = None) -> int:
   """Writes `out` (config.json, model.safetensors) from the params of `cfg`, every applied
   layer its own (models/layout.py applied_params: a tied plan expanded); returns the tensor
-  count."""
-  def leaf(path: tuple[str, ...]) -> Any:
-    node = params
-    for k in path:
-      node = node[k]
-    return node
-
+  count. The params are `params` (the whole 'params' tree) or, for an untied plan, `read`
+  (stored path -> host array, one stored parameter at a time) with their `shapes`: the tensors
+  are then written grouped by the stored parameter they come from, so each is read once and
+  at most a few are held (workdir_lib.param_reader)."""
+  if params is not None:
+    flat = dict(flatten_dict(params))
+    read, shapes = flat.__getitem__, {p: tuple(v.shape) for p, v in flat.items()}
+  shapes = {p: tuple(getattr(v, 'shape', v)) for p, v in shapes.items()}
+  table = {p[1:]: i for p, i in param_table(cfg).items() if p[0] == 'params'}
   if cfg.sharing.scheme == 'untied':   # the stored leaves are per applied layer already
-    applied = {i.local: leaf(p[1:]) for p, i in param_table(cfg).items()
-               if p[0] == 'params' and i.in_block}
+    source = {i.local: p for p, i in table.items() if i.in_block}   # block-local -> stored
+    fused = max(len(parts) for _, parts in _tensors(arch, model_layout.untied_config(cfg)))
+    get = _recent(read, fused)   # GPT-2's c_attn reads q, k and v at once
+    stored = lambda e: source[e.path] if e.layer else e.path
   else:   # {block-local path: (L, ...)}, a copy: the expanded model
+    if params is None:
+      raise ValueError('write_hf: a tied plan is expanded from the whole params tree')
     applied = model_layout.applied_params(params, cfg)
+    get = lambda path: applied[path] if path in applied else read(path)
+    stored = lambda e: e.path
   cfg = model_layout.untied_config(cfg)
 
   def value(e: hf_arch.Entry, layer: int | None) -> np.ndarray:
-    return np.asarray(leaf(e.path) if layer is None else applied[e.path][layer], np.float32)
+    return np.asarray(get(stored(e)) if layer is None else get(stored(e))[layer], np.float32)
+
+  def shape(e: hf_arch.Entry, layer: int | None) -> tuple:
+    full = shapes[stored(e)] if stored(e) in shapes else tuple(applied[e.path].shape)
+    return tuple(full) if layer is None else tuple(full[1:])
 
   tensors = _tensors(arch, cfg)
+  tensors.sort(key=lambda t: (stored(t[1][0][0]), t[1][0][1] or 0))   # one source at a time
   by_name = dict(tensors)
-  shapes = {n: layout.hf_shape(parts[0][0], value(*parts[0]).shape) for n, parts in tensors}
+  shapes_hf = {n: layout.hf_shape(parts[0][0], shape(*parts[0])) for n, parts in tensors}
 
   def produce(name):
     parts = by_name[name]
     return layout.to_hf(parts[0][0], [value(e, layer) for e, layer in parts])
 
   safetensors_io.write(os.path.join(out, 'model.safetensors'),
-                       [(n, shapes[n], np.float32) for n, _ in tensors], produce)
+                       [(n, shapes_hf[n], np.float32) for n, _ in tensors], produce)
   with open(os.path.join(out, 'config.json'), 'w') as f:
     json.dump(hf_config(arch, cfg), f, indent=2)
   return len(tensors)
+
+
+def _recent(read: Callable[[tuple], np.ndarray], size: int) -> Callable[[tuple], np.ndarray]:
+  """`read` keeping the `size` most recently read arrays."""
+  kept: collections.OrderedDict = collections.OrderedDict()
+
+  def get(path):
+    if path not in kept:
+      while len(kept) >= size:   # dropped before the next is read: never size + 1 held
+        kept.popitem(last=False)
+      kept[path] = read(path)
+    kept.move_to_end(path)
+    return kept[path]
+  return get
 
 
 def export_hf(workdir: str, out: str) -> dict[str, Any]:
@@ -206,12 +238,20 @@ def export_hf(workdir: str, out: str) -> dict[str, Any]:
   config = workdir_lib.load_config(workdir)
   cfg = ModelConfig.from_experiment(config)
   arch = export_arch(cfg)
-  state, step, exp = workdir_lib.restore_state(config, workdir)
-  variables = jax.device_get(train_lib.effective_params(state, exp.tr))
-  extra = [k for k, v in variables.items() if k != 'params' and flatten_dict(v)]
-  if extra:
-    raise ConfigError(f'--workdir {workdir} holds the collection {extra[0]} (per-layer '
-                      f'parts); no Hugging Face architecture holds it')
+  # An untied model whose stored params are the applied ones (no reparameterization) is read
+  # one stored parameter at a time; otherwise the effective params are restored whole.
+  streaming = cfg.sharing.scheme == 'untied' and not config.transforms.reparam
+  if streaming:
+    step, shapes, read = workdir_lib.param_reader(config, workdir)
+    write = lambda d: write_hf(d, arch, cfg, read=read, shapes=shapes)
+  else:
+    state, step, exp = workdir_lib.restore_state(config, workdir)
+    variables = jax.device_get(train_lib.effective_params(state, exp.tr))
+    extra = [k for k, v in variables.items() if k != 'params' and flatten_dict(v)]
+    if extra:
+      raise ConfigError(f'--workdir {workdir} holds the collection {extra[0]} (per-layer '
+                        f'parts); no Hugging Face architecture holds it')
+    write = lambda d: write_hf(d, arch, cfg, variables['params'])
   if cfg.sharing.scheme != 'untied':
     print(f'note: the tied plan {cfg.sharing.scheme} ({cfg.plan.num_unique} stored sets) is '
           f'written expanded to its {cfg.num_layers} applied layers', flush=True)
@@ -219,7 +259,7 @@ def export_hf(workdir: str, out: str) -> dict[str, Any]:
   tmp = f'{out}.export-{os.getpid()}.tmp'
   try:
     os.makedirs(tmp)
-    count = write_hf(tmp, arch, cfg, variables['params'])
+    count = write(tmp)
     if os.path.isdir(out):
       os.rmdir(out)
     os.rename(tmp, out)
