@@ -210,7 +210,8 @@ def _features() -> tuple[Feature, ...]:
                if f.name in ('kv_shared', 'qkv_shared') else f for f in attention]
   norms = [_setting(k, 'norm', 'model.norm.kind', k)
            for k in ('layernorm', 'crmsnorm', 'scalenorm', 'dyt', 'none', 'lpnorm')]
-  # model.norm.kind=powernorm | unified_norm (sharenet/norm_stats.py): running statistics per
+  # model.norm.kind=powernorm | unified_norm | online_norm (sharenet/norm_stats.py): running
+  # statistics per
   # applied layer, in TrainState.tstate, read from the training step's cotangents.
   stats_layers = 'a statistics norm keeps running statistics per applied layer of the plan'
   norms += [_setting(kind, 'norm', 'model.norm.kind', kind, refuses=(
@@ -224,7 +225,7 @@ def _features() -> tuple[Feature, ...]:
       ('grad_accum', 'the statistic is per batch (valid: train.grad_accum=1)'),
       ('loop_inference', stats_layers + '; loop-by-loop inference reads the stored sets only'),
       ('test_time_depth', stats_layers + '; another depth runs layers without them')))
-      for kind in ('powernorm', 'unified_norm')]
+      for kind in ('powernorm', 'unified_norm', 'online_norm')]
   # model.mlp=selu: Klambauer et al.'s self-normalizing feed-forward, on the mlp axis with GeGLU;
   # its pair with the norm `none` is the paper's normalization-free baseline.
   norms.append(_setting('selu', 'mlp', 'model.mlp', 'selu'))

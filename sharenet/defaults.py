@@ -154,7 +154,7 @@ def default_config() -> ml_collections.ConfigDict:
                               # shared feed-forward; 0 = off
   m.norm = n = ml_collections.ConfigDict()
   n.kind = 'rmsnorm'          # layernorm | rmsnorm | crmsnorm | scalenorm | dyt | none | lpnorm
-                              # | powernorm | unified_norm (running statistics:
+                              # | powernorm | unified_norm | online_norm (running statistics:
                               # sharenet/norm_stats.py)
   n.placement = 'pre'         # pre | post | peri | moeut (MoEUT's peri-layernorm: norms only
                               # where a softmax / sigmoid reads: queries, keys, selectors)
@@ -171,12 +171,14 @@ def default_config() -> ml_collections.ConfigDict:
   n.p = 1.0                   # lpnorm's order p > 0 (2 = layernorm; 1: Liao et al.'s L1)
   n.stats_momentum = 0.9      # powernorm / unified_norm: EMA of the running statistic (alpha_fwd,
                               # momentum)
-  n.stats_grad_momentum = 0.9 # powernorm: the approximate backward's alpha_bkw
+  n.stats_grad_momentum = 0.9 # powernorm / online_norm: the backward's alpha_bkw
   n.stats_warmup = 10000      # steps on the batch statistic (warmup_iters: powernorm's 10,000;
                               # unified_norm's reference default is 4,000)
   n.groups = 1                # powernorm: channel groups of the group scaling (group_num)
   n.stats_window = 4          # unified_norm: window of batch statistics (window_size)
   n.outlier_filter = False    # unified_norm: outlier filtration (the reference's NLP default)
+  n.online_ecm = 'ac'         # online_norm: error checking, ac (clamp to +-5) | ls (layer
+                              # scaling) | none; its reference momenta: 0.999 / 0.99
 
   c.train = t = ml_collections.ConfigDict()
   t.steps = 120

@@ -256,7 +256,106 @@ def _unified_norm_update(stats: dict, cot: dict, n: Any, eps: float) -> dict:
           'skips': stats['skips'] + skip.astype(jnp.float32)}
 
 
-APPLY = {'powernorm': apply_power_norm, 'unified_norm': apply_unified_norm}
+# ----------------------------------------------------------------------------- Online Norm
+#
+# Chiley et al., "Online Normalization for Training Neural Networks", arXiv:1905.05894, as its
+# reference code (Cerebras/online-normalization, numpy_on/online_norm_1d.py) computes it: the
+# rows (tokens, batch-major) are a stream, each normalised by the per-channel statistics of the
+# rows before it, which continue across steps:
+#   forward   y_t = (x_t - mu_{t-1}) / sqrt(var_{t-1} + eps);
+#             var_t = a var_{t-1} + a (1 - a) (x_t - mu_{t-1})^2; mu_t = a mu_{t-1} + (1 - a) x_t
+#   backward  (control processes u, v, also continued across steps)
+#             g~_t = g_t - (1 - b) v_{t-1} y_t;  v_t = v_{t-1} + g~_t y_t;
+#             dx_t = g~_t / sqrt(var_{t-1} + eps) - (1 - b) u_{t-1};  u_t = u_{t-1} + dx_t
+#   then gamma y + beta and the error-checking mechanism: activation clamping to +-5 ('ac', the
+#   reference's default) or layer scaling ('ls')
+#   eval      (x - mu) / sqrt(var + eps) with the last statistics
+# Every recurrence is first-order linear, so each runs as one associative scan over the rows.
+# The statistics after the step leave as the cotangents of the statistics themselves; g is
+# taken at the summed loss's scale (x the rows' count), as for PowerNorm.
+
+def _linear_scan(a_NC: jax.Array, b_NC: jax.Array, h_C: jax.Array) -> jax.Array:
+  """h_t = a_t h_{t-1} + b_t for t = 1..N from h_0 = h_C, all at once: (N, C)."""
+  combine = lambda p, q: (q[0] * p[0], q[0] * p[1] + q[1])
+  a, b = jax.lax.associative_scan(combine, (a_NC, b_NC))
+  return a * h_C[None] + b
+
+
+def _shifted(h0_C: jax.Array, h_NC: jax.Array) -> jax.Array:
+  """(h_0, ..., h_{N-1}): each row's value before it."""
+  return jnp.concatenate([h0_C[None], h_NC[:-1]], axis=0)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
+def online_norm(x_NC, mean_C, var_C, u_C, v_C, a_fwd, a_bkw, eps, grad_scale):
+  """Online Normalization's forward over the stream of rows (above); the cotangents of mean,
+  var, u and v are their values after the rows."""
+  return _online_forward(x_NC, mean_C, var_C, a_fwd, eps)[0]
+
+
+def _online_forward(x_NC, mean_C, var_C, a_fwd, eps):
+  a = jnp.full_like(x_NC, a_fwd)
+  mu = _linear_scan(a, (1 - a_fwd) * x_NC, mean_C)
+  mu_prev = _shifted(mean_C, mu)
+  var = _linear_scan(a, a_fwd * (1 - a_fwd) * jnp.square(x_NC - mu_prev), var_C)
+  scale = jnp.sqrt(_shifted(var_C, var) + eps)
+  return (x_NC - mu_prev) / scale, scale, mu[-1], var[-1]
+
+
+def _online_norm_fwd(x_NC, mean_C, var_C, u_C, v_C, a_fwd, a_bkw, eps, grad_scale):
+  y, scale, mean_N, var_N = _online_forward(x_NC, mean_C, var_C, a_fwd, eps)
+  return y, (y, scale, mean_N, var_N, u_C, v_C)
+
+
+def _online_norm_bwd(a_fwd, a_bkw, eps, grad_scale, res, dy_NC):
+  y, scale, mean_N, var_N, u_C, v_C = res
+  g = dy_NC * grad_scale
+  v = _linear_scan(1 - (1 - a_bkw) * jnp.square(y), g * y, v_C)
+  g_ctrl = (g - (1 - a_bkw) * _shifted(v_C, v) * y) / scale
+  u = _linear_scan(jnp.full_like(g, a_bkw), g_ctrl, u_C)
+  dx = g_ctrl - (1 - a_bkw) * _shifted(u_C, u)
+  return dx / grad_scale, mean_N, var_N, u[-1], v[-1]
+
+
+online_norm.defvjp(_online_norm_fwd, _online_norm_bwd)
+
+ONLINE_FIELDS = ('mean', 'var', 'u', 'v', 'count')
+
+
+def apply_online_norm(module: Any, x: jax.Array, gain_C: jax.Array, bias_C: jax.Array,
+                      eps: float, n: Any) -> jax.Array:
+  """Online Normalization over the last axis of x (..., C) inside flax `module` (norms.Norm):
+  the rows in order (batch-major) in training mode, the last statistics in eval mode; then
+  gamma, beta and the error-checking mechanism (n.online_ecm)."""
+  c = x.shape[-1]
+  v = lambda name, init: module.variable(NORM_STATS, name, init, (c,), jnp.float32).value
+  st = {'mean': v('mean', jnp.zeros), 'var': v('var', jnp.ones), 'u': v('u', jnp.zeros),
+        'v': v('v', jnp.zeros)}
+  module.variable(NORM_STATS, 'count', jnp.zeros, (), jnp.float32)
+  x_NC = x.reshape(-1, c).astype(jnp.float32)
+  if module.is_mutable_collection(NORM_STATS):
+    y = online_norm(x_NC, st['mean'], st['var'], st['u'], st['v'], n.stats_momentum,
+                    n.stats_grad_momentum, eps, float(x_NC.shape[0]))
+  else:
+    y = (x_NC - st['mean'][None]) * jax.lax.rsqrt(st['var'] + eps)[None]
+  y = y * gain_C[None] + bias_C[None]
+  if n.online_ecm == 'ac':
+    y = jnp.clip(y, -ONLINE_CLAMP, ONLINE_CLAMP)
+  elif n.online_ecm == 'ls':
+    y = y * jax.lax.rsqrt(jnp.mean(jnp.square(y), axis=-1, keepdims=True) + eps)
+  return y.reshape(x.shape).astype(x.dtype)
+
+
+ONLINE_CLAMP = 5.0   # the reference's activation clamp
+
+
+def _online_norm_update(stats: dict, cot: dict) -> dict:
+  return {'mean': cot['mean'], 'var': cot['var'], 'u': cot['u'], 'v': cot['v'],
+          'count': stats['count'] + 1}
+
+
+APPLY = {'powernorm': apply_power_norm, 'unified_norm': apply_unified_norm,
+         'online_norm': apply_online_norm}
 
 
 def update(stats: Any, cotangents: Any, n: Any) -> Any:
@@ -267,6 +366,8 @@ def update(stats: Any, cotangents: Any, n: Any) -> Any:
     return _power_norm_update(stats, cotangents, n)
   if isinstance(stats, dict) and set(stats) == set(UN_FIELDS):
     return _unified_norm_update(stats, cotangents, n, n.eps)
+  if isinstance(stats, dict) and set(stats) == set(ONLINE_FIELDS):
+    return _online_norm_update(stats, cotangents)
   return {k: update(v, cotangents[k], n) for k, v in stats.items()}
 
 

@@ -22,6 +22,9 @@ Formulas (papers in docs/references.md):
              the geometric mean of a window of them; eval mode (and the fold into the next
              linear layer) reads the running one (Yang et al., "Unified Normalization",
              arXiv:2208.01313); sharenet/norm_stats.py
+  online_norm (x - mu) / sqrt(var + eps) with the running statistics of the rows before each
+             row (tokens as a stream, continued across steps), then gamma, beta and a clamp to
+             +-5 (Chiley et al., "Online Normalization", arXiv:1905.05894); norm_stats.py
 
 `Norm(..., kernels=...)` follows model.kernels (sharenet/kernels/__init__.py): on the Pallas
 path layernorm, rmsnorm and crmsnorm run sharenet/kernels/norms.py's fused kernel, which also
@@ -42,7 +45,7 @@ from sharenet.kernels import norms as norm_kernels
 from sharenet.params import PER_LAYER, param  # PER_LAYER re-exported for the model modules
 
 KINDS = ('layernorm', 'rmsnorm', 'crmsnorm', 'scalenorm', 'dyt', 'l2', 'none', 'lpnorm',
-         'powernorm', 'unified_norm')
+         'powernorm', 'unified_norm', 'online_norm')
 
 
 class Norm(nn.Module):
@@ -114,7 +117,7 @@ class Norm(nn.Module):
     if self.kind == 'dyt':
       y = jnp.tanh(scalar('alpha', self.dyt_alpha) * xf) * vec('scale', 'gain')
       return (y + vec('bias', 'shift')).astype(x.dtype)
-    if self.kind in ('powernorm', 'unified_norm'):
+    if self.kind in ('powernorm', 'unified_norm', 'online_norm'):
       from sharenet import norm_stats
       from sharenet.models.sections import NormConfig
       apply = norm_stats.APPLY[self.kind]

@@ -1,5 +1,5 @@
-"""Running statistics of a statistics norm (model.norm.kind=powernorm | unified_norm,
-sharenet/norm_stats.py)
+"""Running statistics of a statistics norm (model.norm.kind=powernorm | unified_norm |
+online_norm, sharenet/norm_stats.py)
 in the model: one entry per applied layer under a tied block, the same under both lowerings,
 in TrainState.tstate, and restored exactly after a kill -9. The forward and backward against
 the reference: tests/test_norms_family.py; 8 devices against one: tests/test_sharding.py."""
@@ -61,7 +61,7 @@ def test_statistics_are_per_applied_layer_and_equal_under_both_lowerings(tiny_co
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize('kind', ['powernorm', 'unified_norm'])
+@pytest.mark.parametrize('kind', ['powernorm', 'unified_norm', 'online_norm'])
 def test_resume_after_kill_keeps_the_statistics_exactly(tmp_path, losses, train_cmd,
                                                         subprocess_env, kind):
   """train.py with a statistics norm killed (-9) after its step-20 checkpoint and resumed:

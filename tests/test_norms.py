@@ -27,6 +27,7 @@ PARAMS = {
     'lpnorm': {'scale': np.ones(D), 'bias': np.zeros(D)},   # p = 2 (Norm's default)
     'powernorm': {'scale': np.ones(D), 'bias': np.zeros(D)},   # eval mode, phi at init (ones)
     'unified_norm': {'scale': np.ones(D), 'bias': np.zeros(D)},   # eval mode, running_var = 1
+    'online_norm': {'scale': np.ones(D), 'bias': np.zeros(D)},   # eval mode, mean 0, var 1
 }
 
 
@@ -60,6 +61,8 @@ def _expected(kind, x, p):
     return p['scale'] * x / np.sqrt(np.mean(full ** 2, -1, keepdims=True) + EPS)
   if kind == 'scalenorm':
     return p['g'] * x / np.maximum(np.sqrt(sq), EPS)
+  if kind == 'online_norm':   # eval mode at init (mean 0, var 1), then the clamp to +-5
+    return np.clip(p['scale'] * x / np.sqrt(1 + EPS) + p['bias'], -5, 5)
   if kind == 'unified_norm':   # eval mode: the running statistic, 1 at init
     return p['scale'] * x / np.sqrt(1 + EPS) + p['bias']
   if kind == 'powernorm':   # eval mode: group scaling (1 group), then the running phi = 1

@@ -200,7 +200,7 @@ def test_lpnorm_with_p2_is_layernorm_and_p_le_0_is_one_line():
 # ------------------------------------------------------------------------------ norm study
 
 @pytest.mark.parametrize('variant', ['lpnorm', 'selu', 'weight_conditioning', 'compander',
-                                     'powernorm', 'unified_norm'])
+                                     'powernorm', 'unified_norm', 'online_norm'])
 def test_new_variants_are_valid_norm_study_cells(variant):
   """The study can run them later (python -m sharenet.studies.norm_study
   --config.study.variants=lpnorm,selu,weight_conditioning,compander,powernorm): every cell
@@ -416,3 +416,83 @@ def test_unified_norm_matches_the_reference_over_a_thousand_steps(outlier):
   np.testing.assert_allclose(np.asarray(y_eval),
                              gain * x / np.sqrt(ref['running_var'] + eps) + bias, rtol=1e-3,
                              atol=1e-5)
+
+
+def _np_online_norm_step(x, dy, gain, bias, st, a_fwd, a_bkw, eps, clamp):
+  """OnlineNorm1d (Cerebras/online-normalization, numpy_on/online_norm_1d.py) restated: the
+  rows in order, Norm1d's forward and control-process backward, the affine map and activation
+  clamping; `st` (m, var, u, v) is updated in place. -> (y, dx, d gain, d bias)."""
+  n = x.shape[0]
+  center, scale = np.empty_like(x), np.empty_like(x)
+  for i in range(n):
+    center[i], scale[i] = st['m'], np.sqrt(st['var'] + eps)
+    st['var'] = a_fwd * st['var'] + a_fwd * (1 - a_fwd) * (x[i] - st['m']) ** 2
+    st['m'] = st['m'] + (1 - a_fwd) * (x[i] - st['m'])
+  out = (x - center) / scale
+  y = np.clip(out * gain + bias, -clamp, clamp)
+  g_aff = np.where(np.abs(y) >= clamp, 0.0, dy)
+  dgain, dbias = (g_aff * out).sum(0), g_aff.sum(0)
+  g = g_aff * gain
+  dx = np.empty_like(x)
+  for i in range(n):
+    grad = g[i] - (1 - a_bkw) * st['v'] * out[i]
+    st['v'] = st['v'] + grad * out[i]
+    grad = grad / scale[i]
+    dx[i] = grad - (1 - a_bkw) * st['u']
+    st['u'] = st['u'] + dx[i]
+  return y, dx, dgain, dbias
+
+
+def test_online_norm_matches_the_reference_over_steps():
+  """norms.Norm(kind='online_norm') for 4 training steps against OnlineNorm1d restated in
+  numpy (the rows as a stream carried across steps, the control processes u and v, clamping at
+  +-5, which a scaled input reaches): output, dx, the gains' gradients and the four statistics
+  each step; eval mode reads the last statistics. sharenet's loss is the token mean: its dx and
+  gains' gradients are 1/N of the reference's."""
+  import flax.linen as nn
+  from sharenet import norm_stats as ns
+  from sharenet.models.sections import NormConfig
+  from sharenet.norms import Norm
+  eps, a_fwd, a_bkw, C, N = 1e-5, 0.9, 0.8, 6, 12
+  cfg = NormConfig(kind='online_norm', stats_momentum=a_fwd, stats_grad_momentum=a_bkw)
+  norm = Norm('online_norm', eps, stats=cfg)
+  rng = np.random.default_rng(2)
+  variables = nn.unbox(norm.init(jax.random.key(0), jnp.ones((3, 4, C))))
+  params = jax.tree.map(lambda a: a + 0.3 * jnp.arange(C, dtype=a.dtype) / C,
+                        variables['params'])
+  gain, bias = (np.asarray(params[k], np.float64) for k in ('scale', 'bias'))
+  stats = variables[ns.NORM_STATS]
+  ref = {'m': np.zeros(C), 'var': np.ones(C), 'u': np.zeros(C), 'v': np.zeros(C)}
+
+  @jax.jit
+  def step(params, stats, x, dy):
+    def loss(x, p, s):
+      y, _ = norm.apply({'params': p, ns.NORM_STATS: s}, x, mutable=[ns.NORM_STATS])
+      return jnp.sum(dy * y.reshape(N, C)) / N, y
+    (_, y), (dx, dp, cot) = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(
+        x, params, stats)
+    return y, dx, dp, ns.update(stats, cot, cfg)
+
+  clamped = 0
+  for t in range(4):
+    x = rng.normal(size=(3, 4, C)) * rng.uniform(0.5, 2, C) + rng.normal(size=C)
+    if t == 2:
+      x = x * 8.0   # some outputs reach the clamp
+    dy = rng.normal(size=(N, C))
+    y, dx, dp, stats = step(params, stats, jnp.asarray(x, jnp.float32),
+                            jnp.asarray(dy, jnp.float32))
+    y_ref, dx_ref, dgain, dbias = _np_online_norm_step(x.reshape(N, C), dy, gain, bias, ref,
+                                                       a_fwd, a_bkw, eps, 5.0)
+    clamped += int((np.abs(y_ref) >= 5).sum())
+    np.testing.assert_allclose(np.asarray(y).reshape(N, C), y_ref, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(dx).reshape(N, C), dx_ref / N, rtol=1e-3, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(dp['scale']), dgain / N, rtol=1e-3, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(dp['bias']), dbias / N, rtol=1e-3, atol=1e-6)
+    for k, r in (('mean', 'm'), ('var', 'var'), ('u', 'u'), ('v', 'v')):
+      np.testing.assert_allclose(np.asarray(stats[k]), ref[r], rtol=1e-4, atol=1e-6,
+                                 err_msg=f'{k} at step {t}')
+  assert clamped > 0 and float(stats['count']) == 4
+  x = rng.normal(size=(3, 4, C))
+  y_eval = norm.apply({'params': params, ns.NORM_STATS: stats}, jnp.asarray(x, jnp.float32))
+  want = np.clip((x - ref['m']) / np.sqrt(ref['var'] + eps) * gain + bias, -5, 5)
+  np.testing.assert_allclose(np.asarray(y_eval), want, rtol=1e-4, atol=1e-5)

@@ -40,7 +40,10 @@ TRANSFORMS = {'transforms.reparam': 'weight_norm,sigma_reparam', 'transforms.pro
 # batch (Unified Norm's window of 2 is full, and its geometric mean used, from step 3)
 STATS_NORMS = {'powernorm': {'model.norm.kind': 'powernorm', 'model.norm.stats_warmup': 2},
                'unified_norm': {'model.norm.kind': 'unified_norm', 'model.norm.stats_warmup': 2,
-                                'model.norm.stats_window': 2}}
+                                'model.norm.stats_window': 2},
+               'online_norm': {'model.norm.kind': 'online_norm',   # the reference's momenta
+                               'model.norm.stats_momentum': 0.999,
+                               'model.norm.stats_grad_momentum': 0.99}}
 
 
 def norm_statistics(workdir: str) -> dict:
@@ -219,9 +222,13 @@ def test_running_statistics_on_a_mesh_match_one_device(eight, single, kind):
   got, want = eight['norm_statistics'][kind], single['norm_statistics'][kind]
   assert got.keys() == want.keys() and any(k.endswith("var']") or k.endswith("['phi']")
                                            for k in want)
+  # Online Norm's statistics and control processes are associative scans over the rows, whose
+  # partial results combine in another order when the rows are sharded: float32 rounding of
+  # order 3e-5 of the leaf's scale after 5 steps of 4,096 rows.
+  tol = 1e-4 if kind == 'online_norm' else RTOL
   for k in want:
     scale = float(np.max(np.abs(want[k]))) if want[k] else 0.0   # reduction-order noise
-    np.testing.assert_allclose(got[k], want[k], rtol=RTOL, atol=RTOL * scale, err_msg=k)
+    np.testing.assert_allclose(got[k], want[k], rtol=tol, atol=tol * scale, err_msg=k)
 
 
 @pytest.mark.slow   # the 8-device subprocess (module fixture `eight`)

@@ -15,9 +15,10 @@ from sharenet import defaults
 from sharenet.errors import ConfigError
 
 NORMS = ('layernorm', 'rmsnorm', 'crmsnorm', 'scalenorm', 'dyt', 'none', 'lpnorm', 'powernorm',
-         'unified_norm')
+         'unified_norm', 'online_norm')
 # Norms whose statistics are carried across steps (sharenet/norm_stats.py)
-STATS_NORMS = ('powernorm', 'unified_norm')
+STATS_NORMS = ('powernorm', 'unified_norm', 'online_norm')
+ONLINE_ECMS = ('ac', 'ls', 'none')
 PLACEMENTS = ('pre', 'post', 'peri', 'moeut')
 QK_NORMS = ('none', 'rms', 'l2')
 PRE_ACTIVATION_NORMS = ('none', 'layernorm', 'rmsnorm')
@@ -94,9 +95,11 @@ class NormConfig:
   groups: int = key('norm.groups')
   stats_window: int = key('norm.stats_window')
   outlier_filter: bool = key('norm.outlier_filter')
+  online_ecm: str = key('norm.online_ecm')
 
   def __post_init__(self):
     choice('model.norm.kind', self.kind, NORMS)
+    choice('model.norm.online_ecm', self.online_ecm, ONLINE_ECMS)
     for name in ('stats_momentum', 'stats_grad_momentum'):
       if not 0 <= float(getattr(self, name)) < 1:
         raise ConfigError(f'model.norm.{name}={getattr(self, name)} must be in [0, 1) (an EMA '

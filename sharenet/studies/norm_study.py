@@ -44,6 +44,10 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     # Yang et al.'s window of statistics (4, the reference's) after the same 20 steps
     'unified_norm': ('activation norm', {'model.norm.kind': 'unified_norm',
                                          'model.norm.stats_warmup': 20}),
+    # Chiley et al.'s stream of tokens, with the reference's momenta and activation clamping
+    'online_norm': ('activation norm', {'model.norm.kind': 'online_norm',
+                                        'model.norm.stats_momentum': 0.999,
+                                        'model.norm.stats_grad_momentum': 0.99}),
     'peri_rmsnorm': ('placement', {'model.norm.placement': 'peri'}),
     'qk_rms': ('QK-norm', {'model.norm.qk_norm': 'rms'}),
     'qk_l2': ('QK-norm', {'model.norm.qk_norm': 'l2'}),
