@@ -1,6 +1,20 @@
-"""PowerNorm's functional core: running statistics passed in and out explicitly.
+"""Statistics norms: state carried across training steps, read back from cotangents.
 
-Shen et al., "PowerNorm: Rethinking Batch Normalization in Transformers", arXiv:2003.07845
+`model.norm.kind` = powernorm | unified_norm | online_norm (norms.Norm calls `APPLY[kind]`).
+Each norm keeps its statistics in the NORM_STATS collection. The stack scans the collection per
+applied layer (like per_layer: a tied block keeps one entry per applied layer);
+TrainState.tstate holds it, so it is checkpointed and restored with the state. A norm is in
+training mode exactly when the collection is mutable in the apply (step_lib.loss_fn), in eval
+mode otherwise (eval_loss, generation). JAX functions cannot write state, so whatever a step
+changes leaves the differentiated forward as a cotangent: train_step differentiates the loss
+with respect to the collection too, and `update` turns those cotangents into the next
+statistics. Statistics are means (or scans) over the jitted global batch, so data-parallel
+devices see one device's statistic. The backward statistics are taken at the summed token
+loss's scale (`grad_scale` = the rows' count), as the references back-propagate it, so the
+state equals theirs while sharenet's loss is the token mean; dx is divided back.
+
+PowerNorm: Shen et al., "PowerNorm: Rethinking Batch Normalization in Transformers",
+arXiv:2003.07845
 (reference code sIncerass/powernorm, MaskPowerNorm). Per channel c, with no mean subtraction:
   group scaling   x <- x / sqrt(mean_{group}(x^2) + eps) per token (GroupScaling1D)
   batch moment    psi2_c = mean over the batch's rows of x_c^2
@@ -12,23 +26,11 @@ Shen et al., "PowerNorm: Rethinking Batch Normalization in Transformers", arXiv:
                   (the *batch* moment: the running statistic sits in the forward without
                   being differentiated); Gamma <- Gamma + mean(g^ z) over the rows.
 
-Gamma is written by the backward pass. JAX's VJP cannot write state, so the increment
-mean(g^ z) leaves `power_norm` as the cotangent of `tap_C`, a zero input the caller
-differentiates and adds to Gamma. The batch moment psi2 leaves the same way: its cotangent
-is psi2 itself, so a caller that passes stop_gradient(psi2) plus a zero-valued tap reads the
-step's psi2 as the tap's cotangent. `grad_scale` = N rows makes Gamma the reference's: fairseq
-back-propagates the summed token loss (dy of order 1) and divides the gradients afterwards,
-while sharenet's loss is the token mean (dy of order 1/N); dx is divided back.
-
-In the model (`model.norm.kind=powernorm`, norms.Norm): each norm keeps, in the NORM_STATS
-collection, `phi` (ones), `gz` (Gamma, zeros), `psi2` (the last training step's batch moment)
-and `count` (training steps seen). The stack scans the collection per applied layer (like
-per_layer: a tied block keeps one entry per applied layer); TrainState.tstate holds it, so it
-is checkpointed and restored with the state; the norm is in training mode exactly when the
-collection is mutable in the apply (step_lib.loss_fn), in eval mode otherwise (eval_loss,
-generation: `power_norm_eval` with phi). train_step differentiates the loss with respect to
-the collection too, and `update` turns those cotangents into the next state. Statistics are
-means over the jitted global batch, so data-parallel devices see the one batch statistic.
+Gamma's increment mean(g^ z) leaves `power_norm` as the cotangent of `tap_C` (Gamma passed a
+second time); the batch moment's cotangent is psi2 itself, so a caller that passes
+stop_gradient(psi2) plus a zero-valued tap of the last psi2 reads this step's. Its state:
+`phi` (ones), `gz` (Gamma, zeros), `psi2` (the last training step's batch moment), `count`.
+Unified Norm and Online Norm: their sections below.
 """
 from __future__ import annotations
 

@@ -206,6 +206,8 @@ def train_step(state: TrainState, batch_BT1: jax.Array, depth: Any = None, *, mo
   over micro-batches). With loss-free routing balancing, the routing bias in `tstate` then moves
   by the step's exit fractions (models/routing.py update_balance). `depth`: a sampled-depth
   model's loops this step (a traced int32; sharenet/recurrence.py), `loops` its exits and seed.
+  A statistics norm's state (norm_stats.NORM_STATS in `tstate`) is differentiated with the
+  params; its cotangents give the next statistics (sharenet/norm_stats.py).
   """
   tstate = state.tstate if tr is None else tr.update_state(state.params, state.tstate)
   loss_of = functools.partial(loss_fn, depth=depth, model=model, tr=tr, pz=pz, mutable=mutable,
@@ -219,10 +221,10 @@ def train_step(state: TrainState, batch_BT1: jax.Array, depth: Any = None, *, mo
         state.params, tstate[NORM_STATS], batch_BT1)
     tstate = {**tstate, NORM_STATS: norm_stats.update(tstate[NORM_STATS], cot, model.cfg.norm)}
   elif grad_accum == 1:
+    (loss, aux), grads = jax.value_and_grad(loss_of, has_aux=True)(state.params, tstate,
+                                                                   batch_BT1)
+  else:   # a batch is an array or, with data.segment_mask, a dict of them (eval_lib.split_batch)
     grad_fn = jax.value_and_grad(loss_of, has_aux=True)
-    (loss, aux), grads = grad_fn(state.params, tstate, batch_BT1)
-  else:
-    grad_fn = jax.value_and_grad(loss_of, has_aux=True)   # a batch is an array or, with data.segment_mask, a dict of them (eval_lib.split_batch)
     micro = jax.tree.map(lambda x: x.reshape((grad_accum, -1) + x.shape[1:]), batch_BT1)
 
     # Gradients (shaped as the params) accumulate in the carry; each micro-batch's loss and
