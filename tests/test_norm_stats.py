@@ -107,6 +107,7 @@ def test_a_conversion_of_a_powernorm_run_is_one_line(tmp_path, tiny_config):
   assert np.isfinite(workdir_lib.evaluate_workdir(src)['eval_loss'])
 
 
+@pytest.mark.slow
 def test_fold_unified_norm_keeps_the_eval_loss(tmp_path, tiny_config):
   """convert.py --config.to=fold_unified_norm: a Unified-Norm run (past its warmup and first
   window, so the running statistics are the window's) folded into its readers and readout
