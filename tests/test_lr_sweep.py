@@ -137,3 +137,16 @@ def test_beyond_width_axes_set_their_key_and_read_their_own_batches(monkeypatch)
 def test_slope_per_doubling_skips_zero_points():
   assert lr_sweep.slope_per_doubling([0, 1, 2, 4], [9.0, -7.0, -7.5, -8.0]) == pytest.approx(-0.5)
   assert lr_sweep.slope_per_doubling([0, 2], [1.0, 2.0]) is None
+
+
+def test_shift_table_keeps_every_sweep_and_row():
+  """results_tables' transfer_shifts.md: two sweeps under one label both keep their rows."""
+  def sweep(axis, xs, fits):
+    return {axis: {'xs': xs, 'variants': {'mup': {
+        'optimum_shift_log2': max(fits) - min(fits), 'any_at_edge': False,
+        'optimum_slope_log2_per_doubling': lr_sweep.slope_per_doubling(xs, fits)}}}}
+  text = lr_sweep.shift_table([('adamw', sweep('width', [64, 128], [-7.0, -7.5])),
+                               ('adamw', sweep('warmup', [0, 5, 20], [-7.0, -7.0, -6.0]))])
+  rows = text.strip().splitlines()[2:]
+  assert [r.split(' | ')[1] for r in rows] == ['width', 'warmup']
+  assert '| 0.50 | -0.50 |' in rows[0] and '| 1.00 | +0.50 |' in rows[1]

@@ -224,13 +224,13 @@ def to_markdown(result: dict[str, Any]) -> str:
   return '\n'.join(out)
 
 
-def shift_table(sweeps: dict[str, dict[str, Any]]) -> str:
-  """One row per (sweep, axis, variant) of several lr_sweep.json results ({label: result}):
+def shift_table(sweeps: list[tuple[str, dict[str, Any]]]) -> str:
+  """One row per (sweep, axis, variant) of several lr_sweep.json results ((label, result)):
   the swept points, the optimum's shift over them (log2 LR, max - min) and its slope per
   doubling of x (over x > 0), with `edge` where an optimum sits at a grid end."""
   out = ['| optimizer | axis | variant | points | shift (log2) | slope per doubling |',
          '|---|---|---|---|---|---|']
-  for label, result in sweeps.items():
+  for label, result in sweeps:
     for axis in [a for a, r in result.items() if isinstance(r, dict) and 'variants' in r]:
       r = result[axis]
       points = ', '.join(str(x) for x in r['xs'])

@@ -54,8 +54,8 @@ def _fn(module: str, name: str = 'to_markdown') -> Callable[[str], str]:
 
 def _shifts(paths: tuple[tuple[str, str], ...]) -> str:
   from sharenet.studies import lr_sweep
-  return lr_sweep.shift_table({label: _load(path) for label, path in paths
-                               if os.path.exists(os.path.join(RESULTS, path))})
+  return lr_sweep.shift_table([(label, _load(path)) for label, path in paths
+                               if os.path.exists(os.path.join(RESULTS, path))])
 
 
 # The optimum shifts of the transfer sweeps, one table across optimizers and axes
@@ -80,7 +80,7 @@ TABLES: dict[str, tuple[str, Callable[[str], str]]] = {
        for d in ('', 'depth/coord_check/', 'lora/', 'lora/a_zero/', 'lora/lr_0.04/', 'umup/',
                  'umup/lr0.125/', 'zero_init/', 'muon/coord_check/', 'shampoo/coord_check/')},
     **{f'mup/{d}lr_sweep.md': (f'mup/{d}lr_sweep.json', _fn('lr_sweep'))
-       for d in ('', 'depth/', 'depth/alpha_0.5/', 'loops/', 'muon/', 'shampoo/')},
+       for d in ('', 'depth/', 'depth/alpha_0.5/', 'loops/', 'muon/', 'shampoo/', 'beyond/')},
     'mup/transfer_shifts.md': (SHIFT_SWEEPS, _shifts),
 }
 
