@@ -2,7 +2,7 @@
 
 Command:   python -m sharenet.studies.norm_study --config configs/norm_study.py \
                --out runs/norm_study
-           (24 variants x 2 schemes; each variant overrides this config, see
+           (27 variants x 2 schemes; each variant overrides this config, see
            sharenet/studies/norm_study.py VARIANTS; weight_conditioning and compander are
            declared but not yet measured; --config.study.variants=a,b or
            --config.study.schemes=untied runs a slice; two processes pinned with
