@@ -65,6 +65,22 @@ def make_train_cmd(workdir, *flags):
           f'--config.data.eval_tokens={EVAL_TOKENS}', *flags]
 
 
+def kill_after_checkpoint(cmd, env, workdir, step):
+  """Starts `cmd` (a train.py run into `workdir`), kills it with SIGKILL once its
+  checkpoint `step` exists (at most 300 s), and asserts that checkpoint was written."""
+  import signal
+  import subprocess
+  import time
+  proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+  ckpt = os.path.join(workdir, 'checkpoints', str(step))
+  deadline = time.time() + 300
+  while not os.path.isdir(ckpt) and proc.poll() is None and time.time() < deadline:
+    time.sleep(0.05)
+  proc.send_signal(signal.SIGKILL)
+  proc.wait()
+  assert os.path.isdir(ckpt), f'the run never wrote its step-{step} checkpoint'
+
+
 def rel_err(a, b):
   """max |a - b| / max |b|, on the host: op by op, jnp would compile each leaf's shape."""
   import numpy as np

@@ -386,10 +386,10 @@ def test_softcaps_bend_logits_and_bad_values_are_one_line():
 
 
 def test_similarity_groups_is_the_best_contiguous_split():
-  """convert.similarity_groups (init=similar) against an exhaustive search over every split of
-  the layers into K contiguous groups and every choice of their representatives."""
+  """similarity.similarity_groups (init=similar) against an exhaustive search over every
+  split of the layers into K contiguous groups and every choice of their representatives."""
   import itertools
-  from sharenet.transforms import convert
+  from sharenet.transforms import similarity
   rng = np.random.default_rng(0)
   L = 6
   sim = rng.uniform(-1, 1, (L, L))
@@ -399,7 +399,7 @@ def test_similarity_groups_is_the_best_contiguous_split():
       bounds = (0,) + cuts + (L,)
       best = max(best, sum(max(sim[a:b, r].sum() for r in range(a, b))
                            for a, b in zip(bounds, bounds[1:])))
-    groups, reps = convert.similarity_groups(sim, K)
+    groups, reps = similarity.similarity_groups(sim, K)
     assert groups == sorted(groups) and sorted(set(groups)) == list(range(K))
     assert all(groups[r] == g for g, r in enumerate(reps))
     assert sum(sim[l, reps[groups[l]]] for l in range(L)) == pytest.approx(best)
@@ -416,7 +416,7 @@ def test_llama_folded_by_output_similarity(imported, tmp_path):
   from flax.traverse_util import flatten_dict
   from sharenet.models import layout
   from sharenet.models.layers import INTERMEDIATES
-  from sharenet.transforms import convert
+  from sharenet.transforms import similarity
   text = tmp_path / 'calibration.txt'
   text.write_text('the quick brown fox jumps over the lazy dog. ' * 40)
   config = workdir_lib.load_config(imported['llama'])
@@ -425,7 +425,7 @@ def test_llama_folded_by_output_similarity(imported, tmp_path):
   o = defaults.conversion_config()
   o.update(calibration=str(text), calibration_windows=4)
   tokens = workdir_lib.calibration_tokens(config, o, cfg.max_len)
-  h = convert.layer_outputs(cfg, state.params, tokens)
+  h = similarity.layer_outputs(cfg, state.params, tokens)
   _, sown = exp.model.apply(state.params, jnp.asarray(tokens), mutable=[INTERMEDIATES])
   residual = [np.ravel(v) for p, v in flatten_dict(sown[INTERMEDIATES]).items()
               if p[-1] == 'residual']
@@ -435,7 +435,7 @@ def test_llama_folded_by_output_similarity(imported, tmp_path):
               calibration=str(text), calibration_windows=4)
   folded = _convert(imported['llama'], tmp_path / 'fold', **opts)
   pattern = [int(p) for p in workdir_lib.load_config(folded).model.sharing.pattern.split(',')]
-  groups, reps = convert.similarity_groups(convert.output_similarity(h), 2)
+  groups, reps = similarity.similarity_groups(similarity.output_similarity(h), 2)
   assert pattern == groups and len(pattern) == cfg.num_layers
   fstate, _, fexp = workdir_lib.restore_state(workdir_lib.load_config(folded), folded)
   src = layout.applied_params(state.params['params'], cfg)

@@ -3,10 +3,7 @@ online_norm, sharenet/norm_stats.py)
 in the model: one entry per applied layer under a tied block, the same under both lowerings,
 in TrainState.tstate, and restored exactly after a kill -9. The forward and backward against
 the reference: tests/test_norms_family.py; 8 devices against one: tests/test_sharding.py."""
-import os
-import signal
 import subprocess
-import time
 
 import jax
 import numpy as np
@@ -14,6 +11,8 @@ import pytest
 
 from sharenet import config_lib, train_lib, workdir_lib
 from sharenet.norm_stats import NORM_STATS
+
+from conftest import kill_after_checkpoint
 
 POWERNORM = {'model.norm.kind': 'powernorm', 'model.norm.stats_warmup': 2}
 
@@ -71,15 +70,7 @@ def test_resume_after_kill_keeps_the_statistics_exactly(tmp_path, losses, train_
   ref_dir, workdir = str(tmp_path / 'ref'), str(tmp_path / 'killed')
   subprocess.run(train_cmd(ref_dir, *flags), env=subprocess_env, check=True,
                  capture_output=True)
-  proc = subprocess.Popen(train_cmd(workdir, *flags), env=subprocess_env,
-                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-  ckpt20 = os.path.join(workdir, 'checkpoints', '20')
-  deadline = time.time() + 300
-  while not os.path.isdir(ckpt20) and proc.poll() is None and time.time() < deadline:
-    time.sleep(0.05)
-  proc.send_signal(signal.SIGKILL)
-  proc.wait()
-  assert os.path.isdir(ckpt20), 'the run never wrote its step-20 checkpoint'
+  kill_after_checkpoint(train_cmd(workdir, *flags), subprocess_env, workdir, 20)
   subprocess.run(train_cmd(workdir, *flags), env=subprocess_env, check=True,
                  capture_output=True)
   ref, resumed = losses(ref_dir), losses(workdir)

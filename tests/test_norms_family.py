@@ -321,6 +321,23 @@ def test_power_norm_module_keeps_the_reference_statistics_over_steps():
                              gain * s / np.sqrt(phi + eps) + bias, rtol=1e-4, atol=1e-5)
 
 
+def _norm_train_step(norm, cfg, N, C):
+  """A jitted training step of statistics norm module `norm` under the loss sum(dy . y) / N
+  (the token mean of a summed-loss reference's dy . y): (params, stats, x, dy) -> (y, dx,
+  d params, next stats from the cotangents)."""
+  from sharenet import norm_stats as ns
+
+  @jax.jit
+  def step(params, stats, x, dy):
+    def loss(x, p, s):
+      y, _ = norm.apply({'params': p, ns.NORM_STATS: s}, x, mutable=[ns.NORM_STATS])
+      return jnp.sum(dy * y.reshape(N, C)) / N, y
+    (_, y), (dx, dp, cot) = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(
+        x, params, stats)
+    return y, dx, dp, ns.update(stats, cot, cfg)
+  return step
+
+
 def _np_unified_norm_step(x, dy, gain, bias, st, t, M, warmup, eps, m, outlier):
   """UN2dFunction (hikvision-research/Unified-Normalization) restated in float64 numpy: one
   training step's forward, backward and state updates; `st` is updated in place."""
@@ -380,14 +397,7 @@ def test_unified_norm_matches_the_reference_over_a_thousand_steps(outlier):
   ref = {'running_var': np.ones(C), 'ema_gz': np.zeros(C), 'buffer_x2': np.zeros((M, C)),
          'buffer_gz': np.zeros((M, C)), 'skips': 0}
 
-  @jax.jit
-  def step(params, stats, x, dy):
-    def loss(x, p, s):
-      y, _ = norm.apply({'params': p, ns.NORM_STATS: s}, x, mutable=[ns.NORM_STATS])
-      return jnp.sum(dy * y.reshape(N, C)) / N, y
-    (_, y), (dx, dp, cot) = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(
-        x, params, stats)
-    return y, dx, dp, ns.update(stats, cot, cfg)
+  step = _norm_train_step(norm, cfg, N, C)
 
   skipped = []
   for t in range(1, steps + 1):
@@ -464,14 +474,7 @@ def test_online_norm_matches_the_reference_over_steps():
   stats = variables[ns.NORM_STATS]
   ref = {'m': np.zeros(C), 'var': np.ones(C), 'u': np.zeros(C), 'v': np.zeros(C)}
 
-  @jax.jit
-  def step(params, stats, x, dy):
-    def loss(x, p, s):
-      y, _ = norm.apply({'params': p, ns.NORM_STATS: s}, x, mutable=[ns.NORM_STATS])
-      return jnp.sum(dy * y.reshape(N, C)) / N, y
-    (_, y), (dx, dp, cot) = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(
-        x, params, stats)
-    return y, dx, dp, ns.update(stats, cot, cfg)
+  step = _norm_train_step(norm, cfg, N, C)
 
   clamped = 0
   for t in range(4):

@@ -15,6 +15,8 @@ from sharenet import config_lib, train_lib, workdir_lib
 from sharenet.errors import ConfigError
 from sharenet.metrics import read_metrics
 
+from conftest import kill_after_checkpoint
+
 @pytest.fixture(scope='module')
 def reference_run(tmp_path_factory, tiny_config):
   """One uninterrupted 40-step tiny run, shared by several tests."""
@@ -58,15 +60,7 @@ def test_resume_after_kill_is_bit_identical(reference_run, tmp_path, losses, tra
                                             subprocess_env):
   ref_dir, _ = reference_run
   workdir = str(tmp_path / 'killed')
-  proc = subprocess.Popen(train_cmd(workdir), env=subprocess_env, stdout=subprocess.DEVNULL,
-                          stderr=subprocess.DEVNULL)
-  ckpt20 = os.path.join(workdir, 'checkpoints', '20')
-  deadline = time.time() + 300
-  while not os.path.isdir(ckpt20) and proc.poll() is None and time.time() < deadline:
-    time.sleep(0.05)
-  proc.send_signal(signal.SIGKILL)
-  proc.wait()
-  assert os.path.isdir(ckpt20), 'the run never wrote its step-20 checkpoint'
+  kill_after_checkpoint(train_cmd(workdir), subprocess_env, workdir, 20)
   res = subprocess.run(train_cmd(workdir), env=subprocess_env, check=True, capture_output=True,
                        text=True)
   assert 'eval_loss' in json.loads(res.stdout.splitlines()[-1])   # train.py's last line is JSON
