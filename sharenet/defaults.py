@@ -206,6 +206,8 @@ def default_config() -> ml_collections.ConfigDict:
   sh.block_size = 128         # preconditioner blocks of at most block_size x block_size (>= 1)
   sh.update_every = 1         # recompute the inverse 4th roots every n steps
   sh.eps = 1e-6               # damping added to each statistic before its inverse root
+  sh.graft = 'adam'           # adam: each block's step has Adam's size | none: vanilla Shampoo
+                              # (the setting of its second-order muP; docs/optimizers.md)
   t.grad_accum = 1            # micro-batches per step (batch_size must divide)
   t.exit_loss = 'last'        # last | all | comma list of weights: the loss at the exit of every
                               # gradient loop of the looped segment through the coda and the

@@ -137,7 +137,8 @@ def make_optimizer(t: Any, transforms: Any = None, multipliers: Any = None,
 
 
 # parametrization.OptMultipliers' fields with every multiplier 1 (that module imports models).
-_NO_MULTIPLIERS = types.SimpleNamespace(lr=None, eps=None, independent_wd=False, wd=None)
+_NO_MULTIPLIERS = types.SimpleNamespace(lr=None, eps=None, independent_wd=False, wd=None,
+                                        damping=None)
 
 # Optimizer states whose `count` drives the LR schedule (not Adam's bias correction).
 _SCHEDULE_STATES = ('ScaleByScheduleState', 'InjectStatefulHyperparamsState',
@@ -228,6 +229,7 @@ def _multiplied(t: Any, multipliers: Any, table: dict | None, roles: tuple[str, 
   flat_lr = {} if multipliers.lr is None else flatten_dict(multipliers.lr)
   flat_eps = {} if multipliers.eps is None else flatten_dict(multipliers.eps)
   flat_wd = {} if multipliers.wd is None else flatten_dict(multipliers.wd)
+  flat_damping = {} if multipliers.damping is None else flatten_dict(multipliers.damping)
   decayed = lambda path: table is not None and params_lib.role_at(table, path) in roles
   # The role mask alone decides which leaves decay; the multiplier only how strongly.
   wd_of = lambda path: wd * flat_wd.get(path, 1.0) if decayed(path) else 0.0
@@ -237,7 +239,8 @@ def _multiplied(t: Any, multipliers: Any, table: dict | None, roles: tuple[str, 
     if table is None:
       raise ConfigError(f'train.optimizer={t.optimizer} needs the model\'s role table '
                         f'(table=models.param_table(cfg) or transforms=); valid: adamw without')
-    direction = optim_matrix.matrix_transform(t, table, direction, eps_of)
+    direction = optim_matrix.matrix_transform(t, table, direction, eps_of,
+                                              lambda path: flat_damping.get(path, 1.0))
   return [direction, scale_and_decay(lambda path: flat_lr.get(path, 1.0), wd_of),
           optax.scale_by_learning_rate(lr_schedule(t, peak_lr))]
 

@@ -26,7 +26,7 @@ from optax.contrib import _muon
 
 from sharenet import params as params_lib
 from sharenet.errors import ConfigError
-from sharenet.optim_shampoo import scale_by_shampoo
+from sharenet.optim_shampoo import GRAFTS, scale_by_shampoo
 
 OPTIMIZERS = ('adamw', 'muon', 'shampoo')
 # Roles a matrix optimizer can take: leaves that are matrices (or stacks of them).
@@ -68,6 +68,9 @@ def check_settings(t: Any) -> None:
       raise ConfigError(f'train.shampoo.update_every={sh.update_every} must be >= 1')
     if float(sh.eps) <= 0:
       raise ConfigError(f'train.shampoo.eps={sh.eps} must be > 0')
+    if sh.get('graft', 'adam') not in GRAFTS:
+      raise ConfigError(f'train.shampoo.graft={sh.graft!r} is unknown; valid: '
+                        f'{", ".join(GRAFTS)}')
 
 
 def matrix_dims(info: params_lib.ParamInfo) -> tuple[tuple[int, ...], int, int]:
@@ -104,8 +107,11 @@ def _per_leaf(table: dict, fn: Callable) -> Callable[[Any], Any]:
 
 
 def matrix_transform(t: Any, table: dict, adam: optax.GradientTransformation,
-                     eps: Callable[[Path], float]) -> optax.GradientTransformation:
-  """The direction stage: muon or shampoo on the matrix_roles leaves, `adam` on the others.
+                     eps: Callable[[Path], float],
+                     damping: Callable[[Path], float] = lambda path: 1.0
+                     ) -> optax.GradientTransformation:
+  """The direction stage: muon or shampoo on the matrix_roles leaves, `adam` on the others;
+  `eps(path)` is Adam's eps (Shampoo's graft too), `damping(path)` multiplies Shampoo's.
 
   Per-leaf LR / decay multipliers and the schedule follow it in optim.make_chain, the same for
   both parts.
@@ -127,7 +133,8 @@ def matrix_transform(t: Any, table: dict, adam: optax.GradientTransformation,
   else:
     sh = t.shampoo
     matrix = scale_by_shampoo(_per_leaf(table, matrix_dims), int(sh.block_size),
-                              int(sh.update_every), float(sh.eps), t.b1, t.b2, eps)
+                              int(sh.update_every), float(sh.eps), t.b1, t.b2, eps,
+                              sh.get('graft', 'adam'), damping)
 
   def labels(params):
     return jax.tree_util.tree_map_with_path(

@@ -1,4 +1,4 @@
-"""Blocked Shampoo grafted to Adam's step size, as one optax transform.
+"""Blocked Shampoo, grafted to Adam's step size or not, as one optax transform.
 
 Shampoo (Gupta, Koren & Singer, "Shampoo: Preconditioned Stochastic Tensor Optimization",
 arXiv:1802.09568) preconditions a matrix gradient G (fan_in x fan_out) from both sides:
@@ -18,6 +18,11 @@ stored tensor, so its statistics are built from its summed gradient.
 
 Ragged edges are zero-padded to whole blocks: padded rows and columns of G are zero, so L and
 R are block-diagonal [L_real + eps I, eps I] and the cropped result equals the unpadded block's.
+
+graft='none' is vanilla Shampoo: the direction L^-1/4 M R^-1/4 is the step (times the LR), the
+setting of Ishikawa & Karakida's second-order muP ("On the Parameterization of Second-Order
+Optimization Effective Towards the Infinite Width", arXiv:2312.12226), whose damping scales with
+the matrix's shape: `damping(path)` multiplies eps per leaf (sharenet/parametrization_optim.py).
 """
 from __future__ import annotations
 
@@ -30,6 +35,9 @@ import optax
 
 # (stack_shape, fan_in, fan_out) of a leaf's matrix view, or None for a leaf this never sees.
 MatrixDims = tuple[tuple[int, ...], int, int]
+
+
+GRAFTS = ('adam', 'none')   # train.shampoo.graft: the step size of each block
 
 
 class ShampooLeaf(NamedTuple):
@@ -85,12 +93,17 @@ def inverse_root(stat_NDD: jax.Array, eps: float, p: int = 4) -> jax.Array:
 
 def scale_by_shampoo(dims: Callable[[Any], Any], block_size: int, update_every: int,
                      eps: float, b1: float, b2: float,
-                     adam_eps: Callable[[tuple], float]) -> optax.GradientTransformation:
-  """Blocked Shampoo grafted to Adam per block (module docstring).
+                     adam_eps: Callable[[tuple], float], graft: str = 'adam',
+                     damping: Callable[[tuple], float] = lambda path: 1.0
+                     ) -> optax.GradientTransformation:
+  """Blocked Shampoo, grafted to Adam per block or not (module docstring).
 
   `dims(params)` maps the params tree to each leaf's MatrixDims; `adam_eps(path)` is the
-  graft's per-leaf Adam eps (the parametrization's eps multipliers apply to it).
+  graft's per-leaf Adam eps (the parametrization's eps multipliers apply to it); `damping(path)`
+  multiplies `eps`, the damping of each statistic, per leaf.
   """
+  if graft not in GRAFTS:
+    raise ValueError(f'graft={graft!r}; valid: {", ".join(GRAFTS)}')
 
   def init_leaf(p, d):
     del p
@@ -115,18 +128,20 @@ def scale_by_shampoo(dims: Callable[[Any], Any], block_size: int, update_every: 
 
     def leaf(path, g, m, v, d, blk):
       keys = tuple(getattr(k, 'key', getattr(k, 'name', str(k))) for k in path)
-      adam = m / (jnp.sqrt(v) + adam_eps(keys))
+      damp = eps * damping(keys)
       g_NIO = to_blocks(g.astype(jnp.float32), d, block_size)
       stat_l = b2 * blk.stat_l + jnp.einsum('nio,njo->nij', g_NIO, g_NIO)
       stat_r = b2 * blk.stat_r + jnp.einsum('nio,nip->nop', g_NIO, g_NIO)
       root_l, root_r = jax.lax.cond(
-          refresh, lambda: (inverse_root(stat_l, eps), inverse_root(stat_r, eps)),
+          refresh, lambda: (inverse_root(stat_l, damp), inverse_root(stat_r, damp)),
           lambda: (blk.root_l, blk.root_r))
       m_NIO = to_blocks(m.astype(jnp.float32), d, block_size)
       dir_NIO = jnp.einsum('nij,njo,nop->nip', root_l, m_NIO, root_r)
-      adam_NIO = to_blocks(adam.astype(jnp.float32), d, block_size)
-      norm = lambda x: jnp.sqrt(jnp.sum(x * x, axis=(1, 2), keepdims=True))
-      dir_NIO = dir_NIO * norm(adam_NIO) / jnp.maximum(norm(dir_NIO), 1e-30)
+      if graft == 'adam':
+        adam = m / (jnp.sqrt(v) + adam_eps(keys))
+        adam_NIO = to_blocks(adam.astype(jnp.float32), d, block_size)
+        norm = lambda x: jnp.sqrt(jnp.sum(x * x, axis=(1, 2), keepdims=True))
+        dir_NIO = dir_NIO * norm(adam_NIO) / jnp.maximum(norm(dir_NIO), 1e-30)
       out = from_blocks(dir_NIO, d, block_size, g.shape).astype(g.dtype)
       return out, ShampooLeaf(stat_l, stat_r, root_l, root_r)
 

@@ -135,6 +135,7 @@ class LeafRule:
   wd_mult: float             # decay multiplier where train.decay_roles decays (module docstring)
   eps_mult: float
   decays: bool               # the default train.decay_roles (matrices) decays this leaf
+  damping_mult: float = 1.0  # multiplies train.shampoo.eps (vanilla Shampoo's muP)
 
 
 class OptMultipliers(NamedTuple):
@@ -147,6 +148,7 @@ class OptMultipliers(NamedTuple):
   eps: Any
   independent_wd: bool
   wd: Any = None
+  damping: Any = None    # Shampoo's damping multiplier per leaf (None: all 1)
 
 
 def _role(info: params_lib.ParamInfo, axes: tuple) -> tuple[str, tuple[int, ...]]:
@@ -198,7 +200,7 @@ class Parametrization:
   def __init__(self, cfg: ModelConfig, train: Any = None):
     self.cfg = cfg
     # train.optimizer picks the optimizer's version of the preset (parametrization_optim.py).
-    self.optimizer, self.matrix_roles = parametrization_optim.settings_of(train)
+    self.optimizer, self.matrix_roles, graft, block = parametrization_optim.settings_of(train)
     s = self.settings = cfg.parametrization
     self.base_cfg = base_config(cfg)
     self.m_d = cfg.d_model / self.base_cfg.d_model
@@ -207,7 +209,7 @@ class Parametrization:
     self.loss_grad_scale = unit_scale.loss_grad_scale(cfg.vocab_size) if s.kind == 'umup' else 1.0
     self.rules = parametrization_optim.adjust(
         self._rules(cfg), *self._tables, self.settings.kind, self.optimizer, self.matrix_roles,
-        self.settings.qk_lr)
+        self.settings.qk_lr, graft, block)
 
   # ---- per-leaf rules ------------------------------------------------------------------------
   def _rules(self, cfg: ModelConfig) -> dict[Path, LeafRule]:
@@ -334,18 +336,21 @@ class Parametrization:
   def opt_multipliers(self) -> OptMultipliers | None:
     """Per-leaf LR / WD / eps trees; None when they are exactly plain AdamW's (SP)."""
     plain = all(r.lr_mult == 1.0 and r.eps_mult == 1.0 and r.wd_mult == 1.0
-                for r in self.rules.values())
+                and r.damping_mult == 1.0 for r in self.rules.values())
     if plain and not self.settings.independent_wd:
       return None
     wd = None if all(r.wd_mult == 1.0 for r in self.rules.values()) else self.tree('wd_mult')
+    damping = None if all(r.damping_mult == 1.0 for r in self.rules.values()) \
+        else self.tree('damping_mult')
     return OptMultipliers(self.tree('lr_mult'), self.tree('eps_mult'),
-                          self.settings.independent_wd, wd)
+                          self.settings.independent_wd, wd, damping)
 
   def describe(self) -> list[dict[str, Any]]:
     """One row per leaf plus a row of model-level scalars (for config.json and reports)."""
     rows = [{'path': '/'.join(r.path), 'axes': list(r.axes), **{
         f: getattr(r, f) for f in ('role', 'fan_in', 'fan_in_mult', 'repeats', 'init_std',
-                                   'fwd_mult', 'lr_mult', 'wd_mult', 'eps_mult', 'decays')}}
+                                   'fwd_mult', 'lr_mult', 'wd_mult', 'eps_mult', 'decays',
+                                   'damping_mult')}}
             for r in self.rules.values()]
     rows.append({'path': '<model>', 'attn_scale': self.cfg.attn_mult,
                  'logits_mult': self.cfg.logits_mult, 'm_d': self.m_d, 'm_L': self.m_L,

@@ -17,13 +17,30 @@ switches optimizer with one key:
            and forward multipliers are SP's (1/sqrt(fan_in) init already meets the spectral
            init condition when fan-in and fan-out grow together). Leaves on Adam keep Adam's
            muP (TP5 Table 8: embeddings, readout, norms, biases, LoRA factors).
-  shampoo  our Shampoo grafts every block to Adam's update norm (sharenet/optim_shampoo.py), so
-           each leaf's step has Adam's size and Adam's muP (Table 8) applies to all leaves
-           unchanged: LR eta / m on the hidden kernels. That is our derivation from the
-           grafting, not Ishikawa & Karakida's second-order muP ("On the Parameterization of
-           Second-Order Optimization Effective Towards the Infinite Width",
-           arXiv:2312.12226, Table 1: init, LR and damping exponents for ungrafted Shampoo /
-           K-FAC), whose table we could not verify and do not implement (docs/optimizers.md).
+  shampoo  train.shampoo.graft=adam (the default) grafts every block to Adam's update norm
+           (sharenet/optim_shampoo.py), so each leaf's step has Adam's size and Adam's muP
+           (Table 8) applies to all leaves unchanged: LR eta / m on the hidden kernels (our
+           derivation from the grafting).
+           train.shampoo.graft=none is vanilla Shampoo, whose muP is Ishikawa & Karakida's
+           second-order muP ("On the Parameterization of Second-Order Optimization Effective
+           Towards the Infinite Width", arXiv:2312.12226, ICLR 2024), extended to blocking by
+           Qiu et al. ("Hyperparameter Transfer Enables Consistent Gains of Matrix-Preconditioned
+           Optimizers Across Scales", arXiv:2512.05620, Table 1 and section 3.1, which says it
+           reproduces Ishikawa & Karakida). For (L + eps I)^-e_L G (R + eps I)^-e_R,
+           e = e_L + e_R, on blocks of b_in x b_out (n_in x n_out of them), the muP LR is
+           eta ~ (fan_out / fan_in)^(1 - e) (n_in n_out)^-e, and the damping must scale as the
+           statistics' eigenvalue, eps ~ b_in b_out / fan_out^2 (= fan_in / fan_out unblocked).
+           Shampoo's e_L = e_R = 1/4 (e = 1/2): each Shampoo leaf's LR and damping multipliers
+           are those quantities at the target over the base model's (shampoo_mults), so a
+           hidden kernel whose fan-in and fan-out grow together keeps its LR while it is one
+           block, and its LR falls as 1/width once the blocks are fixed (train.shampoo.
+           block_size below the width), as Adam's does. Init and forward multipliers are SP's
+           (Qiu et al.: the init is optimizer-independent; the first author's code
+           riverstone496/classmup, utils/set_mup.py, has init exponents b = (1/2, 1/2, 1) and
+           Shampoo's LR exponents c = (-1/2, 0, 1/2) for input, hidden and output layers). As
+           under Muon only hidden kernels may be on Shampoo under this preset (the paper's first
+           and last layer rows need its readout init, which Adam's Table 8 leaves here
+           replace); Adam's leaves keep Adam's muP.
 
 parametrization.qk_lr (any kind, any optimizer) multiplies the LR of the query and key kernels
 (their `use` in the role table; MASA atoms forming them too, not LoRA factors): a
@@ -42,21 +59,23 @@ from sharenet.errors import ConfigError
 
 # Presets with a rule for each optimizer (module docstring).
 KINDS_FOR = {'adamw': None, 'muon': ('sp', 'mup'), 'shampoo': ('sp', 'mup')}
-MUON_MUP_ROLES = ('reader', 'writer')
+MUON_MUP_ROLES = ('reader', 'writer')   # hidden kernels: the roles muon / vanilla shampoo muP take
 QK_USES = ('query', 'key')   # ParamInfo.use of the query and key kernels (models/projections.py)
 
 
-def check(kind: str, optimizer: str, matrix_roles: tuple[str, ...]) -> None:
+def check(kind: str, optimizer: str, matrix_roles: tuple[str, ...], graft: str = 'adam') -> None:
   """One ConfigError line for a preset written for another optimizer."""
   valid = KINDS_FOR.get(optimizer)
   if valid is not None and kind not in valid:
     raise ConfigError(f'parametrization.kind={kind} is written for train.optimizer=adamw; '
                       f'valid with train.optimizer={optimizer}: {", ".join(valid)}')
   extra = [r for r in matrix_roles if r not in MUON_MUP_ROLES]
-  if optimizer == 'muon' and kind == 'mup' and extra:
-    raise ConfigError(f'parametrization.kind=mup under train.optimizer=muon has a rule for '
-                      f'hidden kernels on Muon only, not {extra}; valid train.matrix_roles: '
-                      f'{", ".join(MUON_MUP_ROLES)}')
+  spectral = optimizer == 'muon' or (optimizer == 'shampoo' and graft == 'none')
+  if spectral and kind == 'mup' and extra:
+    what = 'Muon' if optimizer == 'muon' else 'vanilla Shampoo (train.shampoo.graft=none)'
+    raise ConfigError(f'parametrization.kind=mup under train.optimizer={optimizer} has a rule '
+                      f'for hidden kernels on {what} only, not {extra}; valid '
+                      f'train.matrix_roles: {", ".join(MUON_MUP_ROLES)}')
 
 
 def muon_lr_mult(fan_in: int, fan_out: int, base_fan_in: int, base_fan_out: int) -> float:
@@ -65,28 +84,57 @@ def muon_lr_mult(fan_in: int, fan_out: int, base_fan_in: int, base_fan_out: int)
   return math.sqrt(r / r0) * math.sqrt(max(1.0, r0) / max(1.0, r))
 
 
+def _shampoo_scales(fan_in: int, fan_out: int, block_size: int) -> tuple[float, float]:
+  """(LR, damping) scales of vanilla Shampoo's muP for one matrix (module docstring):
+  (fan_out / fan_in)^(1/2) (n_in n_out)^(-1/2) and b_in b_out / fan_out^2."""
+  b_in, b_out = min(block_size, fan_in), min(block_size, fan_out)
+  n_in, n_out = -(-fan_in // b_in), -(-fan_out // b_out)
+  return math.sqrt(fan_out / fan_in / (n_in * n_out)), b_in * b_out / fan_out ** 2
+
+
+def shampoo_mults(fan_in: int, fan_out: int, base_fan_in: int, base_fan_out: int,
+                  block_size: int) -> tuple[float, float]:
+  """(LR, damping) multipliers of vanilla Shampoo's second-order muP: the target matrix's
+  scales over the base model's."""
+  lr, damping = _shampoo_scales(fan_in, fan_out, block_size)
+  lr0, damping0 = _shampoo_scales(base_fan_in, base_fan_out, block_size)
+  return lr / lr0, damping / damping0
+
+
 def adjust(rules: dict, target: dict, base: dict, kind: str, optimizer: str,
-           matrix_roles: tuple[str, ...], qk_lr: float = 1.0) -> dict:
+           matrix_roles: tuple[str, ...], qk_lr: float = 1.0, graft: str = 'adam',
+           block_size: int = 128) -> dict:
   """`rules` (Adam's, parametrization.LeafRule per path) for the optimizer of each leaf, with
-  parametrization.qk_lr on the query and key kernels."""
-  check(kind, optimizer, matrix_roles)
+  parametrization.qk_lr on the query and key kernels; `graft` and `block_size` are
+  train.shampoo's."""
+  check(kind, optimizer, matrix_roles, graft)
   out = dict(rules)
   for path, rule in rules.items():
-    info, lr = target[path], rule.lr_mult
-    if optimizer == 'muon' and kind == 'mup' and info.role in matrix_roles:
+    info, lr, damping = target[path], rule.lr_mult, rule.damping_mult
+    on_matrix = kind == 'mup' and info.role in matrix_roles
+    if optimizer == 'muon' and on_matrix:
       b = base[path]
       lr = muon_lr_mult(info.fan_in, info.fan_out, b.fan_in, b.fan_out)
-    # adamw; sp (all 1); shampoo's grafted muP is Adam's: the rule's LR as it is.
+    elif optimizer == 'shampoo' and graft == 'none' and on_matrix:
+      b = base[path]
+      lr, damping = shampoo_mults(info.fan_in, info.fan_out, b.fan_in, b.fan_out, block_size)
+    # adamw; sp (all 1); grafted Shampoo's muP is Adam's: the rule's LR as it is.
     if info.use in QK_USES and info.role == 'reader':
       lr *= qk_lr
-    out[path] = rule if lr == rule.lr_mult else dataclasses.replace(rule, lr_mult=lr)
+    if (lr, damping) != (rule.lr_mult, rule.damping_mult):
+      rule = dataclasses.replace(rule, lr_mult=lr, damping_mult=damping)
+    out[path] = rule
   return out
 
 
-def settings_of(train: Any) -> tuple[str, tuple[str, ...]]:
-  """(train.optimizer, train.matrix_roles) of a train config (adamw when it has none)."""
+def settings_of(train: Any) -> tuple[str, tuple[str, ...], str, int]:
+  """(train.optimizer, train.matrix_roles, train.shampoo.graft, train.shampoo.block_size) of a
+  train config (adamw when it has none)."""
   if train is None:
-    return 'adamw', ()
+    return 'adamw', (), 'adam', 128
   from sharenet import optim_matrix
   name = optim_matrix.optimizer_name(train)
-  return name, optim_matrix.matrix_roles(train) if name != 'adamw' else ()
+  if name != 'shampoo':
+    return name, optim_matrix.matrix_roles(train) if name != 'adamw' else (), 'adam', 128
+  sh = train.shampoo
+  return name, optim_matrix.matrix_roles(train), sh.get('graft', 'adam'), int(sh.block_size)

@@ -55,7 +55,7 @@ def test_coord_check_runs_the_train_step():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize('optimizer', ['muon', 'shampoo'])
+@pytest.mark.parametrize('optimizer', ['muon', 'shampoo', 'shampoo_vanilla'])
 def test_coord_check_optimizer_mup_is_flat(optimizer):
   """Width 32-128 under train.optimizer=muon / shampoo with that optimizer's muP
   (docs/optimizers.md): residual stream, attention and MLP outputs flat. Measured 2026-12-03
@@ -63,10 +63,14 @@ def test_coord_check_optimizer_mup_is_flat(optimizer):
   0.06; shampoo mup residual 0.05, mlp_out 0.18, attn_out 0.03. SP contrast: shampoo sp residual
   0.55, mlp_out 0.60 (grows, like Adam: the graft gives Adam's step; asserted); muon sp residual
   0.04 (flat already: optax's shape factor is the spectral scaling for uniformly widened hidden
-  kernels, so muP differs from SP only on the Adam leaves; not asserted, not run)."""
+  kernels, so muP differs from SP only on the Adam leaves; not asserted, not run).
+  shampoo_vanilla (train.shampoo.graft=none, the second-order muP): see its measured values
+  in docs/optimizers.md."""
   c = cc_config.get_config()
   c.model.num_layers, c.train.batch_size, c.train.seq_len = 1, 4, 16
-  c.train.optimizer = optimizer
+  c.train.optimizer = optimizer.replace('_vanilla', '')
+  if optimizer == 'shampoo_vanilla':
+    c.train.shampoo.graft = 'none'
   s = c.study
   s.steps, s.seeds, s.width_values = 4, 1, '32,64,128'
   s.width_variants = 'sp,mup' if optimizer == 'shampoo' else 'mup'

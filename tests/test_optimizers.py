@@ -56,9 +56,9 @@ def test_muon_on_stacked_kernel_is_per_set_on_its_matrix_view():
       np.testing.assert_allclose(a['params']['w'][s].reshape(8, 8), b['w'], rtol=1e-4, atol=1e-6)
 
 
-def _shampoo_numpy(grads, b1, b2, eps, adam_eps, lr):
-  """Shampoo grafted to Adam on one block holding the whole matrix, preconditioning every step
-  (sharenet/optim_shampoo.py's docstring), in float64 numpy."""
+def _shampoo_numpy(grads, b1, b2, eps, adam_eps, lr, graft='adam'):
+  """Shampoo grafted to Adam (or, graft='none', vanilla) on one block holding the whole
+  matrix, preconditioning every step (sharenet/optim_shampoo.py's docstring), in float64 numpy."""
   fi, fo = grads[0].shape
   L, R = np.zeros((fi, fi)), np.zeros((fo, fo))
   m, v = np.zeros((fi, fo)), np.zeros((fi, fo))
@@ -73,7 +73,7 @@ def _shampoo_numpy(grads, b1, b2, eps, adam_eps, lr):
     mh, vh = m / (1 - b1 ** t), v / (1 - b2 ** t)
     adam = mh / (np.sqrt(vh) + adam_eps)
     d = root(L) @ mh @ root(R)
-    out.append(-lr * d * np.linalg.norm(adam) / np.linalg.norm(d))
+    out.append(-lr * d * (np.linalg.norm(adam) / np.linalg.norm(d) if graft == 'adam' else 1))
   return out
 
 
@@ -93,6 +93,32 @@ def test_shampoo_equals_numpy_restatement(block):
   adam = _run(optax.adam(t.lr, t.b1, t.b2, t.eps), [{'w': jnp.asarray(x)} for x in gs],
               {'w': jnp.zeros(shape)})
   assert not np.allclose(adam[-1]['w'], ref[-1], rtol=1e-2)
+
+
+def test_vanilla_shampoo_equals_numpy_restatement_and_damping_multiplies_eps():
+  """graft=none: the step is -lr L^-1/4 M R^-1/4 itself (not Adam's size); a per-leaf damping
+  multiplier k (the second-order muP's) is the same as eps x k."""
+  from sharenet.parametrization import OptMultipliers
+  shape = (6, 10)
+  table = _table(w=(('embed', 'mlp'), shape, 1))
+  rng = np.random.default_rng(2)
+  gs = [rng.normal(size=shape).astype(np.float32) for _ in range(3)]
+  run = lambda t, mult=None: _run(optim.make_chain(t, multipliers=mult, table=table),
+                                  [{'params': {'w': jnp.asarray(x)}} for x in gs],
+                                  {'params': {'w': jnp.zeros(shape)}})
+  t = _train(optimizer='shampoo', shampoo=dict(update_every=1, eps=1e-3, graft='none'))
+  ref = _shampoo_numpy([x.astype(np.float64) for x in gs], t.b1, t.b2, 1e-3, t.eps, t.lr,
+                       graft='none')
+  for a, b in zip(run(t), ref):
+    np.testing.assert_allclose(a['params']['w'], b, rtol=2e-4, atol=1e-6)
+  grafted = _shampoo_numpy([x.astype(np.float64) for x in gs], t.b1, t.b2, 1e-3, t.eps, t.lr)
+  assert not np.allclose(grafted[-1], ref[-1], rtol=1e-2)
+  ones = {'params': {'w': 1.0}}
+  mult = OptMultipliers(ones, ones, False, None, {'params': {'w': 100.0}})
+  big = _train(optimizer='shampoo', shampoo=dict(update_every=1, eps=0.1, graft='none'))
+  for a, b in zip(run(t, mult), run(big)):
+    np.testing.assert_allclose(a['params']['w'], b['params']['w'], rtol=1e-5, atol=1e-7)
+  assert not np.allclose(run(t, mult)[-1]['params']['w'], ref[-1], rtol=1e-2)
 
 
 def test_shampoo_blocks_are_independent_and_padded():
@@ -162,6 +188,8 @@ def test_non_matrix_leaves_stay_on_adam():
     (dict(optimizer='shampoo', shampoo=dict(block_size=0)), 'block_size=0 must be >= 1; valid'),
     (dict(optimizer='muon', matrix_roles='reader,norm_in'), "cannot take role 'norm_in'.*valid"),
     (dict(optimizer='lion'), "train.optimizer='lion' is unknown; valid: adamw, muon, shampoo"),
+    (dict(optimizer='shampoo', shampoo=dict(graft='sgd')),
+     "train.shampoo.graft='sgd' is unknown; valid: adam, none"),
 ])
 def test_bad_input_is_one_line(kw, match):
   with pytest.raises(ConfigError, match=match) as e:
@@ -191,19 +219,28 @@ def _tiny(d, kind='sp', base=D0):
 
 def _pz(d, kind, name, **kw):
   from sharenet import parametrization as P
+  if name == 'shampoo_vanilla':
+    name, kw = 'shampoo', {**kw, 'shampoo': dict(graft='none')}
   return P.Parametrization(_tiny(d, kind), _train(optimizer=name, **kw))
 
 
 def _expected(name, leaf, d, mlp):
   """Independent restatement: (lr, init, fwd) of a leaf named `leaf` at width d, base D0.
   Muon muP: hidden step sqrt(fan_out/fan_in) over optax's sqrt(max(1, fan_out/fan_in)),
-  relative to the base; Adam leaves (and every leaf under grafted Shampoo): TP5 Table 8."""
+  relative to the base; vanilla Shampoo (Ishikawa & Karakida; blocked: Qiu et al. Table 1):
+  hidden LR (fan_out/fan_in)^(1/2) (n_in n_out)^(-1/2) over 128-blocks, relative to the base,
+  SP init; Adam leaves (and every leaf under grafted Shampoo): TP5 Table 8."""
   m = d / D0
   fans = {'q': (d, d), 'k': (d, d), 'v': (d, d), 'o': (d, d), 'wi_gate': (d, mlp),
           'wi_up': (d, mlp), 'wo': (mlp, d)}
   if leaf in fans:
     if name == 'shampoo':
       return 1 / m, 1.0, 1.0
+    if name == 'shampoo_vanilla':
+      fi, fo = fans[leaf]
+      blocks = lambda n: -(-n // 128)
+      lr = lambda a, b: (b / a / (blocks(a) * blocks(b))) ** 0.5
+      return lr(fi, fo) / lr(fi * D0 // d, fo * D0 // d), 1.0, 1.0
     fi, fo = fans[leaf]
     fi0, fo0 = fi * D0 // d, fo * D0 // d
     spectral = lambda a, b: (b / a) ** 0.5 / max(1.0, b / a) ** 0.5
@@ -213,7 +250,7 @@ def _expected(name, leaf, d, mlp):
   return 1.0, 1.0, 1.0
 
 
-@pytest.mark.parametrize('name', ['muon', 'shampoo'])
+@pytest.mark.parametrize('name', ['muon', 'shampoo', 'shampoo_vanilla'])
 def test_mup_multipliers_equal_the_restated_table_at_three_widths(name):
   seen = set()
   for d in (32, 64, 128):
@@ -222,6 +259,14 @@ def test_mup_multipliers_equal_the_restated_table_at_three_widths(name):
       leaf = path[-2] if path[-1] == 'kernel' else path[-1]
       lr, init, fwd = _expected(name, leaf, d, 3 * d // 2)
       assert (r.lr_mult, r.init_scale, r.fwd_mult) == pytest.approx((lr, init, fwd)), (d, path)
+      # vanilla Shampoo's damping ~ b_in b_out / fan_out^2 relative to the base
+      damping = 1.0
+      if name == 'shampoo_vanilla' and r.role == 'hidden':
+        fans = {'wi_gate': (d, 3 * d // 2), 'wi_up': (d, 3 * d // 2), 'wo': (3 * d // 2, d)}
+        fi, fo = fans.get(leaf, (d, d))
+        scale = lambda a, b: min(a, 128) * min(b, 128) / b ** 2
+        damping = scale(fi, fo) / scale(fi * D0 // d, fo * D0 // d)
+      assert r.damping_mult == pytest.approx(damping), (d, path)
       seen.add(leaf)
     assert pz.cfg.logits_mult == pytest.approx(D0 / d)
   assert {'q', 'wo', 'readout', 'embedding'} <= seen, seen
@@ -236,15 +281,31 @@ def test_muon_lr_mult_follows_fan_out_over_fan_in():
   assert muon_lr_mult(16, 128, 16, 64) == pytest.approx(1.0)
 
 
-@pytest.mark.parametrize('name', ['muon', 'shampoo'])
+def test_vanilla_shampoo_mults_follow_the_second_order_mup():
+  """Ishikawa & Karakida's exponents for e_L = e_R = 1/4, with Qiu et al.'s blocking
+  (parametrization_optim.py): LR ~ (fan_out/fan_in)^(1/2) (n_in n_out)^(-1/2), damping ~
+  b_in b_out / fan_out^2, relative to the base."""
+  from sharenet.parametrization_optim import shampoo_mults
+  assert shampoo_mults(64, 64, 32, 32, 128) == (1.0, 1.0)
+  # an input-like matrix: fan_in fixed, fan_out doubles -> LR x sqrt 2, damping / 2
+  assert shampoo_mults(16, 64, 16, 32, 128) == pytest.approx((2 ** 0.5, 0.5))
+  # an output-like matrix: fan_in doubles, fan_out fixed -> LR / sqrt 2, damping x 2
+  assert shampoo_mults(64, 16, 32, 16, 128) == pytest.approx((2 ** -0.5, 2.0))
+  # a hidden matrix past the block size: 2 x 2 blocks of 128 -> LR / 2 (Adam's 1 / width),
+  # damping / 4; 4 x 4 blocks -> LR / 4, damping / 16
+  assert shampoo_mults(256, 256, 64, 64, 128) == pytest.approx((0.5, 0.25))
+  assert shampoo_mults(512, 512, 64, 64, 128) == pytest.approx((0.25, 1 / 16))
+
+
+@pytest.mark.parametrize('name', ['muon', 'shampoo', 'shampoo_vanilla'])
 def test_base_width_mup_rules_equal_sp(name):
   """At base width every multiplier of the optimizer's muP is exactly SP's (1), so the chain and
   the init are SP's and training is bit-identical (end to end: the slow test below)."""
   sp, mu = _pz(D0, 'sp', name), _pz(D0, 'mup', name)
-  fields = ('init_scale', 'fwd_mult', 'lr_mult', 'wd_mult', 'eps_mult')
+  fields = ('init_scale', 'fwd_mult', 'lr_mult', 'wd_mult', 'eps_mult', 'damping_mult')
   for path in sp.rules:
-    assert [getattr(mu.rules[path], f) for f in fields] == [1.0] * 5, path
-    assert [getattr(sp.rules[path], f) for f in fields] == [1.0] * 5, path
+    assert [getattr(mu.rules[path], f) for f in fields] == [1.0] * 6, path
+    assert [getattr(sp.rules[path], f) for f in fields] == [1.0] * 6, path
   assert mu.opt_multipliers() is None and sp.opt_multipliers() is None
 
 
@@ -259,10 +320,15 @@ def test_adam_only_parametrization_is_one_line(kind):
 def test_muon_mup_on_the_readout_is_one_line():
   with pytest.raises(ConfigError, match='hidden kernels on Muon only.*valid train.matrix_roles'):
     _pz(64, 'mup', 'muon', matrix_roles='reader,writer,readout')
+  with pytest.raises(ConfigError, match=r'hidden kernels on vanilla Shampoo \(train.shampoo.'
+                                        r'graft=none\) only.*valid train.matrix_roles') as e:
+    _pz(64, 'mup', 'shampoo_vanilla', matrix_roles='reader,writer,embedding')
+  assert '\n' not in str(e.value)
+  _pz(64, 'mup', 'shampoo', matrix_roles='reader,writer,embedding')   # grafted: Adam's rules
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize('name', ['muon', 'shampoo'])
+@pytest.mark.parametrize('name', ['muon', 'shampoo', 'shampoo_vanilla'])
 def test_base_width_mup_trains_bitwise_like_sp(name):
   """Three steps of the tiny model under the optimizer: base-width muP == SP bit for bit; half
   the base width changes them (not vacuous)."""
@@ -270,8 +336,9 @@ def test_base_width_mup_trains_bitwise_like_sp(name):
   from sharenet.models import DecoderLM, init_variables, param_table
 
   def run(kind, base):
-    t = _train(optimizer=name, lr=1e-2, weight_decay=0.1, grad_clip=1.0,
-               shampoo=dict(block_size=16, eps=1e-3))
+    graft = 'none' if name == 'shampoo_vanilla' else 'adam'
+    t = _train(optimizer=name.replace('_vanilla', ''), lr=1e-2, weight_decay=0.1, grad_clip=1.0,
+               shampoo=dict(block_size=16, eps=1e-3, graft=graft))
     pz = P.Parametrization(_tiny(D0, kind, base), t)
     model = DecoderLM(pz.cfg)
     tx = optim.make_optimizer(t, multipliers=pz.opt_multipliers(), table=param_table(pz.cfg))
