@@ -266,10 +266,17 @@ def _features() -> tuple[Feature, ...]:
   # train.optimizer (sharenet/optim_matrix.py): Muon / Shampoo on the hidden kernels, Adam on
   # the rest; the Adam-only presets and AdamP (which replaces Adam) are refused.
   adam_only = 'this parametrization is written for AdamW (valid with muon / shampoo: sp, mup)'
-  optimizers = [_setting(o, 'optimizer', 'train.optimizer', o, refuses=tuple(
-      (k, adam_only) for k in ('mup_table3', 'completep', 'umup')) + (
-      ('adamp', 'AdamP replaces Adam; valid with it: train.optimizer=adamw'),))
-      for o in ('muon', 'shampoo')]
+  # shampoo is grafted to Adam (train.shampoo.graft=adam), shampoo_vanilla is not (graft=none).
+  refuses = tuple((k, adam_only) for k in ('mup_table3', 'completep', 'umup')) + (
+      ('adamp', 'AdamP replaces Adam; valid with it: train.optimizer=adamw'),)
+  graft = lambda c: _get(c, 'train.shampoo.graft')
+  optimizers = [
+      _setting('muon', 'optimizer', 'train.optimizer', 'muon', refuses=refuses),
+      Feature('shampoo', 'optimizer', (('train.optimizer', 'shampoo'),),
+              lambda c: _get(c, 'train.optimizer') == 'shampoo' and graft(c) != 'none', refuses),
+      Feature('shampoo_vanilla', 'optimizer',
+              (('train.optimizer', 'shampoo'), ('train.shampoo.graft', 'none')),
+              lambda c: _get(c, 'train.optimizer') == 'shampoo' and graft(c) == 'none', refuses)]
   remats = [_setting(r, 'remat', 'model.remat', r)
             for r in ('full', 'dots', 'dots_no_batch', 'save_names', 'except_attn')]
   numerics = [_setting('pallas', 'kernels', 'model.kernels', 'pallas'),
