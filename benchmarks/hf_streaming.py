@@ -8,12 +8,14 @@ run on the 24 GB CPU box (by the 246M figures, ~10 GB at the import); --d_model 
 --kv_heads 4 (246M) takes ~2 minutes on 2 cores (docs/interop.md, "Tests and memory").
 Result: one JSON object, each phase run in its own process and measured by its peak RSS
 (ru_maxrss): `baseline` (the interpreter with the libraries imported), `write` (the synthetic checkpoint, written tensor by tensor), `read` (import's
-read of every tensor into the stacked parameters), `import` (read plus the workdir's orbax
-checkpoint of the parameters) and `export` (one stored parameter restored at a time, the
-safetensors written tensor by tensor), beside the checkpoint's bytes and its largest tensor's.
-`read` is about the parameters plus one stacked parameter, `write` about one tensor, `export`
-about twice the largest stored parameter plus one tensor; the import's orbax save adds its
-write buffers.
+read of every tensor into the stacked parameters, all held), `import` (the whole import: each
+stacked parameter read, then written to the workdir's orbax checkpoint before the next is
+read) and `export` (one stored parameter restored at a time, the safetensors written tensor by
+tensor), beside the checkpoint's bytes, its largest tensor's and its largest stacked
+parameter's (a block tensor over all layers). `read` is about the parameters plus one stacked
+parameter, `write` about one tensor, `import` about three times the largest stacked parameter
+(it and orbax's write and compression buffers for it; not the whole model), `export` about
+twice the largest stored parameter plus one tensor.
 """
 from __future__ import annotations
 
@@ -66,8 +68,12 @@ def _write(a, hf_dir: str) -> dict:
   safetensors_io.write(os.path.join(hf_dir, 'model.safetensors'),
                        [(n, s, np.float32) for n, s in specs], produce)
   sizes = [4 * int(np.prod(s)) for _, s in specs]
+  stacked: dict[str, int] = {}   # a block tensor's bytes over all layers: one stored parameter
+  for (name, _), size in zip(specs, sizes):
+    key = '.'.join(p for p in name.split('.') if not p.isdigit())
+    stacked[key] = stacked.get(key, 0) + size
   return {'checkpoint_bytes': sum(sizes), 'largest_tensor_bytes': max(sizes),
-          'params': sum(sizes) // 4}
+          'largest_stacked_bytes': max(stacked.values()), 'params': sum(sizes) // 4}
 
 
 def _phase(a) -> dict:
@@ -127,6 +133,7 @@ def main() -> None:
     print(phase, result[phase], flush=True)
   result['checkpoint_gb'] = round(result['checkpoint_bytes'] / 1e9, 2)
   result['largest_tensor_gb'] = round(result['largest_tensor_bytes'] / 1e9, 3)
+  result['largest_stacked_gb'] = round(result['largest_stacked_bytes'] / 1e9, 3)
   shutil.rmtree(a.dir, ignore_errors=True)
   print(json.dumps(result), flush=True)
   if a.out:

@@ -7,10 +7,13 @@ and is left untouched, byte for byte.
 """
 from __future__ import annotations
 
+import ctypes
+import gc
+import json
 import logging
 import os
 import shutil
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import jax
 import jax.numpy as jnp
@@ -46,6 +49,129 @@ def save(mngr: ocp.CheckpointManager, step: int, state: Any, data_iter: Any,
   if config is not None:
     args['config'] = ocp.args.JsonSave(config)
   mngr.save(step, args=ocp.args.Composite(**args), force=True)
+
+
+
+def _nest(path: tuple[Any, ...], leaf: Any) -> Any:
+  for k in reversed(path):
+    leaf = {k: leaf}
+  return leaf
+
+
+def _release_freed_memory() -> None:
+  """Hands freed heap back to the OS: glibc otherwise keeps the per-leaf write buffers
+  (tensorstore's zstd ones), and the process's RSS grows by about one leaf per leaf."""
+  gc.collect()
+  try:
+    ctypes.CDLL('libc.so.6').malloc_trim(0)
+  except (OSError, AttributeError):   # not glibc: nothing to trim
+    pass
+
+
+def _sync(name: str) -> None:
+  if jax.process_count() > 1:
+    multihost_utils.sync_global_devices(name)
+
+
+def save_streamed(workdir: str, step: int, leaves: Iterable[tuple[tuple[Any, ...], Any]],
+                  skeleton: dict[str, Any], config: dict[str, Any] | None = None) -> str:
+  """Writes checkpoint `step` of `workdir` leaf by leaf; returns its directory.
+
+  The checkpoint is the one `save(manager(workdir, ...), step, state, None, config)` writes
+  for a state whose top-level fields are `skeleton` (e.g. {'step': ..., 'opt_state': None,
+  'tstate': {}}: saved first, whole) plus the `leaves`: (path from the state's root, e.g.
+  ('params', 'params', 'embed', 'embedding'), jax.Array or np.ndarray) pairs, consumed one at a
+  time; every leaf's first key must be a field not in `skeleton`, and no path may repeat.
+  restore_latest, restore_parts, restore_leaf, saved_signatures and saved_config read it as
+  they read any other checkpoint (leaf sharding included), so the host holds one leaf (plus
+  orbax's write buffers for it) instead of the whole state: `save` takes the whole tree.
+
+  How: orbax's *experimental* v1 partial save (`orbax.checkpoint.experimental.v1.partial`,
+  checked with orbax 0.12.8), the only orbax API that writes one pytree in pieces:
+  `partial.save(stage, piece)` per leaf, then `partial.finalize(stage)` merges them into
+  stage/state. The v0 JSON `config` item is then added, `_CHECKPOINT_METADATA`'s item
+  handlers are set to the v0 handlers' names, v1's layout marker file is removed (v0 writes
+  none), and the staged step directory is renamed to `checkpoints/<step>`: the commit. Any
+  failure before it (a leaf that raises in the iterator included) leaves no step under
+  checkpoints/; the staging directory (`workdir/.stream-<step>`) is removed either way. An
+  orbax upgrade may change the experimental API: tests/test_checkpoint_stream.py holds it.
+
+  Multi-host: every process calls this with the same leaves (jax arrays whose addressable
+  shards it holds) in the same order; orbax's partial save and finalize synchronise the
+  processes themselves. Process 0 alone prepares the staging directory, writes the config
+  item and metadata and renames the step, each followed by a barrier; a failure in process
+  0's commit is broadcast so that every process raises. A failure on one process while the
+  leaves are written leaves the others waiting in orbax's barriers, as any collective does.
+  (Exercised on one process only: the tests run on one host.)
+  """
+  from orbax.checkpoint.experimental import v1 as ocp1
+  workdir = os.path.abspath(workdir)
+  root = os.path.join(workdir, 'checkpoints')
+  final = os.path.join(root, str(step))
+  if os.path.exists(final):
+    raise FileExistsError(f'checkpoint {final} exists')
+  stage_root = os.path.join(workdir, f'.stream-{step}')   # outside checkpoints/: never a step
+  stage = os.path.join(stage_root, str(step))
+  primary = jax.process_index() == 0
+  if primary:
+    shutil.rmtree(stage_root, ignore_errors=True)   # an earlier, interrupted save's
+    os.makedirs(stage_root)
+  _sync(f'sharenet_stream_stage_{step}')
+  ctx = ocp1.Context()
+  ctx.array.saving.use_zarr3 = False   # as v0's StandardSave writes (restores read either)
+  fields = set(skeleton)
+  seen: set[tuple[Any, ...]] = set()
+  try:
+    with ctx:
+      ocp1.partial.save(stage, dict(skeleton))
+      for path, value in leaves:
+        path = tuple(path)
+        if not path or path[0] in fields or path in seen:
+          raise ValueError(f'save_streamed: leaf path {path} is empty, repeated or inside a '
+                           f'skeleton field ({sorted(fields)})')
+        seen.add(path)
+        ocp1.partial.save(stage, _nest(path, value))
+        del value
+        _release_freed_memory()
+      ocp1.partial.finalize(stage)   # merges the pieces into stage/state (all processes)
+    error = None
+    if primary:
+      try:
+        _commit_stage(stage, final, config)
+      except Exception as e:  # noqa: BLE001 - re-raised below, on every process
+        error = e
+    if jax.process_count() > 1:
+      failed = multihost_utils.broadcast_one_to_all(np.int32(error is not None))
+      if int(failed) and error is None:
+        raise OSError(f'save_streamed: process 0 failed to commit checkpoint {final}')
+    if error is not None:
+      raise error
+    _sync(f'sharenet_stream_done_{step}')   # no process returns before the step exists
+  finally:
+    if primary:
+      shutil.rmtree(stage_root, ignore_errors=True)
+  return final
+
+
+def _commit_stage(stage: str, final: str, config: dict[str, Any] | None) -> None:
+  """A finalized v1 partial save at `stage` made a v0 CheckpointManager step at `final`."""
+  handlers = {'state': ocp.StandardCheckpointHandler.typestr()}
+  if config is not None:
+    (epath.Path(stage) / 'config').mkdir()
+    ocp.JsonCheckpointHandler().save(epath.Path(stage) / 'config',
+                                     args=ocp.args.JsonSave(config))
+    handlers['config'] = ocp.JsonCheckpointHandler.typestr()
+  meta_file = os.path.join(stage, '_CHECKPOINT_METADATA')   # v1 names its own handler
+  with open(meta_file) as f:
+    meta = json.load(f)
+  meta['item_handlers'] = handlers
+  with open(meta_file, 'w') as f:
+    json.dump(meta, f)
+  marker = os.path.join(stage, 'orbax.checkpoint')   # v1's layout marker; v0 writes none
+  if os.path.exists(marker):
+    os.remove(marker)
+  os.makedirs(os.path.dirname(final), exist_ok=True)
+  os.rename(stage, final)   # the commit: the step appears whole or not at all
 
 
 def saved_config(mngr: ocp.CheckpointManager, step: int) -> dict[str, Any] | None:

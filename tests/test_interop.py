@@ -147,6 +147,67 @@ def test_cli_error_is_one_line_and_out_untouched(tmp_path, repo_root):
   assert list(out.iterdir()) == []
 
 
+@pytest.mark.parametrize('arch', ['llama', 'gpt2'])
+def test_the_streamed_import_is_the_in_memory_save(imported, tmp_path, arch):
+  """The import writes its checkpoint leaf by leaf (checkpoint.save_streamed): the state
+  restores bit for bit as save_workdir's in-memory save of the same parameters, with the same
+  tree, metadata tree, saved config and config.json."""
+  from flax.traverse_util import flatten_dict
+  from sharenet import checkpoint
+  from sharenet.interop import hf_arch
+  import ml_collections
+  import orbax.checkpoint as ocp
+  src, new = os.path.join(FIXTURES, arch), imported[arch]
+  hf, keys = hf_arch.model_keys(import_hf.read_hf_config(src))
+  has_tok = os.path.isfile(os.path.join(src, import_hf.TOKENIZER))
+  raw = import_hf.experiment_config(keys, os.path.join(new, import_hf.TOKENIZER) if has_tok
+                                    else None)
+  cfg = ModelConfig.from_experiment(ml_collections.ConfigDict(raw))
+  ref = str(tmp_path / 'ref')
+  workdir_lib.save_workdir(ref, raw, cfg, {'params': import_hf.read_params(src, hf, cfg)}, 0,
+                           {'imported_from': src, 'hf_model_type': hf}, optimizer_state=False)
+  read = lambda p: json.loads(open(p).read())
+  assert read(os.path.join(new, 'config.json')) == read(os.path.join(ref, 'config.json'))
+  meta = 'checkpoints/0/state/_METADATA'
+  assert read(os.path.join(new, meta))['tree_metadata'] == \
+      read(os.path.join(ref, meta))['tree_metadata']
+  m_new, m_ref = (checkpoint.manager(w, 3, async_save=False) for w in (new, ref))
+  assert m_new.all_steps() == m_ref.all_steps() == [0]
+  assert checkpoint.saved_config(m_new, 0) == checkpoint.saved_config(m_ref, 0)
+  tree = checkpoint._saved_tree(m_ref, 0)
+  args = ocp.args.PyTreeRestore(restore_args=jax.tree.map(
+      lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree))
+  a, b = (flatten_dict(ocp.PyTreeCheckpointer().restore(checkpoint._state_dir(m, 0), args=args))
+          for m in (m_new, m_ref))
+  assert a.keys() == b.keys()
+  for k in a:
+    if a[k] is None or b[k] is None:   # opt_state: none saved
+      assert a[k] is None and b[k] is None, k
+      continue
+    x, y = np.atleast_1d(a[k]), np.atleast_1d(b[k])
+    assert x.dtype == y.dtype and np.array_equal(x.view(np.uint8), y.view(np.uint8)), k
+
+
+def test_a_failure_midway_through_the_import_leaves_nothing(tmp_path, monkeypatch):
+  """A tensor that fails to read after some parameters are already written (staged by the
+  streamed checkpoint save) leaves nothing at --out and no staging directory."""
+  out = tmp_path / 'out'
+  read, calls, staged = safetensors_io.SafetensorsFile.read, [], []
+
+  def failing_read(self, name):
+    calls.append(name)
+    if len(calls) == 30:   # of the llama fixture's 39 tensors
+      staged.extend(os.listdir(next(tmp_path.glob('out.import-*.tmp/.stream-0'))))
+      raise OSError(f'{name}: input/output error')
+    return read(self, name)
+
+  monkeypatch.setattr(safetensors_io.SafetensorsFile, 'read', failing_read)
+  with pytest.raises(OSError, match='input/output error'):
+    import_hf.import_hf(os.path.join(FIXTURES, 'llama'), str(out))
+  assert staged, 'no parameter was staged before the failure'
+  assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize('arch', ARCHS)
 def test_export_round_trip(imported, tmp_path, arch):
   """import -> export: the same tensors as the source checkpoint (Gemma's 1 + w within a

@@ -11,11 +11,16 @@ params, so the first run loads the parameters with a fresh optimizer state), con
 converts it.
 Architectures and the fields refused: sharenet/interop/hf_arch.py; docs/interop.md.
 
-Tensors are read one at a time into the stacked parameters, each parameter moved to a jax
-array once complete (peak host memory: the parameters plus one stacked parameter; orbax's
-write buffers come on top: benchmarks/hf_streaming.py). Every tensor of the checkpoint must be a
-parameter of the model and every parameter must be in the checkpoint. On any error nothing is
-left at WORKDIR: the workdir is written beside it and renamed into place at the end.
+Tensors are read one at a time into the stacked parameters; each parameter, once complete, is
+moved to a jax array and written to the workdir's checkpoint before the next one is read
+(checkpoint.save_streamed, orbax's experimental partial save). Peak host memory is about three
+times the largest stacked parameter (it plus orbax's write and compression buffers), not the
+model: 0.87 GB, 0.29 GB of it the libraries, for a 0.98 GB checkpoint whose largest
+stacked parameter is 0.18 GB (benchmarks/hf_streaming.py). Every tensor of the checkpoint must
+be a parameter of the model and every parameter must be in the checkpoint; names, shapes and
+dtypes are checked before anything is written. On any error nothing is left at WORKDIR: the
+workdir is written beside it (the checkpoint staged, the step committed by a rename) and
+renamed into place at the end.
 
 Under a mesh (`--mesh`, the workdir's config.mesh: data / fsdp / tensor / expert sizes), each
 completed parameter goes straight into its sharding (jax.make_array_from_callback over the
@@ -27,7 +32,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from typing import Any
+from typing import Any, Iterator
 
 import jax
 import numpy as np
@@ -108,53 +113,106 @@ def _place(value: np.ndarray, sharding: Any) -> jax.Array:
   return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
 
 
-def read_params(model_dir: str, arch: str, cfg: Any,
-                shardings: dict[tuple, Any] | None = None) -> dict[str, Any]:
-  """The 'params' tree of untied DecoderLM(cfg), read tensor by tensor from the checkpoint;
-  block parameters are stacked over the applied layers and placed by models/layout.py; with
-  `shardings` ({path: NamedSharding}) each is placed straight into its sharding."""
-  from sharenet.models import DecoderLM, layout as model_layout
-  from sharenet.models.lm import init_variables, param_table
-  files = safetensors_io.open_model(model_dir)
+def stored_params(cfg: Any) -> dict[tuple, jax.ShapeDtypeStruct]:
+  """{path below 'params': float32 ShapeDtypeStruct} of the leaves `iter_params` yields for
+  untied DecoderLM(cfg), in the model's order."""
+  from sharenet.models import DecoderLM
+  from sharenet.models.lm import init_variables
   abstract = jax.eval_shape(lambda: init_variables(DecoderLM(cfg), jax.random.key(0)))
+  return {p: jax.ShapeDtypeStruct(x.shape, np.float32)
+          for p, x in flatten_dict(abstract['params']).items()}
+
+
+def iter_params(model_dir: str, arch: str, cfg: Any, shardings: dict[tuple, Any] | None = None
+                ) -> Iterator[tuple[tuple, jax.Array]]:
+  """(path below 'params', jax array) of every stored parameter of untied DecoderLM(cfg), one
+  at a time, each read tensor by tensor from the checkpoint: block parameters are stacked over
+  the applied layers and placed by models/layout.py; with `shardings` ({path: NamedSharding})
+  each is placed straight into its sharding. A parameter is yielded once complete and not
+  held after the consumer asks for the next one.
+
+  The checkpoint's tensor names, shapes and dtypes are checked against the model first (one
+  ConfigError line: a tensor missing, of the wrong shape or dtype, or not modelled) when this
+  is called, before the iterator reads a tensor."""
+  from sharenet.models.lm import param_table
+  files = safetensors_io.open_model(model_dir)
   table = {p[1:]: i for p, i in param_table(cfg).items() if p[0] == 'params'}
   shapes = {(i.local if i.in_block else p): ((cfg.num_layers,) + i.shape[i.num_layer_axes:]
                                              if i.in_block else i.shape)
             for p, i in table.items()}
   entries = hf_arch.entries(arch, cfg, hf_arch.prefix(arch, set(files)))
   assert {e.path for e in entries} == set(shapes), 'interop entries do not match the model'
-  flat = {p: leaf for p, leaf in flatten_dict(abstract['params']).items()}
   stored = {p: i for p, i in table.items() if i.in_block}
+  # each entry's stored leaves: (path, the applied layers' values it holds, or None: all)
+  targets = {e.path: ([(p, np.asarray(i.sets)) for p, i in stored.items() if i.local == e.path]
+                      if e.layer else [(e.path, None)]) for e in entries}
+  assert sorted(p for t in targets.values() for p, _ in t) == sorted(stored_params(cfg)), \
+      'interop entries do not cover the model'
   used: set[str] = set()
-  cache: list[Any] = [None, None]   # GPT-2's fused c_attn is read once for q, k and v
-  for e in entries:
-    value = np.empty(shapes[e.path], np.float32)
+  for e in entries:   # the whole checkpoint checked before anything is read or written
     for i in range(cfg.num_layers) if e.layer else [None]:
       name = e.hf.format(i=i)
       if name not in files:
         raise ConfigError(f'--model {model_dir}: tensor {name} is missing (config.json '
                           f'describes a {arch} model that has it)')
-      if cache[0] != name:
-        cache[:] = name, files[name].read(name)
-      one = value[i] if e.layer else value
-      if cache[1].shape != layout.hf_shape(e, one.shape):
-        raise ConfigError(f'--model {model_dir}: tensor {name} has shape {cache[1].shape}, '
-                          f'config.json implies {layout.hf_shape(e, one.shape)}')
-      one[...] = layout.to_sharenet(e, cache[1], one.shape)
+      want = layout.hf_shape(e, shapes[e.path][1:] if e.layer else shapes[e.path])
+      if files[name].shape(name) != want:
+        raise ConfigError(f'--model {model_dir}: tensor {name} has shape '
+                          f'{files[name].shape(name)}, config.json implies {want}')
+      files[name].check_dtype(name)
       used.add(name)
-    # complete: held as the jax array the checkpoint saves, the numpy buffer freed (one copy)
-    if e.layer:   # the stored leaf of an untied plan: its applied layers' values, in order
-      for path, info in stored.items():
-        if info.local == e.path:
-          flat[path] = _place(value[np.asarray(info.sets)], (shardings or {}).get(path))
-    else:
-      flat[e.path] = _place(value, (shardings or {}).get(e.path))
-    del value
   extra = sorted(n for n in set(files) - used if not hf_arch.ignored(arch, n))
   if extra:
     raise ConfigError(f'--model {model_dir}: tensor {extra[0]} is not modelled by sharenet '
                       f'({len(extra)} such; config.json does not describe them)')
-  return unflatten_dict(flat)
+  return _read_params(model_dir, files, entries, shapes, targets, cfg.num_layers,
+                      shardings or {})
+
+
+def _read_params(model_dir: str, files: dict[str, Any], entries: list[Any],
+                 shapes: dict[tuple, tuple], targets: dict[tuple, list], num_layers: int,
+                 shardings: dict[tuple, Any]) -> Iterator[tuple[tuple, jax.Array]]:
+  """iter_params' reading, once the checkpoint is checked."""
+  cache: list[Any] = [None, None]   # GPT-2's fused c_attn is read once for q, k and v
+  for k, e in enumerate(entries):
+    value = np.empty(shapes[e.path], np.float32)
+    for i in range(num_layers) if e.layer else [None]:
+      name = e.hf.format(i=i)
+      if cache[0] != name:
+        cache[:] = None, None
+        cache[:] = name, files[name].read(name)
+      one = value[i] if e.layer else value
+      if cache[1].shape != layout.hf_shape(e, one.shape):   # checked above; a changed file
+        raise ConfigError(f'--model {model_dir}: tensor {name} has shape {cache[1].shape}, '
+                          f'config.json implies {layout.hf_shape(e, one.shape)}')
+      one[...] = layout.to_sharenet(e, cache[1], one.shape)
+      del one
+    nxt = entries[k + 1].hf.format(i=0) if k + 1 < len(entries) else None
+    if cache[0] != nxt:
+      cache[:] = None, None
+    # complete: each stored leaf (an untied plan's: its applied layers' values, in order)
+    # made the jax array the checkpoint saves; the numpy buffer is freed before it is yielded
+    todo = targets[e.path]
+    for j, (path, sets) in enumerate(todo):
+      whole = sets is None or np.array_equal(sets, np.arange(len(value)))
+      leaf = _place(value if whole else value[sets], shardings.get(path))
+      if j + 1 == len(todo):
+        del value
+      yield path, leaf
+      del leaf
+
+
+def _under(key: str, leaves: Iterator[tuple[tuple, Any]]) -> Iterator[tuple[tuple, Any]]:
+  for path, value in leaves:
+    yield (key,) + path, value
+    del value   # not held while the next one is read
+
+
+def read_params(model_dir: str, arch: str, cfg: Any,
+                shardings: dict[tuple, Any] | None = None) -> dict[str, Any]:
+  """The 'params' tree of untied DecoderLM(cfg): every parameter of `iter_params` held at
+  once (the import streams them instead; this is for tests and benchmarks)."""
+  return unflatten_dict(dict(iter_params(model_dir, arch, cfg, shardings)))
 
 
 def import_hf(model_dir: str, out: str, mesh: str = '') -> dict[str, Any]:
@@ -173,14 +231,15 @@ def import_hf(model_dir: str, out: str, mesh: str = '') -> dict[str, Any]:
   raw['mesh'].update(mesh_overrides(mesh))
   cfg = ModelConfig.from_experiment(ml_collections.ConfigDict(raw))
   shardings = param_shardings(raw, cfg) if mesh else None
-  params = read_params(model_dir, arch, cfg, shardings)
+  specs = stored_params(cfg)
+  leaves = iter_params(model_dir, arch, cfg, shardings)   # bad input: raises here
   tmp = f'{out}.import-{os.getpid()}.tmp'
   try:
-    # No optimizer state (train.restore=params makes a fresh one): the checkpoint and the
-    # import's memory are the parameters' size, not three times it.
-    workdir_lib.save_workdir(tmp, raw, cfg, {'params': params}, 0,
-                             {'imported_from': os.path.abspath(model_dir), 'hf_model_type': arch},
-                             optimizer_state=False)
+    # No optimizer state (train.restore=params makes a fresh one): the checkpoint is the
+    # parameters' size, not three times it; they are written one at a time as they are read.
+    workdir_lib.save_workdir_streamed(
+        tmp, raw, cfg, {'params': unflatten_dict(specs)}, _under('params', leaves), 0,
+        {'imported_from': os.path.abspath(model_dir), 'hf_model_type': arch})
     if has_tok:
       shutil.copyfile(os.path.join(model_dir, TOKENIZER), os.path.join(tmp, TOKENIZER))
     if os.path.isdir(out):
@@ -190,7 +249,7 @@ def import_hf(model_dir: str, out: str, mesh: str = '') -> dict[str, Any]:
     if os.path.isdir(tmp):
       shutil.rmtree(tmp)
   return {'model_type': arch, 'workdir': out, 'num_layers': cfg.num_layers,
-          'params': int(sum(np.prod(a.shape) for a in jax.tree.leaves(params)))}
+          'params': int(sum(np.prod(a.shape) for a in specs.values()))}
 
 
 def main(argv: list[str]) -> None:

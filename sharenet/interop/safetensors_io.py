@@ -46,13 +46,18 @@ class SafetensorsFile:
   def shape(self, name: str) -> tuple[int, ...]:
     return tuple(self.entries[name]['shape'])
 
-  def read(self, name: str) -> np.ndarray:
-    """Tensor `name` as a numpy array (BF16 as float32); a dtype not in READABLE is an error."""
-    e = self.entries[name]
-    dt = e['dtype']
+  def check_dtype(self, name: str) -> None:
+    """ConfigError unless tensor `name`'s dtype is one sharenet reads (READABLE)."""
+    dt = self.entries[name]['dtype']
     if dt not in READABLE:
       raise ConfigError(f'{self.path}: tensor {name} has dtype {dt}, which sharenet cannot '
                         f'hold; valid: {", ".join(READABLE)}')
+
+  def read(self, name: str) -> np.ndarray:
+    """Tensor `name` as a numpy array (BF16 as float32); a dtype not in READABLE is an error."""
+    self.check_dtype(name)
+    e = self.entries[name]
+    dt = e['dtype']
     begin, end = e['data_offsets']
     with open(self.path, 'rb') as f:
       f.seek(self.data_start + begin)

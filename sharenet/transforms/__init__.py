@@ -65,6 +65,11 @@ class Transforms:
   def reparam_names(self) -> tuple[str, ...]:
     return tuple(r.name for r in self.reparam.steps)
 
+  @property
+  def init_is_identity(self) -> bool:
+    """Whether `init` returns the variables unchanged and an empty tstate."""
+    return self.projection != 'ngpt' and not self.reparam
+
   def init(self, variables: Any) -> tuple[Any, Any]:
     """Trainable tree (+ 'reparam' extras, projected if a projection is set) and tstate."""
     if self.projection == 'ngpt':   # nGPT normalises the matrices at the start too
