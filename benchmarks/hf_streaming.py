@@ -3,9 +3,11 @@
 Command: python -m benchmarks.hf_streaming [--d_model 2048 --layers 22 --mlp_dim 5632
              --vocab 32000 --heads 32 --kv_heads 4] [--dir /tmp/hf_streaming]
              [--out benchmarks/results/hf_streaming.json]          (from the repository root)
-Runtime: the defaults are TinyLlama's shape (~1.1B parameters, 4.4 GB in float32), not
-run on the 24 GB CPU box (by the 246M figures, ~10 GB at the import); --d_model 1024 --layers 16 --mlp_dim 2816 --heads 16
---kv_heads 4 (246M) takes ~2 minutes on 2 cores (docs/interop.md, "Tests and memory").
+Runtime: the defaults are TinyLlama's shape (~1.1B parameters, 4.4 GB in float32): ~7 min on
+the 2-core CPU, 5.6 GB peak (the `read` phase), results in
+benchmarks/results/hf_streaming_1b.json (2026-12-04). --d_model 1024 --layers 16 --mlp_dim 2816
+--heads 16 --kv_heads 4 (246M) takes ~2 minutes (benchmarks/results/hf_streaming.json;
+docs/interop.md, "Tests and memory").
 Result: one JSON object, each phase run in its own process and measured by its peak RSS
 (ru_maxrss): `baseline` (the interpreter with the libraries imported), `write` (the synthetic checkpoint, written tensor by tensor), `read` (import's
 read of every tensor into the stacked parameters, all held), `import` (the whole import: each
