@@ -15,8 +15,7 @@ Tensors are read one at a time into the stacked parameters; each parameter, once
 moved to a jax array and written to the workdir's checkpoint before the next one is read
 (checkpoint.save_streamed, orbax's experimental partial save). Peak host memory is about three
 times the largest stacked parameter (it plus orbax's write and compression buffers), not the
-model: 0.87 GB, 0.29 GB of it the libraries, for a 0.98 GB checkpoint whose largest
-stacked parameter is 0.18 GB (benchmarks/hf_streaming.py). Every tensor of the checkpoint must
+model (benchmarks/hf_streaming.py; docs/interop.md, "Tests and memory"). Every tensor of the checkpoint must
 be a parameter of the model and every parameter must be in the checkpoint; names, shapes and
 dtypes are checked before anything is written. On any error nothing is left at WORKDIR: the
 workdir is written beside it (the checkpoint staged, the step committed by a rename) and
@@ -179,7 +178,7 @@ def _read_params(model_dir: str, files: dict[str, Any], entries: list[Any],
     for i in range(num_layers) if e.layer else [None]:
       name = e.hf.format(i=i)
       if cache[0] != name:
-        cache[:] = None, None
+        cache[:] = None, None   # the previous tensor freed before the next is read
         cache[:] = name, files[name].read(name)
       one = value[i] if e.layer else value
       if cache[1].shape != layout.hf_shape(e, one.shape):   # checked above; a changed file

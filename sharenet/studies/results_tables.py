@@ -78,7 +78,8 @@ TABLES: dict[str, tuple[str, Callable[[str], str]]] = {
     'rank_study/rank_study.md': ('rank_study/rank_study.json', _fn('rank_study')),
     **{f'mup/{d}coord_check.md': (f'mup/{d}coord_check.json', _fn('coord_check'))
        for d in ('', 'depth/coord_check/', 'lora/', 'lora/a_zero/', 'lora/lr_0.04/', 'umup/',
-                 'umup/lr0.125/', 'zero_init/', 'muon/coord_check/', 'shampoo/coord_check/')},
+                 'umup/lr0.125/', 'zero_init/', 'muon/coord_check/', 'shampoo/coord_check/',
+                 'shampoo/vanilla/coord_check/')},
     **{f'mup/{d}lr_sweep.md': (f'mup/{d}lr_sweep.json', _fn('lr_sweep'))
        for d in ('', 'depth/', 'depth/alpha_0.5/', 'loops/', 'muon/', 'shampoo/', 'beyond/')},
     'mup/transfer_shifts.md': (SHIFT_SWEEPS, _shifts),
