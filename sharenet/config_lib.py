@@ -53,6 +53,10 @@ def validate(config: Any, process_count: int | None = None) -> ModelConfig:
   recurrence.exit_weights(t.exit_loss, mcfg)   # train.exit_loss against the plan's loops
   if t.lr <= 0:
     raise ConfigError(f'train.lr={t.lr} must be > 0')
+  if mcfg.attention_window and t.seq_len > mcfg.attention_window:
+    raise ConfigError(f'train.seq_len={t.seq_len} exceeds model.attention_window='
+                      f'{mcfg.attention_window}: sliding-window attention is modelled only '
+                      f'within its window; valid: train.seq_len <= {mcfg.attention_window}')
   if mcfg.position == 'learned' and t.seq_len > mcfg.max_len:
     raise ConfigError(f'train.seq_len={t.seq_len} exceeds model.max_len={mcfg.max_len} for '
                       f'learned positions')

@@ -35,6 +35,9 @@ def default_config() -> ml_collections.ConfigDict:
   rs.high_freq_factor = 4.0   # llama3: wavelengths below original_max_len / this are kept
   rs.original_max_len = 8192  # llama3: the context length the model was trained at
   m.max_len = 2048            # learned positions only
+  m.attention_window = 0      # > 0: the model's sliding-window span (an imported Mistral /
+                              # Gemma 2). Modelled within the window only, where it equals full
+                              # attention: model.max_len and train.seq_len must be <= it
   m.attn_scale = 0.0          # 0 -> 1/sqrt(head_dim)
   m.attn_softcap = 0.0        # > 0: attention logits -> cap * tanh(logits / cap) (Gemma 2's
                               # attn_logit_softcapping); 0 = off

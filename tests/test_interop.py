@@ -77,30 +77,23 @@ def _edit_config(src, **changes):
     ('no_dir', 'is not a directory'),
     ('no_config', 'has no config.json'),
     ('arch', r"model_type='gemma3' is not supported; valid: llama, mistral"),
-    ('gemma2_sliding', r'\(gemma2\): sliding_window=16 is not modelled'),
     ('rope_scaling', r"rope_scaling='yarn' is not modelled by sharenet \(valid: null, "
                      r"default, linear, llama3\)"),
-    ('sliding', r'sliding_window=16 is not modelled'),
     ('activation', r"hidden_act='relu' is not modelled"),
     ('missing_shard', 'the shard index names model-00002-of-00003.safetensors, which is missing'),
     ('dtype', 'has dtype I8, which sharenet cannot hold'),
     ('extra_tensor', 'tensor lm_head.weight is not modelled'),
 ])
 def test_bad_input_is_one_error_and_writes_nothing(tmp_path, case, match):
-  src = _copy_fixture(tmp_path, {'sliding': 'mistral', 'gemma2_sliding': 'gemma2'}.get(case,
-                                                                                     'llama'))
+  src = _copy_fixture(tmp_path, 'llama')
   if case == 'no_dir':
     shutil.rmtree(src)
   elif case == 'no_config':
     (src / 'config.json').unlink()
   elif case == 'arch':
     _edit_config(src, model_type='gemma3')
-  elif case == 'gemma2_sliding':   # alternate layers slide, within max_position_embeddings
-    _edit_config(src, sliding_window=16)
   elif case == 'rope_scaling':
     _edit_config(src, rope_scaling={'rope_type': 'yarn', 'factor': 8.0})
-  elif case == 'sliding':
-    _edit_config(src, sliding_window=16)
   elif case == 'activation':
     _edit_config(src, hidden_act='relu')
   elif case == 'missing_shard':
@@ -114,6 +107,35 @@ def test_bad_input_is_one_error_and_writes_nothing(tmp_path, case, match):
     import_hf.import_hf(str(src), str(out))
   assert '\n' not in str(e.value)
   assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == [src.name] * src.exists()
+
+
+@pytest.mark.parametrize('arch', ['mistral', 'gemma2'])
+def test_sliding_window_imports_exact_within_its_window(tmp_path, arch, tiny_config):
+  """A 16-token window below max_position_embeddings=64 (Mistral: every layer; Gemma 2: its
+  sliding layers): imported as model.attention_window=16 with max_len capped to 16, so the
+  12-token reference prompt (within the window, where sliding equals full attention) gives the
+  reference logits, and a longer context is one error line."""
+  from sharenet import config_lib
+  from sharenet.models import ModelConfig
+  src = _copy_fixture(tmp_path, arch)
+  _edit_config(src, sliding_window=16, max_position_embeddings=64)
+  out = tmp_path / 'out'
+  import_hf.import_hf(str(src), str(out))
+  config = json.loads((out / 'config.json').read_text())
+  assert (config['model']['attention_window'], config['model']['max_len']) == (16, 16)
+  assert config['train']['seq_len'] <= 16
+  ref = np.load(os.path.join(FIXTURES, arch, 'reference.npz'))
+  logits = _logits(str(out), ref['tokens'])
+  np.testing.assert_allclose(logits, ref['logits'], atol=1e-4)
+  with pytest.raises(ConfigError, match=r'train.seq_len=32 exceeds model.attention_window=16.*'
+                                        r'valid: train.seq_len <= 16') as e:
+    config_lib.validate(tiny_config(**{'model.attention_window': 16, 'model.max_len': 16,
+                                       'train.seq_len': 32}))
+  assert '\n' not in str(e.value)
+  with pytest.raises(ConfigError, match='attention_window=16 with model.max_len=64.*valid: 0, '
+                                        'or >= model.max_len'):
+    ModelConfig(vocab_size=64, d_model=32, num_layers=1, num_heads=2, mlp_dim=64,
+                attention_window=16, max_len=64)
 
 
 def _write_one(src, name, dtype):

@@ -11,8 +11,11 @@ each sharenet parameter's Hugging Face tensor.
                                  and pre / post-feedforward: model.norm.placement=peri), the
                                  attention scale query_pre_attn_scalar^-1/2 (model.attn_scale)
                                  and logit soft-capping of the attention and the output
-                                 (model.attn_softcap, model.logit_softcap); its sliding-window
-                                 layers only where the window covers max_position_embeddings.
+                                 (model.attn_softcap, model.logit_softcap).
+A sliding window (Mistral's, Gemma 2's sliding layers) below max_position_embeddings is imported
+as model.attention_window with model.max_len capped to it: within the window sliding-window
+attention equals full attention, so the model is exact for every context it accepts, and
+longer ones are refused (train.seq_len, generation's prompt + new tokens).
   gpt2                           Pre-LN LayerNorm with biases, learned positions, tanh GELU,
                                  biases on every projection (model.proj_bias=all), tied
                                  readout; Conv1D kernels are stored (in, out), q k v fused.
@@ -87,8 +90,9 @@ def _rope(arch: str, hf: dict[str, Any]) -> tuple[float, dict[str, Any]]:
   return base, scaling
 
 
-def _check_llama(arch: str, hf: dict[str, Any]) -> None:
-  """The fields of the Llama family whose non-default values sharenet does not model."""
+def _check_llama(arch: str, hf: dict[str, Any]) -> int:
+  """The fields of the Llama family whose non-default values sharenet does not model; returns
+  the sliding window that binds (below max_position_embeddings), else 0."""
   for field, ok, why in (
       ('attention_bias', not hf.get('attention_bias') or arch == 'qwen2',
        'biases on q, k, v and o; valid: false'),
@@ -115,16 +119,15 @@ def _check_llama(arch: str, hf: dict[str, Any]) -> None:
   if arch == 'gemma2':
     layer_types.discard('sliding_attention')
     layer_types = layer_types or {'full_attention'}
-  if windowed and slides:
-    raise _refuse(arch, 'sliding_window', window, f'sliding-window attention below '
-                  f'max_position_embeddings={hf["max_position_embeddings"]}; valid: null or '
-                  f'>= max_position_embeddings')
   if layer_types != {'full_attention'}:
     raise _refuse(arch, 'layer_types', sorted(layer_types), 'valid: full_attention only')
+  if windowed and slides and window < 1:
+    raise _refuse(arch, 'sliding_window', window, 'valid: null or >= 1')
+  return int(window) if windowed and slides else 0
 
 
 def _llama_keys(arch: str, hf: dict[str, Any]) -> dict[str, Any]:
-  _check_llama(arch, hf)
+  window = _check_llama(arch, hf)
   act = hf.get('hidden_activation') or hf.get('hidden_act', 'silu')
   if arch in GEMMAS:
     if act not in TANH_GELUS:
@@ -145,7 +148,7 @@ def _llama_keys(arch: str, hf: dict[str, Any]) -> dict[str, Any]:
       head_dim=head_dim, mlp_dim=hf['intermediate_size'],
       mlp='geglu' if arch in GEMMAS else 'swiglu', position='rope',
       rope_base=base, rope_scaling=scaling,
-      max_len=_get(hf, 'max_position_embeddings', 2048),
+      max_len=window or _get(hf, 'max_position_embeddings', 2048), attention_window=window,
       tie_embeddings=bool(_get(hf, 'tie_word_embeddings', arch in GEMMAS)),
       proj_bias='qkv' if arch == 'qwen2' else 'none',
       embed_scale=math.sqrt(d) if arch in GEMMAS else 1.0,

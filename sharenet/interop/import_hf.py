@@ -66,6 +66,9 @@ def experiment_config(model_keys: dict[str, Any], tokenizer: str | None) -> dict
   # The data is the user's, so the data stream always changes on the first train.py run:
   # parameters are loaded with a fresh optimizer state (sharenet/resume.py) without a flag.
   config['train'].update(steps=0, restore='params')
+  window = model_keys.get('attention_window', 0)
+  if window:   # a sliding-window model is modelled within its window only (hf_arch.py)
+    config['train']['seq_len'] = min(config['train']['seq_len'], window)
   return config
 
 

@@ -61,6 +61,7 @@ class ModelConfig:
   position: str = key('position')
   rope_base: float = key('rope_base')
   max_len: int = key('max_len')
+  attention_window: int = key('attention_window')   # 0 = none; > 0: max_len, seq_len <= it
   attn_scale: float = key('attn_scale')         # 0 -> 1/sqrt(d_head) (attn_mult)
   attn_softcap: float = key('attn_softcap')     # 0 = off; cap * tanh(logits / cap)
   logit_softcap: float = key('logit_softcap')   # 0 = off; on the output logits
@@ -309,6 +310,10 @@ def _check_keys(c: ModelConfig) -> None:
                         f'-> cap * tanh(logits / cap))')
   if c.head_dim < 0:
     raise ConfigError(f'model.head_dim={c.head_dim} must be >= 0')
+  if c.attention_window < 0 or c.max_len > c.attention_window > 0:
+    raise ConfigError(f'model.attention_window={c.attention_window} with model.max_len='
+                      f'{c.max_len}: sliding-window attention is modelled only within its '
+                      f'window (where it equals full attention); valid: 0, or >= model.max_len')
   if c.d_model % c.num_heads and not c.head_dim:
     raise ConfigError(f'model.num_heads={c.num_heads} does not divide model.d_model='
                       f'{c.d_model}; valid: divisors of {c.d_model}')
