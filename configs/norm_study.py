@@ -3,8 +3,7 @@
 Command:   python -m sharenet.studies.norm_study --config configs/norm_study.py \
                --out runs/norm_study
            (27 variants x 2 schemes; each variant overrides this config, see
-           sharenet/studies/norm_study.py VARIANTS; weight_conditioning and compander are
-           declared but not yet measured; --config.study.variants=a,b or
+           sharenet/studies/norm_study.py VARIANTS; --config.study.variants=a,b or
            --config.study.schemes=untied runs a slice; two processes pinned with
            `taskset -c 0` / `taskset -c 1` may share one --out)
 Runtime:   ~5.3 min per run on the 2-core CPU (200 steps of 4,096 tokens + full validation
