@@ -60,7 +60,9 @@ def _shifts(paths: tuple[tuple[str, str], ...]) -> str:
 
 # The optimum shifts of the transfer sweeps, one table across optimizers and axes
 SHIFT_SWEEPS = (('adamw', 'mup/lr_sweep.json'), ('muon', 'mup/muon/lr_sweep.json'),
-                ('shampoo', 'mup/shampoo/lr_sweep.json'), ('adamw', 'mup/beyond/lr_sweep.json'))
+                ('shampoo', 'mup/shampoo/lr_sweep.json'),
+                ('shampoo (graft=none)', 'mup/shampoo/vanilla/lr_sweep.json'),
+                ('adamw', 'mup/beyond/lr_sweep.json'))
 
 # configs/depth_study.py's study.depths when the committed rows were measured
 DEPTH_STUDY_DEPTHS = '1,2,3,4,6,8,12'
@@ -81,7 +83,8 @@ TABLES: dict[str, tuple[str, Callable[[str], str]]] = {
                  'umup/lr0.125/', 'zero_init/', 'muon/coord_check/', 'shampoo/coord_check/',
                  'shampoo/vanilla/coord_check/')},
     **{f'mup/{d}lr_sweep.md': (f'mup/{d}lr_sweep.json', _fn('lr_sweep'))
-       for d in ('', 'depth/', 'depth/alpha_0.5/', 'loops/', 'muon/', 'shampoo/', 'beyond/')},
+       for d in ('', 'depth/', 'depth/alpha_0.5/', 'loops/', 'muon/', 'shampoo/', 'beyond/',
+                 'shampoo/vanilla/')},
     'mup/transfer_shifts.md': (SHIFT_SWEEPS, _shifts),
 }
 
