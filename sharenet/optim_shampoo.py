@@ -120,7 +120,9 @@ def scale_by_shampoo(dims: Callable[[Any], Any], block_size: int, update_every: 
   def update_fn(updates, state, params=None):
     del params
     mu = optax.tree.update_moment(updates, state.mu, b1, 1)
-    nu = optax.tree.update_moment_per_elem_norm(updates, state.nu, b2, 2)
+    # Adam's second moment sizes the graft only (vanilla Shampoo keeps its zeros)
+    nu = state.nu if graft == 'none' else \
+        optax.tree.update_moment_per_elem_norm(updates, state.nu, b2, 2)
     count = optax.safe_increment(state.count)
     mu_hat = optax.tree.bias_correction(mu, b1, count)
     nu_hat = optax.tree.bias_correction(nu, b2, count)

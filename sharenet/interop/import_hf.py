@@ -220,7 +220,7 @@ def read_params(model_dir: str, arch: str, cfg: Any,
 def import_hf(model_dir: str, out: str, mesh: str = '') -> dict[str, Any]:
   """Writes `out`, the sharenet workdir of Hugging Face directory `model_dir`; `mesh`
   ('fsdp=8,tensor=2') sets its config.mesh and places each parameter in its sharding."""
-  from sharenet import workdir_lib
+  from sharenet import workdir_save
   from sharenet.models import ModelConfig
   _check_out(out)
   if not os.path.isdir(model_dir):
@@ -239,7 +239,7 @@ def import_hf(model_dir: str, out: str, mesh: str = '') -> dict[str, Any]:
   try:
     # No optimizer state (train.restore=params makes a fresh one): the checkpoint is the
     # parameters' size, not three times it; they are written one at a time as they are read.
-    workdir_lib.save_workdir_streamed(
+    workdir_save.save_workdir_streamed(
         tmp, raw, cfg, {'params': unflatten_dict(specs)}, _under('params', leaves), 0,
         {'imported_from': os.path.abspath(model_dir), 'hf_model_type': arch})
     if has_tok:
