@@ -269,6 +269,8 @@ def _features() -> tuple[Feature, ...]:
   # shampoo is grafted to Adam (train.shampoo.graft=adam), shampoo_vanilla is not (graft=none).
   refuses = tuple((k, adam_only) for k in ('mup_table3', 'completep', 'umup')) + (
       ('adamp', 'AdamP replaces Adam; valid with it: train.optimizer=adamw'),)
+  # train.muon.scale (shape | rms) only changes one constant per kernel on the same code path
+  # and pairs as muon does, so it is not a feature of its own (tests/test_optimizers.py).
   graft = lambda c: _get(c, 'train.shampoo.graft')
   optimizers = [
       _setting('muon', 'optimizer', 'train.optimizer', 'muon', refuses=refuses),

@@ -48,8 +48,7 @@ def validate(config: Any, process_count: int | None = None) -> ModelConfig:
   optim.lr_schedule(t)  # raises for an unknown schedule
   optim.decay_roles(t)
   optim_matrix.check_settings(t)   # train.optimizer, matrix_roles, shampoo settings
-  parametrization_optim.check(mcfg.parametrization.kind,
-                              *parametrization_optim.settings_of(t)[:3])
+  parametrization_optim.check(mcfg.parametrization.kind, parametrization_optim.settings_of(t))
   recurrence.exit_weights(t.exit_loss, mcfg)   # train.exit_loss against the plan's loops
   if t.lr <= 0:
     raise ConfigError(f'train.lr={t.lr} must be > 0')

@@ -205,6 +205,8 @@ def default_config() -> ml_collections.ConfigDict:
   t.muon = mu = ml_collections.ConfigDict()
   mu.momentum = 0.95          # Muon's Nesterov momentum (optax.contrib.scale_by_muon beta)
   mu.ns_steps = 5             # Newton-Schulz iterations
+  mu.scale = 'shape'          # shape: optax's sqrt(max(1, fan_out/fan_in)) | rms: Moonlight's
+                              # 0.2 sqrt(max(fan_in, fan_out)), AdamW's update RMS
   t.shampoo = sh = ml_collections.ConfigDict()
   sh.block_size = 128         # preconditioner blocks of at most block_size x block_size (>= 1)
   sh.update_every = 1         # recompute the inverse 4th roots every n steps

@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 import optax
 from optax import contrib
 from optax.contrib import _muon
@@ -29,6 +30,13 @@ from sharenet.errors import ConfigError
 from sharenet.optim_shampoo import GRAFTS, scale_by_shampoo
 
 OPTIMIZERS = ('adamw', 'muon', 'shampoo')
+# train.muon.scale: the factor on Muon's orthogonalised step (muon_step_scale). `shape` is
+# optax.contrib.muon's (Keller Jordan's) sqrt(max(1, fan_out / fan_in)); `rms` is Moonlight's
+# 0.2 sqrt(max(fan_in, fan_out)), which gives the step AdamW's update RMS (~0.2 for beta1 0.9)
+# so AdamW's LR and weight decay carry over at one width (Liu et al., "Muon is Scalable for LLM
+# Training", arXiv:2502.16982, section 2.2).
+MUON_SCALES = ('shape', 'rms')
+MOONLIGHT_RMS = 0.2
 # Roles a matrix optimizer can take: leaves that are matrices (or stacks of them).
 MATRIX_OPT_ROLES = ('reader', 'writer', 'readout', 'router', 'embedding', 'pos_embed', 'lora')
 Path = tuple[str, ...]
@@ -59,6 +67,9 @@ def check_settings(t: Any) -> None:
   if name == 'adamw':
     return
   matrix_roles(t)
+  if name == 'muon' and t.muon.get('scale', 'shape') not in MUON_SCALES:
+    raise ConfigError(f'train.muon.scale={t.muon.scale!r} is unknown; valid: '
+                      f'{", ".join(MUON_SCALES)}')
   if name == 'shampoo':
     sh = t.shampoo
     if int(sh.block_size) < 1:
@@ -82,6 +93,13 @@ def matrix_dims(info: params_lib.ParamInfo) -> tuple[tuple[int, ...], int, int]:
                       f'{info.axes}, {n_in} fan-in and {n_out} fan-out axes); valid '
                       f'train.matrix_roles: {", ".join(MATRIX_OPT_ROLES)} with a matrix view')
   return info.stack_shape, info.fan_in, info.fan_out
+
+
+def muon_step_scale(fan_in: int, fan_out: int, scale: str) -> float:
+  """The factor train.muon.scale puts on an orthogonalised step of a fan_in x fan_out matrix."""
+  if scale == 'shape':
+    return max(1.0, fan_out / fan_in) ** 0.5
+  return MOONLIGHT_RMS * max(fan_in, fan_out) ** 0.5
 
 
 def is_matrix_leaf(table: dict, roles: tuple[str, ...], path: Path) -> bool:
@@ -123,13 +141,24 @@ def matrix_transform(t: Any, table: dict, adam: optax.GradientTransformation,
       matrix_dims(info)   # raises for a leaf the optimizer cannot take
   if name == 'muon':
     mu, dims = t.muon, _per_leaf(table, dimension_numbers)
-    # optax.contrib.muon's own matrix part: orthogonalised momentum, then its shape factor
-    # sqrt(max(1, fan_out / fan_in)) (scale_by_shape is not exported; optax 0.2.8 builds muon
-    # from it). Its Adam part differs from ours (Nesterov), so only the matrix part is reused.
+    # optax.contrib.muon's own matrix part: orthogonalised momentum, then (scale=shape) its
+    # shape factor sqrt(max(1, fan_out / fan_in)) (scale_by_shape is not exported; optax 0.2.8
+    # builds muon from it). Its Adam part differs from ours (Nesterov), so only the matrix part
+    # is reused.
+    if mu.get('scale', 'shape') == 'shape':
+      step_scale = _muon.scale_by_shape(weight_dimension_numbers=dims)
+    else:
+      factors = _per_leaf(table, lambda info: muon_step_scale(
+          info.fan_in, info.fan_out, mu.scale))
+      step_scale = optax.GradientTransformation(
+          lambda params: optax.EmptyState(),
+          lambda updates, state, params=None: (jax.tree.map(
+              lambda u, f: u * jnp.asarray(f, u.dtype), updates, factors(updates)),
+              state))
     matrix = optax.chain(
         contrib.scale_by_muon(ns_steps=int(mu.ns_steps), beta=float(mu.momentum),
                               weight_dimension_numbers=dims),
-        _muon.scale_by_shape(weight_dimension_numbers=dims))
+        step_scale)
   else:
     sh = t.shampoo
     matrix = scale_by_shampoo(_per_leaf(table, matrix_dims), int(sh.block_size),

@@ -200,7 +200,8 @@ class Parametrization:
   def __init__(self, cfg: ModelConfig, train: Any = None):
     self.cfg = cfg
     # train.optimizer picks the optimizer's version of the preset (parametrization_optim.py).
-    self.optimizer, self.matrix_roles, graft, block = parametrization_optim.settings_of(train)
+    self.opt_settings = parametrization_optim.settings_of(train)
+    self.optimizer, self.matrix_roles = self.opt_settings[:2]
     s = self.settings = cfg.parametrization
     self.base_cfg = base_config(cfg)
     self.m_d = cfg.d_model / self.base_cfg.d_model
@@ -208,8 +209,8 @@ class Parametrization:
     # u-muP cross entropy's backward scale on the logits (train_lib.loss_fn); 1 = plain loss.
     self.loss_grad_scale = unit_scale.loss_grad_scale(cfg.vocab_size) if s.kind == 'umup' else 1.0
     self.rules = parametrization_optim.adjust(
-        self._rules(cfg), *self._tables, self.settings.kind, self.optimizer, self.matrix_roles,
-        self.settings.qk_lr, graft, block)
+        self._rules(cfg), *self._tables, self.settings.kind, self.opt_settings,
+        self.settings.qk_lr)
 
   # ---- per-leaf rules ------------------------------------------------------------------------
   def _rules(self, cfg: ModelConfig) -> dict[Path, LeafRule]:

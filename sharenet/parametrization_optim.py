@@ -9,11 +9,16 @@ switches optimizer with one key:
            (Bernstein & Newhouse, "Modular Duality in Deep Learning", arXiv:2410.21265; Pethick
            et al., "Training Deep Learning Models with Norm-Constrained LMOs" (Scion),
            arXiv:2502.07529, whose hidden-layer LMO over the RMS->RMS operator norm is that
-           orthogonalised matrix x sqrt(fan_out / fan_in)). optax's scale_by_muon already
-           multiplies by sqrt(max(1, fan_out / fan_in)), so the multiplier is
-           sqrt(r / r0) * sqrt(max(1, r0) / max(1, r)) with r = fan_out / fan_in of the
-           target and r0 of the base model: the total step is sqrt(fan_out / fan_in) x a
-           width-independent constant, and 1 at base width (bit-identical to SP there). Init
+           orthogonalised matrix x sqrt(fan_out / fan_in)). The multiplier divides out the
+           step scale train.muon.scale already applies (optim_matrix.MUON_SCALES): `shape`,
+           optax's sqrt(max(1, fan_out / fan_in)), or `rms`, Moonlight's
+           0.2 sqrt(max(fan_in, fan_out)) (Liu et al., "Muon is Scalable for LLM Training",
+           arXiv:2502.16982, section 2.2: the update RMS of AdamW, so AdamW's LR carries over
+           at one width). It is sqrt(r / r0) * s(base) / s(target) with r = fan_out / fan_in
+           and s the step scale, of the target and of the base model: the total step is
+           sqrt(fan_out / fan_in) x a width-independent constant, and 1 at base width
+           (bit-identical to SP there). Under `shape` a kernel whose fan-in and fan-out grow
+           together keeps its LR; under `rms` its LR falls as 1/sqrt(width). Init
            and forward multipliers are SP's (1/sqrt(fan_in) init already meets the spectral
            init condition when fan-in and fan-out grow together). Leaves on Adam keep Adam's
            muP (TP5 Table 8: embeddings, readout, norms, biases, LoRA factors).
@@ -53,7 +58,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 from sharenet.errors import ConfigError
 
@@ -63,8 +68,18 @@ MUON_MUP_ROLES = ('reader', 'writer')   # hidden kernels: the roles muon / vanil
 QK_USES = ('query', 'key')   # ParamInfo.use of the query and key kernels (models/projections.py)
 
 
-def check(kind: str, optimizer: str, matrix_roles: tuple[str, ...], graft: str = 'adam') -> None:
+class OptSettings(NamedTuple):
+  """What the rules read of a train config (settings_of)."""
+  optimizer: str = 'adamw'
+  matrix_roles: tuple[str, ...] = ()
+  graft: str = 'adam'          # train.shampoo.graft
+  block_size: int = 128        # train.shampoo.block_size
+  muon_scale: str = 'shape'    # train.muon.scale
+
+
+def check(kind: str, settings: OptSettings) -> None:
   """One ConfigError line for a preset written for another optimizer."""
+  optimizer, matrix_roles, graft = settings.optimizer, settings.matrix_roles, settings.graft
   valid = KINDS_FOR.get(optimizer)
   if valid is not None and kind not in valid:
     raise ConfigError(f'parametrization.kind={kind} is written for train.optimizer=adamw; '
@@ -78,10 +93,14 @@ def check(kind: str, optimizer: str, matrix_roles: tuple[str, ...], graft: str =
                       f'train.matrix_roles: {", ".join(MUON_MUP_ROLES)}')
 
 
-def muon_lr_mult(fan_in: int, fan_out: int, base_fan_in: int, base_fan_out: int) -> float:
-  """Spectral muP's LR multiplier over optax's own shape factor (module docstring)."""
+def muon_lr_mult(fan_in: int, fan_out: int, base_fan_in: int, base_fan_out: int,
+                 scale: str = 'shape') -> float:
+  """Spectral muP's LR multiplier over the step scale train.muon.scale applies (module
+  docstring)."""
+  from sharenet.optim_matrix import muon_step_scale
   r, r0 = fan_out / fan_in, base_fan_out / base_fan_in
-  return math.sqrt(r / r0) * math.sqrt(max(1.0, r0) / max(1.0, r))
+  return (math.sqrt(r / r0) * muon_step_scale(base_fan_in, base_fan_out, scale)
+          / muon_step_scale(fan_in, fan_out, scale))
 
 
 def _shampoo_scales(fan_in: int, fan_out: int, block_size: int) -> tuple[float, float]:
@@ -101,23 +120,23 @@ def shampoo_mults(fan_in: int, fan_out: int, base_fan_in: int, base_fan_out: int
   return lr / lr0, damping / damping0
 
 
-def adjust(rules: dict, target: dict, base: dict, kind: str, optimizer: str,
-           matrix_roles: tuple[str, ...], qk_lr: float = 1.0, graft: str = 'adam',
-           block_size: int = 128) -> dict:
+def adjust(rules: dict, target: dict, base: dict, kind: str, settings: OptSettings,
+           qk_lr: float = 1.0) -> dict:
   """`rules` (Adam's, parametrization.LeafRule per path) for the optimizer of each leaf, with
-  parametrization.qk_lr on the query and key kernels; `graft` and `block_size` are
-  train.shampoo's."""
-  check(kind, optimizer, matrix_roles, graft)
+  parametrization.qk_lr on the query and key kernels."""
+  check(kind, settings)
+  optimizer, matrix_roles, graft = settings.optimizer, settings.matrix_roles, settings.graft
   out = dict(rules)
   for path, rule in rules.items():
     info, lr, damping = target[path], rule.lr_mult, rule.damping_mult
     on_matrix = kind == 'mup' and info.role in matrix_roles
     if optimizer == 'muon' and on_matrix:
       b = base[path]
-      lr = muon_lr_mult(info.fan_in, info.fan_out, b.fan_in, b.fan_out)
+      lr = muon_lr_mult(info.fan_in, info.fan_out, b.fan_in, b.fan_out, settings.muon_scale)
     elif optimizer == 'shampoo' and graft == 'none' and on_matrix:
       b = base[path]
-      lr, damping = shampoo_mults(info.fan_in, info.fan_out, b.fan_in, b.fan_out, block_size)
+      lr, damping = shampoo_mults(info.fan_in, info.fan_out, b.fan_in, b.fan_out,
+                                  settings.block_size)
     # adamw; sp (all 1); grafted Shampoo's muP is Adam's: the rule's LR as it is.
     if info.use in QK_USES and info.role == 'reader':
       lr *= qk_lr
@@ -127,14 +146,16 @@ def adjust(rules: dict, target: dict, base: dict, kind: str, optimizer: str,
   return out
 
 
-def settings_of(train: Any) -> tuple[str, tuple[str, ...], str, int]:
-  """(train.optimizer, train.matrix_roles, train.shampoo.graft, train.shampoo.block_size) of a
-  train config (adamw when it has none)."""
+def settings_of(train: Any) -> OptSettings:
+  """The optimizer settings the rules read of a train config (adamw when it has none)."""
   if train is None:
-    return 'adamw', (), 'adam', 128
+    return OptSettings()
   from sharenet import optim_matrix
   name = optim_matrix.optimizer_name(train)
-  if name != 'shampoo':
-    return name, optim_matrix.matrix_roles(train) if name != 'adamw' else (), 'adam', 128
+  if name == 'adamw':
+    return OptSettings()
+  roles = optim_matrix.matrix_roles(train)
+  if name == 'muon':
+    return OptSettings(name, roles, muon_scale=train.muon.get('scale', 'shape'))
   sh = train.shampoo
-  return name, optim_matrix.matrix_roles(train), sh.get('graft', 'adam'), int(sh.block_size)
+  return OptSettings(name, roles, sh.get('graft', 'adam'), int(sh.block_size))

@@ -42,6 +42,21 @@ def test_muon_at_one_matrix_equals_optax():
     np.testing.assert_allclose(a['params']['w'], b['params']['w'], rtol=1e-4, atol=1e-6)
 
 
+def test_muon_rms_scale_is_moonlights_factor_on_optax_muon():
+  """train.muon.scale=rms: optax's orthogonalised step with 0.2 sqrt(max(fan_in, fan_out))
+  (Moonlight) in place of optax's sqrt(max(1, fan_out / fan_in))."""
+  table = _table(w=(('embed', 'mlp'), (8, 12), 1))
+  g = [{'params': {'w': jax.random.normal(jax.random.key(i), (8, 12))}} for i in range(3)]
+  p = {'params': {'w': jnp.zeros((8, 12))}}
+  ours = _run(optim.make_chain(_train(optimizer='muon', muon=dict(scale='rms')), table=table),
+              g, p)
+  ref = _run(contrib.muon(0.1, beta=0.95, ns_steps=5), g, p)
+  factor = 0.2 * 12 ** 0.5 / (12 / 8) ** 0.5
+  for a, b in zip(ours, ref):
+    np.testing.assert_allclose(a['params']['w'], factor * b['params']['w'], rtol=1e-4,
+                               atol=1e-6)
+
+
 def test_muon_on_stacked_kernel_is_per_set_on_its_matrix_view():
   """A (layers, embed, heads, head_dim) kernel: Muon per stored set on (embed, heads*head_dim)."""
   shape = (2, 8, 2, 4)
@@ -190,6 +205,8 @@ def test_non_matrix_leaves_stay_on_adam():
     (dict(optimizer='lion'), "train.optimizer='lion' is unknown; valid: adamw, muon, shampoo"),
     (dict(optimizer='shampoo', shampoo=dict(graft='sgd')),
      "train.shampoo.graft='sgd' is unknown; valid: adam, none"),
+    (dict(optimizer='muon', muon=dict(scale='adam')),
+     "train.muon.scale='adam' is unknown; valid: shape, rms"),
 ])
 def test_bad_input_is_one_line(kw, match):
   with pytest.raises(ConfigError, match=match) as e:
@@ -221,14 +238,16 @@ def _pz(d, kind, name, **kw):
   from sharenet import parametrization as P
   if name == 'shampoo_vanilla':
     name, kw = 'shampoo', {**kw, 'shampoo': dict(graft='none')}
+  if name == 'muon_rms':
+    name, kw = 'muon', {**kw, 'muon': dict(scale='rms')}
   return P.Parametrization(_tiny(d, kind), _train(optimizer=name, **kw))
 
 
 def _expected(name, leaf, d, mlp):
   """Independent restatement: (lr, init, fwd) of a leaf named `leaf` at width d, base D0.
-  Muon muP: hidden step sqrt(fan_out/fan_in) over optax's sqrt(max(1, fan_out/fan_in)),
-  relative to the base; vanilla Shampoo (Ishikawa & Karakida; blocked: Qiu et al. Table 1):
-  hidden LR (fan_out/fan_in)^(1/2) (n_in n_out)^(-1/2) over 128-blocks, relative to the base,
+  Muon muP: hidden step sqrt(fan_out/fan_in) over optax's sqrt(max(1, fan_out/fan_in))
+  (muon_rms: over Moonlight's 0.2 sqrt(max(fan_in, fan_out))), relative to the base; vanilla
+  Shampoo (Ishikawa & Karakida; blocked: Qiu et al. Table 1): hidden LR (fan_out/fan_in)^(1/2) (n_in n_out)^(-1/2) over 128-blocks, relative to the base,
   SP init; Adam leaves (and every leaf under grafted Shampoo): TP5 Table 8."""
   m = d / D0
   fans = {'q': (d, d), 'k': (d, d), 'v': (d, d), 'o': (d, d), 'wi_gate': (d, mlp),
@@ -244,13 +263,15 @@ def _expected(name, leaf, d, mlp):
     fi, fo = fans[leaf]
     fi0, fo0 = fi * D0 // d, fo * D0 // d
     spectral = lambda a, b: (b / a) ** 0.5 / max(1.0, b / a) ** 0.5
+    if name == 'muon_rms':
+      spectral = lambda a, b: (b / a) ** 0.5 / (0.2 * max(a, b) ** 0.5)
     return spectral(fi, fo) / spectral(fi0, fo0), 1.0, 1.0
   if leaf == 'readout':   # its 1/m forward multiplier sits on the logits (cfg.logits_mult)
     return 1.0, m ** 0.5, 1.0
   return 1.0, 1.0, 1.0
 
 
-@pytest.mark.parametrize('name', ['muon', 'shampoo', 'shampoo_vanilla'])
+@pytest.mark.parametrize('name', ['muon', 'muon_rms', 'shampoo', 'shampoo_vanilla'])
 def test_mup_multipliers_equal_the_restated_table_at_three_widths(name):
   seen = set()
   for d in (32, 64, 128):
@@ -279,6 +300,10 @@ def test_muon_lr_mult_follows_fan_out_over_fan_in():
   assert muon_lr_mult(64, 16, 32, 16) == pytest.approx(2 ** -0.5)
   # fan_out 4x fan_in at base and 8x at target: optax's own factor already grows with it.
   assert muon_lr_mult(16, 128, 16, 64) == pytest.approx(1.0)
+  # Moonlight's RMS scale 0.2 sqrt(max(fan_in, fan_out)) grows with width: a square kernel 4x
+  # wider takes half the LR; fan_out 8x fan_in vs 4x at base: sqrt 2 x 1/sqrt 2 -> 1
+  assert muon_lr_mult(128, 128, 32, 32, 'rms') == pytest.approx(0.5)
+  assert muon_lr_mult(16, 128, 16, 64, 'rms') == pytest.approx(1.0)
 
 
 def test_vanilla_shampoo_mults_follow_the_second_order_mup():
@@ -297,7 +322,7 @@ def test_vanilla_shampoo_mults_follow_the_second_order_mup():
   assert shampoo_mults(512, 512, 64, 64, 128) == pytest.approx((0.25, 1 / 16))
 
 
-@pytest.mark.parametrize('name', ['muon', 'shampoo', 'shampoo_vanilla'])
+@pytest.mark.parametrize('name', ['muon', 'muon_rms', 'shampoo', 'shampoo_vanilla'])
 def test_base_width_mup_rules_equal_sp(name):
   """At base width every multiplier of the optimizer's muP is exactly SP's (1), so the chain and
   the init are SP's and training is bit-identical (end to end: the slow test below)."""
@@ -328,7 +353,7 @@ def test_muon_mup_on_the_readout_is_one_line():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize('name', ['muon', 'shampoo', 'shampoo_vanilla'])
+@pytest.mark.parametrize('name', ['muon', 'muon_rms', 'shampoo', 'shampoo_vanilla'])
 def test_base_width_mup_trains_bitwise_like_sp(name):
   """Three steps of the tiny model under the optimizer: base-width muP == SP bit for bit; half
   the base width changes them (not vacuous)."""
@@ -337,8 +362,9 @@ def test_base_width_mup_trains_bitwise_like_sp(name):
 
   def run(kind, base):
     graft = 'none' if name == 'shampoo_vanilla' else 'adam'
-    t = _train(optimizer=name.replace('_vanilla', ''), lr=1e-2, weight_decay=0.1, grad_clip=1.0,
-               shampoo=dict(block_size=16, eps=1e-3, graft=graft))
+    t = _train(optimizer=name.split('_')[0], lr=1e-2, weight_decay=0.1, grad_clip=1.0,
+               shampoo=dict(block_size=16, eps=1e-3, graft=graft),
+               muon=dict(scale='rms' if name == 'muon_rms' else 'shape'))
     pz = P.Parametrization(_tiny(D0, kind, base), t)
     model = DecoderLM(pz.cfg)
     tx = optim.make_optimizer(t, multipliers=pz.opt_multipliers(), table=param_table(pz.cfg))
