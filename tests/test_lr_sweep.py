@@ -89,6 +89,37 @@ def test_cells_resume_and_recompute_when_their_inputs_change(tmp_path, monkeypat
   assert len(calls) == 2 * n                                   # every cell trained again
   lr_sweep.run_axis(c, 'width', log=lambda m: None)             # no cells_dir: always trains
   assert len(calls) == 3 * n
+  # one more width (same base, 32) trains only its own cells: the others (longer's) are shared
+  wider = common.with_overrides(longer, {'study.width_values': '32,64,128'})
+  lr_sweep.run_axis(wider, 'width', log=lambda m: None, cells_dir=cells)
+  assert len(calls) == 3 * n + n // 2 and {d for d, _ in calls[3 * n:]} == {128}
+
+
+def test_a_cell_written_with_the_whole_config_is_read_back_and_rewritten(tmp_path, monkeypatch):
+  """Cells written before the study's selection keys left the fingerprint (the whole config
+  fingerprinted) are read back, then rewritten under the current fingerprint."""
+  import json
+  monkeypatch.setattr(lr_sweep, 'batches', lambda config, steps: None)
+  monkeypatch.setattr(lr_sweep, 'val_batch', lambda config, n: None)
+  monkeypatch.setattr(lr_sweep, 'train_cells', lambda *a: pytest.fail('trained a kept cell'))
+  c = common.with_overrides(sweep_config({}), {'study.width_values': '32',
+                                               'study.width_variants': 'sp',
+                                               'study.log2_lrs': '-8..-6', 'study.seeds': 1})
+  cell_c = common.with_overrides(c, {**common.point_overrides('width', 32, c.study),
+                                     'parametrization.kind': 'sp',
+                                     'parametrization.base_d_model': 32,
+                                     'train.steps': c.study.steps})
+  legacy = {'config': config_lib.to_json(cell_c), 'log2_lrs': [-8.0, -7.0, -6.0]}
+  row = {**lr_sweep.optimum([-8.0, -7.0, -6.0], np.asarray([[3.0], [2.0], [3.0]])),
+         'final_loss': [[3.0], [2.0], [3.0]], 'val_loss': [[3.0], [2.0], [3.0]], 'seconds': 1}
+  cells = tmp_path / 'cells'
+  cells.mkdir()
+  path = cells / 'width-sp-32.json'
+  path.write_text(json.dumps({'fingerprint': common._fingerprint(legacy), 'row': row}))
+  out = lr_sweep.run_axis(c, 'width', log=lambda m: None, cells_dir=str(cells))
+  assert out['variants']['sp']['cells']['32'] == row
+  assert json.loads(path.read_text())['fingerprint'] != common._fingerprint(legacy)
+  assert lr_sweep.run_axis(c, 'width', log=lambda m: None, cells_dir=str(cells)) == out
 
 
 def test_beyond_width_axes_set_their_key_and_read_their_own_batches(monkeypatch):

@@ -137,32 +137,43 @@ BEYOND_WIDTH = {'batch': 'train.batch_size', 'steps': 'train.steps',
                 'weight_decay': 'train.weight_decay', 'warmup': 'train.warmup_steps'}
 
 
+def _fingerprint(inputs: Any) -> str:
+  return hashlib.sha256(json.dumps(inputs, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
 def cached_cell(cells_dir: str | None, key: str, inputs: Any,
-                compute: Callable[[], dict[str, Any]], log=print) -> dict[str, Any]:
+                compute: Callable[[], dict[str, Any]], log=print,
+                also: tuple[Any, ...] = ()) -> dict[str, Any]:
   """A study cell's row, computed once: with `cells_dir`, the row is kept in
   CELLS_DIR/<key>.json with a fingerprint of `inputs` (everything the cell's result depends on,
   JSON-serialisable: its config, learning rates, seeds), and a rerun whose cell has the same
   fingerprint reads it back instead of training (an interrupted sweep resumes at its first
-  missing cell). A cell whose inputs changed is computed again and overwritten. Without
-  `cells_dir` it is computed every time."""
+  missing cell). A kept cell whose fingerprint is that of one of `also` (the same cell's
+  inputs as an earlier version wrote them) is read back too. A cell whose inputs changed is
+  computed again and overwritten. Without `cells_dir` it is computed every time."""
   if cells_dir is None:
     return compute()
-  blob = json.dumps(inputs, sort_keys=True, default=str)
-  fingerprint = hashlib.sha256(blob.encode()).hexdigest()[:16]
+  fingerprint = _fingerprint(inputs)
   path = os.path.join(cells_dir, re.sub(r'[^\w.=-]+', '_', key) + '.json')
   if os.path.exists(path):
     with open(path) as f:
       kept = json.load(f)
-    if kept.get('fingerprint') == fingerprint:
+    if kept.get('fingerprint') in {fingerprint, *map(_fingerprint, also)}:
       log(f'{key}: kept from {path}')
+      if kept['fingerprint'] != fingerprint:   # rewritten under the current fingerprint
+        _write_cell(path, fingerprint, kept['row'])
       return kept['row']
   row = compute()
   os.makedirs(cells_dir, exist_ok=True)
+  _write_cell(path, fingerprint, row)
+  return row
+
+
+def _write_cell(path: str, fingerprint: str, row: dict[str, Any]) -> None:
   tmp = path + '.tmp'
   with open(tmp, 'w') as f:
     json.dump({'fingerprint': fingerprint, 'row': row}, f)
   os.replace(tmp, path)   # a cell file is whole or absent, never half written
-  return row
 
 
 def run_axes(config: Any, out_dir: str, name: str, run_axis: Callable[..., dict[str, Any]],

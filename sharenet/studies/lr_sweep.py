@@ -18,6 +18,7 @@ sweep resumes; a changed config trains again).
 from __future__ import annotations
 
 import functools
+import json
 import os
 import time
 from typing import Any
@@ -130,8 +131,18 @@ def run_axis(config: Any, axis: str, log=print, cells_dir: str | None = None) ->
         final, vloss = train_cells(c, lrs, seeds, tokens, val, s.avg_last)
         return {'final_loss': final.tolist(), 'val_loss': vloss.tolist(),
                 **optimum(log2_lrs, final), 'seconds': round(time.perf_counter() - t0, 1)}
-      inputs = {'config': config_lib.to_json(c), 'log2_lrs': log2_lrs}
-      rows[str(x)] = common.cached_cell(cells_dir, f'{axis}-{name}-{x}', inputs, cell, log)
+      # The cell's own config, without the study keys that only pick which cells run (the
+      # axes, their points and variants: a cell's point and variant are in its overrides), so
+      # a slice of a sweep (e.g. one more width) shares the cells it has in common with it.
+      # Cells written before this rule are fingerprinted with the whole config (`legacy`).
+      own = c.to_dict()
+      own['study'] = {k: v for k, v in own['study'].items()
+                      if k != 'axes' and not k.endswith(('_values', '_variants'))}
+      inputs = {'config': json.dumps(own, indent=2, sort_keys=True, default=str),
+                'log2_lrs': log2_lrs}
+      legacy = {'config': config_lib.to_json(c), 'log2_lrs': log2_lrs}
+      rows[str(x)] = common.cached_cell(cells_dir, f'{axis}-{name}-{x}', inputs, cell, log,
+                                        also=(legacy,))
       opt = rows[str(x)]
       log(f'lr_sweep {axis} {name} x={x}: opt 2^{opt["fit_log2_lr"]:.2f} '
           f'(grid 2^{opt["grid_argmin_log2_lr"]:g}) {rows[str(x)]["seconds"]}s')
