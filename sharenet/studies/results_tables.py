@@ -60,6 +60,7 @@ def _shifts(paths: tuple[tuple[str, str], ...]) -> str:
 
 # The optimum shifts of the transfer sweeps, one table across optimizers and axes
 SHIFT_SWEEPS = (('adamw', 'mup/lr_sweep.json'), ('muon', 'mup/muon/lr_sweep.json'),
+                ('muon (scale=rms)', 'mup/muon/rms/lr_sweep.json'),
                 ('shampoo', 'mup/shampoo/lr_sweep.json'),
                 ('shampoo (graft=none)', 'mup/shampoo/vanilla/lr_sweep.json'),
                 ('adamw', 'mup/beyond/lr_sweep.json'))
@@ -80,11 +81,11 @@ TABLES: dict[str, tuple[str, Callable[[str], str]]] = {
     'rank_study/rank_study.md': ('rank_study/rank_study.json', _fn('rank_study')),
     **{f'mup/{d}coord_check.md': (f'mup/{d}coord_check.json', _fn('coord_check'))
        for d in ('', 'depth/coord_check/', 'lora/', 'lora/a_zero/', 'lora/lr_0.04/', 'umup/',
-                 'umup/lr0.125/', 'zero_init/', 'muon/coord_check/', 'shampoo/coord_check/',
-                 'shampoo/vanilla/coord_check/')},
+                 'umup/lr0.125/', 'zero_init/', 'muon/coord_check/', 'muon/rms/coord_check/',
+                 'shampoo/coord_check/', 'shampoo/vanilla/coord_check/')},
     **{f'mup/{d}lr_sweep.md': (f'mup/{d}lr_sweep.json', _fn('lr_sweep'))
-       for d in ('', 'depth/', 'depth/alpha_0.5/', 'loops/', 'muon/', 'shampoo/', 'beyond/',
-                 'shampoo/vanilla/')},
+       for d in ('', 'depth/', 'depth/alpha_0.5/', 'loops/', 'muon/', 'muon/rms/', 'shampoo/',
+                 'beyond/', 'shampoo/vanilla/')},
     'mup/transfer_shifts.md': (SHIFT_SWEEPS, _shifts),
 }
 
