@@ -1,19 +1,28 @@
-"""Where the test suite's time goes: a summary of SHARENET_TEST_PROFILE's per-test lines.
+"""Where the test suite's time goes, and which tests form its slow tier.
 
-  SHARENET_TEST_PROFILE=/tmp/prof python -m pytest -q tests
+  SHARENET_TEST_PROFILE=/tmp/prof python -m pytest -q tests --junitxml=/tmp/suite.xml
   python benchmarks/suite_profile.py /tmp/prof [--top 40]
+  python benchmarks/suite_profile.py --junit /tmp/suite.xml [--write-slow tests/slow_tests.txt]
 
-Prints per test file: wall seconds, XLA compiles and their seconds, lowering and tracing
-seconds (tracing counts nested traces too, so it can exceed wall), then the costliest tests.
-Tests that run a subprocess show wall time only: their compiles happen in the child.
+A profile directory (SHARENET_TEST_PROFILE) gives per test file: wall seconds, XLA compiles
+and their seconds, lowering and tracing seconds (tracing counts nested traces too, so it can
+exceed wall), then the costliest tests; tests that run a subprocess show wall time only (their
+compiles happen in the child). A junit file gives each test's seconds per tier (slow /
+fast); --write-slow writes the tests not marked @pytest.mark.slow that took over --threshold
+seconds (in that run, two workers sharing two cores) as the list tests/conftest.py puts in the
+slow tier.
 """
 import argparse
 import collections
 import glob
 import json
 import os
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
 
 KEYS = ('wall_s', 'compiles', 'compile_s', 'lower_s', 'trace_s')
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def load(directory):
@@ -30,12 +39,8 @@ def table(groups, top):
     print(f'{name[-60:]:60s}' + ''.join(f'{vals.get(k, 0):11.1f}' for k in KEYS))
 
 
-def main():
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument('directory')
-  parser.add_argument('--top', type=int, default=40)
-  args = parser.parse_args()
-  rows = load(args.directory)
+def profile(directory, top):
+  rows = load(directory)
   files = collections.defaultdict(collections.Counter)
   for r in rows:
     files[r['test'].split('::')[0]].update({k: r.get(k, 0) for k in KEYS})
@@ -43,10 +48,76 @@ def main():
   for vals in files.values():
     total.update(vals)
   print(f'{len(rows)} tests; ' + ', '.join(f'{k} {total[k]:.0f}' for k in KEYS))
-  table(files, args.top)
+  table(files, top)
   print()
-  table({r['test']: r for r in rows}, args.top)
+  table({r['test']: r for r in rows}, top)
+
+
+def junit_seconds(path):
+  """{node id: seconds} of a pytest --junitxml file."""
+  out = {}
+  for case in ET.parse(path).iter('testcase'):
+    module = case.get('classname').split('.')
+    # classname is the module's dotted path (and a class, if any: not used in this suite)
+    out['/'.join(module) + '.py::' + case.get('name')] = float(case.get('time'))
+  return out
+
+
+def collect(marker):
+  """Node ids pytest selects with -m `marker`, ignoring any slow-test list."""
+  env = dict(os.environ, SHARENET_SLOW_LIST='')
+  r = subprocess.run([sys.executable, '-m', 'pytest', '--collect-only', '-q', '-n', '0', '-m',
+                      marker, 'tests'], cwd=ROOT, env=env, capture_output=True, text=True,
+                     check=True)
+  return {line.strip() for line in r.stdout.splitlines() if '::' in line}
+
+
+def tiers(path, top, write_slow, threshold):
+  seconds = junit_seconds(path)
+  marked_fast = collect('not slow')   # not marked @pytest.mark.slow
+  from conftest import read_slow_list   # noqa: E402 (tests/ on sys.path below)
+  listed = read_slow_list()
+  fast = {n: s for n, s in seconds.items() if n in marked_fast and n not in listed}
+  print(f'{len(seconds)} tests, {sum(seconds.values()):.0f} test-seconds: fast tier '
+        f'{len(fast)} tests, {sum(fast.values()):.0f} s; slow tier '
+        f'{len(seconds) - len(fast)} tests, {sum(seconds.values()) - sum(fast.values()):.0f} s')
+  by_file = collections.Counter()
+  for n, s in seconds.items():
+    by_file[n.split('::')[0]] += s
+  for name, s in by_file.most_common(top):
+    print(f'{s:8.1f}  {name}')
+  if write_slow:
+    slow = sorted(n for n, s in seconds.items() if n in marked_fast and s > threshold)
+    with open(write_slow, 'w') as f:
+      f.write(f'# Tests in the slow tier beside those marked @pytest.mark.slow: each took over '
+              f'{threshold:g} s\n# in a full run of the suite (two workers on the 2-core CPU). '
+              f'Written by\n# python benchmarks/suite_profile.py --junit FILE --write-slow '
+              f'{os.path.relpath(write_slow, ROOT)}\n')
+      f.writelines(n + '\n' for n in slow)
+    moved = sum(seconds[n] for n in slow)
+    print(f'wrote {len(slow)} tests ({moved:.0f} s) to {write_slow}; the fast tier keeps '
+          f'{sum(s for n, s in seconds.items() if n in marked_fast) - moved:.0f} s')
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument('directory', nargs='?', help='a SHARENET_TEST_PROFILE directory')
+  parser.add_argument('--junit', help='a pytest --junitxml file of a full run')
+  parser.add_argument('--write-slow', help='with --junit: write the slow-test list here')
+  parser.add_argument('--threshold', type=float, default=4.0,
+                      help='seconds over which an unmarked test is listed (default 4)')
+  parser.add_argument('--top', type=int, default=40)
+  args = parser.parse_args()
+  if (args.directory is None) == (args.junit is None):
+    parser.error('give a profile directory or --junit FILE, one of them')
+  if args.write_slow and not args.junit:
+    parser.error('--write-slow needs --junit')
+  if args.junit:
+    tiers(args.junit, args.top, args.write_slow, args.threshold)
+  else:
+    profile(args.directory, args.top)
 
 
 if __name__ == '__main__':
+  sys.path.insert(0, os.path.join(ROOT, 'tests'))
   main()

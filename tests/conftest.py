@@ -161,6 +161,37 @@ def randomized_per_layer():
   return randomize_per_layer
 
 
+# The slow tier (-m slow; the fast tier is -m "not slow") is the tests marked
+# @pytest.mark.slow (8-device subprocesses, notebooks, ...) and the tests listed in
+# tests/slow_tests.txt: those measured over ~4 s each in a full run of the suite, written by
+# `python benchmarks/suite_profile.py --junit FILE --write-slow tests/slow_tests.txt`.
+# SHARENET_SLOW_LIST names another list ('' for none).
+SLOW_LIST = os.environ.get('SHARENET_SLOW_LIST', os.path.join(ROOT, 'tests', 'slow_tests.txt'))
+
+
+def read_slow_list(path=SLOW_LIST):
+  """The node ids a slow-test list names (one per line; '#' starts a comment)."""
+  if not path:
+    return set()
+  with open(path) as f:
+    return {line.split('#')[0].strip() for line in f} - {''}
+
+
+@pytest.hookimpl(tryfirst=True)   # before -m selects by marker
+def pytest_collection_modifyitems(config, items):
+  listed = read_slow_list()
+  for item in items:
+    if item.nodeid in listed:
+      item.add_marker(pytest.mark.slow)
+  # Collecting whole directories, every listed test must exist: a renamed test would otherwise
+  # fall silently into the fast tier.
+  if listed and config.args and all(os.path.isdir(a) for a in config.args):
+    stale = sorted(listed - {item.nodeid for item in items})
+    if stale:
+      raise pytest.UsageError(f'{SLOW_LIST} names tests that do not exist (rename them there, '
+                              f'or regenerate it): {stale[:5]}')
+
+
 # A worker's resident memory above which jax's in-memory caches are dropped after a module.
 RELEASE_RSS_BYTES = 3 << 30
 

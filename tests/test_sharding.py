@@ -120,9 +120,10 @@ def _worker(tiny_config, losses, out_path: str, tmp: str, corpus: str) -> None:
     shutil.rmtree(os.path.join(dst, 'checkpoints', str(STEPS)))
     train_lib.train_and_evaluate(cfg(scheme, corpus, LAYOUTS[restored]), dst)
     out['resumed'][scheme] = losses(dst)
+  # the flat lowering (gathered sets, one scan) here, the nested one on the single device
   workdir = os.path.join(tmp, 'cycle-transforms')
   train_lib.train_and_evaluate(cfg('cycle', corpus, LAYOUTS['data=2,fsdp=2,tensor=2'],
-                                   **TRANSFORMS), workdir)
+                                   **TRANSFORMS, **{'model.scan_lowering': 'flat'}), workdir)
   out['losses']['cycle transforms'] = losses(workdir)
   out['norm_statistics'] = {}
   for kind, overrides in STATS_NORMS.items():
@@ -131,10 +132,6 @@ def _worker(tiny_config, losses, out_path: str, tmp: str, corpus: str) -> None:
                                      **overrides), workdir)
     out['losses'][f'cycle {kind}'] = losses(workdir)
     out['norm_statistics'][kind] = norm_statistics(workdir)
-  workdir = os.path.join(tmp, 'cycle-flat')
-  train_lib.train_and_evaluate(cfg('cycle', corpus, LAYOUTS['data=2,fsdp=2,tensor=2'],
-                                   **{'model.scan_lowering': 'flat'}), workdir)
-  out['losses']['cycle flat'] = losses(workdir)
   for name, mesh in (('fsdp=1', (8, 1, 1)), ('fsdp=8', (1, 8, 1)), ('tensor=8', (1, 1, 8))):
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
@@ -206,7 +203,9 @@ def test_losses_match_one_device(eight, single, scheme, layout):
 
 
 @pytest.mark.slow   # the 8-device subprocess (module fixture `eight`)
-def test_losses_match_one_device_with_parameter_transforms(eight, single):
+def test_parameter_transforms_and_the_flat_lowering_on_a_mesh_match_one_device(eight, single):
+  """Transforms' gains, state and optimizer state, under scan_lowering='flat' (gathered sets,
+  one scan) on data x fsdp x tensor, give the nested lowering's losses on one device."""
   got, want = eight['losses']['cycle transforms'], single['cycle transforms']
   assert len(want) == STEPS and want != single['cycle']
   assert_close(got, want)
@@ -229,12 +228,6 @@ def test_running_statistics_on_a_mesh_match_one_device(eight, single, kind):
   for k in want:
     scale = float(np.max(np.abs(want[k]))) if want[k] else 0.0   # reduction-order noise
     np.testing.assert_allclose(got[k], want[k], rtol=tol, atol=tol * scale, err_msg=k)
-
-
-@pytest.mark.slow   # the 8-device subprocess (module fixture `eight`)
-def test_flat_lowering_on_a_mesh_matches_nested_on_one_device(eight, single):
-  """scan_lowering='flat' (gathered sets, one scan) under data x fsdp x tensor."""
-  assert_close(eight['losses']['cycle flat'], single['cycle'])
 
 
 @pytest.mark.slow   # the 8-device subprocess (module fixture `eight`)

@@ -3,11 +3,12 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax._src import config as jax_config   # trace_context: what jit keys its traces on
 from flax.traverse_util import unflatten_dict
 from jax.sharding import PartitionSpec
 
@@ -210,10 +211,49 @@ def init_boxed(model: DecoderLM, rng: jax.Array, batch_size: int = 1, seq_len: i
 def init_variables(model: DecoderLM, rng: jax.Array, batch_size: int = 1, seq_len: int = 8):
   """Initializes the trainable collections ('params' and the per-layer one) as plain arrays.
 
-  One compiled program, traced afresh on every call (so a patched module is seen): op by op, an
-  init compiles each scan and each initializer shape separately.
+  One compiled program (op by op, an init compiles each scan and each initializer shape
+  separately) that evaluates the init's traced program (`_init_trace`, cached with the role
+  table: the flax modules are traced once per config, not once per table and once per init).
   """
-  return jax.jit(lambda key: nn.unbox(init_boxed(model, key, batch_size, seq_len)))(rng)
+  return _init_trace(model.cfg, batch_size, seq_len, _aval(rng), _trace_key()).init(rng)
+
+
+class _InitTrace:
+  """`init_boxed` of one config as a traced program: `boxed` is its output's shapes with the
+  parameters' boxes (the role table's source); calling it evaluates the program on a key.
+  `init` is its jitted, unboxed form. Hashed by identity (the role table is cached per trace).
+  """
+
+  def __init__(self, jaxpr: Any, boxed: Any):
+    self.jaxpr, self.boxed = jaxpr, boxed
+    self.init = jax.jit(lambda key: nn.unbox(self(key)))
+
+  def __call__(self, rng: jax.Array):
+    out = jax.core.eval_jaxpr(self.jaxpr.jaxpr, self.jaxpr.consts, rng)
+    return jax.tree.unflatten(jax.tree.structure(self.boxed), out)
+
+
+def _aval(rng: jax.Array) -> jax.ShapeDtypeStruct:
+  return jax.ShapeDtypeStruct(rng.shape, rng.dtype)
+
+
+def _trace_key() -> tuple:
+  """What a trace of the init depends on beyond the config: the abstract mesh and the logical
+  rules (activation constraints are traced under them) and jax's trace-time settings (x64,
+  rank promotion, ...), so a program traced under one never serves another."""
+  rules = tuple((name, tuple(axes) if isinstance(axes, list) else axes)
+                for name, axes in nn.get_logical_axis_rules())
+  return jax.sharding.get_abstract_mesh(), rules, jax_config.trace_context()
+
+
+@functools.lru_cache(maxsize=64)
+def _init_trace(cfg: ModelConfig, batch_size: int, seq_len: int, rng: jax.ShapeDtypeStruct,
+                context: tuple) -> _InitTrace:
+  del context   # part of the cache key only
+  jaxpr, boxed = jax.make_jaxpr(
+      lambda key: init_boxed(DecoderLM(cfg), key, batch_size, seq_len),
+      return_shape=True)(rng)
+  return _InitTrace(jaxpr, boxed)
 
 
 def abstract_variables(model: DecoderLM):
@@ -229,10 +269,24 @@ def logical_axes(model: DecoderLM):
       {path: PartitionSpec(*info.axes) for path, info in param_table(model.cfg).items()})
 
 
-@functools.lru_cache(maxsize=64)
 def param_table(cfg: ModelConfig) -> dict[tuple[str, ...], params.ParamInfo]:
-  """The role table {path (collection first): ParamInfo} of DecoderLM(cfg), via eval_shape.
+  """The role table {path (collection first): ParamInfo} of DecoderLM(cfg), from the init's
+  trace (no computation).
 
-  Cached per config: clear it (`param_table.cache_clear()`) after patching model modules.
+  Cached per config with that trace: clear it (`param_table.cache_clear()`) after patching
+  model modules.
   """
-  return params.table(jax.eval_shape(lambda: init_boxed(DecoderLM(cfg), jax.random.key(0))))
+  return _table(_init_trace(cfg, 1, 8, _aval(jax.random.key(0)), _trace_key()))
+
+
+@functools.lru_cache(maxsize=64)
+def _table(trace: _InitTrace) -> dict[tuple[str, ...], params.ParamInfo]:
+  return params.table(trace.boxed)
+
+
+def _clear_init_traces() -> None:
+  _table.cache_clear()
+  _init_trace.cache_clear()
+
+
+param_table.cache_clear = _clear_init_traces
