@@ -22,7 +22,8 @@ def covering_rows(seed: int = 0, tries: int = 24) -> list[tuple[str, ...]]:
   every serving row), and the rows after them hold no action. Each row starts from an
   uncovered pair of the feature with the most uncovered pairs left, fills the other axes in a
   random order with the feature covering the most uncovered pairs (pairs of an action first),
-  and is the best of `tries` such candidates.
+  and is the best of `tries` such candidates. Rows whose pairs then fit into the others are
+  dropped (`_drop_rows`: 105 greedy rows become 99 at seed 0).
   """
   rng = random.Random(seed)
   axes: dict[str, list[str]] = {}
@@ -65,7 +66,73 @@ def covering_rows(seed: int = 0, tries: int = 24) -> list[tuple[str, ...]]:
               key=lambda r: sum(gain(frozenset(p), serving) for p in itertools.combinations(r, 2)))
     todo -= {frozenset(p) for p in itertools.combinations(row, 2)}
     rows.append(tuple(sorted(row)))
-  return rows
+  return _drop_rows(rows, refused, actions)
+
+
+def _drop_rows(rows: list[tuple[str, ...]], refused: set[frozenset],
+               actions: set[str]) -> list[tuple[str, ...]]:
+  """The greedy's rows less those whose pairs fit into the others: a pair that only row R
+  holds moves into another row without an action holding one of its features, taking the
+  other's axis there if that axis is free, or replacing its feature if every pair of that
+  feature in that row is held twice; nothing moves next to a feature it refuses. R is dropped
+  when all its own pairs move (rows holding the fewest own pairs are tried first)."""
+  rows = [list(r) for r in rows]
+  held = collections.Counter(frozenset(p) for r in rows for p in itertools.combinations(r, 2))
+
+  def count(row: list[str], name: str, d: int) -> None:
+    for other in row:
+      if other != name:
+        held[frozenset((name, other))] += d
+
+  def move(i: int, a: str, b: str) -> tuple[int, str, str | None] | None:
+    """Puts b next to a in a row other than i; -> (row, b, the feature b replaced)."""
+    for j, row in enumerate(rows):
+      if j == i or row is None or a not in row or actions & set(row):
+        continue
+      axis = BY_NAME[b].axis
+      old = next((x for x in row if BY_NAME[x].axis == axis), None)
+      rest = [x for x in row if x != old]
+      if (any(frozenset((b, x)) in refused for x in rest)
+          or old is not None and any(held[frozenset((old, x))] < 2 for x in rest)):
+        continue
+      if old is not None:
+        count(row, old, -1)
+        row.remove(old)
+      row.append(b)
+      count(row, b, +1)
+      return j, b, old
+    return None
+
+  def undo(j: int, b: str, old: str | None) -> None:
+    count(rows[j], b, -1)
+    rows[j].remove(b)
+    if old is not None:
+      rows[j].append(old)
+      count(rows[j], old, +1)
+
+  dropped = True
+  while dropped:
+    dropped = False
+    own = lambda r: [p for p in itertools.combinations(r, 2) if held[frozenset(p)] == 1]
+    for i in sorted((i for i, r in enumerate(rows) if r is not None and not actions & set(r)),
+                    key=lambda i: len(own(rows[i]))):
+      pairs_i, row = own(rows[i]), rows[i]
+      count_row = [frozenset(p) for p in itertools.combinations(row, 2)]
+      held.subtract(count_row)
+      moves = []
+      for a, b in pairs_i:
+        m = None if held[frozenset((a, b))] else move(i, a, b) or move(i, b, a)
+        if held[frozenset((a, b))] == 0 and m is None:
+          break
+        if m is not None:
+          moves.append(m)
+      else:
+        rows[i], dropped = None, True
+        continue
+      for m in reversed(moves):
+        undo(*m)
+      held.update(count_row)
+  return [tuple(sorted(r)) for r in rows if r is not None]
 
 
 def markdown() -> str:

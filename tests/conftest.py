@@ -214,6 +214,8 @@ def _release_compiled_programs():
   yield
   if not os.path.exists('/proc/self/statm') or _resident_bytes() > RELEASE_RSS_BYTES:
     jax.clear_caches()
+    from sharenet.models import param_table
+    param_table.cache_clear()   # the init traces it keeps hold their compiled inits
 
 
 # SHARENET_TEST_PROFILE=DIR: one JSON line per test (wall seconds, XLA compiles and their

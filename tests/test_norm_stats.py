@@ -61,15 +61,16 @@ def test_statistics_are_per_applied_layer_and_equal_under_both_lowerings(tiny_co
 
 @pytest.mark.slow
 @pytest.mark.parametrize('kind', ['powernorm', 'unified_norm', 'online_norm'])
-def test_resume_after_kill_keeps_the_statistics_exactly(tmp_path, losses, train_cmd,
-                                                        subprocess_env, kind):
+def test_resume_after_kill_keeps_the_statistics_exactly(tmp_path, losses, tiny_config,
+                                                        train_cmd, subprocess_env, kind):
   """train.py with a statistics norm killed (-9) after its step-20 checkpoint and resumed:
-  steps 21-40 give the uninterrupted run's losses bit for bit, and the final statistics are
-  identical (the running statistic, or Unified Norm's window, is used from step 11)."""
-  flags = [f'--config.model.norm.kind={kind}', '--config.model.norm.stats_warmup=10']
+  steps 21-40 give the uninterrupted run's losses (trained in this process) bit for bit, and
+  the final statistics are identical (the running statistic, or Unified Norm's window, is
+  used from step 11)."""
+  overrides = {'model.norm.kind': kind, 'model.norm.stats_warmup': 10}
+  flags = [f'--config.{k}={v}' for k, v in overrides.items()]
   ref_dir, workdir = str(tmp_path / 'ref'), str(tmp_path / 'killed')
-  subprocess.run(train_cmd(ref_dir, *flags), env=subprocess_env, check=True,
-                 capture_output=True)
+  train_lib.train_and_evaluate(tiny_config(**overrides), ref_dir)
   kill_after_checkpoint(train_cmd(workdir, *flags), subprocess_env, workdir, 20)
   subprocess.run(train_cmd(workdir, *flags), env=subprocess_env, check=True,
                  capture_output=True)
