@@ -17,7 +17,7 @@ from typing import Any
 import jax
 import optax
 
-from sharenet import checkpoint, defaults, optim
+from sharenet import checkpoint, config_history, optim
 from sharenet.errors import ConfigError
 from sharenet.metrics import note
 from sharenet.models import TRAINABLE
@@ -77,7 +77,7 @@ class Changes:
   """Fields that differ between a workdir's recorded config and this run's config."""
 
   def __init__(self, prior: dict[str, Any] | None, config: Any):
-    old = _flat(config_dict(defaults.renamed(prior))) if prior else {}
+    old = _flat(config_dict(config_history.renamed(prior))) if prior else {}
     new = _flat(config_dict(config))
     # A field the old run did not record (an older sharenet) is not reported as a change.
     self.fields = {k: (old[k], new[k]) for k in sorted(new) if k in old and old[k] != new[k]}

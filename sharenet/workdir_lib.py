@@ -19,7 +19,7 @@ from sharenet.models import DecoderLM, ModelConfig
 from sharenet.models.lm import kv_cache_bytes_per_token
 from sharenet.models.sections import NORMS, STATS_NORMS
 from sharenet.norm_stats import NORM_STATS
-from sharenet.transforms import convert, head_share, lora_merge
+from sharenet.transforms import convert, head_share, lora_merge, recursive
 from sharenet.workdir_save import save_workdir  # noqa: F401 - convert_workdir, callers
 
 
@@ -326,7 +326,7 @@ def convert_workdir(workdir: str, out: str, opts: Any) -> dict[str, Any]:
     targets = tuple(t for t in opts.lora_targets.replace(' ', '').split(',') if t)
     calibration = calibration_tokens(config, opts, cfg.max_len) if opts.init == 'similar' \
         else None
-    new_cfg, new_vars = convert.to_recursive(
+    new_cfg, new_vars = recursive.to_recursive(
         cfg, variables, scheme=opts.scheme, num_unique=opts.num_unique, init=opts.init,
         lora_rank=opts.lora_rank, lora_init=opts.lora_init, lora_targets=targets,
         untie_norms=opts.untie_norms, lora_layers=opts.lora_layers, calibration=calibration)

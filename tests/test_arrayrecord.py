@@ -228,13 +228,17 @@ def test_uint32_bin(tmp_path):
 
 @pytest.mark.slow
 def test_resume_after_kill_is_bit_identical_on_arrayrecord(corpus_dir, tmp_path, losses,
-                                                           train_cmd, subprocess_env):
-  flags = ['--config.data.source=arrayrecord', f'--config.data.path={corpus_dir}',
-           '--config.data.segment_mask=True', '--config.train.steps=16',
-           '--config.train.checkpoint_every=8', '--config.train.seq_len=16']
+                                                           tiny_config, train_cmd,
+                                                           subprocess_env):
+  """train.py on prepared shards killed (-9) after its step-8 checkpoint and resumed: steps
+  9-16 give the uninterrupted run's losses (trained in this process) bit for bit."""
+  from sharenet import train_lib
+  overrides = {'data.source': 'arrayrecord', 'data.path': corpus_dir,
+               'data.segment_mask': True, 'train.steps': 16, 'train.checkpoint_every': 8,
+               'train.seq_len': 16}
+  flags = [f'--config.{k}={v}' for k, v in overrides.items()]
   ref_dir, workdir = str(tmp_path / 'ref'), str(tmp_path / 'killed')
-  subprocess.run(train_cmd(ref_dir, *flags), env=subprocess_env, check=True,
-                 capture_output=True)
+  train_lib.train_and_evaluate(tiny_config(**overrides), ref_dir)
   proc = subprocess.Popen(train_cmd(workdir, *flags), env=subprocess_env,
                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
   ckpt = os.path.join(workdir, 'checkpoints', '8')

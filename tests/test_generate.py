@@ -62,13 +62,13 @@ def _experiment(tiny_config, overrides, seed=0):
   return exp.model, train_lib.effective_params(state, exp.tr, exp.pz)
 
 
-def _greedy_by_recomputation(model, variables, prompt, n):
-  """argmax of a full (uncached) forward on the growing sequence, n times. The sequence is
-  right-padded to the training length (causal: the padding does not change earlier logits;
-  u-muP's attention output scale is the training length's, as in the cached pass)."""
+def _greedy_by_recomputation(forward, variables, prompt, n):
+  """argmax of a full (uncached) `forward` (jitted model.apply) on the growing sequence, n
+  times. The sequence is right-padded to the training length (causal: the padding does not
+  change earlier logits; u-muP's attention output scale is the training length's, as in the
+  cached pass)."""
   width = SEQ_LEN
   assert len(prompt) + n <= width
-  forward = jax.jit(lambda v, t: model.apply(v, t))
   seq = list(prompt)
   for _ in range(n):
     tokens = np.zeros((1, width), np.int32)
@@ -83,8 +83,9 @@ def _greedy_by_recomputation(model, variables, prompt, n):
 def test_cached_greedy_equals_recomputation(tiny_config, plan):
   model, variables = _experiment(tiny_config, PLANS[plan])
   out = gen.generate(model, variables, PROMPTS, NEW, temperature=0.0)
+  forward = jax.jit(model.apply)   # one program for every prompt
   for prompt, tokens in zip(PROMPTS, out.tokens):
-    assert tokens == _greedy_by_recomputation(model, variables, prompt, NEW)
+    assert tokens == _greedy_by_recomputation(forward, variables, prompt, NEW)
   assert len(set(out.tokens[0] + out.tokens[1])) > 1   # not a constant sequence
 
 

@@ -397,17 +397,18 @@ def test_llama_recursive_error_shrinks_with_the_svd_rank(imported):
   """Relaxed Recursive Transformers' trade-off on imported Llama: the distance of a cycle of
   2 averaged sets to the import falls as the SVD-LoRA rank grows, and vanishes at full rank."""
   from sharenet.models import DecoderLM
-  from sharenet.transforms import convert
+  from sharenet.transforms import recursive
   config = workdir_lib.load_config(imported['llama'])
   state, _, exp = workdir_lib.restore_state(config, imported['llama'])
   tokens = jnp.asarray(_reference('llama')['tokens'])
   ref = np.asarray(jax.jit(exp.model.apply)(state.params, tokens))
   errs = []
   for rank in (0, 8, 16, 32):
-    rcfg, rv = convert.to_recursive(exp.model.cfg, state.params, scheme='cycle', num_unique=2,
-                                    init='average', lora_rank=rank, lora_init='svd',
-                                    lora_targets=('q', 'k', 'v', 'o', 'mlp_in', 'mlp_out'),
-                                    untie_norms=True, lora_layers='shared')
+    rcfg, rv = recursive.to_recursive(exp.model.cfg, state.params, scheme='cycle',
+                                      num_unique=2, init='average', lora_rank=rank,
+                                      lora_init='svd',
+                                      lora_targets=('q', 'k', 'v', 'o', 'mlp_in', 'mlp_out'),
+                                      untie_norms=True, lora_layers='shared')
     errs.append(float(np.abs(np.asarray(jax.jit(DecoderLM(rcfg).apply)(rv, tokens)) - ref).max()))
   assert errs[0] > errs[1] > errs[2] > errs[3] and errs[3] <= 1e-4, errs
 

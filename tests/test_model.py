@@ -35,6 +35,28 @@ def tokens(B=2, T=12, seed=0, vocab=64):
   return jax.random.randint(jax.random.key(seed), (B, T), 0, vocab)
 
 
+def test_init_is_one_cached_trace_of_flax_init():
+  """init_variables evaluates the flax init's trace, cached per config and shared with the
+  role table: its values are flax's own, bit for bit; a raw uint32 key and float64 mode (other
+  input types, other trace-time settings) get traces of their own."""
+  from sharenet.models import lm, param_table
+  cfg = tiny('cycle', sharing=dict(lora_rank=2, untie_norms=True))
+  param_table.cache_clear()
+  key = jax.random.key(3)
+  got = init_variables(DecoderLM(cfg), key)
+  chex.assert_trees_all_equal(
+      got, jax.jit(lambda k: nn.unbox(lm.init_boxed(DecoderLM(cfg), k)))(key))
+  assert set(param_table(cfg)) == {('params',) + p for p in flatten_dict(got['params'])} | {
+      (PER_LAYER,) + p for p in flatten_dict(got[PER_LAYER])}
+  assert lm._init_trace.cache_info().currsize == 1   # the table read the init's trace
+  raw = init_variables(DecoderLM(cfg), jax.random.PRNGKey(3))
+  with jax.enable_x64(True):
+    wide = init_variables(DecoderLM(cfg), key)
+  assert lm._init_trace.cache_info().currsize == 3
+  chex.assert_trees_all_equal_shapes_and_dtypes(raw, got)
+  chex.assert_trees_all_equal(wide, got)
+
+
 @functools.partial(jax.jit, static_argnums=0)
 def init(cfg: ModelConfig, seed: int = 0):
   return init_variables(DecoderLM(cfg), jax.random.key(seed))
@@ -48,6 +70,19 @@ def apply(cfg: ModelConfig, variables, toks):
 def loss_fn(variables, model, toks):
   logits = model.apply(variables, toks[:, :-1])
   return optax.softmax_cross_entropy_with_integer_labels(logits, toks[:, 1:]).mean()
+
+
+_GRAD = jax.jit(jax.value_and_grad(loss_fn), static_argnums=1)
+
+
+@functools.cache
+def nested_loss_and_grads(cfg: ModelConfig):
+  """(variables, loss, grads) of cfg's model at init (seed 0; LoRA's B randomised where it has
+  LoRA) on tokens(): computed once per config for the tests that compare against it."""
+  v = init(cfg)
+  v = randomize_lora_b(v) if cfg.sharing.lora_rank else v
+  loss, g = _GRAD(v, DecoderLM(cfg), tokens())
+  return v, loss, g
 
 
 def randomize_lora_b(variables, seed=1):
@@ -140,14 +175,9 @@ def test_tied_gradient_is_sum_of_untied_gradients(scheme, lora):
   extra = dict(sharing=dict(lora_rank=2, lora_targets=('q', 'v', 'mlp_out'),
                             untie_norms=True)) if lora else {}
   cfg = tiny(scheme, **extra)
-  v = init(cfg)
-  if lora:
-    v = randomize_lora_b(v)
+  v, loss, g = nested_loss_and_grads(cfg)
   ucfg, uv = layout.untied_config(cfg), jax.jit(lambda v: layout.to_untied(v, cfg)[1])(v)
-  toks = tokens()
-  grad_fn = jax.jit(jax.value_and_grad(loss_fn), static_argnums=1)
-  loss, g = grad_fn(v, DecoderLM(cfg), toks)
-  uloss, ug = grad_fn(uv, DecoderLM(ucfg), toks)
+  uloss, ug = _GRAD(uv, DecoderLM(ucfg), tokens())
   np.testing.assert_allclose(loss, uloss, rtol=1e-6)
 
   tied = layout.unique_sets(g['params'], cfg)
@@ -279,12 +309,8 @@ def test_causal_shapes_finite(scheme):
 @pytest.mark.parametrize('remat', REMATS)
 def test_remat_policies_same_loss_and_grads(remat):
   ref_cfg = tiny('cycle', sharing=dict(lora_rank=2, untie_norms=True))
-  cfg = ref_cfg.derive(remat=remat)
-  v = randomize_lora_b(init(cfg))
-  toks = tokens()
-  loss, g = jax.jit(jax.value_and_grad(loss_fn), static_argnums=1)(v, DecoderLM(cfg), toks)
-  ref_loss, ref_g = jax.jit(jax.value_and_grad(loss_fn), static_argnums=1)(
-      v, DecoderLM(ref_cfg), toks)
+  _, loss, g = nested_loss_and_grads(ref_cfg.derive(remat=remat))   # the same variables:
+  _, ref_loss, ref_g = nested_loss_and_grads(ref_cfg)                # remat leaves the init
   chex.assert_tree_all_finite(g)
   np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
   for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(ref_g)):
@@ -315,11 +341,8 @@ def test_gqa_and_tied_embeddings_run():
 
 def test_split_transpose_same_loss_and_grads():
   cfg = tiny('cycle', sharing=dict(lora_rank=2, untie_norms=True), remat='dots_no_batch')
-  v = randomize_lora_b(init(cfg))
-  toks = tokens()
-  grad_fn = jax.jit(jax.value_and_grad(loss_fn), static_argnums=1)
-  loss, g = grad_fn(v, DecoderLM(cfg), toks)
-  ref_loss, ref_g = grad_fn(v, DecoderLM(cfg.derive(scan_split_transpose=False)), toks)
+  v, loss, g = nested_loss_and_grads(cfg)
+  ref_loss, ref_g = _GRAD(v, DecoderLM(cfg.derive(scan_split_transpose=False)), tokens())
   np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
   for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(ref_g)):
     assert _rel_err(a, b) <= 1e-5
@@ -344,13 +367,11 @@ def test_flat_lowering_stores_the_nested_tree_and_computes_the_same(scheme, extr
   """scan_lowering='flat' is one scan over gathered sets: same checkpoint, same numbers."""
   cfg = tiny(scheme, **extra)
   flat = cfg.derive(scan_lowering='flat')
-  v = init(cfg)
-  assert _boxed_layout(jax.eval_shape(lambda: init(flat))) == _boxed_layout(v)
-  v = randomize_lora_b(v) if cfg.sharing.lora_rank else v
+  assert _boxed_layout(jax.eval_shape(lambda: init(flat))) == _boxed_layout(
+      jax.eval_shape(lambda: init(cfg)))
+  v, loss, g = nested_loss_and_grads(cfg)
   toks = tokens()
-  grad_fn = jax.jit(jax.value_and_grad(loss_fn), static_argnums=1)
-  loss, g = grad_fn(v, DecoderLM(cfg), toks)
-  flat_loss, flat_g = grad_fn(v, DecoderLM(flat), toks)
+  flat_loss, flat_g = _GRAD(v, DecoderLM(flat), toks)
   np.testing.assert_allclose(flat_loss, loss, rtol=1e-6)
   for a, b in zip(jax.tree.leaves(flat_g), jax.tree.leaves(g)):
     assert _rel_err(a, b) <= 1e-5

@@ -1,6 +1,5 @@
 """Parametrization presets: rule tables, base-width equivalence, tied gradients, sharding."""
 import json
-import os
 import subprocess
 import sys
 
@@ -256,7 +255,7 @@ def test_tied_gradient_identity_under_every_preset(kind):
 # ---- sharding invariance (8 simulated devices) ------------------------------------------
 
 _SHARDED = r'''
-import json, sys
+import json
 import jax, ml_collections, numpy as np, optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as PS
 import flax.linen as nn
@@ -277,13 +276,13 @@ def loss_fn(params, model, fwd, toks):
   logits = model.apply(fwd(params), toks[:, :-1])
   return optax.softmax_cross_entropy_with_integer_labels(logits, toks[:, 1:]).mean()
 
-assert jax.device_count() == int(sys.argv[2]), jax.device_count()
-mesh = Mesh(np.asarray(jax.devices()).reshape(-1, 4 if jax.device_count() == 8 else 1),
-            ('fsdp', 'tensor'))
+assert jax.device_count() == 8, jax.device_count()
 rules = (('embed', 'fsdp'), ('mlp', 'tensor'), ('heads', 'tensor'), ('kv_heads', 'tensor'),
          ('vocab', 'tensor'))
 out = {}
-for kind in ('mup', 'completep'):
+for n, kind in [(n, kind) for n in (1, 8) for kind in ('mup', 'completep')]:
+  # fsdp x tensor = 2 x 4 over the 8 devices, or the first device alone
+  mesh = Mesh(np.asarray(jax.devices()[:n]).reshape(-1, 4 if n == 8 else 1), ('fsdp', 'tensor'))
   cfg = cfg_of(64, tie_embeddings=kind == 'mup')
   settings = dict(kind=kind, base_d_model=D0, loop_rule='inv_R', base_depth=1)
   pz = P.Parametrization(cfg.derive(parametrization=P.Settings(**settings)))
@@ -301,26 +300,25 @@ for kind in ('mup', 'completep'):
     g = jax.jit(jax.grad(loss_fn), static_argnums=(1, 2))(p0, model, pz.forward, tokens)
     u, _ = jax.jit(tx.update)(g, tx.init(p0), p0)
   table = [r for r in pz.describe()]
-  out[kind] = dict(table=table, n_sharded=int(n_sharded),
-                   update={'/'.join(k): np.asarray(x).ravel()[:64].tolist()
-                           for k, x in flatten_dict(u).items()})
+  out.setdefault(n, {})[kind] = dict(table=table, n_sharded=int(n_sharded),
+                                     update={'/'.join(k): np.asarray(x).ravel()[:64].tolist()
+                                             for k, x in flatten_dict(u).items()})
 print('RESULT' + json.dumps(out))
 '''
 
 
-def _run_sharded(root, n):
-  env = dict(os.environ, XLA_FLAGS=f'--xla_force_host_platform_device_count={n} '
-             '--xla_backend_optimization_level=0', JAX_PLATFORMS='cpu', PYTHONPATH=root)
-  res = subprocess.run([sys.executable, '-c', _SHARDED, root, str(n)], env=env,
-                       capture_output=True, text=True, timeout=600)
+@pytest.mark.slow
+def test_multipliers_and_first_update_same_on_1_and_8_devices(subprocess_env):
+  """One process with 8 simulated devices: the model on a mesh of all 8 (fsdp x tensor) and on
+  the first device alone gets the same multiplier table and the same first update."""
+  env = dict(subprocess_env, JAX_PLATFORMS='cpu')
+  env['XLA_FLAGS'] = env.get('XLA_FLAGS', '') + ' --xla_force_host_platform_device_count=8'
+  res = subprocess.run([sys.executable, '-c', _SHARDED], env=env, capture_output=True,
+                       text=True, timeout=600)
   assert res.returncode == 0, res.stderr[-3000:]
   line = [l for l in res.stdout.splitlines() if l.startswith('RESULT')][0]
-  return json.loads(line[len('RESULT'):])
-
-
-@pytest.mark.slow
-def test_multipliers_and_first_update_same_on_1_and_8_devices(repo_root):
-  one, eight = _run_sharded(repo_root, 1), _run_sharded(repo_root, 8)
+  results = json.loads(line[len('RESULT'):])
+  one, eight = results['1'], results['8']
   for kind in one:
     assert one[kind]['table'] == eight[kind]['table'], kind
     assert eight[kind]['n_sharded'] >= 10 and one[kind]['n_sharded'] == 0

@@ -232,16 +232,16 @@ def test_workdir_refusals_come_before_restoring(tiny_config, tmp_path):
 
 
 @pytest.mark.slow
-def test_eval_cli(tmp_path, train_cmd, subprocess_env, repo_root):
-  """eval.py on a trained universal model: --depths at the training depth prints plain eval's
-  loss, writes the plot; --prompt --exit prints mean_exit_loops; --depth with --depths is one
-  line."""
+def test_eval_cli(tmp_path, tiny_config, subprocess_env, repo_root):
+  """eval.py on a universal model (trained in this process): --depths at the training depth
+  prints plain eval's loss, writes the plot; --prompt --exit prints mean_exit_loops; --depth
+  with --depths is one line."""
+  from sharenet import train_lib
   workdir = str(tmp_path / 'run')
-  flags = ['--config.model.num_layers=3', '--config.model.sharing.scheme=universal',
-           '--config.model.sharing.num_unique=1', '--config.train.steps=2',
-           '--config.train.seq_len=16', '--config.train.eval_batch_size=64']
-  subprocess.run(train_cmd(workdir, *flags), check=True, capture_output=True,
-                 env=subprocess_env, timeout=300)
+  train_lib.train_and_evaluate(tiny_config(**{
+      'model.num_layers': 3, 'model.sharing.scheme': 'universal',
+      'model.sharing.num_unique': 1, 'train.steps': 2, 'train.seq_len': 16,
+      'train.eval_batch_size': 64}), workdir)
   run = lambda *a: subprocess.run([sys.executable, os.path.join(repo_root, 'eval.py'),
                                    f'--workdir={workdir}', *a], capture_output=True, text=True,
                                   env=subprocess_env, timeout=300)

@@ -17,7 +17,7 @@ from sharenet import defaults, optim, train_lib, workdir_lib
 from sharenet.errors import ConfigError
 from sharenet.models import DecoderLM, ModelConfig, init_variables
 from sharenet.models.sections import LORA_TARGETS
-from sharenet.transforms import Transforms, convert, reparam
+from sharenet.transforms import Transforms, convert, recursive, reparam
 from sharenet.transforms.roles import Leaf
 from sharenet.transforms.update import scale_by_adamp
 
@@ -146,7 +146,22 @@ def test_convert_cli_on_a_trained_pre_ln_checkpoint(tmp_path, tied):
     (8, 5, 'middle_sequence', 'average', [[0], [1, 2], [3, 4], [5, 6], [7]]),
 ])
 def test_recursive_init_source_layers(L, K, scheme, init, expected):
-  assert convert.source_layers(_cfg(num_layers=L), K, scheme, init) == expected
+  assert recursive.source_layers(_cfg(num_layers=L), K, scheme, init) == expected
+
+
+def _apply(cfg, variables):
+  """The model's forward on _tokens(), one compiled program (op by op: ~300 small compiles)."""
+  return jax.jit(DecoderLM(cfg).apply)(variables, _tokens())
+
+
+@functools.cache
+def _untied_source(tied):
+  """(config, variables with randomised norms, logits) of the untied model the SVD-LoRA
+  conversions start from, once per embedding tying."""
+  cfg = _cfg(norm=dict(kind='rmsnorm'), num_layers=6, d_model=32, num_heads=4, mlp_dim=48,
+             tie_embeddings=tied)
+  v = _randomize_norms(jax.jit(lambda: init_variables(DecoderLM(cfg), jax.random.key(1)))())
+  return cfg, v, _apply(cfg, v)
 
 
 @pytest.mark.slow
@@ -158,34 +173,29 @@ def test_full_rank_svd_lora_reproduces_the_untied_model(scheme, K, lora_layers, 
   """RRT's SVD init (arXiv:2410.20672): at full rank, shared W + scale * A_l B_l == W_l for any
   lora_scale, with LoRA only where lora_layers puts it (middle_cycle 'shared': the unique first
   and last layers hold none and are copied exactly); each scheme tied and untied."""
-  cfg = _cfg(norm=dict(kind='rmsnorm'), sharing=dict(lora_scale=lora_scale), num_layers=6,
-             d_model=32, num_heads=4, mlp_dim=48, tie_embeddings=tied)
-  # each model's init and forward as one compiled program (op by op, ~300 small compiles)
-  apply = lambda c, v: jax.jit(DecoderLM(c).apply)(v, toks)
-  v = _randomize_norms(jax.jit(lambda: init_variables(DecoderLM(cfg), jax.random.key(1)))())
-  toks = _tokens()
-  ref = apply(cfg, v)
+  src, v, ref = _untied_source(tied)
+  cfg = src.derive(sharing=dict(lora_scale=lora_scale))   # the untied model holds no LoRA
   kw = dict(scheme=scheme, num_unique=K, init='average', lora_targets=LORA_TARGETS,
             untie_norms=True, lora_layers=lora_layers)
-  rcfg, rv = convert.to_recursive(cfg, v, lora_rank=32, lora_init='svd', **kw)
+  rcfg, rv = recursive.to_recursive(cfg, v, lora_rank=32, lora_init='svd', **kw)
   assert rcfg.sharing.lora_scale == lora_scale and rcfg.sharing.lora_layers == lora_layers
   holders = {p[1] for p in flatten_dict(rv['per_layer']) if p[-1].startswith('lora_')}
   n_seg = len(rcfg.plan.segments)
   assert holders == ({'segment_1'} if scheme == 'middle_cycle' and lora_layers == 'shared'
                      else {f'segment_{i}' for i in range(n_seg)})
-  out = apply(rcfg, rv)
+  out = _apply(rcfg, rv)
   assert _max_diff(out, ref) <= 1e-4
   if scheme == 'cycle' and lora_scale == 1.0:   # strict sharing / truncated rank are not exact
     for rank in (0, 4):
-      lcfg, lv = convert.to_recursive(cfg, v, lora_rank=rank, lora_init='svd', **kw)
-      assert _max_diff(apply(lcfg, lv), ref) > 1e-3
+      lcfg, lv = recursive.to_recursive(cfg, v, lora_rank=rank, lora_init='svd', **kw)
+      assert _max_diff(_apply(lcfg, lv), ref) > 1e-3
 
 
 @pytest.mark.parametrize('tied', [False, True])
 def test_stepwise_recursive_copies_the_picked_layers(tied):
   cfg = _cfg(norm=dict(kind='rmsnorm'), num_layers=6, tie_embeddings=tied)
   v = init_variables(DecoderLM(cfg), jax.random.key(2))
-  rcfg, rv = convert.to_recursive(cfg, v, scheme='cycle', num_unique=3, init='stepwise')
+  rcfg, rv = recursive.to_recursive(cfg, v, scheme='cycle', num_unique=3, init='stepwise')
   from sharenet.models import layout
   src, dst = layout.unique_sets(v['params'], cfg), layout.unique_sets(rv['params'], rcfg)
   for p in src:
@@ -200,8 +210,8 @@ def test_recursive_conversion_rejects_an_unknown_lora_layers():
   cfg = _cfg(norm=dict(kind='rmsnorm'), num_layers=6)
   v = jax.eval_shape(lambda: init_variables(DecoderLM(cfg), jax.random.key(0)))
   with pytest.raises(ConfigError, match='config.lora_layers=.middle. is unknown; valid: shared'):
-    convert.to_recursive(cfg, v, scheme='cycle', num_unique=3, init='stepwise', lora_rank=2,
-                         lora_layers='middle')
+    recursive.to_recursive(cfg, v, scheme='cycle', num_unique=3, init='stepwise', lora_rank=2,
+                           lora_layers='middle')
 
 
 # ----------------------------------------------------------------------------- invariances

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
-from sharenet import defaults
+from sharenet import config_history, defaults
 from sharenet.errors import ConfigError
 
 NORMS = ('layernorm', 'rmsnorm', 'crmsnorm', 'scalenorm', 'dyt', 'none', 'lpnorm', 'powernorm',
@@ -42,7 +42,8 @@ _DEFAULTS = defaults.default_config().model
 def choice(field: str, value: Any, valid: tuple[str, ...]) -> None:
   """ConfigError unless `value` is one of `valid` (naming the new value of a renamed one)."""
   if value not in valid:
-    new = defaults.RENAMED_VALUES.get(field, {}).get(value) if isinstance(value, str) else None
+    renamed = config_history.RENAMED_VALUES.get(field, {})
+    new = renamed.get(value) if isinstance(value, str) else None
     if new:
       raise ConfigError(f'{field}={value!r} was renamed: use {new[0]} ({new[1]})')
     raise ConfigError(f'{field}={value!r} is unknown; valid: {", ".join(valid)}')

@@ -5,9 +5,9 @@ Five kinds behind one config section (`config.transforms`):
   reparam            raw -> effective params inside the loss (reparam.py);
   project            post-step projection, last in the optax chain (project.py);
   update             optax transforms reading params: AGC, AdamP (update.py);
-  convert            one-shot function-preserving conversions (convert.py; CLI: the top-level
-                     convert.py), and DirectShare head sharing, not function-preserving
-                     (head_share.py).
+  convert            one-shot function-preserving conversions (norms: convert.py; untied ->
+                     recursive: recursive.py; CLI: the top-level convert.py), and DirectShare
+                     head sharing, not function-preserving (head_share.py).
 """
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """One-shot conversions between architectures, each function-preserving where the math allows.
 
-Norm conversions follow Jiang et al., Pre-RMSNorm and Pre-CRMSNorm Transformers (arXiv:2305.14858);
-the recursive conversion follows Relaxed Recursive Transformers (arXiv:2410.20672).
+Norm conversions follow Jiang et al., Pre-RMSNorm and Pre-CRMSNorm Transformers (arXiv:2305.14858).
 
   ln_to_rms      Pre-LN -> Pre-RMSNorm: LN biases beta are folded into biases of the linear
                  maps reading the normalized stream; residual writers are recentred (W - mean
@@ -13,30 +12,14 @@ the recursive conversion follows Relaxed Recursive Transformers (arXiv:2410.2067
                  W[:-1] - W[-1:] along 'embed'; the stream is d_model - 1 wide (head_dim is kept
                  explicitly). A tied table becomes an untied embedding + readout, since the
                  compressed writer (E[:, :-1]) and reader (E^T[:-1] - E^T[-1:]) differ.
-  to_recursive   untied -> recursive: each unique set from
-                 Stepwise (round(linspace(0, L-1, K)), middle schemes linspace(1, L-2, K-2),
-                 Python's banker's rounding as in the RRT code), Average (mean of the layers that
-                 will use the set) or Lower (the first K layers; middle schemes 1..K-2 plus the
-                 verbatim first and last); optional depth-wise LoRA from the truncated SVD of each
-                 applied layer's residual W_l - W_shared, exact at full rank for any
-                 lora_scale (B is divided by it), on the layers that hold LoRA
-                 (model.sharing.lora_layers: shared = RRT's looped layers only, or all).
-                 init=similar (scheme explicit) folds by the similarity of the layers' outputs
-                 on a calibration batch, after FoldGPT (Liu et al., arXiv:2407.00928, which
-                 finds most layers' outputs similar and shares weights within groups of
-                 adjacent blocks): the L layers are split into K contiguous groups, each tied to
-                 its most representative member (`similarity_groups`); with SVD LoRA every
-                 other member is a removed block replaced by the kept block's weights plus a
-                 low-rank adapter from the SVD of the difference (transforms/similarity.py).
-
   fold_unified_norm  Unified Norm -> no norm (Yang et al., arXiv:2208.01313): in eval mode
                  each norm is the per-channel affine map gamma x / sqrt(running_var + eps) +
                  beta, so its scale multiplies the 'embed' input rows of the readers (the
                  readout for the final norm; a tied table becomes an untied readout) and beta
                  through them becomes their bias. Pre placement, untied plans.
 
-DirectShare head-wise sharing (config.to=head_shared) lives in transforms/head_share.py, the
-Mixture-of-LoRAs merge (config.to=merge_lora_experts) in transforms/lora_merge.py.
+Untied -> recursive (config.to=recursive) lives in transforms/recursive.py, DirectShare
+head-wise sharing (config.to=head_shared) in transforms/head_share.py, the Mixture-of-LoRAs merge (config.to=merge_lora_experts) in transforms/lora_merge.py.
 
 CLI: python convert.py --workdir SRC --out DST
      --config.to=rmsnorm|crmsnorm|recursive|head_shared|merge_lora_experts [...]
@@ -50,19 +33,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax.traverse_util import flatten_dict, unflatten_dict
 
-from sharenet import sharing
-from sharenet.transforms import similarity
 from sharenet.errors import require
-from sharenet.models import DecoderLM, ModelConfig, init_variables, layout, param_table
-from sharenet.models.sections import LORA_LAYERS
-from sharenet.params import KERNEL_ROLES, NORM_ROLES, PER_LAYER, ParamInfo
+from sharenet.models import DecoderLM, ModelConfig, init_variables, param_table
+from sharenet.params import ParamInfo
 
-INITS = ('stepwise', 'average', 'lower', 'similar')
-RECURSIVE_SCHEMES = ('universal', 'cycle', 'sequence', 'middle_cycle', 'middle_sequence',
-                     'explicit')
 Path = tuple[str, ...]
 
 
@@ -306,117 +282,4 @@ def _fill_missing(cfg: ModelConfig, variables: Any) -> Any:
       else:
         raise AssertionError(f'conversion is missing {coll}/{"/".join(k)}')
     out[coll] = unflatten_dict(filled)
-  return out
-
-
-def source_layers(cfg: ModelConfig, num_unique: int, scheme: str, init: str) -> list[list[int]]:
-  """For each unique set of the target plan, the source layers it is initialised from."""
-  plan = sharing.make_plan(scheme, cfg.num_layers, num_unique)
-  L = cfg.num_layers
-  if init == 'average':
-    return [list(plan.uses(u)) for u in range(plan.num_unique)]
-  middle = scheme.startswith('middle_')
-  k = plan.num_unique - 2 if middle else plan.num_unique
-  lo, hi = (1, L - 2) if middle else (0, L - 1)
-  if init == 'stepwise':
-    # Python's round (half to even), as the RRT code's selection_initialize.
-    picks = [round(float(x)) for x in np.linspace(lo, hi, k)]
-  else:
-    picks = list(range(lo, lo + k))
-  if middle:
-    picks = [0] + picks + [L - 1]
-  return [[p] for p in picks]
-
-
-def to_recursive(cfg: ModelConfig, variables: Any, scheme: str, num_unique: int, init: str,
-                 lora_rank: int = 0, lora_init: str = 'zero', lora_targets: tuple = (),
-                 untie_norms: bool = False, seed: int = 0, lora_layers: str = 'shared',
-                 calibration: np.ndarray | None = None) -> tuple[ModelConfig, Any]:
-  """Untied -> recursive with `num_unique` stored sets (see the module docstring);
-  init=similar reads `calibration` (N, T) tokens."""
-  require(cfg.sharing.scheme == 'untied',
-          f'config.to=recursive needs an untied source, got {cfg.sharing.scheme}')
-  require(scheme in RECURSIVE_SCHEMES,
-          f'config.scheme={scheme!r} is unknown; valid: {", ".join(RECURSIVE_SCHEMES)}')
-  require(init in INITS, f'config.init={init!r} is unknown; valid: {", ".join(INITS)}')
-  require((init == 'similar') == (scheme == 'explicit'),
-          f'config.init={init} with config.scheme={scheme}: init=similar builds an explicit '
-          f'pattern of contiguous groups; valid: init=similar with scheme=explicit, or another '
-          f'init with {", ".join(RECURSIVE_SCHEMES[:-1])}')
-  pattern = ''
-  if init == 'similar':
-    require(calibration is not None, 'config.init=similar needs a calibration batch')
-    groups, reps = similarity.fold_plan(cfg, variables, calibration, num_unique)
-    pattern = ','.join(map(str, groups))
-  require(lora_init in ('zero', 'svd'),
-          f'config.lora_init={lora_init!r} is unknown; valid: zero, svd')
-  require(not cfg.sharing.lora_rank, 'the source already has depth-wise LoRA; valid: lora_rank=0')
-  require(lora_layers in LORA_LAYERS, f'config.lora_layers={lora_layers!r} is unknown; valid: '
-          f'{", ".join(LORA_LAYERS)}')
-  new_cfg = cfg.derive(sharing={
-      'scheme': scheme, 'num_unique': 0 if pattern else num_unique, 'repeats': 0,
-      'pattern': pattern,
-      'lora_rank': lora_rank, 'lora_targets': tuple(lora_targets) or cfg.sharing.lora_targets,
-      'untie_norms': untie_norms, 'lora_layers': lora_layers})
-  plan = new_cfg.plan
-  src = {p: v for p, v in layout.applied_params(variables['params'], cfg).items()}
-  if PER_LAYER in variables:
-    src.update(layout.applied_per_layer(variables[PER_LAYER], cfg))
-  picks = [[r] for r in reps] if pattern else source_layers(cfg, num_unique, scheme, init)
-  # one compiled program (op by op, an init compiles each scan and initializer separately)
-  target = jax.jit(lambda key: init_variables(DecoderLM(new_cfg), key))(jax.random.key(seed))
-  shared_paths = layout.unique_sets(target['params'], new_cfg).keys()
-  sets = {p: jnp.stack([jnp.mean(src[p][jnp.asarray(ls)], axis=0) for ls in picks])
-          for p in shared_paths}
-  out = dict(target)
-  out['params'] = layout.from_unique_sets(target['params'], sets, new_cfg)
-  outside = {p[1:] for p, i in param_table(cfg).items() if p[0] == 'params' and not i.in_block}
-  out['params'] = unflatten_dict({**flatten_dict(out['params']),
-                                  **{p: v for p, v in flatten_dict(variables['params']).items()
-                                     if p in outside}})   # embedding, final norm, readout
-  if PER_LAYER in target:
-    layers = layout.applied_per_layer(target[PER_LAYER], new_cfg)
-    norms = {i.local for p, i in param_table(new_cfg).items()
-             if p[0] == PER_LAYER and i.role in NORM_ROLES}
-    for p in layers:
-      if p in norms:                 # untied norm parameters: each applied layer's own
-        layers[p] = src[p]
-    if lora_rank and lora_init == 'svd':
-      # Factors for every applied layer; from_applied_per_layer keeps only the layers that hold
-      # LoRA (lora_layers=shared: not the unique first / last layers, copied exactly, so their
-      # residual is zero and they need none).
-      layers.update(svd_lora(src, sets, plan.index, new_cfg))
-    out[PER_LAYER] = layout.from_applied_per_layer(target[PER_LAYER], layers, new_cfg)
-  return new_cfg, out
-
-
-def svd_lora(src: dict, sets: dict, index: tuple, cfg: ModelConfig) -> dict:
-  """A_l, B_l with scale * A_l B_l = trunc_r(W_l - W_shared(l)) (RRT SVD init, arXiv:2410.20672).
-
-  Flax kernels are (in, out): R = U S V^T, so A = U_r (in, r) and B = S_r V_r^T / scale.
-  """
-  out = {}
-  idx = jnp.asarray(index)
-  r = cfg.sharing.lora_rank
-  table = param_table(cfg)
-  # A LoRA factor's kernel: the block kernel created by the same module (block-local paths).
-  kernels = {i.local[:-1]: i for i in table.values() if i.role in KERNEL_ROLES and i.in_block}
-  factors = {}   # block-local kernel path -> (kernel info, {'a' | 'b': block-local path})
-  for i in table.values():
-    if i.role == 'lora':   # A maps the kernel's fan-in to the rank: its last axis is 'lora'
-      k = kernels[i.local[:-1]]
-      entry = factors.setdefault(k.local, (k, {}))
-      entry[1]['a' if i.axes[-1] == 'lora' else 'b'] = i.local
-  for kpath, (kinfo, ab) in sorted(factors.items()):
-    w_src, w_tied = src[kpath], sets[kpath][idx]               # (L, in..., out...)
-    n_in = kinfo.num_in
-    in_shape, out_shape = w_src.shape[1:1 + n_in], w_src.shape[1 + n_in:]
-    res = (w_src - w_tied).reshape(len(index), int(np.prod(in_shape)), -1)
-    u, s, vt = jnp.linalg.svd(res, full_matrices=False)
-    k = min(r, s.shape[-1])
-    a = jnp.zeros(res.shape[:2] + (r,), res.dtype).at[..., :k].set(u[..., :k])
-    b = jnp.zeros((len(index), r, res.shape[2]), res.dtype).at[:, :k].set(
-        s[:, :k, None] * vt[:, :k] / cfg.sharing.lora_scale)
-    out[ab['a']] = a.reshape((len(index),) + in_shape + (r,))
-    out[ab['b']] = b.reshape((len(index), r) + out_shape)
   return out

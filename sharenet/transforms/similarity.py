@@ -1,4 +1,4 @@
-"""FoldGPT-style grouping for convert.py's init=similar (transforms/convert.py to_recursive).
+"""FoldGPT-style grouping for convert.py's init=similar (transforms/recursive.py to_recursive).
 
 After FoldGPT (Liu et al., arXiv:2407.00928), which finds most layers' outputs similar and
 shares weights within groups of adjacent blocks: the residual stream after each applied layer
