@@ -181,12 +181,12 @@ def single(tmp_path_factory, corpus, tiny_config, losses):
   """5-step losses of each scheme on this (single-device) process."""
   from sharenet import train_lib
   out = {}
-  for scheme in SCHEMES:
-    workdir = str(tmp_path_factory.mktemp(scheme))
+  workdirs = {scheme: str(tmp_path_factory.mktemp(scheme)) for scheme in SCHEMES}
+  for scheme, workdir in workdirs.items():
     train_lib.train_and_evaluate(config(tiny_config, scheme, corpus), workdir)
     out[scheme] = losses(workdir)
   out['cycle powernorm'] = out['cycle']
-  out['norm_statistics'] = {'powernorm': norm_statistics(workdir)}
+  out['norm_statistics'] = {'powernorm': norm_statistics(workdirs['cycle'])}
   workdir = str(tmp_path_factory.mktemp('cycle-transforms'))
   train_lib.train_and_evaluate(config(tiny_config, 'cycle', corpus, **TRANSFORMS), workdir)
   out['cycle transforms'] = losses(workdir)

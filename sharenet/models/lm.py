@@ -221,12 +221,16 @@ def init_variables(model: DecoderLM, rng: jax.Array, batch_size: int = 1, seq_le
 class _InitTrace:
   """`init_boxed` of one config as a traced program: `boxed` is its output's shapes with the
   parameters' boxes (the role table's source); calling it evaluates the program on a key.
-  `init` is its jitted, unboxed form. Hashed by identity (the role table is cached per trace).
+  `init` is its jitted, unboxed form, `table` the role table read from the boxes.
   """
 
   def __init__(self, jaxpr: Any, boxed: Any):
     self.jaxpr, self.boxed = jaxpr, boxed
     self.init = jax.jit(lambda key: nn.unbox(self(key)))
+
+  @functools.cached_property
+  def table(self) -> dict[tuple[str, ...], params.ParamInfo]:
+    return params.table(self.boxed)
 
   def __call__(self, rng: jax.Array):
     out = jax.core.eval_jaxpr(self.jaxpr.jaxpr, self.jaxpr.consts, rng)
@@ -235,6 +239,13 @@ class _InitTrace:
 
 def _aval(rng: jax.Array) -> jax.ShapeDtypeStruct:
   return jax.ShapeDtypeStruct(rng.shape, rng.dtype)
+
+
+@functools.cache
+def _default_key(impl: Any) -> jax.ShapeDtypeStruct:
+  """The aval of jax.random.key(0) under the default PRNG implementation `impl` (made once,
+  not on every role-table lookup)."""
+  return _aval(jax.random.key(0))
 
 
 def _trace_key() -> tuple:
@@ -276,17 +287,8 @@ def param_table(cfg: ModelConfig) -> dict[tuple[str, ...], params.ParamInfo]:
   Cached per config with that trace: clear it (`param_table.cache_clear()`) after patching
   model modules.
   """
-  return _table(_init_trace(cfg, 1, 8, _aval(jax.random.key(0)), _trace_key()))
+  key = _default_key(jax.config.jax_default_prng_impl)
+  return _init_trace(cfg, 1, 8, key, _trace_key()).table
 
 
-@functools.lru_cache(maxsize=64)
-def _table(trace: _InitTrace) -> dict[tuple[str, ...], params.ParamInfo]:
-  return params.table(trace.boxed)
-
-
-def _clear_init_traces() -> None:
-  _table.cache_clear()
-  _init_trace.cache_clear()
-
-
-param_table.cache_clear = _clear_init_traces
+param_table.cache_clear = _init_trace.cache_clear
