@@ -81,7 +81,9 @@ TABLES: dict[str, tuple[str, Callable[[str], str]]] = {
     'rank_study/rank_study.md': ('rank_study/rank_study.json', _fn('rank_study')),
     **{f'mup/{d}coord_check.md': (f'mup/{d}coord_check.json', _fn('coord_check'))
        for d in ('', 'depth/coord_check/', 'lora/', 'lora/a_zero/', 'lora/lr_0.04/', 'umup/',
-                 'umup/lr0.125/', 'zero_init/', 'muon/coord_check/', 'muon/rms/coord_check/',
+                 'umup/lr0.125/', 'zero_init/', 'muon/coord_check/', 'muon/coord_check/lr_0.125/',
+                 'muon/rms/coord_check/', 'muon/rms/coord_check/lr_0.0625/',
+                 'muon/rms/coord_check/lr_0.125/', 'muon/rms/coord_check/lr_0.25/',
                  'shampoo/coord_check/', 'shampoo/vanilla/coord_check/')},
     **{f'mup/{d}lr_sweep.md': (f'mup/{d}lr_sweep.json', _fn('lr_sweep'))
        for d in ('', 'depth/', 'depth/alpha_0.5/', 'loops/', 'muon/', 'muon/rms/', 'shampoo/',
