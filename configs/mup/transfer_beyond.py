@@ -14,10 +14,15 @@ WSD schedule with 10 warmup steps, no weight decay) and changes one key:
 
 Command:   python -m sharenet.studies.lr_sweep --config configs/mup/transfer_beyond.py \
                --out docs/results/mup/beyond
-           (one optimizer's sweep: add --config.train.optimizer=muon and --out .../muon_beyond)
-Runtime:   see docs/results/mup/beyond/lr_sweep.json's runtime_s (2-core CPU, one core).
-Result:    docs/results/mup/beyond/lr_sweep.md (optima and shifts per axis, generated from
-           lr_sweep.json); the reading: docs/optimizers.md, "Transfer beyond width".
+           Muon and Shampoo (docs/optimizers.md, "Transfer beyond width", has the full commands):
+           --config.train.optimizer=muon --out docs/results/mup/muon/beyond with the LR grid
+           moved up (--config.study.log2_lrs=-9..-2) and the independent decay's wd_scale set to
+           2^-5 (Muon's optimum); --config.train.optimizer=shampoo
+           --config.train.shampoo.update_every=10 --out docs/results/mup/shampoo/beyond.
+Runtime:   one core each (lr_sweep.json's runtime_s): AdamW 90 min, Muon 104 min, Shampoo 87 min.
+Result:    docs/results/mup/beyond/lr_sweep.md and docs/results/mup/<optimizer>/beyond/lr_sweep.md
+           (optima and shifts per axis, generated from lr_sweep.json); all optimizers' shifts in
+           docs/results/mup/transfer_shifts.md; the reading: docs/optimizers.md.
 """
 from configs.mup import transfer
 

@@ -63,7 +63,8 @@ SHIFT_SWEEPS = (('adamw', 'mup/lr_sweep.json'), ('muon', 'mup/muon/lr_sweep.json
                 ('muon (scale=rms)', 'mup/muon/rms/lr_sweep.json'),
                 ('shampoo', 'mup/shampoo/lr_sweep.json'),
                 ('shampoo (graft=none)', 'mup/shampoo/vanilla/lr_sweep.json'),
-                ('adamw', 'mup/beyond/lr_sweep.json'))
+                ('adamw', 'mup/beyond/lr_sweep.json'), ('muon', 'mup/muon/beyond/lr_sweep.json'),
+                ('shampoo', 'mup/shampoo/beyond/lr_sweep.json'))
 
 # configs/depth_study.py's study.depths when the committed rows were measured
 DEPTH_STUDY_DEPTHS = '1,2,3,4,6,8,12'
@@ -87,7 +88,7 @@ TABLES: dict[str, tuple[str, Callable[[str], str]]] = {
                  'shampoo/coord_check/', 'shampoo/vanilla/coord_check/')},
     **{f'mup/{d}lr_sweep.md': (f'mup/{d}lr_sweep.json', _fn('lr_sweep'))
        for d in ('', 'depth/', 'depth/alpha_0.5/', 'loops/', 'muon/', 'muon/rms/', 'shampoo/',
-                 'beyond/', 'shampoo/vanilla/')},
+                 'beyond/', 'shampoo/vanilla/', 'muon/beyond/', 'shampoo/beyond/')},
     'mup/transfer_shifts.md': (SHIFT_SWEEPS, _shifts),
 }
 
