@@ -81,3 +81,20 @@ def test_coord_check_optimizer_mup_is_flat(optimizer):
   assert worst['residual'] < 0.12, worst
   if optimizer == 'shampoo':
     assert summary['sp']['residual'] > 0.45 and summary['sp']['mlp_out'] > 0.45, summary['sp']
+
+
+def test_steps_table_has_a_row_per_variant_and_activation():
+  """coord_check_steps.md: one row per variant and principal activation, one column per step,
+  the slopes as the JSON holds them (activations a variant lacks are left out)."""
+  slopes = {'sp': {'residual': [0.0, 0.25, 0.5], 'attn_out': [0.0, 0.1, 0.2],
+                   'mlp_out': [0.1, 0.3, 0.6], 'logits': [0.0, 1.0, 2.0]},
+            'mup': {'residual': [0.0, 0.01, -0.02]}}
+  result = {'width': {'xs': [64, 128], 'variants': {v: {'slopes': s} for v, s in slopes.items()}},
+            'runtime_s': 1.0}
+  lines = coord_check.steps_markdown(result).splitlines()
+  assert lines[2] == '| variant | activation | t=0 | t=1 | t=2 |'
+  rows = [line for line in lines if line.startswith(('| sp', '| mup'))]
+  assert rows == ['| sp | residual | +0.00 | +0.25 | +0.50 |',
+                  '| sp | attn_out | +0.00 | +0.10 | +0.20 |',
+                  '| sp | mlp_out | +0.10 | +0.30 | +0.60 |',
+                  '| mup | residual | +0.00 | +0.01 | -0.02 |']

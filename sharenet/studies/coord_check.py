@@ -8,11 +8,14 @@ every step, Adam at a deliberately large LR, no clipping or decay; the statistic
 The step is the train loop's (train_lib.train_step with the config's transforms and grad_accum).
 Shared blocks record every use (one value per loop iteration). Writes DIR/coord_check.json
 (per axis, variant, activation and step: the slope of log mean|x| against log x, plus the raw
-values) and DIR/coord_check_{axis}.png (rows: variants, columns: steps).
+values), DIR/coord_check.md (the largest |slope| over steps >= 1), DIR/coord_check_steps.md
+(the slope at each step of the residual stream, attention and MLP outputs) and
+DIR/coord_check_{axis}.png (rows: variants, columns: steps).
 """
 from __future__ import annotations
 
 import functools
+import os
 import time
 from typing import Any
 
@@ -186,10 +189,32 @@ def to_markdown(result: dict[str, Any]) -> str:
   return '\n'.join(out)
 
 
+STEP_ACTS = ('residual', 'attn_out', 'mlp_out')
+
+
+def steps_markdown(result: dict[str, Any], acts: tuple[str, ...] = STEP_ACTS) -> str:
+  """Per axis, variant and activation (`acts`, those present): the slope at each step t, so a
+  reader sees when a variant starts to grow, not only its largest |slope|."""
+  out = []
+  for axis in axes_of(result):
+    r = result[axis]
+    steps = len(next(iter(r['variants'].values()))['slopes'][acts[0]])
+    out += [f'**{axis}** {", ".join(str(x) for x in r["xs"])}: slope of log mean|x| at step t',
+            '', '| variant | activation | ' + ' | '.join(f't={t}' for t in range(steps)) + ' |',
+            '|---|---|' + '---|' * steps]
+    for v, vr in r['variants'].items():
+      out += [f'| {v} | {a} | ' + ' | '.join(f'{s:+.2f}' for s in vr['slopes'][a]) + ' |'
+              for a in acts if a in vr['slopes']]
+    out.append('')
+  return '\n'.join(out)
+
+
 def main(config: Any, out_dir: str) -> dict[str, Any]:
   def annotate(res: dict[str, Any]) -> None:
     res['max_abs_slope_t_ge_1'] = summary(res)
   result = common.run_axes(config, out_dir, 'coord_check', run_axis, plot, annotate, to_markdown)
+  with open(os.path.join(out_dir, 'coord_check_steps.md'), 'w') as f:
+    f.write(steps_markdown(result))
   for axis in common.parse_list(config.study.axes, str):
     for v, row in result[axis]['max_abs_slope_t_ge_1'].items():
       print(f'{axis:8s} {v:34s} ' + ' '.join(f'{a}={row[a]:.2f}' for a in sorted(row)))

@@ -89,6 +89,11 @@ TABLES: dict[str, tuple[str, Callable[[str], str]]] = {
     **{f'mup/{d}lr_sweep.md': (f'mup/{d}lr_sweep.json', _fn('lr_sweep'))
        for d in ('', 'depth/', 'depth/alpha_0.5/', 'loops/', 'muon/', 'muon/rms/', 'shampoo/',
                  'beyond/', 'shampoo/vanilla/', 'muon/beyond/', 'shampoo/beyond/')},
+    'mup/muon/rms/coord_check/lr_0.0625_steps8/coord_check.md': (
+        'mup/muon/rms/coord_check/lr_0.0625_steps8/coord_check.json', _fn('coord_check')),
+    'mup/muon/rms/coord_check/lr_0.0625_steps8/coord_check_steps.md': (
+        'mup/muon/rms/coord_check/lr_0.0625_steps8/coord_check.json',
+        _fn('coord_check', 'steps_markdown')),
     'mup/transfer_shifts.md': (SHIFT_SWEEPS, _shifts),
 }
 
