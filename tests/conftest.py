@@ -161,6 +161,24 @@ def randomized_per_layer():
   return randomize_per_layer
 
 
+def assert_greedy_is_full_forward_argmax(model, variables, prompt, n):
+  """Greedy cached decoding of `n` tokens after `prompt` picks, at every step, the argmax of
+  one full (uncached) forward over the prompt and the generated tokens."""
+  import jax.numpy as jnp
+  import numpy as np
+  from sharenet import generate
+  out = generate.generate(model, variables, [prompt], n, temperature=0).tokens[0]
+  logits = model.apply(variables, jnp.asarray([(list(prompt) + list(out))[:-1]]))
+  assert list(np.asarray(jnp.argmax(logits[0, len(prompt) - 1:], -1))) == list(out)
+
+
+@pytest.fixture(scope='session')
+def greedy_is_full_forward_argmax():
+  """greedy_is_full_forward_argmax(model, variables, prompt, n): asserts that greedy cached
+  decoding equals the full forward's argmax."""
+  return assert_greedy_is_full_forward_argmax
+
+
 # The slow tier (-m slow; the fast tier is -m "not slow") is the tests marked
 # @pytest.mark.slow (8-device subprocesses, notebooks, ...) and the tests listed in
 # tests/slow_tests.txt: those measured over ~4 s each in a full run of the suite, written by

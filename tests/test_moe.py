@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sharenet import config_lib, generate, sharding
+from sharenet import config_lib, sharding
 from sharenet.errors import ConfigError
 from sharenet.models import DecoderLM, accounting, init_variables, param_table
 from sharenet.models import moe
@@ -191,17 +191,12 @@ def test_expert_axis_must_divide_num_experts(tiny_config):
   sharding.validate(c, 8)
 
 
-def test_cached_generation_equals_full_forward():
+def test_cached_generation_equals_full_forward(greedy_is_full_forward_argmax):
   """sigma-MoE is per token: greedy cached decoding picks the full forward's argmax."""
   cfg = ModelConfig(**{**BASE, 'dtype': 'float32', 'param_dtype': 'float32'},
                     moe={'kind': 'sigma_moe', 'num_experts': 4, 'top_k': 2, 'expert_dim': 8})
   model = DecoderLM(cfg)
-  v = init_variables(model, jax.random.key(3))
-  prompt = [5, 17, 2]
-  out = generate.generate(model, v, [prompt], 4, temperature=0).tokens[0]
-  full = prompt + list(out)
-  logits = model.apply(v, jnp.asarray([full[:-1]]))
-  assert list(np.asarray(jnp.argmax(logits[0, len(prompt) - 1:], -1))) == list(out)
+  greedy_is_full_forward_argmax(model, init_variables(model, jax.random.key(3)), [5, 17, 2], 4)
 
 
 @pytest.mark.slow

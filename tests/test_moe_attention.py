@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sharenet import config_lib, generate
+from sharenet import config_lib
 from sharenet.errors import ConfigError
 from sharenet.models import DecoderLM, accounting, init_variables, param_table
 from sharenet.models.attention import CausalAttention
@@ -100,18 +100,13 @@ def test_top_k_experts_match_numpy(dispatch, x_BTD):
                                rtol=1e-5, atol=1e-6)
 
 
-def test_cached_generation_equals_full_forward():
+def test_cached_generation_equals_full_forward(greedy_is_full_forward_argmax):
   """The cache holds the value experts' output; greedy cached decoding picks the full
   forward's argmax (RoPE on, float32, grouped-query heads)."""
   cfg = _cfg(4, 2, position='rope', num_heads=4, num_kv_heads=2, dtype='float32',
              param_dtype='float32', moe={'dispatch': 'ragged_dot'})   # compiles fastest
   model = DecoderLM(cfg)
-  v = init_variables(model, jax.random.key(3))
-  prompt = [5, 17, 2]
-  out = generate.generate(model, v, [prompt], 4, temperature=0).tokens[0]
-  full = prompt + list(out)
-  logits = model.apply(v, jnp.asarray([full[:-1]]))
-  assert list(np.asarray(jnp.argmax(logits[0, len(prompt) - 1:], -1))) == list(out)
+  greedy_is_full_forward_argmax(model, init_variables(model, jax.random.key(3)), [5, 17, 2], 4)
 
 
 @pytest.mark.slow
