@@ -189,7 +189,10 @@ def restore_or_init(config: Any, workdir: str, mngr: Any, target: Any, train_ite
   opt_state = optim.with_peak_lr(state.opt_state, t.lr)
   state = state.replace(opt_state=jax.tree.map(lambda new, old: jax.device_put(new, old.sharding),
                                                opt_state, state.opt_state))
-  note(f'resumed from checkpoint at step {step}')
+  note(f'resumed from checkpoint at step {step}'
+       + ('; train.restore=params starts a fresh optimizer state only when a field that changes '
+          'the train state changed, and none did: the whole state is resumed'
+          if t.restore == 'params' else ''))
   return state, step
 
 

@@ -419,3 +419,45 @@ def test_config_validation_is_one_line_before_building(tiny_config, overrides, m
   with pytest.raises(ConfigError, match=match) as e:
     config_lib.validate(tiny_config(**overrides))
   assert '\n' not in str(e.value)
+
+
+@pytest.mark.slow
+def test_shampoo_run_resumes_exactly_and_refuses_another_optimizer(tmp_path, tiny_config,
+                                                                   losses):
+  """A Shampoo workdir resumed from its step-3 checkpoint gives the uninterrupted run's losses
+  at steps 4-6 bit for bit: its statistics, inverse roots (recomputed every 2 steps, so the
+  resumed run starts between two recomputations), step counter and graft moments are restored,
+  and the final optimizer states are equal.
+  Resuming it under train.optimizer=muon is one ConfigError line naming the change and the way
+  out (train.restore=params), and trains nothing."""
+  import os
+  import shutil
+  from sharenet import checkpoint, sharding, train_lib
+  from sharenet.models import ModelConfig
+  over = {'train.optimizer': 'shampoo', 'train.shampoo.update_every': 2,
+          'train.shampoo.block_size': 16, 'train.steps': 6, 'train.checkpoint_every': 3}
+  ref, resumed = str(tmp_path / 'ref'), str(tmp_path / 'resumed')
+  train_lib.train_and_evaluate(tiny_config(**over), ref)
+  shutil.copytree(os.path.join(ref, 'checkpoints'), os.path.join(resumed, 'checkpoints'),
+                  ignore=shutil.ignore_patterns('6'))
+  shutil.copy(os.path.join(ref, 'config.json'), resumed)
+  train_lib.train_and_evaluate(tiny_config(**over), resumed)
+  want, got = losses(ref), losses(resumed)
+  assert sorted(want) == list(range(1, 7)) and sorted(got) == [4, 5, 6], (want, got)
+  assert [got[s] for s in (4, 5, 6)] == [want[s] for s in (4, 5, 6)]
+  config = tiny_config(**over)
+  exp = train_lib.setup(config, ModelConfig.from_experiment(config))
+  abstract = jax.eval_shape(lambda: train_lib.init_state(exp.model, exp.tx, jax.random.key(0),
+                                                         exp.tr, exp.pz)).opt_state
+  abstract = sharding.with_shardings(abstract, sharding.replicated_like(abstract))
+  a, b = (checkpoint.restore_parts(checkpoint.manager(d, 3, async_save=False), 6,
+                                   {'opt_state': abstract})[0]['opt_state']
+          for d in (ref, resumed))
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  # not vacuous: the state holds accumulated block statistics, far from their init
+  assert any(np.ndim(x) == 3 and float(np.abs(x).max()) > 1e-3 for x in jax.tree.leaves(a))
+  with pytest.raises(ConfigError, match="train.optimizer 'shampoo' -> 'muon'") as e:
+    train_lib.train_and_evaluate(tiny_config(**{**over, 'train.optimizer': 'muon'}), resumed)
+  assert '\n' not in str(e.value) and 'train.restore=params' in str(e.value)
+  assert sorted(losses(resumed)) == [4, 5, 6]

@@ -144,7 +144,8 @@ def test_restore_params_loads_parameters_with_a_fresh_optimizer(copy_of, capsys,
   assert 0 < np.abs(emb30 - emb20).max() < 1.0
   # Run again with the same flags: the saved state now fits, so it resumes whole.
   train_lib.train_and_evaluate(cfg, copy_of)
-  assert 'resumed from checkpoint at step 30' in capsys.readouterr().out
+  out = capsys.readouterr().out   # and says why train.restore=params did not act
+  assert 'resumed from checkpoint at step 30' in out and 'the whole state is resumed' in out
 
 
 def test_restore_params_refuses_a_different_model(copy_of, config):
