@@ -42,6 +42,10 @@ RUN = [
 # Known heavy flags, rewritten to tiny values when a command runs here.
 TINY = {'config.train.steps': '3', 'config.train.checkpoint_every': '3',
         'config.data.eval_tokens': '8192', 'max_new_tokens': '8', 'num_samples': '1'}
+# The data tools read the first DATA_DOCUMENTS train documents of the embedded corpus (their
+# --max_documents), enough for a 4096-id BPE and the tiny runs on its shards; validation is whole.
+DATA_TOOLS = ('sharenet.data.train_tokenizer', 'sharenet.data.prepare')
+DATA_DOCUMENTS = '300'
 # train.py runs configs/tiny.py in place of the default model; a command naming another config
 # file keeps it (its plan, norms, parametrization) at tiny width and batch. A run's own config
 # (configs/workdir.py:DIR) is kept whole: its checkpoint has that shape.
@@ -360,7 +364,8 @@ def on_eight_devices(seg, args):
 
 def tiny_args(cli, args, eight=False):
   """A shown command's arguments at tiny size (TINY, TINY_CONFIG, TINY_MODEL; EIGHT_DEVICES on
-  8 simulated devices); results_tables rewrites a copy of docs/results/ (--results)."""
+  8 simulated devices; DATA_DOCUMENTS for the data tools); results_tables rewrites a copy of
+  docs/results/ (--results)."""
   out, seen = [], set()
   flags_ = parse_flags(args)
   names = {n for n, _ in flags_}
@@ -387,6 +392,8 @@ def tiny_args(cli, args, eight=False):
     out += [f'--{k}={v}' for k, v in extra.items() if k not in seen and k not in names]
   if cli == 'sharenet.studies.results_tables':
     out.append('--results=results_copy')
+  if cli in DATA_TOOLS and 'max_documents' not in names:
+    out.append(f'--max_documents={DATA_DOCUMENTS}')
   return out
 
 

@@ -166,8 +166,28 @@ def test_other_arguments_into_the_same_dir_is_one_line(docs_dir, tmp_path):
     prepare.prepare(f'{root}/**/*.txt', 'bytes', str(tmp_path / 'other'), val_fraction=0.3)
 
 
+def test_max_documents_takes_the_first_train_documents_and_all_validation(docs_dir, tmp_path):
+  """--max_documents N: the first N train documents in path order, the validation split whole;
+  the same directory with another N (or none) is the one line naming max_documents."""
+  root, _ = docs_dir
+  full = prepare.prepare(f'{root}/**/*.txt', 'bytes', str(tmp_path / 'full'), val_fraction=0.3)
+  _, docs = prepare.list_documents(f'{root}/**/*.txt', 0.3)
+  assert len(docs['train']) > 3
+  assert prepare.list_documents(f'{root}/**/*.txt', 0.3, 3)[1] == {**docs,
+                                                                  'train': docs['train'][:3]}
+  out = str(tmp_path / 'three')
+  part = prepare.prepare(f'{root}/**/*.txt', 'bytes', out, val_fraction=0.3, max_documents=3)
+  assert part['splits']['train']['documents'] == 3
+  assert part['splits']['validation'] == full['splits']['validation']
+  for other in (2, 0):
+    with pytest.raises(ConfigError, match=r'other arguments \(differ: documents_sha256, '
+                                          r'max_documents\)'):
+      prepare.prepare(f'{root}/**/*.txt', 'bytes', out, val_fraction=0.3, max_documents=other)
+
+
 @pytest.mark.parametrize('kwargs,match', [
     (dict(input_glob='{root}/*.nothing'), 'matches no files'),
+    (dict(max_documents=-1), r'--max_documents=-1 must be >= 0'),
     (dict(shards=0), '--shards=0'),
     (dict(val_fraction=1.0), r'--val_fraction=1.0 must be in \(0, 1\)'),
     (dict(val_fraction=-0.1), r'--val_fraction=-0.1 must be in \(0, 1\)'),

@@ -70,12 +70,17 @@ def shard_name(split: str, i: int, n: int) -> str:
   return f'{split}-{i:05d}-of-{n:05d}.array_record'
 
 
-def list_documents(input_glob: str, val_fraction: float) -> tuple[str, dict[str, list[str]]]:
-  """(root, {'train': relpaths, 'validation': relpaths}), each sorted and neither empty."""
+def list_documents(input_glob: str, val_fraction: float, max_documents: int = 0
+                   ) -> tuple[str, dict[str, list[str]]]:
+  """(root, {'train': relpaths, 'validation': relpaths}), each sorted and neither empty; with
+  `max_documents` > 0 the train split is its first that many (validation stays whole, so an
+  evaluation on it is the full run's)."""
   if input_glob == 'stdlib':
     root, docs = corpus.stdlib_splits()
   else:
     root, docs = corpus.text_splits(input_glob, '--input', val_fraction)
+  if max_documents:
+    docs = {**docs, 'train': docs['train'][:max_documents]}
   for split in SPLITS:
     if not docs[split]:
       raise ConfigError(f'--input={input_glob!r}: --val_fraction={val_fraction} leaves the '
@@ -93,7 +98,8 @@ def _filling_fractions(docs: dict[str, list[str]], empty: str) -> str:
 
 
 def _fingerprint(input_glob: str, spec: str, root: str, docs: dict[str, list[str]],
-                 shards: int, val_shards: int, val_fraction: float) -> dict[str, Any]:
+                 shards: int, val_shards: int, val_fraction: float,
+                 max_documents: int = 0) -> dict[str, Any]:
   """Everything the output depends on (not --workers); a re-run must match it."""
   listing = hashlib.sha256()
   for split in SPLITS:
@@ -105,7 +111,8 @@ def _fingerprint(input_glob: str, spec: str, root: str, docs: dict[str, list[str
           'tokenizer_file_sha256': (tokenizer_lib.file_sha256(os.path.expanduser(tok_path))
                                     if tok_path else ''),
           'documents_sha256': listing.hexdigest(), 'shards': shards, 'val_shards': val_shards,
-          'val_fraction': val_fraction if input_glob != 'stdlib' else None}
+          'val_fraction': val_fraction if input_glob != 'stdlib' else None,
+          **({'max_documents': max_documents} if max_documents else {})}
 
 
 def _copy_tokenizer(spec: str, out: str) -> str:
@@ -177,7 +184,8 @@ def _load_progress(out: str, fingerprint: dict[str, Any]) -> dict[str, Any]:
 def prepare(input_glob: str, spec: str, out: str, shards: int = 8, val_shards: int = 1,
             val_fraction: float = corpus.TEXT_VAL_FRACTION, workers: int = 1,
             progress_bar: bool = False,
-            on_shard_done: Callable[[str], None] | None = None) -> dict[str, Any]:
+            on_shard_done: Callable[[str], None] | None = None,
+            max_documents: int = 0) -> dict[str, Any]:
   """Writes the shards and meta.json of `input_glob` into `out`; returns the meta dict.
 
   `on_shard_done(name)` runs after each shard this call writes (tests use it to interrupt).
@@ -189,9 +197,12 @@ def prepare(input_glob: str, spec: str, out: str, shards: int = 8, val_shards: i
     raise ConfigError(f'--val_fraction={val_fraction} must be in (0, 1)')
   if workers < 1:
     raise ConfigError(f'--workers={workers} must be >= 1')
+  if max_documents < 0:
+    raise ConfigError(f'--max_documents={max_documents} must be >= 0 (0: all)')
   tok = tokenizer_lib.load(spec, '--tokenizer')
-  root, docs = list_documents(input_glob, val_fraction)
-  fingerprint = _fingerprint(input_glob, spec, root, docs, shards, val_shards, val_fraction)
+  root, docs = list_documents(input_glob, val_fraction, max_documents)
+  fingerprint = _fingerprint(input_glob, spec, root, docs, shards, val_shards, val_fraction,
+                             max_documents)
   progress = _load_progress(out, fingerprint)
   os.makedirs(out, exist_ok=True)
 
@@ -276,7 +287,8 @@ def main(argv: list[str]) -> None:
     raise ConfigError('--val_fraction does not apply to --input stdlib (its split is '
                       'corpus.is_val_file)')
   meta = prepare(_INPUT.value, _TOKENIZER.value, _OUT.value, _SHARDS.value, _VAL_SHARDS.value,
-                 _VAL_FRACTION.value, _WORKERS.value, progress_bar=True)
+                 _VAL_FRACTION.value, _WORKERS.value, progress_bar=True,
+                 max_documents=_MAX_DOCUMENTS.value)
   for split, s in meta['splits'].items():
     print(f'{split}: {s["documents"]} documents, {s["tokens"]} tokens, {s["bytes"]} bytes, '
           f'{len(s["shards"])} shards')
@@ -296,6 +308,8 @@ if __name__ == '__main__':
   _VAL_FRACTION = flags.DEFINE_float('val_fraction', corpus.TEXT_VAL_FRACTION,
                                      'Expected fraction of documents in validation (by a hash '
                                      'of the path, as data.source=text); not for stdlib.')
+  _MAX_DOCUMENTS = flags.DEFINE_integer('max_documents', 0, 'Only the first N train documents '
+                                        '(a quick trial; validation stays whole); 0: all.')
   _WORKERS = flags.DEFINE_integer('workers', os.cpu_count() or 1,
                                   'Tokenizer processes; 1 tokenizes in this process.')
   config_lib.run(main)

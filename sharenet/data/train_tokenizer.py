@@ -78,7 +78,10 @@ def train_to_dir(texts: Iterable[str], vocab_size: int, out: str,
 def main(argv: list[str]) -> None:
   del argv
   start = time.perf_counter()
-  spec = train_to_dir(stdlib_train_texts(), _VOCAB.value, _OUT.value, show_progress=True)
+  if _MAX_DOCUMENTS.value < 0:
+    raise ConfigError(f'--max_documents={_MAX_DOCUMENTS.value} must be >= 0 (0: all)')
+  texts = stdlib_train_texts()[:_MAX_DOCUMENTS.value or None]
+  spec = train_to_dir(texts, _VOCAB.value, _OUT.value, show_progress=True)
   print(f'trained in {time.perf_counter() - start:.1f} s; use --tokenizer {spec}  '
         f'(config: --config.data.tokenizer={spec})', file=sys.stderr)
   print(spec)
@@ -91,4 +94,6 @@ if __name__ == '__main__':
   _VOCAB = flags.DEFINE_integer('vocab_size', 4096, 'Number of ids, including '
                                 f'{EOD_TOKEN} and the 256 bytes.')
   _OUT = flags.DEFINE_string('out', None, 'Directory for tokenizer.json.', required=True)
+  _MAX_DOCUMENTS = flags.DEFINE_integer('max_documents', 0, 'Train on the first N files of the '
+                                        'train split (a quick trial); 0: all.')
   config_lib.run(main)
