@@ -422,19 +422,20 @@ def test_config_validation_is_one_line_before_building(tiny_config, overrides, m
 
 
 @pytest.mark.slow
-def test_shampoo_run_resumes_exactly_and_refuses_another_optimizer(tmp_path, tiny_config,
-                                                                   losses):
-  """A Shampoo workdir resumed from its step-3 checkpoint gives the uninterrupted run's losses
-  at steps 4-6 bit for bit: its statistics, inverse roots (recomputed every 2 steps, so the
-  resumed run starts between two recomputations), step counter and graft moments are restored,
-  and the final optimizer states are equal.
-  Resuming it under train.optimizer=muon is one ConfigError line naming the change and the way
-  out (train.restore=params), and trains nothing."""
+@pytest.mark.parametrize('name, other', [('shampoo', 'muon'), ('muon', 'shampoo')])
+def test_run_resumes_exactly_and_refuses_another_optimizer(tmp_path, tiny_config, losses, name,
+                                                           other):
+  """A Shampoo (Muon) workdir resumed from its step-3 checkpoint gives the uninterrupted run's
+  losses at steps 4-6 bit for bit: Shampoo's statistics, inverse roots (recomputed every 2
+  steps, so the resumed run starts between two recomputations), step counter and graft moments
+  (Muon's momentum) are restored, and the final optimizer states are equal. Resuming it under
+  the other optimizer is one ConfigError line naming the change and the way out
+  (train.restore=params), and trains nothing."""
   import os
   import shutil
   from sharenet import checkpoint, sharding, train_lib
   from sharenet.models import ModelConfig
-  over = {'train.optimizer': 'shampoo', 'train.shampoo.update_every': 2,
+  over = {'train.optimizer': name, 'train.shampoo.update_every': 2,
           'train.shampoo.block_size': 16, 'train.steps': 6, 'train.checkpoint_every': 3}
   ref, resumed = str(tmp_path / 'ref'), str(tmp_path / 'resumed')
   train_lib.train_and_evaluate(tiny_config(**over), ref)
@@ -455,9 +456,9 @@ def test_shampoo_run_resumes_exactly_and_refuses_another_optimizer(tmp_path, tin
           for d in (ref, resumed))
   for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
-  # not vacuous: the state holds accumulated block statistics, far from their init
+  # not vacuous: the state holds accumulated block statistics (momenta), far from their init
   assert any(np.ndim(x) == 3 and float(np.abs(x).max()) > 1e-3 for x in jax.tree.leaves(a))
-  with pytest.raises(ConfigError, match="train.optimizer 'shampoo' -> 'muon'") as e:
-    train_lib.train_and_evaluate(tiny_config(**{**over, 'train.optimizer': 'muon'}), resumed)
+  with pytest.raises(ConfigError, match=f"train.optimizer '{name}' -> '{other}'") as e:
+    train_lib.train_and_evaluate(tiny_config(**{**over, 'train.optimizer': other}), resumed)
   assert '\n' not in str(e.value) and 'train.restore=params' in str(e.value)
   assert sorted(losses(resumed)) == [4, 5, 6]
