@@ -85,12 +85,11 @@ TABLES: dict[str, tuple[str, Callable[[str], str]]] = {
                  'umup/lr0.125/', 'zero_init/', 'muon/coord_check/', 'muon/coord_check/lr_0.125/',
                  'muon/rms/coord_check/', 'muon/rms/coord_check/lr_0.0625/',
                  'muon/rms/coord_check/lr_0.125/', 'muon/rms/coord_check/lr_0.25/',
-                 'shampoo/coord_check/', 'shampoo/vanilla/coord_check/')},
+                 'muon/rms/coord_check/lr_0.0625_steps8/', 'shampoo/coord_check/',
+                 'shampoo/vanilla/coord_check/')},
     **{f'mup/{d}lr_sweep.md': (f'mup/{d}lr_sweep.json', _fn('lr_sweep'))
        for d in ('', 'depth/', 'depth/alpha_0.5/', 'loops/', 'muon/', 'muon/rms/', 'shampoo/',
                  'beyond/', 'shampoo/vanilla/', 'muon/beyond/', 'shampoo/beyond/')},
-    'mup/muon/rms/coord_check/lr_0.0625_steps8/coord_check.md': (
-        'mup/muon/rms/coord_check/lr_0.0625_steps8/coord_check.json', _fn('coord_check')),
     'mup/muon/rms/coord_check/lr_0.0625_steps8/coord_check_steps.md': (
         'mup/muon/rms/coord_check/lr_0.0625_steps8/coord_check.json',
         _fn('coord_check', 'steps_markdown')),
