@@ -4,6 +4,7 @@ Test modules never import each other: helpers two of them need live here, as fix
 plain functions behind them (`make_tiny_config`, `read_losses`, ...) are for scripts that a
 test runs in a subprocess, which `import conftest` for the same setup.
 """
+import gc
 import os
 import sys
 import types
@@ -26,6 +27,12 @@ _CACHE = os.path.join(os.path.expanduser('~'), '.cache', 'sharenet', 'jax_tests'
 jax.config.update('jax_compilation_cache_dir', _CACHE)
 jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.5)
 jax.config.update('jax_numpy_rank_promotion', 'raise')
+# Tracing allocates millions of short-lived objects, and a worker keeps jax's caches alive (up
+# to RELEASE_RSS_BYTES): at CPython's default thresholds (700, 10, 10) a full collection, which
+# walks every live object, came every few seconds and took 23 % of a compatibility-rows run
+# (39 of 173 s; 124 s at these thresholds). Old garbage is collected when the caches are
+# dropped (_release_compiled_programs).
+gc.set_threshold(100_000, 20, 10)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -234,6 +241,7 @@ def _release_compiled_programs():
     jax.clear_caches()
     from sharenet.models import param_table
     param_table.cache_clear()   # the init traces it keeps hold their compiled inits
+    gc.collect()
 
 
 # SHARENET_TEST_PROFILE=DIR: one JSON line per test (wall seconds, XLA compiles and their
