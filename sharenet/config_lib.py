@@ -4,6 +4,7 @@ ml_collections config_flags, where a mistake is one line on stderr and exit stat
 from __future__ import annotations
 
 import difflib
+import gc
 import json
 import re
 import sys
@@ -21,6 +22,13 @@ from sharenet.errors import ConfigError, NonFiniteLoss
 from sharenet.models import ModelConfig
 
 PARAMETRIZATIONS = parametrization.KINDS
+
+# CPython's cyclic collector at its default thresholds (700, 10, 10) makes a full collection,
+# which walks every live object, every few seconds while jax traces (millions of short-lived
+# objects). Entry points (`run`) and the test suite (tests/conftest.py) raise the young
+# generation's threshold: cycles are still collected, full collections ~140x less often.
+# Measured in docs/performance.md ("Garbage collection").
+GC_THRESHOLDS = (100_000, 20, 10)
 
 
 def _positive(section: Any, prefix: str, *names: str) -> None:
@@ -191,7 +199,8 @@ def parse_flags(argv: list[str], flag_values: flags.FlagValues = flags.FLAGS) ->
 
 def run(main: Callable[[list[str]], Any]) -> None:
   """app.run(main) for an entry point: flag mistakes, ConfigError and NonFiniteLoss are one line
-  `error: ...` on stderr with exit status 2, not a traceback or a usage dump."""
+  `error: ...` on stderr with exit status 2, not a traceback or a usage dump. The cyclic
+  collector runs at GC_THRESHOLDS."""
 
   def checked(argv: list[str]) -> Any:
     try:
@@ -199,4 +208,5 @@ def run(main: Callable[[list[str]], Any]) -> None:
     except (ConfigError, NonFiniteLoss) as e:
       _fail(str(e))
 
+  gc.set_threshold(*GC_THRESHOLDS)
   app.run(checked, flags_parser=parse_flags)

@@ -27,12 +27,13 @@ _CACHE = os.path.join(os.path.expanduser('~'), '.cache', 'sharenet', 'jax_tests'
 jax.config.update('jax_compilation_cache_dir', _CACHE)
 jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.5)
 jax.config.update('jax_numpy_rank_promotion', 'raise')
-# Tracing allocates millions of short-lived objects, and a worker keeps jax's caches alive (up
-# to RELEASE_RSS_BYTES): at CPython's default thresholds (700, 10, 10) a full collection, which
-# walks every live object, came every few seconds and took 23 % of a compatibility-rows run
-# (39 of 173 s; 124 s at these thresholds). Old garbage is collected when the caches are
-# dropped (_release_compiled_programs).
-gc.set_threshold(100_000, 20, 10)
+# As every entry point (sharenet/config_lib.py, GC_THRESHOLDS): at CPython's default thresholds
+# a full collection walks a worker's every live object, jax's caches included, every few
+# seconds; it took 23 % of a compatibility-rows run (39 of 173 s; 124 s at these thresholds).
+# Old garbage is collected when the caches are dropped (_release_compiled_programs).
+from sharenet.config_lib import GC_THRESHOLDS  # noqa: E402
+
+gc.set_threshold(*GC_THRESHOLDS)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -3,6 +3,7 @@ and a library that imports none of its entry points."""
 import ast
 import dataclasses
 import glob
+import gc
 import os
 import subprocess
 import sys
@@ -88,6 +89,20 @@ def test_a_bad_override_is_one_line_with_exit_status_2(arg, message, capsys):
     config_lib.parse_flags(argv, fv)
   err = capsys.readouterr().err.splitlines()
   assert e.value.code == 2 and len(err) == 1 and err[0].startswith('error: ') and message in err[0]
+
+
+def test_entry_points_run_the_collector_at_gc_thresholds(monkeypatch):
+  """config_lib.run sets GC_THRESHOLDS before the entry point's main runs (docs/performance.md,
+  "Garbage collection")."""
+  seen = []
+  monkeypatch.setattr(config_lib.app, 'run', lambda main, **_: main(['prog']))
+  before = gc.get_threshold()
+  try:
+    gc.set_threshold(700, 10, 10)   # CPython's defaults
+    config_lib.run(lambda argv: seen.append(gc.get_threshold()))
+  finally:
+    gc.set_threshold(*before)
+  assert seen == [config_lib.GC_THRESHOLDS] and config_lib.GC_THRESHOLDS[0] > 700
 
 
 def test_train_py_typo_and_wrong_type_exit_2_in_one_line(tmp_path):
