@@ -378,8 +378,5 @@ def initial_state(cfg: Any) -> dict[str, Any]:
   from sharenet.models.sections import STATS_NORMS
   if cfg.norm.kind not in STATS_NORMS:
     return {}
-  from sharenet.models.lm import DecoderLM
-  from sharenet.norms import PER_LAYER
-  key = jax.random.key(0)
-  variables = DecoderLM(cfg).init({'params': key, PER_LAYER: key}, jnp.zeros((1, 2), jnp.int32))
-  return {NORM_STATS: variables[NORM_STATS]}
+  from sharenet.models.lm import init_collection
+  return {NORM_STATS: init_collection(cfg, NORM_STATS)}

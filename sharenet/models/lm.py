@@ -202,9 +202,18 @@ class DecoderLM(nn.Module):
 
 def init_boxed(model: DecoderLM, rng: jax.Array, batch_size: int = 1, seq_len: int = 8):
   """Trainable collections with their logical-axis boxes (use under jax.eval_shape)."""
+  return _trainable(_init_all(model, rng, batch_size, seq_len))
+
+
+def _init_all(model: DecoderLM, rng: jax.Array, batch_size: int, seq_len: int):
+  """Every collection the init creates: the trainable ones, boxed, and the state ones (a
+  statistics norm's, loss-free balancing's)."""
   k_params, k_layer = jax.random.split(rng)
   tokens = jnp.zeros((batch_size, seq_len), jnp.int32)
-  variables = model.init({'params': k_params, PER_LAYER: k_layer}, tokens)
+  return dict(model.init({'params': k_params, PER_LAYER: k_layer}, tokens))
+
+
+def _trainable(variables: dict[str, Any]) -> dict[str, Any]:
   return {c: variables[c] for c in TRAINABLE if c in variables}
 
 
@@ -218,19 +227,29 @@ def init_variables(model: DecoderLM, rng: jax.Array, batch_size: int = 1, seq_le
   return _init_trace(model.cfg, batch_size, seq_len, _aval(rng), _trace_key()).init(rng)
 
 
+def init_collection(cfg: ModelConfig, name: str) -> Any:
+  """The init's non-trainable collection `name` (norm_stats.NORM_STATS, routing.BALANCE) at
+  key 0, from the init's cached trace (no second trace of the flax modules). Inside a jit or
+  eval_shape it is part of that program; the rest of the init is dead code there."""
+  key = jax.random.key(0)
+  return _init_trace(cfg, 1, 8, _aval(key), _trace_key()).collection(key, name)
+
+
 class _InitTrace:
-  """`init_boxed` of one config as a traced program: `boxed` is its output's shapes with the
-  parameters' boxes (the role table's source); calling it evaluates the program on a key.
-  `init` is its jitted, unboxed form, `table` the role table read from the boxes.
+  """The flax init of one config as a traced program (every collection): `boxed` is its
+  output's shapes with the parameters' boxes; calling it evaluates the program on a key.
+  `init` is its jitted, unboxed trainable part, `table` the role table read from the boxes,
+  `collection(key, name)` one state collection.
   """
 
   def __init__(self, jaxpr: Any, boxed: Any):
     self.jaxpr, self.boxed = jaxpr, boxed
-    self.init = jax.jit(lambda key: nn.unbox(self(key)))
+    self.init = jax.jit(lambda key: nn.unbox(_trainable(self(key))))
+    self.collection = jax.jit(lambda key, name: self(key)[name], static_argnums=1)
 
   @functools.cached_property
   def table(self) -> dict[tuple[str, ...], params.ParamInfo]:
-    return params.table(self.boxed)
+    return params.table(_trainable(self.boxed))
 
   def __call__(self, rng: jax.Array):
     out = jax.core.eval_jaxpr(self.jaxpr.jaxpr, self.jaxpr.consts, rng)
@@ -262,8 +281,7 @@ def _init_trace(cfg: ModelConfig, batch_size: int, seq_len: int, rng: jax.ShapeD
                 context: tuple) -> _InitTrace:
   del context   # part of the cache key only
   jaxpr, boxed = jax.make_jaxpr(
-      lambda key: init_boxed(DecoderLM(cfg), key, batch_size, seq_len),
-      return_shape=True)(rng)
+      lambda key: _init_all(DecoderLM(cfg), key, batch_size, seq_len), return_shape=True)(rng)
   return _InitTrace(jaxpr, boxed)
 
 

@@ -328,11 +328,8 @@ def balance_state(cfg: ModelConfig) -> dict[str, Any]:
   non-trainable collection (zero bias at the router's path)}; {} without loss-free balancing."""
   if not cfg.loss_free:
     return {}
-  from sharenet.models.lm import DecoderLM   # the model's own tree: no path is spelled here
-  key = jax.random.key(0)
-  shapes = jax.eval_shape(lambda: DecoderLM(cfg).init(
-      {'params': key, 'per_layer': key}, jnp.zeros((1, 2), jnp.int32))[BALANCE])
-  return {BALANCE: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)}
+  from sharenet.models.lm import init_collection   # the model's own tree: no path spelled here
+  return {BALANCE: init_collection(cfg, BALANCE)}
 
 
 def update_balance(cfg: ModelConfig, balance: Any, metrics: dict[str, jax.Array]) -> Any:
