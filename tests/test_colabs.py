@@ -13,6 +13,7 @@ import pytest
 from nbclient import NotebookClient
 
 import conftest
+from sharenet.config_lib import GC_THRESHOLDS
 
 ROOT = conftest.ROOT
 NOTEBOOKS = sorted(glob.glob(os.path.join(ROOT, 'colabs', '*.ipynb')))
@@ -39,6 +40,12 @@ def test_committed_without_outputs(path):
 def test_notebook_runs(path, tmp_path, monkeypatch):
   env = conftest.make_subprocess_env()
   env.update(SHARENET_COLAB_SMALL='1', SHARENET_COLAB_WORKDIR=str(tmp_path), JAX_PLATFORMS='cpu')
+  # The kernel's collector runs at the entry points' thresholds (config_lib.GC_THRESHOLDS), set
+  # by an IPython startup file: the notebooks' cells are run as committed.
+  startup = tmp_path / 'ipython' / 'profile_default' / 'startup'
+  startup.mkdir(parents=True)
+  (startup / '00-gc.py').write_text(f'import gc\ngc.set_threshold(*{GC_THRESHOLDS})\n')
+  env['IPYTHONDIR'] = str(tmp_path / 'ipython')
   for k, v in env.items():   # the kernel is started with this process's environment
     monkeypatch.setenv(k, v)
   nb = nbformat.read(path, as_version=4)
