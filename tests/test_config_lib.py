@@ -2,8 +2,8 @@
 and a library that imports none of its entry points."""
 import ast
 import dataclasses
-import glob
 import gc
+import glob
 import os
 import subprocess
 import sys

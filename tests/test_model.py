@@ -57,6 +57,27 @@ def test_init_is_one_cached_trace_of_flax_init():
   chex.assert_trees_all_equal(wide, got)
 
 
+def test_state_collections_come_from_the_init_trace(monkeypatch):
+  """A statistics norm's initial statistics (loss-free balancing's bias takes the same path,
+  lm.init_collection) are read from the init's cached trace: flax's own values, with the flax
+  modules traced once for the role table, the abstract state and the init together."""
+  from sharenet import norm_stats, step_lib
+  from sharenet.models import param_table
+  cfg = tiny('cycle', norm={'kind': 'powernorm'})
+  param_table.cache_clear()
+  flax_init, calls = DecoderLM.init, []
+  monkeypatch.setattr(DecoderLM, 'init',
+                      lambda self, *a, **k: calls.append(1) or flax_init(self, *a, **k))
+  model, tx = DecoderLM(cfg), optax.sgd(0.1)
+  abstract = step_lib.abstract_state(model, tx)
+  state = step_lib.init_state(model, tx, jax.random.key(1))
+  assert len(calls) == 1
+  key = jax.random.key(0)
+  want = flax_init(model, {'params': key, PER_LAYER: key}, tokens(1, 2))[norm_stats.NORM_STATS]
+  chex.assert_trees_all_equal(state.tstate, {norm_stats.NORM_STATS: want})
+  chex.assert_trees_all_equal_shapes_and_dtypes(abstract.tstate, state.tstate)
+
+
 @functools.partial(jax.jit, static_argnums=0)
 def init(cfg: ModelConfig, seed: int = 0):
   return init_variables(DecoderLM(cfg), jax.random.key(seed))
