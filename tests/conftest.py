@@ -29,8 +29,8 @@ jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.5)
 jax.config.update('jax_numpy_rank_promotion', 'raise')
 # As every entry point (sharenet/config_lib.py, GC_THRESHOLDS): at CPython's default thresholds
 # a full collection walks a worker's every live object, jax's caches included, every few
-# seconds; it took 23 % of a compatibility-rows run (39 of 173 s; 124 s at these thresholds).
-# Old garbage is collected when the caches are dropped (_release_compiled_programs).
+# seconds (measured in docs/performance.md, "Garbage collection"). Old garbage is collected
+# when the caches are dropped (_release_compiled_programs).
 from sharenet.config_lib import GC_THRESHOLDS  # noqa: E402
 
 gc.set_threshold(*GC_THRESHOLDS)
