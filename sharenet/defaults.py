@@ -276,8 +276,8 @@ def default_config() -> ml_collections.ConfigDict:
                               # equivalent is wd = lr * train.weight_decay (0.1 -> 10%/step)
   p.residual_mult = 1.0       # umup tau rule: branch / embedding variance contribution
   p.residual_attn_ratio = 1.0 # umup tau rule: attention / MLP branch contribution
-  p.readout_zero_init = False
-  p.query_zero_init = False
+  p.readout_zero_init = False # readout kernel initialised at zero (TP5 D.2; any kind)
+  p.query_zero_init = False   # query kernels initialised at zero (TP5 D.2; any kind)
   p.qk_lr = 1.0               # LR multiplier on the query and key kernels (any kind and optimizer;
                               # a parameter-dependent LR as an alternative to QK-norm)
 

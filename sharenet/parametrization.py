@@ -269,15 +269,11 @@ class Parametrization:
     if k in ('mup', 'mup_table3', 'completep'):
       if role == 'hidden':
         lr = 1.0 / m                                         # Table 8 / Table 3: eta / m
-        if s.query_zero_init and info.use == 'query':
-          init = 0.0
       elif role == 'readout':
         if k == 'mup_table3':
           init, lr = self.m_d ** -0.5, 1.0 / self.m_d          # std ~ 1/d, LR eta / m (TP5 Table 3)
         else:
           init = self.m_d ** 0.5                               # std 1/sqrt(d_base) (TP5 Table 8)
-        if s.readout_zero_init:
-          init = 0.0
       elif role == 'output' or (role == 'lora' and _lora_reads_width(info)):
         # A TP5 output weight (width in, finite out): a router's rows, LoRA A
         if k == 'mup_table3':
@@ -307,6 +303,10 @@ class Parametrization:
         fwd *= mL ** -a                      # X + m_L^-alpha MHA(LN(X)), same for the MLP
     if s.loop_rule != 'none' and trunk and _is_branch_out(info) and R > 1:
       fwd *= 1.0 / R if s.loop_rule == 'inv_R' else R ** -0.5   # Wang et al., arXiv:2606.18524
+    # TP5 (arXiv:2203.03466) section D.2's zero-initialised readout and query, under any kind
+    if (s.readout_zero_init and role == 'readout'
+        or s.query_zero_init and role == 'hidden' and info.use == 'query'):
+      init = 0.0
     return init, fwd, lr, eps
 
   # ---- application ---------------------------------------------------------------------------

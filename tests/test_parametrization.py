@@ -134,6 +134,20 @@ def test_tied_embeddings_mup_rules():
     assert pz.cfg.logits_mult == D0 / d and not any('readout' in p for p in pz.rules)
 
 
+@pytest.mark.parametrize('kind', KINDS)
+def test_zero_init_options_act_under_every_kind(kind):
+  """readout_zero_init / query_zero_init zero exactly the readout and the query kernels, under
+  every kind (they were once read only by the muP branch and did nothing under sp or umup)."""
+  settings = dict(kind=kind, base_d_model=D0 // 2)
+  plain = P.Parametrization(tiny(D0).derive(parametrization=P.Settings(**settings))).rules
+  zeroed = P.Parametrization(tiny(D0).derive(parametrization=P.Settings(
+      **settings, readout_zero_init=True, query_zero_init=True))).rules
+  changed = {p for p in plain if zeroed[p] != plain[p]}
+  assert {p[-2] for p in changed} == {'readout', 'q'}
+  assert all(plain[p].init_scale != 0 and zeroed[p].init_scale == 0 for p in changed)
+  assert all(zeroed[p].lr_mult == plain[p].lr_mult for p in changed)
+
+
 def test_init_statistics_follow_the_table():
   """Empirical std of the rescaled init matches init_std (hidden ~ fan_in^-1/2, readout const)."""
   for d in (32, 128):
@@ -335,6 +349,8 @@ def test_multipliers_and_first_update_same_on_1_and_8_devices(subprocess_env):
          r'parametrization.kind=.*valid: sp, mup, mup_table3, umup, completep'),
         (dict(kind='mup', loop_rule='1/R'), {}, r'loop_rule=.*valid: none, inv_R, inv_sqrt_R'),
         (dict(kind='umup'), dict(tie_embeddings=True), r'valid with model.tie_embeddings=True'),
+        (dict(kind='sp', readout_zero_init=True), dict(tie_embeddings=True),
+         r'readout_zero_init: model.tie_embeddings=True stores no readout.*valid: '),
         # An explicit plan applying its sets unequally often ('0,1,1,0' applies both twice: fine).
         (dict(kind='mup', loop_rule='inv_R'),
          dict(sharing=dict(scheme='explicit', repeats=0, pattern='0,1,1,1')),

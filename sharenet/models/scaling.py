@@ -121,6 +121,10 @@ def check(cfg: Any) -> None:
     raise ConfigError('parametrization.loop_rule scales the output kernels of a set applied R '
                       'times, and MASA atoms serve every set; valid: loop_rule=none with '
                       'model.masa.atoms > 0')
+  if s.readout_zero_init and cfg.tie_embeddings:
+    raise ConfigError('parametrization.readout_zero_init: model.tie_embeddings=True stores no '
+                      'readout of its own (zeroing the shared table would zero the inputs); '
+                      'valid: tie_embeddings=False')
   if s.query_zero_init and cfg.attention_sharing in ('qk_shared', 'qkv_shared'):
     raise ConfigError(f'parametrization.query_zero_init: under model.attention_sharing='
                       f'{cfg.attention_sharing} the queries are the keys; valid: '
