@@ -194,10 +194,15 @@ def _features() -> tuple[Feature, ...]:
       _setting('flat', 'lowering', 'model.scan_lowering', 'flat'),
       _setting('python_loop', 'lowering', 'model.scan_layers', False,
                refuses=(('lora', per_layer), ('untie_norms', per_layer))),
-      Feature('lora', 'lora', ((s + 'lora_rank', 2),),   # depth-wise: not as lora_experts' rank
-              lambda c: _get(c, s + 'lora_rank') > 0 and not _get(c, mo + 'lora_experts'),
-              (('kv_shared', NO_V), ('qkv_shared', NO_V), ('qk_shared', NO_Q),
-               ('umup', 'u-muP defines no rule for depth-wise LoRA factors'))),
+      # depth-wise: not as lora_experts' rank; lora_all (RRT's LoRA on every applied layer,
+      # model.sharing.lora_layers=all) refuses what lora refuses (_lora_all), untied aside
+      *[Feature(name, 'lora', ((s + 'lora_rank', 2),) + extra,
+                lambda c, layers=layers: _get(c, s + 'lora_rank') > 0 and not _get(
+                    c, mo + 'lora_experts') and (_get(c, s + 'lora_layers') == 'all') == layers,
+                (('kv_shared', NO_V), ('qkv_shared', NO_V), ('qk_shared', NO_Q),
+                 ('umup', 'u-muP defines no rule for depth-wise LoRA factors')))
+        for name, extra, layers in (('lora', (), False),
+                                    ('lora_all', ((s + 'lora_layers', 'all'),), True))],
       _setting('untie_norms', 'untie_norms', s + 'untie_norms', True),
       Feature('masa', 'masa', (('model.masa.atoms', 2),),
               lambda c: _get(c, 'model.masa.atoms') > 0,
@@ -308,15 +313,60 @@ def _features() -> tuple[Feature, ...]:
                        ('model.rope_scaling.original_max_len', 16)),
               _setting('rope_linear', 'rope_scaling', 'model.rope_scaling.kind', 'linear',
                        ('model.rope_scaling.factor', 2.0))]
+  # Model and parametrization options without an axis above. Each refusal here is the one the
+  # model's or the parametrization's own validation raises too (models/config.py, scaling.py).
+  tied_roles = 'one tensor cannot carry the embedding\'s and the readout\'s rules'
+  rope_only = 'RoPE scaling scales RoPE, which this position kind does not use'
+  no_mults = 'AdamP has no per-leaf multipliers yet (valid with it: qk_lr=1, wd_mode=auto)'
+  qk_v = 'the key kernel is the value projection too here, so its LR multiplier would move ' \
+      'the values\' LR as well'
+  queries_are_keys = 'qk_shared / qkv_shared make the queries the keys'
+  options = [
+      # tied without model.center_embedding (which zero_mean_writers takes with a tied table)
+      Feature('tie_embeddings', 'tie_embeddings', (('model.tie_embeddings', True),),
+              lambda c: _get(c, 'model.tie_embeddings') and not _get(c, 'model.center_embedding'),
+              (('mup_table3', tied_roles), ('umup', tied_roles),
+               ('zero_mean_writers', 'zero-mean writers would recentre the tied readout too '
+                                     '(model.center_embedding=True recentres the inputs only)'))),
+      Feature('gqa', 'kv_heads', (('model.num_kv_heads', 1),),
+              lambda c: _get(c, 'model.num_kv_heads') not in (0, _get(c, 'model.num_heads')),
+              tuple((m, queries_are_keys + ', so they need as many kv heads as heads')
+                    for m in ('qk_shared', 'qkv_shared'))),
+      *[_setting(name, 'position', 'model.position', kind,
+                 refuses=(('rope_llama3', rope_only), ('rope_linear', rope_only)))
+        for name, kind in (('learned_positions', 'learned'), ('no_positions', 'none'))],
+      _setting('gelu', 'mlp', 'model.mlp', 'gelu'),
+      _setting('fixnorm', 'fixnorm', 'model.norm.fixnorm', True),
+      Feature('qk_lr', 'qk_lr', (('parametrization.qk_lr', 4.0),),
+              lambda c: _get(c, 'parametrization.qk_lr') != 1.0,
+              (('kv_shared', qk_v), ('qkv_shared', qk_v), ('adamp', no_mults))),
+      _setting('wd_independent', 'wd_mode', 'parametrization.wd_mode', 'independent',
+               refuses=(('adamp', no_mults),)),
+      _setting('readout_zero_init', 'readout_zero_init', 'parametrization.readout_zero_init',
+               True, refuses=(('tie_embeddings', 'tied embeddings store no readout of their own '
+                                                 '(zeroing the table would zero the inputs)'),)),
+      _setting('query_zero_init', 'query_zero_init', 'parametrization.query_zero_init', True,
+               refuses=tuple((m, queries_are_keys) for m in ('qk_shared', 'qkv_shared')))]
   # test_time_depth: evaluation and cached generation at another number of loops
   # (sharenet/depth.py); loop_inference serves the exit criteria and sampling
   # (sharenet/exits.py, sharenet/recursive_inference.py).
   actions = [Feature('generation', 'generation', (), lambda c: False, action=True),
              Feature('loop_inference', 'loop_inference', (), lambda c: False, action=True),
              Feature('test_time_depth', 'test_time_depth', (), lambda c: False, action=True)]
-  return tuple(schemes + routers + recurrent + kv + experts + structure + attention + norms +
+  return _lora_all(schemes + routers + recurrent + kv + experts + structure + attention + norms +
                placements + qk + pzs + loop_rules + reparams + projections + updates + optimizers +
-               remats + numerics + imported + actions)
+               remats + numerics + imported + options + actions)
+
+
+def _lora_all(features: list[Feature]) -> tuple[Feature, ...]:
+  """The table, where a feature refusing depth-wise LoRA on the shared layers ('lora') refuses
+  it on every layer ('lora_all') for the same reason; untied, which shares no layer, takes it."""
+  out = []
+  for f in features:
+    extra = tuple(('lora_all', why) for other, why in f.refuses
+                  if other == 'lora' and f.name != 'untied')
+    out.append(dataclasses.replace(f, refuses=f.refuses + extra) if extra else f)
+  return tuple(out)
 
 
 FEATURES = _features()
