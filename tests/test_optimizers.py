@@ -57,6 +57,27 @@ def test_muon_rms_scale_is_moonlights_factor_on_optax_muon():
                                atol=1e-6)
 
 
+@pytest.mark.parametrize('scale, slope', [('shape', 0.0), ('rms', 0.5)])
+def test_muon_sp_step_moves_outputs_at_its_first_order_width_slope(scale, slope):
+  """docs/optimizers.md's reading of Muon's coordinate check: under SP (one LR at every width)
+  the first step of a square kernel moves each output coordinate of the batch that made the
+  gradient by ~lr under scale=shape (width slope 0) and ~0.2 lr sqrt(width) under scale=rms
+  (slope 0.5). So Muon's SP cannot grow faster than 0.5 per width doubling at first order
+  (a coordinate check's "> 0.5" needs higher-order terms)."""
+  widths, moves = (64, 128, 256), []
+  for n in widths:
+    k1, k2 = jax.random.split(jax.random.key(n))
+    x_TD = jax.random.normal(k1, (512, n))     # the batch's inputs, rms 1
+    dy_TD = jax.random.normal(k2, (512, n))    # the output cotangents
+    table = _table(w=(('embed', 'mlp'), (n, n), 1))
+    grads = {'params': {'w': x_TD.T @ dy_TD}}
+    tx = optim.make_chain(_train(optimizer='muon', lr=1e-2, muon=dict(scale=scale)), table=table)
+    update = _run(tx, [grads], {'params': {'w': jnp.zeros((n, n))}})[0]['params']['w']
+    moves.append(float(jnp.sqrt(jnp.mean((x_TD @ update) ** 2))))
+  measured = np.polyfit(np.log(widths), np.log(moves), 1)[0]
+  assert abs(measured - slope) < 0.05, (scale, measured, moves)
+
+
 def test_muon_on_stacked_kernel_is_per_set_on_its_matrix_view():
   """A (layers, embed, heads, head_dim) kernel: Muon per stored set on (embed, heads*head_dim)."""
   shape = (2, 8, 2, 4)
