@@ -33,6 +33,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from sharenet import linalg
+
 # (stack_shape, fan_in, fan_out) of a leaf's matrix view, or None for a leaf this never sees.
 MatrixDims = tuple[tuple[int, ...], int, int]
 
@@ -86,7 +88,7 @@ def inverse_root(stat_NDD: jax.Array, eps: float, p: int = 4) -> jax.Array:
   """(S + eps I)^(-1/p) of symmetric PSD blocks, by eigendecomposition in float32."""
   stat_NDD = stat_NDD.astype(jnp.float32)
   eye = jnp.eye(stat_NDD.shape[-1], dtype=jnp.float32)
-  w_ND, v_NDD = jnp.linalg.eigh(stat_NDD + eps * eye[None])
+  w_ND, v_NDD = linalg.per_matrix(jnp.linalg.eigh, stat_NDD + eps * eye[None])
   w_ND = jnp.maximum(w_ND, eps) ** (-1.0 / p)
   return jnp.einsum('nij,nj,nkj->nik', v_NDD, w_ND, v_NDD)
 

@@ -175,6 +175,31 @@ def test_shampoo_blocks_are_independent_and_padded():
                                  atol=1e-6)
 
 
+def test_shampoo_roots_take_one_matrix_per_lapack_call_on_the_cpu():
+  """sharenet/linalg.py: jaxlib 0.10's batched CPU eigh blocks an XLA pool thread on its batch,
+  so two at once deadlock a 2-thread pool (a Shampoo step at width 128 hung in about half of
+  the runs). Shampoo's update, lowered for the CPU, calls LAPACK's eigh on one matrix at a time
+  (no batch dimension), for the left (3 x 3) and right (4 x 4) roots of a 3-block leaf, and the
+  values equal the batched call's bit for bit."""
+  import re
+  from sharenet import linalg
+  shape = (3, 10)
+  table = _table(w=(('embed', 'mlp'), shape, 1))
+  tx = optim.make_chain(_train(optimizer='shampoo', shampoo=dict(block_size=4, update_every=1)),
+                        table=table)
+  p = {'params': {'w': jnp.zeros(shape)}}
+  g = {'params': {'w': jax.random.normal(jax.random.key(0), shape)}}
+  hlo = jax.jit(tx.update).lower(g, tx.init(p), p).as_text()
+  calls = re.findall(r'custom_call @lapack_\w*syevd\w*\(.*num_batch_dims = "(\d+)"', hlo)
+  assert len(calls) == 2 and set(calls) == {'0'}, calls   # left and right, inside lax.map
+  x = jax.random.normal(jax.random.key(1), (6, 4, 4))
+  x = x @ jnp.swapaxes(x, 1, 2)
+  for ours, batched in zip(linalg.per_matrix(jnp.linalg.eigh, x), jnp.linalg.eigh(x)):
+    np.testing.assert_array_equal(ours, batched)
+  assert '"1"' in re.findall(r'num_batch_dims = ("\d+")', jax.jit(jnp.linalg.eigh).lower(
+      x).as_text())                                           # what the batched call lowers to
+
+
 def test_shampoo_update_every_keeps_roots():
   """update_every=2: the step-2 direction uses the step-1 roots (differs from every step)."""
   shape = (4, 5)

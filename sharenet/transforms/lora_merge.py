@@ -17,6 +17,7 @@ are per applied layer.
 """
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -24,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax.traverse_util import flatten_dict, unflatten_dict
 
+from sharenet import linalg
 from sharenet.errors import require
 from sharenet.models import DecoderLM, ModelConfig, init_variables, layout, param_table
 from sharenet.params import PER_LAYER
@@ -82,7 +84,8 @@ def _merged_layers(cfg: ModelConfig, variables: Any, w_LN: jax.Array) -> dict[Pa
     a = a_LN.reshape(L, N, -1, r).astype(jnp.promote_types(a_LN.dtype, jnp.float32))
     b = b_LN.reshape(L, N, r, -1).astype(a.dtype)
     delta_LIO = jnp.einsum('ln,lnir,lnro->lio', w_LN.astype(a.dtype), a, b)
-    u, s, vt = jnp.linalg.svd(delta_LIO, full_matrices=False)
+    u, s, vt = linalg.per_matrix(functools.partial(jnp.linalg.svd, full_matrices=False),
+                                 delta_LIO)
     k = min(r, s.shape[-1])
     lora_a = jnp.zeros(delta_LIO.shape[:2] + (r,), a.dtype).at[..., :k].set(u[..., :k])
     lora_b = jnp.zeros((L, r, delta_LIO.shape[2]), a.dtype).at[:, :k].set(

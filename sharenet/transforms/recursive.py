@@ -20,6 +20,7 @@ CLI and what it writes: transforms/convert.py's docstring.
 """
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -27,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax.traverse_util import flatten_dict, unflatten_dict
 
-from sharenet import sharing
+from sharenet import linalg, sharing
 from sharenet.errors import require
 from sharenet.models import DecoderLM, ModelConfig, init_variables, layout, param_table
 from sharenet.models.sections import LORA_LAYERS
@@ -142,7 +143,7 @@ def svd_lora(src: dict, sets: dict, index: tuple, cfg: ModelConfig) -> dict:
     n_in = kinfo.num_in
     in_shape, out_shape = w_src.shape[1:1 + n_in], w_src.shape[1 + n_in:]
     res = (w_src - w_tied).reshape(len(index), int(np.prod(in_shape)), -1)
-    u, s, vt = jnp.linalg.svd(res, full_matrices=False)
+    u, s, vt = linalg.per_matrix(functools.partial(jnp.linalg.svd, full_matrices=False), res)
     k = min(r, s.shape[-1])
     a = jnp.zeros(res.shape[:2] + (r,), res.dtype).at[..., :k].set(u[..., :k])
     b = jnp.zeros((len(index), r, res.shape[2]), res.dtype).at[:, :k].set(
