@@ -31,6 +31,28 @@ def test_coord_check_mup_flat_sp_grows():
 
 
 @pytest.mark.slow
+def test_muon_rms_change_from_init_grows_under_sp_only():
+  """Muon with Moonlight's RMS scale (train.muon.scale=rms), study.statistic=delta, widths
+  32-128 (1 layer, 4 steps at LR 1e-2): each step moves a hidden kernel's outputs by
+  ~0.2 lr sqrt(fan_in) per coordinate under SP, so mean|x_t - x_0| of the residual stream,
+  attention and MLP outputs grows with width (first-order slope 0.5; measured 2026-12-06:
+  0.41, 0.53, 0.39), while Muon's muP divides that growth out (-0.03, 0.05, -0.06 at t = 1).
+  The 64-256 check is docs/results/mup/muon/rms/coord_check/delta/."""
+  c = cc_config.get_config()
+  c.model.num_layers, c.train.batch_size, c.train.seq_len = 1, 4, 16
+  c.train.optimizer, c.train.muon.scale = 'muon', 'rms'
+  s = c.study
+  s.steps, s.seeds, s.width_values, s.width_variants = 4, 1, '32,64,128', 'sp,mup'
+  s.statistic = 'delta'
+  res = coord_check.run_axis(c, 'width', log=lambda m: None)
+  worst = coord_check.summary(res)
+  for a in ('residual', 'attn_out', 'mlp_out'):
+    assert worst['sp'][a] > 0.3 and worst['mup'][a] < 0.12, (a, worst)
+  assert np.isnan(res['variants']['sp']['slopes']['residual'][0])   # 0 at init: no slope
+  assert res['statistic'] == 'delta' and 'l1' not in res['variants']['sp']
+
+
+@pytest.mark.slow
 def test_coord_check_runs_the_train_step():
   """With a stateful reparam and grad_accum=2 the check's losses are those of the loop's step
   on the same fixed batch, and it records every activation once per step."""
@@ -98,3 +120,74 @@ def test_steps_table_has_a_row_per_variant_and_activation():
                   '| sp | attn_out | +0.00 | +0.10 | +0.20 |',
                   '| sp | mlp_out | +0.10 | +0.30 | +0.60 |',
                   '| mup | residual | +0.00 | +0.01 | -0.02 |']
+
+
+def _tiny(**overrides):
+  """configs/mup/coord_check.py at width 32, 2 layers, batch 2 x 8, with `overrides`."""
+  c = cc_config.get_config()
+  c.train.batch_size, c.train.seq_len = 2, 8
+  return common.with_overrides(c, {'model.d_model': 32, 'model.mlp_dim': 96, **overrides})
+
+
+def test_delta_is_the_change_of_each_activation_from_init():
+  """study.statistic=delta: mean|x_t - x_0| of the logits equals the same mean of a plain
+  forward of the model at init and after t train-loop steps (muP: forward multipliers in
+  play); the t = 0 values are 0, and the scalars' order of uses is the l1 statistic's."""
+  c = _tiny(**{'parametrization.kind': 'mup', 'parametrization.base_d_model': 16})
+  toks = common.fixed_batch(c.data, c.train.batch_size, c.train.seq_len)
+  runs, losses = coord_check.trajectories(c, 2, 1, toks, 'delta')
+  l1_runs, l1_losses = coord_check.trajectories(c, 2, 1, toks, 'l1')
+  np.testing.assert_array_equal(losses, l1_losses)          # the same training either way
+  exp = train_lib.setup(c, config_lib.validate(c))
+  state = train_lib.init_state(exp.model, exp.tx, jax.random.key(c.train.seed), tr=exp.tr,
+                               pz=exp.pz)
+  step = jax.jit(train_lib.make_train_step(exp))
+  logits = []
+  for _ in range(3):
+    v = train_lib.effective_params(state, exp.tr, exp.pz)
+    logits.append(np.asarray(exp.model.apply(v, jnp.asarray(toks[:, :-1])), np.float64))
+    state, _ = step(state, jnp.asarray(toks))
+  for t in range(3):
+    want = np.mean(np.abs(logits[t] - logits[0]))
+    np.testing.assert_allclose(runs[0][t]['logits'], [want], rtol=1e-4, atol=1e-7)
+    assert set(runs[0][t]) == set(l1_runs[0][t])
+    for name, vals in runs[0][t].items():
+      assert vals.shape == l1_runs[0][t][name].shape, name   # one value per use, as l1
+  assert runs[0][2]['logits'][0] > 0 and np.all(runs[0][0]['residual'] == 0)
+
+
+def test_sown_activations_match_their_scalars_use_by_use():
+  """Inside layers.sow_activations() every sown scalar has its activation beside it: mean|x| of
+  each use's row equals the scalar sown for that use (masked attention logits included), on a
+  cycle plan whose shared block is applied twice. Outside the context only scalars are sown."""
+  from sharenet.models.layers import sow_activations
+  from sharenet.models.layers import INTERMEDIATES
+  c = _tiny(**{'model.num_layers': 4, 'model.sharing.scheme': 'cycle',
+               'model.sharing.num_unique': 2, 'model.sharing.repeats': 0})
+  toks = jnp.asarray(common.fixed_batch(c.data, c.train.batch_size, c.train.seq_len))
+  exp = train_lib.setup(c, config_lib.validate(c))
+  state = train_lib.init_state(exp.model, exp.tx, jax.random.key(0), tr=exp.tr, pz=exp.pz)
+  plain = train_lib.make_train_step(exp, mutable=[INTERMEDIATES])
+  assert coord_check._activations(jax.jit(plain)(state, toks)[1][INTERMEDIATES]) == {}
+  with sow_activations():
+    inter = jax.jit(train_lib.make_train_step(exp, mutable=[INTERMEDIATES]))(state, toks)[1][
+        INTERMEDIATES]
+  acts = coord_check._activations(inter)
+  scalars = coord_check._flatten(inter)
+  from_acts = coord_check._by_name({p: np.nanmean(np.abs(a), axis=1) for p, a in acts.items()})
+  assert set(from_acts) == set(scalars) and len(scalars['residual']) == 4
+  assert np.isnan(acts[next(p for p in acts if p[-1] == 'attn_logits')]).any()   # causal mask
+  for name, vals in scalars.items():
+    np.testing.assert_allclose(from_acts[name], vals, rtol=2e-5, err_msg=name)
+
+
+def test_statistic_bad_input_is_one_line():
+  """An unknown study.statistic, or delta with micro-batches, is one ConfigError naming the
+  valid choices."""
+  from sharenet.errors import ConfigError
+  c = _tiny(**{'study.statistic': 'l2'})
+  with pytest.raises(ConfigError, match=r"study.statistic: unknown 'l2'; valid: l1, delta"):
+    coord_check.run_axis(c, 'width')
+  c = _tiny(**{'study.statistic': 'delta', 'train.grad_accum': 2})
+  with pytest.raises(ConfigError, match=r'valid: train.grad_accum=1 \(got 2\)'):
+    coord_check.run_axis(c, 'width')

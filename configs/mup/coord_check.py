@@ -29,6 +29,8 @@ def get_config() -> ml_collections.ConfigDict:
   c.study = s = ml_collections.ConfigDict()
   s.axes = 'width,repeats,depth'
   s.steps = 4                 # updates; mean|x| is recorded at t = 0 (init) .. steps
+  s.statistic = 'l1'          # l1: mean|x|; delta: mean|x - x0|, the change from init
+                              # (sharenet/studies/coord_check.py, docs/parametrizations.md)
   s.seeds = 2
   s.mlp_ratio = 3.0           # mlp_dim = ratio * d_model at every point
   s.fixed_width = 128         # d_model for the repeats / depth sweeps

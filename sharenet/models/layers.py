@@ -1,8 +1,9 @@
 """Dense (with optional depth-wise LoRA), embedding and rotary positions."""
 from __future__ import annotations
 
+import contextlib
 import math
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import flax.linen as nn
 import jax
@@ -16,6 +17,21 @@ from sharenet.params import PER_LAYER, param
 
 
 INTERMEDIATES = 'intermediates'
+ACTIVATION_SUFFIX = '#x'   # sow_l1's name for the activation itself, inside sow_activations()
+_SOW_ACTIVATIONS: list[bool] = []
+
+
+@contextlib.contextmanager
+def sow_activations() -> Iterator[None]:
+  """A function traced inside this context has sow_l1 sow each activation itself too, as
+  '<name>#x' (float32, entries outside the mask NaN), beside its mean|x|: what the coordinate
+  check's change-from-init statistic reads (study.statistic=delta). It is read at trace time, as
+  flax reads capture_intermediates, so a function traced outside it sows the scalars only."""
+  _SOW_ACTIVATIONS.append(True)
+  try:
+    yield
+  finally:
+    _SOW_ACTIVATIONS.pop()
 
 
 def sow_l1(module: nn.Module, name: str, x: jax.Array, mask: jax.Array | None = None) -> None:
@@ -23,7 +39,8 @@ def sow_l1(module: nn.Module, name: str, x: jax.Array, mask: jax.Array | None = 
 
   The statistic is microsoft/mup's coord-check 'l1'. Nothing is
   computed unless the caller made 'intermediates' mutable; inside nn.scan the value is stacked
-  per iteration, so every use of a shared block is recorded.
+  per iteration, so every use of a shared block is recorded. Inside sow_activations() the
+  activation itself is sown too.
   """
   if not module.is_mutable_collection(INTERMEDIATES):
     return
@@ -34,6 +51,10 @@ def sow_l1(module: nn.Module, name: str, x: jax.Array, mask: jax.Array | None = 
     m = jnp.broadcast_to(mask, a.shape)
     stat = jnp.sum(jnp.where(m, a, 0.0)) / jnp.sum(m)
   module.sow(INTERMEDIATES, name, stat)
+  if _SOW_ACTIVATIONS:
+    full = x.astype(jnp.float32)
+    module.sow(INTERMEDIATES, name + ACTIVATION_SUFFIX,
+               full if mask is None else jnp.where(m, full, jnp.nan))
 
 
 def low_precision(dtype: jnp.dtype) -> bool:

@@ -1,19 +1,29 @@
-"""Coordinate check: mean|x| of every sown activation against width, loop count R or depth.
+"""Coordinate check: a statistic of every sown activation against width, loop count R or depth.
 
   python -m sharenet.studies.coord_check --config configs/mup/coord_check.py --out DIR
 
 Protocol (TP5, arXiv:2203.03466, as microsoft/mup `get_coord_data` runs it): a fixed batch reused
-every step, Adam at a deliberately large LR, no clipping or decay; the statistic is mean|x|
-('l1') of each activation, recorded in the forward pass *before* each update (t=0 is init).
-The step is the train loop's (train_lib.train_step with the config's transforms and grad_accum).
-Shared blocks record every use (one value per loop iteration). Writes DIR/coord_check.json
-(per axis, variant, activation and step: the slope of log mean|x| against log x, plus the raw
-values), DIR/coord_check.md (the largest |slope| over steps >= 1), DIR/coord_check_steps.md
-(the slope at each step of the residual stream, attention and MLP outputs) and
-DIR/coord_check_{axis}.png (rows: variants, columns: steps).
+every step, Adam at a deliberately large LR, no clipping or decay, each activation recorded in the
+forward pass *before* each update (t=0 is init). The step is the train loop's
+(train_lib.train_step with the config's transforms and grad_accum). Shared blocks record every use
+(one value per loop iteration). `study.statistic` picks what is recorded:
+
+- `l1` (default): mean|x_t|, microsoft/mup's 'l1'. Its size at init is Theta(1) in every
+  parametrization, so it shows a step only once the steps outweigh the init.
+- `delta`: mean|x_t - x_0|, the change of each coordinate from its value at init on the same batch
+  (entries a mask leaves out are skipped). This is the quantity the spectral condition for feature
+  learning constrains (Yang, Simon & Bernstein, arXiv:2310.17813, Desideratum 1:
+  ||Delta h||_2 = Theta(sqrt(n)), i.e. mean|Delta h| = Theta(1)); it reads a step's width
+  scaling from t = 1 on, whatever the init's size. It is 0 at t = 0 (slope undefined there).
+
+Writes DIR/coord_check.json (per axis, variant, activation and step: the slope of log statistic
+against log x, plus the raw values), DIR/coord_check.md (the largest |slope| over steps >= 1),
+DIR/coord_check_steps.md (the slope at each step of the residual stream, attention and MLP outputs)
+and DIR/coord_check_{axis}.png (rows: variants, columns: steps).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import time
@@ -25,60 +35,112 @@ import numpy as np
 from flax.traverse_util import flatten_dict
 
 from sharenet import config_lib, train_lib
-from sharenet.models.layers import INTERMEDIATES
+from sharenet.errors import ConfigError
+from sharenet.models.layers import ACTIVATION_SUFFIX, INTERMEDIATES, sow_activations
 from sharenet.studies import common
 
 # Activations whose flatness the muP criterion covers.
 CORE = ('embed_out', 'residual', 'attn_out', 'mlp_hidden', 'mlp_out')
+# study.statistic -> what it records of each activation x at step t (the module docstring).
+STATISTICS = {'l1': 'mean|x|', 'delta': 'mean|x - x0|'}
 
 
-def trajectories(config: Any, steps: int, seeds: int, tokens_BT1: np.ndarray
-                 ) -> tuple[list[list[dict[str, np.ndarray]]], np.ndarray]:
-  """Per seed and step t = 0..steps: the sown mean|x| per activation and use (`_flatten`) in the
-  forward pass of the train loop's step (train_lib.train_step) on the fixed batch, and its loss
-  (seeds, steps + 1)."""
+def check_statistic(config: Any) -> str:
+  """config.study.statistic, or one ConfigError line naming the valid choices."""
+  stat = config.study.get('statistic', 'l1')
+  if stat not in STATISTICS:
+    raise ConfigError(f'study.statistic: unknown {stat!r}; valid: {", ".join(STATISTICS)}')
+  if stat == 'delta' and config.train.grad_accum != 1:
+    raise ConfigError(f'study.statistic=delta compares each activation with its value at init, '
+                      f'which micro-batches would average away; valid: train.grad_accum=1 '
+                      f'(got {config.train.grad_accum}) or study.statistic=l1')
+  return stat
+
+
+def trajectories(config: Any, steps: int, seeds: int, tokens_BT1: np.ndarray,
+                 statistic: str = 'l1') -> tuple[list[list[dict[str, np.ndarray]]], np.ndarray]:
+  """Per seed and step t = 0..steps: the statistic (`STATISTICS`) of each sown activation per use
+  (`_flatten`) in the forward pass of the train loop's step (train_lib.train_step) on the fixed
+  batch, and its loss (seeds, steps + 1). Under 'delta' the step is traced inside
+  layers.sow_activations(), and each activation is compared with its value at t = 0 of the same
+  seed."""
   exp = train_lib.setup(config, config_lib.validate(config))
   step = jax.jit(train_lib.make_train_step(exp, config.train.grad_accum, mutable=[INTERMEDIATES]))
   init = jax.jit(functools.partial(train_lib.init_state, exp.model, exp.tx, tr=exp.tr, pz=exp.pz))
   toks = jnp.asarray(tokens_BT1)
+  delta = statistic == 'delta'
   runs, losses = [], []
-  for seed in range(seeds):
-    state = init(jax.random.key(config.train.seed + seed))
-    per_step, loss = [], []
-    for _ in range(steps + 1):
-      state, metrics = step(state, toks)
-      per_step.append(_flatten(metrics[INTERMEDIATES]))
-      loss.append(float(metrics['loss']))
-    runs.append(per_step)
-    losses.append(loss)
+  with sow_activations() if delta else contextlib.nullcontext():
+    for seed in range(seeds):
+      state = init(jax.random.key(config.train.seed + seed))
+      per_step, loss, x0 = [], [], None
+      for _ in range(steps + 1):
+        state, metrics = step(state, toks)
+        inter = metrics[INTERMEDIATES]
+        if delta:
+          x = _activations(inter)
+          x0 = x if x0 is None else x0
+          per_step.append(_by_name({p: np.nanmean(np.abs(a - x0[p]), axis=1)
+                                    for p, a in x.items()}))
+        else:
+          per_step.append(_flatten(inter))
+        loss.append(float(metrics['loss']))
+      runs.append(per_step)
+      losses.append(loss)
   return runs, np.asarray(losses)
 
 
 def measure(config: Any, overrides: dict[str, Any], steps: int, seeds: int,
-            tokens_BT1: np.ndarray) -> dict[str, list[list[float]]]:
-  """{activation: [[mean|x| per use] for t in 0..steps]} averaged over seeds, for one model."""
-  runs, _ = trajectories(common.with_overrides(config, overrides), steps, seeds, tokens_BT1)
+            tokens_BT1: np.ndarray, statistic: str = 'l1') -> dict[str, list[list[float]]]:
+  """{activation: [[statistic per use] for t in 0..steps]} averaged over seeds, for one model."""
+  runs, _ = trajectories(common.with_overrides(config, overrides), steps, seeds, tokens_BT1,
+                         statistic)
   names = runs[0][0].keys()
   return {n: [np.mean([r[t][n] for r in runs], axis=0).tolist() for t in range(steps + 1)]
           for n in names}
 
 
+def _uses(value: Any) -> tuple:
+  """A sown value's entries: a tuple, one per sow call (each stacked over scanned uses)."""
+  return value if isinstance(value, tuple) else (value,)
+
+
 def _flatten(inter: Any) -> dict[str, np.ndarray]:
   """Sown scalars -> {activation name: values per use in applied order}."""
+  return _by_name({p: v for p, v in flatten_dict(inter).items()
+                   if not p[-1].endswith(ACTIVATION_SUFFIX)})
+
+
+def _by_name(flat: dict[tuple[str, ...], Any]) -> dict[str, np.ndarray]:
+  """{sown path: values} -> {activation name: values per use, in path order}."""
   out: dict[str, list] = {}
-  for path, value in sorted(flatten_dict(inter).items()):
-    arr = np.asarray(value[0] if isinstance(value, tuple) else value, np.float64).ravel()
-    out.setdefault(path[-1], []).extend(arr.tolist())
+  for path, value in sorted(flat.items()):
+    for entry in _uses(value):
+      out.setdefault(path[-1], []).extend(np.asarray(entry, np.float64).ravel().tolist())
   out['residual_final'] = out['residual'][-1:]
   return {k: np.asarray(v) for k, v in out.items()}
+
+
+def _activations(inter: Any) -> dict[tuple[str, ...], np.ndarray]:
+  """The activations sown inside layers.sow_activations(), keyed by their scalar's path:
+  (uses, entries) float32, one row per value `_flatten` lists for that path."""
+  flat = flatten_dict(inter)
+  out = {}
+  for path, value in flat.items():
+    if path[-1].endswith(ACTIVATION_SUFFIX):
+      scalar = path[:-1] + (path[-1][:-len(ACTIVATION_SUFFIX)],)
+      out[scalar] = np.concatenate([np.asarray(a, np.float32).reshape(np.size(s), -1)
+                                    for s, a in zip(_uses(flat[scalar]), _uses(value))])
+  return out
 
 
 def run_axis(config: Any, axis: str, log=print) -> dict[str, Any]:
   """Sweeps one axis ('width' | 'repeats' | 'depth') for every variant of that axis."""
   s = config.study
+  stat = check_statistic(config)
   xs = common.parse_list(s[f'{axis}_values'])
   tokens = common.fixed_batch(config.data, config.train.batch_size, config.train.seq_len)
-  out: dict[str, Any] = {'xs': xs, 'variants': {}}
+  out: dict[str, Any] = {'xs': xs, 'statistic': stat, 'variants': {}}
   for spec in common.parse_list(s[f'{axis}_variants'], str):
     name, settings = common.parse_variant(spec)
     lr = settings.pop('lr', config.train.lr)
@@ -89,14 +151,24 @@ def run_axis(config: Any, axis: str, log=print) -> dict[str, Any]:
     for x in xs:
       t0 = time.perf_counter()
       values[x] = measure(config, {**base, **common.point_overrides(axis, x, s)}, s.steps, s.seeds,
-                          tokens)
+                          tokens, stat)
       log(f'coord_check {axis} {name} x={x}: {time.perf_counter() - t0:.1f}s')
     acts = values[xs[0]].keys()
     slopes = {a: [common.loglog_slope(xs, [np.mean(values[x][a][t]) for x in xs])
                   for t in range(s.steps + 1)] for a in acts}
     out['variants'][name] = {'lr': lr, 'slopes': slopes,
-                             'l1': {str(x): v for x, v in values.items()}}
+                             stat: {str(x): v for x, v in values.items()}}
   return out
+
+
+def statistic_of(result: dict[str, Any]) -> str:
+  """The statistic an axis' result holds (results written before study.statistic: 'l1')."""
+  return result.get('statistic', 'l1')
+
+
+def values_of(result: dict[str, Any], variant: str) -> dict[str, dict[str, list]]:
+  """{str(x): {activation: [values per use] per step}} of one variant of an axis' result."""
+  return result['variants'][variant][statistic_of(result)]
 
 
 def summary(result: dict[str, Any], t_min: int = 1) -> dict[str, dict[str, float]]:
@@ -106,27 +178,30 @@ def summary(result: dict[str, Any], t_min: int = 1) -> dict[str, dict[str, float
 
 
 def plot(result: dict[str, Any], axis: str, path: str) -> None:
-  """Grid: one row per variant, one column per step; log-log mean|x| against the axis."""
+  """Grid: one row per variant, one column per step; log-log statistic against the axis."""
   import matplotlib
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt
   variants = list(result['variants'])
   steps = len(next(iter(result['variants'].values()))['slopes']['residual'])
+  first = 1 if statistic_of(result) == 'delta' else 0   # the change is 0 at t = 0
   xs = result['xs']
   colors = plt.get_cmap('tab20')
-  fig, axes = plt.subplots(len(variants), steps, figsize=(3.2 * steps, 2.8 * len(variants)),
-                           squeeze=False, sharex=True)
+  fig, axes = plt.subplots(len(variants), steps - first,
+                           figsize=(3.2 * (steps - first), 2.8 * len(variants)), squeeze=False,
+                           sharex=True)
   for i, v in enumerate(variants):
     r = result['variants'][v]
-    for t in range(steps):
-      ax = axes[i, t]
+    for t in range(first, steps):
+      ax = axes[i, t - first]
       for k, a in enumerate(sorted(r['slopes'])):
-        ys = [np.mean(r['l1'][str(x)][a][t]) for x in xs]
-        ax.plot(xs, ys, marker='o', ms=3, lw=1.2 if a in CORE else 0.8, color=colors(k % 20),
-                ls='-' if a in CORE else '--', label=a)
+        ys = [np.mean(values_of(result, v)[str(x)][a][t]) for x in xs]
+        if all(y > 0 for y in ys):   # 'delta' is 0 at t = 0
+          ax.plot(xs, ys, marker='o', ms=3, lw=1.2 if a in CORE else 0.8, color=colors(k % 20),
+                  ls='-' if a in CORE else '--', label=a)
       ax.set_xscale('log', base=2)
       ax.set_yscale('log')
-      ax.set_title(f'{v}  t={t}', fontsize=8)
+      ax.set_title(f'{v}  t={t}: {STATISTICS[statistic_of(result)]}', fontsize=8)
       if v.startswith('sp'):
         ax.set_facecolor('#eeeeee')
       if i == len(variants) - 1:
@@ -138,7 +213,7 @@ def plot(result: dict[str, Any], axis: str, path: str) -> None:
 
 
 def plot_activations(result: dict[str, Any], axis: str, acts: list[str], path: str) -> None:
-  """One panel per (variant, activation): mean|x| against the axis, one line per step t."""
+  """One panel per (variant, activation): the statistic against the axis, one line per step t."""
   import matplotlib
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt
@@ -152,13 +227,14 @@ def plot_activations(result: dict[str, Any], axis: str, acts: list[str], path: s
     for j, a in enumerate(acts):
       ax = axes[i, j]
       for t in range(steps):
-        ys = [np.mean(r['l1'][str(x)][a][t]) for x in xs]
+        ys = [np.mean(values_of(result, v)[str(x)][a][t]) for x in xs]
         if all(y > 0 for y in ys):
           ax.plot(xs, ys, marker='o', ms=3, color=cmap(t / max(1, steps - 1)), label=f't={t}')
       ax.set_xscale('log', base=2)
       ax.set_yscale('log')
       last = r['slopes'][a][-1]
-      ax.set_title(f'{v}: {a} (slope at t={steps - 1}: {last:+.2f})', fontsize=8)
+      ax.set_title(f'{v}: {a}, {STATISTICS[statistic_of(result)]} '
+                   f'(slope at t={steps - 1}: {last:+.2f})', fontsize=8)
       if v.startswith('sp'):
         ax.set_facecolor('#eeeeee')
       ax.set_xlabel(axis)
@@ -173,14 +249,22 @@ def axes_of(result: dict[str, Any]) -> list[str]:
   return [a for a, r in result.items() if isinstance(r, dict) and 'variants' in r]
 
 
+def _of(r: dict[str, Any]) -> str:
+  """' of log <statistic>' in a table's title, for statistics other than the default."""
+  stat = statistic_of(r)
+  return '' if stat == 'l1' else f' of log {STATISTICS[stat]}'
+
+
 def to_markdown(result: dict[str, Any]) -> str:
-  """Per axis: the largest |slope| of log mean|x| against log x over steps >= 1, per variant
-  (rows) and activation (columns); flat (muP-like) is near 0."""
+  """Per axis: the largest |slope| of log statistic (mean|x| unless the title names another)
+  against log x over steps >= 1, per variant (rows) and activation (columns); flat (muP-like)
+  is near 0."""
   out = []
   for axis in axes_of(result):
     r = result[axis]
     acts = sorted({a for row in r['max_abs_slope_t_ge_1'].values() for a in row})
-    out += [f'**{axis}** {", ".join(str(x) for x in r["xs"])}: max |slope| over steps >= 1', '',
+    out += [f'**{axis}** {", ".join(str(x) for x in r["xs"])}: max |slope|{_of(r)} over steps '
+            f'>= 1', '',
             '| variant | ' + ' | '.join(acts) + ' |', '|---|' + '---|' * len(acts)]
     for v, row in r['max_abs_slope_t_ge_1'].items():
       out.append(f'| {v} | ' + ' | '.join(f'{row[a]:.2f}' if a in row else '-' for a in acts)
@@ -199,11 +283,13 @@ def steps_markdown(result: dict[str, Any], acts: tuple[str, ...] = STEP_ACTS) ->
   for axis in axes_of(result):
     r = result[axis]
     steps = len(next(iter(r['variants'].values()))['slopes'][acts[0]])
-    out += [f'**{axis}** {", ".join(str(x) for x in r["xs"])}: slope of log mean|x| at step t',
+    out += [f'**{axis}** {", ".join(str(x) for x in r["xs"])}: slope of log '
+            f'{STATISTICS[statistic_of(r)]} at step t',
             '', '| variant | activation | ' + ' | '.join(f't={t}' for t in range(steps)) + ' |',
             '|---|---|' + '---|' * steps]
-    for v, vr in r['variants'].items():
-      out += [f'| {v} | {a} | ' + ' | '.join(f'{s:+.2f}' for s in vr['slopes'][a]) + ' |'
+    for v, vr in r['variants'].items():   # '-': undefined ('delta' at t = 0)
+      out += [f'| {v} | {a} | ' + ' | '.join('-' if np.isnan(s) else f'{s:+.2f}'
+                                              for s in vr['slopes'][a]) + ' |'
               for a in acts if a in vr['slopes']]
     out.append('')
   return '\n'.join(out)

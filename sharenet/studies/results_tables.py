@@ -69,6 +69,12 @@ SHIFT_SWEEPS = (('adamw', 'mup/lr_sweep.json'), ('muon', 'mup/muon/lr_sweep.json
 # configs/depth_study.py's study.depths when the committed rows were measured
 DEPTH_STUDY_DEPTHS = '1,2,3,4,6,8,12'
 
+# Coordinate checks of the change from init (study.statistic=delta), under docs/results/mup/
+DELTA_CHECKS = ('delta/', 'muon/coord_check/delta/', 'muon/rms/coord_check/delta/lr_0.01_steps8/',
+                'muon/rms/coord_check/delta/lr_0.0625/',
+                'muon/rms/coord_check/delta/lr_0.0625_steps8/',
+                'muon/rms/coord_check/delta/lr_0.125/', 'shampoo/coord_check/delta/')
+
 # table (under docs/results/) -> (its JSON, the function that writes it)
 TABLES: dict[str, tuple[str, Callable[[str], str]]] = {
     'sharing_cpu.md': ('sharing_cpu.json', _sharing),
@@ -86,13 +92,13 @@ TABLES: dict[str, tuple[str, Callable[[str], str]]] = {
                  'muon/rms/coord_check/', 'muon/rms/coord_check/lr_0.0625/',
                  'muon/rms/coord_check/lr_0.125/', 'muon/rms/coord_check/lr_0.25/',
                  'muon/rms/coord_check/lr_0.0625_steps8/', 'shampoo/coord_check/',
-                 'shampoo/vanilla/coord_check/')},
+                 'shampoo/vanilla/coord_check/', *DELTA_CHECKS)},
     **{f'mup/{d}lr_sweep.md': (f'mup/{d}lr_sweep.json', _fn('lr_sweep'))
        for d in ('', 'depth/', 'depth/alpha_0.5/', 'loops/', 'muon/', 'muon/rms/', 'shampoo/',
                  'beyond/', 'shampoo/vanilla/', 'muon/beyond/', 'shampoo/beyond/')},
-    'mup/muon/rms/coord_check/lr_0.0625_steps8/coord_check_steps.md': (
-        'mup/muon/rms/coord_check/lr_0.0625_steps8/coord_check.json',
-        _fn('coord_check', 'steps_markdown')),
+    **{f'mup/{d}coord_check_steps.md': (f'mup/{d}coord_check.json',
+                                        _fn('coord_check', 'steps_markdown'))
+       for d in ('muon/rms/coord_check/lr_0.0625_steps8/', *DELTA_CHECKS)},
     'mup/transfer_shifts.md': (SHIFT_SWEEPS, _shifts),
 }
 
