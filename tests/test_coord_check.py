@@ -156,14 +156,24 @@ def test_delta_is_the_change_of_each_activation_from_init():
   assert runs[0][2]['logits'][0] > 0 and np.all(runs[0][0]['residual'] == 0)
 
 
-def test_sown_activations_match_their_scalars_use_by_use():
+_CYCLE = {'model.num_layers': 4, 'model.sharing.scheme': 'cycle', 'model.sharing.num_unique': 2,
+          'model.sharing.repeats': 0}
+
+
+@pytest.mark.parametrize('overrides', [
+    {},                                                            # cycle, nested scans
+    {'model.scan_lowering': 'flat'},
+    {'model.moe.kind': 'sigma_moe', 'model.moe.num_experts': 4},   # experts in the shared block
+    {'model.sharing.lora_rank': 2},                                # relaxed: depth-wise LoRA
+], ids=['cycle', 'flat', 'sigma_moe', 'lora'])
+def test_sown_activations_match_their_scalars_use_by_use(overrides):
   """Inside layers.sow_activations() every sown scalar has its activation beside it: mean|x| of
-  each use's row equals the scalar sown for that use (masked attention logits included), on a
-  cycle plan whose shared block is applied twice. Outside the context only scalars are sown."""
+  each use's row equals the scalar sown for that use (masked entries, the causal attention
+  logits', are NaN), on a cycle plan whose shared blocks are applied twice, under
+  each way the stack runs them. Outside the context only scalars are sown."""
   from sharenet.models.layers import sow_activations
   from sharenet.models.layers import INTERMEDIATES
-  c = _tiny(**{'model.num_layers': 4, 'model.sharing.scheme': 'cycle',
-               'model.sharing.num_unique': 2, 'model.sharing.repeats': 0})
+  c = _tiny(**_CYCLE, **overrides)
   toks = jnp.asarray(common.fixed_batch(c.data, c.train.batch_size, c.train.seq_len))
   exp = train_lib.setup(c, config_lib.validate(c))
   state = train_lib.init_state(exp.model, exp.tx, jax.random.key(0), tr=exp.tr, pz=exp.pz)
@@ -182,8 +192,8 @@ def test_sown_activations_match_their_scalars_use_by_use():
 
 
 def test_statistic_bad_input_is_one_line():
-  """An unknown study.statistic, or delta with micro-batches, is one ConfigError naming the
-  valid choices."""
+  """An unknown study.statistic, delta with micro-batches, or a routed model (whose recursions
+  sow nothing) is one ConfigError naming the valid choices."""
   from sharenet.errors import ConfigError
   c = _tiny(**{'study.statistic': 'l2'})
   with pytest.raises(ConfigError, match=r"study.statistic: unknown 'l2'; valid: l1, delta"):
@@ -191,3 +201,8 @@ def test_statistic_bad_input_is_one_line():
   c = _tiny(**{'study.statistic': 'delta', 'train.grad_accum': 2})
   with pytest.raises(ConfigError, match=r'valid: train.grad_accum=1 \(got 2\)'):
     coord_check.run_axis(c, 'width')
+  c = _tiny(**_CYCLE, **{'model.routing.kind': 'expert_choice'})   # was a KeyError traceback
+  toks = common.fixed_batch(c.data, c.train.batch_size, c.train.seq_len)
+  with pytest.raises(ConfigError, match=r'routing.kind=expert_choice records no activations of '
+                     r'its routed recursions; valid: model.routing.kind=none'):
+    coord_check.trajectories(c, 1, 1, toks)

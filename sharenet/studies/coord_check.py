@@ -45,9 +45,14 @@ CORE = ('embed_out', 'residual', 'attn_out', 'mlp_hidden', 'mlp_out')
 STATISTICS = {'l1': 'mean|x|', 'delta': 'mean|x - x0|'}
 
 
-def check_statistic(config: Any) -> str:
-  """config.study.statistic, or one ConfigError line naming the valid choices."""
-  stat = config.study.get('statistic', 'l1')
+def check_statistic(config: Any, stat: str | None = None) -> str:
+  """`stat` (default config.study.statistic) if `config` can record it, else one ConfigError
+  line naming the valid choices."""
+  stat = stat or config.study.get('statistic', 'l1')
+  kind = config.model.routing.kind
+  if kind != 'none':   # models/stack.py _routed: gathered tokens per recursion, nothing sown
+    raise ConfigError(f'coordinate check: model.routing.kind={kind} records no activations of '
+                      f'its routed recursions; valid: model.routing.kind=none')
   if stat not in STATISTICS:
     raise ConfigError(f'study.statistic: unknown {stat!r}; valid: {", ".join(STATISTICS)}')
   if stat == 'delta' and config.train.grad_accum != 1:
@@ -64,11 +69,11 @@ def trajectories(config: Any, steps: int, seeds: int, tokens_BT1: np.ndarray,
   batch, and its loss (seeds, steps + 1). Under 'delta' the step is traced inside
   layers.sow_activations(), and each activation is compared with its value at t = 0 of the same
   seed."""
+  delta = check_statistic(config, statistic) == 'delta'
   exp = train_lib.setup(config, config_lib.validate(config))
   step = jax.jit(train_lib.make_train_step(exp, config.train.grad_accum, mutable=[INTERMEDIATES]))
   init = jax.jit(functools.partial(train_lib.init_state, exp.model, exp.tx, tr=exp.tr, pz=exp.pz))
   toks = jnp.asarray(tokens_BT1)
-  delta = statistic == 'delta'
   runs, losses = [], []
   with sow_activations() if delta else contextlib.nullcontext():
     for seed in range(seeds):
