@@ -179,8 +179,9 @@ def test_shampoo_roots_take_one_matrix_per_lapack_call_on_the_cpu():
   """sharenet/linalg.py: jaxlib 0.10's batched CPU eigh blocks an XLA pool thread on its batch,
   so two at once deadlock a 2-thread pool (a Shampoo step at width 128 hung in about half of
   the runs). Shampoo's update, lowered for the CPU, calls LAPACK's eigh on one matrix at a time
-  (no batch dimension), for the left (3 x 3) and right (4 x 4) roots of a 3-block leaf, and the
-  values equal the batched call's bit for bit."""
+  (no batch dimension), for the left (3 x 3) and right (4 x 4) roots of a 3-block leaf, also
+  when the update is vmapped (as the LR sweep vmaps whole steps), and the values equal the
+  batched call's bit for bit."""
   import re
   from sharenet import linalg
   shape = (3, 10)
@@ -189,15 +190,20 @@ def test_shampoo_roots_take_one_matrix_per_lapack_call_on_the_cpu():
                         table=table)
   p = {'params': {'w': jnp.zeros(shape)}}
   g = {'params': {'w': jax.random.normal(jax.random.key(0), shape)}}
-  hlo = jax.jit(tx.update).lower(g, tx.init(p), p).as_text()
-  calls = re.findall(r'custom_call @lapack_\w*syevd\w*\(.*num_batch_dims = "(\d+)"', hlo)
-  assert len(calls) == 2 and set(calls) == {'0'}, calls   # left and right, inside lax.map
-  x = jax.random.normal(jax.random.key(1), (6, 4, 4))
-  x = x @ jnp.swapaxes(x, 1, 2)
-  for ours, batched in zip(linalg.per_matrix(jnp.linalg.eigh, x), jnp.linalg.eigh(x)):
+  state = tx.init(p)
+  calls = lambda f, *a: re.findall(r'custom_call @lapack_\w*syevd\w*\(.*num_batch_dims = "(\d+)"',
+                                   jax.jit(f).lower(*a).as_text())
+  assert calls(tx.update, g, state, p) == ['0', '0']   # left and right, inside lax.map
+  # the vmapped LR sweep maps whole steps: vmap must not batch the calls again
+  g4 = jax.tree.map(lambda a: jnp.stack([a] * 4), g)
+  assert calls(jax.vmap(lambda g: tx.update(g, state, p)[0]), g4) == ['0', '0']
+  x = jax.random.normal(jax.random.key(1), (2, 6, 4, 4))
+  x = x @ jnp.swapaxes(x, -1, -2)
+  per_matrix = jax.vmap(lambda x: linalg.per_matrix(jnp.linalg.eigh, x))
+  for ours, batched in zip(per_matrix(x), jnp.linalg.eigh(x)):
     np.testing.assert_array_equal(ours, batched)
-  assert '"1"' in re.findall(r'num_batch_dims = ("\d+")', jax.jit(jnp.linalg.eigh).lower(
-      x).as_text())                                           # what the batched call lowers to
+  assert re.findall(r'num_batch_dims = "(\d+)"', jax.jit(jnp.linalg.eigh).lower(x).as_text()) \
+      == ['2']                                                # what the batched call lowers to
 
 
 def test_shampoo_update_every_keeps_roots():
