@@ -7,7 +7,7 @@ has threads (two on a 2-core machine: Shampoo's left and right roots, or two lea
 thread waits on work that no thread is free to do, and the program never finishes. It showed as a
 hang of a Shampoo step at width 128 (three blocks per MLP kernel) in about half of the runs.
 
-`per_matrix` sends one matrix per call on the CPU (`lax.map`); a single matrix runs inline. Under
+`per_matrix` sends one matrix per call on the CPU (`lax.map`, or the call itself for one). Under
 `jax.vmap` (the vmapped LR sweep maps whole train steps) a custom batching rule maps over the new
 axis too, so no vmap turns the calls back into a batch. Each matrix goes through the same LAPACK
 routine as in the batched call, so the values are the same. Other backends keep the batched call
@@ -29,7 +29,9 @@ def per_matrix(fn: Callable[[jax.Array], Any], x_N: jax.Array) -> Any:
 
   @jax.custom_batching.custom_vmap
   def one_at_a_time(x):
-    return fn(x) if x.shape[0] == 1 else jax.lax.map(fn, x)
+    if x.shape[0] == 1:
+      return jax.tree.map(lambda a: a[None], fn(x[0]))
+    return jax.lax.map(fn, x)
 
   @one_at_a_time.def_vmap
   def rule(axis_size, in_batched, x):   # the vmapped axis is axis 0 of x where batched

@@ -36,7 +36,8 @@ def test_muon_rms_change_from_init_grows_under_sp_only():
   32-128 (1 layer, 4 steps at LR 1e-2): each step moves a hidden kernel's outputs by
   ~0.2 lr sqrt(fan_in) per coordinate under SP, so mean|x_t - x_0| of the residual stream,
   attention and MLP outputs grows with width (first-order slope 0.5; measured 2026-12-06:
-  0.41, 0.53, 0.39), while Muon's muP divides that growth out (-0.03, 0.05, -0.06 at t = 1).
+  0.41, 0.53, 0.39), while Muon's muP divides that growth out (0.03, 0.05, 0.06); both max
+  |slope| over t >= 1.
   The 64-256 check is docs/results/mup/muon/rms/coord_check/delta/."""
   c = cc_config.get_config()
   c.model.num_layers, c.train.batch_size, c.train.seq_len = 1, 4, 16
@@ -132,7 +133,8 @@ def _tiny(**overrides):
 def test_delta_is_the_change_of_each_activation_from_init():
   """study.statistic=delta: mean|x_t - x_0| of the logits equals the same mean of a plain
   forward of the model at init and after t train-loop steps (muP: forward multipliers in
-  play); the t = 0 values are 0, and the scalars' order of uses is the l1 statistic's."""
+  play); the t = 0 values are 0; every activation has one value per use, as under l1 (the
+  order of uses: test_sown_activations_match_their_scalars_use_by_use)."""
   c = _tiny(**{'parametrization.kind': 'mup', 'parametrization.base_d_model': 16})
   toks = common.fixed_batch(c.data, c.train.batch_size, c.train.seq_len)
   runs, losses = coord_check.trajectories(c, 2, 1, toks, 'delta')
@@ -192,8 +194,9 @@ def test_sown_activations_match_their_scalars_use_by_use(overrides):
 
 
 def test_statistic_bad_input_is_one_line():
-  """An unknown study.statistic, delta with micro-batches, or a routed model (whose recursions
-  sow nothing) is one ConfigError naming the valid choices."""
+  """An unknown study.statistic, delta with micro-batches, a routed model (whose recursions sow
+  nothing) or the Python-loop stack (which sows per stored set) is one ConfigError naming the
+  valid choices."""
   from sharenet.errors import ConfigError
   c = _tiny(**{'study.statistic': 'l2'})
   with pytest.raises(ConfigError, match=r"study.statistic: unknown 'l2'; valid: l1, delta"):
@@ -206,3 +209,16 @@ def test_statistic_bad_input_is_one_line():
   with pytest.raises(ConfigError, match=r'routing.kind=expert_choice records no activations of '
                      r'its routed recursions; valid: model.routing.kind=none'):
     coord_check.trajectories(c, 1, 1, toks)
+  c = _tiny(**_CYCLE, **{'model.scan_layers': False})   # uses came out by stored set
+  with pytest.raises(ConfigError, match=r'model.scan_layers=False records each stored set.s uses '
+                     r'apart, not in applied order; valid: model.scan_layers=True'):
+    coord_check.trajectories(c, 1, 1, toks)
+
+
+def test_mean_change_skips_masked_entries_and_keeps_a_divergence():
+  """'delta' per use: entries NaN at init (outside a mask) are left out; a NaN that appears
+  later (a diverged run) is not hidden."""
+  x0 = np.array([[1.0, np.nan, 3.0], [0.0, 0.0, 0.0]])
+  x = np.array([[2.0, np.nan, 1.0], [1.0, np.nan, 1.0]])
+  out = coord_check._mean_change(x, x0)
+  assert out[0] == 1.5 and np.isnan(out[1])

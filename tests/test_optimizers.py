@@ -202,6 +202,10 @@ def test_shampoo_roots_take_one_matrix_per_lapack_call_on_the_cpu():
   per_matrix = jax.vmap(lambda x: linalg.per_matrix(jnp.linalg.eigh, x))
   for ours, batched in zip(per_matrix(x), jnp.linalg.eigh(x)):
     np.testing.assert_array_equal(ours, batched)
+  one = x[0, :1]                                              # a one-block leaf: no batch either
+  assert calls(lambda x: linalg.per_matrix(jnp.linalg.eigh, x), one) == ['0']
+  for ours, batched in zip(linalg.per_matrix(jnp.linalg.eigh, one), jnp.linalg.eigh(one)):
+    np.testing.assert_array_equal(ours, batched)
   assert re.findall(r'num_batch_dims = "(\d+)"', jax.jit(jnp.linalg.eigh).lower(x).as_text()) \
       == ['2']                                                # what the batched call lowers to
 

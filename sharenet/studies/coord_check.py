@@ -53,6 +53,9 @@ def check_statistic(config: Any, stat: str | None = None) -> str:
   if kind != 'none':   # models/stack.py _routed: gathered tokens per recursion, nothing sown
     raise ConfigError(f'coordinate check: model.routing.kind={kind} records no activations of '
                       f'its routed recursions; valid: model.routing.kind=none')
+  if not config.model.scan_layers:   # stack.py _python_loop: sown per stored set, not per layer
+    raise ConfigError('coordinate check: model.scan_layers=False records each stored set\'s uses '
+                      'apart, not in applied order; valid: model.scan_layers=True')
   if stat not in STATISTICS:
     raise ConfigError(f'study.statistic: unknown {stat!r}; valid: {", ".join(STATISTICS)}')
   if stat == 'delta' and config.train.grad_accum != 1:
@@ -63,12 +66,14 @@ def check_statistic(config: Any, stat: str | None = None) -> str:
 
 
 def trajectories(config: Any, steps: int, seeds: int, tokens_BT1: np.ndarray,
-                 statistic: str = 'l1') -> tuple[list[list[dict[str, np.ndarray]]], np.ndarray]:
+                 statistic: str | None = None
+                 ) -> tuple[list[list[dict[str, np.ndarray]]], np.ndarray]:
   """Per seed and step t = 0..steps: the statistic (`STATISTICS`) of each sown activation per use
   (`_flatten`) in the forward pass of the train loop's step (train_lib.train_step) on the fixed
-  batch, and its loss (seeds, steps + 1). Under 'delta' the step is traced inside
-  layers.sow_activations(), and each activation is compared with its value at t = 0 of the same
-  seed."""
+  batch, and its loss (seeds, steps + 1). `statistic`: config.study.statistic unless given.
+  Under 'delta' the step is traced inside layers.sow_activations(), and each activation is
+  compared with its value at t = 0 of the same seed: entries NaN at t = 0 (masked) are left out,
+  a NaN that appears later (a diverged run) makes the value NaN, as under 'l1'."""
   delta = check_statistic(config, statistic) == 'delta'
   exp = train_lib.setup(config, config_lib.validate(config))
   step = jax.jit(train_lib.make_train_step(exp, config.train.grad_accum, mutable=[INTERMEDIATES]))
@@ -85,8 +90,7 @@ def trajectories(config: Any, steps: int, seeds: int, tokens_BT1: np.ndarray,
         if delta:
           x = _activations(inter)
           x0 = x if x0 is None else x0
-          per_step.append(_by_name({p: np.nanmean(np.abs(a - x0[p]), axis=1)
-                                    for p, a in x.items()}))
+          per_step.append(_by_name({p: _mean_change(a, x0[p]) for p, a in x.items()}))
         else:
           per_step.append(_flatten(inter))
         loss.append(float(metrics['loss']))
@@ -96,13 +100,20 @@ def trajectories(config: Any, steps: int, seeds: int, tokens_BT1: np.ndarray,
 
 
 def measure(config: Any, overrides: dict[str, Any], steps: int, seeds: int,
-            tokens_BT1: np.ndarray, statistic: str = 'l1') -> dict[str, list[list[float]]]:
+            tokens_BT1: np.ndarray, statistic: str | None = None
+            ) -> dict[str, list[list[float]]]:
   """{activation: [[statistic per use] for t in 0..steps]} averaged over seeds, for one model."""
   runs, _ = trajectories(common.with_overrides(config, overrides), steps, seeds, tokens_BT1,
                          statistic)
   names = runs[0][0].keys()
   return {n: [np.mean([r[t][n] for r in runs], axis=0).tolist() for t in range(steps + 1)]
           for n in names}
+
+
+def _mean_change(x: np.ndarray, x0: np.ndarray) -> np.ndarray:
+  """Per row (use): mean |x - x0| over the entries x0 holds (not NaN: inside the mask)."""
+  kept = ~np.isnan(x0)
+  return np.sum(np.where(kept, np.abs(x - x0), 0.0), axis=1) / np.sum(kept, axis=1)
 
 
 def _uses(value: Any) -> tuple:
@@ -117,7 +128,8 @@ def _flatten(inter: Any) -> dict[str, np.ndarray]:
 
 
 def _by_name(flat: dict[tuple[str, ...], Any]) -> dict[str, np.ndarray]:
-  """{sown path: values} -> {activation name: values per use, in path order}."""
+  """{sown path: values} -> {activation name: values per use, in path order} (applied order:
+  the stack's scans stack each path's uses; check_statistic refuses the Python-loop stack)."""
   out: dict[str, list] = {}
   for path, value in sorted(flat.items()):
     for entry in _uses(value):
