@@ -173,8 +173,7 @@ def test_sown_activations_match_their_scalars_use_by_use(overrides):
   each use's row equals the scalar sown for that use (masked entries, the causal attention
   logits', are NaN), on a cycle plan whose shared blocks are applied twice, under
   each way the stack runs them. Outside the context only scalars are sown."""
-  from sharenet.models.layers import sow_activations
-  from sharenet.models.layers import INTERMEDIATES
+  from sharenet.models.layers import INTERMEDIATES, sow_activations
   c = _tiny(**_CYCLE, **overrides)
   toks = jnp.asarray(common.fixed_batch(c.data, c.train.batch_size, c.train.seq_len))
   exp = train_lib.setup(c, config_lib.validate(c))
