@@ -25,8 +25,8 @@ _SOW_ACTIVATIONS: list[bool] = []
 def sow_activations() -> Iterator[None]:
   """A function traced inside this context has sow_l1 sow each activation itself too, as
   '<name>#x' (float32, entries outside the mask NaN), beside its mean|x|: what the coordinate
-  check's change-from-init statistic reads (study.statistic=delta). It is read at trace time, as
-  flax reads capture_intermediates, so a function traced outside it sows the scalars only."""
+  check's change-from-init statistic reads (study.statistic=delta). It is read when a function
+  is traced, so a function traced outside it sows the scalars only."""
   _SOW_ACTIVATIONS.append(True)
   try:
     yield

@@ -45,9 +45,9 @@ CORE = ('embed_out', 'residual', 'attn_out', 'mlp_hidden', 'mlp_out')
 STATISTICS = {'l1': 'mean|x|', 'delta': 'mean|x - x0|'}
 
 
-def check_statistic(config: Any, stat: str | None = None) -> str:
-  """`stat` (default config.study.statistic) if `config` can record it, else one ConfigError
-  line naming the valid choices."""
+def check_config(config: Any, stat: str | None = None) -> str:
+  """The statistic to record, `stat` or config.study.statistic, if the model and the statistic
+  can be checked together; else one ConfigError line naming the valid choices."""
   stat = stat or config.study.get('statistic', 'l1')
   kind = config.model.routing.kind
   if kind != 'none':   # models/stack.py _routed: gathered tokens per recursion, nothing sown
@@ -74,7 +74,7 @@ def trajectories(config: Any, steps: int, seeds: int, tokens_BT1: np.ndarray,
   Under 'delta' the step is traced inside layers.sow_activations(), and each activation is
   compared with its value at t = 0 of the same seed: entries NaN at t = 0 (masked) are left out,
   a NaN that appears later (a diverged run) makes the value NaN, as under 'l1'."""
-  delta = check_statistic(config, statistic) == 'delta'
+  delta = check_config(config, statistic) == 'delta'
   exp = train_lib.setup(config, config_lib.validate(config))
   step = jax.jit(train_lib.make_train_step(exp, config.train.grad_accum, mutable=[INTERMEDIATES]))
   init = jax.jit(functools.partial(train_lib.init_state, exp.model, exp.tx, tr=exp.tr, pz=exp.pz))
@@ -129,7 +129,7 @@ def _flatten(inter: Any) -> dict[str, np.ndarray]:
 
 def _by_name(flat: dict[tuple[str, ...], Any]) -> dict[str, np.ndarray]:
   """{sown path: values} -> {activation name: values per use, in path order} (applied order:
-  the stack's scans stack each path's uses; check_statistic refuses the Python-loop stack)."""
+  the stack's scans stack each path's uses; check_config refuses the Python-loop stack)."""
   out: dict[str, list] = {}
   for path, value in sorted(flat.items()):
     for entry in _uses(value):
@@ -154,7 +154,7 @@ def _activations(inter: Any) -> dict[tuple[str, ...], np.ndarray]:
 def run_axis(config: Any, axis: str, log=print) -> dict[str, Any]:
   """Sweeps one axis ('width' | 'repeats' | 'depth') for every variant of that axis."""
   s = config.study
-  stat = check_statistic(config)
+  stat = check_config(config)
   xs = common.parse_list(s[f'{axis}_values'])
   tokens = common.fixed_batch(config.data, config.train.batch_size, config.train.seq_len)
   out: dict[str, Any] = {'xs': xs, 'statistic': stat, 'variants': {}}
