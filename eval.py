@@ -4,13 +4,13 @@
 --config.train.eval_batch_size=64 or --config.data.path=...); any key of the default config.
 
 With --prompt TEXT (or --prompt_file FILE, one prompt per line) it generates instead
-(sharenet/generate.py, docs/generation.md): one JSON line per prompt and sample, with the
+(sharenet/inference/generate.py, docs/generation.md): one JSON line per prompt and sample, with the
 continuation as `text` (bytes that are not valid UTF-8 escaped as \\xNN), `tokens_per_sec` and
 `kv_bytes_per_token` (the KV cache's bytes per token of one sequence):
   python eval.py --workdir DIR --prompt "def fib(" --max_new_tokens 200 \\
       [--temperature 0.8 --top_k 40 --top_p 0.95 --seed 0 --num_samples 4]
 
-Test-time depth of a looped model (sharenet/depth.py, docs/generation.md): --depths 1,2,4,8
+Test-time depth of a looped model (sharenet/inference/test_time_depth.py, docs/generation.md): --depths 1,2,4,8
 evaluates at every depth (one JSON line each: depth, eval_loss, eval_bits_per_byte,
 flops_per_token; writes loss_vs_depth.png and eval_depths.jsonl into the workdir); --depth N
 evaluates, or with --prompt generates, at N loops; --exit maxprob:0.9 | entropy:0.5 | kl:0.01 |
@@ -22,11 +22,11 @@ import json
 from absl import flags, logging
 from ml_collections import config_flags
 
-from sharenet import config_lib, defaults
+from sharenet.config import cli, defaults
 
 _WORKDIR = flags.DEFINE_string('workdir', None, 'A train.py workdir.', required=True)
 _STEP = flags.DEFINE_integer('step', None, 'Checkpoint step (default: latest readable).')
-_CONFIG = config_lib.define_config_dict(
+_CONFIG = cli.define_config_dict(
     'config', defaults.default_config(), 'Overrides of the workdir config: --config.a.b=v.')
 _PROMPT = flags.DEFINE_string('prompt', None, 'Generate a continuation of this text.')
 _PROMPT_FILE = flags.DEFINE_string('prompt_file', None,
@@ -48,9 +48,9 @@ _EOS = flags.DEFINE_integer('eos_id', None, 'Stop a sample at this token id; def
 
 
 def _generate(overrides) -> None:
-  from sharenet import workdir_lib
-  prompts = workdir_lib.read_prompts(_PROMPT.value, _PROMPT_FILE.value)
-  for row in workdir_lib.generate_from_workdir(
+  from sharenet.main import eval_workdir
+  prompts = eval_workdir.read_prompts(_PROMPT.value, _PROMPT_FILE.value)
+  for row in eval_workdir.generate_from_workdir(
       _WORKDIR.value, _STEP.value, overrides, prompts, max_new_tokens=_MAX_NEW.value,
       temperature=_TEMPERATURE.value, top_k=_TOP_K.value, top_p=_TOP_P.value,
       seed=_SEED.value, num_samples=_NUM_SAMPLES.value, eos_id=_EOS.value,
@@ -61,21 +61,22 @@ def _generate(overrides) -> None:
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)
-  from sharenet import depth
+  from sharenet.inference import test_time_depth
+  from sharenet.main import eval_workdir
   overrides = config_flags.get_override_values(flags.FLAGS['config'])
   generating = _PROMPT.value is not None or _PROMPT_FILE.value is not None
-  depths = depth.check_flags(_DEPTHS.value, _DEPTH.value, _EXIT.value, generating)
+  depths = test_time_depth.check_flags(_DEPTHS.value, _DEPTH.value, _EXIT.value, generating)
   if generating:
     _generate(overrides)
     return
   if depths is not None:
-    for row in depth.evaluate_workdir_depths(_WORKDIR.value, _STEP.value, overrides, depths):
+    for row in eval_workdir.evaluate_workdir_depths(_WORKDIR.value, _STEP.value, overrides, depths):
       print(json.dumps(row))
     return
-  from sharenet import workdir_lib
-  out = workdir_lib.evaluate_workdir(_WORKDIR.value, _STEP.value, overrides)
+  from sharenet.main import eval_workdir
+  out = eval_workdir.evaluate_workdir(_WORKDIR.value, _STEP.value, overrides)
   print(json.dumps(out))
 
 
 if __name__ == '__main__':
-  config_lib.run(main)
+  cli.run(main)

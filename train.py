@@ -4,9 +4,9 @@ import os
 
 from absl import flags, logging
 
-from sharenet import config_lib
+from sharenet.config import cli
 
-_CONFIG = config_lib.define_config_file(
+_CONFIG = cli.define_config_file(
     'config', os.path.join(os.path.dirname(__file__), 'configs', 'default.py'),
     'Experiment config file.')
 _WORKDIR = flags.DEFINE_string('workdir', 'runs/default', 'Where checkpoints and metrics go.')
@@ -15,10 +15,10 @@ _WORKDIR = flags.DEFINE_string('workdir', 'runs/default', 'Where checkpoints and
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
-  from sharenet import train_lib
-  out = train_lib.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
+  from sharenet.train import loop
+  out = loop.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
   print(json.dumps({k: round(v, 4) for k, v in out.items()}))   # last line: JSON, for scripts
 
 
 if __name__ == '__main__':
-  config_lib.run(main)
+  cli.run(main)

@@ -4,7 +4,7 @@ Command: python -m benchmarks.accelerator [--smoke] [--out benchmarks/results/ac
              [--budget_s 420]                                  (from the repository root)
 Runtime: under 8 minutes on one GPU / TPU chip (each section stops adding shapes when the
 budget is spent); --smoke runs every section at tiny size on the CPU (Pallas interpret mode) in
-about a minute and is part of the tests (tests/test_accelerator_bench.py).
+about a minute and is part of the tests (tests/benchmarks/test_accelerator_bench.py).
 
 Sections (docs/scaling.md explains how to read them):
   1. check    every kernel against its jnp reference on this backend: attention (pallas, cudnn
@@ -19,7 +19,7 @@ Sections (docs/scaling.md explains how to read them):
   4. step     the full train step in bfloat16 (float32 parameters and optimizer state) for a
               ~125M, a ~350M and the largest model that fits, under the untied, cycle and
               universal plans, scanned, at the best remat of a short list; MFU against the
-              chip's dense bf16 peak (sharenet/perf.py), FLOPs on applied depth with causal
+              chip's dense bf16 peak (sharenet/train/perf.py), FLOPs on applied depth with causal
               attention (target >= 45 % at the largest size).
 Every measurement is one JSON line in --out; the summary table is printed and written next to
 it as Markdown (same name, .md).
@@ -40,7 +40,8 @@ import jax
 import jax.numpy as jnp
 
 from configs import default
-from sharenet import kernels, perf, train_lib
+from sharenet import kernels
+from sharenet.train import perf, trainer
 from sharenet.kernels import attention as attn_k
 from sharenet.kernels import norms as norm_k
 from sharenet.models import ModelConfig, accounting
@@ -267,10 +268,10 @@ def build_step(size: tuple, plan: str, remat: str, seq_len: int, batch: int, dty
     m.sharing[k] = v
   config.train.seq_len, config.train.batch_size = seq_len, batch
   mcfg = ModelConfig.from_experiment(config)
-  exp = train_lib.setup(config, mcfg)
-  state = jax.jit(functools.partial(train_lib.init_state, exp.model, exp.tx, tr=exp.tr,
+  exp = trainer.setup(config, mcfg)
+  state = jax.jit(functools.partial(trainer.init_state, exp.model, exp.tx, tr=exp.tr,
                                     pz=exp.pz))(jax.random.key(0))
-  step = jax.jit(train_lib.make_train_step(exp, 1), donate_argnums=0)
+  step = jax.jit(trainer.make_train_step(exp, 1), donate_argnums=0)
   batch_BT1 = jax.random.randint(jax.random.key(1), (batch, seq_len + 1), 0, 256)
   compiled = step.lower(state, batch_BT1).compile()
   return state, compiled, batch_BT1, accounting.flops_per_token(mcfg, seq_len)

@@ -25,7 +25,8 @@ import jax.numpy as jnp
 import ml_collections
 
 from configs import default
-from sharenet import config_lib, train_lib
+from sharenet.config import cli
+from sharenet.train import trainer
 from sharenet.models import ModelConfig
 
 
@@ -40,10 +41,10 @@ def measure(repeats: int, d_model: int, seq_len: int, batch: int,
   m.routing.kind = routing
   m.routing.buckets = buckets
   mcfg = ModelConfig.from_experiment(config)
-  exp = train_lib.setup(config, mcfg)
-  state = train_lib.abstract_state(exp.model, exp.tx, exp.tr, exp.pz)
+  exp = trainer.setup(config, mcfg)
+  state = trainer.abstract_state(exp.model, exp.tx, exp.tr, exp.pz)
   batch_BT1 = jax.ShapeDtypeStruct((batch, seq_len + 1), jnp.int32)
-  step = jax.jit(train_lib.make_train_step(exp, config.train.grad_accum))
+  step = jax.jit(trainer.make_train_step(exp, config.train.grad_accum))
   t0 = time.perf_counter()
   lowered = step.lower(state, batch_BT1)
   t1 = time.perf_counter()
@@ -65,7 +66,7 @@ def options() -> ml_collections.ConfigDict:
   return o
 
 
-_OPTIONS = config_lib.define_config_dict('config', options(), 'Benchmark options.')
+_OPTIONS = cli.define_config_dict('config', options(), 'Benchmark options.')
 
 
 def main(argv):
@@ -88,4 +89,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  config_lib.run(main)
+  cli.run(main)

@@ -20,7 +20,7 @@ Pipeline tokens/s: `data.make_train_iterator` (grain: record reads, seeded shuff
 batching; with and without data.segment_mask) through
 `jax.make_array_from_process_local_data` onto the device, i.e. shards to device-ready
 batches, at each config's batch shape; predicted tokens (batch * seq_len) per second.
-Train-step tokens/s: the same config's jitted train step (train_lib.make_train_step) on a fixed
+Train-step tokens/s: the same config's jitted train step (trainer.make_train_step) on a fixed
 batch, median step time. ratio = pipeline tokens/s / train-step tokens/s; both are timed
 separately on the same cores (in a run on an accelerator, reading overlaps the device step). On
 a CPU the device transfer may be a no-copy; on a GPU/TPU it is a real host-to-device copy.
@@ -39,7 +39,9 @@ import jax
 import ml_collections
 
 from configs import default, tiny
-from sharenet import config_lib, data, sharding, train_lib
+from sharenet.config import cli
+from sharenet import data
+from sharenet.train import sharding, trainer
 from sharenet.data import arrayrecord, corpus
 from sharenet.models import ModelConfig
 
@@ -92,10 +94,10 @@ def train_tokens_per_sec(config, steps: int) -> tuple[float, float]:
   """(tokens/s, median step seconds) of `config`'s jitted train step on a fixed batch."""
   t = config.train
   mcfg = ModelConfig.from_experiment(config)
-  exp = train_lib.setup(config, mcfg)
-  state = jax.jit(functools.partial(train_lib.init_state, exp.model, exp.tx, tr=exp.tr,
+  exp = trainer.setup(config, mcfg)
+  state = jax.jit(functools.partial(trainer.init_state, exp.model, exp.tx, tr=exp.tr,
                                     pz=exp.pz))(jax.random.key(0))
-  step = jax.jit(train_lib.make_train_step(exp, t.grad_accum), donate_argnums=0)
+  step = jax.jit(trainer.make_train_step(exp, t.grad_accum), donate_argnums=0)
   batch = jax.random.randint(jax.random.key(1), (t.batch_size, t.seq_len + 1), 0, VOCAB)
   state, m = step(state, batch)   # compile + warm-up
   jax.block_until_ready(m)
@@ -121,7 +123,7 @@ def options() -> ml_collections.ConfigDict:
   return o
 
 
-_OPTIONS = config_lib.define_config_dict('config', options(), 'Benchmark options.')
+_OPTIONS = cli.define_config_dict('config', options(), 'Benchmark options.')
 
 
 def main(argv):
@@ -171,4 +173,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  config_lib.run(main)
+  cli.run(main)

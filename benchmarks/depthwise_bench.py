@@ -47,9 +47,10 @@ import jax
 import numpy as np
 
 from configs import default
-from sharenet import generate as gen
-from sharenet import recursive_inference as ri
-from sharenet import train_lib, workdir_lib
+from sharenet.inference import generate as gen
+from sharenet.inference import loop_by_loop as ri
+from sharenet.train import loop
+from sharenet.main import eval_workdir
 from sharenet.data import corpus
 
 SLOTS, REQUESTS, NEW, THRESHOLDS, ROUNDS = 8, 32, 32, (1.0, 0.9, 0.7, 0.5), 5
@@ -103,10 +104,10 @@ def main():
   train_seconds = 0.0
   if not os.path.exists(os.path.join(workdir, 'config.json')):
     t0 = time.perf_counter()
-    final = train_lib.train_and_evaluate(train_config(), workdir)
+    final = loop.train_and_evaluate(train_config(), workdir)
     train_seconds = time.perf_counter() - t0
     print('trained', final, f'{train_seconds:.0f}s', flush=True)
-  run = workdir_lib.load_for_generation(workdir)
+  run = eval_workdir.load_for_generation(workdir)
   model, variables = run.model, run.variables
   requests = request_stream(run.config.data)
   num_positions = max(len(p) for p in requests) + NEW - 1

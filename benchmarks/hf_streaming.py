@@ -85,7 +85,7 @@ def _phase(a) -> dict:
   out = {}
   if a.phase == 'baseline':   # the interpreter with jax, flax, orbax and sharenet imported
     from sharenet.interop import export_hf, import_hf  # noqa: F401
-    from sharenet import workdir_lib  # noqa: F401
+    from sharenet.train import workdir_io  # noqa: F401
   elif a.phase == 'write':
     out = _write(a, hf_dir)
   elif a.phase == 'read':

@@ -36,7 +36,8 @@ import ml_collections
 
 from benchmarks import steps
 from benchmarks.torch_worker import TorchWorker, torch_python
-from sharenet import config_lib, perf
+from sharenet.config import cli
+from sharenet.train import perf
 
 
 
@@ -58,7 +59,7 @@ def options() -> ml_collections.ConfigDict:
   return o
 
 
-_OPTIONS = config_lib.define_config_dict('config', options(), 'Benchmark options.')
+_OPTIONS = cli.define_config_dict('config', options(), 'Benchmark options.')
 
 
 def spread(xs: list[float]) -> tuple[float, float, float]:
@@ -160,4 +161,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  config_lib.run(main)
+  cli.run(main)

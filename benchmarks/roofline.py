@@ -18,12 +18,12 @@ of 8 sequences of 2,048 tokens, bfloat16 compute, float32 parameters and AdamW s
              nothing were fused, an upper estimate of HBM traffic (not used for the bound).
   min_bytes  traffic no step avoids: AdamW reads and writes every stored parameter and both
              moments in float32 (24 bytes per parameter).
-  per chip   peak = dense bf16 FLOP/s (sharenet/perf.py PEAKS), bw = HBM bytes/s;
+  per chip   peak = dense bf16 FLOP/s (sharenet/train/perf.py PEAKS), bw = HBM bytes/s;
              t_lower = max(xla_flops / peak, min_bytes / bw), no step is faster;
              t_unfused = max(xla_flops / peak, xla_bytes / bw);
              mfu_upper = model_flops / (peak * t_lower), model_flops MFU's numerator
              (models/accounting.py: applied depth, causal attention).
-Memory table: the dry run (config.dry_run, sharenet/sharding.py `report`) of the 1B- and
+Memory table: the dry run (config.dry_run, sharenet/train/sharding.py `report`) of the 1B- and
 8B-shaped models, untied, at remat dots_no_batch and full, on a TPU v5p-64 (32 chips: v5p
 slice names count TensorCores, two per chip) and on 8 x H200, FSDP over all chips, 8 x 2,048
 tokens per chip, in a subprocess with that many CPU devices. The train state per device is
@@ -49,7 +49,8 @@ import jax
 import jax.numpy as jnp
 
 from configs import default
-from sharenet import kernels, perf, train_lib
+from sharenet import kernels
+from sharenet.train import perf, loop, trainer
 from sharenet.models import ModelConfig, accounting
 
 _OUT = flags.DEFINE_string('out', 'benchmarks/results/roofline.json', 'JSON results')
@@ -74,7 +75,7 @@ PLANS = {'untied': {}, 'cycle': {'sharing.scheme': 'cycle', 'sharing.num_unique'
                  'routing.kind': 'expert_choice'}}
 SEQ_LEN, BATCH = 2048, 8        # per chip
 REMAT = 'dots_no_batch'         # saves weight matmuls, recomputes attention (pod default)
-# (name, a device_kind of it for sharenet/perf.py)
+# (name, a device_kind of it for sharenet/train/perf.py)
 CHIPS = (('TPU v4', 'TPU v4'), ('TPU v5e', 'TPU v5 lite'), ('TPU v5p', 'TPU v5p'),
          ('TPU v6e', 'TPU v6 lite'), ('A100 80GB', 'NVIDIA A100-SXM4-80GB'),
          ('H100 SXM', 'NVIDIA H100 80GB HBM3'), ('H200', 'NVIDIA H200'))
@@ -117,10 +118,10 @@ def step_costs(size: tuple, plan: str) -> dict[str, Any]:
   c.model.scan_unroll = size[2]
   with kernels.target('tpu'):
     mcfg = ModelConfig.from_experiment(c)
-    exp = train_lib.setup(c, mcfg)
-    state = train_lib.abstract_state(exp.model, exp.tx, exp.tr, exp.pz)
+    exp = trainer.setup(c, mcfg)
+    state = trainer.abstract_state(exp.model, exp.tx, exp.tr, exp.pz)
     batch = jax.ShapeDtypeStruct((BATCH, SEQ_LEN + 1), jnp.int32)
-    lowered = jax.jit(train_lib.make_train_step(exp)).lower(state, batch)
+    lowered = jax.jit(trainer.make_train_step(exp)).lower(state, batch)
   loops = [n for n in trip_counts(lowered.as_text()) if n != 1]
   if loops:
     raise RuntimeError(f'{size[0]} {plan}: loops of {loops} iterations left; the cost '
@@ -159,7 +160,7 @@ def memory_worker(devices: int) -> None:
       c.mesh.data, c.mesh.fsdp, c.mesh.tensor = 1, devices, 1
       c.dry_run = True
       with contextlib.redirect_stdout(io.StringIO()):
-        totals = train_lib.train_and_evaluate(c, os.devnull)
+        totals = loop.train_and_evaluate(c, os.devnull)
       print(json.dumps({'model': name, 'remat': remat, 'devices': devices, **totals}),
             flush=True)
 

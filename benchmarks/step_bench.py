@@ -6,7 +6,7 @@ Runtime: ~12 min on the 2-core CPU. Config: 8 applied layers, seq 256, batch 8, 
 SwiGLU (mlp 3x), byte vocab. Tied plans run under both model.scan_lowering values (nested scans;
 one flat scan over the gathered sets), each with remat dots_no_batch and dots. mfu_vs_matmul =
 model FLOP/s (accounting.flops_per_token, causal attention halved) / FLOP/s of a jitted 2048^3
-jnp.dot measured in the same process (sharenet/perf.py; the train loop's `mfu` is against the
+jnp.dot measured in the same process (sharenet/train/perf.py; the train loop's `mfu` is against the
 hardware peak instead).
 
 Timing is round-robin: each round runs one step of every variant, so slow drift of the machine
@@ -24,7 +24,8 @@ import jax
 import ml_collections
 
 from benchmarks.steps import SCHEMES, build, quantile, run_step
-from sharenet import config_lib, perf
+from sharenet.config import cli
+from sharenet.train import perf
 
 
 def options() -> ml_collections.ConfigDict:
@@ -40,7 +41,7 @@ def options() -> ml_collections.ConfigDict:
   return o
 
 
-_OPTIONS = config_lib.define_config_dict('config', options(), 'Benchmark options.')
+_OPTIONS = cli.define_config_dict('config', options(), 'Benchmark options.')
 
 
 def main(argv):
@@ -106,4 +107,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  config_lib.run(main)
+  cli.run(main)

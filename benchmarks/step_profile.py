@@ -32,7 +32,7 @@ import ml_collections
 
 from benchmarks import steps
 from benchmarks.torch_worker import TorchWorker, torch_python
-from sharenet import config_lib
+from sharenet.config import cli
 
 MATMUL, SCAN, COPY, OTHER = ('matmul', 'scan buffers', 'copies and transposes',
                              'elementwise and reductions')
@@ -78,7 +78,7 @@ def options() -> ml_collections.ConfigDict:
   return o
 
 
-_OPTIONS = config_lib.define_config_dict('config', options(), 'Benchmark options.')
+_OPTIONS = cli.define_config_dict('config', options(), 'Benchmark options.')
 
 
 def main(argv):
@@ -105,4 +105,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  config_lib.run(main)
+  cli.run(main)

@@ -8,7 +8,7 @@ import time
 import jax
 
 from configs import default
-from sharenet import train_lib
+from sharenet.train import trainer
 from sharenet.models import ModelConfig, accounting
 
 SCHEMES = {'untied': {}, 'cycle': {'num_unique': 4}, 'universal': {}}
@@ -27,10 +27,10 @@ def build(d_model: int, scheme: str, remat: str, layers: str, seq_len: int, batc
   for k, v in SCHEMES[scheme].items():
     m.sharing[k] = v
   mcfg = ModelConfig.from_experiment(config)
-  exp = train_lib.setup(config, mcfg)
-  state = jax.jit(functools.partial(train_lib.init_state, exp.model, exp.tx, tr=exp.tr,
+  exp = trainer.setup(config, mcfg)
+  state = jax.jit(functools.partial(trainer.init_state, exp.model, exp.tx, tr=exp.tr,
                                     pz=exp.pz))(jax.random.key(0))
-  step = jax.jit(train_lib.make_train_step(exp, config.train.grad_accum), donate_argnums=0)
+  step = jax.jit(trainer.make_train_step(exp, config.train.grad_accum), donate_argnums=0)
   batch_BT1 = jax.random.randint(jax.random.key(1), (batch, seq_len + 1), 0, 256)
   t0 = time.perf_counter()
   compiled = step.lower(state, batch_BT1).compile()

@@ -2,15 +2,14 @@
 
   SHARENET_TEST_PROFILE=/tmp/prof python -m pytest -q tests --junitxml=/tmp/suite.xml
   python benchmarks/suite_profile.py /tmp/prof [--top 40]
-  python benchmarks/suite_profile.py --junit /tmp/suite.xml [--write-slow tests/slow_tests.txt]
+  python benchmarks/suite_profile.py --junit /tmp/suite.xml [--threshold 4]
 
 A profile directory (SHARENET_TEST_PROFILE) gives per test file: wall seconds, XLA compiles
 and their seconds, lowering and tracing seconds (tracing counts nested traces too, so it can
 exceed wall), then the costliest tests; tests that run a subprocess show wall time only (their
 compiles happen in the child). A junit file gives each test's seconds per tier (slow /
-fast); --write-slow writes the tests not marked @pytest.mark.slow that took over --threshold
-seconds (in that run, two workers sharing two cores) as the list tests/conftest.py puts in the
-slow tier.
+fast) and names the tests not marked @pytest.mark.slow that took over --threshold seconds (in
+that run, two workers sharing two cores): mark those slow to keep the fast tier fast.
 """
 import argparse
 import collections
@@ -64,20 +63,16 @@ def junit_seconds(path):
 
 
 def collect(marker):
-  """Node ids pytest selects with -m `marker`, ignoring any slow-test list."""
-  env = dict(os.environ, SHARENET_SLOW_LIST='')
+  """Node ids pytest selects with -m `marker`."""
   r = subprocess.run([sys.executable, '-m', 'pytest', '--collect-only', '-q', '-n', '0', '-m',
-                      marker, 'tests'], cwd=ROOT, env=env, capture_output=True, text=True,
-                     check=True)
+                      marker, 'tests'], cwd=ROOT, capture_output=True, text=True, check=True)
   return {line.strip() for line in r.stdout.splitlines() if '::' in line}
 
 
-def tiers(path, top, write_slow, threshold):
+def tiers(path, top, threshold):
   seconds = junit_seconds(path)
   marked_fast = collect('not slow')   # not marked @pytest.mark.slow
-  from conftest import read_slow_list   # noqa: E402 (tests/ on sys.path below)
-  listed = read_slow_list()
-  fast = {n: s for n, s in seconds.items() if n in marked_fast and n not in listed}
+  fast = {n: s for n, s in seconds.items() if n in marked_fast}
   print(f'{len(seconds)} tests, {sum(seconds.values()):.0f} test-seconds: fast tier '
         f'{len(fast)} tests, {sum(fast.values()):.0f} s; slow tier '
         f'{len(seconds) - len(fast)} tests, {sum(seconds.values()) - sum(fast.values()):.0f} s')
@@ -86,38 +81,29 @@ def tiers(path, top, write_slow, threshold):
     by_file[n.split('::')[0]] += s
   for name, s in by_file.most_common(top):
     print(f'{s:8.1f}  {name}')
-  if write_slow:
-    slow = sorted(n for n, s in seconds.items() if n in marked_fast and s > threshold)
-    with open(write_slow, 'w') as f:
-      f.write(f'# Tests in the slow tier beside those marked @pytest.mark.slow: each took over '
-              f'{threshold:g} s\n# in a full run of the suite (two workers on the 2-core CPU). '
-              f'Written by\n# python benchmarks/suite_profile.py --junit FILE --write-slow '
-              f'{os.path.relpath(write_slow, ROOT)}\n')
-      f.writelines(n + '\n' for n in slow)
-    moved = sum(seconds[n] for n in slow)
-    print(f'wrote {len(slow)} tests ({moved:.0f} s) to {write_slow}; the fast tier keeps '
-          f'{sum(s for n, s in seconds.items() if n in marked_fast) - moved:.0f} s')
+  slow = sorted(n for n, s in fast.items() if s > threshold)
+  if slow:
+    print(f'{len(slow)} fast-tier tests took over {threshold:g} s ({sum(fast[n] for n in slow):.0f} '
+          f's): mark them @pytest.mark.slow')
+    for n in slow:
+      print(f'{fast[n]:8.1f}  {n}')
 
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument('directory', nargs='?', help='a SHARENET_TEST_PROFILE directory')
   parser.add_argument('--junit', help='a pytest --junitxml file of a full run')
-  parser.add_argument('--write-slow', help='with --junit: write the slow-test list here')
   parser.add_argument('--threshold', type=float, default=4.0,
-                      help='seconds over which an unmarked test is listed (default 4)')
+                      help='seconds over which an unmarked test is named (default 4)')
   parser.add_argument('--top', type=int, default=40)
   args = parser.parse_args()
   if (args.directory is None) == (args.junit is None):
     parser.error('give a profile directory or --junit FILE, one of them')
-  if args.write_slow and not args.junit:
-    parser.error('--write-slow needs --junit')
   if args.junit:
-    tiers(args.junit, args.top, args.write_slow, args.threshold)
+    tiers(args.junit, args.top, args.threshold)
   else:
     profile(args.directory, args.top)
 
 
 if __name__ == '__main__':
-  sys.path.insert(0, os.path.join(ROOT, 'tests'))
   main()

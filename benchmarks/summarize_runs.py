@@ -11,7 +11,7 @@ import statistics
 
 from absl import flags
 
-from sharenet import config_lib
+from sharenet.config import cli
 from sharenet.errors import ConfigError
 
 _JSON = flags.DEFINE_string('json', None, 'also write the rows as JSON to this path')
@@ -55,4 +55,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  config_lib.run(main)
+  cli.run(main)

@@ -9,8 +9,8 @@ Result:    eval bits per byte: README.md, Quickstart (the one place it is quoted
 """
 import ml_collections
 
-from sharenet import defaults
+from sharenet.config import defaults
 
 
 def get_config() -> ml_collections.ConfigDict:
-  return defaults.default_config()   # every field, with its meaning, in sharenet/defaults.py
+  return defaults.default_config()   # every field, with its meaning, in sharenet/config/defaults.py

@@ -2,7 +2,7 @@
 
 Command:   python train.py --config configs/tiny.py --workdir runs/tiny
 Runtime:   ~15 s on the 2-core CPU (compile dominates).
-Result:    the loss falls by more than 1 nat in 40 steps (asserted in tests/test_train_lib.py).
+Result:    the loss falls by more than 1 nat in 40 steps (asserted in tests/train/test_loop.py).
 """
 from configs import default
 

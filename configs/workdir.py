@@ -8,8 +8,8 @@ Result:    the run continues from DIR's newest checkpoint with DIR/config.json's
            added to sharenet since it was written take their defaults); a conversion's DIR
            holds the converted model, so this is how a converted run is trained further.
 """
-from sharenet import workdir_lib
+from sharenet.train import workdir_io
 
 
 def get_config(workdir: str):
-  return workdir_lib.load_config(workdir)
+  return workdir_io.load_config(workdir)

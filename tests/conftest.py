@@ -27,11 +27,11 @@ _CACHE = os.path.join(os.path.expanduser('~'), '.cache', 'sharenet', 'jax_tests'
 jax.config.update('jax_compilation_cache_dir', _CACHE)
 jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.5)
 jax.config.update('jax_numpy_rank_promotion', 'raise')
-# As every entry point (sharenet/config_lib.py, GC_THRESHOLDS): at CPython's default thresholds
+# As every entry point (sharenet/config/cli.py, GC_THRESHOLDS): at CPython's default thresholds
 # a full collection walks a worker's every live object, jax's caches included, every few
 # seconds (measured in docs/performance.md, "Garbage collection"). Old garbage is collected
 # when the caches are dropped (_release_compiled_programs).
-from sharenet.config_lib import GC_THRESHOLDS  # noqa: E402
+from sharenet.config.cli import GC_THRESHOLDS  # noqa: E402
 
 gc.set_threshold(*GC_THRESHOLDS)
 
@@ -61,7 +61,7 @@ def make_tiny_config(**overrides):
 
 def read_losses(workdir):
   """Last logged loss per step (a killed run may have logged steps that were redone)."""
-  from sharenet.metrics import read_metrics
+  from sharenet.train.metrics import read_metrics
   return {r['step']: r['loss'] for r in read_metrics(workdir) if 'loss' in r}
 
 
@@ -174,7 +174,7 @@ def assert_greedy_is_full_forward_argmax(model, variables, prompt, n):
   one full (uncached) forward over the prompt and the generated tokens."""
   import jax.numpy as jnp
   import numpy as np
-  from sharenet import generate
+  from sharenet.inference import generate
   out = generate.generate(model, variables, [prompt], n, temperature=0).tokens[0]
   logits = model.apply(variables, jnp.asarray([(list(prompt) + list(out))[:-1]]))
   assert list(np.asarray(jnp.argmax(logits[0, len(prompt) - 1:], -1))) == list(out)
@@ -187,35 +187,10 @@ def greedy_is_full_forward_argmax():
   return assert_greedy_is_full_forward_argmax
 
 
-# The slow tier (-m slow; the fast tier is -m "not slow") is the tests marked
-# @pytest.mark.slow (8-device subprocesses, notebooks, ...) and the tests listed in
-# tests/slow_tests.txt: those measured over ~4 s each in a full run of the suite, written by
-# `python benchmarks/suite_profile.py --junit FILE --write-slow tests/slow_tests.txt`.
-# SHARENET_SLOW_LIST names another list ('' for none).
-SLOW_LIST = os.environ.get('SHARENET_SLOW_LIST', os.path.join(ROOT, 'tests', 'slow_tests.txt'))
-
-
-def read_slow_list(path=SLOW_LIST):
-  """The node ids a slow-test list names (one per line; '#' starts a comment)."""
-  if not path:
-    return set()
-  with open(path) as f:
-    return {line.split('#')[0].strip() for line in f} - {''}
-
-
-@pytest.hookimpl(tryfirst=True)   # before -m selects by marker
-def pytest_collection_modifyitems(config, items):
-  listed = read_slow_list()
-  for item in items:
-    if item.nodeid in listed:
-      item.add_marker(pytest.mark.slow)
-  # Collecting whole directories, every listed test must exist: a renamed test would otherwise
-  # fall silently into the fast tier.
-  if listed and config.args and all(os.path.isdir(a) for a in config.args):
-    stale = sorted(listed - {item.nodeid for item in items})
-    if stale:
-      raise pytest.UsageError(f'{SLOW_LIST} names tests that do not exist (rename them there, '
-                              f'or regenerate it): {stale[:5]}')
+# The slow tier (-m slow; the fast tier is -m "not slow") is the tests marked @pytest.mark.slow:
+# 8-device subprocesses, notebooks, trained-checkpoint conversions, compatibility rows, and
+# every test measured over ~4 s in a full run of the suite (`python benchmarks/suite_profile.py
+# --junit FILE` names the unmarked ones).
 
 
 # A worker's resident memory above which jax's in-memory caches are dropped after a module.

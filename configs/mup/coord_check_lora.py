@@ -3,7 +3,7 @@
 One shared block applied twice (cycle, 1 unique set) with per-layer LoRA of rank 4 on q, v, o
 and both MLP projections (Relaxed Recursive Transformers, arXiv:2410.20672). Besides the core
 activations it records mean|x A| ('lora_xa') and mean|scale x A B| ('lora_out', the LoRA delta
-added to each kernel's output). Rules for the factors: sharenet/parametrization.py docstring
+added to each kernel's output). Rules for the factors: sharenet/parametrization/rules.py docstring
 (A = TP5 output weight, B = input weight).
 
 Command:   nice -n 5 python -m sharenet.studies.coord_check \

@@ -34,7 +34,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from sharenet.data import tokenizer
+from sharenet.config import defaults
+from sharenet.data import arrayrecord, tokenizer
 from sharenet.errors import ConfigError
 
 SOURCES = ('stdlib', 'text', 'bin', 'arrayrecord')
@@ -49,8 +50,7 @@ SPLIT_SALT = 'sharenet-prepare-v1:'
 
 
 def get_field(cfg: Any, name: str) -> Any:
-  """`data.<name>` of a ConfigDict or dict; a key it lacks takes sharenet/defaults.py's value."""
-  from sharenet import defaults
+  """`data.<name>` of a ConfigDict or dict; a key it lacks takes sharenet/config/defaults.py's value."""
   return defaults.fill('data', cfg)[name]
 
 
@@ -213,7 +213,6 @@ def bytes_per_token(data_cfg: Any) -> float | None:
   `bin`, where bits-per-byte is really bits-per-token."""
   source, path = source_and_path(data_cfg)
   if source == 'arrayrecord':
-    from sharenet.data import arrayrecord
     return arrayrecord.bytes_per_token(path)
   return None if source == 'bin' else 1.0
 
@@ -223,7 +222,6 @@ def vocab_size(data_cfg: Any) -> int | None:
   the model config."""
   source, path = source_and_path(data_cfg)
   if source == 'arrayrecord':
-    from sharenet.data import arrayrecord
     return int(arrayrecord.meta(path)['vocab_size'])
   return None if source == 'bin' else BYTE_VOCAB
 
@@ -258,3 +256,41 @@ def unigram_bits_per_byte(data_cfg: Any) -> float | None:
   if source_and_path(data_cfg)[0] == 'arrayrecord':
     return None
   return _unigram_bits(*_source_key(data_cfg))
+
+
+def data_spec(data_cfg: Any) -> tuple[str | None, str | None]:
+  """(spec, base_dir) of a run's tokenizer, without loading it; ConfigError on a contradiction.
+
+  `data.tokenizer` = auto (default) takes what the data implies: bytes for the byte sources
+  (stdlib, text), the shards' own tokenizer for arrayrecord (meta.json, a path relative to the
+  shard directory), and none for `bin` (token ids of an unknown tokenizer: name it, e.g.
+  hf:PATH, to generate from such a model). An explicit value that contradicts the data is a
+  ConfigError; against shards it is compared by contents (`identity`), so hf:PATH naming the
+  file the shards were prepared with (or any copy of it) is accepted and the shards' own copy is
+  used. Training never needs the tokenizer; generation does (`for_data`).
+  """
+  spec = get_field(data_cfg, 'tokenizer') or 'auto'
+  if get_field(data_cfg, 'source') == 'bin':
+    # Token ids name no tokenizer of their own, and generation reads no data: an imported
+    # model (sharenet/interop/import_hf.py) generates before any data.path is set.
+    return (None if spec == 'auto' else spec), None
+  source, path = source_and_path(data_cfg)
+  if source == 'arrayrecord':
+    shards, base = arrayrecord.meta(path)['tokenizer'], os.path.expanduser(path)
+    if spec not in ('auto', shards) and (tokenizer.identity(spec) !=
+                                         tokenizer.identity(shards, base_dir=base)):
+      raise ConfigError(f'data.tokenizer={spec!r} contradicts the shards in data.path={path!r}, '
+                        f'which were tokenized with {shards!r} (the files differ); valid: auto, '
+                        f'{shards!r} or a copy of that file')
+    return shards, base
+  if spec not in ('auto', 'bytes'):
+    raise ConfigError(f'data.tokenizer={spec!r}: data.source={source!r} is read as UTF-8 bytes; '
+                      f'valid: auto or bytes (tokenize text with python -m '
+                      f'sharenet.data.prepare and train on data.source=arrayrecord)')
+  return 'bytes', None
+
+
+def for_data(data_cfg: Any) -> tokenizer.Tokenizer | None:
+  """The loaded tokenizer of a run's data (see `data_spec`), or None for unnamed `bin` ids."""
+  spec, base_dir = data_spec(data_cfg)
+  return None if spec is None else tokenizer.load(spec, 'data.tokenizer', base_dir=base_dir)

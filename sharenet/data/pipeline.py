@@ -208,8 +208,7 @@ def validate_data_config(data_cfg: Any, seq_len: int, batch_size: int, process_c
   _check_segment_mask(data_cfg, source)
   if source == 'arrayrecord':
     _validate_arrayrecord(path, seq_len, process_count, vocab_size)
-  from sharenet.data import tokenizer   # data.tokenizer must agree with the data
-  tokenizer.data_spec(data_cfg)
+  corpus.data_spec(data_cfg)   # data.tokenizer must agree with the data
   if source == 'arrayrecord':
     return
   if source == 'bin':

@@ -298,7 +298,7 @@ def main(argv: list[str]) -> None:
 if __name__ == '__main__':
   from absl import flags
 
-  from sharenet import config_lib
+  from sharenet.config import cli
   _INPUT = flags.DEFINE_string('input', None, "Quoted glob of text files (one file = one "
                                "document), or 'stdlib' for the embedded corpus.", required=True)
   _TOKENIZER = flags.DEFINE_string('tokenizer', 'bytes', 'bytes | sentencepiece:PATH | hf:PATH.')
@@ -312,4 +312,4 @@ if __name__ == '__main__':
                                         '(a quick trial; validation stays whole); 0: all.')
   _WORKERS = flags.DEFINE_integer('workers', os.cpu_count() or 1,
                                   'Tokenizer processes; 1 tokenizes in this process.')
-  config_lib.run(main)
+  cli.run(main)

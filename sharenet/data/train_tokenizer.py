@@ -16,7 +16,7 @@ vocabulary is the end-of-document token '<|endoftext|>' (id 0), all 256 bytes, t
 becomes U+FFFD); no validation file is seen.
 
 Deterministic: two trainings on the same corpus give byte-identical tokenizer.json files, also
-in separate processes and with the `tokenizers` thread pool on (tests/test_tokenizer.py checks
+in separate processes and with the `tokenizers` thread pool on (tests/data/test_tokenizer.py checks
 this at a small vocabulary; pair-count ties are broken by the pair itself, not by hash order).
 
 Cost: at --vocab_size 4096 on the shared 2-core CPU of the development machine (CPython 3.11
@@ -90,10 +90,10 @@ def main(argv: list[str]) -> None:
 if __name__ == '__main__':
   from absl import flags
 
-  from sharenet import config_lib
+  from sharenet.config import cli
   _VOCAB = flags.DEFINE_integer('vocab_size', 4096, 'Number of ids, including '
                                 f'{EOD_TOKEN} and the 256 bytes.')
   _OUT = flags.DEFINE_string('out', None, 'Directory for tokenizer.json.', required=True)
   _MAX_DOCUMENTS = flags.DEFINE_integer('max_documents', 0, 'Train on the first N files of the '
                                         'train split (a quick trial); 0: all.')
-  config_lib.run(main)
+  cli.run(main)

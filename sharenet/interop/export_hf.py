@@ -28,9 +28,12 @@ import numpy as np
 from flax.traverse_util import flatten_dict
 
 from sharenet.errors import ConfigError
-from sharenet.interop import hf_arch, layout, safetensors_io
-from sharenet.models import layout as model_layout
+from sharenet.interop import hf_arch, hf_layout, safetensors_io
+from sharenet.models import layout
 from sharenet.models.lm import param_table
+from sharenet.models import ModelConfig
+from sharenet.train import trainer
+from sharenet.train import workdir_io
 
 _CLASSES = {'llama': 'LlamaForCausalLM', 'qwen2': 'Qwen2ForCausalLM',
             'qwen3': 'Qwen3ForCausalLM', 'gemma': 'GemmaForCausalLM',
@@ -172,7 +175,7 @@ def write_hf(out: str, arch: str, cfg: Any, params: dict[str, Any] | None = None
   count. The params are `params` (the whole 'params' tree) or, for an untied plan, `read`
   (stored path -> host array, one stored parameter at a time) with their `shapes`: the tensors
   are then written grouped by the stored parameter they come from, so each is read once and
-  at most a few are held (workdir_lib.param_reader)."""
+  at most a few are held (workdir_io.param_reader)."""
   if params is not None:
     flat = dict(flatten_dict(params))
     read, shapes = flat.__getitem__, {p: tuple(v.shape) for p, v in flat.items()}
@@ -180,16 +183,16 @@ def write_hf(out: str, arch: str, cfg: Any, params: dict[str, Any] | None = None
   table = {p[1:]: i for p, i in param_table(cfg).items() if p[0] == 'params'}
   if cfg.sharing.scheme == 'untied':   # the stored leaves are per applied layer already
     source = {i.local: p for p, i in table.items() if i.in_block}   # block-local -> stored
-    fused = max(len(parts) for _, parts in _tensors(arch, model_layout.untied_config(cfg)))
+    fused = max(len(parts) for _, parts in _tensors(arch, layout.untied_config(cfg)))
     get = _recent(read, fused)   # GPT-2's c_attn reads q, k and v at once
     stored = lambda e: source[e.path] if e.layer else e.path
   else:   # {block-local path: (L, ...)}, a copy: the expanded model
     if params is None:
       raise ValueError('write_hf: a tied plan is expanded from the whole params tree')
-    applied = model_layout.applied_params(params, cfg)
+    applied = layout.applied_params(params, cfg)
     get = lambda path: applied[path] if path in applied else read(path)
     stored = lambda e: e.path
-  cfg = model_layout.untied_config(cfg)
+  cfg = layout.untied_config(cfg)
 
   def value(e: hf_arch.Entry, layer: int | None) -> np.ndarray:
     return np.asarray(get(stored(e)) if layer is None else get(stored(e))[layer], np.float32)
@@ -201,11 +204,11 @@ def write_hf(out: str, arch: str, cfg: Any, params: dict[str, Any] | None = None
   tensors = _tensors(arch, cfg)
   tensors.sort(key=lambda t: (stored(t[1][0][0]), t[1][0][1] or 0))   # one source at a time
   by_name = dict(tensors)
-  shapes_hf = {n: layout.hf_shape(parts[0][0], shape(*parts[0])) for n, parts in tensors}
+  shapes_hf = {n: hf_layout.hf_shape(parts[0][0], shape(*parts[0])) for n, parts in tensors}
 
   def produce(name):
     parts = by_name[name]
-    return layout.to_hf(parts[0][0], [value(e, layer) for e, layer in parts])
+    return hf_layout.to_hf(parts[0][0], [value(e, layer) for e, layer in parts])
 
   safetensors_io.write(os.path.join(out, 'model.safetensors'),
                        [(n, shapes_hf[n], np.float32) for n, _ in tensors], produce)
@@ -230,23 +233,21 @@ def _recent(read: Callable[[tuple], np.ndarray], size: int) -> Callable[[tuple],
 
 def export_hf(workdir: str, out: str) -> dict[str, Any]:
   """Writes Hugging Face directory `out` from `workdir`'s latest checkpoint."""
-  from sharenet import train_lib, workdir_lib
-  from sharenet.models import ModelConfig
   if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
     raise ConfigError(f'--out {out} exists and is not an empty directory; valid: a new '
                       f'directory')
-  config = workdir_lib.load_config(workdir)
+  config = workdir_io.load_config(workdir)
   cfg = ModelConfig.from_experiment(config)
   arch = export_arch(cfg)
   # An untied model whose stored params are the applied ones (no reparameterization) is read
   # one stored parameter at a time; otherwise the effective params are restored whole.
   streaming = cfg.sharing.scheme == 'untied' and not config.transforms.reparam
   if streaming:
-    step, shapes, read = workdir_lib.param_reader(config, workdir)
+    step, shapes, read = workdir_io.param_reader(config, workdir)
     write = lambda d: write_hf(d, arch, cfg, read=read, shapes=shapes)
   else:
-    state, step, exp = workdir_lib.restore_state(config, workdir)
-    variables = jax.device_get(train_lib.effective_params(state, exp.tr))
+    state, step, exp = workdir_io.restore_state(config, workdir)
+    variables = jax.device_get(trainer.effective_params(state, exp.tr))
     extra = [k for k, v in variables.items() if k != 'params' and flatten_dict(v)]
     if extra:
       raise ConfigError(f'--workdir {workdir} holds the collection {extra[0]} (per-layer '
@@ -278,8 +279,8 @@ def main(argv: list[str]) -> None:
 
 if __name__ == '__main__':
   from absl import flags
-  from sharenet import config_lib
+  from sharenet.config import cli
   flags.DEFINE_string('workdir', None, 'sharenet workdir (train.py, convert.py, import_hf).',
                       required=True)
   flags.DEFINE_string('out', None, 'New Hugging Face model directory.', required=True)
-  config_lib.run(main)
+  cli.run(main)

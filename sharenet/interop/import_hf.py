@@ -13,7 +13,7 @@ Architectures and the fields refused: sharenet/interop/hf_arch.py; docs/interop.
 
 Tensors are read one at a time into the stacked parameters; each parameter, once complete, is
 moved to a jax array and written to the workdir's checkpoint before the next one is read
-(checkpoint.save_streamed, orbax's experimental partial save). Peak host memory is about three
+(orbax_io.save_streamed, orbax's experimental partial save). Peak host memory is about three
 times the largest stacked parameter (it plus orbax's write and compression buffers), not the
 model (benchmarks/hf_streaming.py; docs/interop.md, "Tests and memory"). Every tensor of the checkpoint must
 be a parameter of the model and every parameter must be in the checkpoint; names, shapes and
@@ -37,9 +37,16 @@ import jax
 import numpy as np
 from flax.traverse_util import flatten_dict, unflatten_dict
 
-from sharenet import defaults
+from sharenet.config import defaults
 from sharenet.errors import ConfigError
-from sharenet.interop import hf_arch, layout, safetensors_io
+from sharenet.interop import hf_arch, hf_layout, safetensors_io
+from sharenet.models import DecoderLM
+from sharenet.models import ModelConfig
+from sharenet.models.lm import init_variables
+from sharenet.models.lm import logical_axes
+from sharenet.models.lm import param_table
+from sharenet.train import sharding
+from sharenet.train import workdir_io
 
 TOKENIZER = 'tokenizer.json'
 
@@ -64,7 +71,7 @@ def experiment_config(model_keys: dict[str, Any], tokenizer: str | None) -> dict
   config['data'].update(source='bin', path='', tokenizer=f'hf:{tokenizer}' if tokenizer else
                         'auto')
   # The data is the user's, so the data stream always changes on the first train.py run:
-  # parameters are loaded with a fresh optimizer state (sharenet/resume.py) without a flag.
+  # parameters are loaded with a fresh optimizer state (sharenet/train/resume.py) without a flag.
   config['train'].update(steps=0, restore='params')
   window = model_keys.get('attention_window', 0)
   if window:   # a sliding-window model is modelled within its window only (hf_arch.py)
@@ -94,9 +101,6 @@ def mesh_overrides(spec: str) -> dict[str, int]:
 def param_shardings(raw: dict[str, Any], cfg: Any) -> dict[tuple, Any]:
   """{path below 'params': NamedSharding} of DecoderLM(cfg) on raw['mesh'] (train.py's)."""
   import ml_collections
-  from sharenet import sharding
-  from sharenet.models import DecoderLM
-  from sharenet.models.lm import init_variables, logical_axes
   mesh_cfg = ml_collections.ConfigDict(raw['mesh'])
   sharding.validate(ml_collections.ConfigDict(raw), jax.device_count())
   mesh, rules = sharding.make_mesh(mesh_cfg), sharding.rules_of(mesh_cfg)
@@ -118,8 +122,6 @@ def _place(value: np.ndarray, sharding: Any) -> jax.Array:
 def stored_params(cfg: Any) -> dict[tuple, jax.ShapeDtypeStruct]:
   """{path below 'params': float32 ShapeDtypeStruct} of the leaves `iter_params` yields for
   untied DecoderLM(cfg), in the model's order."""
-  from sharenet.models import DecoderLM
-  from sharenet.models.lm import init_variables
   abstract = jax.eval_shape(lambda: init_variables(DecoderLM(cfg), jax.random.key(0)))
   return {p: jax.ShapeDtypeStruct(x.shape, np.float32)
           for p, x in flatten_dict(abstract['params']).items()}
@@ -136,7 +138,6 @@ def iter_params(model_dir: str, arch: str, cfg: Any, shardings: dict[tuple, Any]
   The checkpoint's tensor names, shapes and dtypes are checked against the model first (one
   ConfigError line: a tensor missing, of the wrong shape or dtype, or not modelled) when this
   is called, before the iterator reads a tensor."""
-  from sharenet.models.lm import param_table
   files = safetensors_io.open_model(model_dir)
   table = {p[1:]: i for p, i in param_table(cfg).items() if p[0] == 'params'}
   shapes = {(i.local if i.in_block else p): ((cfg.num_layers,) + i.shape[i.num_layer_axes:]
@@ -157,7 +158,7 @@ def iter_params(model_dir: str, arch: str, cfg: Any, shardings: dict[tuple, Any]
       if name not in files:
         raise ConfigError(f'--model {model_dir}: tensor {name} is missing (config.json '
                           f'describes a {arch} model that has it)')
-      want = layout.hf_shape(e, shapes[e.path][1:] if e.layer else shapes[e.path])
+      want = hf_layout.hf_shape(e, shapes[e.path][1:] if e.layer else shapes[e.path])
       if files[name].shape(name) != want:
         raise ConfigError(f'--model {model_dir}: tensor {name} has shape '
                           f'{files[name].shape(name)}, config.json implies {want}')
@@ -184,10 +185,10 @@ def _read_params(model_dir: str, files: dict[str, Any], entries: list[Any],
         cache[:] = None, None   # the previous tensor freed before the next is read
         cache[:] = name, files[name].read(name)
       one = value[i] if e.layer else value
-      if cache[1].shape != layout.hf_shape(e, one.shape):   # checked above; a changed file
+      if cache[1].shape != hf_layout.hf_shape(e, one.shape):   # checked above; a changed file
         raise ConfigError(f'--model {model_dir}: tensor {name} has shape {cache[1].shape}, '
-                          f'config.json implies {layout.hf_shape(e, one.shape)}')
-      one[...] = layout.to_sharenet(e, cache[1], one.shape)
+                          f'config.json implies {hf_layout.hf_shape(e, one.shape)}')
+      one[...] = hf_layout.to_sharenet(e, cache[1], one.shape)
       del one
     nxt = entries[k + 1].hf.format(i=0) if k + 1 < len(entries) else None
     if cache[0] != nxt:
@@ -220,8 +221,6 @@ def read_params(model_dir: str, arch: str, cfg: Any,
 def import_hf(model_dir: str, out: str, mesh: str = '') -> dict[str, Any]:
   """Writes `out`, the sharenet workdir of Hugging Face directory `model_dir`; `mesh`
   ('fsdp=8,tensor=2') sets its config.mesh and places each parameter in its sharding."""
-  from sharenet import workdir_save
-  from sharenet.models import ModelConfig
   _check_out(out)
   if not os.path.isdir(model_dir):
     raise ConfigError(f'--model {model_dir} is not a directory')
@@ -239,7 +238,7 @@ def import_hf(model_dir: str, out: str, mesh: str = '') -> dict[str, Any]:
   try:
     # No optimizer state (train.restore=params makes a fresh one): the checkpoint is the
     # parameters' size, not three times it; they are written one at a time as they are read.
-    workdir_save.save_workdir_streamed(
+    workdir_io.save_workdir_streamed(
         tmp, raw, cfg, {'params': unflatten_dict(specs)}, _under('params', leaves), 0,
         {'imported_from': os.path.abspath(model_dir), 'hf_model_type': arch})
     if has_tok:
@@ -264,9 +263,9 @@ def main(argv: list[str]) -> None:
 
 if __name__ == '__main__':
   from absl import flags
-  from sharenet import config_lib
+  from sharenet.config import cli
   flags.DEFINE_string('model', None, 'Hugging Face model directory.', required=True)
   flags.DEFINE_string('out', None, 'New sharenet workdir.', required=True)
   flags.DEFINE_string('mesh', '', 'AXIS=SIZE,... of config.mesh (data, fsdp, tensor, expert): '
                       'each parameter is placed in its sharding, the checkpoint written sharded.')
-  config_lib.run(main)
+  cli.run(main)

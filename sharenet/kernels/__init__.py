@@ -17,7 +17,7 @@ CPU). See docs/scaling.md and docs/performance.md "CPU speed against PyTorch eag
 
 Every choice above follows `backend()`: the host's default backend, or the platform set by
 `target(platform)` around tracing, so that a CPU machine can lower the TPU or GPU program
-(`jax.export.export(..., platforms=[...])`, sharenet/lowering.py).
+(`jax.export.export(..., platforms=[...])`, sharenet/kernels/lowering.py).
 """
 from __future__ import annotations
 

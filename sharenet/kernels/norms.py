@@ -3,7 +3,7 @@
     s = x + residual          (the residual stream after a branch; residual may be None: s = x)
     y = norm(s) * gain + bias
 
-for the three row norms of sharenet/norms.py (papers in docs/references.md):
+for the three row norms of sharenet/models/norms.py (papers in docs/references.md):
 
   layernorm  (s - mean) / sqrt(var + eps)                                (Ba et al.)
   rmsnorm    s / sqrt(mean(s^2) + eps)                                   (Zhang & Sennrich)
@@ -12,7 +12,7 @@ for the three row norms of sharenet/norms.py (papers in docs/references.md):
 Both s and y come back, so a pre-norm block carries s as its stream and feeds y to the next
 branch: one pass over HBM instead of an add kernel plus a norm kernel. Statistics are float32
 (the promoted input dtype for float64); s and y are in the input dtype, exactly as
-`sharenet.norms.Norm` computes them, so `reference_add_norm` is bit-identical to
+`sharenet.models.norms.Norm` computes them, so `reference_add_norm` is bit-identical to
 `x + residual` followed by `Norm`.
 
 `add_norm` is a jax.custom_vjp whose forward and backward are `pl.pallas_call`s over row
@@ -34,7 +34,7 @@ from sharenet.kernels.note_fallback):
     D is the whole row, block_rows is a multiple of 8, the statistics are (N, 1) columns and
     the partial gains (blocks, 1, D); a block keeps at most TPU_BLOCK_BYTES of float32 (VMEM).
   * CPU: interpret mode only (sharenet.kernels.interpret), ~500x slower than jnp: tests.
-The tests (tests/test_kernels_norms.py) run interpret mode; tests/test_lowering.py lowers the
+The tests (tests/kernels/test_kernel_norms.py) run interpret mode; tests/kernels/test_lowering.py lowers the
 kernels with Mosaic and Triton at pod widths and lengths (no compile: no accelerator yet). Under
 a mesh each device runs them on its own rows (sharenet/kernels/partition.py).
 """
@@ -68,7 +68,7 @@ def _compute_dtype(dtype) -> jnp.dtype:
 def _inv_rms(s, kind: str, eps: float):
   """Per-row (rstd, mean) of s (compute dtype, last axis); mean is None except for layernorm.
 
-  The op order is Norm's (sharenet/norms.py), so the reference is bit-identical to it.
+  The op order is Norm's (sharenet/models/norms.py), so the reference is bit-identical to it.
   """
   d = s.shape[-1]
   mean = None
@@ -88,7 +88,7 @@ def reference_add_norm(x, residual, gain, bias, *, kind: str, eps: float):
   """(s, y): s = x + residual (or x), y = norm(s) * gain + bias, in plain jnp (the XLA path).
 
   x, residual: (..., D), one dtype; gain, bias: (D,) or None. Statistics in float32 (or the
-  promoted input dtype); s and y in x's dtype. Same numbers as `sharenet.norms.Norm`.
+  promoted input dtype); s and y in x's dtype. Same numbers as `sharenet.models.norms.Norm`.
   """
   _check_kind(kind)
   s = x if residual is None else x + residual

@@ -3,7 +3,7 @@
 XLA cannot partition a Pallas call: Mosaic refuses to lower one in a program over several
 devices ("Mosaic kernels cannot be automatically partitioned. Please wrap the call in a
 shard_map"), and XLA would run a Triton call on gathered, replicated operands. So under a mesh
-of more than one device (sharenet.sharding.activate: jax.set_mesh and the logical rules) a
+of more than one device (sharenet.train.sharding.activate: jax.set_mesh and the logical rules) a
 kernel runs inside jax.shard_map: its independent dimensions (batch rows, attention heads) split
 over the mesh axes the logical rules give them, every other dimension whole on each device
 (a norm reduces over D, attention over T). A dimension those axes do not divide stays whole.

@@ -11,7 +11,7 @@ from flax.traverse_util import flatten_dict
 from sharenet.models.config import ModelConfig
 from sharenet.models.lm import param_table
 from sharenet.models.sections import RecurrenceConfig
-from sharenet.norms import PER_LAYER
+from sharenet.models.params import PER_LAYER
 
 
 def params_unique(variables: Any) -> int:

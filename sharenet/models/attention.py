@@ -29,7 +29,7 @@ from sharenet.models.config import ModelConfig
 from sharenet.models.layers import INTERMEDIATES, sow_l1
 from sharenet.models.positions import PositionStep
 from sharenet.models.projections import BRANCH, Projected, project_out, project_qkv
-from sharenet.params import param
+from sharenet.models.params import param
 
 __all__ = ['BRANCH', 'CausalAttention', 'DecodeStep', 'LayerCache']
 
@@ -147,7 +147,7 @@ class CausalAttention(nn.Module):
     `positions_T` is (T,), or (B, T) for per-row positions (the gathered token subsets of
     Mixture-of-Recursions routing, models/routing.py).
 
-    The cached path (generation, sharenet/generate.py) ignores `positions_T` and
+    The cached path (generation, sharenet/inference/generate.py) ignores `positions_T` and
     `segment_ids_BT`, writes this call's keys and values into `cache` at `step.index` and
     attends over the whole cache by the step's query and key positions.
     """

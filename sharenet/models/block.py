@@ -37,8 +37,9 @@ from sharenet.models.moe import MoeFfn
 from sharenet.models import unit_scale
 from sharenet import kernels as kernel_lib
 from sharenet.kernels import norms as norm_kernels
-from sharenet.norms import PER_LAYER, Norm
-from sharenet.params import placed
+from sharenet.models.norms import Norm
+from sharenet.models.params import PER_LAYER
+from sharenet.models.params import placed
 
 ACT_AXES = ('activation_batch', 'activation_length', 'activation_embed')
 

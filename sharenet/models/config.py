@@ -3,7 +3,7 @@
 One field per `config.model` key, named as the key, with the nested groups as nested frozen
 dataclasses (models/sections.py): `cfg.d_model`, `cfg.head_dim`, `cfg.norm.kind`,
 `cfg.sharing.scheme`, `cfg.routing.capacity`, `cfg.masa.atoms`. Defaults are the default
-config's (sharenet/defaults.py); `from_config` and `to_config` read and write that section.
+config's (sharenet/config/defaults.py); `from_config` and `to_config` read and write that section.
 
 What the keys' sentinels stand for, and the model-level scalars of the parametrization
 (`parametrization`, the `config.parametrization` group; models/scaling.py), are resolved once
@@ -18,7 +18,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from sharenet import defaults, sharing
+from sharenet.config import defaults
+from sharenet.models import sharing
 from sharenet.errors import ConfigError
 from sharenet.kernels import ATTENTIONS, DENSE_GRADS, KERNELS
 from sharenet.models import expert_checks, looped_config, scaling
@@ -92,7 +93,7 @@ class ModelConfig:
   moe: MoeConfig = section(MoeConfig)
   rope_scaling: RopeScalingConfig = section(RopeScalingConfig)
   # Not a model key: the config.parametrization group, whose model-level scalars are resolved
-  # below (the per-leaf rules are sharenet.parametrization's).
+  # below (the per-leaf rules are sharenet.parametrization.rules's).
   parametrization: scaling.Settings = dataclasses.field(default_factory=scaling.Settings)
 
   # ---- resolved when built (`_resolve`) ------------------------------------------------------
@@ -208,7 +209,7 @@ def _read(cls: type, node: Any, prefix: str = 'model.') -> dict[str, Any]:
     name = f.metadata['key'].split('.')[-1]
     if name not in node:
       raise ConfigError(f'{prefix}{name} is missing; valid: a config built on '
-                        f'configs/default.py (sharenet.defaults.complete fills old ones)')
+                        f'configs/default.py (sharenet.config.defaults.complete fills old ones)')
     value = node[name]
     sub = f.metadata.get('section')
     if sub is not None:

@@ -40,7 +40,7 @@ import jax.numpy as jnp
 from sharenet.errors import ConfigError
 from sharenet.models.block import Shared, Stream
 from sharenet.models.loops import Layer, Schedule, one_loop
-from sharenet.sharing import Segment
+from sharenet.models.sharing import Segment
 
 
 def _at(tree: Any, i) -> Any:

@@ -1,9 +1,9 @@
 """Loop-by-loop serving's view of a model: any applied layer's variables, gathered on demand.
 
 `LayerStore` holds the stored sets and per-layer parts of a model, read by the parameters'
-structure metadata (sharenet/params.py, models/layout.py), so `run_layers` can apply a traced
+structure metadata (sharenet/models/params.py, models/layout.py), so `run_layers` can apply a traced
 range of applied layers to one token (the early-exit and depth-wise batching schedulers of
-sharenet/loop_ticks.py place each token's next loop at run time). The layer itself is the
+sharenet/inference/loop_by_loop.py place each token's next loop at run time). The layer itself is the
 loop runner's (models/loops.py `layer_fn`).
 """
 from __future__ import annotations
@@ -19,7 +19,8 @@ from sharenet.models.attention import DecodeStep, LayerCache
 from sharenet.models.block import Scanned, Shared, Stream
 from sharenet.models.config import ModelConfig
 from sharenet.models.loops import layer_fn
-from sharenet.norms import PER_LAYER
+from sharenet.models.params import PER_LAYER
+from sharenet.models import layout
 
 
 class LayerStore(NamedTuple):
@@ -32,7 +33,6 @@ class LayerStore(NamedTuple):
 
 def layer_store(cfg: ModelConfig, variables: Any, atoms: Any = None) -> LayerStore:
   """The stored sets and per-layer parts of `variables` (a model of `cfg`), by metadata."""
-  from sharenet.models import layout   # layout reads the model's table: imported at call time
   per_layer = variables.get(PER_LAYER)
   return LayerStore(layout.unique_sets(variables['params'], cfg),
                     jnp.asarray(np.asarray(cfg.plan.index, np.int32)),

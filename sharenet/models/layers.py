@@ -13,7 +13,7 @@ from sharenet import kernels as kernel_lib
 # einsum_f32 lives with the kernels (a leaf: kernels import nothing from models); re-exported.
 from sharenet.kernels.einsum import einsum_f32
 from sharenet.models import lora_experts
-from sharenet.params import PER_LAYER, param
+from sharenet.models.params import PER_LAYER, param
 
 
 INTERMEDIATES = 'intermediates'

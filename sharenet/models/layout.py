@@ -1,7 +1,7 @@
 """Views of the stack's variables per unique set and per applied layer; tied -> untied.
 
 Every view is keyed by a leaf's block-local path (`ParamInfo.local`, e.g. ('attn', 'q',
-'kernel')) and placed by its structure metadata (`sets`, `layers`: sharenet/params.py), so none
+'kernel')) and placed by its structure metadata (`sets`, `layers`: sharenet/models/params.py), so none
 of them reads the stack's module names.
 """
 from __future__ import annotations
@@ -15,8 +15,8 @@ from flax.traverse_util import flatten_dict, unflatten_dict
 
 from sharenet.models.config import ModelConfig
 from sharenet.models.lm import param_table
-from sharenet.norms import PER_LAYER
-from sharenet.params import ParamInfo
+from sharenet.models.params import PER_LAYER
+from sharenet.models.params import ParamInfo
 
 Tree = Any
 

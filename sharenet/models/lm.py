@@ -20,11 +20,15 @@ from sharenet.models.masa import MasaAtoms
 from sharenet.models.moe import MOE
 from sharenet.models.loops import Schedule, looped
 from sharenet.models.stack import Stack, init_cache as init_layer_caches
-from sharenet import params
-from sharenet.norms import PER_LAYER, Norm
+from sharenet.models import params
+from sharenet.models.norm_stats import NORM_STATS
+from sharenet.models.norms import Norm
+from sharenet.models.params import PER_LAYER
+from sharenet.models.routing import BALANCE
+from sharenet.models.sections import STATS_NORMS
 
 TRAINABLE = ('params', PER_LAYER)
-# The stack's module name; only models/ reads it (tests/test_structure.py renames it).
+# The stack's module name; only models/ reads it (tests/models/test_structure.py renames it).
 STACK = 'stack'
 
 
@@ -72,7 +76,7 @@ class DecoderLM(nn.Module):
   a prefix of them without gradient (with a cache: decoding at another depth, the cache made
   by init_cache(loops=...)); with `collect`, the stream after each loop is sown into the
   `loops.PER_LOOP` collection (apply with mutable=[PER_LOOP]); `exit_logits` reads those
-  streams out through the coda and the head (trained exits, sharenet/recurrence.py).
+  streams out through the coda and the head (trained exits, sharenet/train/sampled_depth.py).
   """
   cfg: ModelConfig
 
@@ -171,7 +175,7 @@ class DecoderLM(nn.Module):
                   ) -> jax.Array:
     """Logits (N, B, T, V) at N loop exits: each stream after a loop of the looped segment
     (Schedule.collect) through the segments after it (the coda: middle_cycle's unique last
-    layer, as recursive_inference.py exits) and the head."""
+    layer, as loop_by_loop.py exits) and the head."""
     N, B, T, D = streams_NBTD.shape
     x_BTD = streams_NBTD.reshape(N * B, T, D)   # the exits batched: one pass of the coda
     first = looped(self.cfg).segment + 1
@@ -225,6 +229,18 @@ def init_variables(model: DecoderLM, rng: jax.Array, batch_size: int = 1, seq_le
   table: the flax modules are traced once per config, not once per table and once per init).
   """
   return _init_trace(model.cfg, batch_size, seq_len, _aval(rng), _trace_key()).init(rng)
+
+
+def initial_state(cfg: ModelConfig) -> dict[str, Any]:
+  """The model's non-trainable state at init, as TrainState.tstate holds it: {routing.BALANCE:
+  loss-free balancing's zero bias} and {norm_stats.NORM_STATS: a statistics norm's running
+  statistics}, each only where the config has it."""
+  out = {}
+  if cfg.loss_free:
+    out[BALANCE] = init_collection(cfg, BALANCE)
+  if cfg.norm.kind in STATS_NORMS:
+    out[NORM_STATS] = init_collection(cfg, NORM_STATS)
+  return out
 
 
 def init_collection(cfg: ModelConfig, name: str) -> Any:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sharenet import sharing
+from sharenet.models import sharing
 from sharenet.errors import ConfigError
 
 ROUTED_SCHEMES = ('cycle', 'middle_cycle')   # Mixture-of-Recursions routes these (its code too)

@@ -32,7 +32,7 @@ A plan with one looped segment reads as prelude (the applied layers before it), 
 layers, and coda (the layers after it): `cycle` / `universal` have no prelude or coda,
 `middle_cycle` one unique layer each (Relaxed Recursive Transformers, arXiv:2410.20672).
 `LayerStore` gathers what applied layer l needs from the stored tree by the parameters'
-structure metadata (sharenet/params.py) for loop-by-loop serving (models/layer_store.py).
+structure metadata (sharenet/models/params.py) for loop-by-loop serving (models/layer_store.py).
 """
 from __future__ import annotations
 
@@ -46,8 +46,8 @@ from sharenet.errors import ConfigError
 from sharenet.models.block import Block, Scanned, Shared, Stream
 from sharenet.models.config import ModelConfig
 from sharenet.models.layers import INTERMEDIATES
-from sharenet.norm_stats import NORM_STATS
-from sharenet.sharing import Segment
+from sharenet.models.norm_stats import NORM_STATS
+from sharenet.models.sharing import Segment
 
 LOWERINGS = ('nested', 'flat', 'unrolled')
 PER_LOOP = 'per_loop'   # sown collection: the stream after each loop (Schedule.collect)
@@ -97,7 +97,7 @@ def layer_fn(cfg: ModelConfig, observe: bool = False, capture: Any = False,
   applied to the block's modules as if they were called in place; `emit_kv` returns the
   layer's keys and values in the cache's place where it has no cache (model.kv_sharing's first
   loop, models/kv_sharing.py). `train_stats`: a statistics norm's collection is mutable, so
-  it normalises in training mode (sharenet/norm_stats.py; its statistics leave by cotangents,
+  it normalises in training mode (sharenet/models/norm_stats.py; its statistics leave by cotangents,
   never as outputs). Rematerialised under cfg.remat (prevent_cse is unnecessary inside scan,
   jax.checkpoint's docstring, and costs speed)."""
   block = Block(cfg, emit_kv=emit_kv)
@@ -197,7 +197,7 @@ def stream_pass(layer: Layer, sets: Any, masa: Any, *, unroll: int = 1,
 def run_segment(layer: Layer, seg: Segment, lowering: str, sets: Any, per_layer: Any,
                 carry: Stream, shared: Shared, cache: Any = None,
                 schedule: Schedule = Schedule(), *, unroll: int = 1,
-                split_transpose: bool = True, inject: Any = None, emit_layer: Layer | None = None):
+                split_transpose: bool = True, inject: Any = None):
   """Applies plan segment `seg` -> (carry, caches, sown, per-loop streams or None).
 
   `sets`: the segment's stored block params, stacked (K, ...), or under `unrolled` a tuple of
@@ -206,17 +206,11 @@ def run_segment(layer: Layer, seg: Segment, lowering: str, sets: Any, per_layer:
   the lowering's leading axes ((R, K) nested cycle, (K, R) nested sequence, (L_seg,) flat;
   under `unrolled` a tuple, one per applied layer). `inject` (a looped cycle segment's
   models/recurrence.py Injection, or None) runs at the start of every loop in every lowering.
-  `emit_layer` (layer_fn(..., emit_kv=True)) makes the later loops of a looped segment attend to
-  its first loop's keys and values (model.kv_sharing=first, models/kv_sharing.py); `cache` then
-  holds one loop's K layers.
+  A looped segment under model.kv_sharing=first runs through models/kv_sharing.py instead
+  (`run_shared`, which applies this module's loops).
   """
   if lowering not in LOWERINGS:
     raise ConfigError(f'loop lowering {lowering!r} is unknown; valid: {", ".join(LOWERINGS)}')
-  if emit_layer is not None:
-    from sharenet.models import kv_sharing   # it drives this module's loops: imported here
-    return kv_sharing.run_shared(layer, emit_layer, seg, lowering, sets, per_layer, carry,
-                                 shared, cache, schedule, unroll=unroll,
-                                 split_transpose=split_transpose, inject=inject)
   if not schedule.is_default:
     return _run_schedule(layer, seg, sets, per_layer, carry, shared, cache, schedule,
                          unroll=unroll, split_transpose=split_transpose, inject=inject)

@@ -27,7 +27,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from sharenet.params import param
+from sharenet.models.params import param
 
 BRANCH = 'mlp'
 

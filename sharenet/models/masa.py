@@ -16,7 +16,7 @@ stored once whatever the sharing plan; DecoderLM hands them to the Stack, which 
 into every scan level (models/stack.py) down to the Dense that combines them. The coefficients
 live inside the blocks and follow the plan (tied sets share them).
 
-Roles (sharenet/params.py): an atom has its kernel's role (reader / writer, so muP treats it as
+Roles (sharenet/models/params.py): an atom has its kernel's role (reader / writer, so muP treats it as
 the hidden matrix it builds: same fan-in, fan-out, init and LR rules) and a leading 'atoms' axis,
 a stack axis that is never width. The coefficients are role 'scalar' (muP 'vector'): a change of
 c by Theta(eta) changes W x by Theta(eta) relative to W x at any width, like a norm gain.
@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from sharenet.models.config import ModelConfig
-from sharenet.params import param
+from sharenet.models.params import param
 
 ATOMS = 'atoms'   # logical axis of the dictionary index (a stack axis, never width)
 

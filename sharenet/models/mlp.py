@@ -30,7 +30,8 @@ from jax.ad_checkpoint import checkpoint_name
 from sharenet.models import lora_experts, unit_scale
 from sharenet.models.config import ModelConfig
 from sharenet.models.layers import Dense, dense_apply, sow_l1
-from sharenet.norms import PER_LAYER, Norm
+from sharenet.models.norms import Norm
+from sharenet.models.params import PER_LAYER
 
 
 @jax.custom_vjp

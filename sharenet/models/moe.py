@@ -41,7 +41,7 @@ from sharenet import kernels as kernel_lib
 from sharenet.models.config import ModelConfig
 from sharenet.models.layers import sow_l1
 from sharenet.models.mlp import BRANCH, swiglu
-from sharenet.params import param
+from sharenet.models.params import param
 
 MOE = 'moe'       # sown collection: the forward pass's summed weighted aux loss (models/lm.py)
 BLOCK_ROWS = 64   # rows of one reference block (the padding per expert is below one block)

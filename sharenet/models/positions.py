@@ -16,7 +16,7 @@ import numpy as np
 from sharenet.models.config import ModelConfig
 from sharenet.models.layers import rope
 from sharenet.models.projections import BRANCH, Projected
-from sharenet.norms import Norm
+from sharenet.models.norms import Norm
 
 
 def frequencies(cfg: ModelConfig, d: int) -> np.ndarray:

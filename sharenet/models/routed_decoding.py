@@ -19,7 +19,7 @@ Which tokens run recursion r:
 * token choice: the exit of `routing.token_route` (each token's own segment input: causal),
   exactly as in training, whose attention at recursion r hides the tokens not routed to r
   (each its own segment). Cached greedy decoding therefore equals the full forward's argmax
-  (tests/test_routed_decoding.py).
+  (tests/models/test_routed_decoding.py).
 * expert choice: training keeps the top k_r of the sequence, which reads later tokens. Decoding
   decides per token: a token that ran r-1 runs r when its router's BCE-trained probability
   sigmoid(logit_r) >= 0.5 (the membership prediction the reference's `sampling: aux_loss`

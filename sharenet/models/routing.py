@@ -40,7 +40,7 @@ import optax
 from flax.traverse_util import flatten_dict
 
 from sharenet.models.config import ModelConfig
-from sharenet.params import param
+from sharenet.models.params import param
 
 ROUTING = 'routing'   # sown collection: per-recursion aux losses and realised capacities
 # Non-trainable collection of loss-free balancing (token choice, model.routing.balancing=bias):
@@ -321,15 +321,6 @@ def token_choice(h_BTD: jax.Array, positions_T: jax.Array | None,
   for r in range(R):
     carry = token_recursion(level, r, carry, routes, positions_T)
   return carry[1]
-
-
-def balance_state(cfg: ModelConfig) -> dict[str, Any]:
-  """Loss-free balancing's initial state, as TrainState.tstate holds it: {BALANCE: the model's
-  non-trainable collection (zero bias at the router's path)}; {} without loss-free balancing."""
-  if not cfg.loss_free:
-    return {}
-  from sharenet.models.lm import init_collection   # the model's own tree: no path spelled here
-  return {BALANCE: init_collection(cfg, BALANCE)}
 
 
 def update_balance(cfg: ModelConfig, balance: Any, metrics: dict[str, jax.Array]) -> Any:

@@ -1,18 +1,18 @@
 """The `config.parametrization` group (Settings) and the model-level scalars it sets.
 
-The scalars a parametrization puts on the model itself (sharenet/parametrization.py's module
+The scalars a parametrization puts on the model itself (sharenet/parametrization/rules.py's module
 docstring has the presets): the attention logits' multiplier, the readout logits' multiplier
 (muP: 1/m_d), and under u-muP the residual rule's alphas and the unit-scaled ops
 (models/unit_scale.py). ModelConfig resolves them once from its keys and its `parametrization`
 (`scalars`), so the model a config describes is the model that trains; the per-leaf rules
-(init, forward, LR, WD, eps multipliers) are sharenet.parametrization's.
+(init, forward, LR, WD, eps multipliers) are sharenet.parametrization.rules's.
 """
 from __future__ import annotations
 
 import dataclasses
 from typing import Any
 
-from sharenet import defaults
+from sharenet.config import defaults
 from sharenet.errors import ConfigError
 from sharenet.models import unit_scale
 
@@ -25,7 +25,7 @@ _DEFAULTS = defaults.default_config().parametrization
 
 @dataclasses.dataclass(frozen=True)
 class Settings:
-  """The `config.parametrization` group (field = key; meanings in sharenet/defaults.py)."""
+  """The `config.parametrization` group (field = key; meanings in sharenet/config/defaults.py)."""
   kind: str = _DEFAULTS.kind
   base_d_model: int = _DEFAULTS.base_d_model      # 0 -> d_model (multipliers 1)
   base_num_heads: int = _DEFAULTS.base_num_heads  # 0 -> num_heads (head_dim scales with width)

@@ -2,7 +2,7 @@
 dataclasses.
 
 Each field is named as its key and defaults to the default config's value there
-(sharenet/defaults.py, the one table); each section checks its own choices and ranges when it
+(sharenet/config/defaults.py, the one table); each section checks its own choices and ranges when it
 is built. Checks that need other sections, and the values the sentinels resolve to, are the
 ModelConfig's (models/config.py).
 """
@@ -11,12 +11,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
-from sharenet import config_history, defaults
+from sharenet.config import migrations, defaults
 from sharenet.errors import ConfigError
 
 NORMS = ('layernorm', 'rmsnorm', 'crmsnorm', 'scalenorm', 'dyt', 'none', 'lpnorm', 'powernorm',
          'unified_norm', 'online_norm')
-# Norms whose statistics are carried across steps (sharenet/norm_stats.py)
+# Norms whose statistics are carried across steps (sharenet/models/norm_stats.py)
 STATS_NORMS = ('powernorm', 'unified_norm', 'online_norm')
 ONLINE_ECMS = ('ac', 'ls', 'none')
 PLACEMENTS = ('pre', 'post', 'peri', 'moeut')
@@ -42,7 +42,7 @@ _DEFAULTS = defaults.default_config().model
 def choice(field: str, value: Any, valid: tuple[str, ...]) -> None:
   """ConfigError unless `value` is one of `valid` (naming the new value of a renamed one)."""
   if value not in valid:
-    renamed = config_history.RENAMED_VALUES.get(field, {})
+    renamed = migrations.RENAMED_VALUES.get(field, {})
     new = renamed.get(value) if isinstance(value, str) else None
     if new:
       raise ConfigError(f'{field}={value!r} was renamed: use {new[0]} ({new[1]})')

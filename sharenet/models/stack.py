@@ -18,7 +18,7 @@ two, docs/performance.md; benchmarks/step_bench.py and benchmarks/compile_bench.
 unrolled for the Python-loop baseline. A `loops.Schedule` changes the looped segment's loops
 per call (another depth, a no-grad prefix, per-loop outputs).
 
-Generation passes a KV cache through the same runner (sharenet/generate.py): one `LayerCache`
+Generation passes a KV cache through the same runner (sharenet/inference/generate.py): one `LayerCache`
 per applied layer, never per stored set (tied layers share weights, not keys and values), each
 segment's stacked along a leading axis of its applied layers (under model.kv_sharing=first the
 looped segment's later loops share its first loop's, models/kv_sharing.py: it holds K). The
@@ -30,6 +30,7 @@ in block.Shared, so they are stored once whatever the plan and lowering.
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -37,19 +38,19 @@ import jax.numpy as jnp
 import numpy as np
 
 from sharenet.errors import ConfigError
-from sharenet.models import loops, recurrence, routed_decoding, routing
+from sharenet.models import kv_sharing, loops, recurrence, routed_decoding, routing
 from sharenet.models.attention import LayerCache
 from sharenet.models.block import Block, Scanned, Shared, Stream
 from sharenet.models.config import ModelConfig
 from sharenet.models.layers import INTERMEDIATES
-from sharenet.norm_stats import NORM_STATS
-from sharenet.norms import PER_LAYER
-from sharenet.params import placed
-from sharenet.sharing import Segment, SharingPlan
+from sharenet.models.norm_stats import NORM_STATS
+from sharenet.models.params import PER_LAYER
+from sharenet.models.params import placed
+from sharenet.models.sharing import Segment, SharingPlan
 
 # Module names of the stack's tree. Nothing outside this package reads them: consumers find a
-# leaf's segment, stored sets and applied layers in its metadata (sharenet/params.py), and
-# tests/test_structure.py renames these to show it.
+# leaf's segment, stored sets and applied layers in its metadata (sharenet/models/params.py), and
+# tests/models/test_structure.py renames these to show it.
 NAMES = {'segment': 'segment_{}', 'level': 'level', 'block': 'block', 'set': 'set_{}',
          'router': 'router', 'adapter': 'adapter'}
 
@@ -156,9 +157,9 @@ class StoredSegment(nn.Module):
     if recurrent:
       carry, inject = _recurrent_input(self, c, carry, shared,
                                        variables['params'].get(NAMES['adapter']))
-    carry, cache, sown, streams = loops.run_segment(
-        layer, seg, lowering, sets, per_layer, carry, shared, cache, schedule, inject=inject,
-        emit_layer=_emit_layer(c, self.index, observe), **run)
+    carry, cache, sown, streams = _run_segment(
+        layer, _emit_layer(c, self.index, observe), seg, lowering, sets, per_layer, carry,
+        shared, cache, schedule, inject=inject, **run)
     if streams is not None:
       self.sow(loops.PER_LOOP, 'streams', streams)
     if observe and sown is not None:
@@ -223,6 +224,15 @@ class StoredSegment(nn.Module):
       return out_BTD
     return routing.token_choice(x_BTD, positions_T, segment_ids_BT, cfg=c, router=router,
                                 sow=sow, recurse=recurse, bias_R=router.exit_bias()), None
+
+
+def _run_segment(layer: loops.Layer, emit_layer: loops.Layer | None, *args: Any,
+                 **kwargs: Any):
+  """loops.run_segment; with an `emit_layer` (model.kv_sharing=first on the looped segment)
+  kv_sharing.run_shared, whose later loops attend to the first loop's keys and values."""
+  if emit_layer is None:
+    return loops.run_segment(layer, *args, **kwargs)
+  return kv_sharing.run_shared(layer, emit_layer, *args, **kwargs)
 
 
 def _emit_layer(cfg: ModelConfig, index: int, observe: bool) -> loops.Layer | None:
@@ -358,11 +368,11 @@ class Stack(nn.Module):
       if i == recurrent:
         carry, inject = _recurrent_input(self, self.cfg, carry, shared,
                                          params.get(NAMES['adapter']))
-      carry, cache, per_layer_sown, streams = loops.run_segment(
-          layer, seg, 'unrolled', sets, None, carry, shared,
+      carry, cache, per_layer_sown, streams = _run_segment(
+          layer, _emit_layer(self.cfg, i, observe), seg, 'unrolled', sets, None, carry, shared,
           None if caches is None else caches[i],
           schedule if i == looped else loops.Schedule(), unroll=self.cfg.scan_unroll,
-          inject=inject, emit_layer=_emit_layer(self.cfg, i, observe))
+          inject=inject)
       if streams is not None:
         self.sow(loops.PER_LOOP, 'streams', streams)
       new_caches.append(cache)

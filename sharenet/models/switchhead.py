@@ -39,7 +39,7 @@ import jax.numpy as jnp
 
 from sharenet.models import moe
 from sharenet.models.config import ModelConfig
-from sharenet.params import param
+from sharenet.models.params import param
 
 BRANCH = 'attn'
 

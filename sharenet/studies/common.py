@@ -13,6 +13,9 @@ from typing import Any, Callable
 import numpy as np
 
 from sharenet import data
+from sharenet.config import cli
+from sharenet.errors import ConfigError
+from sharenet.train import experiment
 
 
 def parse_list(s: Any, cast=int) -> list:
@@ -25,13 +28,11 @@ def parse_list(s: Any, cast=int) -> list:
 def with_overrides(config: Any, overrides: dict[str, Any]) -> Any:
   """A copy of `config` with dotted-key overrides ('model.d_model': 128); an unknown key is a
   ConfigError naming the nearest valid one (a typo never silently adds a field)."""
-  from sharenet import config_lib
-  from sharenet.errors import ConfigError
   c = copy.deepcopy(config)
-  valid = config_lib.dotted_keys(c)
+  valid = cli.dotted_keys(c)
   for key, value in overrides.items():
     if key not in valid:
-      raise ConfigError(config_lib.unknown_key(key, valid))
+      raise ConfigError(cli.unknown_key(key, valid))
     node = c
     *parents, leaf = key.split('.')
     for p in parents:
@@ -54,7 +55,7 @@ def parse_variant(spec: str) -> tuple[str, dict[str, Any]]:
 
 
 def completed(res: dict[str, Any], workdir: str) -> dict[str, Any]:
-  """`res` of train_lib.train_and_evaluate if the run reached its final evaluation; a run stopped
+  """`res` of loop.train_and_evaluate if the run reached its final evaluation; a run stopped
   early (SIGTERM: checkpoint saved, no eval) exits the study with one line instead of recording
   a row without results. Rerunning the same command resumes it from its checkpoint."""
   if 'eval_loss' not in res:
@@ -67,7 +68,6 @@ def completed(res: dict[str, Any], workdir: str) -> dict[str, Any]:
 def study_names(config: Any, key: str, valid: Any, example: str) -> list[str]:
   """config.study.<key> as a list of names from `valid` ('all' = every one); a missing study
   group or an unknown name is a one-line ConfigError naming the valid choices."""
-  from sharenet.errors import ConfigError
   if 'study' not in config:
     raise ConfigError(f'the config has no study group; valid: a config like {example}')
   names = parse_list(config.study[key], str)
@@ -185,8 +185,6 @@ def run_axes(config: Any, out_dir: str, name: str, run_axis: Callable[..., dict[
   with the total runtime and the config (progress lines go to stderr), and OUT/<name>.md =
   `table(result)` if given (the same function regenerates it from the JSON:
   `python -m sharenet.studies.results_tables`)."""
-  from sharenet import config_lib
-  from sharenet.errors import ConfigError
   axes = parse_list(config.study.axes, str)
   valid = [k[:-len('_values')] for k in config.study if k.endswith('_values')]
   for axis in axes:
@@ -201,7 +199,7 @@ def run_axes(config: Any, out_dir: str, name: str, run_axis: Callable[..., dict[
       annotate(result[axis])
     plot(result[axis], axis, os.path.join(out_dir, f'{name}_{axis}.png'))
   result['runtime_s'] = round(time.perf_counter() - t0, 1)
-  result['config'] = json.loads(config_lib.to_json(config))
+  result['config'] = json.loads(experiment.to_json(config))
   with open(os.path.join(out_dir, f'{name}.json'), 'w') as f:
     json.dump(result, f, indent=1)
   if table is not None:
@@ -216,8 +214,7 @@ def run_cli(main: Callable[[Any, str], Any], default_out: str,
   entry point is main(config, out_dir); an int it returns is the exit status."""
   from absl import flags
 
-  from sharenet import config_lib
-  config = config_lib.define_config_file('config', default_config, 'Study config file.')
+  config = cli.define_config_file('config', default_config, 'Study config file.')
   out = flags.DEFINE_string('out', default_out, 'Output directory.')
 
   def run(argv):
@@ -225,4 +222,4 @@ def run_cli(main: Callable[[Any, str], Any], default_out: str,
     status = main(config.value, out.value)
     return status if isinstance(status, int) else 0
 
-  config_lib.run(run)
+  cli.run(run)

@@ -5,7 +5,7 @@
 Protocol (TP5, arXiv:2203.03466, as microsoft/mup `get_coord_data` runs it): a fixed batch reused
 every step, Adam at a deliberately large LR, no clipping or decay, each activation recorded in the
 forward pass *before* each update (t=0 is init). The step is the train loop's
-(train_lib.train_step with the config's transforms and grad_accum). Shared blocks record every use
+(trainer.train_step with the config's transforms and grad_accum). Shared blocks record every use
 (one value per loop iteration). `study.statistic` picks what is recorded:
 
 - `l1` (default): mean|x_t|, microsoft/mup's 'l1'. Its size at init is Theta(1) in every
@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax.traverse_util import flatten_dict
 
-from sharenet import config_lib, train_lib
+from sharenet.train import experiment, trainer
 from sharenet.errors import ConfigError
 from sharenet.models.layers import ACTIVATION_SUFFIX, INTERMEDIATES, sow_activations
 from sharenet.studies import common
@@ -69,15 +69,15 @@ def trajectories(config: Any, steps: int, seeds: int, tokens_BT1: np.ndarray,
                  statistic: str | None = None
                  ) -> tuple[list[list[dict[str, np.ndarray]]], np.ndarray]:
   """Per seed and step t = 0..steps: the statistic (`STATISTICS`) of each sown activation per use
-  (`_flatten`) in the forward pass of the train loop's step (train_lib.train_step) on the fixed
+  (`_flatten`) in the forward pass of the train loop's step (trainer.train_step) on the fixed
   batch, and its loss (seeds, steps + 1). `statistic`: config.study.statistic unless given.
   Under 'delta' the step is traced inside layers.sow_activations(), and each activation is
   compared with its value at t = 0 of the same seed: entries NaN at t = 0 (masked) are left out,
   a NaN that appears later (a diverged run) makes the value NaN, as under 'l1'."""
   delta = check_config(config, statistic) == 'delta'
-  exp = train_lib.setup(config, config_lib.validate(config))
-  step = jax.jit(train_lib.make_train_step(exp, config.train.grad_accum, mutable=[INTERMEDIATES]))
-  init = jax.jit(functools.partial(train_lib.init_state, exp.model, exp.tx, tr=exp.tr, pz=exp.pz))
+  exp = trainer.setup(config, experiment.validate(config))
+  step = jax.jit(trainer.make_train_step(exp, config.train.grad_accum, mutable=[INTERMEDIATES]))
+  init = jax.jit(functools.partial(trainer.init_state, exp.model, exp.tx, tr=exp.tr, pz=exp.pz))
   toks = jnp.asarray(tokens_BT1)
   runs, losses = [], []
   with sow_activations() if delta else contextlib.nullcontext():

@@ -33,6 +33,11 @@ from flax.traverse_util import flatten_dict, unflatten_dict
 
 from sharenet.studies import common
 from sharenet.studies.norm_study import SCHEMES
+from sharenet.models import param_table
+from sharenet.train import experiment
+from sharenet.train import loop
+from sharenet.train import trainer
+from sharenet.train import workdir_io
 
 INITS = ('iid', 'isotropic')
 WRITER_ROLES = ('writer', 'embedding', 'pos_embed')
@@ -68,37 +73,33 @@ def ratios(variables: Any, infos: dict) -> dict[str, list[float]]:
 
 @contextlib.contextmanager
 def writer_init(kind: str):
-  """Within the block, the train loop's fresh init (step_lib.init_variables) uses `kind`."""
-  from sharenet import step_lib
-  from sharenet.models import param_table
-  plain = step_lib.init_variables
+  """Within the block, the train loop's fresh init (trainer.init_variables) uses `kind`."""
+  plain = trainer.init_variables
 
   def init_variables(model, rng, *args, **kwargs):
     v = plain(model, rng, *args, **kwargs)
     return isotropic(v, param_table(model.cfg)) if kind == 'isotropic' else v
 
-  step_lib.init_variables = init_variables
+  trainer.init_variables = init_variables
   try:
     yield init_variables
   finally:
-    step_lib.init_variables = plain
+    trainer.init_variables = plain
 
 
 def run_one(config: Any, kind: str, workdir: str) -> dict[str, Any]:
   import jax
 
-  from sharenet import config_lib, train_lib, workdir_lib
-  from sharenet.models import param_table
   with writer_init(kind) as init:
-    exp = train_lib.setup(config, config_lib.validate(config))
+    exp = trainer.setup(config, experiment.validate(config))
     infos = param_table(exp.model.cfg)
     row = {'init': kind, 'ratios': {0: ratios(init(exp.model, jax.random.key(config.train.seed)),
                                               infos)}}
-    res = common.completed(train_lib.train_and_evaluate(config, workdir), workdir)
+    res = common.completed(loop.train_and_evaluate(config, workdir), workdir)
   row['eval_bits_per_byte'] = res['eval_bits_per_byte']
   every = config.train.checkpoint_every
   for step in range(every, config.train.steps + 1, every):
-    state = workdir_lib.restore_state(config, workdir, step).state
+    state = workdir_io.restore_state(config, workdir, step).state
     row['ratios'][step] = ratios(state.params, infos)
   return row
 

@@ -4,7 +4,16 @@ from __future__ import annotations
 import statistics
 from typing import Any, Sequence
 
-from sharenet.studies.depth_study import KV_FIRST, VARIANTS
+
+VARIANTS: dict[str, str] = {
+    'vanilla': 'untied, 5 layers (decode baseline)',
+    'recursive': 'fixed depth, every loop with gradient',
+    'sampled': 'poisson_lognormal depth, injection none',
+    'sampled_inject': 'poisson_lognormal depth, injection add',
+    'mor_expert': 'MoR expert choice (routes its own depth)',
+}
+LOOPED = ('recursive', 'sampled', 'sampled_inject')   # evaluated at every test-time depth
+KV_FIRST = 'recursive_kv_first'                       # decode-only row: recursive's parameters
 
 
 def _mean_sd(xs: Sequence[float], fmt: str = '.3f') -> str:

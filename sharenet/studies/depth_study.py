@@ -7,13 +7,13 @@
 Every variant trains the base model (configs/depth_study.py: middle_cycle, a prelude layer, one
 layer looped study.mean times, a coda layer) with its overrides (VARIANTS) for as many steps as
 the training-FLOPs budget allows: budget = study.base_steps x the fixed-depth recursive model's
-train FLOPs per step. A step's FLOPs are what it executes (sharenet/recurrence.py FlopsCounter:
+train FLOPs per step. A step's FLOPs are what it executes (sharenet/train/sampled_depth.py FlopsCounter:
 accounting.flops_per_token for fixed depth and MoR, which counts only the tokens each recursion
 runs; for a sampled depth the step's drawn depth, forward through every loop and backward
 through the last `backprop`), summed over the run's own draws (a pure function of (seed, step))
 until the budget is spent; the table reports their mean per token.
 
-Each run is then evaluated at every test-time depth of study.depths (depth.evaluate_depths;
+Each run is then evaluated at every test-time depth of study.depths (test_time_depth.evaluate_depths;
 MoR routes each token's recursions and takes no schedule: its trained depth only). After the
 last run every trained model decodes a fixed batch of study.prompts validation windows greedily
 (generate.generate): one warm-up call each that compiles, then study.decode_repeats rounds in
@@ -37,16 +37,18 @@ from typing import Any
 import numpy as np
 
 from sharenet.studies import common
+from sharenet import data
+from sharenet.errors import ConfigError
+from sharenet.inference import generate
+from sharenet.inference import test_time_depth
+from sharenet.main import eval_workdir
+from sharenet.models import loops
+from sharenet.studies import depth_report
+from sharenet.studies.depth_report import LOOPED, VARIANTS
+from sharenet.train import experiment
+from sharenet.train import loop
+from sharenet.train import sampled_depth
 
-VARIANTS: dict[str, str] = {
-    'vanilla': 'untied, 5 layers (decode baseline)',
-    'recursive': 'fixed depth, every loop with gradient',
-    'sampled': 'poisson_lognormal depth, injection none',
-    'sampled_inject': 'poisson_lognormal depth, injection add',
-    'mor_expert': 'MoR expert choice (routes its own depth)',
-}
-LOOPED = ('recursive', 'sampled', 'sampled_inject')   # evaluated at every test-time depth
-KV_FIRST = 'recursive_kv_first'                       # decode-only row: recursive's parameters
 
 
 def overrides(variant: str, s: Any) -> dict[str, Any]:
@@ -64,10 +66,9 @@ def overrides(variant: str, s: Any) -> dict[str, Any]:
 
 def step_flops(config: Any) -> Any:
   """flops(step) -> train FLOPs per token that step executes (its sampled depth)."""
-  from sharenet import config_lib, recurrence
-  mcfg = config_lib.validate(config)
-  counter, seed = recurrence.FlopsCounter(config, mcfg), int(config.train.seed)
-  return lambda step: counter(recurrence.sample_depth(mcfg, seed, step))
+  mcfg = experiment.validate(config)
+  counter, seed = sampled_depth.FlopsCounter(config, mcfg), int(config.train.seed)
+  return lambda step: counter(sampled_depth.sample_depth(mcfg, seed, step))
 
 
 def steps_for(config: Any, budget: float) -> tuple[int, float]:
@@ -85,7 +86,6 @@ def steps_for(config: Any, budget: float) -> tuple[int, float]:
 
 def prompts(config: Any) -> list[list[int]]:
   """study.prompts windows of study.prompt_len tokens at seeded offsets of the validation split."""
-  from sharenet import data
   _, val = data.load_splits(config.data)
   s = config.study
   starts = np.random.default_rng(0).integers(0, len(val) - s.prompt_len, s.prompts)
@@ -95,15 +95,14 @@ def prompts(config: Any) -> list[list[int]]:
 def _loaded(out: str, rows: list[dict[str, Any]]) -> list[tuple[dict[str, Any], str, Any]]:
   """(row, field, restored model) for every row not yet decoded: its own model under 'decode',
   and the recursive model under kv_sharing=first under 'decode_kv_first'."""
-  from sharenet import workdir_lib
   out_list = []
   for r in rows:
     if 'decode' in r:
       continue
     workdir = os.path.join(out, 'runs', f"{r['variant']}-seed{r['seed']}")
-    out_list.append((r, 'decode', workdir_lib.load_for_generation(workdir)))
+    out_list.append((r, 'decode', eval_workdir.load_for_generation(workdir)))
     if r['variant'] == 'recursive':
-      out_list.append((r, 'decode_kv_first', workdir_lib.load_for_generation(
+      out_list.append((r, 'decode_kv_first', eval_workdir.load_for_generation(
           workdir, overrides={'model.kv_sharing': 'first'})))
   return out_list
 
@@ -113,7 +112,6 @@ def decode_all(config: Any, out: str, rows: list[dict[str, Any]]) -> list[dict[s
   warm-up (compiling) call each, then study.decode_repeats rounds in which every model decodes
   once (round robin, so that a change in the machine's load touches every model alike); the
   median tokens/s, and the KV bytes per token the final cache holds. Returns the rows changed."""
-  from sharenet import generate
   batch, s = prompts(config), config.study
   loaded = _loaded(out, rows)
   run = lambda g: generate.generate(g.model, g.variables, batch, s.new_tokens, temperature=0.0)
@@ -133,22 +131,20 @@ def decode_all(config: Any, out: str, rows: list[dict[str, Any]]) -> list[dict[s
 
 def eval_depths(workdir: str, config: Any, depths: list[int]) -> list[dict[str, Any]]:
   """Eval loss of the workdir's final checkpoint at every test-time depth."""
-  from sharenet import depth, workdir_lib
-  g = workdir_lib.load_for_generation(workdir)
-  return depth.evaluate_depths(g.model, g.variables, config.data, config.train.seq_len,
+  g = eval_workdir.load_for_generation(workdir)
+  return test_time_depth.evaluate_depths(g.model, g.variables, config.data, config.train.seq_len,
                                config.train.eval_batch_size, depths)
 
 
 def run_one(base: Any, variant: str, out: str, seed: int, budget: float) -> dict[str, Any]:
   """Trains one variant x seed at the budget, then evaluates it at every test-time depth."""
-  from sharenet import train_lib
   config = common.with_overrides(base, {**overrides(variant, base.study), 'train.seed': seed})
   steps, flops_tok = steps_for(config, budget)
   config = common.with_overrides(config, {'train.steps': steps,
                                           'train.checkpoint_every': steps})
   workdir = os.path.join(out, 'runs', f'{variant}-seed{seed}')
   t0 = time.time()
-  res = common.completed(train_lib.train_and_evaluate(config, workdir), workdir)
+  res = common.completed(loop.train_and_evaluate(config, workdir), workdir)
   t = config.train
   row = {'variant': variant, 'seed': seed, 'what': VARIANTS[variant], 'steps': steps,
          'tokens': steps * t.batch_size * t.seq_len, 'flops_per_token': flops_tok,
@@ -164,10 +160,7 @@ def run_one(base: Any, variant: str, out: str, seed: int, budget: float) -> dict
 def check_mean(config: Any) -> None:
   """One ConfigError line unless study.mean is the plan's loop count R (the fixed-depth model's
   depth, the sampled models' mean, the plot's trained depth)."""
-  from sharenet import config_lib
-  from sharenet.errors import ConfigError
-  from sharenet.models import loops
-  R = loops.looped(config_lib.validate(config)).loops
+  R = loops.looped(experiment.validate(config)).loops
   if config.study.mean != R:
     raise ConfigError(f'study.mean={config.study.mean} must equal the plan\'s loops R={R} (the '
                       f'fixed-depth model\'s depth); valid: study.mean={R}, or model.num_layers '
@@ -176,7 +169,6 @@ def check_mean(config: Any) -> None:
 
 def main(config: Any, out: str) -> int:
   """Runs config.study's variants x seeds not yet in OUT/depth_study.json, then the tables."""
-  from sharenet.studies import depth_report
   variants = common.study_names(config, 'variants', VARIANTS, 'configs/depth_study.py')
   seeds = common.parse_list(config.study.seeds, int)
   base = common.with_overrides(config, {'train.progress': False})

@@ -3,9 +3,9 @@
   python -m sharenet.studies.lr_sweep --config configs/mup/transfer.py --out DIR
 
 Every (LR, seed) cell of one model is trained at once: the cells are vmapped and the steps run
-in one lax.scan of the train loop's step (train_lib.train_step: transforms, grad_accum and the
+in one lax.scan of the train loop's step (trainer.train_step: transforms, grad_accum and the
 optimizer of the config), each cell with its peak LR set in its optimizer state
-(optim.with_peak_lr). Cell (lr, i) is the train run of the config with train.lr=lr,
+(chain.with_peak_lr). Cell (lr, i) is the train run of the config with train.lr=lr,
 train.steps=study.steps and init seed train.seed + i; all cells read the loop's batches of
 train.seed in the same order.
 Per width the optimum is the vertex of a quadratic in log2 LR fitted to the seed-mean loss at
@@ -27,7 +27,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sharenet import config_lib, data, optim, train_lib
+from sharenet.train import experiment, trainer
+from sharenet import data
+from sharenet.optim import chain
 from sharenet.errors import ConfigError
 from sharenet.studies import common
 
@@ -49,14 +51,14 @@ def val_batch(config: Any, n: int) -> np.ndarray:
 def train_cells(config: Any, lrs: list[float], seeds: int, tokens_SBT1: np.ndarray,
                 val_BT1: np.ndarray, avg_last: int) -> tuple[np.ndarray, np.ndarray]:
   """(final train loss, val loss), each (len(lrs), seeds), for one model config."""
-  exp = train_lib.setup(config, config_lib.validate(config))
-  step = train_lib.make_train_step(exp, config.train.grad_accum)
+  exp = trainer.setup(config, experiment.validate(config))
+  step = trainer.make_train_step(exp, config.train.grad_accum)
 
   def one_cell(key, lr, toks_SBT1, val):
-    state = train_lib.init_state(exp.model, exp.tx, key, tr=exp.tr, pz=exp.pz)
-    state = state.replace(opt_state=optim.with_peak_lr(state.opt_state, lr))
+    state = trainer.init_state(exp.model, exp.tx, key, tr=exp.tr, pz=exp.pz)
+    state = state.replace(opt_state=chain.with_peak_lr(state.opt_state, lr))
     state, metrics = jax.lax.scan(step, state, toks_SBT1)
-    val_loss, _ = train_lib.loss_fn(state.params, state.tstate, val, model=exp.model, tr=exp.tr,
+    val_loss, _ = trainer.loss_fn(state.params, state.tstate, val, model=exp.model, tr=exp.tr,
                                     pz=exp.pz)
     return jnp.mean(metrics['loss'][-avg_last:]), val_loss
 
@@ -140,7 +142,7 @@ def run_axis(config: Any, axis: str, log=print, cells_dir: str | None = None) ->
                       if k != 'axes' and not k.endswith(('_values', '_variants'))}
       inputs = {'config': json.dumps(own, indent=2, sort_keys=True, default=str),
                 'log2_lrs': log2_lrs}
-      legacy = {'config': config_lib.to_json(c), 'log2_lrs': log2_lrs}
+      legacy = {'config': experiment.to_json(c), 'log2_lrs': log2_lrs}
       rows[str(x)] = common.cached_cell(cells_dir, f'{axis}-{name}-{x}', inputs, cell, log,
                                         also=(legacy,))
       opt = rows[str(x)]

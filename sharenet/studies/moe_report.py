@@ -9,7 +9,18 @@ from __future__ import annotations
 import statistics
 from typing import Any, Sequence
 
-from sharenet.studies.moe_study import COMPARISONS, VARIANTS
+VARIANTS: dict[str, str] = {
+    'untied': 'dense SwiGLU, untied (the baseline)',
+    'dense_universal': 'dense SwiGLU, groups G=2, mlp_dim widened to the untied params',
+    'moeut': 'sigma-MoE + SwitchHead, MoEUT norms, groups G=2, num_experts fitted to the '
+             'untied params',
+    'moeut_ffn': 'sigma-MoE feed-forward only (dense attention, pre-norm), groups G=2, '
+                 'num_experts fitted to the untied params',
+    'dense_universal_small': 'dense SwiGLU, groups G=2, base mlp_dim (untied FLOPs/token)',
+}
+COMPARISONS = ('params', 'flops')   # equal stored parameters (same steps), equal train FLOPs
+
+
 
 TITLES = {'params': 'Equal stored parameters (every variant trains study.base_steps steps)',
           'flops': 'Equal training FLOPs (steps = the untied model\'s budget / the variant\'s '

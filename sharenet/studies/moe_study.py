@@ -35,19 +35,15 @@ import time
 from typing import Any
 
 from sharenet.studies import common, depth_study
+from sharenet.errors import ConfigError
+from sharenet.models import lm
+from sharenet.studies import moe_report
+from sharenet.studies.moe_report import COMPARISONS, VARIANTS
+from sharenet.train import experiment
+from sharenet.train import loop
 
-VARIANTS: dict[str, str] = {
-    'untied': 'dense SwiGLU, untied (the baseline)',
-    'dense_universal': 'dense SwiGLU, groups G=2, mlp_dim widened to the untied params',
-    'moeut': 'sigma-MoE + SwitchHead, MoEUT norms, groups G=2, num_experts fitted to the '
-             'untied params',
-    'moeut_ffn': 'sigma-MoE feed-forward only (dense attention, pre-norm), groups G=2, '
-                 'num_experts fitted to the untied params',
-    'dense_universal_small': 'dense SwiGLU, groups G=2, base mlp_dim (untied FLOPs/token)',
-}
 FIT = {'dense_universal': 'model.mlp_dim', 'moeut': 'model.moe.num_experts',
        'moeut_ffn': 'model.moe.num_experts'}
-COMPARISONS = ('params', 'flops')   # equal stored parameters (same steps), equal train FLOPs
 
 
 def overrides(variant: str, s: Any) -> dict[str, Any]:
@@ -73,9 +69,7 @@ def stored_params(config: Any) -> int:
   an abstract init, models/lm.py param_table: nothing is allocated)."""
   import math
 
-  from sharenet import config_lib
-  from sharenet.models import lm
-  return sum(math.prod(i.shape) for i in lm.param_table(config_lib.validate(config)).values())
+  return sum(math.prod(i.shape) for i in lm.param_table(experiment.validate(config)).values())
 
 
 def _get(config: Any, key: str) -> int:
@@ -91,7 +85,6 @@ def fit(config: Any, key: str, target: int) -> tuple[Any, int]:
   every stored set), so two points give the line (the test checks the fitted count against
   the train loop's own); the value is rounded to the nearest integer >= its starting value
   (num_experts may not go below top_k)."""
-  from sharenet.errors import ConfigError
   lo = _get(config, key)
   p_lo = stored_params(config)
   slope = stored_params(common.with_overrides(config, {key: lo + 1})) - p_lo
@@ -138,13 +131,12 @@ def plan(base: Any, variants: list[str]) -> list[dict[str, Any]]:
 
 def run_one(run: dict[str, Any], seed: int, out: str) -> dict[str, Any]:
   """Trains one planned run at one seed; its row."""
-  from sharenet import train_lib
   v, steps = run['variant'], run['steps']
   config = common.with_overrides(run['config'], {'train.seed': seed, 'train.steps': steps,
                                                  'train.checkpoint_every': steps})
   workdir = os.path.join(out, 'runs', f'{v}-{steps}steps-seed{seed}')
   t0 = time.time()
-  res = common.completed(train_lib.train_and_evaluate(config, workdir), workdir)
+  res = common.completed(loop.train_and_evaluate(config, workdir), workdir)
   t = config.train
   tokens = steps * t.batch_size * t.seq_len
   return {'variant': v, 'seed': seed, 'steps': steps, 'comparisons': run['comparisons'],
@@ -163,7 +155,6 @@ def row_key(r: dict[str, Any]) -> tuple[str, int, int]:
 def main(config: Any, out: str) -> int:
   """Runs config.study's variants x seeds not yet in OUT/results.json, then the table and
   plot."""
-  from sharenet.studies import moe_report
   variants = common.study_names(config, 'variants', VARIANTS, 'configs/moe_study.py')
   seeds = common.parse_list(config.study.seeds, int)
   base = common.with_overrides(config, {'train.progress': False})

@@ -21,6 +21,11 @@ from typing import Any
 import numpy as np
 
 from sharenet.studies import common
+from sharenet import data
+from sharenet.errors import ConfigError
+from sharenet.train import evaluation
+from sharenet.train import experiment
+from sharenet.train import trainer
 
 VARIANTS: dict[str, dict[str, Any]] = {
     'baseline': {},
@@ -49,14 +54,13 @@ def run_one(base: Any, variant: str) -> dict[str, Any]:
   import jax.numpy as jnp
   from flax.traverse_util import flatten_dict
 
-  from sharenet import config_lib, data, eval_lib, train_lib
   config = common.with_overrides(base, VARIANTS[variant])
   t = config.train
-  exp = train_lib.setup(config, config_lib.validate(config))
+  exp = trainer.setup(config, experiment.validate(config))
   groups = _group_paths(exp.tr.infos)
   infos = exp.tr.infos
-  state = train_lib.init_state(exp.model, exp.tx, jax.random.key(t.seed), exp.tr, exp.pz)
-  step_fn = jax.jit(train_lib.make_train_step(exp))
+  state = trainer.init_state(exp.model, exp.tx, jax.random.key(t.seed), exp.tr, exp.pz)
+  step_fn = jax.jit(trainer.make_train_step(exp))
 
   def frob(w, leaf):   # one norm per stacked set
     return jnp.sqrt(jnp.sum(jnp.square(w.reshape(leaf.stack_shape + (-1,))), axis=-1)).ravel()
@@ -84,7 +88,7 @@ def run_one(base: Any, variant: str) -> dict[str, Any]:
                  **{f'{g}_norm': _g6(v[0]) for g, v in st.items()},
                  **{f'{g}_angular': _g6(v[1]) for g, v in st.items()}})
     state = new
-  ev = eval_lib.evaluate(exp.model, train_lib.effective_params(state, exp.tr, exp.pz),
+  ev = evaluation.evaluate(exp.model, trainer.effective_params(state, exp.tr, exp.pz),
                          config.data, t.seq_len, t.eval_batch_size)
   return {'variant': variant, 'overrides': VARIANTS[variant], 'steps': rows,
           'seconds': round(time.time() - t0, 1), **ev}
@@ -148,7 +152,6 @@ def main(config: Any, out: str) -> None:
   variants = [v for v in str(config.study.variants).split(',') if v]
   for v in variants:
     if v not in VARIANTS:
-      from sharenet.errors import ConfigError
       raise ConfigError(f'study.variants: {v!r} is unknown; valid: {", ".join(VARIANTS)}')
   results = []
   for v in variants:

@@ -5,7 +5,7 @@
       [--config.study.seeds=0,1,2] [--config.train.steps=N ...]
 
 Each variant is a set of config overrides on the base config, trained with the one train loop
-(train_lib.train_and_evaluate) into OUT/<scheme>/<variant> (seed = train.seed of the config) or
+(loop.train_and_evaluate) into OUT/<scheme>/<variant> (seed = train.seed of the config) or
 OUT/<scheme>/<variant>-seed<N> (another seed: train.seed = N, which sets both the init and the
 data order). A run that hits a non-finite loss is recorded as diverged (its step), not dropped;
 one that stays finite but ends more than a nat worse than the uniform distribution (eval loss >
@@ -26,6 +26,8 @@ import time
 from typing import Any
 
 from sharenet.studies import common
+from sharenet import errors
+from sharenet.train import loop
 
 # name -> (kind, overrides as dotted config keys)
 VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
@@ -82,7 +84,6 @@ def _key(row: dict[str, Any], base_seed: int) -> tuple[str, str, int]:
 
 
 def run_one(base: Any, scheme: str, variant: str, out: str, seed: int) -> dict[str, Any]:
-  from sharenet import train_lib
   config = common.with_overrides(base, {**SCHEMES[scheme], **VARIANTS[variant][1],
                                         'train.seed': seed})
   suffix = '' if seed == base.train.seed else f'-seed{seed}'
@@ -91,12 +92,12 @@ def run_one(base: Any, scheme: str, variant: str, out: str, seed: int) -> dict[s
   row = {'scheme': scheme, 'variant': variant, 'seed': seed, 'kind': VARIANTS[variant][0],
          'steps': config.train.steps}
   try:
-    res = common.completed(train_lib.train_and_evaluate(config, workdir), workdir)
+    res = common.completed(loop.train_and_evaluate(config, workdir), workdir)
     row.update(status='ok', eval_bits_per_byte=res.get('eval_bits_per_byte'),
                eval_loss=res.get('eval_loss'), final_loss=res.get('loss'))
     if not row['eval_loss'] <= math.log(config.model.vocab_size) + 1.0:
       row['status'] = 'unstable'     # finite, but blown up: > 1 nat worse than uniform
-  except train_lib.NonFiniteLoss as e:
+  except errors.NonFiniteLoss as e:
     row.update(status='diverged', error=str(e).split(';')[0])
   row['seconds'] = round(time.time() - t0, 1)
   return row

@@ -9,7 +9,7 @@ depth-wise LoRA initialised from the truncated SVD of each layer's residual agai
 set: at full rank the converted model is the source, at rank 0 it is the plain recursive model.
 This study converts `study.source` (any untied workdir: a Hugging Face import, or a run of this
 repository) at each rank in `study.ranks` with `convert.py`'s own conversion
-(workdir_lib.convert_workdir: `--config.to=recursive`, the scheme, sets, init, targets and
+(convert_workdir.convert_workdir: `--config.to=recursive`, the scheme, sets, init, targets and
 untied norms of `study`), evaluates each converted workdir and the source on the same
 validation bytes of the embedded corpus (`study.eval_tokens` of them), and writes
 OUT/rank_study.json (one row per rank: eval loss, bits per byte, stored parameters),
@@ -26,11 +26,17 @@ import time
 from typing import Any
 
 from sharenet.studies import common
+from sharenet.config import defaults
+from sharenet.errors import ConfigError
+from sharenet.main import convert_workdir
+from sharenet.main import eval_workdir
+from sharenet.models import ModelConfig
+from sharenet.models import param_table
+from sharenet.train import workdir_io
 
 
 def options(study: Any, rank: int) -> Any:
   """convert.py's options (defaults.conversion_config) for one rank."""
-  from sharenet import defaults
   opts = defaults.conversion_config()
   opts.to, opts.scheme, opts.num_unique = 'recursive', study.scheme, int(study.num_unique)
   opts.init, opts.lora_targets = study.init, study.lora_targets
@@ -44,9 +50,7 @@ def _params(workdir: str) -> int:
   """Stored trainable parameters of a workdir's model (its role table; nothing allocated)."""
   import math
 
-  from sharenet import workdir_lib
-  from sharenet.models import ModelConfig, param_table
-  cfg = ModelConfig.from_experiment(workdir_lib.load_config(workdir))
+  cfg = ModelConfig.from_experiment(workdir_io.load_config(workdir))
   return sum(math.prod(i.shape) for i in param_table(cfg).values())
 
 
@@ -91,8 +95,6 @@ def plot(result: dict[str, Any], path: str) -> None:
 def main(config: Any, out: str) -> int:
   """Converts and evaluates every rank of config.study not yet under OUT/runs; writes the
   json, table and plot."""
-  from sharenet import workdir_lib
-  from sharenet.errors import ConfigError
   s = config.study
   if not s.source or not os.path.isfile(os.path.join(s.source, 'config.json')):
     raise ConfigError(f'study.source={s.source!r} is not a workdir (no config.json); valid: the '
@@ -104,14 +106,14 @@ def main(config: Any, out: str) -> int:
   overrides = {'data.source': 'stdlib', 'data.tokenizer': 'bytes', 'data.path': '',
                'data.eval_tokens': int(s.eval_tokens)}
   t0 = time.time()
-  source = workdir_lib.evaluate_workdir(s.source, overrides=overrides)
+  source = eval_workdir.evaluate_workdir(s.source, overrides=overrides)
   source['params_unique'] = _params(s.source)
   rows = []
   for r in ranks:
     dst = os.path.join(out, 'runs', f'rank{r}')
     if not os.path.isfile(os.path.join(dst, 'config.json')):
-      workdir_lib.convert_workdir(s.source, dst, options(s, r))
-    ev = workdir_lib.evaluate_workdir(dst, overrides=overrides)
+      convert_workdir.convert_workdir(s.source, dst, options(s, r))
+    ev = eval_workdir.evaluate_workdir(dst, overrides=overrides)
     rows.append({'rank': r, 'eval_loss': ev['eval_loss'],
                  'eval_bits_per_byte': ev['eval_bits_per_byte'], 'params_unique': _params(dst)})
     print(json.dumps(rows[-1]), flush=True)

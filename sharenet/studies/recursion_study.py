@@ -28,6 +28,13 @@ import time
 from typing import Any
 
 from sharenet.studies import common
+from sharenet.models import ModelConfig
+from sharenet.models import accounting
+from sharenet.models import param_table
+from sharenet.train import experiment
+from sharenet.train import loop
+from sharenet.train.metrics import read_metrics
+from sharenet.train.workdir_io import load_config
 
 # name -> (what it is, overrides as dotted config keys on the base config)
 RECURSIVE = {'model.sharing.scheme': 'middle_cycle', 'model.sharing.repeats': 3}
@@ -53,24 +60,20 @@ def _key(row: dict[str, Any]) -> tuple[str, int]:
 
 def steps_for(config: Any, budget: float) -> tuple[int, float]:
   """Steps that spend `budget` training FLOPs, and the model's FLOPs per token."""
-  from sharenet import config_lib
-  from sharenet.models import accounting
-  mcfg = config_lib.validate(config)
+  mcfg = experiment.validate(config)
   t = config.train
   flops_tok = accounting.flops_per_token(mcfg, t.seq_len)
   return max(1, round(budget / (flops_tok * t.batch_size * t.seq_len))), flops_tok
 
 
 def run_one(base: Any, variant: str, out: str, seed: int, budget: float) -> dict[str, Any]:
-  from sharenet import train_lib
-  from sharenet.metrics import read_metrics
   config = common.with_overrides(base, {**VARIANTS[variant][1], 'train.seed': seed})
   steps, flops_tok = steps_for(config, budget)
   config = common.with_overrides(config, {'train.steps': steps,
                                           'train.checkpoint_every': steps})
   workdir = os.path.join(out, f'{variant}-seed{seed}')
   t0 = time.time()
-  res = common.completed(train_lib.train_and_evaluate(config, workdir), workdir)
+  res = common.completed(loop.train_and_evaluate(config, workdir), workdir)
   summary = json.load(open(os.path.join(workdir, 'config.json')))
   tps = [r['tokens_per_sec'] for r in read_metrics(workdir) if 'tokens_per_sec' in r][1:]
   t = config.train
@@ -87,8 +90,6 @@ def stack_params(workdir: str) -> int:
   """Stored parameters of the layers: the trunk's and the MASA atoms the layers share (from the
   run's config and the parameters' structure metadata), i.e. everything but the embedding,
   final norm and readout."""
-  from sharenet.models import ModelConfig, param_table
-  from sharenet.workdir_lib import load_config
   config = load_config(workdir)
   table = param_table(ModelConfig.from_experiment(config))
   return sum(math.prod(i.shape) for i in table.values()

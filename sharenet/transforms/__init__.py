@@ -1,7 +1,7 @@
 """Normalization methods as parameter transforms (papers in docs/references.md).
 
 Five kinds behind one config section (`config.transforms`):
-  activation norms   model.norm.* (sharenet/norms.py): chosen by name, not here;
+  activation norms   model.norm.* (sharenet/models/norms.py): chosen by name, not here;
   reparam            raw -> effective params inside the loss (reparam.py);
   project            post-step projection, last in the optax chain (project.py);
   update             optax transforms reading params: AGC, AdamP (update.py);
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sharenet import defaults
+from sharenet.config import defaults
 from sharenet.errors import ConfigError
 from sharenet.models import DecoderLM
 from sharenet.transforms import project as project_lib

@@ -23,7 +23,7 @@ head-wise sharing (config.to=head_shared) in transforms/head_share.py, the Mixtu
 
 CLI: python convert.py --workdir SRC --out DST
      --config.to=rmsnorm|crmsnorm|recursive|head_shared|merge_lora_experts [...]
-(sharenet.workdir_lib.convert_workdir) writes DST/config.json and a checkpoint (fresh optimizer
+(sharenet.main.convert_workdir.convert_workdir) writes DST/config.json and a checkpoint (fresh optimizer
 state and data iterator) that eval.py reads and train.py continues with
 `--config configs/workdir.py:DST`.
 """
@@ -37,7 +37,7 @@ from flax.traverse_util import flatten_dict, unflatten_dict
 
 from sharenet.errors import require
 from sharenet.models import DecoderLM, ModelConfig, init_variables, param_table
-from sharenet.params import ParamInfo
+from sharenet.models.params import ParamInfo
 
 Path = tuple[str, ...]
 

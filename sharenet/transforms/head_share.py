@@ -7,7 +7,7 @@ heads is selected (a selected head that another selected head matches keeps its 
 as in the reference: `head_sources`). Not function-preserving: same architecture, and the
 sharing map (and the unique parameter count) goes to DST/config.json 'head_sharing'. CLI:
 `python convert.py --workdir SRC --out DST --config.to=head_shared --config.share_rate=R`
-(sharenet/workdir_lib.py).
+(sharenet/main/convert_workdir.py).
 """
 from __future__ import annotations
 

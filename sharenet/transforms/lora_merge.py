@@ -25,10 +25,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax.traverse_util import flatten_dict, unflatten_dict
 
-from sharenet import linalg
+from sharenet.kernels import linalg
 from sharenet.errors import require
 from sharenet.models import DecoderLM, ModelConfig, init_variables, layout, param_table
-from sharenet.params import PER_LAYER
+from sharenet.models.params import PER_LAYER
 
 Path = tuple[str, ...]
 

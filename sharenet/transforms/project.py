@@ -42,7 +42,7 @@
   norm_project  the projection alone, as `nap` was before it had part 1: every matrix with an
                 'embed' axis (readout and embedding included, LoRA excluded) rescaled to its
                 initial Frobenius norm; no norm gains. Runs whose config.json says `nap` without a
-                model.norm.pre_activation key load as this (sharenet/defaults.py).
+                model.norm.pre_activation key load as this (sharenet/config/defaults.py).
 
 Under Adam a projection is not equivalent to the matching reparameterization: Adam normalises
 the raw gradient, not the projected one.
@@ -56,7 +56,7 @@ import jax.numpy as jnp
 import optax
 from flax.traverse_util import flatten_dict, unflatten_dict
 
-from sharenet.params import NORM_ROLES
+from sharenet.models.params import NORM_ROLES
 from sharenet.transforms.roles import MATRIX_ROLES, Leaf, unit_norm
 
 PROJECTIONS = ('none', 'ngpt', 'nap', 'norm_project')

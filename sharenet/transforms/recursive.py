@@ -28,11 +28,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax.traverse_util import flatten_dict, unflatten_dict
 
-from sharenet import linalg, sharing
+from sharenet.kernels import linalg
+from sharenet.models import sharing
 from sharenet.errors import require
 from sharenet.models import DecoderLM, ModelConfig, init_variables, layout, param_table
 from sharenet.models.sections import LORA_LAYERS
-from sharenet.params import KERNEL_ROLES, NORM_ROLES, PER_LAYER
+from sharenet.models.params import KERNEL_ROLES, NORM_ROLES, PER_LAYER
 from sharenet.transforms import similarity
 
 INITS = ('stepwise', 'average', 'lower', 'similar')

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from flax.traverse_util import flatten_dict, unflatten_dict
 
 from sharenet.errors import ConfigError
-from sharenet.params import KERNEL_ROLES, NORM_ROLES, REPARAM
+from sharenet.models.params import KERNEL_ROLES, NORM_ROLES, REPARAM
 from sharenet.transforms.roles import Leaf
 
 Arrays = dict[str, jax.Array]

@@ -1,4 +1,4 @@
-"""Leaves as transforms see them: rows of the model's role table (sharenet/params.py).
+"""Leaves as transforms see them: rows of the model's role table (sharenet/models/params.py).
 
 A transform selects leaves by role (reader / writer kernels, embeddings, norm gains, ...) or by
 a regex over the '/'-joined path, and views a kernel as a stack of (fan_in, fan_out) matrices:
@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from sharenet.models import DecoderLM, param_table
-from sharenet.params import KERNEL_ROLES, MATRIX_ROLES, ROLES, STACK_AXES, ParamInfo
+from sharenet.models.params import KERNEL_ROLES, MATRIX_ROLES, ROLES, STACK_AXES, ParamInfo
 
 Leaf = ParamInfo
 __all__ = ['KERNEL_ROLES', 'MATRIX_ROLES', 'ROLES', 'STACK_AXES', 'Leaf', 'leaf_infos',

@@ -16,12 +16,13 @@ import numpy as np
 
 from sharenet.errors import require
 from sharenet.models import DecoderLM, ModelConfig
+from sharenet.models.block import Block
+from sharenet.models.block import Stream
 
 
 def layer_outputs(cfg: ModelConfig, variables: Any, tokens_NT: np.ndarray) -> np.ndarray:
   """(L, N, T, D) float64: the residual stream after each applied layer of an untied model on
   `tokens_NT`, read from the blocks' captured outputs (not from module names)."""
-  from sharenet.models.block import Block, Stream
   model = DecoderLM(cfg)
   capture = lambda module, method: isinstance(module, Block) and method == '__call__'
   _, state = jax.jit(lambda v, t: model.apply(v, t, capture_intermediates=capture,

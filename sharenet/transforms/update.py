@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import optax
 from flax.traverse_util import flatten_dict, unflatten_dict
 
-from sharenet.params import KERNEL_ROLES
+from sharenet.models.params import KERNEL_ROLES
 from sharenet.transforms.roles import Leaf
 
 UPDATES = ('agc', 'adamp')

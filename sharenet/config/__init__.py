@@ -1,0 +1,1 @@
+"""The configuration: defaults (one place per key), migrations of old workdirs, the compatibility table and its generated page, the command line."""

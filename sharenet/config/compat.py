@@ -1,0 +1,425 @@
+"""The compatibility table: which features combine, declared once.
+
+Every feature is a config setting (or, `action=True`, an operation on a trained model: cached
+generation, loop-by-loop inference with adaptive exits, test-time depth, a conversion).
+Features on one `axis` exclude each other (two sharing schemes are not a pair). Every other
+pair works unless one of the two names the other in `refuses`, with the one-line reason;
+`check(config)` raises that line as a ConfigError (experiment.validate runs it before anything
+is built), and `check_action` does the same for an action on a model's config.
+tests/compatibility/test_compatibility.py is generated from this table: a pairwise covering set of tiny
+configs (every working pair in at least one, none with a refused pair) each initialised and
+trained one step, the actions run on them, and every refused pair checked to raise its line;
+docs/compatibility.md is `compat_coverage.markdown()`; the covering set is
+`compat_coverage.covering_rows()`. A feature whose config value is not in the table fails
+tests/compatibility/test_compatibility.py::test_every_choice_is_declared.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from typing import Any, Callable
+
+from sharenet.errors import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class Feature:
+  """One row and column of the table."""
+  name: str
+  axis: str
+  overrides: tuple[tuple[str, Any], ...]    # dotted config keys over the table's base config
+  on: Callable[[Any], bool]                  # whether a full config has the feature
+  refuses: tuple[tuple[str, str], ...] = ()  # (other feature, why), one line each
+  action: bool = False
+
+  @property
+  def label(self) -> str:
+    return ', '.join(f'{k}={v}' for k, v in self.overrides) or self.name
+
+
+def _get(config: Any, key: str) -> Any:
+  node = config
+  for part in key.split('.'):
+    node = node[part]
+  return node
+
+
+def _setting(name: str, axis: str, key: str, value: Any, *extra: tuple[str, Any],
+             refuses: tuple[tuple[str, str], ...] = (), contains: bool = False) -> Feature:
+  """A feature that is on when config `key` equals `value` (or, `contains`, lists it)."""
+  if contains:
+    on = lambda c: value in str(_get(c, key)).replace(' ', '').split(',')
+  else:
+    on = lambda c: _get(c, key) == value
+  return Feature(name, axis, ((key, value),) + extra, on, refuses)
+
+
+MOEUT_V = 'MoEUT norms read the values un-normalised and the keys normed; values are keys here'
+NOT_ROUTED = 'per-layer parts are not routed (each recursion is one scan over the K sets)'
+ROUTED_PLANS = 'routing needs a cycle segment to route (valid schemes: cycle, middle_cycle)'
+FLAT_ROUTED = 'each routed recursion is its own scan; valid: model.scan_lowering=nested'
+LOOPED = 'loop-by-loop inference needs exactly one looped cycle segment'
+LOOP_ROUTED = 'loop-by-loop inference runs every loop on every token; routing picks the loops'
+DEPTH = 'test-time depth (eval.py --depths / --depth) runs another number of loops of the one ' \
+    'looped cycle segment'
+DEPTH_ROUTED = 'routing picks each token\'s recursions; a loop schedule of a routed model is not ' \
+    'implemented'
+UMUP_LAYER = 'the u-muP residual rule depends on the applied layer index'
+NO_V = 'these sharing modes store no value projection for the LoRA / MASA target v'
+NO_Q = 'qk_shared / qkv_shared store no query projection for the LoRA / MASA target q'
+PERI = 'depth / loop branch multipliers are cancelled by peri norms'
+NO_LOOP = 'recurrence and exits loop the plan\'s one looped cycle segment, which it lacks'
+ROUTED_LOOPS = 'routing picks each token\'s loops itself'
+UMUP_DEPTH = 'the u-muP residual rule counts applied layers, which the depth changes'
+NO_INJECT = 'loop-by-loop inference applies the stored layers without re-entering the input'
+PER_LOOP_PARTS = 'per-layer parts exist for the plan\'s R loops only; a sampled depth runs others'
+MOE_ROUTED = 'routed recursions rebuild the layer carry that holds the experts\' aux loss'
+MOE_UMUP = 'u-muP\'s unit-scaled ops have no expert rule'
+MOE_NAP = 'NaP\'s pre-activation norms norm the dense MLP\'s hidden units, which experts lack'
+MOE_MLP = 'the experts are ReLU (sigma_moe, MoEUT\'s) or take model.mlp swiglu / gelu (switch)'
+MOE_EXITS = 'the exits\' pass through the coda does not collect the experts\' aux loss'
+CAPACITY = 'Switch capacity counts the call\'s tokens, so a cached or one-token pass drops ' \
+    'other tokens than the full forward'
+SWITCH_V = 'SwitchHead\'s value experts replace the stored v projection that the sharing mode ' \
+    'ties'
+SWITCH_LORA = 'SwitchHead makes v and o experts, which the LoRA / MASA targets name'
+SWITCH_BIAS = 'SwitchHead\'s value / output experts carry no biases'
+KV_LOOP = 'kv sharing reuses the first loop\'s keys and values in the later loops of the plan\'s ' \
+    'one looped cycle segment, which it lacks'
+
+
+def _features() -> tuple[Feature, ...]:
+  """The table (module docstring). Base: configs/tiny.py, 4 applied layers, cycle of 2 sets.
+  One declaration per feature, so as long as the table (not split on purpose)."""
+  s = 'model.sharing.'
+  schemes = [
+      _setting('untied', 'scheme', s + 'scheme', 'untied', (s + 'num_unique', 0),
+               refuses=(('lora', 'LoRA relaxes shared layers and untied shares none; valid: '
+                         'model.sharing.lora_layers=all'), ('expert_choice', ROUTED_PLANS),
+                        ('token_choice', ROUTED_PLANS), ('loop_inference', LOOPED),
+                        ('test_time_depth', DEPTH))),
+      _setting('universal', 'scheme', s + 'scheme', 'universal', (s + 'num_unique', 1),
+               refuses=(('expert_choice', ROUTED_PLANS), ('token_choice', ROUTED_PLANS))),
+      _setting('cycle', 'scheme', s + 'scheme', 'cycle', (s + 'num_unique', 2)),
+      _setting('sequence', 'scheme', s + 'scheme', 'sequence', (s + 'num_unique', 2),
+               refuses=(('expert_choice', ROUTED_PLANS), ('token_choice', ROUTED_PLANS),
+                        ('loop_inference', LOOPED), ('test_time_depth', DEPTH))),
+      _setting('middle_cycle', 'scheme', s + 'scheme', 'middle_cycle', (s + 'num_unique', 3)),
+      _setting('middle_sequence', 'scheme', s + 'scheme', 'middle_sequence',
+               (s + 'num_unique', 3),
+               refuses=(('expert_choice', ROUTED_PLANS), ('token_choice', ROUTED_PLANS),
+                        ('loop_inference', LOOPED), ('test_time_depth', DEPTH))),
+      _setting('sandwich', 'scheme', s + 'scheme', 'sandwich', (s + 'num_unique', 3),
+               refuses=(('expert_choice', ROUTED_PLANS), ('token_choice', ROUTED_PLANS))),
+      _setting('groups', 'scheme', s + 'scheme', 'groups', (s + 'num_unique', 2),
+               refuses=(('expert_choice', ROUTED_PLANS), ('token_choice', ROUTED_PLANS))),
+      _setting('explicit', 'scheme', s + 'scheme', 'explicit', (s + 'num_unique', 0),
+               (s + 'pattern', '0,1,1,0'),
+               refuses=(('expert_choice', ROUTED_PLANS), ('token_choice', ROUTED_PLANS),
+                        ('loop_inference', LOOPED), ('test_time_depth', DEPTH))),
+  ]
+  routers = [
+      _setting(kind, 'routing', 'model.routing.kind', kind,
+               refuses=(('lora', NOT_ROUTED), ('untie_norms', NOT_ROUTED),
+                        ('python_loop', 'routing needs model.scan_layers=True'),
+                        ('flat', FLAT_ROUTED), ('umup', 'the u-muP residual rule is not routed'),
+                        ('loop_inference', LOOP_ROUTED),
+                        ('test_time_depth', DEPTH_ROUTED)))
+      for kind in ('expert_choice', 'token_choice')]
+  rc = 'model.recurrence.'
+  loopless = tuple((n, NO_LOOP) for n in ('untied', 'sequence', 'middle_sequence', 'explicit'))
+  loopless += (('expert_choice', ROUTED_LOOPS), ('token_choice', ROUTED_LOOPS),
+               ('umup', UMUP_DEPTH))
+  # init_* need an injection (init without one is refused): they set injection=add, and come
+  # before inject_* here and by name, so a row holding both keeps the inject_* feature's value.
+  recurrent = [
+      _setting('poisson_lognormal', 'recurrence_depth', rc + 'depth', 'poisson_lognormal',
+               (rc + 'mean', 2.0), (rc + 'backprop', 1),
+               refuses=loopless + (('lora', PER_LOOP_PARTS), ('untie_norms', PER_LOOP_PARTS))),
+      *[_setting(f'init_{v}', 'state_init', rc + 'init', v, (rc + 'injection', 'add'),
+                 refuses=loopless + (('loop_inference', NO_INJECT),)) for v in ('zeros', 'normal')],
+      *[_setting(f'inject_{v}', 'injection', rc + 'injection', v,
+                 refuses=loopless + (('loop_inference', NO_INJECT),)) for v in ('add', 'concat')],
+      _setting('exit_all', 'exit_loss', 'train.exit_loss', 'all', refuses=loopless)]
+  # model.kv_sharing=first (models/kv_sharing.py): the later loops read the first loop's keys
+  # and values, in training and in cached generation.
+  kv = [_setting('kv_first', 'kv_sharing', 'model.kv_sharing', 'first', refuses=tuple(
+      (n, KV_LOOP) for n in ('untied', 'sequence', 'middle_sequence', 'explicit')) + tuple(
+      (n, 'routed recursions attend among their own tokens; recursive KV sharing of a routed '
+       'model is not implemented') for n in ('expert_choice', 'token_choice')) + (
+      ('poisson_lognormal', 'a no-grad prefix would hold the first loop and leave the keys and '
+       'values every later loop reads without gradient'),))]
+  # model.moe (models/moe.py): experts in the feed-forward's place; the dispatch features run
+  # sigma_moe with that grouped matmul (a switch row keeps its own kind: 'switch' sorts later).
+  mo = 'model.moe.'
+  moe_refuses = (('expert_choice', MOE_ROUTED), ('token_choice', MOE_ROUTED),
+                 ('umup', MOE_UMUP), ('nap', MOE_NAP), ('exit_all', MOE_EXITS),
+                 ('geglu', MOE_MLP), ('selu', MOE_MLP))
+  # The dispatch features come first: a config holding one holds a kind too, and a refused
+  # pair's line names the first feature of the table that refuses it.
+  experts = [Feature(f'moe_{d}', 'moe_dispatch',
+                     ((mo + 'dispatch', d), (mo + 'kind', 'sigma_moe'), (mo + 'num_experts', 4),
+                      (mo + 'top_k', 2)),
+                     lambda c, d=d: _get(c, mo + 'kind') != 'none' and
+                     _get(c, mo + 'dispatch') == d, moe_refuses)
+             for d in ('ragged_dot', 'reference')]
+  experts += [
+      _setting('sigma_moe', 'moe', mo + 'kind', 'sigma_moe', (mo + 'num_experts', 4),
+               (mo + 'top_k', 2), refuses=moe_refuses),
+      _setting('switch', 'moe', mo + 'kind', 'switch', (mo + 'num_experts', 4), (mo + 'top_k', 1),
+               refuses=moe_refuses + tuple((a, CAPACITY) for a in (
+                   'generation', 'loop_inference', 'test_time_depth')))]
+  # model.moe.attention=switchhead (models/switchhead.py): value and output experts per head.
+  experts.append(_setting(
+      'switchhead', 'moe_attention', mo + 'attention', 'switchhead', (mo + 'attention_experts', 4),
+      (mo + 'attention_top_k', 2),
+      refuses=tuple((m, SWITCH_V) for m in ('kv_shared', 'qk_shared', 'qkv_shared')) + (
+          ('lora', SWITCH_LORA), ('masa', SWITCH_LORA), ('umup', MOE_UMUP),
+          ('proj_bias_qkv', SWITCH_BIAS), ('proj_bias_all', SWITCH_BIAS))))
+  per_layer = 'model.scan_layers=False reuses one module per set: no per-layer parts'
+  # model.moe.lora_experts (models/lora_experts.py): routed LoRA experts on the feed-forward;
+  # on the 'lora' axis (it sets lora_rank), refusing what depth-wise LoRA or experts refuse.
+  no_mlp = 'the LoRA experts adapt the dense feed-forward, which model.moe.kind replaces'
+  experts.append(Feature(
+      'lora_experts', 'lora', ((mo + 'lora_experts', 2), (s + 'lora_rank', 2),
+                               (s + 'lora_targets', 'mlp_in,mlp_out')),
+      lambda c: _get(c, mo + 'lora_experts') > 0,
+      (('untied', 'LoRA relaxes shared layers and untied shares none; valid: '
+                'model.sharing.lora_layers=all'), ('expert_choice', NOT_ROUTED),
+               ('token_choice', NOT_ROUTED), ('python_loop', per_layer),
+               ('poisson_lognormal', PER_LOOP_PARTS),
+               ('umup', 'u-muP defines no rule for LoRA factors'), ('nap', MOE_NAP)) + tuple(
+          (k, no_mlp) for k in ('sigma_moe', 'switch', 'moe_ragged_dot', 'moe_reference'))))
+  structure = [
+      _setting('flat', 'lowering', 'model.scan_lowering', 'flat'),
+      _setting('python_loop', 'lowering', 'model.scan_layers', False,
+               refuses=(('lora', per_layer), ('untie_norms', per_layer))),
+      # depth-wise: not as lora_experts' rank; lora_all (RRT's LoRA on every applied layer,
+      # model.sharing.lora_layers=all) refuses what lora refuses (_lora_all), untied aside
+      *[Feature(name, 'lora', ((s + 'lora_rank', 2),) + extra,
+                lambda c, layers=layers: _get(c, s + 'lora_rank') > 0 and not _get(
+                    c, mo + 'lora_experts') and (_get(c, s + 'lora_layers') == 'all') == layers,
+                (('kv_shared', NO_V), ('qkv_shared', NO_V), ('qk_shared', NO_Q),
+                 ('umup', 'u-muP defines no rule for depth-wise LoRA factors')))
+        for name, extra, layers in (('lora', (), False),
+                                    ('lora_all', ((s + 'lora_layers', 'all'),), True))],
+      _setting('untie_norms', 'untie_norms', s + 'untie_norms', True),
+      Feature('masa', 'masa', (('model.masa.atoms', 2),),
+              lambda c: _get(c, 'model.masa.atoms') > 0,
+              (('kv_shared', NO_V), ('qkv_shared', NO_V), ('qk_shared', NO_Q))),
+  ]
+  attention = [_setting(m, 'attention_sharing', 'model.attention_sharing', m)
+               for m in ('kv_shared', 'qk_shared', 'qkv_shared')]
+  values_are_keys = 'recursive inference keeps keys and values per layer; values are keys here'
+  attention = [dataclasses.replace(f, refuses=(('loop_inference', values_are_keys),))
+               if f.name in ('kv_shared', 'qkv_shared') else f for f in attention]
+  norms = [_setting(k, 'norm', 'model.norm.kind', k)
+           for k in ('layernorm', 'crmsnorm', 'scalenorm', 'dyt', 'none', 'lpnorm')]
+  # model.norm.kind=powernorm | unified_norm | online_norm (sharenet/models/norm_stats.py): running
+  # statistics per
+  # applied layer, in TrainState.tstate, read from the training step's cotangents.
+  stats_layers = 'a statistics norm keeps running statistics per applied layer of the plan'
+  norms += [_setting(kind, 'norm', 'model.norm.kind', kind, refuses=(
+      ('expert_choice', stats_layers + '; routed recursions are not applied layers'),
+      ('token_choice', stats_layers + '; routed recursions are not applied layers'),
+      ('poisson_lognormal', stats_layers + '; a sampled depth runs others'),
+      ('exit_all', stats_layers + '; the exits\' loss runs the loops by a schedule that does '
+                  'not carry them'),
+      ('python_loop', per_layer),
+      ('umup', 'u-muP rescales the loss gradient, which the backward statistic reads'),
+      ('grad_accum', 'the statistic is per batch (valid: train.grad_accum=1)'),
+      ('loop_inference', stats_layers + '; loop-by-loop inference reads the stored sets only'),
+      ('test_time_depth', stats_layers + '; another depth runs layers without them')))
+      for kind in ('powernorm', 'unified_norm', 'online_norm')]
+  # model.mlp=selu: Klambauer et al.'s self-normalizing feed-forward, on the mlp axis with GeGLU;
+  # its pair with the norm `none` is the paper's normalization-free baseline.
+  norms.append(_setting('selu', 'mlp', 'model.mlp', 'selu'))
+  placements = [_setting('post', 'placement', 'model.norm.placement', 'post',
+                         refuses=(('umup', 'u-muP\'s residual rule needs pre or peri norms'),)),
+                _setting('peri', 'placement', 'model.norm.placement', 'peri',
+                         refuses=(('completep', PERI), ('inv_R', PERI), ('inv_sqrt_R', PERI))),
+                # MoEUT's peri-layernorm (models/block.py): values read the raw stream
+                _setting('moeut', 'placement', 'model.norm.placement', 'moeut',
+                         refuses=(('umup', 'u-muP\'s residual rule is written for pre and peri '
+                                           'norms'),
+                                  ('kv_shared', MOEUT_V), ('qkv_shared', MOEUT_V)))]
+  qk = [_setting('qk_rms', 'qk_norm', 'model.norm.qk_norm', 'rms'),
+        _setting('qk_l2', 'qk_norm', 'model.norm.qk_norm', 'l2')]
+  width = ('parametrization.base_d_model', 16)
+  pzs = [_setting(k, 'parametrization', 'parametrization.kind', k, width)
+         for k in ('mup', 'mup_table3', 'completep')]
+  pzs.append(_setting('umup', 'parametrization', 'parametrization.kind', 'umup',
+                      refuses=(('loop_inference', UMUP_LAYER), ('test_time_depth', UMUP_DEPTH))))
+  atoms = 'MASA atoms serve every set, so a per-set loop multiplier has no kernel to scale'
+  loop_rules = [_setting(r, 'loop_rule', 'parametrization.loop_rule', r,
+                         refuses=(('masa', atoms),)) for r in ('inv_R', 'inv_sqrt_R')]
+  reparams = [_setting(r, 'reparam', 'transforms.reparam', r, contains=True)
+              for r in ('zero_mean_writers', 'weight_std', 'weight_norm', 'sigma_reparam',
+                        'weight_conditioning', 'compander')]
+  no_gain = 'scale_vectors reparameterises norm gain vectors and this norm has none'
+  reparams.append(_setting('scale_vectors', 'reparam', 'transforms.reparam', 'scale_vectors',
+                           contains=True, refuses=(('none', no_gain), ('scalenorm', no_gain))))
+  projections = [_setting(p, 'project', 'transforms.project', p)
+                 for p in ('ngpt', 'norm_project')]
+  projections.append(_setting('nap', 'project', 'transforms.project', 'nap',
+                              ('model.norm.pre_activation', 'rmsnorm')))
+  no_rule = 'AdamP has no per-leaf multipliers yet (valid with it: parametrization.kind=sp)'
+  updates = [_setting('agc', 'updates', 'transforms.updates', 'agc', contains=True),
+             _setting('adamp', 'updates', 'transforms.updates', 'adamp', contains=True,
+                      refuses=tuple((k, no_rule) for k in ('mup', 'mup_table3', 'completep',
+                                                           'umup')))]
+  # train.optimizer (sharenet/optim/matrix.py): Muon / Shampoo on the hidden kernels, Adam on
+  # the rest; the Adam-only presets and AdamP (which replaces Adam) are refused.
+  adam_only = 'this parametrization is written for AdamW (valid with muon / shampoo: sp, mup)'
+  # shampoo is grafted to Adam (train.shampoo.graft=adam), shampoo_vanilla is not (graft=none).
+  refuses = tuple((k, adam_only) for k in ('mup_table3', 'completep', 'umup')) + (
+      ('adamp', 'AdamP replaces Adam; valid with it: train.optimizer=adamw'),)
+  # train.muon.scale (shape | rms) only changes one constant per kernel on the same code path
+  # and pairs as muon does, so it is not a feature of its own (tests/optim/test_matrix.py).
+  graft = lambda c: _get(c, 'train.shampoo.graft')
+  optimizers = [
+      _setting('muon', 'optimizer', 'train.optimizer', 'muon', refuses=refuses),
+      Feature('shampoo', 'optimizer', (('train.optimizer', 'shampoo'),),
+              lambda c: _get(c, 'train.optimizer') == 'shampoo' and graft(c) != 'none', refuses),
+      Feature('shampoo_vanilla', 'optimizer',
+              (('train.optimizer', 'shampoo'), ('train.shampoo.graft', 'none')),
+              lambda c: _get(c, 'train.optimizer') == 'shampoo' and graft(c) == 'none', refuses)]
+  remats = [_setting(r, 'remat', 'model.remat', r)
+            for r in ('full', 'dots', 'dots_no_batch', 'save_names', 'except_attn')]
+  numerics = [_setting('pallas', 'kernels', 'model.kernels', 'pallas'),
+              _setting('bfloat16', 'dtype', 'model.dtype', 'bfloat16'),
+              Feature('grad_accum', 'grad_accum', (('train.grad_accum', 2),),
+                      lambda c: _get(c, 'train.grad_accum') > 1),
+              _setting('segment_mask', 'segment_mask', 'data.segment_mask', True)]
+  # Options a Hugging Face import sets (sharenet/interop/): Gemma's GeGLU and embedding scale,
+  # Qwen2's q/k/v biases, GPT-2's biases on every block projection.
+  imported = [_setting('geglu', 'mlp', 'model.mlp', 'geglu',
+                       refuses=(('umup', 'u-muP has no unit-scaled GeGLU; valid: mlp=swiglu or '
+                                 'gelu'),)),
+              _setting('proj_bias_qkv', 'proj_bias', 'model.proj_bias', 'qkv'),
+              _setting('proj_bias_all', 'proj_bias', 'model.proj_bias', 'all'),
+              Feature('embed_scale', 'embed_scale', (('model.embed_scale', 2.0),),
+                      lambda c: _get(c, 'model.embed_scale') != 1.0),
+              # Gemma 2's logit soft-capping of the attention and the output logits
+              Feature('attn_softcap', 'attn_softcap', (('model.attn_softcap', 5.0),),
+                      lambda c: _get(c, 'model.attn_softcap') > 0,
+                      (('umup', 'u-muP\'s unit-scaled attention has no soft-capping rule'),)),
+              Feature('logit_softcap', 'logit_softcap', (('model.logit_softcap', 5.0),),
+                      lambda c: _get(c, 'model.logit_softcap') > 0,
+                      (('umup', 'u-muP\'s unit-scaled loss has no soft-capping rule'),)),
+              # Llama 3.1's RoPE scaling and position interpolation (models/positions.py)
+              _setting('rope_llama3', 'rope_scaling', 'model.rope_scaling.kind', 'llama3',
+                       ('model.rope_scaling.factor', 8.0),
+                       ('model.rope_scaling.original_max_len', 16)),
+              _setting('rope_linear', 'rope_scaling', 'model.rope_scaling.kind', 'linear',
+                       ('model.rope_scaling.factor', 2.0))]
+  # Model and parametrization options without an axis above. Each refusal here is the one the
+  # model's or the parametrization's own validation raises too (models/config.py, scaling.py).
+  tied_roles = 'one tensor cannot carry the embedding\'s and the readout\'s rules'
+  rope_only = 'RoPE scaling scales RoPE, which this position kind does not use'
+  no_mults = 'AdamP has no per-leaf multipliers yet (valid with it: qk_lr=1, wd_mode=auto)'
+  qk_v = 'the key kernel is the value projection too here, so its LR multiplier would move ' \
+      'the values\' LR as well'
+  queries_are_keys = 'qk_shared / qkv_shared make the queries the keys'
+  options = [
+      # tied without model.center_embedding (which zero_mean_writers takes with a tied table)
+      Feature('tie_embeddings', 'tie_embeddings', (('model.tie_embeddings', True),),
+              lambda c: _get(c, 'model.tie_embeddings') and not _get(c, 'model.center_embedding'),
+              (('mup_table3', tied_roles), ('umup', tied_roles),
+               ('zero_mean_writers', 'zero-mean writers would recentre the tied readout too '
+                                     '(model.center_embedding=True recentres the inputs only)'))),
+      Feature('gqa', 'kv_heads', (('model.num_kv_heads', 1),),
+              lambda c: _get(c, 'model.num_kv_heads') not in (0, _get(c, 'model.num_heads')),
+              tuple((m, queries_are_keys + ', so they need as many kv heads as heads')
+                    for m in ('qk_shared', 'qkv_shared'))),
+      *[_setting(name, 'position', 'model.position', kind,
+                 refuses=(('rope_llama3', rope_only), ('rope_linear', rope_only)))
+        for name, kind in (('learned_positions', 'learned'), ('no_positions', 'none'))],
+      _setting('gelu', 'mlp', 'model.mlp', 'gelu'),
+      _setting('fixnorm', 'fixnorm', 'model.norm.fixnorm', True),
+      Feature('qk_lr', 'qk_lr', (('parametrization.qk_lr', 4.0),),
+              lambda c: _get(c, 'parametrization.qk_lr') != 1.0,
+              (('kv_shared', qk_v), ('qkv_shared', qk_v), ('adamp', no_mults))),
+      _setting('wd_independent', 'wd_mode', 'parametrization.wd_mode', 'independent',
+               refuses=(('adamp', no_mults),)),
+      _setting('readout_zero_init', 'readout_zero_init', 'parametrization.readout_zero_init',
+               True, refuses=(('tie_embeddings', 'tied embeddings store no readout of their own '
+                                                 '(zeroing the table would zero the inputs)'),)),
+      _setting('query_zero_init', 'query_zero_init', 'parametrization.query_zero_init', True,
+               refuses=tuple((m, queries_are_keys) for m in ('qk_shared', 'qkv_shared')))]
+  # test_time_depth: evaluation and cached generation at another number of loops
+  # (sharenet/inference/test_time_depth.py); loop_inference serves the exit criteria and sampling
+  # (sharenet/inference/exits.py, sharenet/inference/loop_by_loop.py).
+  actions = [Feature('generation', 'generation', (), lambda c: False, action=True),
+             Feature('loop_inference', 'loop_inference', (), lambda c: False, action=True),
+             Feature('test_time_depth', 'test_time_depth', (), lambda c: False, action=True)]
+  return _lora_all(schemes + routers + recurrent + kv + experts + structure + attention + norms +
+               placements + qk + pzs + loop_rules + reparams + projections + updates + optimizers +
+               remats + numerics + imported + options + actions)
+
+
+def _lora_all(features: list[Feature]) -> tuple[Feature, ...]:
+  """The table, where a feature refusing depth-wise LoRA on the shared layers ('lora') refuses
+  it on every layer ('lora_all') for the same reason; untied, which shares no layer, takes it."""
+  out = []
+  for f in features:
+    extra = tuple(('lora_all', why) for other, why in f.refuses
+                  if other == 'lora' and f.name != 'untied')
+    out.append(dataclasses.replace(f, refuses=f.refuses + extra) if extra else f)
+  return tuple(out)
+
+
+FEATURES = _features()
+BY_NAME = {f.name: f for f in FEATURES}
+
+
+def refusal(a: str, b: str) -> str | None:
+  """Why features a and b do not combine (None: they do, or they share an axis)."""
+  fa, fb = BY_NAME[a], BY_NAME[b]
+  if fa.axis == fb.axis:
+    return None
+  for x, y in ((fa, fb), (fb, fa)):
+    for other, why in x.refuses:
+      if other == y.name:
+        return why
+  return None
+
+
+def _message(a: Feature, b: Feature, why: str) -> str:
+  return f'{a.label} with {b.label}: {why}; valid: either one without the other'
+
+
+def active(config: Any) -> list[str]:
+  """The table's config features that `config` turns on."""
+  out = []
+  for f in FEATURES:
+    if f.action:
+      continue
+    try:
+      if f.on(config):
+        out.append(f.name)
+    except (KeyError, AttributeError, TypeError):
+      continue
+  return out
+
+
+def check(config: Any) -> None:
+  """One ConfigError line for the first refused pair of features `config` turns on."""
+  for a, b in itertools.combinations(active(config), 2):
+    why = refusal(a, b)
+    if why:
+      raise ConfigError(_message(BY_NAME[a], BY_NAME[b], why))
+
+
+def check_action(action: str, config: Any) -> None:
+  """One ConfigError line if `action` (a serving operation) refuses a feature of `config`."""
+  for a in active(config):
+    why = refusal(action, a)
+    if why:
+      raise ConfigError(f'{action} of a model with {BY_NAME[a].label}: {why}')
+
+
+def pairs() -> list[tuple[str, str, str | None]]:
+  """Every pair of features on different axes: (a, b, why refused or None)."""
+  return [(a.name, b.name, refusal(a.name, b.name))
+          for a, b in itertools.combinations(FEATURES, 2) if a.axis != b.axis]

@@ -1,0 +1,137 @@
+"""Test-time depth: a looped model evaluated, or decoding, at another number of loops.
+
+Recurrent depth (Geiping et al., "Scaling up Test-Time Compute with Latent Reasoning",
+arXiv:2502.05171) trains a prelude, a recurrent block and a coda and evaluates the same weights
+at many recurrence depths; its authors report that fixed-depth training does not generalise to
+other depths, which is what `eval.py --depths` measures. A depth n here is the number of loops
+of the plan's looped segment (models/loops.py `looped`: prelude + n loops of K layers + coda),
+and every depth runs through models/loops.py `Schedule(loops=n)`, the same path a sampled-depth
+model uses; n = the trained R is the plan itself.
+
+Compile cost: the loop count is a scan length, so evaluation compiles one program per depth
+(`evaluation.evaluate` is jitted with the schedule static); cached generation at depth n is one
+program per (depth, prompt bucket, settings) like any generation (sharenet/inference/generate.py).
+
+Depth-wise LoRA and untied norms (Relaxed Recursive Transformers, arXiv:2410.20672) exist for
+the trained loops only: such a model runs at 1 .. R loops (the first n loops' parts), never
+deeper. Routed models pick each token's recursions and take no schedule.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+
+from sharenet.errors import ConfigError
+from sharenet.models import loops
+from sharenet.models.loops import Schedule
+from sharenet.train import evaluation, perf
+
+DEPTH_SCHEMES = 'cycle, universal, middle_cycle, sandwich, groups'
+PLOT = 'loss_vs_depth.png'
+RESULTS = 'eval_depths.jsonl'
+
+
+def looped_shape(cfg: Any, what: str) -> loops.Looped:
+  """The plan's looped segment (prelude, K, R, coda) for `what` (a flag, in the error line)."""
+  try:
+    shape = loops.looped(cfg)
+  except ConfigError:
+    raise ConfigError(f'{what} needs a looped segment (one cycle segment applied more than once); '
+                      f'model.sharing.scheme={cfg.sharing.scheme!r} with {cfg.num_layers} '
+                      f'layers has none; valid schemes: {DEPTH_SCHEMES}') from None
+  if cfg.routing.kind != 'none':
+    raise ConfigError(f'{what}: model.routing.kind={cfg.routing.kind!r} picks each token\'s '
+                      f'recursions (docs/routing.md); valid: routing.kind=none')
+  return shape
+
+
+def has_per_layer_parts(cfg: Any, shape: loops.Looped) -> bool:
+  """Whether the looped segment holds per-applied-layer parts (depth-wise LoRA, untied norms)."""
+  seg_cfg = cfg.segment_cfg(cfg.plan.segments[shape.segment])
+  return bool(seg_cfg.sharing.lora_rank or cfg.sharing.untie_norms)
+
+
+def check_depth(cfg: Any, n: Any, what: str = '--depth') -> loops.Looped:
+  """One ConfigError line unless `cfg` can run `n` loops of its looped segment."""
+  shape = looped_shape(cfg, what)
+  if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
+    raise ConfigError(f'{what}={n}: a depth is a number of loops of the looped segment; valid: '
+                      f'an integer >= 1 (trained: {shape.loops})')
+  if getattr(cfg, 'umup_residual', ()) and n != shape.loops:
+    raise ConfigError(f'{what}={n}: the u-muP residual rule (parametrization.kind=umup) gives '
+                      f'each applied layer a tau by its index among the trained layers, which '
+                      f'another depth changes; valid: {shape.loops}')
+  if n > shape.loops and has_per_layer_parts(cfg, shape):
+    raise ConfigError(f'{what}={n}: depth-wise LoRA and untied norms exist for the trained '
+                      f'{shape.loops} loops only; valid: 1 .. {shape.loops}')
+  return shape
+
+
+def parse_depths(text: str) -> list[int]:
+  """'1,2,4,8' -> [1, 2, 4, 8]; one ConfigError line for anything else."""
+  items = [t.strip() for t in str(text).split(',')]
+  try:
+    depths = [int(t) for t in items]
+  except ValueError:
+    raise ConfigError(f'--depths={text!r}: valid: comma-separated loop counts >= 1, e.g. '
+                      f'--depths 1,2,4,8') from None
+  bad = [d for d in depths if d < 1]
+  if bad or len(set(depths)) != len(depths):
+    raise ConfigError(f'--depths={text!r}: valid: distinct loop counts >= 1, e.g. '
+                      f'--depths 1,2,4,8')
+  return depths
+
+
+def check_flags(depths: str | None, depth: int | None, exit_spec: str | None,
+                generating: bool) -> list[int] | None:
+  """eval.py's --depths / --depth / --exit against each other and --prompt: the depths to
+  evaluate (None: plain evaluation or generation); one ConfigError line otherwise."""
+  if depths is not None and depth is not None:
+    raise ConfigError('--depth (one depth: generation, or one evaluation) and --depths (an '
+                      'evaluation per depth) exclude each other; valid: one of them')
+  if depths is not None and generating:
+    raise ConfigError('--depths evaluates; with --prompt / --prompt_file valid: --depth N')
+  if exit_spec is not None and not generating:
+    raise ConfigError('--exit decides per generated token; valid: with --prompt or '
+                      '--prompt_file')
+  if depths is not None:
+    return parse_depths(depths)
+  if depth is not None and not generating:
+    return [depth]
+  return None
+
+
+def evaluate_depths(model: Any, params: Any, data_cfg: Any, seq_len: int, batch_size: int,
+                    depths: Sequence[int]) -> list[dict[str, Any]]:
+  """One row per depth: depth, eval_loss, eval_bits_per_byte, flops_per_token (forward FLOPs
+  of a token at that depth, perf.flops_per_token_at_depth)."""
+  cfg = model.cfg
+  for n in depths:   # every depth checked before the first compilation
+    check_depth(cfg, n, '--depths')
+  rows = []
+  for n in depths:
+    out = evaluation.evaluate(model, params, data_cfg, seq_len, batch_size, Schedule(loops=n))
+    rows.append({'depth': int(n), **out,
+                 'flops_per_token': perf.flops_per_token_at_depth(cfg, seq_len, n)})
+  return rows
+
+
+def plot_depths(rows: Sequence[dict[str, Any]], trained: int, path: str) -> None:
+  """Eval loss against test-time depth (png), the trained depth marked."""
+  import matplotlib
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt
+  depths = [r['depth'] for r in rows]
+  fig, ax = plt.subplots(figsize=(5, 3.5))
+  ax.plot(depths, [r['eval_loss'] for r in rows], 'o-')
+  ax.axvline(trained, color='gray', linestyle=':', label=f'trained depth ({trained})')
+  if max(depths) >= 4 * min(depths):
+    ax.set_xscale('log', base=2)
+  ax.set_xticks(depths, [str(d) for d in depths])
+  ax.set_xlabel('loops of the looped segment (test-time depth)')
+  ax.set_ylabel('eval loss (nats / token)')
+  ax.legend()
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)

@@ -1,0 +1,1 @@
+"""Optimizers: the optax chain (AdamW, AdamP, AGC, clipping, projections), Muon and Shampoo."""

@@ -1,0 +1,77 @@
+"""Evaluation on the validation split (all of it, or its first data.eval_tokens predicted
+tokens): mean next-token loss and bits per byte."""
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from sharenet import data
+from sharenet.models import DecoderLM, unit_scale
+from sharenet.models.loops import Schedule
+
+
+def split_batch(batch: Any) -> tuple[jax.Array, jax.Array | None]:
+  """(tokens (B, T+1), segment ids (B, T+1) or None) of a batch: one token array, or the
+  {'tokens', 'segment_ids'} dict of data.segment_mask (sharenet/data/arrayrecord.py)."""
+  if isinstance(batch, dict):
+    return batch['tokens'], batch['segment_ids']
+  return batch, None
+
+
+def token_nll(model: DecoderLM, params: Any, batch_BT1: Any,
+              mutable: Sequence[str] = (), logits_grad_scale: float = 1.0,
+              schedule: Schedule = Schedule(), rngs: Any = None) -> tuple[jax.Array, Any]:
+  """Per-position next-token negative log-likelihood (B, T), and the sown `mutable` collections
+  ({} if none): the one loss that training (trainer.loss_fn) and evaluation share.
+
+  `batch_BT1` is a token array (B, T+1) or, with data.segment_mask, {'tokens', 'segment_ids'}
+  (`split_batch`): the model then attends only within each packed document.
+
+  `logits_grad_scale` multiplies only the gradient reaching the logits (u-muP's unit-scaled
+  cross entropy, vocab / sqrt(vocab - 1)); the values are unchanged. `schedule` runs the looped
+  segment's loops another way (models/loops.py: a sampled depth in training, another depth in
+  evaluation, sharenet/inference/test_time_depth.py), `rngs` are the apply's (a recurrent model's `normal` initial
+  state, models/recurrence.py).
+  """
+  tokens_BT1, segment_ids_BT1 = split_batch(batch_BT1)
+  inputs = (tokens_BT1[:, :-1],) if segment_ids_BT1 is None else (tokens_BT1[:, :-1],
+                                                                  segment_ids_BT1[:, :-1])
+  extra = {} if schedule.is_default else {'schedule': schedule}   # the plain call otherwise
+  if rngs is not None:
+    extra['rngs'] = rngs
+  logits_BTV, aux = model.apply(params, *inputs, mutable=list(mutable), **extra)
+  if logits_grad_scale != 1.0:
+    logits_BTV = unit_scale.scale_bwd(logits_BTV, logits_grad_scale)
+  nll_BT = optax.softmax_cross_entropy_with_integer_labels(logits_BTV, tokens_BT1[:, 1:])
+  return nll_BT, aux
+
+
+@functools.partial(jax.jit, static_argnums=(0, 4))
+def _eval_step(model: DecoderLM, params: Any, batch_BT1: Any, mask_BT: jax.Array,
+               schedule: Schedule):
+  nll_BT, _ = token_nll(model, params, batch_BT1, schedule=schedule)
+  return jnp.sum(nll_BT * mask_BT), jnp.sum(mask_BT)
+
+
+def evaluate(model: DecoderLM, params: Any, data_cfg: Any, seq_len: int,
+             batch_size: int, schedule: Schedule = Schedule()) -> dict[str, float]:
+  """eval_loss (nats/token) and eval_bits_per_byte over the evaluated validation tokens (all,
+  or the first data.eval_tokens); `schedule`: at another depth (one compiled program per
+  schedule: the loop count is a scan length).
+
+  Bytes per token: 1 for byte sources, meta.json's validation bytes / tokens for arrayrecord;
+  `bin` has none, so its 'bits per byte' is bits per token.
+  """
+  total, count = 0.0, 0.0
+  for batch, mask in data.eval_batches(data_cfg, seq_len, batch_size):
+    s, n = _eval_step(model, params, batch, mask, schedule)
+    total += float(s)   # host-side float64 accumulation: identical in train.py and eval.py
+    count += float(n)
+  loss = total / count
+  bpt = data.bytes_per_token(data_cfg) or 1.0   # bin sources: bits per token
+  return {'eval_loss': loss, 'eval_bits_per_byte': loss / math.log(2) / bpt}

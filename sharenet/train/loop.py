@@ -1,0 +1,267 @@
+"""The single train loop: train_and_evaluate(config, workdir)."""
+from __future__ import annotations
+
+import functools
+import math
+import os
+import signal
+import sys
+import time
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax.traverse_util import flatten_dict
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from sharenet.checkpoint import orbax_io, config_file
+from sharenet.train import experiment, evaluation
+from sharenet import data
+from sharenet.optim import chain
+from sharenet.train import perf, sampled_depth, resume, sharding
+from sharenet.errors import NonFiniteLoss
+from sharenet.train.metrics import MetricsWriter, note
+from sharenet.models import ModelConfig, accounting, logical_axes
+from sharenet.train.trainer import (TrainState, abstract_state, effective_params, init_state,
+                                    make_train_step, setup)
+
+
+def param_shapes(tree: Any) -> dict[str, list[int]]:
+  return {'/'.join(k): list(v.shape) for k, v in flatten_dict(tree).items()}
+
+
+class _Compiled(NamedTuple):
+  """The jitted train step and the shardings it was compiled for (`_compile_step`)."""
+  abstract: Any          # the TrainState's shapes
+  shardings: Any         # its shardings
+  batch_sharding: Any
+  batch_shape: tuple[int, ...]
+  step_fn: Callable
+  mesh: Any
+  rules: Any
+  sampled: bool          # a sampled-depth model: the step takes its depth (sharenet/train/sampled_depth)
+
+
+def _compile_step(config: Any, exp: Any) -> tuple[_Compiled, Any, list[str]]:
+  """The state's shapes and shardings on config.mesh and the jitted step; -> (compiled,
+  logical axes, sharding notes)."""
+  model, tx, pz, tr = exp
+  t = config.train
+  abstract = abstract_state(model, tx, tr, pz)
+  mesh, rules = sharding.make_mesh(config.mesh), sharding.rules_of(config.mesh)
+  logical, notes = logical_axes(model), []
+  if 'reparam' in abstract.params:   # transform gains carry no logical axes: replicated
+    logical = {**logical, 'reparam': jax.tree.map(lambda _: P(), abstract.params['reparam'])}
+  specs = sharding.param_specs(logical, abstract.params, mesh, rules, notes)
+  shardings = sharding.state_shardings(abstract, specs, mesh)
+  batch_sharding = sharding.batch_sharding(mesh, rules)
+  sampled = sampled_depth.sampled(model.cfg)   # the depth: a third, replicated int32 argument
+  step_fn = jax.jit(make_train_step(exp, t.grad_accum, loops=sampled_depth.step_loops(config,
+                                                                                   model.cfg)),
+                    in_shardings=(shardings, batch_sharding) + (NamedSharding(mesh, P()),) *
+                    sampled, out_shardings=(shardings, NamedSharding(mesh, P())), donate_argnums=0)
+  compiled = _Compiled(abstract, shardings, batch_sharding, (t.batch_size, t.seq_len + 1),
+                       step_fn, mesh, rules, sampled)
+  return compiled, logical, notes
+
+
+def _dry_run(config: Any, c: _Compiled, logical: Any, notes: list[str]) -> dict[str, Any]:
+  """config.dry_run: compiles the step for the mesh and returns the sharding report."""
+  with sharding.activate(c.mesh, c.rules):
+    spec = jax.ShapeDtypeStruct(c.batch_shape, jnp.int32, sharding=c.batch_sharding)
+    if config.data.segment_mask:
+      spec = {'tokens': spec, 'segment_ids': spec}
+    depth = (jax.ShapeDtypeStruct((), jnp.int32),) * c.sampled
+    compiled = c.step_fn.lower(sharding.with_shardings(c.abstract, c.shardings), spec,
+                               *depth).compile()
+  return sharding.report(c.abstract, c.shardings, logical, compiled, notes)
+
+
+def _write_summary(config: Any, workdir: str, mcfg: ModelConfig, pz: Any, variables: Any,
+                   shapes: Any) -> None:
+  """config.json: the config and what the run built (unique / applied params, FLOPs, plan)."""
+  summary = {
+      **config.to_dict(), 'params_unique': accounting.params_unique(variables),
+      'params_applied': accounting.params_applied(variables, mcfg),
+      'flops_per_token': accounting.flops_per_token(mcfg, config.train.seq_len),
+      'plan_index': list(mcfg.plan.index), 'param_shapes': shapes,
+      'parametrization_table': pz.describe(),
+  }
+  if jax.process_index() == 0:
+    config_file.write(workdir, summary)
+
+
+def train_and_evaluate(config: Any, workdir: str) -> dict[str, float]:
+  """Trains `config` in `workdir` (resuming if it holds a checkpoint); returns final metrics.
+
+  With config.dry_run, prints the sharding report instead and returns its totals. Longer than
+  the library's ~60 lines on purpose: the order of dispatch, reading a step's metrics,
+  evaluation, the finite check, checkpointing and SIGTERM is the loop's contract, and it reads
+  top to bottom here (setup lives in `_compile_step`, `_dry_run`, `_write_summary`).
+  """
+  sharding.maybe_initialize_distributed(config)  # before anything touches a device
+  mcfg: ModelConfig = experiment.validate(config)
+  t = config.train
+  exp = setup(config, mcfg)
+  model, tx, pz, tr = exp
+  schedule = chain.lr_schedule(t)
+  rng = jax.random.key(t.seed)
+  c, logical, notes = _compile_step(config, exp)
+  abstract, shardings, step_fn, mesh, rules = c.abstract, c.shardings, c.step_fn, c.mesh, c.rules
+  batch_sharding, batch_shape = c.batch_sharding, c.batch_shape
+  shapes = param_shapes(abstract.params)
+  if config.dry_run:
+    return _dry_run(config, c, logical, notes)
+  for line in notes:
+    note(f'note: {line}')
+
+  os.makedirs(workdir, exist_ok=True)
+  print(f'sharenet: writing to {os.path.abspath(workdir)}', flush=True)
+  # This process reads the rows of the global batch its devices hold (all rows on one host).
+  shard, num_shards = sharding.process_rows(batch_sharding, batch_shape)
+  train_iter = data.make_train_iterator(config.data, t.seq_len, t.batch_size, t.seed,
+                                        shard, num_shards)
+  mngr = orbax_io.manager(workdir, t.keep_checkpoints)
+  # Sharded init: each device computes only its shards; no host holds the whole model.
+  init_fn = jax.jit(functools.partial(init_state, model, tx, tr=tr, pz=pz),
+                    out_shardings=shardings)
+  # The restore target carries this run's shardings: a checkpoint from another mesh reshards.
+  target = sharding.with_shardings(abstract, shardings)
+  try:
+    state, start = resume.restore_or_init(config, workdir, mngr, target, train_iter,
+                                          lambda: init_fn(rng), tx, shapes)
+  except BaseException:
+    mngr.close()
+    raise
+
+  _write_summary(config, workdir, mcfg, pz, state.params, shapes)
+  flops_at = sampled_depth.FlopsCounter(config, mcfg)   # executed FLOPs/token at a step's depth
+  # Saved with every checkpoint: a resume compares against the config that wrote the state.
+  record = {**resume.config_dict(config), 'param_shapes': shapes}
+
+  mfu_ref = perf.mfu_reference(mcfg.dtype)
+  if mfu_ref.note:
+    note(f'note: {mfu_ref.note}')
+  writer = MetricsWriter(workdir)
+  stop = {'sigterm': False}
+  old_handler = signal.signal(signal.SIGTERM, lambda *_: stop.update(sigterm=True))
+
+  def run_eval(step: int) -> dict[str, float]:
+    with sharding.activate(mesh, rules):
+      params = jax.jit(effective_params, static_argnums=(1, 2))(state, tr, pz)
+      out = evaluation.evaluate(model, params, config.data, t.seq_len, t.eval_batch_size,
+                              sampled_depth.eval_schedule(mcfg))
+    writer.write(step, **out)
+    return out
+
+  bar = _progress(t, start)
+  last = {}
+  tokens_per_step = t.batch_size * t.seq_len
+  window = {'t0': time.perf_counter(), 'steps': 0, 'flops': 0.0}
+
+  def settle(step: int, metrics: dict[str, Any], depth: int) -> None:
+    """Reads step `step`'s metrics (the host waits for that step here, not at dispatch):
+    raises NonFiniteLoss naming the step; writes the log row at log steps (MFU: the FLOPs
+    the window's steps executed, at their depths)."""
+    loss, gnorm = read_step_metrics(step, metrics, mngr.latest_step())
+    done = time.perf_counter()   # step `step` has finished: the window ends here, not after
+    window['steps'] += 1         # the host's logging (the next step runs meanwhile)
+    window['flops'] += flops_at(depth)
+    if step % t.log_every == 0 or step == t.steps:
+      dt = done - window['t0']
+      tps = window['steps'] * tokens_per_step / dt
+      row = dict(loss=loss, lr=float(schedule(step - 1)), grad_norm=gnorm, tokens_per_sec=tps,
+                 **{mfu_ref.name: window['flops'] * tokens_per_step / dt / mfu_ref.flops},
+                 **flops_at.row(depth),
+                 **{k: float(v) for k, v in metrics.items()
+                    if k.startswith(('routing_', 'exit_loss_', 'moe_'))})
+      writer.write(step, **row)
+      last.clear()
+      last.update(row)
+      if bar is not None:
+        bar.set_postfix(loss=f'{loss:.3f}', tok_s=f'{tps:,.0f}')
+      window.update(t0=done, steps=0, flops=0.0)
+
+  # The host runs one step ahead: it dispatches step n+1, then reads step n's metrics, so the
+  # device always has the next step queued. A step whose state is used (checkpoint, eval, the
+  # last step, SIGTERM) is read before that use: a saved state is known finite.
+  step, pending = start, None   # pending: (step, metrics, depth) dispatched but not read yet
+  try:
+    while step < t.steps:
+      depth = sampled_depth.sample_depth(mcfg, t.seed, step) if flops_at.depths else 0
+      state, metrics = dispatch(step_fn, state, next(train_iter), batch_sharding, batch_shape,
+                                mesh, rules, *[depth] * c.sampled)
+      step += 1
+      if pending is not None:
+        settle(*pending)
+      pending = (step, metrics, depth)
+      evaluate = bool(t.eval_every) and step % t.eval_every == 0 and step != t.steps
+      save = step % t.checkpoint_every == 0 or step == t.steps or stop['sigterm']
+      if evaluate or save:
+        settle(*pending)
+        pending = None
+      if bar is not None:
+        bar.update(1)
+      if evaluate:
+        last.update(run_eval(step))
+        window['t0'] = time.perf_counter()
+      if save:
+        if not orbax_io.params_finite(state.params):
+          raise NonFiniteLoss(f'non-finite parameters after step {step}; stopping without '
+                              f'saving them (last checkpoint: {mngr.latest_step()})')
+        orbax_io.save(mngr, step, state, train_iter, record)
+      if stop['sigterm']:
+        mngr.wait_until_finished()
+        print(f'sharenet: SIGTERM at step {step}; checkpoint saved, exiting', flush=True)
+        return last
+    if start < t.steps or not last:
+      last.update(run_eval(step))
+    return last
+  finally:
+    mngr.wait_until_finished()
+    mngr.close()
+    writer.close()
+    if bar is not None:
+      bar.close()
+    signal.signal(signal.SIGTERM, old_handler)
+
+
+def dispatch(step_fn: Callable, state: TrainState, host_batch: Any, batch_sharding: Any,
+             batch_shape: tuple[int, ...], mesh: Any, rules: Any, *depth: int
+             ) -> tuple[TrainState, dict[str, Any]]:
+  """Uploads this process's rows of a batch (and a sampled-depth step's `depth`, the same host
+  int on every process, as a replicated int32) and enqueues one train step; returns device
+  arrays.
+
+  Reads nothing from the device (host-to-device only), so it returns as soon as the step is
+  queued; tests/train/test_loop_async.py runs the train loop with this function under a
+  device-to-host transfer guard.
+  """
+  # Each process holds its rows of the global batch (see sharenet/data/pipeline.py); with
+  # data.segment_mask the batch is a dict of tokens and segment ids, each of batch_shape.
+  batch = jax.tree.map(
+      lambda x: jax.make_array_from_process_local_data(batch_sharding, x, batch_shape), host_batch)
+  depth = tuple(jax.make_array_from_process_local_data(NamedSharding(mesh, P()),
+                                                       np.asarray(d, np.int32), ()) for d in depth)
+  with sharding.activate(mesh, rules):
+    return step_fn(state, batch, *depth)
+
+
+def read_step_metrics(step: int, metrics: dict[str, Any], last_checkpoint: int | None
+                      ) -> tuple[float, float]:
+  """(loss, grad_norm) of step `step` as floats (a device-to-host read that waits for the step);
+  NonFiniteLoss naming the step if either is not finite."""
+  loss, gnorm = float(metrics['loss']), float(metrics['grad_norm'])
+  if not (math.isfinite(loss) and math.isfinite(gnorm)):
+    raise NonFiniteLoss(f'non-finite loss ({loss}) or gradient norm ({gnorm}) at step {step}; '
+                        f'stopping without saving it (last checkpoint: {last_checkpoint})')
+  return loss, gnorm
+
+
+def _progress(t: Any, start: int):
+  if not t.progress or jax.process_index() != 0:
+    return None
+  from tqdm import tqdm
+  return tqdm(total=t.steps, initial=start, file=sys.stderr, dynamic_ncols=True,
+              mininterval=1.0, desc='train')

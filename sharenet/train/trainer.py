@@ -1,0 +1,260 @@
+"""One training step: the state, the loss, the jitted update (sharenet/train/loop.py runs the loop).
+
+`setup` builds what a step needs from a config (model, optimizer, parametrization, transforms);
+`make_train_step` returns the step that train_lib jits with its shardings, that the compatibility
+tests evaluate abstractly, and that studies call directly.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, NamedTuple, Sequence
+
+import flax
+import jax
+import jax.numpy as jnp
+import optax
+
+from sharenet.models import scaling
+from sharenet.train import evaluation, sampled_depth
+from sharenet.models import norm_stats
+from sharenet.optim import chain
+from sharenet.parametrization import rules
+from sharenet.models.norm_stats import NORM_STATS
+from sharenet.errors import ConfigError
+from sharenet.models import DecoderLM, ModelConfig, abstract_variables, init_variables
+from sharenet.models import lm, moe, routing, unit_scale
+from sharenet.transforms import Transforms
+
+
+@flax.struct.dataclass
+class TrainState:
+  step: jax.Array
+  params: Any        # trainable: {'params': ..., 'per_layer': ..., ['reparam': gains]}
+  opt_state: Any
+  tstate: Any        # non-trainable transform state (power-iteration vectors); {} if none
+
+
+def init_state(model: DecoderLM, tx: optax.GradientTransformation, rng: jax.Array,
+               tr: Transforms | None = None,
+               pz: rules.Parametrization | None = None) -> TrainState:
+  """Fresh state: SP init, rescaled to `pz`'s preset, then `tr`'s gains and projections.
+
+  One compiled program: run op by op, the init's few hundred small ops (power iterations,
+  rescalings) would each be compiled on first use (~20 s on a 2-core CPU for a tiny model
+  with sigma-reparam). Inside a caller's jit or eval_shape it is inlined.
+  """
+  return jax.jit(functools.partial(_fresh_state, model, tx, tr=tr, pz=pz))(rng)
+
+
+def abstract_state(model: DecoderLM, tx: optax.GradientTransformation,
+                   tr: Transforms | None = None,
+                   pz: rules.Parametrization | None = None) -> TrainState:
+  """init_state's shapes and dtypes (as `jax.eval_shape(init_state, ...)`): the model's init
+  is read from its role table (`models.param_table`, cached per config), so only the preset,
+  the transforms and the optimizer are traced here."""
+  return jax.eval_shape(functools.partial(_finish_state, model, tx, tr=tr, pz=pz),
+                        abstract_variables(model))
+
+
+def _fresh_state(model: DecoderLM, tx: optax.GradientTransformation, rng: jax.Array,
+                 tr: Transforms | None = None,
+                 pz: rules.Parametrization | None = None) -> TrainState:
+  return _finish_state(model, tx, init_variables(model, rng), tr=tr, pz=pz)
+
+
+def _finish_state(model: DecoderLM, tx: optax.GradientTransformation, params: Any,
+                  tr: Transforms | None = None,
+                  pz: rules.Parametrization | None = None) -> TrainState:
+  """The state from the model's SP init `params`: `pz`'s rescaling, `tr`'s gains and
+  projections, the optimizer's state."""
+  tstate = {}
+  if pz is not None:
+    params = pz.init(params)
+  if tr is not None:
+    params, tstate = tr.init(params)
+  tstate = {**tstate, **lm.initial_state(model.cfg)}   # balancing bias, norm statistics
+  return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params), tstate)
+
+
+def effective(params: Any, tstate: Any, tr: Transforms | None = None,
+              pz: rules.Parametrization | None = None) -> Any:
+  """Stored params -> the variables the model applies: `tr`'s reparameterizations (with their
+  state `tstate`), then `pz`'s forward multipliers; plus loss-free balancing's non-trainable
+  bias from `tstate` (routing.BALANCE), read but never trained, and a statistics norm's
+  running statistics (norm_stats.NORM_STATS)."""
+  params = params if tr is None else tr.effective(params, tstate)
+  params = params if pz is None or not pz.has_forward else pz.forward(params)
+  if tstate and routing.BALANCE in tstate:
+    params = {**params, routing.BALANCE: tstate[routing.BALANCE]}
+  if tstate and NORM_STATS in tstate:   # a statistics norm's running statistics
+    params = {**params, NORM_STATS: tstate[NORM_STATS]}
+  return params
+
+
+def effective_params(state: TrainState, tr: Transforms | None = None,
+                     pz: rules.Parametrization | None = None) -> Any:
+  """The variables the model applies for `state` (see `effective`)."""
+  return effective(state.params, state.tstate, tr, pz)
+
+
+class Experiment(NamedTuple):
+  """What a validated config builds: the model, its optimizer, parametrization and transforms."""
+  model: DecoderLM
+  tx: optax.GradientTransformation
+  pz: rules.Parametrization
+  tr: Transforms
+
+
+def setup(config: Any, mcfg: ModelConfig | None = None) -> Experiment:
+  """The model, optimizer, parametrization and transforms of a validated config.
+
+  `mcfg` is ModelConfig.from_experiment(config) (what experiment.validate returns; built here
+  when None): the model is DecoderLM(mcfg) itself, the one every other reader of the config
+  builds, with its parametrization's model-level scalars.
+  """
+  mcfg = ModelConfig.from_experiment(config) if mcfg is None else mcfg
+  settings = scaling.Settings.from_config(config.parametrization)
+  if mcfg.parametrization != settings:
+    raise ConfigError(f'the model config\'s parametrization (kind={mcfg.parametrization.kind}) '
+                      f'is not the experiment\'s (kind={settings.kind}, or its other keys); '
+                      f'valid: ModelConfig.from_experiment(config)')
+  pz = rules.Parametrization(mcfg, config.train)
+  model = DecoderLM(mcfg)
+  tr = Transforms(config.transforms, model)
+  return Experiment(model, chain.make_optimizer(config.train, tr, pz.opt_multipliers()), pz, tr)
+
+
+def loss_fn(params: Any, tstate: Any, batch_BT1: jax.Array, depth: Any = None, *,
+            model: DecoderLM, tr: Transforms | None = None,
+            pz: rules.Parametrization | None = None, mutable: Sequence[str] = (),
+            loops: sampled_depth.StepLoops | None = None, step: Any = 0) -> tuple[jax.Array, Any]:
+  """Mean next-token NLL under the `effective` params, and the sown `mutable` collections.
+
+  Under u-muP (`pz.loss_grad_scale` != 1) the value is the same mean, but its backward is u-muP's
+  cross entropy (unit_scaling.functional.cross_entropy: sum reduction, mean as a forward-only
+  scale, logits gradient x vocab / sqrt(vocab - 1)): per-token logit gradients are unit scale, so
+  every gradient is N vocab / sqrt(vocab - 1) times the mean loss's (N tokens in the batch;
+  Adam is invariant to that factor except through eps and train.grad_clip).
+
+  A routed model (model.routing, Mixture-of-Recursions) adds its weighted auxiliary losses to
+  the value (eval_loss never has them) and reports them and the realised capacities as
+  `routing_*` entries of the returned collections (models/routing.py aux_loss); a model with
+  experts (model.moe) adds their summed weighted aux loss, reported as `moe_aux_loss`.
+
+  A recurrent-depth model (model.recurrence) or trained exits (`loops`, train.exit_loss) run
+  sharenet/train/sampled_depth.py's loss at this step's `depth` (None: the fixed depth) and `step`.
+
+  With a statistics norm (NORM_STATS in `tstate`) the forward is in its training mode
+  (sharenet/models/norm_stats.py); train_step reads the statistics from the cotangents.
+  """
+  if NORM_STATS in (tstate or {}):   # a statistics norm normalises in training mode
+    loss, aux = _loss(params, tstate, batch_BT1, depth, model=model, tr=tr, pz=pz,
+                      mutable=tuple(mutable) + (NORM_STATS,), loops=loops, step=step)
+    return loss, {k: v for k, v in aux.items() if k != NORM_STATS}
+  return _loss(params, tstate, batch_BT1, depth, model=model, tr=tr, pz=pz, mutable=mutable,
+               loops=loops, step=step)
+
+
+def _loss(params: Any, tstate: Any, batch_BT1: jax.Array, depth: Any = None, *,
+          model: DecoderLM, tr: Transforms | None, pz: rules.Parametrization | None,
+          mutable: Sequence[str], loops: sampled_depth.StepLoops | None,
+          step: Any) -> tuple[jax.Array, Any]:
+  """loss_fn's value and collections (`mutable` as given)."""
+  experts = model.cfg.moe.aux
+  if experts:  # model.moe: the experts' entropy / balancing losses join the training loss
+    mutable = tuple(mutable) + (moe.MOE,)   # (models/moe.py; never eval_loss)
+  if model.cfg.recurrent_segment is not None or (loops is not None and loops.exits):
+    loss, aux = sampled_depth.loss(model, effective(params, tstate, tr, pz), batch_BT1, depth,
+                                loops or sampled_depth.StepLoops(), step, tuple(mutable))
+    return _with_moe_loss(loss, aux) if experts else (loss, aux)
+  s = 1.0 if pz is None else pz.loss_grad_scale
+  routed = model.cfg.routing.kind != 'none'
+  if routed:   # Mixture-of-Recursions: its aux losses join the training loss (not eval_loss)
+    mutable = tuple(mutable) + (routing.ROUTING,)
+  nll_BT, aux = evaluation.token_nll(model, effective(params, tstate, tr, pz), batch_BT1, mutable,
+                                   logits_grad_scale=s)
+  if routed:
+    aux = dict(aux)
+    router_loss, router_metrics = routing.aux_loss(model.cfg, aux.pop(routing.ROUTING))
+    aux.update(router_metrics)
+    return jnp.mean(nll_BT) + router_loss, aux
+  if experts:
+    return _with_moe_loss(jnp.mean(nll_BT), aux)
+  if s == 1.0:
+    return jnp.mean(nll_BT), aux
+  return unit_scale.scale_fwd(jnp.sum(nll_BT), 1.0 / nll_BT.size), aux
+
+
+def _with_moe_loss(loss: jax.Array, aux: Any) -> tuple[jax.Array, Any]:
+  """The loss plus the experts' summed weighted aux loss (sown by models/lm.py), which the
+  returned collections report as `moe_aux_loss`."""
+  aux = dict(aux)
+  moe_loss = aux.pop(moe.MOE)['aux_loss'][0]
+  aux['moe_aux_loss'] = moe_loss
+  return loss + moe_loss, aux
+
+
+def train_step(state: TrainState, batch_BT1: jax.Array, depth: Any = None, *, model: DecoderLM,
+               tx: optax.GradientTransformation, grad_accum: int = 1, tr: Transforms | None = None,
+               pz: rules.Parametrization | None = None, mutable: Sequence[str] = (),
+               loops: sampled_depth.StepLoops | None = None) -> tuple[TrainState, dict[str, Any]]:
+  """One optimizer step on `loss_fn`; with grad_accum > 1 the batch is split into scanned
+  micro-batches.
+
+  The loss sees `effective` params: `tr`'s reparameterizations (gradients flow through them;
+  their state, power iterations, advances once per step before the loss, outside the
+  differentiated function), then `pz`'s forward multipliers. The learning rate is the
+  optimizer's (chain.make_optimizer: its peak LR is in `state.opt_state`). Metrics: loss,
+  grad_norm and the `mutable` collections sown in the forward pass before the update (averaged
+  over micro-batches). With loss-free routing balancing, the routing bias in `tstate` then moves
+  by the step's exit fractions (models/routing.py update_balance). `depth`: a sampled-depth
+  model's loops this step (a traced int32; sharenet/train/sampled_depth.py), `loops` its exits and seed.
+  A statistics norm's state (norm_stats.NORM_STATS in `tstate`) is differentiated with the
+  params; its cotangents give the next statistics (sharenet/models/norm_stats.py).
+  """
+  tstate = state.tstate if tr is None else tr.update_state(state.params, state.tstate)
+  loss_of = functools.partial(loss_fn, depth=depth, model=model, tr=tr, pz=pz, mutable=mutable,
+                              loops=loops, step=state.step)
+  if NORM_STATS in tstate:   # a statistics norm: its statistics leave as cotangents
+    if grad_accum != 1:
+      raise ConfigError(f'model.norm.kind={model.cfg.norm.kind} keeps per-batch statistics; '
+                        f'valid: train.grad_accum=1')
+    with_stats = lambda p, s, b: loss_of(p, {**tstate, NORM_STATS: s}, b)
+    (loss, aux), (grads, cot) = jax.value_and_grad(with_stats, argnums=(0, 1), has_aux=True)(
+        state.params, tstate[NORM_STATS], batch_BT1)
+    tstate = {**tstate, NORM_STATS: norm_stats.update(tstate[NORM_STATS], cot, model.cfg.norm)}
+  elif grad_accum == 1:
+    (loss, aux), grads = jax.value_and_grad(loss_of, has_aux=True)(state.params, tstate,
+                                                                   batch_BT1)
+  else:   # a batch is an array or, with data.segment_mask, a dict of them (evaluation.split_batch)
+    grad_fn = jax.value_and_grad(loss_of, has_aux=True)
+    micro = jax.tree.map(lambda x: x.reshape((grad_accum, -1) + x.shape[1:]), batch_BT1)
+
+    # Gradients (shaped as the params) accumulate in the carry; each micro-batch's loss and
+    # metrics come out stacked. The loss is traced once (an eval_shape for the metrics' zeros
+    # would trace it twice: ~1.5 s more per step build for a tiny model).
+    def body(acc, b):
+      loss_aux, g = grad_fn(state.params, tstate, b)
+      return jax.tree.map(jnp.add, acc, g), loss_aux
+
+    zeros = jax.tree.map(jnp.zeros_like, state.params)
+    grads, (loss, aux) = jax.lax.scan(body, zeros, micro)
+    loss, aux = jax.tree.map(lambda x: jnp.sum(x, axis=0) / grad_accum, (loss, aux))
+    grads = jax.tree.map(lambda x: x / grad_accum, grads)
+  updates, opt_state = tx.update(grads, state.opt_state, state.params)
+  params = optax.apply_updates(state.params, updates)
+  metrics = {'loss': loss, 'grad_norm': optax.global_norm(grads), **aux}
+  if routing.BALANCE in tstate:   # loss-free balancing: after the update, from this step's exits
+    balance = routing.update_balance(model.cfg, tstate[routing.BALANCE], metrics)
+    tstate = {**tstate, routing.BALANCE: balance}
+  new = state.replace(step=state.step + 1, params=params, opt_state=opt_state, tstate=tstate)
+  return new, metrics
+
+
+def make_train_step(exp: Experiment, grad_accum: int = 1, mutable: Sequence[str] = (),
+                    loops: sampled_depth.StepLoops | None = None
+                    ) -> Callable[..., tuple[TrainState, dict[str, Any]]]:
+  """`train_step` of `exp`, not jitted (the loop jits it; the studies vmap and scan it):
+  (state, batch[, depth]); `loops` (sampled_depth.step_loops): train.exit_loss and the seed."""
+  return functools.partial(train_step, model=exp.model, tx=exp.tx, grad_accum=grad_accum,
+                           tr=exp.tr, pz=exp.pz, mutable=tuple(mutable), loops=loops)

@@ -1,0 +1,266 @@
+"""Test-time depth and adaptive exits (issue 29 parts 2 and 4): sharenet/inference/test_time_depth.py, exits.py,
+loop_by_loop.py with sampling, generate.py at another depth, eval.py's flags.
+
+Each exit criterion at a threshold where it never fires is full-depth decoding (greedy, and
+sampled under a fixed seed), and where it always fires after the first loop it is the one-loop
+model; decoding at another depth is the model of that depth; evaluation at the training depth
+is plain evaluation; bad input is one ConfigError line naming the valid choices.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from sharenet.inference import test_time_depth, exits
+from sharenet.train import evaluation, perf
+from sharenet.inference import generate as gen
+from sharenet.inference import loop_by_loop as ri
+from sharenet.errors import ConfigError
+from sharenet.models import DecoderLM, ModelConfig, accounting
+from sharenet.models.lm import init_variables
+
+K, R = 2, 3   # 2 sets looped 3 times
+PROMPTS = ([3, 141, 59, 26, 5], [27, 18], [7])
+NEW = 5
+SAMPLED = dict(temperature=0.8, top_k=40, top_p=0.9, rng=jax.random.key(5))
+NEVER = ('maxprob:1', 'entropy:0', 'kl:0', 'latent:0')
+
+
+def _cfg(tiny_config, loops=R, **overrides):
+  config = tiny_config(**{'model.num_layers': K * loops, 'model.sharing.scheme': 'cycle',
+                          'model.sharing.num_unique': K, **overrides})
+  return ModelConfig.from_config(config.model, config.train.seq_len)
+
+
+def _model(tiny_config, loops=R, **overrides):
+  model = DecoderLM(_cfg(tiny_config, loops, **overrides))
+  return model, init_variables(model, jax.random.key(0))
+
+
+@pytest.fixture(scope='module')
+def cycle(tiny_config):
+  return _model(tiny_config)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('rule', NEVER)
+@pytest.mark.parametrize('sampling', ['greedy', 'sampled'])
+def test_never_firing_criterion_is_full_depth_decoding(cycle, rule, sampling):
+  model, variables = cycle
+  kw = SAMPLED if sampling == 'sampled' else dict(temperature=0.0)
+  full = gen.generate(model, variables, PROMPTS, NEW, **kw).tokens
+  out = ri.generate_early_exit(model, variables, PROMPTS, NEW, exit=rule, **kw)
+  assert out.exit_depths == [R] * len(PROMPTS)   # it never fired
+  assert out.tokens == full
+
+
+@pytest.mark.parametrize('rule', ['entropy:1e9', 'kl:1e9', 'latent:1e9'])
+def test_always_firing_criterion_is_the_one_loop_model(cycle, rule):
+  """A cycle model has no coda, so the prompt's keys at loop 1 do not depend on the depth the
+  prefill ran at: exiting after every first loop is decoding at depth 1."""
+  model, variables = cycle
+  one_loop = gen.generate(model, variables, PROMPTS, NEW, temperature=0, loops=1).tokens
+  out = ri.generate_early_exit(model, variables, PROMPTS, NEW, exit=rule)
+  assert out.exit_depths == [1.0] * len(PROMPTS) and out.mean_exit_depth == 1.0
+  assert out.tokens == one_loop
+  assert one_loop != gen.generate(model, variables, PROMPTS, NEW, temperature=0).tokens
+
+
+def test_criteria_values():
+  """Each criterion fires exactly at its value (numpy reference), the threshold traced."""
+  rng = np.random.default_rng(0)
+  logits, prev = rng.normal(size=(2, 4, 11)) * 2
+  h, h_prev = rng.normal(size=(2, 4, 8))
+  logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+  prev_logp = prev - np.log(np.exp(prev).sum(-1, keepdims=True))
+  values = {'maxprob': np.exp(logp).max(-1), 'entropy': -(np.exp(logp) * logp).sum(-1),
+            'kl': (np.exp(logp) * (logp - prev_logp)).sum(-1),
+            'latent': np.linalg.norm(h - h_prev, axis=-1) / np.linalg.norm(h, axis=-1)}
+  fires = jax.jit(exits.fires, static_argnums=0)
+  args = [jnp.asarray(a, jnp.float32) for a in (logp, prev_logp, h, h_prev)]
+  for name, v in values.items():
+    for t, want in ((v[0] * (1 - 1e-4), v > v[0] * (1 - 1e-4)),
+                    (v[0] * (1 + 1e-4), v >= v[0] * (1 + 1e-4))):
+      got = np.asarray(fires(name, jnp.float32(t), *args))
+      assert list(got) == list(want if name == 'maxprob' else ~want), name
+
+
+@pytest.mark.parametrize('loops', [1, R + 1])
+def test_decoding_at_another_depth_is_the_model_of_that_depth(cycle, tiny_config, loops):
+  """generate(loops=n) (Schedule(loops=n) with a cache of n loops) = the n-loop model, which
+  holds the same stored sets; loops=R is the plan."""
+  model, variables = cycle
+  other = DecoderLM(_cfg(tiny_config, loops))
+  want = gen.generate(other, variables, PROMPTS, NEW, temperature=0).tokens
+  assert gen.generate(model, variables, PROMPTS, NEW, temperature=0, loops=loops).tokens == want
+  assert gen.generate(model, variables, PROMPTS, NEW, temperature=0, loops=R).tokens == \
+      gen.generate(model, variables, PROMPTS, NEW, temperature=0).tokens
+
+
+def test_exits_up_to_a_deeper_depth(cycle):
+  """--exit with --depth 4 (> R = 3): never firing is decoding at depth 4, sampled."""
+  model, variables = cycle
+  want = gen.generate(model, variables, PROMPTS, NEW, loops=R + 1, **SAMPLED).tokens
+  out = ri.generate_early_exit(model, variables, PROMPTS, NEW, exit='kl:0', depth=R + 1,
+                               **SAMPLED)
+  assert out.exit_depths == [R + 1] * len(PROMPTS) and out.tokens == want
+
+
+RELAXED = {'model.sharing.scheme': 'middle_cycle', 'model.sharing.num_unique': K + 2,
+           'model.num_layers': K * R + 2, 'model.sharing.lora_rank': 2,
+           'model.sharing.lora_targets': 'q,v,mlp_in', 'model.sharing.untie_norms': True}
+
+
+@pytest.mark.slow
+def test_relaxed_model_exits_sampled_at_a_shallower_depth(tiny_config, randomized_per_layer):
+  """middle_cycle with depth-wise LoRA and untied norms (randomised so that loops differ):
+  a never-firing criterion with --depth 2 is sampled decoding at depth 2 (the first two loops'
+  LoRA and norms, then the coda); the continuous scheduler draws the same tokens."""
+  config = tiny_config(**RELAXED)
+  model = DecoderLM(ModelConfig.from_config(config.model, config.train.seq_len))
+  variables = randomized_per_layer(init_variables(model, jax.random.key(0)))
+  want = gen.generate(model, variables, PROMPTS, NEW, loops=2, **SAMPLED).tokens
+  assert want != gen.generate(model, variables, PROMPTS, NEW, **SAMPLED).tokens
+  out = ri.DepthwiseScheduler(model, variables, num_slots=2, max_new_tokens=NEW,
+                              num_positions=16, exit='entropy:0', depth=2, **SAMPLED).run(PROMPTS)
+  assert out.tokens == want and out.exit_depths == [2.0] * len(PROMPTS)
+
+
+@pytest.mark.parametrize('rule', ['latent:0.6', 'kl:0.2'])
+def test_scheduler_and_static_batch_agree_on_sampled_exits(cycle, rule):
+  """Mid-threshold exits (mixed depths), sampled: the continuous scheduler (2 slots, refills)
+  and the lock-step batch emit the same tokens at the same depths (a request's draws and exits
+  depend on the request only)."""
+  model, variables = cycle
+  batch = ri.generate_early_exit(model, variables, PROMPTS, NEW, exit=rule, **SAMPLED)
+  assert 1 < batch.mean_exit_depth < R and np.ptp(batch.exit_depths) > 0
+  sched = ri.DepthwiseScheduler(model, variables, num_slots=2, max_new_tokens=NEW,
+                                num_positions=16, exit=rule, **SAMPLED).run(PROMPTS)
+  assert sched.tokens == batch.tokens and sched.exit_depths == batch.exit_depths
+
+
+def test_depths_at_the_training_depth_equal_plain_eval(cycle, tiny_config, text_cfg, tmp_path):
+  model, variables = cycle
+  plain = evaluation.evaluate(model, variables, text_cfg, 16, 4)
+  rows = test_time_depth.evaluate_depths(model, variables, text_cfg, 16, 4, [1, R])
+  assert [r['depth'] for r in rows] == [1, R]
+  assert rows[1]['eval_loss'] == plain['eval_loss']
+  assert rows[1]['eval_bits_per_byte'] == plain['eval_bits_per_byte']
+  assert rows[0]['eval_loss'] != plain['eval_loss']
+  # FLOPs at depth n: the n-loop model's (accounting's count), forward only.
+  for r in rows:
+    assert r['flops_per_token'] == pytest.approx(
+        accounting.flops_per_token(_cfg(tiny_config, r['depth']), 16, train=False), rel=1e-12)
+  assert perf.flops_per_token_at_depth(model.cfg, 16, R, train=True) == \
+      accounting.flops_per_token(model.cfg, 16)
+  test_time_depth.plot_depths(rows, R, str(tmp_path / 'plot.png'))
+  assert (tmp_path / 'plot.png').stat().st_size > 0
+
+
+def test_bad_input_is_one_line(cycle, tiny_config):
+  model, variables = cycle
+  untied = DecoderLM(_cfg(tiny_config, **{'model.sharing.scheme': 'untied',
+                                         'model.sharing.num_unique': 0}))
+  lora = ModelConfig.from_config(tiny_config(**RELAXED).model, 32)
+  umup_config = tiny_config(**{'model.num_layers': K * R, 'model.sharing.scheme': 'cycle',
+                               'model.sharing.num_unique': K, 'parametrization.kind': 'umup'})
+  umup = ModelConfig.from_experiment(umup_config)
+  assert test_time_depth.check_depth(umup, R).loops == R   # the trained depth serves
+  cases = [
+      (lambda: test_time_depth.check_depth(umup, 1), f'another depth changes; valid: {R}'),
+      (lambda: exits.parse('confidence:0.9'), 'unknown criterion; valid: maxprob:T'),
+      (lambda: exits.parse('kl'), 'valid: maxprob:T'),
+      (lambda: exits.parse('kl:abc'), 'not a number'),
+      (lambda: exits.parse('maxprob:1.5'), 'bad threshold; valid'),
+      (lambda: exits.parse('latent:-0.1'), 'bad threshold; valid'),
+      (lambda: test_time_depth.check_flags('1,2', 2, None, False), 'exclude each other; valid'),
+      (lambda: test_time_depth.check_flags('1,2', None, None, True), 'valid: --depth N'),
+      (lambda: test_time_depth.check_flags(None, None, 'kl:0.1', False), 'valid: with --prompt'),
+      (lambda: test_time_depth.parse_depths('1,x'), 'valid: comma-separated'),
+      (lambda: test_time_depth.parse_depths('0,2'), 'valid: distinct loop counts >= 1'),
+      (lambda: test_time_depth.check_depth(model.cfg, 0), 'valid: an integer >= 1'),
+      (lambda: test_time_depth.check_depth(untied.cfg, 2, '--depths'), 'valid schemes: cycle'),
+      (lambda: test_time_depth.looped_shape(untied.cfg, '--exit'), 'valid schemes: cycle'),
+      (lambda: test_time_depth.check_depth(lora, R + 1), f'valid: 1 .. {R}'),
+      (lambda: gen.generate(model, variables, PROMPTS, 2, loops=0), 'valid: an integer >= 1'),
+      (lambda: gen.generate(untied, {}, PROMPTS, 2, loops=2), 'valid schemes'),
+      (lambda: ri.generate_early_exit(model, variables, PROMPTS, 2, exit='top:1'),
+       'unknown criterion'),
+      (lambda: ri.generate_early_exit(model, variables, PROMPTS, 2, exit='kl:0.1',
+                                      exit_threshold=0.5), 'valid: one of them'),
+      (lambda: ri.generate_early_exit(model, variables, PROMPTS, 2, exit='kl:0.1', depth=0),
+       'valid: an integer >= 1'),
+      (lambda: ri.generate_early_exit(model, variables, PROMPTS, 2, temperature=-1),
+       'temperature'),
+  ]
+  for fn, match in cases:
+    with pytest.raises(ConfigError, match=match.replace('.', r'\.')) as e:
+      fn()
+    assert '\n' not in str(e.value)
+
+
+def test_workdir_refusals_come_before_restoring(tiny_config, tmp_path):
+  """eval.py's library side refuses from config.json alone (the workdir holds no checkpoint,
+  so anything that got as far as restoring would fail differently)."""
+  from sharenet.main import eval_workdir
+  for scheme, unique in (('untied', 0), ('cycle', K)):
+    workdir = tmp_path / scheme
+    workdir.mkdir()
+    config = tiny_config(**{'model.num_layers': K * R, 'model.sharing.scheme': scheme,
+                            'model.sharing.num_unique': unique})
+    (workdir / 'config.json').write_text(json.dumps(config.to_dict()))
+    gen_kw = dict(max_new_tokens=2, temperature=0.0, top_k=0, top_p=1.0, seed=0,
+                  num_samples=1, eos_id=None)
+    cases = [
+        (lambda: eval_workdir.generate_from_workdir(str(workdir), None, {}, ['ab'], **gen_kw,
+                                                   exit='maxprob:2'), 'bad threshold'),
+        (lambda: eval_workdir.evaluate_workdir_depths(str(workdir), None, {}, [0]),
+         'valid schemes' if scheme == 'untied' else 'valid: an integer >= 1'),
+        (lambda: eval_workdir.generate_from_workdir(str(workdir), None, {}, ['ab'], **gen_kw,
+                                                   depth=0),
+         'valid schemes' if scheme == 'untied' else 'valid: an integer >= 1')]
+    if scheme == 'untied':
+      cases.append((lambda: eval_workdir.generate_from_workdir(
+          str(workdir), None, {}, ['ab'], **gen_kw, exit='kl:0.1'), '--exit needs a looped'))
+    for fn, match in cases:
+      with pytest.raises(ConfigError, match=match) as e:
+        fn()
+      assert '\n' not in str(e.value) and 'checkpoint' not in str(e.value)
+
+
+@pytest.mark.slow
+def test_eval_cli(tmp_path, tiny_config, subprocess_env, repo_root):
+  """eval.py on a universal model (trained in this process): --depths at the training depth
+  prints plain eval's loss, writes the plot; --prompt --exit prints mean_exit_loops; --depth
+  with --depths is one line."""
+  from sharenet.train import loop
+  workdir = str(tmp_path / 'run')
+  loop.train_and_evaluate(tiny_config(**{
+      'model.num_layers': 3, 'model.sharing.scheme': 'universal',
+      'model.sharing.num_unique': 1, 'train.steps': 2, 'train.seq_len': 16,
+      'train.eval_batch_size': 64}), workdir)
+  run = lambda *a: subprocess.run([sys.executable, os.path.join(repo_root, 'eval.py'),
+                                   f'--workdir={workdir}', *a], capture_output=True, text=True,
+                                  env=subprocess_env, timeout=300)
+  # train.py's final evaluation (metrics.jsonl, unrounded), which plain eval.py equals: the same
+  # evaluation.evaluate on the same checkpoint, accumulated on the host in float64.
+  from sharenet.train.metrics import read_metrics
+  plain = [r for r in read_metrics(workdir) if 'eval_loss' in r][-1]
+  out = run('--depths', '1,3')
+  rows = [json.loads(line) for line in out.stdout.strip().splitlines()]
+  assert [r['depth'] for r in rows] == [1, 3], out.stderr
+  assert rows[1]['eval_loss'] == plain['eval_loss']
+  assert rows[0]['flops_per_token'] < rows[1]['flops_per_token']
+  assert os.path.getsize(os.path.join(workdir, test_time_depth.PLOT)) > 0
+  gen_out = run('--prompt', 'ab', '--max_new_tokens', '3', '--exit', 'entropy:0',
+                '--temperature', '0.7', '--top_k', '20')
+  row = json.loads(gen_out.stdout.strip().splitlines()[-1])
+  assert row['mean_exit_loops'] == 3 and row['num_tokens'] == 3, gen_out.stderr
+  bad = run('--depths', '1,2', '--depth', '2')
+  assert bad.returncode != 0 and len(bad.stderr.strip().splitlines()) == 1
+  assert 'exclude each other' in bad.stderr
