@@ -29,7 +29,9 @@ class Feature:
   axis: str
   overrides: tuple[tuple[str, Any], ...]    # dotted config keys over the table's base config
   on: Callable[[Any], bool]                  # whether a full config has the feature
-  refuses: tuple[tuple[str, str], ...] = ()  # (other feature, why), one line each
+  # (other feature, why[, when]), one line each; `when(config)`, if given, narrows the refusal to
+  # the configs it holds for (the table's pages and rows treat the pair as refused)
+  refuses: tuple[tuple, ...] = ()
   action: bool = False
 
   @property
@@ -45,7 +47,7 @@ def _get(config: Any, key: str) -> Any:
 
 
 def _setting(name: str, axis: str, key: str, value: Any, *extra: tuple[str, Any],
-             refuses: tuple[tuple[str, str], ...] = (), contains: bool = False) -> Feature:
+             refuses: tuple[tuple, ...] = (), contains: bool = False) -> Feature:
   """A feature that is on when config `key` equals `value` (or, `contains`, lists it)."""
   if contains:
     on = lambda c: value in str(_get(c, key)).replace(' ', '').split(',')
@@ -84,6 +86,11 @@ SWITCH_V = 'SwitchHead\'s value experts replace the stored v projection that the
     'ties'
 SWITCH_LORA = 'SwitchHead makes v and o experts, which the LoRA / MASA targets name'
 SWITCH_BIAS = 'SwitchHead\'s value / output experts carry no biases'
+def _targets(key: str, kernel: str) -> Callable[[Any], bool]:
+  """Whether the comma list at config `key` (LoRA or MASA targets) names `kernel`."""
+  return lambda c: kernel in str(_get(c, key)).replace(' ', '').split(',')
+
+
 KV_LOOP = 'kv sharing reuses the first loop\'s keys and values in the later loops of the plan\'s ' \
     'one looped cycle segment, which it lacks'
 
@@ -140,7 +147,9 @@ def _features() -> tuple[Feature, ...]:
                  refuses=loopless + (('loop_inference', NO_INJECT),)) for v in ('zeros', 'normal')],
       *[_setting(f'inject_{v}', 'injection', rc + 'injection', v,
                  refuses=loopless + (('loop_inference', NO_INJECT),)) for v in ('add', 'concat')],
-      _setting('exit_all', 'exit_loss', 'train.exit_loss', 'all', refuses=loopless)]
+      # a loss at every loop's exit: `all`, or one weight per gradient loop
+      Feature('exit_all', 'exit_loss', (('train.exit_loss', 'all'),),
+              lambda c: str(_get(c, 'train.exit_loss')).replace(' ', '') != 'last', loopless)]
   # model.kv_sharing=first (models/kv_sharing.py): the later loops read the first loop's keys
   # and values, in training and in cached generation.
   kv = [_setting('kv_first', 'kv_sharing', 'model.kv_sharing', 'first', refuses=tuple(
@@ -199,14 +208,20 @@ def _features() -> tuple[Feature, ...]:
       *[Feature(name, 'lora', ((s + 'lora_rank', 2),) + extra,
                 lambda c, layers=layers: _get(c, s + 'lora_rank') > 0 and not _get(
                     c, mo + 'lora_experts') and (_get(c, s + 'lora_layers') == 'all') == layers,
-                (('kv_shared', NO_V), ('qkv_shared', NO_V), ('qk_shared', NO_Q),
+                (('kv_shared', NO_V, _targets(s + 'lora_targets', 'v')),
+                 ('qkv_shared', NO_V, _targets(s + 'lora_targets', 'v')),
+                 ('qk_shared', NO_Q, _targets(s + 'lora_targets', 'q')),
+                 ('qkv_shared', NO_Q, _targets(s + 'lora_targets', 'q')),
                  ('umup', 'u-muP defines no rule for depth-wise LoRA factors')))
         for name, extra, layers in (('lora', (), False),
                                     ('lora_all', ((s + 'lora_layers', 'all'),), True))],
       _setting('untie_norms', 'untie_norms', s + 'untie_norms', True),
       Feature('masa', 'masa', (('model.masa.atoms', 2),),
               lambda c: _get(c, 'model.masa.atoms') > 0,
-              (('kv_shared', NO_V), ('qkv_shared', NO_V), ('qk_shared', NO_Q))),
+              (('kv_shared', NO_V, _targets('model.masa.targets', 'v')),
+               ('qkv_shared', NO_V, _targets('model.masa.targets', 'v')),
+               ('qk_shared', NO_Q, _targets('model.masa.targets', 'q')),
+               ('qkv_shared', NO_Q, _targets('model.masa.targets', 'q')))),
   ]
   attention = [_setting(m, 'attention_sharing', 'model.attention_sharing', m)
                for m in ('kv_shared', 'qk_shared', 'qkv_shared')]
@@ -363,7 +378,7 @@ def _lora_all(features: list[Feature]) -> tuple[Feature, ...]:
   it on every layer ('lora_all') for the same reason; untied, which shares no layer, takes it."""
   out = []
   for f in features:
-    extra = tuple(('lora_all', why) for other, why in f.refuses
+    extra = tuple(('lora_all', *rest) for other, *rest in f.refuses
                   if other == 'lora' and f.name != 'untied')
     out.append(dataclasses.replace(f, refuses=f.refuses + extra) if extra else f)
   return tuple(out)
@@ -373,14 +388,15 @@ FEATURES = _features()
 BY_NAME = {f.name: f for f in FEATURES}
 
 
-def refusal(a: str, b: str) -> str | None:
-  """Why features a and b do not combine (None: they do, or they share an axis)."""
+def refusal(a: str, b: str, config: Any = None) -> str | None:
+  """Why features a and b do not combine (None: they do, or they share an axis); with a
+  `config`, only where a narrowed refusal's `when` holds for it."""
   fa, fb = BY_NAME[a], BY_NAME[b]
   if fa.axis == fb.axis:
     return None
   for x, y in ((fa, fb), (fb, fa)):
-    for other, why in x.refuses:
-      if other == y.name:
+    for other, why, *when in x.refuses:
+      if other == y.name and (config is None or not when or when[0](config)):
         return why
   return None
 
@@ -406,17 +422,21 @@ def active(config: Any) -> list[str]:
 def check(config: Any) -> None:
   """One ConfigError line for the first refused pair of features `config` turns on."""
   for a, b in itertools.combinations(active(config), 2):
-    why = refusal(a, b)
+    why = refusal(a, b, config)
     if why:
       raise ConfigError(_message(BY_NAME[a], BY_NAME[b], why))
 
 
-def check_action(action: str, config: Any) -> None:
-  """One ConfigError line if `action` (a serving operation) refuses a feature of `config`."""
+def check_action(action: str, config: Any, what: str | None = None) -> None:
+  """One ConfigError line if `action` (an operation on a trained model) refuses a feature of
+  `config` (an experiment config, or ModelConfig.table_config()); `what` names the operation
+  as the user asked for it (a flag), default the action's name."""
   for a in active(config):
-    why = refusal(action, a)
+    why = refusal(action, a, config)
     if why:
-      raise ConfigError(f'{action} of a model with {BY_NAME[a].label}: {why}')
+      label = BY_NAME[a].label
+      raise ConfigError(f'{what or action} of a model with {label}: {why}; valid: a model '
+                        f'without {label}')
 
 
 def pairs() -> list[tuple[str, str, str | None]]:

@@ -56,6 +56,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sharenet.data.tokenizer import ByteTokenizer
+from sharenet.config import compat
 from sharenet.errors import ConfigError
 from sharenet.inference import test_time_depth
 from sharenet.models import DecoderLM
@@ -238,7 +239,9 @@ def check_sampling(cfg: Any, temperature: float, top_k: int, top_p: float) -> No
 
 def validate(cfg: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int,
              temperature: float, top_k: int, top_p: float, eos_id: int | None) -> None:
-  """One ConfigError line for settings generation cannot honour."""
+  """One ConfigError line for settings generation cannot honour, or a model feature cached
+  generation refuses (config/compat.py)."""
+  compat.check_action('generation', cfg.table_config())
   if not prompts:
     raise ConfigError('generation needs at least one prompt')
   if max_new_tokens < 1:

@@ -79,6 +79,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sharenet.inference import exits, test_time_depth
+from sharenet.config import compat
 from sharenet.errors import ConfigError
 from sharenet.inference.generate import bucket, check_prompts, check_sampling, row_keys, sample_rows
 from sharenet.models import DecoderLM, layer_store, loops
@@ -89,24 +90,10 @@ GREEDY = (0.0, 0, 1.0)   # (temperature, top_k, top_p)
 
 
 def check_recursive(model: DecoderLM, variables: Any) -> loops.Looped:
-  """The plan read as prelude + R loops + coda (models/loops.py); one ConfigError otherwise."""
-  c = model.cfg
-  shape = loops.looped(c)
-  if c.routing.kind != 'none':
-    raise ConfigError(f'recursive inference runs every loop on every token; model.routing.kind='
-                      f'{c.routing.kind!r} routes them (docs/routing.md); valid: routing.kind=none')
-  if c.umup_residual:
-    raise ConfigError('recursive inference does not support parametrization.kind=umup (its '
-                      'residual rule depends on the applied layer index); valid: sp, mup')
-  if c.recurrence.injection != 'none':
-    raise ConfigError(f'recursive inference applies the stored layers one token at a time '
-                      f'without re-entering the input; model.recurrence.injection='
-                      f'{c.recurrence.injection!r} needs it (docs/loops.md); valid: none')
-  if c.values_are_keys:
-    raise ConfigError(f'recursive inference keeps keys and values per layer; model.'
-                      f'attention_sharing={c.attention_sharing} stores no values; valid: none, '
-                      f'qk_shared')
-  return shape
+  """The plan read as prelude + R loops + coda (models/loops.py); one ConfigError line for a
+  feature loop-by-loop inference refuses (config/compat.py) or a plan without such a loop."""
+  compat.check_action('loop_inference', model.cfg.table_config(), 'loop-by-loop inference')
+  return loops.looped(model.cfg)
 
 
 def at_depth(shape: loops.Looped, max_loops: int | None) -> loops.Looped:

@@ -22,6 +22,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from sharenet.config import compat
 from sharenet.errors import ConfigError
 from sharenet.models import loops
 from sharenet.models.loops import Schedule
@@ -32,17 +33,16 @@ PLOT = 'loss_vs_depth.png'
 RESULTS = 'eval_depths.jsonl'
 
 
-def looped_shape(cfg: Any, what: str) -> loops.Looped:
-  """The plan's looped segment (prelude, K, R, coda) for `what` (a flag, in the error line)."""
+def looped_shape(cfg: Any, what: str, action: str = 'test_time_depth') -> loops.Looped:
+  """The plan's looped segment (prelude, K, R, coda) for `what` (a flag, in the error line):
+  first the features `action` refuses (config/compat.py), then the plan's loop count."""
+  compat.check_action(action, cfg.table_config(), what)
   try:
     shape = loops.looped(cfg)
   except ConfigError:
     raise ConfigError(f'{what} needs a looped segment (one cycle segment applied more than once); '
                       f'model.sharing.scheme={cfg.sharing.scheme!r} with {cfg.num_layers} '
                       f'layers has none; valid schemes: {DEPTH_SCHEMES}') from None
-  if cfg.routing.kind != 'none':
-    raise ConfigError(f'{what}: model.routing.kind={cfg.routing.kind!r} picks each token\'s '
-                      f'recursions (docs/routing.md); valid: routing.kind=none')
   return shape
 
 
@@ -58,10 +58,6 @@ def check_depth(cfg: Any, n: Any, what: str = '--depth') -> loops.Looped:
   if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
     raise ConfigError(f'{what}={n}: a depth is a number of loops of the looped segment; valid: '
                       f'an integer >= 1 (trained: {shape.loops})')
-  if getattr(cfg, 'umup_residual', ()) and n != shape.loops:
-    raise ConfigError(f'{what}={n}: the u-muP residual rule (parametrization.kind=umup) gives '
-                      f'each applied layer a tau by its index among the trained layers, which '
-                      f'another depth changes; valid: {shape.loops}')
   if n > shape.loops and has_per_layer_parts(cfg, shape):
     raise ConfigError(f'{what}={n}: depth-wise LoRA and untied norms exist for the trained '
                       f'{shape.loops} loops only; valid: 1 .. {shape.loops}')

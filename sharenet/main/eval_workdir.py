@@ -113,7 +113,6 @@ def generate_from_workdir(workdir: str, step: int | None, overrides: dict[str, A
     config = load_config(workdir)
     config.update_from_flattened_dict(overrides or {})
     mcfg = ModelConfig.from_experiment(config)
-    test_time_depth.looped_shape(mcfg, '--exit' if depth is None else '--depth')
     if depth is not None:
       test_time_depth.check_depth(mcfg, depth, '--depth')
     if rule is not None:

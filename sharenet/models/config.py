@@ -20,6 +20,7 @@ from typing import Any
 
 from sharenet.config import defaults
 from sharenet.models import sharing
+from sharenet.config import compat
 from sharenet.errors import ConfigError
 from sharenet.kernels import ATTENTIONS, DENSE_GRADS, KERNELS
 from sharenet.models import expert_checks, looped_config, scaling
@@ -199,6 +200,12 @@ class ModelConfig:
     """The `config.model` section (nested dict) that `from_config` reads back as `self`."""
     return _write(self)
 
+  def table_config(self) -> dict[str, Any]:
+    """The model's keys as the compatibility table reads an experiment config: its `model`
+    and `parametrization` groups (features of other groups are off)."""
+    return {'model': self.to_config(),
+            'parametrization': dataclasses.asdict(self.parametrization)}
+
 
 def _read(cls: type, node: Any, prefix: str = 'model.') -> dict[str, Any]:
   """The keyword arguments of `cls` from the config section `node` (sections built)."""
@@ -238,6 +245,7 @@ def _resolve(c: ModelConfig) -> list[tuple[str, Any]]:
   """(field, value) of every resolved field of `c`, checking the keys on the way: each
   section checked itself when built; here the top-level keys, then what needs several."""
   _check_keys(c)
+  compat.check(c.table_config())   # refused feature pairs: the table's line, before resolving
   d_head = c.head_dim or c.d_model // c.num_heads
   out = dict(d_head=d_head, kv_heads=c.num_kv_heads or c.num_heads,
              qk_len=c.norm.qk_norm_len or _TRAIN_SEQ_LEN,
@@ -254,7 +262,7 @@ def _resolve(c: ModelConfig) -> list[tuple[str, Any]]:
                       f'valid: lora_layers=all or lora_rank=0')
   scaling.check(c)
   out.update(scaling.scalars(c, d_head))
-  out.update(looped_config.resolve_routing(c, out['plan'], out['umup_residual']))
+  out.update(looped_config.resolve_routing(c, out['plan']))
   out.update(looped_config.resolve_recurrence(c, out['plan'], out['umup_residual']))
   out['kv_segment'] = looped_config.kv_segment(c, out['plan'])
   expert_checks.check(c)   # SwitchHead, Mixture of LoRAs
@@ -318,9 +326,6 @@ def _check_keys(c: ModelConfig) -> None:
   if c.d_model % c.num_heads and not c.head_dim:
     raise ConfigError(f'model.num_heads={c.num_heads} does not divide model.d_model='
                       f'{c.d_model}; valid: divisors of {c.d_model}')
-  if not c.scan_layers and (c.sharing.lora_rank or c.sharing.untie_norms):
-    raise ConfigError('model.scan_layers=False reuses one module per shared set, so it cannot '
-                      'hold per-layer parts; valid: lora_rank=0 and untie_norms=False')
 
 
 def _check_shapes(c: ModelConfig, r: dict[str, Any]) -> None:
@@ -328,10 +333,6 @@ def _check_shapes(c: ModelConfig, r: dict[str, Any]) -> None:
   if c.num_heads % r['kv_heads']:
     raise ConfigError(f'model.num_kv_heads={c.num_kv_heads} must divide model.num_heads='
                       f'{c.num_heads}')
-  if c.attention_sharing in ('qk_shared', 'qkv_shared') and r['kv_heads'] != c.num_heads:
-    raise ConfigError(f'model.attention_sharing={c.attention_sharing} makes the queries the '
-                      f'keys, so it needs as many kv heads as heads; valid: num_kv_heads=0 '
-                      f'(or {c.num_heads}), or attention_sharing=none|kv_shared')
   stored = r['projections']
   for field, targets in expert_checks.kernel_targets(c):
     missing = [t for t in targets if t not in stored]
@@ -339,15 +340,6 @@ def _check_shapes(c: ModelConfig, r: dict[str, Any]) -> None:
       raise ConfigError(f'model.{field} names {",".join(missing)}, which '
                         f'model.attention_sharing={c.attention_sharing} does not store; '
                         f'valid: {",".join(stored)}')
-  if c.norm.placement == 'moeut' and r['values_are_keys']:
-    raise ConfigError(f'model.norm.placement=moeut reads the values from the un-normalised '
-                      f'stream and the keys from the normed one, and model.attention_sharing='
-                      f'{c.attention_sharing} makes the values the keys; valid: '
-                      f'attention_sharing=none|qk_shared')
-  if c.rope_scaling.kind != 'none' and c.position != 'rope':
-    raise ConfigError(f'model.rope_scaling.kind={c.rope_scaling.kind} scales RoPE, and '
-                      f'model.position={c.position}; valid: position=rope, or '
-                      f'rope_scaling.kind=none')
   if c.position == 'rope' and r['d_head'] % 2:
     raise ConfigError(f'model.position=rope needs an even head_dim, got {r["d_head"]}')
   if c.norm.qk_norm == 'l2' and not c.norm.qk_scale_init and r['qk_len'] < 2:

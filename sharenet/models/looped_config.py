@@ -12,13 +12,11 @@ from typing import Any
 from sharenet.models import sharing
 from sharenet.errors import ConfigError
 
-ROUTED_SCHEMES = ('cycle', 'middle_cycle')   # Mixture-of-Recursions routes these (its code too)
 
 
-def resolve_routing(c: Any, plan: sharing.SharingPlan,
-                     umup_residual: tuple[float, ...]) -> dict[str, Any]:
+def resolve_routing(c: Any, plan: sharing.SharingPlan) -> dict[str, Any]:
   """Mixture-of-Recursions' resolved values (docs/routing.md), checking what the routing
-  section needs of the rest of the model."""
+  section needs of the plan (what routing refuses is the table's, config/compat.py)."""
   rt = c.routing
   expert = rt.kind == 'expert_choice'
   loss_free = rt.kind == 'token_choice' and rt.balancing == 'bias'
@@ -31,21 +29,7 @@ def resolve_routing(c: Any, plan: sharing.SharingPlan,
       loss_free=loss_free, routed_segment=None, recursions=0, capacities=(), expert_buckets=())
   if rt.kind == 'none':
     return out
-  s = c.sharing
-  if s.scheme not in ROUTED_SCHEMES:
-    raise ConfigError(f'model.routing.kind={rt.kind!r} routes the recursions of a shared '
-                      f'cycle; model.sharing.scheme={s.scheme!r} has none; valid schemes: '
-                      f'{", ".join(ROUTED_SCHEMES)}')
-  for bad, why in (
-      (s.lora_rank or s.untie_norms, 'per-layer parts (lora_rank, untie_norms) are not '
-       'routed; valid: lora_rank=0, untie_norms=False'),
-      (not c.scan_layers, 'it needs model.scan_layers=True'),
-      (c.scan_lowering != 'nested', 'each recursion is its own scan over the K sets; '
-       'valid: model.scan_lowering=nested'),
-      (umup_residual, 'the u-muP residual rule is not routed; valid: another '
-       'parametrization.kind')):
-    if bad:
-      raise ConfigError(f'model.routing.kind={rt.kind!r}: {why}')
+  s = c.sharing   # routed plans and what routing refuses: the table (config/compat.py)
   seg = 1 if s.scheme == 'middle_cycle' else 0
   R = plan.segments[seg].repeats
   caps = _capacities(rt.capacity, R)

@@ -100,35 +100,9 @@ def scalars(cfg: Any, d_head: int) -> dict[str, Any]:
 
 
 def check(cfg: Any) -> None:
-  """ConfigError for a parametrization the model's keys do not admit."""
-  s = cfg.parametrization.validate()
-  if s.kind in UNTIEABLE and cfg.tie_embeddings:
-    raise ConfigError(f'parametrization.kind={s.kind} needs separate embedding and readout '
-                      f'(one tensor cannot carry both roles); valid with '
-                      f'model.tie_embeddings=True: sp, mup, completep')
-  branch_rules = s.kind == 'completep' or s.loop_rule != 'none'
-  if s.kind == 'umup' and (cfg.attn_softcap or cfg.logit_softcap):
-    raise ConfigError('parametrization.kind=umup: u-muP\'s unit-scaled attention and loss have '
-                      'no soft-capping rule; valid: model.attn_softcap=0 and logit_softcap=0')
-  if s.kind == 'umup' and cfg.norm.placement in ('post', 'moeut'):
-    raise ConfigError(f'parametrization.kind=umup: u-muP\'s residual rule is written for pre '
-                      f'and peri norms, not model.norm.placement={cfg.norm.placement}; valid: '
-                      f'model.norm.placement=pre or peri')
-  if branch_rules and cfg.norm.placement == 'peri':
-    raise ConfigError('parametrization: depth/loop branch multipliers are cancelled by peri '
-                      'norms; valid: model.norm.placement=pre or post')
-  if s.loop_rule != 'none' and cfg.masa.atoms:
-    raise ConfigError('parametrization.loop_rule scales the output kernels of a set applied R '
-                      'times, and MASA atoms serve every set; valid: loop_rule=none with '
-                      'model.masa.atoms > 0')
-  if s.readout_zero_init and cfg.tie_embeddings:
-    raise ConfigError('parametrization.readout_zero_init: model.tie_embeddings=True stores no '
-                      'readout of its own (zeroing the shared table would zero the inputs); '
-                      'valid: tie_embeddings=False')
-  if s.query_zero_init and cfg.attention_sharing in ('qk_shared', 'qkv_shared'):
-    raise ConfigError(f'parametrization.query_zero_init: under model.attention_sharing='
-                      f'{cfg.attention_sharing} the queries are the keys; valid: '
-                      f'attention_sharing=none|kv_shared')
+  """ConfigError for a parametrization setting out of range. Settings that refuse a model
+  feature are the compatibility table's (config/compat.py), checked where ModelConfig is built."""
+  cfg.parametrization.validate()
 
 
 def base_config(cfg: Any) -> Any:

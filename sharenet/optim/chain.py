@@ -198,13 +198,7 @@ def make_chain(t: Any, transforms: Any = None, multipliers: Any = None,
     parts.append(agc(transforms.agc_clip, transforms.agc_eps, transforms.infos))
   if t.grad_clip > 0:
     parts.append(optax.clip_by_global_norm(t.grad_clip))
-  if 'adamp' in updates:
-    if matrix.optimizer_name(t) != 'adamw':
-      raise ConfigError(f'transforms.updates=adamp replaces Adam and cannot run beside '
-                        f'train.optimizer={t.optimizer}; valid with adamp: train.optimizer=adamw')
-    if multipliers is not None:
-      raise ConfigError('transforms.updates=adamp has no per-leaf multipliers yet; valid with '
-                        'adamp: parametrization.kind=sp')
+  if 'adamp' in updates:   # beside adamw and sp only (config/compat.py)
     parts += [scale_by_adamp(t.b1, t.b2, t.eps, t.weight_decay, mask, transforms.infos,
                              transforms.adamp_delta, transforms.adamp_wd_ratio),
               optax.scale_by_learning_rate(lr_schedule(t, peak_lr))]

@@ -65,7 +65,6 @@ from sharenet.optim import matrix
 from sharenet.optim.matrix import muon_step_scale
 
 # Presets with a rule for each optimizer (module docstring).
-KINDS_FOR = {'adamw': None, 'muon': ('sp', 'mup'), 'shampoo': ('sp', 'mup')}
 MUON_MUP_ROLES = ('reader', 'writer')   # hidden kernels: the roles muon / vanilla shampoo muP take
 QK_USES = ('query', 'key')   # ParamInfo.use of the query and key kernels (models/projections.py)
 
@@ -80,12 +79,9 @@ class OptSettings(NamedTuple):
 
 
 def check(kind: str, settings: OptSettings) -> None:
-  """One ConfigError line for a preset written for another optimizer."""
+  """One ConfigError line for matrix roles that muP has no rule for under a spectral optimizer
+  (which parametrizations an optimizer takes is the compatibility table's, config/compat.py)."""
   optimizer, matrix_roles, graft = settings.optimizer, settings.matrix_roles, settings.graft
-  valid = KINDS_FOR.get(optimizer)
-  if valid is not None and kind not in valid:
-    raise ConfigError(f'parametrization.kind={kind} is written for train.optimizer=adamw; '
-                      f'valid with train.optimizer={optimizer}: {", ".join(valid)}')
   extra = [r for r in matrix_roles if r not in MUON_MUP_ROLES]
   spectral = optimizer == 'muon' or (optimizer == 'shampoo' and graft == 'none')
   if spectral and kind == 'mup' and extra:

@@ -289,10 +289,6 @@ class Parametrization:
         init, fwd = fan_in ** 0.5, 1.0 / fan_in
       elif role == 'vector' and trunk:
         lr = L ** -0.5
-      elif role == 'lora':
-        raise ConfigError('parametrization.kind=umup has no rule for depth-wise LoRA factors (u-muP '
-                          'defines none); valid: model.sharing.lora_rank=0, or kind sp, mup, '
-                          'mup_table3, completep')
     if k == 'completep' and trunk:   # CompleteP Table 1, alpha column: every block parameter
       a, mL = s.depth_alpha, self.m_L
       lr *= mL ** (a - 1)                    # hidden (x m_N^-1 above), hidden bias, pre-LN LR

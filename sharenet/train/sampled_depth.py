@@ -98,7 +98,8 @@ def schedule(cfg: ModelConfig, depth: Any = None, collect: bool = False) -> loop
 
 
 def exit_weights(exit_loss: str, cfg: ModelConfig) -> tuple[float, ...] | None:
-  """train.exit_loss -> one weight per gradient loop (None: `last`); one ConfigError line."""
+  """train.exit_loss -> one weight per gradient loop (None: `last`); one ConfigError line.
+  What a per-loop loss refuses (routing, u-muP, plans without a loop) is the table's."""
   spec = str(exit_loss).replace(' ', '')
   if spec == 'last':
     return None
@@ -110,12 +111,6 @@ def exit_weights(exit_loss: str, cfg: ModelConfig) -> tuple[float, ...] | None:
     raise ConfigError(f'train.exit_loss={exit_loss!r} puts a loss at every loop\'s exit; '
                       f'model.sharing.scheme={cfg.sharing.scheme!r} has no looped segment; '
                       f'valid: last') from None
-  for bad, why in ((cfg.routing.kind != 'none', 'routing picks each token\'s loops; valid: '
-                    'routing.kind=none or exit_loss=last'),
-                   (cfg.umup_residual, 'the u-muP residual rule counts applied layers; valid: '
-                    'exit_loss=last or another parametrization.kind')):
-    if bad:
-      raise ConfigError(f'train.exit_loss={exit_loss!r}: {why}')
   if spec == 'all':
     return (1.0,) * k
   try:

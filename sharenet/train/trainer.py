@@ -215,10 +215,8 @@ def train_step(state: TrainState, batch_BT1: jax.Array, depth: Any = None, *, mo
   tstate = state.tstate if tr is None else tr.update_state(state.params, state.tstate)
   loss_of = functools.partial(loss_fn, depth=depth, model=model, tr=tr, pz=pz, mutable=mutable,
                               loops=loops, step=state.step)
-  if NORM_STATS in tstate:   # a statistics norm: its statistics leave as cotangents
-    if grad_accum != 1:
-      raise ConfigError(f'model.norm.kind={model.cfg.norm.kind} keeps per-batch statistics; '
-                        f'valid: train.grad_accum=1')
+  if NORM_STATS in tstate:   # a statistics norm (grad_accum 1: config/compat.py): its
+    # statistics leave as cotangents
     with_stats = lambda p, s, b: loss_of(p, {**tstate, NORM_STATS: s}, b)
     (loss, aux), (grads, cot) = jax.value_and_grad(with_stats, argnums=(0, 1), has_aux=True)(
         state.params, tstate[NORM_STATS], batch_BT1)

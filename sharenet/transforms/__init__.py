@@ -54,12 +54,6 @@ class Transforms:
       raise ConfigError('transforms.project=nap (Normalize-and-Project) needs a norm before the '
                         'MLP nonlinearity; valid: model.norm.pre_activation=layernorm or rmsnorm '
                         '(or transforms.project=norm_project for the projection alone)')
-    if 'zero_mean_writers' in self.reparam_names and cfg.tie_embeddings and \
-        not cfg.center_embedding:
-      raise ConfigError('transforms.reparam=zero_mean_writers with model.tie_embeddings=True '
-                        'would recentre the readout too; valid: model.center_embedding=True '
-                        '(recentres the embedded vectors in the forward pass; the tied table '
-                        'itself stays raw)')
 
   @property
   def reparam_names(self) -> tuple[str, ...]:

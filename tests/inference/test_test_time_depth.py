@@ -170,9 +170,9 @@ def test_bad_input_is_one_line(cycle, tiny_config):
   umup_config = tiny_config(**{'model.num_layers': K * R, 'model.sharing.scheme': 'cycle',
                                'model.sharing.num_unique': K, 'parametrization.kind': 'umup'})
   umup = ModelConfig.from_experiment(umup_config)
-  assert test_time_depth.check_depth(umup, R).loops == R   # the trained depth serves
   cases = [
-      (lambda: test_time_depth.check_depth(umup, 1), f'another depth changes; valid: {R}'),
+      (lambda: test_time_depth.check_depth(umup, 1), 'which the depth changes; valid: a model'),
+      (lambda: test_time_depth.check_depth(umup, R), 'which the depth changes; valid: a model'),
       (lambda: exits.parse('confidence:0.9'), 'unknown criterion; valid: maxprob:T'),
       (lambda: exits.parse('kl'), 'valid: maxprob:T'),
       (lambda: exits.parse('kl:abc'), 'not a number'),
@@ -184,11 +184,11 @@ def test_bad_input_is_one_line(cycle, tiny_config):
       (lambda: test_time_depth.parse_depths('1,x'), 'valid: comma-separated'),
       (lambda: test_time_depth.parse_depths('0,2'), 'valid: distinct loop counts >= 1'),
       (lambda: test_time_depth.check_depth(model.cfg, 0), 'valid: an integer >= 1'),
-      (lambda: test_time_depth.check_depth(untied.cfg, 2, '--depths'), 'valid schemes: cycle'),
-      (lambda: test_time_depth.looped_shape(untied.cfg, '--exit'), 'valid schemes: cycle'),
+      (lambda: test_time_depth.check_depth(untied.cfg, 2, '--depths'), 'looped cycle segment'),
+      (lambda: test_time_depth.looped_shape(untied.cfg, '--exit'), 'looped cycle segment'),
       (lambda: test_time_depth.check_depth(lora, R + 1), f'valid: 1 .. {R}'),
       (lambda: gen.generate(model, variables, PROMPTS, 2, loops=0), 'valid: an integer >= 1'),
-      (lambda: gen.generate(untied, {}, PROMPTS, 2, loops=2), 'valid schemes'),
+      (lambda: gen.generate(untied, {}, PROMPTS, 2, loops=2), 'looped cycle segment'),
       (lambda: ri.generate_early_exit(model, variables, PROMPTS, 2, exit='top:1'),
        'unknown criterion'),
       (lambda: ri.generate_early_exit(model, variables, PROMPTS, 2, exit='kl:0.1',
@@ -220,13 +220,14 @@ def test_workdir_refusals_come_before_restoring(tiny_config, tmp_path):
         (lambda: eval_workdir.generate_from_workdir(str(workdir), None, {}, ['ab'], **gen_kw,
                                                    exit='maxprob:2'), 'bad threshold'),
         (lambda: eval_workdir.evaluate_workdir_depths(str(workdir), None, {}, [0]),
-         'valid schemes' if scheme == 'untied' else 'valid: an integer >= 1'),
+         'looped cycle segment' if scheme == 'untied' else 'valid: an integer >= 1'),
         (lambda: eval_workdir.generate_from_workdir(str(workdir), None, {}, ['ab'], **gen_kw,
                                                    depth=0),
-         'valid schemes' if scheme == 'untied' else 'valid: an integer >= 1')]
+         'looped cycle segment' if scheme == 'untied' else 'valid: an integer >= 1')]
     if scheme == 'untied':
       cases.append((lambda: eval_workdir.generate_from_workdir(
-          str(workdir), None, {}, ['ab'], **gen_kw, exit='kl:0.1'), '--exit needs a looped'))
+          str(workdir), None, {}, ['ab'], **gen_kw, exit='kl:0.1'),
+          'needs exactly one looped cycle segment'))
     for fn, match in cases:
       with pytest.raises(ConfigError, match=match) as e:
         fn()

@@ -455,7 +455,7 @@ def test_rope_scaling_frequencies_and_bad_input():
   for kw, words in ((dict(rope_scaling=dict(kind='linear', factor=0.5)), 'factor=0.5 must be'),
                     (dict(rope_scaling=dict(llama3, high_freq_factor=1.0)), 'valid: 0 < low'),
                     (dict(rope_scaling=dict(kind='ntk')), 'valid: none, linear, llama3'),
-                    (dict(rope_scaling=llama3, position='learned'), 'valid: position=rope')):
+                    (dict(rope_scaling=llama3, position='learned'), 'this position kind does not use')):
     with pytest.raises(ConfigError, match=words) as e:
       ModelConfig(d_model=32, num_heads=4, num_layers=1, mlp_dim=8, vocab_size=16, **kw)
     assert '\n' not in str(e.value)

@@ -249,7 +249,7 @@ def test_lora_sits_on_shared_sets_only_under_shared(scheme, lora_layers):
 
 
 def test_shared_lora_without_a_shared_layer_is_one_line_error():
-  with pytest.raises(ConfigError, match='lora_layers=all or lora_rank=0'):
+  with pytest.raises(ConfigError, match='valid: model.sharing.lora_layers=all'):
     tiny('untied', sharing=dict(lora_rank=2))
   with pytest.raises(ConfigError, match='model.sharing.lora_layers'):
     tiny('cycle', sharing=dict(lora_rank=2, lora_layers='middle'))

@@ -91,7 +91,7 @@ def run_expert(cfg, seed=0, segment_ids=None):
     (dict(routing=dict(kind='token_choice', balancing='bias', bias_rate=0.0)),
      'bias_rate=0.0'),
     (dict(routing=dict(kind='token_choice', capacity='1,0.5')), 'token_choice picks'),
-    (dict(sharing=dict(lora_rank=2)), 'lora_rank=0'),
+    (dict(sharing=dict(lora_rank=2)), 'per-layer parts are not routed'),
     (dict(scan_lowering='flat'), 'scan_lowering=nested'),
     (dict(routing=dict(aux_loss=-0.5)), 'aux_loss=-0.5'),
     (dict(routing=dict(z_loss=-2.0)), 'z_loss=-2.0'),
@@ -153,7 +153,7 @@ def test_unrouted_model_has_no_router_and_sows_nothing():
 def test_loop_by_loop_inference_of_a_routed_model_is_rejected():
   """Cached generation of routed models: tests/models/test_routed_decoding.py."""
   from sharenet.inference import loop_by_loop
-  with pytest.raises(ConfigError, match='routes them'):
+  with pytest.raises(ConfigError, match='routing picks the loops'):
     loop_by_loop.check_recursive(DecoderLM(tiny_cfg()), {})
 
 

@@ -280,4 +280,4 @@ def test_moeut_placement_norms_only_what_selects():
 def test_moeut_placement_refuses_values_that_are_keys(sharing):
   with pytest.raises(ConfigError) as e:
     ModelConfig(**BASE, attention_sharing=sharing, norm={'placement': 'moeut'})
-  assert '\n' not in str(e.value) and 'valid: attention_sharing=none|qk_shared' in str(e.value)
+  assert '\n' not in str(e.value) and 'MoEUT norms read the values un-normalised' in str(e.value)

@@ -352,15 +352,15 @@ def test_multipliers_and_first_update_same_on_1_and_8_devices(subprocess_env):
         (dict(kind='mupp'), {},
          r'parametrization.kind=.*valid: sp, mup, mup_table3, umup, completep'),
         (dict(kind='mup', loop_rule='1/R'), {}, r'loop_rule=.*valid: none, inv_R, inv_sqrt_R'),
-        (dict(kind='umup'), dict(tie_embeddings=True), r'valid with model.tie_embeddings=True'),
+        (dict(kind='umup'), dict(tie_embeddings=True), r'one tensor cannot carry the embedding.s and the readout.s rules'),
         (dict(kind='sp', readout_zero_init=True), dict(tie_embeddings=True),
-         r'readout_zero_init: model.tie_embeddings=True stores no readout.*valid: '),
+         r'tied embeddings store no readout of their own.*valid: '),
         # An explicit plan applying its sets unequally often ('0,1,1,0' applies both twice: fine).
         (dict(kind='mup', loop_rule='inv_R'),
          dict(sharing=dict(scheme='explicit', repeats=0, pattern='0,1,1,1')),
          r'loop_rule=inv_R needs every stored set applied equally often'),
         (dict(kind='mup', base_d_model=25), {}, r'base_d_model=25'),
-        (dict(kind='completep'), dict(norm=dict(placement='peri')), r'placement=pre or post'),
+        (dict(kind='completep'), dict(norm=dict(placement='peri')), r'branch multipliers are cancelled by peri norms'),
     ])
 def test_bad_settings_one_line_error(settings, cfg_kw, match):
   with pytest.raises(ConfigError, match=match) as e:

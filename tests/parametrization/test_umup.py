@@ -99,9 +99,10 @@ def test_weight_decay_auto_resolves_without_overriding_an_explicit_choice():
     (dict(wd_mode='decoupled'), {}, r"wd_mode='decoupled' is unknown; valid: auto, lr_coupled"),
     (dict(residual_mult=0.0), {}, r'residual_mult=0.0 must be > 0'),
     (dict(residual_attn_ratio=-1.0), {}, r'residual_attn_ratio=-1.0 must be > 0'),
-    ({}, dict(norm=dict(placement='post')), r'kind=umup.*valid: model.norm.placement=pre or peri'),
+    ({}, dict(norm=dict(placement='post')),
+     r'kind=umup: u-muP.s residual rule needs pre or peri norms'),
     ({}, dict(sharing=dict(lora_rank=2)),
-     r'kind=umup has no rule for depth-wise LoRA factors.*valid: model'),
+     r'u-muP defines no rule for depth-wise LoRA factors; valid'),
 ])
 def test_bad_umup_settings_one_line_error(settings, cfg_kw, match):
   with pytest.raises(ConfigError, match=match) as e:

@@ -258,8 +258,8 @@ def test_bad_recurrence_is_one_line(keys, message):
 
 
 def test_recurrence_needs_a_plain_looped_segment():
-  for kw, message in ((dict(scheme='untied', num_unique=0), 'has 0'),
-                      (dict(scheme='sequence', num_unique=2), 'has 0')):
+  for kw, message in ((dict(scheme='untied', num_unique=0), 'which it lacks'),
+                      (dict(scheme='sequence', num_unique=2), 'which it lacks')):
     with pytest.raises(ConfigError, match=message):
       _cfg(num_layers=4, injection='add', **kw)
   with pytest.raises(ConfigError, match='per-layer parts'):

@@ -15,7 +15,7 @@ from flax.traverse_util import flatten_dict, unflatten_dict
 from configs import tiny as tiny_config
 from sharenet.config import defaults
 from sharenet.optim import chain
-from sharenet.train import loop, trainer, workdir_io
+from sharenet.train import experiment, loop, trainer, workdir_io
 from sharenet.main import convert_workdir, eval_workdir
 from sharenet.errors import ConfigError
 from sharenet.models import DecoderLM, ModelConfig, init_variables
@@ -617,8 +617,13 @@ def test_reparam_selection_by_path_and_role():
 
 
 def test_zero_mean_writers_with_tied_embeddings_needs_centering():
-  with pytest.raises(ConfigError, match='center_embedding'):
-    Transforms({'reparam': 'zero_mean_writers'}, DecoderLM(_cfg(tie_embeddings=True)))
+  """The table's line (config/compat.py); with model.center_embedding the pair works."""
+  c = tiny_config.get_config()
+  c.transforms.reparam, c.model.tie_embeddings = 'zero_mean_writers', True
+  with pytest.raises(ConfigError, match='would recentre the tied readout too'):
+    experiment.validate(c)
+  c.model.center_embedding = True
+  experiment.validate(c)
   Transforms({'reparam': 'zero_mean_writers'},
              DecoderLM(_cfg(tie_embeddings=True, center_embedding=True)))
 
