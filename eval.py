@@ -10,7 +10,8 @@ continuation as `text` (bytes that are not valid UTF-8 escaped as \\xNN), `token
   python eval.py --workdir DIR --prompt "def fib(" --max_new_tokens 200 \\
       [--temperature 0.8 --top_k 40 --top_p 0.95 --seed 0 --num_samples 4]
 
-Test-time depth of a looped model (sharenet/inference/test_time_depth.py, docs/generation.md): --depths 1,2,4,8
+Test-time depth of a looped model (sharenet/inference/test_time_depth.py, docs/generation.md):
+--depths 1,2,4,8
 evaluates at every depth (one JSON line each: depth, eval_loss, eval_bits_per_byte,
 flops_per_token; writes loss_vs_depth.png and eval_depths.jsonl into the workdir); --depth N
 evaluates, or with --prompt generates, at N loops; --exit maxprob:0.9 | entropy:0.5 | kl:0.01 |

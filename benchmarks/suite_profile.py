@@ -83,7 +83,8 @@ def tiers(path, top, threshold):
     print(f'{s:8.1f}  {name}')
   slow = sorted(n for n, s in fast.items() if s > threshold)
   if slow:
-    print(f'{len(slow)} fast-tier tests took over {threshold:g} s ({sum(fast[n] for n in slow):.0f} '
+    print(f'{len(slow)} fast-tier tests took over {threshold:g} s '
+          f'({sum(fast[n] for n in slow):.0f} '
           f's): mark them @pytest.mark.slow')
     for n in slow:
       print(f'{fast[n]:8.1f}  {n}')

@@ -2,7 +2,8 @@
 LoRA rank, no uptraining (sharenet/studies/rank_study.py), on an imported Hugging Face model.
 
 The source here is this repository's default model exported to the Hugging Face Llama format and
-imported back (the import is exact: tests/interop/test_hf_interop.py), i.e. the pipeline a downloaded
+imported back (the import is exact: tests/interop/test_hf_interop.py), i.e. the pipeline a
+downloaded
 checkpoint goes through, on a model trained on the embedded corpus (a random fixture would only
 show noise):
 

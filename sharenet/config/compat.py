@@ -6,7 +6,8 @@ Features on one `axis` exclude each other (two sharing schemes are not a pair). 
 pair works unless one of the two names the other in `refuses`, with the one-line reason;
 `check(config)` raises that line as a ConfigError (experiment.validate runs it before anything
 is built), and `check_action` does the same for an action on a model's config.
-tests/compatibility/test_compatibility.py is generated from this table: a pairwise covering set of tiny
+tests/compatibility/test_compatibility.py is generated from this table: a pairwise covering set of
+tiny
 configs (every working pair in at least one, none with a refused pair) each initialised and
 trained one step, the actions run on them, and every refused pair checked to raise its line;
 docs/compatibility.md is `compat_coverage.markdown()`; the covering set is

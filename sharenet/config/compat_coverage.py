@@ -138,9 +138,10 @@ def _drop_rows(rows: list[tuple[str, ...]], refused: set[frozenset],
 def markdown() -> str:
   """docs/compatibility.md: the features and every refused pair with its reason."""
   lines = ['# Compatibility', '',
-           'Generated from `sharenet/config/compat.py` by `python -m sharenet.config.compat_coverage` (do not edit).',
-           'Every pair of features below works, and `tests/compatibility/test_compatibility.py` trains a '
-           'config holding it for one step (or runs the action on one), except the pairs '
+           'Generated from `sharenet/config/compat.py` by '
+           '`python -m sharenet.config.compat_coverage` (do not edit).',
+           'Every pair of features below works, and `tests/compatibility/test_compatibility.py` '
+           'trains a config holding it for one step (or runs the action on one), except the pairs '
            'in the second table, which are one `ConfigError` line.', '',
            '| feature | axis | setting |', '|---|---|---|']
   lines += [f'| {f.name} | {f.axis} | `{f.label}` |' if not f.action else

@@ -34,7 +34,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from sharenet.config import defaults
+from sharenet.config import defaults, sections
 from sharenet.data import arrayrecord, tokenizer
 from sharenet.errors import ConfigError
 
@@ -50,7 +50,10 @@ SPLIT_SALT = 'sharenet-prepare-v1:'
 
 
 def get_field(cfg: Any, name: str) -> Any:
-  """`data.<name>` of a ConfigDict or dict; a key it lacks takes sharenet/config/defaults.py's value."""
+  """`data.<name>` of the typed data section, or of a dict (a key it lacks takes
+  sharenet/config/defaults.py's value)."""
+  if isinstance(cfg, sections.Section):
+    return cfg[name]
   return defaults.fill('data', cfg)[name]
 
 

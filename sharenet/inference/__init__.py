@@ -1,1 +1,2 @@
-"""Serving a trained model: cached generation, loop-by-loop inference with adaptive exits, test-time depth."""
+"""Serving a trained model: cached generation, loop-by-loop inference with adaptive exits, test-time
+depth."""

@@ -266,7 +266,8 @@ def generate(model: DecoderLM, variables: Any, prompts: Sequence[Sequence[int]],
   jax key (default key(0); unused at temperature 0). Prompts run as one left-padded batch
   whose rows draw independently; the same prompts, settings and `rng` give the same tokens.
   Returns the tokens after each prompt up to (excluding) the first `eos_id`. `loops`: decode
-  at that many loops of the looped segment (None: the plan's; sharenet/inference/test_time_depth.py).
+  at that many loops of the looped segment (None: the plan's;
+  sharenet/inference/test_time_depth.py).
   """
   prompts = [list(map(int, p)) for p in prompts]
   validate(model.cfg, prompts, max_new_tokens, temperature, top_k, top_p, eos_id)

@@ -10,9 +10,11 @@ exit criterion fires (sharenet/inference/exits.py: `maxprob`, the confidence `ex
 arXiv:2502.05171) emits its token from those logits and skips the deeper loops for that token.
 A criterion that never fires (`exit_threshold=1.0`, maxprob's rule disabled there since float32
 probabilities can round to exactly 1.0) is plain full-depth decoding. Tokens are greedy or
-sampled (temperature / top-k / top-p, sharenet/inference/generate.py's sampler with its per-(request,
+sampled (temperature / top-k / top-p, sharenet/inference/generate.py's sampler with its
+per-(request,
 token) keys, so with the same `rng` a never-exiting run samples what `generate` samples).
-`depth` serves another maximum number of loops M (sharenet/inference/test_time_depth.py): the prefill runs at M
+`depth` serves another maximum number of loops M (sharenet/inference/test_time_depth.py): the
+prefill runs at M
 loops and a token that never exits runs M.
 
 Skipped loops' keys and values: later tokens attend to every applied layer, so an exited token's
@@ -56,14 +58,18 @@ are per token already), the u-muP residual rule (its scale depends on the applie
 and values-are-keys attention sharing.
 
 The ticks: the decode state of a fixed number of slots (`Slots`), and one loop of the looped
-segment for every slot at its own depth. A tick runs, per slot (vmapped: slots never interact), the prelude when the slot's token starts,
+segment for every slot at its own depth. A tick runs, per slot (vmapped: slots never interact), the
+prelude when the slot's token starts,
 loop `depth` of the looped segment, and the coda for the exit logits; the shared head reads
-them; the exit criterion (sharenet/inference/exits.py) or the last loop ends the token, which is then
-sampled (sharenet/inference/generate.py `sample_rows`: greedy at temperature 0, else temperature / top-k /
+them; the exit criterion (sharenet/inference/exits.py) or the last loop ends the token, which is
+then
+sampled (sharenet/inference/generate.py `sample_rows`: greedy at temperature 0, else temperature /
+top-k /
 top-p with the key of (request, token index), so a token draws what full-depth `generate` draws
 for it). The loops served are the plan's R, or another maximum depth M (`at_depth`: the applied
 layers are renumbered as prelude + M loops + coda, every layer reading its stored set, and
-per-layer parts only for M <= R, sharenet/inference/test_time_depth.py). Under model.kv_sharing=first a slot's cache
+per-layer parts only for M <= R, sharenet/inference/test_time_depth.py). Under
+model.kv_sharing=first a slot's cache
 holds one loop's rows of the looped segment (`cache_rows`): the first loop writes them, the
 later loops attend to them (their own keys and values computed and dropped), and an exit copies
 nothing.
@@ -205,7 +211,7 @@ def store_at(model: DecoderLM, variables,
              shape: loops.Looped | None = None) -> layer_store.LayerStore:
   """Every applied layer's parts at the served depth, gathered once per program (not per tick):
   applied layer l of prelude + M loops + coda reads the plan's layer of its set (loop l's own
-  per-layer parts for M <= R; deeper loops exist only without them, sharenet/inference/test_time_depth.py)."""
+  per-layer parts for M <= R; deeper loops exist only without them, inference/test_time_depth.py)."""
   store = layer_store.layer_store(model.cfg, variables, model.apply(variables, method='atoms'))
   plan = loops.looped(model.cfg)
   if shape is None or shape.loops == plan.loops:
@@ -492,7 +498,8 @@ def generate_early_exit(model: DecoderLM, variables: Any, prompts: Sequence[Sequ
                         ) -> RecursiveGeneration:
   """Decoding of `prompts` as one static batch with per-sequence early exit.
 
-  The exit rule: `exit` (sharenet/inference/exits.py) or `exit_threshold` in [0, 1], maxprob: a sequence
+  The exit rule: `exit` (sharenet/inference/exits.py) or `exit_threshold` in [0, 1], maxprob: a
+  sequence
   exits after a loop whose readout's max probability is >= the threshold (1.0: never early,
   identical to `generate.generate`; 0: always after the first loop). `depth`: the maximum loops
   (default the plan's). Greedy by default; `temperature` / `top_k` / `top_p` / `rng` sample as

@@ -45,7 +45,7 @@ from sharenet.models import ModelConfig
 from sharenet.models.lm import init_variables
 from sharenet.models.lm import logical_axes
 from sharenet.models.lm import param_table
-from sharenet.train import sharding
+from sharenet.train import experiment, sharding
 from sharenet.train import workdir_io
 
 TOKENIZER = 'tokenizer.json'
@@ -100,10 +100,9 @@ def mesh_overrides(spec: str) -> dict[str, int]:
 
 def param_shardings(raw: dict[str, Any], cfg: Any) -> dict[tuple, Any]:
   """{path below 'params': NamedSharding} of DecoderLM(cfg) on raw['mesh'] (train.py's)."""
-  import ml_collections
-  mesh_cfg = ml_collections.ConfigDict(raw['mesh'])
-  sharding.validate(ml_collections.ConfigDict(raw), jax.device_count())
-  mesh, rules = sharding.make_mesh(mesh_cfg), sharding.rules_of(mesh_cfg)
+  run = experiment.sections(raw, cfg)
+  sharding.validate(run, jax.device_count())
+  mesh, rules = sharding.make_mesh(run.mesh), sharding.rules_of(run.mesh)
   abstract = jax.eval_shape(lambda: init_variables(DecoderLM(cfg), jax.random.key(0)))
   specs = sharding.param_specs(logical_axes(DecoderLM(cfg))['params'], abstract['params'], mesh,
                                rules)

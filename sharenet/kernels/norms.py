@@ -34,7 +34,8 @@ from sharenet.kernels.note_fallback):
     D is the whole row, block_rows is a multiple of 8, the statistics are (N, 1) columns and
     the partial gains (blocks, 1, D); a block keeps at most TPU_BLOCK_BYTES of float32 (VMEM).
   * CPU: interpret mode only (sharenet.kernels.interpret), ~500x slower than jnp: tests.
-The tests (tests/kernels/test_kernel_norms.py) run interpret mode; tests/kernels/test_lowering.py lowers the
+The tests (tests/kernels/test_kernel_norms.py) run interpret mode; tests/kernels/test_lowering.py
+lowers the
 kernels with Mosaic and Triton at pod widths and lengths (no compile: no accelerator yet). Under
 a mesh each device runs them on its own rows (sharenet/kernels/partition.py).
 """

@@ -1,1 +1,2 @@
-"""The library halves of the entry points: evaluate, generate from and convert a workdir (eval.py, convert.py)."""
+"""The library halves of the entry points: evaluate, generate from and convert a workdir (eval.py,
+convert.py)."""

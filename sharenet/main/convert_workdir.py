@@ -11,7 +11,7 @@ import numpy as np
 from sharenet.data import corpus
 from sharenet.data import tokenizer as tokenizer_lib
 from sharenet import data
-from sharenet.train import trainer
+from sharenet.train import experiment, trainer
 from sharenet.errors import ConfigError
 from sharenet.models.sections import NORMS, STATS_NORMS
 from sharenet.models.norm_stats import NORM_STATS
@@ -113,20 +113,21 @@ def calibration_tokens(config: Any, opts: Any, max_len: int) -> np.ndarray:
   """(calibration_windows, T) tokens for convert.py's init=similar, T = min(train.seq_len,
   max_len): windows evenly spaced over `opts.calibration` (a text file, encoded with the
   workdir's tokenizer, bytes without one) or else the validation split of the workdir's data."""
+  run = experiment.sections(config)
   if opts.calibration:
     if not os.path.isfile(opts.calibration):
       raise ConfigError(f'config.calibration={opts.calibration!r} is not a file; valid: a text '
                         f'file, or \'\' for the workdir\'s validation split')
     with open(opts.calibration, encoding='utf-8') as f:
       text = f.read()
-    tok = corpus.for_data(config.data) or tokenizer_lib.ByteTokenizer()
+    tok = corpus.for_data(run.data) or tokenizer_lib.ByteTokenizer()
     ids = np.asarray(tok.encode(text), np.int64)
-  elif config.data.source == 'bin' and not config.data.path:
+  elif run.data.source == 'bin' and not run.data.path:
     raise ConfigError('config.init=similar needs a calibration batch and this workdir names no '
                       'data (an import); valid: --config.calibration=TEXT_FILE')
   else:
-    _, ids = data.load_splits(config.data)
-  T = min(config.train.seq_len, max_len)
+    _, ids = data.load_splits(run.data)
+  T = min(run.train.seq_len, max_len)
   n = opts.calibration_windows
   if n < 1 or len(ids) < T + n:
     raise ConfigError(f'config.calibration: {len(ids)} tokens for {n} windows of {T}; valid: '

@@ -12,7 +12,7 @@ import ml_collections
 from sharenet.data import corpus
 from sharenet.data import tokenizer as tokenizer_lib
 from sharenet import data
-from sharenet.train import evaluation, sampled_depth
+from sharenet.train import evaluation, experiment, sampled_depth
 from sharenet.train import trainer
 from sharenet.errors import ConfigError
 from sharenet.inference import exits, generate, loop_by_loop, test_time_depth
@@ -30,11 +30,12 @@ def evaluate_workdir(workdir: str, step: int | None = None,
   config = load_config(workdir)
   config.update_from_flattened_dict(overrides or {})
   state, step, (model, _, pz, tr) = restore_state(config, workdir, step)
+  run = experiment.sections(config, model.cfg)
   params = jax.jit(trainer.effective_params, static_argnums=(1, 2))(state, tr, pz)
-  out = evaluation.evaluate(model, params, config.data, config.train.seq_len,
-                          config.train.eval_batch_size, sampled_depth.eval_schedule(model.cfg))
+  out = evaluation.evaluate(model, params, run.data, run.train.seq_len,
+                            run.train.eval_batch_size, sampled_depth.eval_schedule(model.cfg))
   out = {'step': int(step), **out,
-         'unigram_bits_per_byte': data.unigram_bits_per_byte(config.data)}
+         'unigram_bits_per_byte': data.unigram_bits_per_byte(run.data)}
   with open(os.path.join(workdir, 'eval.json'), 'w') as f:
     json.dump(out, f, indent=2)
   return out
@@ -60,7 +61,7 @@ def load_for_generation(workdir: str, step: int | None = None,
   """
   config = load_config(workdir)
   config.update_from_flattened_dict(overrides or {})
-  tok = corpus.for_data(config.data)
+  tok = corpus.for_data(experiment.sections(config).data)
   if tok is None:
     raise ConfigError(f'--workdir {workdir} was trained on token ids (data.source=bin) of an '
                       f'unnamed tokenizer; valid: --config.data.tokenizer=hf:PATH or '
@@ -101,7 +102,8 @@ def generate_from_workdir(workdir: str, step: int | None, overrides: dict[str, A
   Prompts are encoded and samples decoded with the data's tokenizer; byte models show invalid
   UTF-8 as \\xNN; shards' models stop at the end-of-document id unless `eos_id` is given.
   `depth` (eval.py --depth): decode at that many loops of the looped segment; `exit` (--exit
-  criterion:threshold, sharenet/inference/exits.py): adaptive exits after any loop (up to `depth`, default
+  criterion:threshold, sharenet/inference/exits.py): adaptive exits after any loop (up to `depth`,
+  default
   the trained loops; sharenet/inference/loop_by_loop.py), each row then with `mean_exit_loops`.
   """
   if num_samples < 1:
@@ -159,9 +161,10 @@ def evaluate_workdir_depths(workdir: str, step: int | None, overrides: dict[str,
   for n in depths:   # before restoring or compiling anything
     test_time_depth.check_depth(mcfg, n, '--depths')
   state, step, (model, _, pz, tr) = restore_state(config, workdir, step)
+  run = experiment.sections(config, model.cfg)
   params = jax.jit(trainer.effective_params, static_argnums=(1, 2))(state, tr, pz)
   rows = [{'step': int(step), **r} for r in test_time_depth.evaluate_depths(
-      model, params, config.data, config.train.seq_len, config.train.eval_batch_size, depths)]
+      model, params, run.data, run.train.seq_len, run.train.eval_batch_size, depths)]
   with open(os.path.join(workdir, test_time_depth.RESULTS), 'w') as f:
     f.writelines(json.dumps(r) + '\n' for r in rows)
   # the depth it trained at (a sampled run: its rounded mean)

@@ -3,7 +3,8 @@
 `LayerStore` holds the stored sets and per-layer parts of a model, read by the parameters'
 structure metadata (sharenet/models/params.py, models/layout.py), so `run_layers` can apply a traced
 range of applied layers to one token (the early-exit and depth-wise batching schedulers of
-sharenet/inference/loop_by_loop.py place each token's next loop at run time). The layer itself is the
+sharenet/inference/loop_by_loop.py place each token's next loop at run time). The layer itself is
+the
 loop runner's (models/loops.py `layer_fn`).
 """
 from __future__ import annotations

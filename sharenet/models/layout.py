@@ -1,7 +1,8 @@
 """Views of the stack's variables per unique set and per applied layer; tied -> untied.
 
 Every view is keyed by a leaf's block-local path (`ParamInfo.local`, e.g. ('attn', 'q',
-'kernel')) and placed by its structure metadata (`sets`, `layers`: sharenet/models/params.py), so none
+'kernel')) and placed by its structure metadata (`sets`, `layers`: sharenet/models/params.py), so
+none
 of them reads the stack's module names.
 """
 from __future__ import annotations

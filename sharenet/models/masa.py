@@ -11,12 +11,14 @@ S (its 66.7% saving of attention parameters corresponds to S = L/3 full-size ato
 the config; the coefficient init is ours (not verified against the paper): a random unit vector
 per set, with atoms drawn at the kernel's default std, so W_l starts at the default init's scale.
 
-The atoms are 'params' of DecoderLM ('masa/<kernel name>': q, k, v, o, wi | wi_gate, wi_up, wo), outside the layer stack, so they are
+The atoms are 'params' of DecoderLM ('masa/<kernel name>': q, k, v, o, wi | wi_gate, wi_up, wo),
+outside the layer stack, so they are
 stored once whatever the sharing plan; DecoderLM hands them to the Stack, which broadcasts them
 into every scan level (models/stack.py) down to the Dense that combines them. The coefficients
 live inside the blocks and follow the plan (tied sets share them).
 
-Roles (sharenet/models/params.py): an atom has its kernel's role (reader / writer, so muP treats it as
+Roles (sharenet/models/params.py): an atom has its kernel's role (reader / writer, so muP treats it
+as
 the hidden matrix it builds: same fan-in, fan-out, init and LR rules) and a leading 'atoms' axis,
 a stack axis that is never width. The coefficients are role 'scalar' (muP 'vector'): a change of
 c by Theta(eta) changes W x by Theta(eta) relative to W x at any width, like a norm gain.

@@ -53,7 +53,8 @@ KINDS = ('layernorm', 'rmsnorm', 'crmsnorm', 'scalenorm', 'dyt', 'l2', 'none', '
 class Norm(nn.Module):
   """One activation norm over the last axis; `kind` is one of KINDS.
 
-  `role` (norm_in | norm_out) and `branch` are recorded on its parameters (sharenet/models/params.py).
+  `role` (norm_in | norm_out) and `branch` are recorded on its parameters
+  (sharenet/models/params.py).
   `kernels` is model.kernels: where it selects Pallas, the kinds in norm_kernels.KINDS use the
   fused kernel, with the same parameters (names, collection, roles).
 

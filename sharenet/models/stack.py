@@ -18,7 +18,8 @@ two, docs/performance.md; benchmarks/step_bench.py and benchmarks/compile_bench.
 unrolled for the Python-loop baseline. A `loops.Schedule` changes the looped segment's loops
 per call (another depth, a no-grad prefix, per-loop outputs).
 
-Generation passes a KV cache through the same runner (sharenet/inference/generate.py): one `LayerCache`
+Generation passes a KV cache through the same runner (sharenet/inference/generate.py): one
+`LayerCache`
 per applied layer, never per stored set (tied layers share weights, not keys and values), each
 segment's stacked along a leading axis of its applied layers (under model.kv_sharing=first the
 looped segment's later loops share its first loop's, models/kv_sharing.py: it holds K). The

@@ -6,11 +6,14 @@ The peak learning rate (train.lr) is a hyperparameter in the optimizer state
 different learning rates (sharenet/studies/lr_sweep.py): the chain is rebuilt from it each step,
 exactly as for a config with that train.lr.
 
-Decay is role-masked (train.decay_roles) by the model's role table (sharenet/models/params.py). With a
-parametrization's per-leaf multipliers (sharenet/parametrization/rules.py) the Adam part is: Adam with
+Decay is role-masked (train.decay_roles) by the model's role table (sharenet/models/params.py). With
+a
+parametrization's per-leaf multipliers (sharenet/parametrization/rules.py) the Adam part is: Adam
+with
 per-leaf eps -> per-leaf LR multipliers -> decoupled decay with per-leaf multipliers (not scaled
 by the LR multiplier; `OptMultipliers.wd`, e.g. CompleteP's depth correction, see
-sharenet/parametrization/rules.py) -> the LR schedule. With every multiplier 1 it is bit-identical to
+sharenet/parametrization/rules.py) -> the LR schedule. With every multiplier 1 it is bit-identical
+to
 optax.adamw (asserted in tests/parametrization/test_rules.py).
 """
 from __future__ import annotations

@@ -22,7 +22,8 @@ R are block-diagonal [L_real + eps I, eps I] and the cropped result equals the u
 graft='none' is vanilla Shampoo: the direction L^-1/4 M R^-1/4 is the step (times the LR), the
 setting of Ishikawa & Karakida's second-order muP ("On the Parameterization of Second-Order
 Optimization Effective Towards the Infinite Width", arXiv:2312.12226), whose damping scales with
-the matrix's shape: `damping(path)` multiplies eps per leaf (sharenet/parametrization/optimizer_rules.py).
+the matrix's shape: `damping(path)` multiplies eps per leaf
+(sharenet/parametrization/optimizer_rules.py).
 """
 from __future__ import annotations
 

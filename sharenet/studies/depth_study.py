@@ -7,13 +7,15 @@
 Every variant trains the base model (configs/depth_study.py: middle_cycle, a prelude layer, one
 layer looped study.mean times, a coda layer) with its overrides (VARIANTS) for as many steps as
 the training-FLOPs budget allows: budget = study.base_steps x the fixed-depth recursive model's
-train FLOPs per step. A step's FLOPs are what it executes (sharenet/train/sampled_depth.py FlopsCounter:
+train FLOPs per step. A step's FLOPs are what it executes (sharenet/train/sampled_depth.py
+FlopsCounter:
 accounting.flops_per_token for fixed depth and MoR, which counts only the tokens each recursion
 runs; for a sampled depth the step's drawn depth, forward through every loop and backward
 through the last `backprop`), summed over the run's own draws (a pure function of (seed, step))
 until the budget is spent; the table reports their mean per token.
 
-Each run is then evaluated at every test-time depth of study.depths (test_time_depth.evaluate_depths;
+Each run is then evaluated at every test-time depth of study.depths
+(test_time_depth.evaluate_depths;
 MoR routes each token's recursions and takes no schedule: its trained depth only). After the
 last run every trained model decodes a fixed batch of study.prompts validation windows greedily
 (generate.generate): one warm-up call each that compiles, then study.decode_repeats rounds in
@@ -67,7 +69,7 @@ def overrides(variant: str, s: Any) -> dict[str, Any]:
 def step_flops(config: Any) -> Any:
   """flops(step) -> train FLOPs per token that step executes (its sampled depth)."""
   mcfg = experiment.validate(config)
-  counter, seed = sampled_depth.FlopsCounter(config, mcfg), int(config.train.seed)
+  counter, seed = sampled_depth.FlopsCounter(config.train, mcfg), int(config.train.seed)
   return lambda step: counter(sampled_depth.sample_depth(mcfg, seed, step))
 
 

@@ -2,7 +2,8 @@
 
     python -m sharenet.studies.results_tables           # rewrite the tables
     python -m sharenet.studies.results_tables --check   # exit 1 naming each table that differs
-    [--results=DIR]   # another copy of docs/results/ (tests/end_to_end/test_docs.py runs the rewrite so)
+    [--results=DIR]   # another copy of docs/results/ (tests/end_to_end/test_docs.py runs the
+    rewrite so)
 
 Each table is written by the same function its study uses when it runs (depth_report,
 moe_report, norm_study, recursion_study, nap_study, rank_study, coord_check, lr_sweep, and

@@ -1,1 +1,2 @@
-"""The one train loop and its pieces: the step, sampled depth, evaluation, metrics, sharding, resume, workdirs."""
+"""The one train loop and its pieces: the step, sampled depth, evaluation, metrics, sharding,
+resume, workdirs."""

@@ -35,7 +35,8 @@ def token_nll(model: DecoderLM, params: Any, batch_BT1: Any,
   `logits_grad_scale` multiplies only the gradient reaching the logits (u-muP's unit-scaled
   cross entropy, vocab / sqrt(vocab - 1)); the values are unchanged. `schedule` runs the looped
   segment's loops another way (models/loops.py: a sampled depth in training, another depth in
-  evaluation, sharenet/inference/test_time_depth.py), `rngs` are the apply's (a recurrent model's `normal` initial
+  evaluation, sharenet/inference/test_time_depth.py), `rngs` are the apply's (a recurrent model's
+  `normal` initial
   state, models/recurrence.py).
   """
   tokens_BT1, segment_ids_BT1 = split_batch(batch_BT1)

@@ -1,20 +1,63 @@
-"""Up-front validation of a whole experiment config, before any compilation: every section
-checked, each refused feature pair by its line of the compatibility table."""
+"""The experiment config resolved once, at the top: typed sections, and the up-front validation
+of the whole config before any compilation (each refused feature pair by its line of the
+compatibility table).
+
+`resolve(config)` validates and returns `Resolved`: ModelConfig (with the parametrization) and
+the train, data, mesh and transforms sections (config/sections.py). The train loop calls it
+once and hands the sections down; no module below reads the ConfigDict
+(tests/train/test_experiment.py watches a training run for it).
+"""
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any
 
 import jax
 
 from sharenet.config import compat
+from sharenet.config import sections as sections_lib
 from sharenet import data
 from sharenet.optim import chain, matrix
 from sharenet.parametrization import rules, optimizer_rules
 from sharenet.train import sampled_depth, resume, sharding
 from sharenet.errors import ConfigError
 from sharenet.models import DecoderLM, ModelConfig
+from sharenet.models.scaling import Settings
 from sharenet.transforms import Transforms
+
+
+@dataclasses.dataclass(frozen=True)
+class Resolved:
+  """An experiment config as the modules below the train loop read it."""
+  model: ModelConfig           # with its parametrization group (model.parametrization)
+  train: Any                   # sections.TrainConfig
+  data: Any                    # sections.DataConfig
+  mesh: Any                    # sections.MeshConfig
+  transforms: Any              # sections.TransformsConfig
+  dry_run: bool = False
+  record: Any = None           # the config as config.json stores it (a plain dict)
+
+
+def sections(config: Any, mcfg: ModelConfig | None = None) -> Resolved:
+  """The typed sections of `config` (a ConfigDict or dict), without the cross-section checks
+  of `validate`; `mcfg`: its ModelConfig if already built."""
+  raw = config.to_dict() if hasattr(config, 'to_dict') else dict(config)
+  if mcfg is None:
+    mcfg = ModelConfig.from_experiment(config)
+  elif mcfg.parametrization != Settings.from_config(raw.get('parametrization', {})):
+    raise ConfigError(f'the model config\'s parametrization (kind={mcfg.parametrization.kind}) '
+                      f'is not the experiment\'s ({raw.get("parametrization")}); valid: '
+                      f'ModelConfig.from_experiment(config)')
+  typed = {name: sections_lib.read(cls, raw.get(name), name)
+           for name, cls in sections_lib.SECTIONS.items()}
+  return Resolved(model=mcfg, dry_run=bool(raw.get('dry_run', False)),
+                  record=json.loads(json.dumps(raw, default=str)), **typed)
+
+
+def resolve(config: Any, process_count: int | None = None) -> Resolved:
+  """`config` validated (`validate`) and read into its typed sections, once."""
+  return _validated(config, process_count)
 
 
 def _positive(section: Any, prefix: str, *names: str) -> None:
@@ -28,9 +71,14 @@ def validate(config: Any, process_count: int | None = None) -> ModelConfig:
 
   Pairs of features that do not combine are refused first, each by its line of the
   compatibility table (sharenet/config/compat.py)."""
+  return _validated(config, process_count).model
+
+
+def _validated(config: Any, process_count: int | None) -> Resolved:
   compat.check(config)
   mcfg = ModelConfig.from_experiment(config)   # raises for the model and parametrization
-  t = config.train
+  run = sections(config, mcfg)
+  t = run.train
   _positive(t, 'train', 'steps', 'batch_size', 'seq_len', 'grad_accum', 'eval_batch_size',
             'log_every', 'checkpoint_every', 'keep_checkpoints')
   if t.batch_size % t.grad_accum:
@@ -54,17 +102,12 @@ def validate(config: Any, process_count: int | None = None) -> ModelConfig:
     raise ConfigError(f'train.seq_len={t.seq_len} exceeds model.max_len={mcfg.max_len} for '
                       f'learned positions')
   rules.base_config(mcfg)   # base sizes divide the model evenly
-  validate_mesh(config)
-  Transforms(config.transforms, DecoderLM(mcfg))  # raises for unknown / empty selections
+  sharding.validate(run, jax.device_count())   # mesh sizes, rules, batch divisibility
+  Transforms(run.transforms, DecoderLM(mcfg))  # raises for unknown / empty selections
   pc = jax.process_count() if process_count is None else process_count
-  data.validate_data_config(config.data, t.seq_len, t.batch_size, pc, mcfg.vocab_size)
-  data.validate_data_config(config.data, t.seq_len, t.eval_batch_size, pc, mcfg.vocab_size)
-  return mcfg
-
-
-def validate_mesh(config: Any) -> None:
-  """Mesh sizes over this run's devices, logical rules, batch divisibility (sharenet.train.sharding)."""
-  sharding.validate(config, jax.device_count())
+  data.validate_data_config(run.data, t.seq_len, t.batch_size, pc, mcfg.vocab_size)
+  data.validate_data_config(run.data, t.seq_len, t.eval_batch_size, pc, mcfg.vocab_size)
+  return run
 
 
 def to_json(config: Any) -> str:

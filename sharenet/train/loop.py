@@ -22,7 +22,7 @@ from sharenet.optim import chain
 from sharenet.train import perf, sampled_depth, resume, sharding
 from sharenet.errors import NonFiniteLoss
 from sharenet.train.metrics import MetricsWriter, note
-from sharenet.models import ModelConfig, accounting, logical_axes
+from sharenet.models import accounting, logical_axes
 from sharenet.train.trainer import (TrainState, abstract_state, effective_params, init_state,
                                     make_train_step, setup)
 
@@ -40,16 +40,16 @@ class _Compiled(NamedTuple):
   step_fn: Callable
   mesh: Any
   rules: Any
-  sampled: bool          # a sampled-depth model: the step takes its depth (sharenet/train/sampled_depth)
+  sampled: bool          # a sampled-depth model: the step takes its depth (train/sampled_depth.py)
 
 
-def _compile_step(config: Any, exp: Any) -> tuple[_Compiled, Any, list[str]]:
-  """The state's shapes and shardings on config.mesh and the jitted step; -> (compiled,
+def _compile_step(run: experiment.Resolved, exp: Any) -> tuple[_Compiled, Any, list[str]]:
+  """The state's shapes and shardings on the run's mesh and the jitted step; -> (compiled,
   logical axes, sharding notes)."""
   model, tx, pz, tr = exp
-  t = config.train
+  t = run.train
   abstract = abstract_state(model, tx, tr, pz)
-  mesh, rules = sharding.make_mesh(config.mesh), sharding.rules_of(config.mesh)
+  mesh, rules = sharding.make_mesh(run.mesh), sharding.rules_of(run.mesh)
   logical, notes = logical_axes(model), []
   if 'reparam' in abstract.params:   # transform gains carry no logical axes: replicated
     logical = {**logical, 'reparam': jax.tree.map(lambda _: P(), abstract.params['reparam'])}
@@ -57,7 +57,7 @@ def _compile_step(config: Any, exp: Any) -> tuple[_Compiled, Any, list[str]]:
   shardings = sharding.state_shardings(abstract, specs, mesh)
   batch_sharding = sharding.batch_sharding(mesh, rules)
   sampled = sampled_depth.sampled(model.cfg)   # the depth: a third, replicated int32 argument
-  step_fn = jax.jit(make_train_step(exp, t.grad_accum, loops=sampled_depth.step_loops(config,
+  step_fn = jax.jit(make_train_step(exp, t.grad_accum, loops=sampled_depth.step_loops(t,
                                                                                    model.cfg)),
                     in_shardings=(shardings, batch_sharding) + (NamedSharding(mesh, P()),) *
                     sampled, out_shardings=(shardings, NamedSharding(mesh, P())), donate_argnums=0)
@@ -66,11 +66,12 @@ def _compile_step(config: Any, exp: Any) -> tuple[_Compiled, Any, list[str]]:
   return compiled, logical, notes
 
 
-def _dry_run(config: Any, c: _Compiled, logical: Any, notes: list[str]) -> dict[str, Any]:
+def _dry_run(run: experiment.Resolved, c: _Compiled, logical: Any,
+             notes: list[str]) -> dict[str, Any]:
   """config.dry_run: compiles the step for the mesh and returns the sharding report."""
   with sharding.activate(c.mesh, c.rules):
     spec = jax.ShapeDtypeStruct(c.batch_shape, jnp.int32, sharding=c.batch_sharding)
-    if config.data.segment_mask:
+    if run.data.segment_mask:
       spec = {'tokens': spec, 'segment_ids': spec}
     depth = (jax.ShapeDtypeStruct((), jnp.int32),) * c.sampled
     compiled = c.step_fn.lower(sharding.with_shardings(c.abstract, c.shardings), spec,
@@ -78,13 +79,14 @@ def _dry_run(config: Any, c: _Compiled, logical: Any, notes: list[str]) -> dict[
   return sharding.report(c.abstract, c.shardings, logical, compiled, notes)
 
 
-def _write_summary(config: Any, workdir: str, mcfg: ModelConfig, pz: Any, variables: Any,
+def _write_summary(run: experiment.Resolved, workdir: str, pz: Any, variables: Any,
                    shapes: Any) -> None:
   """config.json: the config and what the run built (unique / applied params, FLOPs, plan)."""
+  mcfg = run.model
   summary = {
-      **config.to_dict(), 'params_unique': accounting.params_unique(variables),
+      **run.record, 'params_unique': accounting.params_unique(variables),
       'params_applied': accounting.params_applied(variables, mcfg),
-      'flops_per_token': accounting.flops_per_token(mcfg, config.train.seq_len),
+      'flops_per_token': accounting.flops_per_token(mcfg, run.train.seq_len),
       'plan_index': list(mcfg.plan.index), 'param_shapes': shapes,
       'parametrization_table': pz.describe(),
   }
@@ -100,19 +102,20 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, float]:
   evaluation, the finite check, checkpointing and SIGTERM is the loop's contract, and it reads
   top to bottom here (setup lives in `_compile_step`, `_dry_run`, `_write_summary`).
   """
-  sharding.maybe_initialize_distributed(config)  # before anything touches a device
-  mcfg: ModelConfig = experiment.validate(config)
-  t = config.train
-  exp = setup(config, mcfg)
+  # before anything touches a device
+  sharding.maybe_initialize_distributed(bool(config.mesh.distributed))
+  run = experiment.resolve(config)   # the one read of the ConfigDict: typed sections below
+  mcfg, t = run.model, run.train
+  exp = setup(run)
   model, tx, pz, tr = exp
   schedule = chain.lr_schedule(t)
   rng = jax.random.key(t.seed)
-  c, logical, notes = _compile_step(config, exp)
+  c, logical, notes = _compile_step(run, exp)
   abstract, shardings, step_fn, mesh, rules = c.abstract, c.shardings, c.step_fn, c.mesh, c.rules
   batch_sharding, batch_shape = c.batch_sharding, c.batch_shape
   shapes = param_shapes(abstract.params)
-  if config.dry_run:
-    return _dry_run(config, c, logical, notes)
+  if run.dry_run:
+    return _dry_run(run, c, logical, notes)
   for line in notes:
     note(f'note: {line}')
 
@@ -120,7 +123,7 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, float]:
   print(f'sharenet: writing to {os.path.abspath(workdir)}', flush=True)
   # This process reads the rows of the global batch its devices hold (all rows on one host).
   shard, num_shards = sharding.process_rows(batch_sharding, batch_shape)
-  train_iter = data.make_train_iterator(config.data, t.seq_len, t.batch_size, t.seed,
+  train_iter = data.make_train_iterator(run.data, t.seq_len, t.batch_size, t.seed,
                                         shard, num_shards)
   mngr = orbax_io.manager(workdir, t.keep_checkpoints)
   # Sharded init: each device computes only its shards; no host holds the whole model.
@@ -129,16 +132,16 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, float]:
   # The restore target carries this run's shardings: a checkpoint from another mesh reshards.
   target = sharding.with_shardings(abstract, shardings)
   try:
-    state, start = resume.restore_or_init(config, workdir, mngr, target, train_iter,
+    state, start = resume.restore_or_init(run, workdir, mngr, target, train_iter,
                                           lambda: init_fn(rng), tx, shapes)
   except BaseException:
     mngr.close()
     raise
 
-  _write_summary(config, workdir, mcfg, pz, state.params, shapes)
-  flops_at = sampled_depth.FlopsCounter(config, mcfg)   # executed FLOPs/token at a step's depth
+  _write_summary(run, workdir, pz, state.params, shapes)
+  flops_at = sampled_depth.FlopsCounter(t, mcfg)   # executed FLOPs/token at a step's depth
   # Saved with every checkpoint: a resume compares against the config that wrote the state.
-  record = {**resume.config_dict(config), 'param_shapes': shapes}
+  record = {**resume.config_dict(run.record), 'param_shapes': shapes}
 
   mfu_ref = perf.mfu_reference(mcfg.dtype)
   if mfu_ref.note:
@@ -150,7 +153,7 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, float]:
   def run_eval(step: int) -> dict[str, float]:
     with sharding.activate(mesh, rules):
       params = jax.jit(effective_params, static_argnums=(1, 2))(state, tr, pz)
-      out = evaluation.evaluate(model, params, config.data, t.seq_len, t.eval_batch_size,
+      out = evaluation.evaluate(model, params, run.data, t.seq_len, t.eval_batch_size,
                               sampled_depth.eval_schedule(mcfg))
     writer.write(step, **out)
     return out

@@ -4,7 +4,8 @@ Two figures, named for what they divide by:
 
 - `mfu`: standard MFU (PaLM, arXiv:2204.02311, appendix B): model FLOP/s (train FLOPs on applied
   depth, attention included: `models.accounting.flops_per_token`; a recurrent-depth run or
-  trained exits count what each step executed at its depth: sharenet/train/sampled_depth.py) over the
+  trained exits count what each step executed at its depth: sharenet/train/sampled_depth.py) over
+  the
   dense peak FLOP/s of all devices for the compute dtype, from `PEAKS`. Logged only on an
   accelerator in `PEAKS`.
 - `mfu_vs_matmul`: the same model FLOP/s over the FLOP/s of a large jitted jnp.dot measured in

@@ -53,7 +53,8 @@ def _flat(tree: Any, prefix: str = '') -> dict[str, Any]:
 
 
 def config_dict(config: Any) -> dict[str, Any]:
-  """The resolved config as config.json stores it (tuples as lists, JSON scalars)."""
+  """The sections of a config (train/experiment.py's `Resolved.record`, a config.json's dict,
+  or a ConfigDict) as config.json stores them (tuples as lists, JSON scalars)."""
   d = config.to_dict() if hasattr(config, 'to_dict') else dict(config)
   return json.loads(json.dumps({k: d[k] for k in SECTIONS if k in d}, default=str))
 
@@ -141,22 +142,23 @@ def _check_finite_state(state: Any) -> None:
     raise ValueError('non-finite parameters')
 
 
-def restore_or_init(config: Any, workdir: str, mngr: Any, target: Any, train_iter: Any,
+def restore_or_init(run: Any, workdir: str, mngr: Any, target: Any, train_iter: Any,
                     init: Any, tx: optax.GradientTransformation,
                     shapes: dict[str, list[int]]) -> tuple[Any, int]:
   """(state, first step): the workdir's newest readable checkpoint, or a fresh `init()`.
 
   Never moves or rewrites a readable checkpoint. The config saved with the newest checkpoint
-  (else DIR/config.json) is compared with this one (`Changes`): a change that makes the
+  (else DIR/config.json) is compared with this run's (`run`: train/experiment.py's resolved
+  sections and the config they were read from, `run.record`; `Changes`): a change that makes the
   checkpoint unrestorable is a ConfigError naming the changed fields, unless train.restore=params
   asks for its parameters with a fresh optimizer state.
   """
   steps = mngr.all_steps()
   if not steps:
     return init(), 0
-  t = config.train
+  t = run.train
   prior = orbax_io.saved_config(mngr, max(steps)) or read_prior(workdir)
-  changes = Changes(prior, config)
+  changes = Changes(prior, run.record)
   check_same_model(workdir, prior, shapes, changes)
   if changes:
     note(f'note: resuming with changed fields: {changes.describe(changes.fields)}'

@@ -123,9 +123,9 @@ def exit_weights(exit_loss: str, cfg: ModelConfig) -> tuple[float, ...] | None:
   return weights
 
 
-def step_loops(config: Any, cfg: ModelConfig) -> StepLoops:
-  """The StepLoops of an experiment config (experiment.validate checked train.exit_loss)."""
-  return StepLoops(exit_weights(config.train.exit_loss, cfg), int(config.train.seed))
+def step_loops(train: Any, cfg: ModelConfig) -> StepLoops:
+  """The StepLoops of the train section `train` (experiment.validate checked its exit_loss)."""
+  return StepLoops(exit_weights(train.exit_loss, cfg), int(train.seed))
 
 
 def rngs(seed: int, step: jax.Array) -> dict[str, jax.Array]:
@@ -164,9 +164,9 @@ class FlopsCounter:
   """Executed train FLOPs per token of a step at a depth (the nominal model FLOPs without
   recurrence or exits, whose steps are all alike: `depths` False), and its log entries."""
 
-  def __init__(self, config: Any, cfg: ModelConfig):
-    self.cfg, self.seq_len = cfg, int(config.train.seq_len)
-    exits = step_loops(config, cfg).exits
+  def __init__(self, train: Any, cfg: ModelConfig):
+    self.cfg, self.seq_len = cfg, int(train.seq_len)
+    exits = step_loops(train, cfg).exits
     self.exits = len(exits) if exits else 1
     self.depths = cfg.recurrent_segment is not None or exits is not None
     self.nominal = accounting.flops_per_token(cfg, self.seq_len)

@@ -27,14 +27,15 @@ DISTRIBUTED_ENV = 'SHARENET_DISTRIBUTED'
 Rules = Sequence[tuple[str, Any]]
 
 
-def maybe_initialize_distributed(config: Any) -> bool:
-  """Calls jax.distributed.initialize() if config.mesh.distributed or $SHARENET_DISTRIBUTED=1.
+def maybe_initialize_distributed(distributed: bool) -> bool:
+  """Calls jax.distributed.initialize() if `distributed` (config.mesh.distributed) or
+  $SHARENET_DISTRIBUTED=1.
 
   Coordinator, process count and id come from $JAX_COORDINATOR_ADDRESS, $JAX_NUM_PROCESSES,
   $JAX_PROCESS_ID when set, else from jax's cluster auto-detection (TPU pods, SLURM, ...).
   Must run before anything touches a device.
   """
-  want = bool(config.mesh.distributed) or os.environ.get(DISTRIBUTED_ENV) == '1'
+  want = bool(distributed) or os.environ.get(DISTRIBUTED_ENV) == '1'
   if not want or jax.distributed.is_initialized():
     return False
   env_int = lambda k: int(os.environ[k]) if os.environ.get(k) else None
@@ -114,26 +115,26 @@ def axis_size(mesh: Mesh, axes: Any) -> int:
   return math.prod(mesh.shape[a] for a in (axes if isinstance(axes, tuple) else (axes,)))
 
 
-def validate(config: Any, num_devices: int) -> None:
-  """Mesh sizes, rules and batch divisibility, before anything is compiled."""
-  shape = dict(zip(MESH_AXES, mesh_shape(config.mesh, num_devices)))
-  rules = rules_of(config.mesh)
+def validate(run: Any, num_devices: int) -> None:
+  """Mesh sizes, rules and batch divisibility of `run` (train/experiment.py's resolved
+  sections: mesh, model, train) over `num_devices`, before anything is compiled."""
+  shape = dict(zip(MESH_AXES, mesh_shape(run.mesh, num_devices)))
+  rules = rules_of(run.mesh)
   batch_axes = nn.logical_to_mesh_axes(('activation_batch',), rules)[0]
   n = math.prod(shape[a] for a in (batch_axes if isinstance(batch_axes, tuple)
                                    else (batch_axes,)) if a is not None)
-  moe = config.model.get('moe')
-  stacks = [] if moe is None else [   # every 'experts' stack: FFN, SwitchHead, LoRA experts
+  moe = run.model.moe
+  stacks = [   # every 'experts' stack: FFN, SwitchHead, LoRA experts
       (key, e) for key, e, on in (('num_experts', moe.num_experts, moe.kind != 'none'),
-                                  ('attention_experts', moe.get('attention_experts', 1),
-                                   moe.get('attention', 'none') != 'none'),
-                                  ('lora_experts', moe.get('lora_experts', 0),
-                                   moe.get('lora_experts', 0) > 0)) if on]
+                                  ('attention_experts', moe.attention_experts,
+                                   moe.attention != 'none'),
+                                  ('lora_experts', moe.lora_experts, moe.lora_experts > 0)) if on]
   for key, e in stacks:
     if e % shape['expert']:
       raise ConfigError(f'mesh.expert={shape["expert"]} does not divide model.moe.{key}={e}; '
                         f'valid: mesh.expert among the divisors '
                         f'{[d for d in range(1, e + 1) if e % d == 0]}')
-  t = config.train
+  t = run.train
   for name, rows in (('train.batch_size / train.grad_accum', t.batch_size // t.grad_accum),
                      ('train.eval_batch_size', t.eval_batch_size)):
     if rows % n:

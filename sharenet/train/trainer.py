@@ -14,13 +14,11 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from sharenet.models import scaling
-from sharenet.train import evaluation, sampled_depth
+from sharenet.train import evaluation, experiment, sampled_depth
 from sharenet.models import norm_stats
 from sharenet.optim import chain
 from sharenet.parametrization import rules
 from sharenet.models.norm_stats import NORM_STATS
-from sharenet.errors import ConfigError
 from sharenet.models import DecoderLM, ModelConfig, abstract_variables, init_variables
 from sharenet.models import lm, moe, routing, unit_scale
 from sharenet.transforms import Transforms
@@ -105,23 +103,20 @@ class Experiment(NamedTuple):
   tr: Transforms
 
 
-def setup(config: Any, mcfg: ModelConfig | None = None) -> Experiment:
+def setup(run: Any, mcfg: ModelConfig | None = None) -> Experiment:
   """The model, optimizer, parametrization and transforms of a validated config.
 
-  `mcfg` is ModelConfig.from_experiment(config) (what experiment.validate returns; built here
-  when None): the model is DecoderLM(mcfg) itself, the one every other reader of the config
-  builds, with its parametrization's model-level scalars.
+  `run` is the config's typed sections (train/experiment.py `resolve` or `sections`); a config
+  itself is read into them here (with `mcfg`, its ModelConfig, if built). The model is
+  DecoderLM(run.model), the one every other reader of the config builds, with its
+  parametrization's model-level scalars.
   """
-  mcfg = ModelConfig.from_experiment(config) if mcfg is None else mcfg
-  settings = scaling.Settings.from_config(config.parametrization)
-  if mcfg.parametrization != settings:
-    raise ConfigError(f'the model config\'s parametrization (kind={mcfg.parametrization.kind}) '
-                      f'is not the experiment\'s (kind={settings.kind}, or its other keys); '
-                      f'valid: ModelConfig.from_experiment(config)')
-  pz = rules.Parametrization(mcfg, config.train)
-  model = DecoderLM(mcfg)
-  tr = Transforms(config.transforms, model)
-  return Experiment(model, chain.make_optimizer(config.train, tr, pz.opt_multipliers()), pz, tr)
+  if not isinstance(run, experiment.Resolved):
+    run = experiment.sections(run, mcfg)
+  pz = rules.Parametrization(run.model, run.train)
+  model = DecoderLM(run.model)
+  tr = Transforms(run.transforms, model)
+  return Experiment(model, chain.make_optimizer(run.train, tr, pz.opt_multipliers()), pz, tr)
 
 
 def loss_fn(params: Any, tstate: Any, batch_BT1: jax.Array, depth: Any = None, *,
@@ -208,7 +203,8 @@ def train_step(state: TrainState, batch_BT1: jax.Array, depth: Any = None, *, mo
   grad_norm and the `mutable` collections sown in the forward pass before the update (averaged
   over micro-batches). With loss-free routing balancing, the routing bias in `tstate` then moves
   by the step's exit fractions (models/routing.py update_balance). `depth`: a sampled-depth
-  model's loops this step (a traced int32; sharenet/train/sampled_depth.py), `loops` its exits and seed.
+  model's loops this step (a traced int32; sharenet/train/sampled_depth.py), `loops` its exits and
+  seed.
   A statistics norm's state (norm_stats.NORM_STATS in `tstate`) is differentiated with the
   params; its cotangents give the next statistics (sharenet/models/norm_stats.py).
   """

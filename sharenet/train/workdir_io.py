@@ -19,7 +19,7 @@ from sharenet.checkpoint import orbax_io, config_file
 from sharenet import data
 from sharenet.config import defaults
 from sharenet.optim import chain
-from sharenet.train import resume, sharding, loop, trainer
+from sharenet.train import experiment, loop, resume, sharding, trainer
 from sharenet.errors import ConfigError
 from sharenet.models import DecoderLM, ModelConfig
 from sharenet.transforms import Transforms
@@ -51,14 +51,14 @@ def restore_state(config: ml_collections.ConfigDict, workdir: str,
   Reads only; nothing in the workdir is moved or written. A checkpoint that does not fit
   `config` is one ConfigError line.
   """
-  mcfg = ModelConfig.from_experiment(config)
-  exp = trainer.setup(config, mcfg)
+  run = experiment.sections(config)
+  exp = trainer.setup(run)
   abstract = jax.eval_shape(
       lambda: trainer.init_state(exp.model, exp.tx, jax.random.key(0), exp.tr, exp.pz))
   # Restore onto this process's devices, whatever mesh (or hosts) wrote the checkpoint.
   abstract = sharding.with_shardings(abstract, sharding.replicated_like(abstract))
   parts = {'step': abstract.step, 'params': abstract.params, 'tstate': abstract.tstate}
-  mngr = orbax_io.manager(workdir, config.train.keep_checkpoints, async_save=False)
+  mngr = orbax_io.manager(workdir, run.train.keep_checkpoints, async_save=False)
   try:
     steps = sorted(mngr.all_steps(), reverse=True)
     if not steps:
@@ -92,10 +92,12 @@ def param_reader(config: ml_collections.ConfigDict, workdir: str
   read(path) restores that one stored parameter as a host array (orbax_io.restore_leaf), so
   a caller holds one tensor at a time. The checkpoint's parameter tree must be the config's
   (else one ConfigError line, as restore_state)."""
-  exp = trainer.setup(config, ModelConfig.from_experiment(config))
+  run = experiment.sections(config)
+  exp = trainer.setup(run)
   abstract = trainer.abstract_state(exp.model, exp.tx, exp.tr, exp.pz).params['params']
   shapes = dict(flatten_dict(abstract))
-  mngr = orbax_io.manager(workdir, config.train.keep_checkpoints, async_save=False)
+  keep = run.train.keep_checkpoints
+  mngr = orbax_io.manager(workdir, keep, async_save=False)
   try:
     steps = sorted(mngr.all_steps())
     if not steps:
@@ -112,7 +114,7 @@ def param_reader(config: ml_collections.ConfigDict, workdir: str
     mngr.close()
 
   def read(path: tuple) -> np.ndarray:
-    m = orbax_io.manager(workdir, config.train.keep_checkpoints, async_save=False)
+    m = orbax_io.manager(workdir, keep, async_save=False)
     try:
       return orbax_io.restore_leaf(m, step, 'params', ('params',) + tuple(path), shapes[path])
     finally:
@@ -129,34 +131,34 @@ def save_workdir(out: str, raw: dict[str, Any], cfg: ModelConfig, variables: Any
   `optimizer_state=False` saves none (the checkpoint is then the parameters' size, not three
   times it): `raw` must have train.restore=params, so train.py makes a fresh one on resuming.
   """
-  new_config = ml_collections.ConfigDict(raw)
-  if not optimizer_state and new_config.train.restore != 'params':
+  run = experiment.sections(raw, cfg)
+  if not optimizer_state and run.train.restore != 'params':
     raise ValueError('a checkpoint without optimizer state needs train.restore=params')
   os.makedirs(out, exist_ok=True)
-  new_tr = Transforms(new_config.transforms, DecoderLM(cfg))
-  tx = chain.make_optimizer(new_config.train, new_tr)
+  new_tr = Transforms(run.transforms, DecoderLM(cfg))
+  tx = chain.make_optimizer(run.train, new_tr)
   params, tstate = new_tr.init(variables)
   # A fresh optimizer state whose LR schedule continues at the source's step.
   opt_state = chain.at_step(tx.init(params), step) if optimizer_state else None
   new_state = trainer.TrainState(jnp.asarray(step, jnp.int32), params, opt_state, tstate)
-  t = new_config.train
+  t = run.train
   it = None
-  if new_config.data.source != 'bin' or new_config.data.path:
-    it = data.make_train_iterator(new_config.data, t.seq_len, t.batch_size, t.seed, 0, 1)
+  if run.data.source != 'bin' or run.data.path:
+    it = data.make_train_iterator(run.data, t.seq_len, t.batch_size, t.seed, 0, 1)
   mngr = orbax_io.manager(out, t.keep_checkpoints, async_save=False)
-  saved_config, summary = _workdir_configs(new_config, raw, extra, params)
+  saved_config, summary = _workdir_configs(raw, extra, params)
   orbax_io.save(mngr, step, new_state, it, saved_config)
   mngr.wait_until_finished()
   mngr.close()
   config_file.write(out, summary)
 
 
-def _workdir_configs(new_config: ml_collections.ConfigDict, raw: dict[str, Any],
-                     extra: dict[str, Any], params: Any) -> tuple[dict[str, Any], dict[str, Any]]:
-  """(the checkpoint's config item, config.json's contents) of a workdir of config
-  `new_config` (`raw` as a dict) holding `params` (arrays or ShapeDtypeStructs)."""
+def _workdir_configs(raw: dict[str, Any], extra: dict[str, Any],
+                     params: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+  """(the checkpoint's config item, config.json's contents) of a workdir of config `raw` (a
+  dict) holding `params` (arrays or ShapeDtypeStructs)."""
   shapes = loop.param_shapes(params)
-  return ({**resume.config_dict(new_config), 'param_shapes': shapes},
+  return ({**resume.config_dict(raw), 'param_shapes': shapes},
           {**raw, **extra, 'param_shapes': shapes})
 
 
@@ -174,12 +176,12 @@ def save_workdir_streamed(out: str, raw: dict[str, Any], cfg: ModelConfig, abstr
   projection); ValueError otherwise, and for a leaf that is not in `abstract` (path, shape
   or dtype), repeated or missing, which leaves no checkpoint step behind.
   """
-  new_config = ml_collections.ConfigDict(raw)
-  if new_config.train.restore != 'params':
+  run = experiment.sections(raw, cfg)
+  if run.train.restore != 'params':
     raise ValueError('a checkpoint without optimizer state needs train.restore=params')
-  if new_config.data.source != 'bin' or new_config.data.path:
+  if run.data.source != 'bin' or run.data.path:
     raise ValueError('a streamed workdir saves no data iterator; this config names data')
-  new_tr = Transforms(new_config.transforms, DecoderLM(cfg))
+  new_tr = Transforms(run.transforms, DecoderLM(cfg))
   if not new_tr.init_is_identity:
     raise ValueError('a streamed workdir needs transforms whose init keeps the variables '
                      '(no transforms.reparam, no transforms.project=ngpt)')
@@ -201,7 +203,7 @@ def save_workdir_streamed(out: str, raw: dict[str, Any], cfg: ModelConfig, abstr
     if want:
       raise ValueError(f'{len(want)} leaves were not given, e.g. {"/".join(next(iter(want)))}')
 
-  saved_config, summary = _workdir_configs(new_config, raw, extra, params)
+  saved_config, summary = _workdir_configs(raw, extra, params)
   os.makedirs(out, exist_ok=True)
   orbax_io.save_streamed(out, step, checked(), skeleton, saved_config)
   config_file.write(out, summary)

@@ -19,11 +19,13 @@ Norm conversions follow Jiang et al., Pre-RMSNorm and Pre-CRMSNorm Transformers 
                  through them becomes their bias. Pre placement, untied plans.
 
 Untied -> recursive (config.to=recursive) lives in transforms/recursive.py, DirectShare
-head-wise sharing (config.to=head_shared) in transforms/head_share.py, the Mixture-of-LoRAs merge (config.to=merge_lora_experts) in transforms/lora_merge.py.
+head-wise sharing (config.to=head_shared) in transforms/head_share.py, the Mixture-of-LoRAs merge
+(config.to=merge_lora_experts) in transforms/lora_merge.py.
 
 CLI: python convert.py --workdir SRC --out DST
      --config.to=rmsnorm|crmsnorm|recursive|head_shared|merge_lora_experts [...]
-(sharenet.main.convert_workdir.convert_workdir) writes DST/config.json and a checkpoint (fresh optimizer
+(sharenet.main.convert_workdir.convert_workdir) writes DST/config.json and a checkpoint (fresh
+optimizer
 state and data iterator) that eval.py reads and train.py continues with
 `--config configs/workdir.py:DST`.
 """

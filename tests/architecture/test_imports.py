@@ -167,8 +167,10 @@ def test_imports_tells_a_function_import_from_a_module_import(tmp_path, source, 
   assert target == 'sharenet.models.lm' and in_function == inside
 
 
-# Modules that share a basename: the same concept at two levels (a model layer and its kernel).
-SHARED_BASENAMES = {'attention.py': {'models', 'kernels'}, 'norms.py': {'models', 'kernels'}}
+# Modules that share a basename: the same concept at two levels (a model layer and its kernel;
+# the experiment's typed config sections and the model's).
+SHARED_BASENAMES = {'attention.py': {'models', 'kernels'}, 'norms.py': {'models', 'kernels'},
+                    'sections.py': {'config', 'models'}}
 
 
 def test_two_modules_share_a_basename_only_as_one_concept_at_two_levels():

@@ -1,4 +1,4 @@
-"""Tests for sharenet.checkpoint.orbax_io: round trip with the grain iterator, fall-back on corruption."""
+"""sharenet.checkpoint.orbax_io: round trip with the grain iterator, fall-back on corruption."""
 import glob
 import os
 
@@ -49,7 +49,7 @@ def _corrupt(workdir, step, how):
 
 
 def test_save_and_restore_round_trip_with_the_data_iterator(tmp_path):
-  """Moved from tests/data/test_pipeline.py (it used orbax directly); now through sharenet.checkpoint.orbax_io."""
+  """The grain iterator's state round-trips through sharenet.checkpoint.orbax_io."""
   corpus = tmp_path / 'corpus.txt'
   corpus.write_bytes(bytes(np.random.default_rng(0).integers(0, 256, 40_000, np.uint8)))
   cfg = ml_collections.ConfigDict({'source': 'text', 'path': str(corpus), 'num_workers': 0})

@@ -77,8 +77,8 @@ def test_the_table_is_consistent():
 
 def test_docs_are_generated_from_the_table(repo_root):
   with open(os.path.join(repo_root, 'docs', 'compatibility.md')) as f:
-    assert f.read() == compat_coverage.markdown(), 'regenerate: python -m sharenet.config.compat_coverage > ' \
-        'docs/compatibility.md'
+    assert f.read() == compat_coverage.markdown(), \
+        'regenerate: python -m sharenet.config.compat_coverage > docs/compatibility.md'
 
 
 REFUSED = [(a, b) for a, b, why in compat.pairs() if why]
@@ -117,7 +117,7 @@ def _trace(tiny_config, row, monkeypatch):
   monkeypatch.setattr(experiment.data, 'validate_data_config', lambda *a, **k: None)
   exp = trainer.setup(config, experiment.validate(config))
   step = trainer.make_train_step(exp, config.train.grad_accum,
-                                   loops=sampled_depth.step_loops(config, exp.model.cfg))
+                                   loops=sampled_depth.step_loops(config.train, exp.model.cfg))
   # the init's trace is the role table's (config validation built it): the abstract state
   # adds the preset, the transforms and the optimizer's init
   state = trainer.abstract_state(exp.model, exp.tx, exp.tr, exp.pz)

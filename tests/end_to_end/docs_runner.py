@@ -1,4 +1,5 @@
-"""Runs the docs' shown commands in one process (tests/end_to_end/test_docs.py::test_shown_commands_run).
+"""Runs the docs' shown commands in one process
+(tests/end_to_end/test_docs.py::test_shown_commands_run).
 
     python tests/end_to_end/docs_runner.py JOBS.json RESULTS.jsonl
 

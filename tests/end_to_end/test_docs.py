@@ -437,7 +437,8 @@ def test_unmarked_commands_run_here():
 
 
 def _run_jobs(jobs, tmp_path, env, name):
-  """Runs `jobs` in one tests/end_to_end/docs_runner.py process; {shown text: [(rc, seconds, tail)]}."""
+  """Runs `jobs` in one tests/end_to_end/docs_runner.py process; {shown text: [(rc, seconds,
+  tail)]}."""
   jobs_path, results = tmp_path / f'{name}.json', tmp_path / f'{name}.jsonl'
   jobs_path.write_text(json.dumps(jobs))
   r = subprocess.run([sys.executable, os.path.join(ROOT, 'tests', 'end_to_end', 'docs_runner.py'),

@@ -1,4 +1,5 @@
-"""Generation (sharenet/inference/generate.py): the KV-cached decode against full recomputation under
+"""Generation (sharenet/inference/generate.py): the KV-cached decode against full recomputation
+under
 every kind of sharing plan, the sampling filters on a hand-made distribution, and eval.py's
 --prompt command line (output and one-line errors)."""
 import functools

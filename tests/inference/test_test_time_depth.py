@@ -1,4 +1,5 @@
-"""Test-time depth and adaptive exits (issue 29 parts 2 and 4): sharenet/inference/test_time_depth.py, exits.py,
+"""Test-time depth and adaptive exits (issue 29 parts 2 and 4):
+sharenet/inference/test_time_depth.py, exits.py,
 loop_by_loop.py with sampling, generate.py at another depth, eval.py's flags.
 
 Each exit criterion at a threshold where it never fires is full-depth decoding (greedy, and

@@ -23,7 +23,8 @@ from sharenet.errors import ConfigError
 from sharenet.interop import export_hf, import_hf, safetensors_io
 from sharenet.models import ModelConfig
 
-FIXTURES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'fixtures', 'hf')
+FIXTURES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'fixtures',
+                        'hf')
 ARCHS = ('llama', 'mistral', 'qwen2', 'qwen3', 'gemma', 'gemma2', 'gpt2', 'llama3_rope')
 
 
@@ -455,7 +456,8 @@ def test_rope_scaling_frequencies_and_bad_input():
   for kw, words in ((dict(rope_scaling=dict(kind='linear', factor=0.5)), 'factor=0.5 must be'),
                     (dict(rope_scaling=dict(llama3, high_freq_factor=1.0)), 'valid: 0 < low'),
                     (dict(rope_scaling=dict(kind='ntk')), 'valid: none, linear, llama3'),
-                    (dict(rope_scaling=llama3, position='learned'), 'this position kind does not use')):
+                    (dict(rope_scaling=llama3, position='learned'),
+                     'this position kind does not use')):
     with pytest.raises(ConfigError, match=words) as e:
       ModelConfig(d_model=32, num_heads=4, num_layers=1, mlp_dim=8, vocab_size=16, **kw)
     assert '\n' not in str(e.value)

@@ -3,7 +3,8 @@
 jax lowers for a platform the host lacks (`jax.export.export(jax.jit(f), platforms=[p])`);
 under `sharenet.kernels.target(p)` the kernels are chosen for that platform, so these modules
 are the ones a TPU or GPU user compiles, Mosaic's and Triton's lowering rules included
-(sharenet/kernels/lowering.py). From abstract shapes only (jax.eval_shape), never compiled. Programs:
+(sharenet/kernels/lowering.py). From abstract shapes only (jax.eval_shape), never compiled.
+Programs:
 the train step (built as sharenet/train/loop.py builds it), generation's compiled program
 (prefill and the decode loop, sharenet/inference/generate.py) and recursive inference's tick
 (sharenet/inference/loop_by_loop.py). Each lowers for 'tpu' and 'cuda' and calls every Pallas

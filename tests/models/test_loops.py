@@ -1,7 +1,8 @@
 """The loop runner (sharenet/models/loops.py): schedules of a looped segment, lowerings.
 
 Every lowering of the runner is compared with the others elsewhere (tests/models/test_lm.py,
-models/test_sublayer_sharing.py, models/test_structure.py); here: another depth per call, the no-grad prefix
+models/test_sublayer_sharing.py, models/test_structure.py); here: another depth per call, the
+no-grad prefix
 (its value, its gradient, one program for every traced prefix, nothing stored for it), the
 per-loop streams, and the refusals.
 """

@@ -2,7 +2,8 @@
 online_norm, sharenet/models/norm_stats.py)
 in the model: one entry per applied layer under a tied block, the same under both lowerings,
 in TrainState.tstate, and restored exactly after a kill -9. The forward and backward against
-the reference: tests/models/test_norms_family.py; 8 devices against one: tests/train/test_sharding.py."""
+the reference: tests/models/test_norms_family.py; 8 devices against one:
+tests/train/test_sharding.py."""
 import subprocess
 
 import jax

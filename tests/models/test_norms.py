@@ -51,7 +51,7 @@ def _expected(kind, x, p):
     mu = x.mean(-1, keepdims=True)
     var = ((x - mu) ** 2).mean(-1, keepdims=True)
     return p['scale'] * (x - mu) / np.sqrt(var + EPS) + p['bias']
-  if kind == 'lpnorm':   # p = 2, the 2nd absolute central moment (other p: models/test_norms_family.py)
+  if kind == 'lpnorm':   # p = 2, the 2nd absolute central moment (other p: test_norms_family.py)
     xc = x - x.mean(-1, keepdims=True)
     return p['scale'] * xc / np.sqrt(np.mean(np.abs(xc) ** 2, -1, keepdims=True) + EPS) + p['bias']
   if kind == 'rmsnorm':

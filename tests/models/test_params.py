@@ -1,4 +1,5 @@
-"""The role table (sharenet/models/params.py): every leaf has a role; renaming a module changes nothing."""
+"""The role table (sharenet/models/params.py): every leaf has a role; renaming a module changes
+nothing."""
 
 import dataclasses
 

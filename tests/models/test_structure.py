@@ -18,7 +18,8 @@ from sharenet.models.accounting import params_applied, params_unique
 from sharenet.models.lm import init_variables
 from sharenet.models import routing
 
-FIXTURES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'fixtures', 'workdirs_v2')
+FIXTURES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'fixtures',
+                        'workdirs_v2')
 TINY = dict(vocab_size=256, d_model=16, num_heads=2, mlp_dim=32)
 
 

@@ -183,11 +183,11 @@ def test_expert_axis_must_divide_attention_experts(tiny_config):
                      'mesh.expert': 4, 'mesh.data': 2, 'train.batch_size': 8,
                      'train.eval_batch_size': 8})
   with pytest.raises(ConfigError) as e:
-    sharding.validate(c, 8)
+    sharding.validate(experiment.sections(c), 8)
   assert '\n' not in str(e.value) and 'model.moe.attention_experts=6' in str(e.value) and \
       'valid: mesh.expert among the divisors [1, 2, 3, 6]' in str(e.value)
   c.model.moe.attention_experts = 8
-  sharding.validate(c, 8)
+  sharding.validate(experiment.sections(c), 8)
 
 
 def _numpy_entropy_reg(logits_BTE):

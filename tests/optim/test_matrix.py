@@ -280,7 +280,7 @@ def test_muon_on_a_kernel_without_fan_out_is_one_line():
   assert '\n' not in str(e.value)
 
 
-# ---- parametrizations (sharenet/parametrization/optimizer_rules.py) -----------------------------------
+# ---- parametrizations (sharenet/parametrization/optimizer_rules.py) -----------------------
 
 D0 = 32
 
@@ -305,7 +305,8 @@ def _expected(name, leaf, d, mlp):
   """Independent restatement: (lr, init, fwd) of a leaf named `leaf` at width d, base D0.
   Muon muP: hidden step sqrt(fan_out/fan_in) over optax's sqrt(max(1, fan_out/fan_in))
   (muon_rms: over Moonlight's 0.2 sqrt(max(fan_in, fan_out))), relative to the base; vanilla
-  Shampoo (Ishikawa & Karakida; blocked: Qiu et al. Table 1): hidden LR (fan_out/fan_in)^(1/2) (n_in n_out)^(-1/2) over 128-blocks, relative to the base,
+  Shampoo (Ishikawa & Karakida; blocked: Qiu et al. Table 1): hidden LR (fan_out/fan_in)^(1/2) (n_in
+  n_out)^(-1/2) over 128-blocks, relative to the base,
   SP init; Adam leaves (and every leaf under grafted Shampoo): TP5 Table 8."""
   m = d / D0
   fans = {'q': (d, d), 'k': (d, d), 'v': (d, d), 'o': (d, d), 'wi_gate': (d, mlp),

@@ -130,7 +130,8 @@ def test_rule_table_matches_analytic(kind, loop):
 def test_tied_embeddings_mup_rules():
   for d in (32, 128):
     pz = P.Parametrization(
-        tiny(d, tie_embeddings=True).derive(parametrization=scaling.Settings('mup', base_d_model=D0)))
+        tiny(d, tie_embeddings=True).derive(
+            parametrization=scaling.Settings('mup', base_d_model=D0)))
     emb = pz.rules[('params', 'embed', 'embedding')]
     assert (emb.role, emb.init_std, emb.lr_mult, emb.fwd_mult) == ('embedding', 1.0, 1.0, 1.0)
     assert pz.cfg.logits_mult == D0 / d and not any('readout' in p for p in pz.rules)
@@ -279,6 +280,7 @@ import flax.linen as nn
 from flax.traverse_util import flatten_dict
 from sharenet.models import DecoderLM, ModelConfig, init_boxed, init_variables, param_table
 from sharenet.optim import chain
+from sharenet.models import scaling
 from sharenet.parametrization import rules as P
 # Self-contained: the same tiny model, train config, tokens and loss as the tests above.
 D0 = 32
@@ -352,7 +354,8 @@ def test_multipliers_and_first_update_same_on_1_and_8_devices(subprocess_env):
         (dict(kind='mupp'), {},
          r'parametrization.kind=.*valid: sp, mup, mup_table3, umup, completep'),
         (dict(kind='mup', loop_rule='1/R'), {}, r'loop_rule=.*valid: none, inv_R, inv_sqrt_R'),
-        (dict(kind='umup'), dict(tie_embeddings=True), r'one tensor cannot carry the embedding.s and the readout.s rules'),
+        (dict(kind='umup'), dict(tie_embeddings=True),
+         r'one tensor cannot carry the embedding.s and the readout.s rules'),
         (dict(kind='sp', readout_zero_init=True), dict(tie_embeddings=True),
          r'tied embeddings store no readout of their own.*valid: '),
         # An explicit plan applying its sets unequally often ('0,1,1,0' applies both twice: fine).
@@ -360,7 +363,8 @@ def test_multipliers_and_first_update_same_on_1_and_8_devices(subprocess_env):
          dict(sharing=dict(scheme='explicit', repeats=0, pattern='0,1,1,1')),
          r'loop_rule=inv_R needs every stored set applied equally often'),
         (dict(kind='mup', base_d_model=25), {}, r'base_d_model=25'),
-        (dict(kind='completep'), dict(norm=dict(placement='peri')), r'branch multipliers are cancelled by peri norms'),
+        (dict(kind='completep'), dict(norm=dict(placement='peri')),
+         r'branch multipliers are cancelled by peri norms'),
     ])
 def test_bad_settings_one_line_error(settings, cfg_kw, match):
   with pytest.raises(ConfigError, match=match) as e:
@@ -540,7 +544,8 @@ def test_lora_a_feature_update_is_width_independent_under_mup_not_sp():
     for d in (D_BASE, 8 * D_BASE):
       cfg = _paper_model(
           d, 2, sharing=dict(scheme='cycle', num_unique=1, lora_rank=2, lora_targets=('q',)))
-      pz = P.Parametrization(cfg.derive(parametrization=scaling.Settings(kind, base_d_model=D_BASE)))
+      pz = P.Parametrization(
+          cfg.derive(parametrization=scaling.Settings(kind, base_d_model=D_BASE)))
       model = DecoderLM(pz.cfg)
       v = pz.init(init_variables(model, jax.random.key(0)))
       v = jax.tree_util.tree_map_with_path(

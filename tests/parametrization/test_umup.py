@@ -58,7 +58,7 @@ def paper_rules(name, trunk, d, L, mlp_dim):
 def test_rule_table_is_the_papers(d, L):
   cfg = tiny(d, L, reader_bias=True)
   pz = P.Parametrization(
-      cfg.derive(parametrization=scaling.Settings('umup', base_d_model=16)))  # base width: no effect
+      cfg.derive(parametrization=scaling.Settings('umup', base_d_model=16)))  # base: no effect
   seen = set()
   for path, r in pz.rules.items():
     name = path[-2] if path[-1] in ('kernel', 'scale') else path[-1]

@@ -1,4 +1,5 @@
-"""sharenet.train.perf: hardware peaks and the MFU figure logged for each device; FLOPs per token."""
+"""sharenet.train.perf: hardware peaks and the MFU figure logged for each device; FLOPs per
+token."""
 import math
 import types
 

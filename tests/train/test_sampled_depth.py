@@ -81,7 +81,7 @@ def test_every_sampled_depth_runs_one_compiled_step(tiny_config):
                           'train.batch_size': 2, 'train.seq_len': 16})
   mcfg = experiment.validate(config)
   exp = trainer.setup(config, mcfg)
-  step = jax.jit(trainer.make_train_step(exp, loops=sampled_depth.step_loops(config, mcfg)))
+  step = jax.jit(trainer.make_train_step(exp, loops=sampled_depth.step_loops(config.train, mcfg)))
   state = trainer.init_state(exp.model, exp.tx, jax.random.key(0), exp.tr, exp.pz)
   batch = jnp.asarray(np.arange(2 * 17).reshape(2, 17) % 251, jnp.int32)
   depths = [sampled_depth.sample_depth(mcfg, 0, s) for s in range(20)]

@@ -1,4 +1,5 @@
-"""sharenet.train.workdir_io: a workdir's config (old ones completed from the defaults) and a restore
+"""sharenet.train.workdir_io: a workdir's config (old ones completed from the defaults) and a
+restore
 that reads only, falls back past an unreadable checkpoint and names a mismatch in one line."""
 import glob
 import hashlib
