@@ -211,7 +211,7 @@ def store_at(model: DecoderLM, variables,
              shape: loops.Looped | None = None) -> layer_store.LayerStore:
   """Every applied layer's parts at the served depth, gathered once per program (not per tick):
   applied layer l of prelude + M loops + coda reads the plan's layer of its set (loop l's own
-  per-layer parts for M <= R; deeper loops exist only without them, inference/test_time_depth.py)."""
+  per-layer parts for M <= R; deeper loops exist only without them: test_time_depth.py)."""
   store = layer_store.layer_store(model.cfg, variables, model.apply(variables, method='atoms'))
   plan = loops.looped(model.cfg)
   if shape is None or shape.loops == plan.loops:
