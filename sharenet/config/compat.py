@@ -195,10 +195,10 @@ def _features() -> tuple[Feature, ...]:
                                (s + 'lora_targets', 'mlp_in,mlp_out')),
       lambda c: _get(c, mo + 'lora_experts') > 0,
       (('untied', 'LoRA relaxes shared layers and untied shares none; valid: '
-                'model.sharing.lora_layers=all'), ('expert_choice', NOT_ROUTED),
-               ('token_choice', NOT_ROUTED), ('python_loop', per_layer),
-               ('poisson_lognormal', PER_LOOP_PARTS),
-               ('umup', 'u-muP defines no rule for LoRA factors'), ('nap', MOE_NAP)) + tuple(
+                  'model.sharing.lora_layers=all', lambda c: _get(c, s + 'lora_layers') != 'all'),
+       ('expert_choice', NOT_ROUTED), ('token_choice', NOT_ROUTED), ('python_loop', per_layer),
+       ('poisson_lognormal', PER_LOOP_PARTS),
+       ('umup', 'u-muP defines no rule for LoRA factors'), ('nap', MOE_NAP)) + tuple(
           (k, no_mlp) for k in ('sigma_moe', 'switch', 'moe_ragged_dot', 'moe_reference'))))
   structure = [
       _setting('flat', 'lowering', 'model.scan_lowering', 'flat'),

@@ -193,7 +193,7 @@ class ModelConfig:
   @classmethod
   def from_experiment(cls, config: Any) -> 'ModelConfig':
     """The model an experiment config trains: its model section, train.seq_len and
-    parametrization (train_lib, eval, generation and conversions all build it here)."""
+    parametrization (the train loop, eval, generation and conversions all build it here)."""
     return cls.from_config(config.model, config.train.seq_len, config.parametrization)
 
   def to_config(self) -> dict[str, Any]:

@@ -30,13 +30,13 @@ from sharenet.transforms import Transforms
 @dataclasses.dataclass(frozen=True)
 class Resolved:
   """An experiment config as the modules below the train loop read it."""
-  model: ModelConfig           # with its parametrization group (model.parametrization)
-  train: Any                   # sections.TrainConfig
-  data: Any                    # sections.DataConfig
-  mesh: Any                    # sections.MeshConfig
-  transforms: Any              # sections.TransformsConfig
+  model: ModelConfig                      # with its parametrization group (.parametrization)
+  train: sections_lib.TrainConfig
+  data: sections_lib.DataConfig
+  mesh: sections_lib.MeshConfig
+  transforms: sections_lib.TransformsConfig
   dry_run: bool = False
-  record: Any = None           # the config as config.json stores it (a plain dict)
+  record: dict[str, Any] | None = None    # the config as config.json stores it (a plain dict)
 
 
 def sections(config: Any, mcfg: ModelConfig | None = None) -> Resolved:

@@ -1,8 +1,8 @@
-"""One training step: the state, the loss, the jitted update (sharenet/train/loop.py runs the loop).
+"""One training step: the state, the loss, the jitted update (train/loop.py runs the loop).
 
-`setup` builds what a step needs from a config (model, optimizer, parametrization, transforms);
-`make_train_step` returns the step that train_lib jits with its shardings, that the compatibility
-tests evaluate abstractly, and that studies call directly.
+`setup` builds what a step needs from the config's typed sections (model, optimizer,
+parametrization, transforms); `make_train_step` returns the step that train/loop.py jits with
+its shardings, that the compatibility tests evaluate abstractly, and that studies call directly.
 """
 from __future__ import annotations
 
