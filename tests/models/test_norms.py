@@ -172,8 +172,7 @@ def test_l2_qk_norm_gain_starts_from_the_training_length():
     _cfg(norm=dict(qk_norm='l2', qk_norm_len=1))
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize('gain', [None, 3.0, 40.0])
+@pytest.mark.parametrize('gain', [pytest.param(None, marks=pytest.mark.slow), 3.0, 40.0])
 def test_l2_qk_norm_logits_are_bounded_by_the_gain(gain):
   """|logit| = g |q_hat . k_hat| <= g for every head and position pair, with q_hat, k_hat the
   unit vectors the module produced; the module's own logits (their sown mean |.|) match
