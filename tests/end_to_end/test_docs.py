@@ -480,12 +480,35 @@ def test_shown_commands_run(tmp_path, subprocess_env):
   assert not failed, '\n\n'.join(failed)
 
 
+def _mkdocs_build(root, site):
+  """`mkdocs build --strict` of the site at `root` (warnings printed: -q would hide them, and
+  --strict then passes a broken link)."""
+  return subprocess.run([sys.executable, '-m', 'mkdocs', 'build', '--strict', '-d', str(site)],
+                        cwd=root, capture_output=True, text=True,
+                        env=dict(os.environ, NO_MKDOCS_2_WARNING='1'), timeout=170)
+
+
 def test_mkdocs_build_strict(tmp_path):
   """The site builds with --strict: no broken link or anchor, every page in the navigation."""
-  r = subprocess.run([sys.executable, '-m', 'mkdocs', 'build', '--strict', '-q', '-d',
-                      str(tmp_path / 'site')], cwd=ROOT, capture_output=True, text=True,
-                     env=dict(os.environ, NO_MKDOCS_2_WARNING='1'), timeout=170)
+  r = _mkdocs_build(ROOT, tmp_path / 'site')
   assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+
+
+@pytest.mark.parametrize('damage, words', [
+    ('link', 'missing_page.md'),          # a link to a page that does not exist
+    ('page', 'not included in the "nav"'),  # a page the navigation omits
+])
+def test_mkdocs_build_fails_on_a_broken_site(tmp_path, damage, words):
+  """The same build fails on a copy of the site with one broken link or one page left out."""
+  shutil.copytree(os.path.join(ROOT, 'docs'), tmp_path / 'docs')
+  shutil.copy(os.path.join(ROOT, 'mkdocs.yml'), tmp_path / 'mkdocs.yml')
+  if damage == 'link':
+    with open(tmp_path / 'docs' / 'index.md', 'a') as f:
+      f.write('\nSee [the missing page](missing_page.md).\n')
+  else:
+    (tmp_path / 'docs' / 'orphan.md').write_text('# Orphan\n')
+  r = _mkdocs_build(tmp_path, tmp_path / 'site')
+  assert r.returncode != 0 and words in r.stdout + r.stderr, r.stdout[-2000:] + r.stderr[-2000:]
 
 
 def test_results_tables_are_generated():
