@@ -92,6 +92,39 @@ def test_every_sampled_depth_runs_one_compiled_step(tiny_config):
   assert step._cache_size() == 1
 
 
+def _poisson_lognormal_pmf(mean: float, sigma: float, kmax: int) -> np.ndarray:
+  """P(depth = 1 + k), k = 0..kmax, of the reference sampler (Geiping et al., arXiv:2502.05171,
+  `poisson-lognormal-filling`: tau ~ N(log(r) - sigma^2 / 2, sigma), depth = 1 + Poisson(e^tau),
+  r = mean - 1), by integrating the Poisson pmf over the lognormal density of its rate."""
+  from scipy import integrate, stats
+  rate = stats.lognorm(s=sigma, scale=np.exp(np.log(mean - 1) - sigma ** 2 / 2))
+  return np.array([integrate.quad(lambda lam: stats.poisson.pmf(k, lam) * rate.pdf(lam), 0,
+                                  np.inf, limit=200)[0] for k in range(kmax + 1)])
+
+
+def _chi2_p(draws: np.ndarray, pmf: np.ndarray) -> float:
+  """Chi-square goodness of fit of integer draws (depth - 1) to `pmf`, the tail in one bin."""
+  from scipy import stats
+  k = len(pmf) - 1
+  observed = np.bincount(np.minimum(draws, k), minlength=k + 1).astype(float)
+  expected = np.append(pmf[:-1], 1 - pmf[:-1].sum()) * len(draws)
+  return stats.chisquare(observed, expected).pvalue
+
+
+def test_sampled_depths_follow_the_reference_poisson_lognormal():
+  """10,000 draws (backprop 1: no clamp) against the reference sampler's distribution, computed
+  independently by numerical integration; a Poisson of the same mean without the lognormal
+  rate (the wrong model) is rejected by the same test."""
+  from scipy import stats
+  mean = 5.0
+  cfg = _cfg(depth='poisson_lognormal', mean=mean, backprop=1)
+  draws = np.array([sampled_depth.sample_depth(cfg, 11, s) for s in range(10_000)]) - 1
+  pmf = _poisson_lognormal_pmf(mean, sampled_depth.SIGMA, 14)
+  assert abs(pmf.sum() - 1) < 0.01 and abs(draws.mean() - (mean - 1)) < 0.1
+  assert _chi2_p(draws, pmf) > 1e-3
+  assert _chi2_p(draws, stats.poisson.pmf(np.arange(15), mean - 1)) < 1e-6
+
+
 @pytest.mark.slow
 def test_the_depth_is_a_pure_function_of_seed_and_step():
   cfg = _cfg(depth='poisson_lognormal', mean=6.0, backprop=2)
