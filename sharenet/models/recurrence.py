@@ -12,10 +12,13 @@ e re-enters at the start of every loop (`model.recurrence.injection`):
 
   init embed   s_0 = e (the only choice without injection: the plain looped model)
        zeros   s_0 = 0
-       normal  s_0 ~ N(0, embed_init_std^2) per coordinate, the scale of an embedded token (the
-               reference's `like-init`, untruncated). The draw is keyed by (the call's
-               'recurrence' rng, else a fixed key; batch row; absolute position), so cached
-               decoding draws what the full forward draws at the same row and position.
+       normal  s_0 = embed_scale * embed_init_std * n, n ~ N(0, 1) truncated to [-3, 3] per
+               coordinate: the scale of an embedded token, as the reference's `like-init`
+               (`initialize_state`: a truncated normal of the init std, times its embedding
+               scale). The draw is keyed by (the call's 'recurrence' rng, else a fixed key;
+               batch row; absolute position), so cached decoding draws what the full forward
+               draws at the same row and position; training's rng is fresh per step and per
+               micro-batch (train/sampled_depth.py `rngs`).
 
 The loop runner (models/loops.py) applies an `Injection` at the start of every loop in every
 lowering (nested, flat, unrolled, a Schedule's no-grad prefix and gradient loops) and for cached
@@ -86,7 +89,8 @@ def initial_state(cfg: ModelConfig, e_BTD: jax.Array, key: jax.Array | None,
   positions_BT = jnp.broadcast_to(positions_BT, (B, T))
 
   def draw(b, t):
-    return jax.random.normal(jax.random.fold_in(jax.random.fold_in(key, b), t), (D,))
+    return jax.random.truncated_normal(jax.random.fold_in(jax.random.fold_in(key, b), t),
+                                       -3.0, 3.0, (D,))
 
   noise_BTD = jax.vmap(jax.vmap(draw))(rows_BT, positions_BT)
-  return (cfg.embed_init_std * noise_BTD).astype(e_BTD.dtype)
+  return (cfg.embed_scale * cfg.embed_init_std * noise_BTD).astype(e_BTD.dtype)

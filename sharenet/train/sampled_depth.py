@@ -128,16 +128,20 @@ def step_loops(train: Any, cfg: ModelConfig) -> StepLoops:
   return StepLoops(exit_weights(train.exit_loss, cfg), int(train.seed))
 
 
-def rngs(seed: int, step: jax.Array) -> dict[str, jax.Array]:
-  """The step's 'recurrence' rng (the `normal` initial state): a function of (seed, step)."""
-  return {RNG: jax.random.fold_in(jax.random.key(seed), step)}
+def rngs(seed: int, step: jax.Array, micro: jax.Array | None = None) -> dict[str, jax.Array]:
+  """The 'recurrence' rng (the `normal` initial state) of a step's forward: a function of
+  (seed, step) and, under train.grad_accum > 1, of the micro-batch `micro`, so each micro-batch
+  draws fresh noise (the reference draws anew at every forward)."""
+  key = jax.random.fold_in(jax.random.key(seed), step)
+  return {RNG: key if micro is None else jax.random.fold_in(key, micro)}
 
 
 def loss(model: DecoderLM, variables: Any, batch_BT1: Any, depth: Any, spec: StepLoops,
-         step: jax.Array, mutable: tuple[str, ...] = ()) -> tuple[jax.Array, dict[str, Any]]:
+         step: jax.Array, mutable: tuple[str, ...] = (),
+         micro: jax.Array | None = None) -> tuple[jax.Array, dict[str, Any]]:
   """Mean next-token NLL of a recurrent-depth step (the last exit, or the weighted mean of
   every gradient loop's exit with exit_loss_j entries in the returned collections)."""
-  keys = rngs(spec.seed, step)
+  keys = rngs(spec.seed, step, micro)
   weights = spec.exits
   sched = schedule(model.cfg, depth, collect=weights is not None)
   if weights is None:

@@ -122,7 +122,8 @@ def setup(run: Any, mcfg: ModelConfig | None = None) -> Experiment:
 def loss_fn(params: Any, tstate: Any, batch_BT1: jax.Array, depth: Any = None, *,
             model: DecoderLM, tr: Transforms | None = None,
             pz: rules.Parametrization | None = None, mutable: Sequence[str] = (),
-            loops: sampled_depth.StepLoops | None = None, step: Any = 0) -> tuple[jax.Array, Any]:
+            loops: sampled_depth.StepLoops | None = None, step: Any = 0,
+            micro: Any = None) -> tuple[jax.Array, Any]:
   """Mean next-token NLL under the `effective` params, and the sown `mutable` collections.
 
   Under u-muP (`pz.loss_grad_scale` != 1) the value is the same mean, but its backward is u-muP's
@@ -137,30 +138,32 @@ def loss_fn(params: Any, tstate: Any, batch_BT1: jax.Array, depth: Any = None, *
   experts (model.moe) adds their summed weighted aux loss, reported as `moe_aux_loss`.
 
   A recurrent-depth model (model.recurrence) or trained exits (`loops`, train.exit_loss) run
-  sharenet/train/sampled_depth.py's loss at this step's `depth` (None: the fixed depth) and `step`.
+  sharenet/train/sampled_depth.py's loss at this step's `depth` (None: the fixed depth) and `step`
+  (and `micro`, the micro-batch under train.grad_accum > 1: its own initial-state noise).
 
   With a statistics norm (NORM_STATS in `tstate`) the forward is in its training mode
   (sharenet/models/norm_stats.py); train_step reads the statistics from the cotangents.
   """
   if NORM_STATS in (tstate or {}):   # a statistics norm normalises in training mode
     loss, aux = _loss(params, tstate, batch_BT1, depth, model=model, tr=tr, pz=pz,
-                      mutable=tuple(mutable) + (NORM_STATS,), loops=loops, step=step)
+                      mutable=tuple(mutable) + (NORM_STATS,), loops=loops, step=step,
+                      micro=micro)
     return loss, {k: v for k, v in aux.items() if k != NORM_STATS}
   return _loss(params, tstate, batch_BT1, depth, model=model, tr=tr, pz=pz, mutable=mutable,
-               loops=loops, step=step)
+               loops=loops, step=step, micro=micro)
 
 
 def _loss(params: Any, tstate: Any, batch_BT1: jax.Array, depth: Any = None, *,
           model: DecoderLM, tr: Transforms | None, pz: rules.Parametrization | None,
           mutable: Sequence[str], loops: sampled_depth.StepLoops | None,
-          step: Any) -> tuple[jax.Array, Any]:
+          step: Any, micro: Any = None) -> tuple[jax.Array, Any]:
   """loss_fn's value and collections (`mutable` as given)."""
   experts = model.cfg.moe.aux
   if experts:  # model.moe: the experts' entropy / balancing losses join the training loss
     mutable = tuple(mutable) + (moe.MOE,)   # (models/moe.py; never eval_loss)
   if model.cfg.recurrent_segment is not None or (loops is not None and loops.exits):
     loss, aux = sampled_depth.loss(model, effective(params, tstate, tr, pz), batch_BT1, depth,
-                                loops or sampled_depth.StepLoops(), step, tuple(mutable))
+                                loops or sampled_depth.StepLoops(), step, tuple(mutable), micro)
     return _with_moe_loss(loss, aux) if experts else (loss, aux)
   s = 1.0 if pz is None else pz.loss_grad_scale
   routed = model.cfg.routing.kind != 'none'
@@ -227,12 +230,12 @@ def train_step(state: TrainState, batch_BT1: jax.Array, depth: Any = None, *, mo
     # Gradients (shaped as the params) accumulate in the carry; each micro-batch's loss and
     # metrics come out stacked. The loss is traced once (an eval_shape for the metrics' zeros
     # would trace it twice: ~1.5 s more per step build for a tiny model).
-    def body(acc, b):
-      loss_aux, g = grad_fn(state.params, tstate, b)
+    def body(acc, i_b):   # micro-batch i: its own noise for a sampled initial state
+      loss_aux, g = grad_fn(state.params, tstate, i_b[1], micro=i_b[0])
       return jax.tree.map(jnp.add, acc, g), loss_aux
 
     zeros = jax.tree.map(jnp.zeros_like, state.params)
-    grads, (loss, aux) = jax.lax.scan(body, zeros, micro)
+    grads, (loss, aux) = jax.lax.scan(body, zeros, (jnp.arange(grad_accum), micro))
     loss, aux = jax.tree.map(lambda x: jnp.sum(x, axis=0) / grad_accum, (loss, aux))
     grads = jax.tree.map(lambda x: x / grad_accum, grads)
   updates, opt_state = tx.update(grads, state.opt_state, state.params)

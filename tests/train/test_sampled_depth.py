@@ -231,6 +231,39 @@ def test_the_normal_state_is_keyed_by_the_rng(concat_normal):
   assert not np.allclose(a, b) and not np.allclose(a, want)
 
 
+def test_the_normal_state_has_the_reference_scale():
+  """The reference's like-init: a normal truncated to 3 std, of the init std, times the
+  embedding scale (recpre `initialize_state`); restated with scipy's truncated normal."""
+  from scipy import stats
+  from sharenet.models import recurrence
+  e_BTD = jnp.zeros((4, 64, 64))
+  positions_BT = jnp.arange(64)[None]
+  cfg = _cfg(injection='add', init='normal').derive(embed_init_std=0.5, embed_scale=2.0)
+  x = np.asarray(recurrence.initial_state(cfg, e_BTD, jax.random.key(3), positions_BT))
+  assert np.abs(x).max() <= 3 * 0.5 * 2.0 + 1e-6
+  assert abs(x.std() - stats.truncnorm(-3, 3).std() * 0.5 * 2.0) < 0.02
+  unscaled = recurrence.initial_state(cfg.derive(embed_scale=1.0), e_BTD, jax.random.key(3),
+                                      positions_BT)
+  np.testing.assert_allclose(x, 2.0 * np.asarray(unscaled), rtol=1e-6)
+
+
+def test_micro_batches_draw_fresh_initial_states():
+  """Under train.grad_accum = 2 each micro-batch draws its own noise: with the same tokens in
+  both halves, the step's loss is the mean of the two micro-batch losses, which differ."""
+  cfg = _cfg(injection='add', init='normal')
+  model, v = _model(cfg)
+  loops = sampled_depth.StepLoops(None, 7)
+  batch = jnp.concatenate([TOKENS_BT1, TOKENS_BT1])
+  loss = lambda micro: trainer.loss_fn(v, {}, TOKENS_BT1, model=model, loops=loops, step=5,
+                                       micro=micro)[0]
+  l0, l1 = float(loss(0)), float(loss(1))
+  assert l0 != l1
+  tx = optax.sgd(0.0)
+  state = trainer.TrainState(jnp.asarray(5, jnp.int32), v, tx.init(v), {})
+  _, metrics = trainer.train_step(state, batch, model=model, tx=tx, grad_accum=2, loops=loops)
+  np.testing.assert_allclose(float(metrics['loss']), (l0 + l1) / 2, rtol=1e-6)
+
+
 @pytest.mark.slow
 def test_cached_decoding_sees_the_same_model(concat_normal):
   """Prefill and one cached step equal the full forward (injection, `normal` state keyed by
