@@ -45,6 +45,50 @@ def test_muon_at_one_matrix_equals_optax():
     np.testing.assert_allclose(a['params']['w'], b['params']['w'], rtol=1e-4, atol=1e-6)
 
 
+def _keller_jordan_muon(grads, lr=0.1, beta=0.95, ns_steps=5, bias_correction=False):
+  """Keller Jordan's published Muon (github.com/KellerJordan/Muon, `muon_update` and
+  `zeropower_via_newtonschulz5`) restated in numpy for (fan_in, fan_out) kernels: momentum
+  m = beta m + (1 - beta) g, Nesterov u = beta m + (1 - beta) g, five quintic Newton-Schulz
+  steps (3.4445, -4.7750, 2.0315) on the (fan_out, fan_in) matrix normalised by its Frobenius
+  norm, times sqrt(max(1, fan_out / fan_in)), times -lr. Run in float64 (the reference: bf16).
+  `bias_correction`: optax's Nesterov form, beta m / (1 - beta^(t+1)) + (1 - beta) g /
+  (1 - beta^t), the one deviation docs/optimizers.md states."""
+  a, b, c = 3.4445, -4.7750, 2.0315
+  m, out = 0.0, []
+  for t, g in enumerate(grads, 1):
+    G = np.asarray(g, np.float64).T                       # torch's (out, in)
+    m = beta * m + (1 - beta) * G
+    u = (beta * m / (1 - beta ** (t + 1)) + (1 - beta) * G / (1 - beta ** t)
+         if bias_correction else beta * m + (1 - beta) * G)
+    X = u.T if u.shape[0] > u.shape[1] else u
+    X = X / (np.linalg.norm(X) + 1e-7)
+    for _ in range(ns_steps):
+      A = X @ X.T
+      X = a * X + (b * A + c * A @ A) @ X
+    X = X.T if u.shape[0] > u.shape[1] else X
+    out.append(-lr * max(1, G.shape[0] / G.shape[1]) ** 0.5 * X.T)
+  return out
+
+
+def test_muon_is_keller_jordans_update_up_to_its_bias_correction():
+  """Our Muon against Keller Jordan's update restated in numpy: the first step is his exactly
+  (one gradient: both momenta point along it, and Newton-Schulz normalises the scale); later
+  steps are his with optax's bias-corrected Nesterov momentum, and differ from his without it
+  (the deviation docs/optimizers.md states)."""
+  table = _table(w=(('embed', 'mlp'), (8, 12), 1))
+  g = [jax.random.normal(jax.random.key(i), (8, 12)) for i in range(3)]
+  ours = [u['params']['w'] for u in _run(chain.make_chain(_train(optimizer='muon'), table=table),
+                                          [{'params': {'w': x}} for x in g],
+                                          {'params': {'w': jnp.zeros((8, 12))}})]
+  keller = _keller_jordan_muon(g)
+  corrected = _keller_jordan_muon(g, bias_correction=True)
+  np.testing.assert_allclose(ours[0], keller[0], rtol=2e-4, atol=2e-6)
+  for a, b in zip(ours, corrected):
+    np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-6)
+  gap = np.abs(np.asarray(ours[1]) - keller[1]).max() / np.abs(keller[1]).max()
+  assert gap > 1e-2, gap
+
+
 def test_muon_rms_scale_is_moonlights_factor_on_optax_muon():
   """train.muon.scale=rms: optax's orthogonalised step with 0.2 sqrt(max(fan_in, fan_out))
   (Moonlight) in place of optax's sqrt(max(1, fan_out / fan_in))."""
