@@ -144,6 +144,14 @@ def _features() -> tuple[Feature, ...]:
       _setting('poisson_lognormal', 'recurrence_depth', rc + 'depth', 'poisson_lognormal',
                (rc + 'mean', 2.0), (rc + 'backprop', 1),
                refuses=loopless + (('lora', PER_LOOP_PARTS), ('untie_norms', PER_LOOP_PARTS))),
+      # fixed depth with its first loops run without gradient (recurrence.backprop below the
+      # depth: a no-grad prefix); the sampled depth's alternative, so on the same axis
+      Feature('partial_backprop', 'recurrence_depth', ((rc + 'backprop', 1),),
+              lambda c: _get(c, rc + 'depth') == 'fixed' and _get(c, rc + 'backprop') >= 1 and (
+                  not _get(c, rc + 'mean') or _get(c, rc + 'backprop') < _get(c, rc + 'mean')),
+              loopless + (('kv_first', 'a no-grad prefix would hold the first loop and leave '
+                                       'the keys and values every later loop reads without '
+                                       'gradient'),)),
       *[_setting(f'init_{v}', 'state_init', rc + 'init', v, (rc + 'injection', 'add'),
                  refuses=loopless + (('loop_inference', NO_INJECT),)) for v in ('zeros', 'normal')],
       *[_setting(f'inject_{v}', 'injection', rc + 'injection', v,
@@ -239,6 +247,9 @@ def _features() -> tuple[Feature, ...]:
       ('expert_choice', stats_layers + '; routed recursions are not applied layers'),
       ('token_choice', stats_layers + '; routed recursions are not applied layers'),
       ('poisson_lognormal', stats_layers + '; a sampled depth runs others'),
+      ('partial_backprop', 'a statistics norm reads its new statistics back from gradients, so '
+                           'the loops of the no-grad prefix would store a statistic of 0 (set '
+                           'model.recurrence.backprop=0 for every loop with gradient)'),
       ('exit_all', stats_layers + '; the exits\' loss runs the loops by a schedule that does '
                   'not carry them'),
       ('python_loop', per_layer),
