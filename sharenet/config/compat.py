@@ -1,16 +1,17 @@
 """The compatibility table: which features combine, declared once.
 
 Every feature is a config setting (or, `action=True`, an operation on a trained model: cached
-generation, loop-by-loop inference with adaptive exits, test-time depth, a conversion).
-Features on one `axis` exclude each other (two sharing schemes are not a pair). Every other
-pair works unless one of the two names the other in `refuses`, with the one-line reason;
-`check(config)` raises that line as a ConfigError (experiment.validate runs it before anything
-is built), and `check_action` does the same for an action on a model's config.
-tests/compatibility/test_compatibility.py is generated from this table: a pairwise covering set of
-tiny
-configs (every working pair in at least one, none with a refused pair) each initialised and
-trained one step, the actions run on them, and every refused pair checked to raise its line;
-docs/compatibility.md is `compat_coverage.markdown()`; the covering set is
+generation, loop-by-loop inference with adaptive exits, test-time depth). Features on one `axis`
+exclude each other (two sharing schemes are not a pair). Every other pair works unless one of
+the two names the other in `refuses`, with the one-line reason (and, optionally, a predicate
+narrowing it to the configs it holds for). `check(config)` raises that line as a ConfigError:
+train/experiment.py's validation runs it before anything is built, and ModelConfig runs it on
+its own keys when built. `check_action` does the same for an action on a model's config; the
+serving code calls it. Conversions (convert.py) check their sources themselves, not here yet.
+tests/compatibility/test_compatibility.py is generated from this table: a pairwise covering set
+of tiny configs (every working pair in at least one, none with a refused pair) each initialised
+and trained one step, the actions run on them, and every refused pair checked to raise its
+line; docs/compatibility.md is `compat_coverage.markdown()`; the covering set is
 `compat_coverage.covering_rows()`. A feature whose config value is not in the table fails
 tests/compatibility/test_compatibility.py::test_every_choice_is_declared.
 """
