@@ -3,9 +3,8 @@ LoRA rank, no uptraining (sharenet/studies/rank_study.py), on an imported Huggin
 
 The source here is this repository's default model exported to the Hugging Face Llama format and
 imported back (the import is exact: tests/interop/test_hf_interop.py), i.e. the pipeline a
-downloaded
-checkpoint goes through, on a model trained on the embedded corpus (a random fixture would only
-show noise):
+downloaded checkpoint goes through, on a model trained on the embedded corpus (a random fixture
+would only show noise):
 
 Command:   python train.py --workdir runs/default
            python -m sharenet.interop.export_hf --workdir runs/default --out runs/default_hf

@@ -100,8 +100,8 @@ def save_streamed(workdir: str, step: int, leaves: Iterable[tuple[tuple[Any, ...
   none), and the staged step directory is renamed to `checkpoints/<step>`: the commit. Any
   failure before it (a leaf that raises in the iterator included) leaves no step under
   checkpoints/; the staging directory (`workdir/.stream-<step>`) is removed either way. An
-  orbax upgrade may change the experimental API: tests/checkpoint/test_orbax_io_streamed.py holds
-  it.
+  orbax upgrade may change the experimental API:
+  tests/checkpoint/test_orbax_io_streamed.py holds it.
 
   Multi-host: every process calls this with the same leaves (jax arrays whose addressable
   shards it holds) in the same order; orbax's partial save and finalize synchronise the

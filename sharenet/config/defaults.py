@@ -288,8 +288,8 @@ def default_config() -> ml_collections.ConfigDict:
   mh.expert = 1               # expert parallel: model.moe's experts (must divide num_experts)
   mh.distributed = False      # multi-host: jax.distributed.initialize()
                               # (or $SHARENET_DISTRIBUTED=1)
-  # Logical axis -> mesh axes (first match wins; see sharenet/train/sharding.py). Scan axes
-  # unsharded.
+  # Logical axis -> mesh axes (first match wins; see sharenet/train/sharding.py). Scan
+  # axes unsharded.
   mh.rules = (
       ('activation_batch', ('data', 'fsdp')), ('activation_length', None),
       ('activation_embed', None), ('activation_heads', 'tensor'),

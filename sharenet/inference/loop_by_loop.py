@@ -11,8 +11,8 @@ arXiv:2502.05171) emits its token from those logits and skips the deeper loops f
 A criterion that never fires (`exit_threshold=1.0`, maxprob's rule disabled there since float32
 probabilities can round to exactly 1.0) is plain full-depth decoding. Tokens are greedy or
 sampled (temperature / top-k / top-p, sharenet/inference/generate.py's sampler with its
-per-(request,
-token) keys, so with the same `rng` a never-exiting run samples what `generate` samples).
+per-(request, token) keys, so with the same `rng` a never-exiting run samples what `generate`
+samples).
 `depth` serves another maximum number of loops M (sharenet/inference/test_time_depth.py): the
 prefill runs at M
 loops and a token that never exits runs M.
