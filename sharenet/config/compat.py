@@ -148,8 +148,9 @@ def _features() -> tuple[Feature, ...]:
       # fixed depth with its first loops run without gradient (recurrence.backprop below the
       # depth: a no-grad prefix); the sampled depth's alternative, so on the same axis
       Feature('partial_backprop', 'recurrence_depth', ((rc + 'backprop', 1),),
-              lambda c: _get(c, rc + 'depth') == 'fixed' and _get(c, rc + 'backprop') >= 1 and (
-                  not _get(c, rc + 'mean') or _get(c, rc + 'backprop') < _get(c, rc + 'mean')),
+              # (mean 0, the plan's loops: ModelConfig.table_config reads it as that number)
+      lambda c: _get(c, rc + 'depth') == 'fixed' and
+      1 <= _get(c, rc + 'backprop') < _get(c, rc + 'mean'),
               loopless + (('kv_first', 'a no-grad prefix would hold the first loop and leave '
                                        'the keys and values every later loop reads without '
                                        'gradient'),)),

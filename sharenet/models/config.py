@@ -15,7 +15,9 @@ width, an untied or converted model, a segment's blocks) changes keys and resolv
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
+import math
 from typing import Any
 
 from sharenet.config import defaults
@@ -200,11 +202,34 @@ class ModelConfig:
     """The `config.model` section (nested dict) that `from_config` reads back as `self`."""
     return _write(self)
 
-  def table_config(self) -> dict[str, Any]:
-    """The model's keys as the compatibility table reads an experiment config: its `model`
-    and `parametrization` groups (features of other groups are off)."""
-    return {'model': self.to_config(),
-            'parametrization': dataclasses.asdict(self.parametrization)}
+  def table_config(self, plan: sharing.SharingPlan | None = None) -> dict[str, Any]:
+    """The model's keys as the compatibility table reads an experiment config (`table_view`):
+    its `model` and `parametrization` groups (features of other groups are off); `plan`,
+    default the resolved one."""
+    return table_view({'model': self.to_config(),
+                       'parametrization': dataclasses.asdict(self.parametrization)},
+                      plan if plan is not None else getattr(self, 'plan', None))
+
+
+def table_view(config: Any, plan: sharing.SharingPlan | None = None) -> dict[str, Any]:
+  """An experiment config (a ConfigDict or dict) as the compatibility table reads it: a plain
+  dict, with model.recurrence.mean 0 read as the loops of the plan's looped segment (`plan`, or
+  the one the sharing keys make), infinite without exactly one (a plan with no loop to run)."""
+  raw = copy.deepcopy(config.to_dict() if hasattr(config, 'to_dict') else dict(config))
+  model = raw.get('model') or {}
+  rec = model.get('recurrence')
+  if rec is None or rec.get('mean'):
+    return raw
+  if plan is None:
+    s = model.get('sharing') or {}
+    try:
+      plan = sharing.make_plan(s.get('scheme', 'untied'), model['num_layers'],
+                               s.get('num_unique', 0), s.get('repeats', 0), s.get('pattern', ''))
+    except (ConfigError, KeyError, TypeError, ValueError):   # the plan's own checks come later
+      return raw
+  looped = [s for s in plan.segments if s.order == 'cycle' and s.repeats > 1]
+  rec['mean'] = float(looped[0].repeats) if len(looped) == 1 else math.inf
+  return raw
 
 
 def _read(cls: type, node: Any, prefix: str = 'model.') -> dict[str, Any]:
@@ -245,7 +270,9 @@ def _resolve(c: ModelConfig) -> list[tuple[str, Any]]:
   """(field, value) of every resolved field of `c`, checking the keys on the way: each
   section checked itself when built; here the top-level keys, then what needs several."""
   _check_keys(c)
-  compat.check(c.table_config())   # refused feature pairs: the table's line, before resolving
+  s = c.sharing
+  plan = sharing.make_plan(s.scheme, c.num_layers, s.num_unique, s.repeats, s.pattern)
+  compat.check(c.table_config(plan))   # refused feature pairs: the table's line, first
   d_head = c.head_dim or c.d_model // c.num_heads
   out = dict(d_head=d_head, kv_heads=c.num_kv_heads or c.num_heads,
              qk_len=c.norm.qk_norm_len or _TRAIN_SEQ_LEN,
@@ -253,8 +280,7 @@ def _resolve(c: ModelConfig) -> list[tuple[str, Any]]:
              projections=STORED_PROJECTIONS[c.attention_sharing] + ('o', 'mlp_in', 'mlp_out'),
              atom_kernels=c.masa.targets if c.masa.atoms else ())
   _check_shapes(c, out)
-  s = c.sharing
-  out['plan'] = sharing.make_plan(s.scheme, c.num_layers, s.num_unique, s.repeats, s.pattern)
+  out['plan'] = plan
   if s.lora_rank and s.lora_layers == 'shared' and \
       not any(seg.shared for seg in out['plan'].segments):
     raise ConfigError(f'model.sharing.lora_rank={s.lora_rank} with lora_layers=shared puts '

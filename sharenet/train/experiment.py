@@ -23,6 +23,7 @@ from sharenet.parametrization import rules, optimizer_rules
 from sharenet.train import sampled_depth, resume, sharding
 from sharenet.errors import ConfigError
 from sharenet.models import DecoderLM, ModelConfig
+from sharenet.models.config import table_view
 from sharenet.models.scaling import Settings
 from sharenet.transforms import Transforms
 
@@ -75,7 +76,7 @@ def validate(config: Any, process_count: int | None = None) -> ModelConfig:
 
 
 def _validated(config: Any, process_count: int | None) -> Resolved:
-  compat.check(config)
+  compat.check(table_view(config))
   mcfg = ModelConfig.from_experiment(config)   # raises for the model and parametrization
   run = sections(config, mcfg)
   t = run.train

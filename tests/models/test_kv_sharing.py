@@ -239,7 +239,7 @@ def test_bad_input_is_one_line(tiny_config, overrides, match):
 def test_a_no_grad_prefix_at_a_fixed_depth_is_refused(tiny_config):
   base = {'model.num_layers': 4, 'model.sharing.scheme': 'universal',
           'model.sharing.num_unique': 1, 'model.kv_sharing': 'first'}
-  with pytest.raises(ConfigError, match='backprop=0') as e:
+  with pytest.raises(ConfigError, match='a no-grad prefix would hold the first loop') as e:
     ModelConfig.from_experiment(tiny_config(**base, **{'model.recurrence.backprop': 2}))
   assert '\n' not in str(e.value)
   assert ModelConfig.from_experiment(tiny_config(**base, **{'model.recurrence.backprop': 4}))
