@@ -56,8 +56,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from sharenet.data import corpus
-from sharenet.data import tokenizer as tokenizer_lib
+from sharenet.config import cli
+from sharenet.data import corpus, tokenizer as tokenizer_lib
 from sharenet.errors import ConfigError
 
 FORMAT = 'sharenet-arrayrecord-v1'
@@ -298,7 +298,6 @@ def main(argv: list[str]) -> None:
 if __name__ == '__main__':
   from absl import flags
 
-  from sharenet.config import cli
   _INPUT = flags.DEFINE_string('input', None, "Quoted glob of text files (one file = one "
                                "document), or 'stdlib' for the embedded corpus.", required=True)
   _TOKENIZER = flags.DEFINE_string('tokenizer', 'bytes', 'bytes | sentencepiece:PATH | hf:PATH.')

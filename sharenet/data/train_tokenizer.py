@@ -31,6 +31,7 @@ import sys
 import time
 from typing import Iterable
 
+from sharenet.config import cli
 from sharenet.data import corpus
 from sharenet.errors import ConfigError
 
@@ -90,7 +91,6 @@ def main(argv: list[str]) -> None:
 if __name__ == '__main__':
   from absl import flags
 
-  from sharenet.config import cli
   _VOCAB = flags.DEFINE_integer('vocab_size', 4096, 'Number of ids, including '
                                 f'{EOD_TOKEN} and the 256 bytes.')
   _OUT = flags.DEFINE_string('out', None, 'Directory for tokenizer.json.', required=True)

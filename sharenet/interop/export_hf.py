@@ -27,13 +27,12 @@ import jax
 import numpy as np
 from flax.traverse_util import flatten_dict
 
+from sharenet.config import cli
 from sharenet.errors import ConfigError
 from sharenet.interop import hf_arch, hf_layout, safetensors_io
-from sharenet.models import layout
+from sharenet.models import ModelConfig, layout
 from sharenet.models.lm import param_table
-from sharenet.models import ModelConfig
-from sharenet.train import trainer
-from sharenet.train import workdir_io
+from sharenet.train import trainer, workdir_io
 
 _CLASSES = {'llama': 'LlamaForCausalLM', 'qwen2': 'Qwen2ForCausalLM',
             'qwen3': 'Qwen3ForCausalLM', 'gemma': 'GemmaForCausalLM',
@@ -279,7 +278,6 @@ def main(argv: list[str]) -> None:
 
 if __name__ == '__main__':
   from absl import flags
-  from sharenet.config import cli
   flags.DEFINE_string('workdir', None, 'sharenet workdir (train.py, convert.py, import_hf).',
                       required=True)
   flags.DEFINE_string('out', None, 'New Hugging Face model directory.', required=True)

@@ -37,16 +37,12 @@ import jax
 import numpy as np
 from flax.traverse_util import flatten_dict, unflatten_dict
 
-from sharenet.config import defaults
+from sharenet.config import cli, defaults
 from sharenet.errors import ConfigError
 from sharenet.interop import hf_arch, hf_layout, safetensors_io
-from sharenet.models import DecoderLM
-from sharenet.models import ModelConfig
-from sharenet.models.lm import init_variables
-from sharenet.models.lm import logical_axes
-from sharenet.models.lm import param_table
-from sharenet.train import experiment, sharding
-from sharenet.train import workdir_io
+from sharenet.models import DecoderLM, ModelConfig
+from sharenet.models.lm import init_variables, logical_axes, param_table
+from sharenet.train import experiment, sharding, workdir_io
 
 TOKENIZER = 'tokenizer.json'
 
@@ -262,7 +258,6 @@ def main(argv: list[str]) -> None:
 
 if __name__ == '__main__':
   from absl import flags
-  from sharenet.config import cli
   flags.DEFINE_string('model', None, 'Hugging Face model directory.', required=True)
   flags.DEFINE_string('out', None, 'New sharenet workdir.', required=True)
   flags.DEFINE_string('mesh', '', 'AXIS=SIZE,... of config.mesh (data, fsdp, tensor, expert): '

@@ -8,15 +8,14 @@ from typing import Any
 import jax
 import numpy as np
 
-from sharenet.data import corpus
-from sharenet.data import tokenizer as tokenizer_lib
 from sharenet import data
-from sharenet.train import experiment, trainer
+from sharenet.data import corpus, tokenizer as tokenizer_lib
 from sharenet.errors import ConfigError
-from sharenet.models.sections import NORMS, STATS_NORMS
 from sharenet.models.norm_stats import NORM_STATS
-from sharenet.transforms import convert, head_share, lora_merge, recursive
+from sharenet.models.sections import NORMS, STATS_NORMS
+from sharenet.train import experiment, trainer
 from sharenet.train.workdir_io import load_config, restore_state, save_workdir
+from sharenet.transforms import convert, head_share, lora_merge, recursive
 
 
 CONVERSIONS = ('rmsnorm', 'crmsnorm', 'recursive', 'head_shared', 'merge_lora_experts',

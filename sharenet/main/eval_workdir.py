@@ -9,15 +9,13 @@ from typing import Any, NamedTuple, Sequence
 import jax
 import ml_collections
 
-from sharenet.data import corpus
-from sharenet.data import tokenizer as tokenizer_lib
 from sharenet import data
-from sharenet.train import evaluation, experiment, sampled_depth
-from sharenet.train import trainer
+from sharenet.data import corpus, tokenizer as tokenizer_lib
 from sharenet.errors import ConfigError
 from sharenet.inference import exits, generate, loop_by_loop, test_time_depth
 from sharenet.models import DecoderLM, ModelConfig
 from sharenet.models.lm import kv_cache_bytes_per_token
+from sharenet.train import evaluation, experiment, sampled_depth, trainer
 from sharenet.train.workdir_io import load_config, restore_state
 
 

@@ -16,12 +16,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax.traverse_util import unflatten_dict
 
+from sharenet.models import layout
 from sharenet.models.attention import DecodeStep, LayerCache
 from sharenet.models.block import Scanned, Shared, Stream
 from sharenet.models.config import ModelConfig
 from sharenet.models.loops import layer_fn
 from sharenet.models.params import PER_LAYER
-from sharenet.models import layout
 
 
 class LayerStore(NamedTuple):

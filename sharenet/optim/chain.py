@@ -28,12 +28,11 @@ import optax
 from flax.traverse_util import flatten_dict, unflatten_dict
 
 from sharenet.config import defaults
-from sharenet.optim import matrix
-from sharenet.models import params as params_lib
 from sharenet.errors import ConfigError
+from sharenet.models import params as params_lib
+from sharenet.optim import matrix
 from sharenet.transforms.project import projection
-from sharenet.transforms.update import agc
-from sharenet.transforms.update import scale_by_adamp
+from sharenet.transforms.update import agc, scale_by_adamp
 
 SCHEDULES = ('wsd', 'cosine', 'constant')
 # Role groups accepted by train.decay_roles; 'matrices' = every kernel, embedding and LoRA factor.

@@ -34,10 +34,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax.traverse_util import flatten_dict
 
-from sharenet.train import experiment, trainer
 from sharenet.errors import ConfigError
 from sharenet.models.layers import ACTIVATION_SUFFIX, INTERMEDIATES, sow_activations
 from sharenet.studies import common
+from sharenet.train import experiment, trainer
 
 # Activations whose flatness the muP criterion covers.
 CORE = ('embed_out', 'residual', 'attn_out', 'mlp_hidden', 'mlp_out')

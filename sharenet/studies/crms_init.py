@@ -31,13 +31,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax.traverse_util import flatten_dict, unflatten_dict
 
+from sharenet.models import param_table
 from sharenet.studies import common
 from sharenet.studies.norm_study import SCHEMES
-from sharenet.models import param_table
-from sharenet.train import experiment
-from sharenet.train import loop
-from sharenet.train import trainer
-from sharenet.train import workdir_io
+from sharenet.train import experiment, loop, trainer, workdir_io
 
 INITS = ('iid', 'isotropic')
 WRITER_ROLES = ('writer', 'embedding', 'pos_embed')

@@ -38,18 +38,14 @@ from typing import Any
 
 import numpy as np
 
-from sharenet.studies import common
 from sharenet import data
 from sharenet.errors import ConfigError
-from sharenet.inference import generate
-from sharenet.inference import test_time_depth
+from sharenet.inference import generate, test_time_depth
 from sharenet.main import eval_workdir
 from sharenet.models import loops
-from sharenet.studies import depth_report
+from sharenet.studies import common, depth_report
 from sharenet.studies.depth_report import LOOPED, VARIANTS
-from sharenet.train import experiment
-from sharenet.train import loop
-from sharenet.train import sampled_depth
+from sharenet.train import experiment, loop, sampled_depth
 
 
 

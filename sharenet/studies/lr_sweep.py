@@ -27,11 +27,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sharenet.train import experiment, trainer
 from sharenet import data
-from sharenet.optim import chain
 from sharenet.errors import ConfigError
+from sharenet.optim import chain
 from sharenet.studies import common
+from sharenet.train import experiment, trainer
 
 
 def batches(config: Any, steps: int) -> np.ndarray:

@@ -34,13 +34,11 @@ import os
 import time
 from typing import Any
 
-from sharenet.studies import common, depth_study
 from sharenet.errors import ConfigError
 from sharenet.models import lm
-from sharenet.studies import moe_report
+from sharenet.studies import common, depth_study, moe_report
 from sharenet.studies.moe_report import COMPARISONS, VARIANTS
-from sharenet.train import experiment
-from sharenet.train import loop
+from sharenet.train import experiment, loop
 
 FIT = {'dense_universal': 'model.mlp_dim', 'moeut': 'model.moe.num_experts',
        'moeut_ffn': 'model.moe.num_experts'}

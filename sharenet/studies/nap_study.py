@@ -20,12 +20,10 @@ from typing import Any
 
 import numpy as np
 
-from sharenet.studies import common
 from sharenet import data
 from sharenet.errors import ConfigError
-from sharenet.train import evaluation
-from sharenet.train import experiment
-from sharenet.train import trainer
+from sharenet.studies import common
+from sharenet.train import evaluation, experiment, trainer
 
 VARIANTS: dict[str, dict[str, Any]] = {
     'baseline': {},

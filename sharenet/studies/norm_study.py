@@ -25,8 +25,8 @@ import os
 import time
 from typing import Any
 
-from sharenet.studies import common
 from sharenet import errors
+from sharenet.studies import common
 from sharenet.train import loop
 
 # name -> (kind, overrides as dotted config keys)

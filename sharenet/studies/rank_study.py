@@ -25,13 +25,11 @@ import os
 import time
 from typing import Any
 
-from sharenet.studies import common
 from sharenet.config import defaults
 from sharenet.errors import ConfigError
-from sharenet.main import convert_workdir
-from sharenet.main import eval_workdir
-from sharenet.models import ModelConfig
-from sharenet.models import param_table
+from sharenet.main import convert_workdir, eval_workdir
+from sharenet.models import ModelConfig, param_table
+from sharenet.studies import common
 from sharenet.train import workdir_io
 
 

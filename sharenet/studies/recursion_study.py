@@ -27,12 +27,9 @@ import statistics
 import time
 from typing import Any
 
+from sharenet.models import ModelConfig, accounting, param_table
 from sharenet.studies import common
-from sharenet.models import ModelConfig
-from sharenet.models import accounting
-from sharenet.models import param_table
-from sharenet.train import experiment
-from sharenet.train import loop
+from sharenet.train import experiment, loop
 from sharenet.train.metrics import read_metrics
 from sharenet.train.workdir_io import load_config
 

@@ -15,16 +15,15 @@ from typing import Any
 
 import jax
 
-from sharenet.config import compat
-from sharenet.config import sections as sections_lib
 from sharenet import data
-from sharenet.optim import chain, matrix
-from sharenet.parametrization import rules, optimizer_rules
-from sharenet.train import sampled_depth, resume, sharding
+from sharenet.config import compat, sections as sections_lib
 from sharenet.errors import ConfigError
 from sharenet.models import DecoderLM, ModelConfig
 from sharenet.models.config import table_view
 from sharenet.models.scaling import Settings
+from sharenet.optim import chain, matrix
+from sharenet.parametrization import optimizer_rules, rules
+from sharenet.train import resume, sampled_depth, sharding
 from sharenet.transforms import Transforms
 
 

@@ -15,14 +15,13 @@ import numpy as np
 from flax.traverse_util import flatten_dict
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from sharenet.checkpoint import orbax_io, config_file
-from sharenet.train import experiment, evaluation
 from sharenet import data
-from sharenet.optim import chain
-from sharenet.train import perf, sampled_depth, resume, sharding
+from sharenet.checkpoint import config_file, orbax_io
 from sharenet.errors import NonFiniteLoss
-from sharenet.train.metrics import MetricsWriter, note
 from sharenet.models import accounting, logical_axes
+from sharenet.optim import chain
+from sharenet.train import evaluation, experiment, perf, resume, sampled_depth, sharding
+from sharenet.train.metrics import MetricsWriter, note
 from sharenet.train.trainer import (TrainState, abstract_state, effective_params, init_state,
                                     make_train_step, setup)
 

@@ -37,8 +37,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from sharenet.models import accounting
-from sharenet.models import loops
+from sharenet.models import accounting, loops
 
 TFLOPS = 1e12
 # device_kind substring (lower case) -> {'bf16', 'tf32', 'fp32'} dense TFLOP/s per chip.

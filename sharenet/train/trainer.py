@@ -14,13 +14,12 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from sharenet.train import evaluation, experiment, sampled_depth
-from sharenet.models import norm_stats
+from sharenet.models import (DecoderLM, ModelConfig, abstract_variables, init_variables, lm, moe,
+                             norm_stats, routing, unit_scale)
+from sharenet.models.norm_stats import NORM_STATS
 from sharenet.optim import chain
 from sharenet.parametrization import rules
-from sharenet.models.norm_stats import NORM_STATS
-from sharenet.models import DecoderLM, ModelConfig, abstract_variables, init_variables
-from sharenet.models import lm, moe, routing, unit_scale
+from sharenet.train import evaluation, experiment, sampled_depth
 from sharenet.transforms import Transforms
 
 

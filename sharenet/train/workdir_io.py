@@ -15,13 +15,13 @@ import ml_collections
 import numpy as np
 from flax.traverse_util import flatten_dict
 
-from sharenet.checkpoint import orbax_io, config_file
 from sharenet import data
+from sharenet.checkpoint import config_file, orbax_io
 from sharenet.config import defaults
-from sharenet.optim import chain
-from sharenet.train import experiment, loop, resume, sharding, trainer
 from sharenet.errors import ConfigError
 from sharenet.models import DecoderLM, ModelConfig
+from sharenet.optim import chain
+from sharenet.train import experiment, loop, resume, sharding, trainer
 from sharenet.transforms import Transforms
 
 

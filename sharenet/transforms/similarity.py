@@ -16,8 +16,7 @@ import numpy as np
 
 from sharenet.errors import require
 from sharenet.models import DecoderLM, ModelConfig
-from sharenet.models.block import Block
-from sharenet.models.block import Stream
+from sharenet.models.block import Block, Stream
 
 
 def layer_outputs(cfg: ModelConfig, variables: Any, tokens_NT: np.ndarray) -> np.ndarray:
