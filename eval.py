@@ -14,9 +14,10 @@ Test-time depth of a looped model (sharenet/inference/test_time_depth.py, docs/g
 --depths 1,2,4,8
 evaluates at every depth (one JSON line each: depth, eval_loss, eval_bits_per_byte,
 flops_per_token; writes loss_vs_depth.png and eval_depths.jsonl into the workdir); --depth N
-evaluates, or with --prompt generates, at N loops; --exit maxprob:0.9 | entropy:0.5 | kl:0.01 |
-latent:0.01 exits each generated token after the first loop whose criterion fires (up to
---depth, default the trained loops), each line with mean_exit_loops.
+evaluates, or with --prompt generates, at N loops; --exit maxprob:0.9 | entropy:0.5 |
+entropy_change:0.001 | kl:0.01 | argmax_stable:5 | latent:0.03 | cosine:0.99 exits each generated
+token after the first loop whose criterion fires (up to --depth, default the trained loops), each
+line with mean_exit_loops (docs/generation.md, "Adaptive exits").
 """
 import json
 
@@ -43,7 +44,8 @@ _DEPTHS = flags.DEFINE_string('depths', None, 'Evaluate at these loop counts of 
 _DEPTH = flags.DEFINE_integer('depth', None, 'Loops of the looped segment for generation (or '
                               'one evaluation); with --exit the most loops a token runs.')
 _EXIT = flags.DEFINE_string('exit', None, 'Adaptive exit of generated tokens: maxprob:T, '
-                            'entropy:T, kl:T or latent:T.')
+                            'entropy:T, entropy_change:T, kl:T, argmax_stable:K, latent:T or '
+                            'cosine:T (docs/generation.md).')
 _EOS = flags.DEFINE_integer('eos_id', None, 'Stop a sample at this token id; default: none for '
                             'byte models, the end-of-document id for arrayrecord shards.')
 

@@ -75,7 +75,6 @@ PERI = 'depth / loop branch multipliers are cancelled by peri norms'
 NO_LOOP = 'recurrence and exits loop the plan\'s one looped cycle segment, which it lacks'
 ROUTED_LOOPS = 'routing picks each token\'s loops itself'
 UMUP_DEPTH = 'the u-muP residual rule counts applied layers, which the depth changes'
-NO_INJECT = 'loop-by-loop inference applies the stored layers without re-entering the input'
 PER_LOOP_PARTS = 'per-layer parts exist for the plan\'s R loops only; a sampled depth runs others'
 MOE_ROUTED = 'routed recursions rebuild the layer carry that holds the experts\' aux loss'
 MOE_UMUP = 'u-muP\'s unit-scaled ops have no expert rule'
@@ -155,9 +154,9 @@ def _features() -> tuple[Feature, ...]:
                                        'the keys and values every later loop reads without '
                                        'gradient'),)),
       *[_setting(f'init_{v}', 'state_init', rc + 'init', v, (rc + 'injection', 'add'),
-                 refuses=loopless + (('loop_inference', NO_INJECT),)) for v in ('zeros', 'normal')],
+                 refuses=loopless) for v in ('zeros', 'normal')],
       *[_setting(f'inject_{v}', 'injection', rc + 'injection', v,
-                 refuses=loopless + (('loop_inference', NO_INJECT),)) for v in ('add', 'concat')],
+                 refuses=loopless) for v in ('add', 'concat')],
       # a loss at every loop's exit: `all`, or one weight per gradient loop
       Feature('exit_all', 'exit_loss', (('train.exit_loss', 'all'),),
               lambda c: str(_get(c, 'train.exit_loss')).replace(' ', '') != 'last', loopless)]

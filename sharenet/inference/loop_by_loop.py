@@ -6,8 +6,11 @@ depth-wise batching and early exiting"): a cycle model applies the same K stored
 one "loop" (one pass over the K sets) is the same function at every depth. After each loop the
 shared readout (final norm + unembedding, the model's own) gives exit logits; a sequence whose
 exit criterion fires (sharenet/inference/exits.py: `maxprob`, the confidence `exit_threshold` sets,
-`entropy`, or the recurrent-depth criteria `kl` and `latent` of Geiping et al.,
-arXiv:2502.05171) emits its token from those logits and skips the deeper loops for that token.
+`entropy`, or the recurrent-depth criteria `entropy_change`, `kl`, `argmax_stable`, `latent`
+and `cosine` of Geiping et al., arXiv:2502.05171) emits its token from those logits and skips the
+deeper loops for that token. A recurrent-depth model (models/recurrence.py) is served as it
+trains: the stream entering the looped segment re-enters every loop, and the first loop starts
+from the plan's initial state, a request drawing its random state as its row in `generate`.
 A criterion that never fires (`exit_threshold=1.0`, maxprob's rule disabled there since float32
 probabilities can round to exactly 1.0) is plain full-depth decoding. Tokens are greedy or
 sampled (temperature / top-k / top-p, sharenet/inference/generate.py's sampler with its
@@ -88,7 +91,7 @@ from sharenet.inference import exits, test_time_depth
 from sharenet.config import compat
 from sharenet.errors import ConfigError
 from sharenet.inference.generate import bucket, check_prompts, check_sampling, row_keys, sample_rows
-from sharenet.models import DecoderLM, layer_store, loops
+from sharenet.models import DecoderLM, layer_store, loops, recurrence
 from sharenet.models.lm import init_cache
 from sharenet.models.loops import Schedule
 
@@ -124,6 +127,7 @@ def readout(model: DecoderLM, variables: Any, h_BTD: jax.Array) -> jax.Array:
 class Slots(NamedTuple):
   """The decode state of a fixed number of slots (B). L applied layers, S positions."""
   h_BD: jax.Array          # the token's stream: embedded at depth 0, else entering loop depth
+  e_BD: jax.Array          # the stream that entered the looped segment (the injection's input)
   depth_B: jax.Array       # next loop to run (0 .. R-1)
   pos_B: jax.Array         # position of the token being computed
   k_BLSKD: jax.Array       # keys per cache row (cache_rows); cache slot s holds position s
@@ -134,8 +138,8 @@ class Slots(NamedTuple):
   out_BN: jax.Array        # emitted tokens
   count_B: jax.Array       # tokens emitted so far
   depth_sum_B: jax.Array   # sum over emitted tokens of the loops they used (1 .. R)
-  logp_BV: jax.Array       # the previous loop's next-token log-probs (uniform at a start): kl
-  req_B: jax.Array         # the request's index: the row of its sampling keys
+  track: exits.Track       # the previous loop's readings the exit criterion compares with
+  req_B: jax.Array         # the request's index: the row of its sampling keys and initial state
 
 
 def cache_rows(cfg, shape: loops.Looped) -> int:
@@ -151,19 +155,23 @@ def empty_slots(model: DecoderLM, batch: int, num_positions: int, max_new_tokens
   L = c.num_layers if num_layers is None else num_layers
   shape = (batch, L, num_positions, c.kv_heads, c.d_head)
   zi = jnp.zeros((batch,), jnp.int32)
-  return Slots(jnp.zeros((batch, c.d_model), jnp.dtype(c.dtype)), zi, zi,
+  zh = jnp.zeros((batch, c.d_model), jnp.dtype(c.dtype))
+  return Slots(zh, zh, zi, zi,
                jnp.zeros(shape, jnp.dtype(c.dtype)), jnp.zeros(shape, jnp.dtype(c.dtype)),
                jnp.full((batch, num_positions), -1, jnp.int32), jnp.zeros((batch,), bool),
                jnp.zeros((batch,), bool), jnp.zeros((batch, max_new_tokens), jnp.int32), zi, zi,
-               exits.uniform_logp(batch, c.vocab_size), zi)
+               exits.start(batch, c.vocab_size), zi)
 
 
-def _slot_tick(cfg, shape: loops.Looped, store, h_D, depth, pos, run, k_LSKD, v_LSKD,
+def _slot_tick(cfg, shape: loops.Looped, store, h_D, e_D, depth, pos, req, run, k_LSKD, v_LSKD,
                key_pos_S):
   """One slot, one tick: the prelude when the token starts (depth 0), loop `depth`, and the
   coda for the exit logits. Writes the prelude's and the loop's cache columns where the slot
   runs; returns the coda's columns uncommitted (written only when the token exits), and the
-  stream entering the loop (the latent criterion's h_{r-1})."""
+  state entering the loop (the latent criteria's h_{r-1}). Under model.recurrence the stream
+  that entered the looped segment (`e_D`, kept from the token's start) re-enters at the start
+  of every loop, and the first loop starts from the plan's initial state, drawn as batch row
+  `req` (models/recurrence.py)."""
   key_pos_S = jnp.where(run, key_pos_S.at[pos].set(pos), key_pos_S)
   apply = lambda x, first, n, k, v, row=None, write=None: layer_store.run_layers(
       cfg, store, x, first, n, k, v, pos, key_pos_S, row, write)
@@ -174,10 +182,19 @@ def _slot_tick(cfg, shape: loops.Looped, store, h_D, depth, pos, run, k_LSKD, v_
     k_LSKD = layer_store.write_columns(k_LSKD, jnp.int32(0), pos, k_N, starts)
     v_LSKD = layer_store.write_columns(v_LSKD, jnp.int32(0), pos, v_N, starts)
     h_D = jnp.where(depth == 0, pre_D, h_D)
+  e_D = jnp.where(depth == 0, h_D, e_D)
+  rc = cfg.recurrence
+  if rc.init != 'embed':
+    s0_D = recurrence.initial_state(cfg, e_D[None, None], None, pos[None, None], req[None])
+    h_D = jnp.where(depth == 0, s0_D[0, 0], h_D)
   h_in_D = h_D
+  x_D = h_D
+  if rc.injection != 'none':
+    inject = recurrence.injection(cfg, e_D[None, None], store.adapter)
+    x_D = inject(h_D[None, None])[0, 0]
   first = shape.start + depth * shape.num_sets
   row, write = (jnp.int32(shape.start), depth == 0) if kv else (first, None)
-  h_D, k_N, v_N = apply(h_D, first, shape.num_sets, k_LSKD, v_LSKD, row, write)
+  h_D, k_N, v_N = apply(x_D, first, shape.num_sets, k_LSKD, v_LSKD, row, write)
   commit = run & (depth == 0) if kv else run   # kv: a later loop's columns are the held ones
   k_LSKD = layer_store.write_columns(k_LSKD, row, pos, k_N, commit)
   v_LSKD = layer_store.write_columns(v_LSKD, row, pos, v_N, commit)
@@ -186,7 +203,7 @@ def _slot_tick(cfg, shape: loops.Looped, store, h_D, depth, pos, run, k_LSKD, v_
     out_D, k_N, v_N = apply(h_D, jnp.int32(shape.coda), shape.num_layers - shape.coda, k_LSKD,
                             v_LSKD, jnp.int32(_coda_row(cfg, shape)))
     coda = (k_N, v_N)
-  return h_in_D, h_D, out_D, k_LSKD, v_LSKD, key_pos_S, coda
+  return h_in_D, h_D, e_D, out_D, k_LSKD, v_LSKD, key_pos_S, coda
 
 
 def _coda_row(cfg, shape: loops.Looped) -> int:
@@ -235,11 +252,13 @@ def _tick(variables, st: Slots, threshold, eos_id, rng=None, *, model: DecoderLM
   rng = jax.random.key(0) if rng is None else rng
   run_B = st.active_B & ~st.hold_B
   tick = jax.vmap(functools.partial(_slot_tick, model.cfg, shape, store))
-  h_in_BD, h_BD, out_BD, k_BLSKD, v_BLSKD, key_pos_BS, coda = tick(
-      st.h_BD, st.depth_B, st.pos_B, run_B, st.k_BLSKD, st.v_BLSKD, st.key_pos_BS)
+  h_in_BD, h_BD, e_BD, out_BD, k_BLSKD, v_BLSKD, key_pos_BS, coda = tick(
+      st.h_BD, st.e_BD, st.depth_B, st.pos_B, st.req_B, run_B, st.k_BLSKD, st.v_BLSKD,
+      st.key_pos_BS)
   logits_BV = readout(model, variables, out_BD[:, None])[:, 0]
   logp_BV = jax.nn.log_softmax(logits_BV.astype(jnp.float32), axis=-1)
-  fire_B = exits.fires(criterion, threshold, logp_BV, st.logp_BV, h_BD, h_in_BD)
+  value_B, track = exits.measure(criterion, logp_BV, h_BD, h_in_BD, st.track)
+  fire_B = exits.fires(criterion, threshold, value_B)
   exit_B = run_B & (fire_B | (st.depth_B == R - 1))
   token_B = sample_rows(logits_BV, row_keys(rng, st.req_B, st.count_B), *sampling)
   if coda is not None:   # the coda's keys and values are the exiting token's
@@ -263,15 +282,20 @@ def _tick(variables, st: Slots, threshold, eos_id, rng=None, *, model: DecoderLM
   h_BD = jnp.where(exit_B[:, None], h0_BD, jnp.where(run_B[:, None], h_BD, st.h_BD))
   depth_B = jnp.where(exit_B, 0, st.depth_B + run_B)
   pos_B = jnp.where(exit_B, next_pos_B, st.pos_B)
-  uniform_BV = exits.uniform_logp(*logp_BV.shape)
-  logp_BV = jnp.where(exit_B[:, None], uniform_BV,
-                      jnp.where(run_B[:, None], logp_BV, st.logp_BV))
+  track = _select(exit_B, exits.start(*logp_BV.shape), _select(run_B, track, st.track))
+  e_BD = jnp.where(run_B[:, None], e_BD, st.e_BD)
   hold_B = st.hold_B
   if sync:   # a static batch: the exited wait until every running member has exited
     hold_B = (hold_B | exit_B) & active_B
     hold_B = jnp.where(jnp.all(hold_B == active_B), False, hold_B)
-  return Slots(h_BD, depth_B, pos_B, k_BLSKD, v_BLSKD, key_pos_BS, active_B, hold_B, out_BN,
-               count_B, depth_sum_B, logp_BV, st.req_B)
+  return Slots(h_BD, e_BD, depth_B, pos_B, k_BLSKD, v_BLSKD, key_pos_BS, active_B, hold_B,
+               out_BN, count_B, depth_sum_B, track, st.req_B)
+
+
+def _select(where_B: jax.Array, a, b):
+  """Per row: `a` where `where_B`, else `b` (pytrees of arrays with a leading batch axis)."""
+  return jax.tree.map(lambda x, y: jnp.where(where_B.reshape((-1,) + (1,) * (x.ndim - 1)), x, y),
+                      a, b)
 
 
 def _run(variables, st: Slots, threshold, eos_id, until_free, rng, *, model: DecoderLM,
@@ -305,27 +329,28 @@ def insert(variables, st: Slots, slot, k_LSKD, v_LSKD, key_pos_S, last_token, la
   """Puts a prefilled request (index `req`) into `slot`: its last prompt token starts at loop
   0."""
   h_D = embed(model, variables, last_token[None, None], last_pos[None, None])[0, 0]
-  return Slots(st.h_BD.at[slot].set(h_D.astype(st.h_BD.dtype)), st.depth_B.at[slot].set(0),
+  track = jax.tree.map(lambda a, x: a.at[slot].set(x[0]), st.track,
+                       exits.start(1, st.track.logp_BV.shape[1]))
+  return Slots(st.h_BD.at[slot].set(h_D.astype(st.h_BD.dtype)), st.e_BD,
+               st.depth_B.at[slot].set(0),
                st.pos_B.at[slot].set(last_pos), st.k_BLSKD.at[slot].set(k_LSKD),
                st.v_BLSKD.at[slot].set(v_LSKD), st.key_pos_BS.at[slot].set(key_pos_S),
                st.active_B.at[slot].set(True), st.hold_B.at[slot].set(False),
                st.out_BN.at[slot].set(0), st.count_B.at[slot].set(0),
-               st.depth_sum_B.at[slot].set(0),
-               st.logp_BV.at[slot].set(exits.uniform_logp(1, st.logp_BV.shape[1])[0]),
-               st.req_B.at[slot].set(req))
+               st.depth_sum_B.at[slot].set(0), track, st.req_B.at[slot].set(req))
 
 
 insert_jit = jax.jit(insert, static_argnames=('model',))
 
 
-def _prefill(variables, tokens_1P, positions_1P, *, model: DecoderLM, num_positions: int,
+def _prefill(variables, tokens_1P, positions_1P, req, *, model: DecoderLM, num_positions: int,
              loops_run: int | None):
-  """Cached forward (every loop: the plan's, or `loops_run`) of a right-padded prompt prefix:
-  (k, v) (L, S, Kh, Dh), key_pos."""
+  """Cached forward (every loop: the plan's, or `loops_run`) of a right-padded prompt prefix,
+  drawn as batch row `req`: (k, v) (L, S, Kh, Dh), key_pos."""
   cache = init_cache(model.cfg, 1, num_positions, loops=loops_run)
   schedule = Schedule() if loops_run is None else Schedule(loops=loops_run)
   _, cache = model.apply(variables, tokens_1P, cache=cache, positions_BT=positions_1P,
-                         schedule=schedule)
+                         schedule=schedule, rows_B=req[None])
   k_LSKD = jnp.concatenate([c.k_BSKD[:, 0] for c in cache.layers])   # segments in plan order
   v_LSKD = jnp.concatenate([c.v_BSKD[:, 0] for c in cache.layers])
   return k_LSKD, v_LSKD, cache.key_positions_BS[0]
@@ -335,8 +360,8 @@ _prefill_jit = jax.jit(_prefill, static_argnames=('model', 'num_positions', 'loo
 
 
 def _prefilled(model: DecoderLM, variables: Any, prompt: Sequence[int], num_positions: int,
-               loops_run: int | None):
-  """(k, v, key_pos, last token, its position) of one prompt."""
+               loops_run: int | None, req: int):
+  """(k, v, key_pos, last token, its position) of one prompt, request `req`."""
   P = len(prompt)
   width = min(bucket(max(P - 1, 1)), num_positions)
   tokens = np.zeros((1, width), np.int32)
@@ -344,7 +369,7 @@ def _prefilled(model: DecoderLM, variables: Any, prompt: Sequence[int], num_posi
   tokens[0, :P - 1] = prompt[:-1]
   positions[0, :P - 1] = np.arange(P - 1)
   k, v, key_pos = _prefill_jit(variables, jnp.asarray(tokens), jnp.asarray(positions),
-                               model=model, num_positions=num_positions, loops_run=loops_run)
+                               jnp.int32(req), model=model, num_positions=num_positions, loops_run=loops_run)
   return k, v, key_pos, jnp.int32(prompt[-1]), jnp.int32(P - 1)
 
 
@@ -420,7 +445,7 @@ class DepthwiseScheduler:
   lock step (the exited wait for the slowest member), and the next batch starts when the whole
   batch has finished.
 
-  The exit rule is `exit` ('maxprob:0.9', 'entropy:0.5', 'kl:0.01', 'latent:0.01' or an
+  The exit rule is `exit` ('maxprob:0.9', 'kl:0.01', ... sharenet/inference/exits.py, or an
   exits.Exit) or, equivalently, `exit_threshold=t` (maxprob:t); `depth` the maximum loops (None:
   the plan's R); `temperature` (0: greedy), `top_k`, `top_p` and `rng` sample as
   generate.generate does, request i drawing with row i's keys.
@@ -469,7 +494,7 @@ class DepthwiseScheduler:
             i = waiting.pop(0)
             st = insert_jit(self.variables, st, jnp.int32(b),
                             *_prefilled(self.model, self.variables, requests[i],
-                                        self.num_positions, self.loops_run), jnp.int32(i),
+                                        self.num_positions, self.loops_run, i), jnp.int32(i),
                             model=self.model)
             owner[b] = i
       if all(o < 0 for o in owner):

@@ -49,6 +49,9 @@ class DecodeStep(NamedTuple):
   # (B,) bool, None = all: where False the slots keep what they hold and the layer attends to
   # it (loop-by-loop serving under model.kv_sharing=first: a later loop reads the first loop's)
   write_B: jax.Array | None = None
+  # (B,) int32, None = arange(B): the batch row each sequence draws its random initial state as
+  # (models/recurrence.py; loop-by-loop serving prefills a request alone, as its own row)
+  rows_B: jax.Array | None = None
 
 
 class LayerCache(NamedTuple):

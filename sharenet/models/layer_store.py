@@ -30,6 +30,7 @@ class LayerStore(NamedTuple):
   set_of_L: jax.Array   # (L,) stored set of each applied layer
   per_layer: dict       # {block-local path: (L, ...)} per-layer parts
   atoms: Any            # MASA atoms or None
+  adapter: Any = None   # model.recurrence.injection=concat: the adapter's params, else None
 
 
 def layer_store(cfg: ModelConfig, variables: Any, atoms: Any = None) -> LayerStore:
@@ -37,7 +38,8 @@ def layer_store(cfg: ModelConfig, variables: Any, atoms: Any = None) -> LayerSto
   per_layer = variables.get(PER_LAYER)
   return LayerStore(layout.unique_sets(variables['params'], cfg),
                     jnp.asarray(np.asarray(cfg.plan.index, np.int32)),
-                    {} if per_layer is None else layout.applied_per_layer(per_layer, cfg), atoms)
+                    {} if per_layer is None else layout.applied_per_layer(per_layer, cfg), atoms,
+                    layout.adapter(variables['params'], cfg))
 
 
 def _layer_variables(store: LayerStore, layer: jax.Array) -> dict:

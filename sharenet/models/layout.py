@@ -39,6 +39,15 @@ def _entries(leaf, info: ParamInfo):
   return leaf.reshape((-1,) + leaf.shape[n:]) if n else leaf[None]
 
 
+def adapter(params: Tree, cfg: ModelConfig) -> Tree | None:
+  """The injection adapter's params ({'kernel': (2D, D)}: its input axis is 'inject',
+  models/recurrence.py), or None when the model has none."""
+  table = param_table(cfg)
+  found = {path[-1]: leaf for path, leaf in flatten_dict(nn.unbox(params)).items()
+           if 'inject' in table[('params',) + path].axes}
+  return found or None
+
+
 def unique_sets(params: Tree, cfg: ModelConfig) -> dict[tuple, jnp.ndarray]:
   """Block params stacked over all unique sets in set order: {local path: (U, ...)}."""
   parts: dict[tuple, list] = {}

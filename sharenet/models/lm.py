@@ -189,14 +189,16 @@ class DecoderLM(nn.Module):
 
   def __call__(self, tokens_BT: jax.Array, segment_ids_BT: jax.Array | None = None,
                cache: KVCache | None = None, positions_BT: jax.Array | None = None,
-               schedule: Schedule = Schedule()):
+               schedule: Schedule = Schedule(), rows_B: jax.Array | None = None):
+    """Logits (B, T, V); with `cache`, (logits, the updated cache). `rows_B` (cached only):
+    the batch row each sequence draws a random initial state as (attention.DecodeStep)."""
     T = tokens_BT.shape[1]
     if cache is None:
       x_BTD = self.trunk(self.embed(tokens_BT), jnp.arange(T), segment_ids_BT, schedule=schedule)
       return self.head(x_BTD)
     key_pos_BS = jax.lax.dynamic_update_slice_in_dim(cache.key_positions_BS, positions_BT,
                                                      cache.index, axis=1)
-    step = DecodeStep(cache.index, jnp.maximum(positions_BT, 0), key_pos_BS)
+    step = DecodeStep(cache.index, jnp.maximum(positions_BT, 0), key_pos_BS, rows_B=rows_B)
     x_BTD = self.embed(tokens_BT, step.positions_BT)
     # cached generation: positions come with the step
     x_BTD, layer_caches = self.trunk(x_BTD, None, segment_ids_BT, cache.layers, step,

@@ -16,8 +16,9 @@ e re-enters at the start of every loop (`model.recurrence.injection`):
                coordinate: the scale of an embedded token, as the reference's `like-init`
                (`initialize_state`: a truncated normal of the init std, times its embedding
                scale). The draw is keyed by (the call's 'recurrence' rng, else a fixed key;
-               batch row; absolute position), so cached decoding draws what the full forward
-               draws at the same row and position; training's rng is fresh per step and per
+               batch row; absolute position), so cached decoding, and loop-by-loop serving
+               (sharenet/inference/loop_by_loop.py), draw what the full forward draws at the
+               same row and position; training's rng is fresh per step and per
                micro-batch (train/sampled_depth.py `rngs`).
 
 The loop runner (models/loops.py) applies an `Injection` at the start of every loop in every
@@ -76,8 +77,10 @@ def injection(cfg: ModelConfig, e_BTD: jax.Array, adapter_params: Any = None
 
 
 def initial_state(cfg: ModelConfig, e_BTD: jax.Array, key: jax.Array | None,
-                  positions_BT: jax.Array) -> jax.Array:
-  """The state entering the first loop (module docstring); `key` None -> a fixed key."""
+                  positions_BT: jax.Array, rows_B: jax.Array | None = None) -> jax.Array:
+  """The state entering the first loop (module docstring); `key` None -> a fixed key; `rows_B`
+  the batch row each sequence draws as (default its index: loop-by-loop serving prefills and
+  runs a request alone, as the row it has in the batch it came in)."""
   init = cfg.recurrence.init
   if init == 'embed':
     return e_BTD
@@ -85,7 +88,8 @@ def initial_state(cfg: ModelConfig, e_BTD: jax.Array, key: jax.Array | None,
     return jnp.zeros_like(e_BTD)
   key = jax.random.key(0) if key is None else key
   B, T, D = e_BTD.shape
-  rows_BT = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))
+  rows_B = jnp.arange(B) if rows_B is None else rows_B
+  rows_BT = jnp.broadcast_to(rows_B[:, None], (B, T))
   positions_BT = jnp.broadcast_to(positions_BT, (B, T))
 
   def draw(b, t):

@@ -259,8 +259,10 @@ def _recurrent_input(module: nn.Module, cfg: ModelConfig, carry: Stream, shared:
   key = None
   if cfg.recurrence.init == 'normal' and module.has_rng(recurrence.RNG):
     key = module.make_rng(recurrence.RNG)
-  positions_BT = shared.positions_T[None] if shared.step is None else shared.step.positions_BT
-  x_BTD = recurrence.initial_state(cfg, e_BTD, key, positions_BT)
+  step = shared.step
+  positions_BT = shared.positions_T[None] if step is None else step.positions_BT
+  x_BTD = recurrence.initial_state(cfg, e_BTD, key, positions_BT,
+                                   None if step is None else step.rows_B)
   return carry._replace(x_BTD=x_BTD), recurrence.injection(cfg, e_BTD, adapter_params)
 
 

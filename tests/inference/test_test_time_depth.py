@@ -29,7 +29,8 @@ K, R = 2, 3   # 2 sets looped 3 times
 PROMPTS = ([3, 141, 59, 26, 5], [27, 18], [7])
 NEW = 5
 SAMPLED = dict(temperature=0.8, top_k=40, top_p=0.9, rng=jax.random.key(5))
-NEVER = ('maxprob:1', 'entropy:0', 'kl:0', 'latent:0')
+NEVER = ('maxprob:1', 'entropy:0', 'entropy_change:0', 'kl:0', f'argmax_stable:{R}',
+         'latent:0', 'cosine:1')
 
 
 def _cfg(tiny_config, loops=R, **overrides):
@@ -60,7 +61,8 @@ def test_never_firing_criterion_is_full_depth_decoding(cycle, rule, sampling):
   assert out.tokens == full
 
 
-@pytest.mark.parametrize('rule', ['entropy:1e9', 'kl:1e9', 'latent:1e9'])
+@pytest.mark.parametrize('rule', ['entropy:1e9', 'entropy_change:1e9', 'kl:1e9',
+                                  'argmax_stable:0', 'latent:1e9', 'cosine:-1'])
 def test_always_firing_criterion_is_the_one_loop_model(cycle, rule):
   """A cycle model has no coda, so the prompt's keys at loop 1 do not depend on the depth the
   prefill ran at: exiting after every first loop is decoding at depth 1."""
@@ -72,23 +74,109 @@ def test_always_firing_criterion_is_the_one_loop_model(cycle, rule):
   assert one_loop != gen.generate(model, variables, PROMPTS, NEW, temperature=0).tokens
 
 
+def _reference_values(logits_RBV, h_RBD, h0_BD):
+  """A numpy restatement of each criterion over R loops (exits.py's docstring; the recurrent-depth
+  reference's entropy-diff, kl, argmax-stability and latent-diff, started as it starts them)."""
+  R, B, V = logits_RBV.shape
+  out = {k: [] for k in exits.CRITERIA}
+  prev_logp, prev_entropy, prev_argmax, stable = np.full((B, V), -np.log(V)), np.full(B, 100.0), \
+      np.full(B, -1), np.zeros(B, int)
+  prev_h = h0_BD
+  for r in range(R):
+    z = logits_RBV[r] - logits_RBV[r].max(-1, keepdims=True)
+    logp = z - np.log(np.exp(z).sum(-1, keepdims=True))
+    p = np.exp(logp)
+    entropy = -(p * logp).sum(-1)
+    argmax = logp.argmax(-1)
+    stable = np.where(argmax == prev_argmax, stable + 1, 0)
+    h = h_RBD[r]
+    out['maxprob'].append(p.max(-1))
+    out['entropy'].append(entropy)
+    out['entropy_change'].append(np.abs(entropy - prev_entropy))
+    out['kl'].append((p * (logp - prev_logp)).sum(-1))
+    out['argmax_stable'].append(stable.astype(float))
+    out['latent'].append(np.linalg.norm(h - prev_h, axis=-1) / np.linalg.norm(h, axis=-1))
+    out['cosine'].append((h * prev_h).sum(-1) / np.linalg.norm(h, axis=-1) /
+                         np.linalg.norm(prev_h, axis=-1))
+    prev_logp, prev_entropy, prev_argmax, prev_h = logp, entropy, argmax, h
+  return {k: np.stack(v) for k, v in out.items()}
+
+
 def test_criteria_values():
-  """Each criterion fires exactly at its value (numpy reference), the threshold traced."""
+  """Each criterion's value over 4 loops equals a numpy restatement, and it fires exactly at its
+  value (the threshold traced). Rows 0-1 keep one argmax over loops 2-4 (one logit raised), so
+  argmax_stable counts up there."""
   rng = np.random.default_rng(0)
-  logits, prev = rng.normal(size=(2, 4, 11)) * 2
-  h, h_prev = rng.normal(size=(2, 4, 8))
-  logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
-  prev_logp = prev - np.log(np.exp(prev).sum(-1, keepdims=True))
-  values = {'maxprob': np.exp(logp).max(-1), 'entropy': -(np.exp(logp) * logp).sum(-1),
-            'kl': (np.exp(logp) * (logp - prev_logp)).sum(-1),
-            'latent': np.linalg.norm(h - h_prev, axis=-1) / np.linalg.norm(h, axis=-1)}
+  R, B, V, D = 4, 4, 11, 8
+  logits = rng.normal(size=(R, B, V)) * 2
+  logits[1:, :2, 3] += 10.0
+  h0 = rng.normal(size=(B, D))
+  h = h0 + np.cumsum(rng.normal(size=(R, B, D)) * 0.5, axis=0)
+  want = _reference_values(logits, h, h0)
+  assert list(want['argmax_stable'][:, 0]) == [0, 0, 1, 2]
+  measure = jax.jit(exits.measure, static_argnums=0)
   fires = jax.jit(exits.fires, static_argnums=0)
-  args = [jnp.asarray(a, jnp.float32) for a in (logp, prev_logp, h, h_prev)]
-  for name, v in values.items():
-    for t, want in ((v[0] * (1 - 1e-4), v > v[0] * (1 - 1e-4)),
-                    (v[0] * (1 + 1e-4), v >= v[0] * (1 + 1e-4))):
-      got = np.asarray(fires(name, jnp.float32(t), *args))
-      assert list(got) == list(want if name == 'maxprob' else ~want), name
+  f32 = lambda a: jnp.asarray(a, jnp.float32)
+  for name in exits.CRITERIA:
+    track, prev = exits.start(B, V), h0
+    for r in range(R):
+      logp = jax.nn.log_softmax(f32(logits[r]), axis=-1)
+      value, track = measure(name, logp, f32(h[r]), f32(prev), track)
+      prev = h[r]
+      np.testing.assert_allclose(np.asarray(value), want[name][r], rtol=1e-5, atol=1e-6,
+                                 err_msg=f'{name} loop {r + 1}')
+      v = float(value[0])
+      up = name in exits.SIMILARITIES or name == 'argmax_stable'
+      for t in (v - 1e-4 * max(abs(v), 1), v + 1e-4 * max(abs(v), 1)):
+        if name in exits.SIMILARITIES and t >= 1:
+          continue
+        got = bool(fires(name, jnp.float32(t), value)[0])
+        assert got == ((v >= t) if up else (v <= t)), (name, r, t)
+
+
+# Huginn's design (Geiping et al., arXiv:2502.05171): a prelude, a core looped R times that the
+# prelude's output re-enters by concat injection, from a random initial state, and a coda.
+RECURRENT = {'model.num_layers': K * R + 2, 'model.sharing.scheme': 'middle_cycle',
+             'model.sharing.num_unique': K + 2, 'model.recurrence.injection': 'concat',
+             'model.recurrence.init': 'normal'}
+
+
+@pytest.fixture(scope='module')
+def recurrent(tiny_config):
+  return _model(tiny_config, **RECURRENT)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('sampling', ['greedy', 'sampled'])
+def test_never_firing_criteria_on_a_recurrent_depth_model(recurrent, sampling):
+  """Loop-by-loop decoding carries the injected stream and draws each request's initial state
+  as its row in the full forward: with no exit firing it is full-depth `generate`, for every
+  criterion, in a static batch and under depth-wise batching (2 slots for 3 requests)."""
+  model, variables = recurrent
+  kw = SAMPLED if sampling == 'sampled' else dict(temperature=0.0)
+  full = gen.generate(model, variables, PROMPTS, NEW, **kw).tokens
+  for rule in NEVER:
+    out = ri.generate_early_exit(model, variables, PROMPTS, NEW, exit=rule, **kw)
+    assert out.exit_depths == [R] * len(PROMPTS), rule
+    assert out.tokens == full, rule
+  served = ri.DepthwiseScheduler(model, variables, num_slots=2, max_new_tokens=NEW,
+                                 num_positions=16, exit='kl:0', **kw).run(PROMPTS)
+  assert served.tokens == full
+
+
+@pytest.mark.slow
+def test_recurrent_depth_exits_agree_across_schedulers(recurrent):
+  """Firing criteria on the recurrent-depth model: every token exits after the first loop at an
+  always-firing threshold, and the static batch and depth-wise batching emit the same sampled
+  tokens at the same depths for a criterion that fires at different loops."""
+  model, variables = recurrent
+  first = ri.generate_early_exit(model, variables, PROMPTS, NEW, exit='argmax_stable:0')
+  assert first.exit_depths == [1.0] * len(PROMPTS)
+  static = ri.generate_early_exit(model, variables, PROMPTS, NEW, exit='cosine:0.5', **SAMPLED)
+  served = ri.DepthwiseScheduler(model, variables, num_slots=2, max_new_tokens=NEW,
+                                 num_positions=16, exit='cosine:0.5', **SAMPLED).run(PROMPTS)
+  assert 1 < static.mean_exit_depth < R
+  assert served.tokens == static.tokens and served.exit_depths == static.exit_depths
 
 
 @pytest.mark.parametrize('loops', [1, R + 1])
@@ -179,6 +267,9 @@ def test_bad_input_is_one_line(cycle, tiny_config):
       (lambda: exits.parse('kl:abc'), 'not a number'),
       (lambda: exits.parse('maxprob:1.5'), 'bad threshold; valid'),
       (lambda: exits.parse('latent:-0.1'), 'bad threshold; valid'),
+      (lambda: exits.parse('argmax_stable:1.5'), 'bad threshold; valid'),
+      (lambda: exits.parse('cosine:-1.5'), 'bad threshold; valid'),
+      (lambda: exits.parse('cosine:1.5'), 'bad threshold; valid'),
       (lambda: test_time_depth.check_flags('1,2', 2, None, False), 'exclude each other; valid'),
       (lambda: test_time_depth.check_flags('1,2', None, None, True), 'valid: --depth N'),
       (lambda: test_time_depth.check_flags(None, None, 'kl:0.1', False), 'valid: with --prompt'),
@@ -266,3 +357,29 @@ def test_eval_cli(tmp_path, tiny_config, subprocess_env, repo_root):
   bad = run('--depths', '1,2', '--depth', '2')
   assert bad.returncode != 0 and len(bad.stderr.strip().splitlines()) == 1
   assert 'exclude each other' in bad.stderr
+
+
+@pytest.mark.slow
+def test_exits_on_a_trained_recurrent_depth_model(tmp_path, tiny_config, subprocess_env,
+                                                  repo_root):
+  """eval.py --exit on a model trained with concat injection and a random initial state: every
+  criterion at a never-firing threshold prints what full-depth generation prints (two sampled
+  continuations per prompt, so two rows with their own noise), and eval.py --exit kl:0.01 runs."""
+  from sharenet.main import eval_workdir
+  from sharenet.train import loop
+  workdir = str(tmp_path / 'run')
+  loop.train_and_evaluate(tiny_config(**{**RECURRENT, 'train.steps': 2, 'train.seq_len': 16,
+                                         'train.eval_batch_size': 64}), workdir)
+  kw = dict(max_new_tokens=4, temperature=0.8, top_k=0, top_p=1.0, seed=3, num_samples=2,
+            eos_id=None)
+  text = lambda rows: [r['text'] for r in rows]
+  full = eval_workdir.generate_from_workdir(workdir, None, {}, ['ab', 'the'], **kw)
+  for rule in NEVER:
+    rows = eval_workdir.generate_from_workdir(workdir, None, {}, ['ab', 'the'], **kw, exit=rule)
+    assert text(rows) == text(full), rule
+    assert [r['mean_exit_loops'] for r in rows] == [R] * 4, rule
+  out = subprocess.run([sys.executable, os.path.join(repo_root, 'eval.py'), f'--workdir={workdir}',
+                        '--prompt', 'ab', '--max_new_tokens', '3', '--exit', 'kl:0.01'],
+                       capture_output=True, text=True, env=subprocess_env, timeout=300)
+  row = json.loads(out.stdout.strip().splitlines()[-1])
+  assert row['exit'] == 'kl:0.01' and 1 <= row['mean_exit_loops'] <= R, out.stderr
