@@ -7,7 +7,7 @@ the two names the other in `refuses`, with the one-line reason (and, optionally,
 narrowing it to the configs it holds for). `check(config)` raises that line as a ConfigError:
 train/experiment.py's validation runs it before anything is built, and ModelConfig runs it on
 its own keys when built. `check_action` does the same for an action on a model's config; the
-serving code calls it. Conversions (convert.py) check their sources themselves, not here yet.
+serving code and the conversions (convert.py's config.to, `CONVERSIONS`) call it.
 tests/compatibility/test_compatibility.py is generated from this table: a pairwise covering set
 of tiny configs (every working pair in at least one, none with a refused pair) each initialised
 and trained one step, the actions run on them, and every refused pair checked to raise its
@@ -397,7 +397,87 @@ def _lora_all(features: list[Feature]) -> tuple[Feature, ...]:
   return tuple(out)
 
 
+# convert.py's config.to (sharenet/main/convert_workdir.py): each conversion of a trained model
+# is an action whose source is the features it implies (their overrides are its rows' configs).
+# It refuses what they refuse and the other values of their axes, beside its own refusals.
+NGPT_CONV = ('its projection would re-normalise the converted matrices, so the converted model '
+             'would not compute the source\'s function')
+NON_SP = 'the forward multipliers would be folded into the weights and then applied again'
+NO_STATS = 'it does not carry the running statistics (they would restart at their init)'
+UNKNOWN_PARTS = 'it does not know SwitchHead\'s or the LoRA experts\' parameters'
+NORM_PRE = 'the equivalence uses that only norms read the stream (norm placement pre)'
+TIED_READERS = 'folding a norm into tied readers would untie them'
+WHOLE_HEADS = ('it copies whole heads (their q, k, v and o slices): plain kernels, as many kv '
+               'heads as heads, no QK-norm gain (one per layer, not per head)')
+MOE_READERS = ('the experts read the normed stream through expert kernels, which the fold of '
+               'the norm into its readers does not know')
+STREAM_READERS = ('{} reads the stream itself, not through a norm, so the stream\'s mean, which '
+                  'the conversion moves into the norms, would reach it')
+FOLD_LAYOUT = ('model.scan_layers=False stores one module per set, not the stacked layout the '
+               'fold reads')
+FIXNORM_FOLD = 'fixnorm renormalises the embedding rows, which the fold recentres'
+NORM_FOLDS = (('placement', NORM_PRE), ('untie_norms', TIED_READERS), ('lora', TIED_READERS),
+              ('moe', MOE_READERS), ('moe_dispatch', MOE_READERS), ('fixnorm', FIXNORM_FOLD),
+              ('python_loop', FOLD_LAYOUT),
+              ('masa', 'MASA\'s kernels are combinations of atoms every layer shares, so one '
+                       'layer\'s norm cannot be folded into them'))
+ROUTER_READS = (('routing', STREAM_READERS.format('the router')),
+                ('inject_concat', STREAM_READERS.format('the concat injection\'s adapter')),
+                ('init_normal', 'the random initial state is not zero-mean, as the converted '
+                                'stream must be'))
+CONVERSIONS = {   # config.to: (implied features, own refusals: (an axis, a feature, or
+                  # 'norm_stats' (the statistics norms), why))
+    'rmsnorm': (('layernorm',), *NORM_FOLDS, *ROUTER_READS),
+    'crmsnorm': (('layernorm',), *NORM_FOLDS, *ROUTER_READS),
+    'recursive': (('untied',), ('lora', 'the source already has depth-wise LoRA'),
+                  ('norm_stats', NO_STATS)),
+    'head_shared': (('untied',), ('attention_sharing', WHOLE_HEADS), ('masa', WHOLE_HEADS),
+                    ('lora', WHOLE_HEADS), ('kv_heads', WHOLE_HEADS), ('qk_norm', WHOLE_HEADS),
+                    ('norm_stats', NO_STATS)),
+    'merge_lora_experts': (('lora_experts',), ('norm_stats', NO_STATS),
+                           ('switchhead', 'the merge makes depth-wise LoRA, which SwitchHead '
+                                          'refuses (its v and o are experts)')),
+    'fold_unified_norm': (('unified_norm', 'untied'), *NORM_FOLDS),
+}
+STATS_NORM_FEATURES = ('powernorm', 'unified_norm', 'online_norm')
+
+
+def _conversions(table: tuple[Feature, ...]) -> tuple[Feature, ...]:
+  """The conversion actions of CONVERSIONS over the feature table `table`."""
+  by_name = {f.name: f for f in table}
+  out = []
+  for to, (implied, *own) in CONVERSIONS.items():
+    name = f'convert_{to}'
+    overrides = tuple(kv for f in implied for kv in by_name[f].overrides)
+    refuses = []
+    for f in implied:
+      source = by_name[f]
+      refuses += [(g.name, f'it converts a model with {source.label}') for g in table
+                  if g.axis == source.axis and g.name != f and not g.action]
+      refuses += [(other, *rest) for other, *rest in source.refuses
+                  if not by_name[other].action]
+      refuses += [(g.name, why, *when) for g in table for other, why, *when in g.refuses
+                  if other == f and not g.action]
+    for key, why in own:
+      group = STATS_NORM_FEATURES if key == 'norm_stats' else [
+          g.name for g in table if g.axis == key] or [key]
+      refuses += [(g, why) for g in group if g not in implied]
+    refuses += [('ngpt', NGPT_CONV)]
+    refuses += [(g.name, NON_SP) for g in table if g.axis in ('parametrization', 'loop_rule')]
+    if to != 'merge_lora_experts':
+      refuses += [('switchhead', UNKNOWN_PARTS), ('lora_experts', UNKNOWN_PARTS)]
+    seen, unique = set(), []
+    for r in refuses:   # the first reason of a pair stays
+      if r[0] not in seen and r[0] not in implied:
+        seen.add(r[0])
+        unique.append(r)
+    out.append(Feature(name, 'conversion', overrides, lambda c: False, tuple(unique),
+                       action=True))
+  return tuple(out)
+
+
 FEATURES = _features()
+FEATURES = FEATURES + _conversions(FEATURES)
 BY_NAME = {f.name: f for f in FEATURES}
 
 
@@ -452,7 +532,14 @@ def check_action(action: str, config: Any, what: str | None = None) -> None:
                         f'without {label}')
 
 
+def is_pair(a: Feature, b: Feature) -> bool:
+  """Features on different axes, but not a conversion with another action: a conversion writes
+  a new model, which the other actions then read as any other."""
+  return a.axis != b.axis and not (a.action and b.action and
+                                   'conversion' in (a.axis, b.axis))
+
+
 def pairs() -> list[tuple[str, str, str | None]]:
-  """Every pair of features on different axes: (a, b, why refused or None)."""
+  """Every pair of features (`is_pair`): (a, b, why refused or None)."""
   return [(a.name, b.name, refusal(a.name, b.name))
-          for a, b in itertools.combinations(FEATURES, 2) if a.axis != b.axis]
+          for a, b in itertools.combinations(FEATURES, 2) if is_pair(a, b)]

@@ -7,7 +7,7 @@ import collections
 import itertools
 import random
 
-from sharenet.config.compat import BY_NAME, FEATURES, pairs
+from sharenet.config.compat import BY_NAME, FEATURES, is_pair, pairs
 
 
 def covering_rows(seed: int = 0, tries: int = 24) -> list[tuple[str, ...]]:
@@ -30,6 +30,9 @@ def covering_rows(seed: int = 0, tries: int = 24) -> list[tuple[str, ...]]:
   for f in FEATURES:
     axes.setdefault(f.axis, []).append(f.name)
   refused = {frozenset((a, b)) for a, b, why in pairs() if why}
+  # a conversion and another action are not a pair (compat.is_pair): never in one row
+  refused |= {frozenset((a.name, b.name)) for a, b in itertools.combinations(FEATURES, 2)
+              if a.axis != b.axis and not is_pair(a, b)}
   todo = {frozenset((a, b)) for a, b, why in pairs() if why is None}
   actions = {f.name for f in FEATURES if f.action}
 

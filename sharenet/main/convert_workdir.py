@@ -11,15 +11,15 @@ import numpy as np
 from sharenet import data
 from sharenet.data import corpus, tokenizer as tokenizer_lib
 from sharenet.errors import ConfigError
+from sharenet.config import compat
+from sharenet.models import ModelConfig
 from sharenet.models.norm_stats import NORM_STATS
-from sharenet.models.sections import NORMS, STATS_NORMS
 from sharenet.train import experiment, trainer
 from sharenet.train.workdir_io import load_config, restore_state, save_workdir
 from sharenet.transforms import convert, head_share, lora_merge, recursive
 
 
-CONVERSIONS = ('rmsnorm', 'crmsnorm', 'recursive', 'head_shared', 'merge_lora_experts',
-               'fold_unified_norm')
+CONVERSIONS = tuple(compat.CONVERSIONS)   # config.to
 
 
 def _expert_weights(opts: Any, cfg: Any) -> list[float]:
@@ -37,43 +37,23 @@ def _expert_weights(opts: Any, cfg: Any) -> list[float]:
   return w
 
 
-def convert_workdir(workdir: str, out: str, opts: Any) -> dict[str, Any]:
-  """Restores `workdir`'s latest checkpoint, converts it as `opts` (defaults.conversion_config)
-  says and writes `out` (config.json and a checkpoint with fresh optimizer and data state)."""
+def check_options(opts: Any) -> None:
+  """One ConfigError line for a conversion the options alone rule out."""
   if opts.to not in CONVERSIONS:
     raise ConfigError(f'config.to={opts.to!r} is unknown; valid: {", ".join(CONVERSIONS)}')
   if opts.to == 'recursive' and opts.num_unique < 1:
     raise ConfigError(f'config.to=recursive needs config.num_unique >= 1, got '
                       f'{opts.num_unique}')
-  if os.path.abspath(out) == os.path.abspath(workdir) or (
-      os.path.isdir(out) and os.listdir(out)):
-    raise ConfigError(f'--out {out} is the source or not empty; valid: a new directory '
-                      f'(a conversion never writes over a run)')
-  config = load_config(workdir)
-  if config.transforms.project == 'ngpt':
-    raise ConfigError('conversions of a model trained with transforms.project=ngpt are not '
-                      'function-preserving (its projection would re-normalise the converted '
-                      'matrices); valid: a source with project=none, nap or norm_project')
-  if config.model.norm.kind in STATS_NORMS and opts.to != 'fold_unified_norm':
-    stateless = ', '.join(n for n in NORMS if n not in STATS_NORMS)
-    fold = ', or config.to=fold_unified_norm' if config.model.norm.kind == 'unified_norm' \
-        else ''
-    raise ConfigError(f'model.norm.kind={config.model.norm.kind}: config.to={opts.to} does not '
-                      f'carry its running statistics (they would restart at their init); '
-                      f'valid: a source with a stateless norm ({stateless}){fold}')
-  if config.parametrization.kind != 'sp':
-    raise ConfigError(f'conversions support parametrization.kind=sp, got '
-                      f'{config.parametrization.kind} (its forward multipliers would be folded '
-                      f'into the weights and then applied again)')
-  moe = config.model.get('moe', {})
-  if opts.to != 'merge_lora_experts' and (moe.get('attention', 'none') != 'none' or
-                                          moe.get('lora_experts', 0)):
-    raise ConfigError(f'config.to={opts.to} does not know SwitchHead\'s or the LoRA experts\' '
-                      f'parameters (model.moe.attention / lora_experts); valid: '
-                      f'merge_lora_experts, or a source without them')
-  state, step, exp = restore_state(config, workdir)
-  cfg = exp.model.cfg
-  variables = jax.device_get(trainer.effective_params(state, exp.tr))   # reparams resolved
+
+
+def convert_model(cfg: ModelConfig, variables: Any, opts: Any, norm_stats: Any = None,
+                  calibration: np.ndarray | None = None
+                  ) -> tuple[ModelConfig, Any, dict[str, Any]]:
+  """(new config, new variables, extra summary entries): the model `cfg` with `variables`
+  (reparametrizations resolved) converted as `opts` says. `norm_stats`: the statistics norm's
+  collection (fold_unified_norm); `calibration`: init=similar's tokens. The compatibility
+  table (config/compat.py CONVERSIONS) refuses a source it cannot convert, in one line."""
+  check_options(opts)
   extra = {}
   if opts.to == 'rmsnorm':
     new_cfg, new_vars = convert.ln_to_rms(cfg, variables)
@@ -82,8 +62,7 @@ def convert_workdir(workdir: str, out: str, opts: Any) -> dict[str, Any]:
       cfg, variables = convert.ln_to_rms(cfg, variables)
     new_cfg, new_vars = convert.rms_to_crms(cfg, variables)
   elif opts.to == 'fold_unified_norm':   # eval-mode Unified Norm folded into the readers
-    new_cfg, new_vars = convert.fold_unified_norm(
-        cfg, variables, jax.device_get(state.tstate.get(NORM_STATS, {})))
+    new_cfg, new_vars = convert.fold_unified_norm(cfg, variables, norm_stats or {})
   elif opts.to == 'merge_lora_experts':   # Mixture of LoRAs -> depth-wise LoRA
     new_cfg, new_vars = lora_merge.merge_lora_experts(cfg, variables,
                                                       _expert_weights(opts, cfg))
@@ -92,14 +71,34 @@ def convert_workdir(workdir: str, out: str, opts: Any) -> dict[str, Any]:
                                                                          opts.share_rate)
   else:
     targets = tuple(t for t in opts.lora_targets.replace(' ', '').split(',') if t)
-    calibration = calibration_tokens(config, opts, cfg.max_len) if opts.init == 'similar' \
-        else None
     new_cfg, new_vars = recursive.to_recursive(
         cfg, variables, scheme=opts.scheme, num_unique=opts.num_unique, init=opts.init,
         lora_rank=opts.lora_rank, lora_init=opts.lora_init, lora_targets=targets,
         untie_norms=opts.untie_norms, lora_layers=opts.lora_layers, calibration=calibration)
     if calibration is not None:
       extra['pattern'] = new_cfg.sharing.pattern
+  return new_cfg, new_vars, extra
+
+
+def convert_workdir(workdir: str, out: str, opts: Any) -> dict[str, Any]:
+  """Restores `workdir`'s latest checkpoint, converts it as `opts` (defaults.conversion_config)
+  says and writes `out` (config.json and a checkpoint with fresh optimizer and data state).
+  The compatibility table checks the run's whole config (its parametrization, transforms and
+  model) before anything is restored."""
+  check_options(opts)
+  if os.path.abspath(out) == os.path.abspath(workdir) or (
+      os.path.isdir(out) and os.listdir(out)):
+    raise ConfigError(f'--out {out} is the source or not empty; valid: a new directory '
+                      f'(a conversion never writes over a run)')
+  config = load_config(workdir)
+  compat.check_action(f'convert_{opts.to}', config, f'config.to={opts.to}')
+  state, step, exp = restore_state(config, workdir)
+  cfg = exp.model.cfg
+  variables = jax.device_get(trainer.effective_params(state, exp.tr))   # reparams resolved
+  calibration = calibration_tokens(config, opts, cfg.max_len) if (
+      opts.to == 'recursive' and opts.init == 'similar') else None
+  new_cfg, new_vars, extra = convert_model(
+      cfg, variables, opts, jax.device_get(state.tstate.get(NORM_STATS, {})), calibration)
   raw = config.to_dict()
   raw['model'] = new_cfg.to_config()
   raw['transforms']['reparam'] = ''     # folded into the converted weights

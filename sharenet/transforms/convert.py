@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 from flax.traverse_util import flatten_dict, unflatten_dict
 
+from sharenet.config import compat
 from sharenet.errors import require
 from sharenet.models import DecoderLM, ModelConfig, init_variables, param_table
 from sharenet.models.params import ParamInfo
@@ -110,11 +111,7 @@ def ln_to_rms(cfg: ModelConfig, variables: Any) -> tuple[ModelConfig, Any]:
   """Pre-LN -> Pre-RMSNorm computing the same function (see the module docstring)."""
   require(cfg.norm.kind == 'layernorm',
           f'config.to=rmsnorm needs a layernorm model, got {cfg.norm.kind}')
-  require(cfg.norm.placement == 'pre', f'config.to=rmsnorm needs norm placement pre (the '
-          f'equivalence uses that only norms read the stream), got {cfg.norm.placement}')
-  require(not cfg.sharing.untie_norms and not cfg.sharing.lora_rank,
-          'conversion of norms supports untie_norms=False and lora_rank=0 (folding into tied '
-          'readers would untie them)')
+  compat.check_action('convert_rmsnorm', cfg.table_config(), 'config.to=rmsnorm')
   new_cfg = cfg.derive(norm={'kind': 'rmsnorm'}, reader_bias=True,
                        center_embedding=cfg.center_embedding or cfg.tie_embeddings)
   table, new_table = param_table(cfg), param_table(new_cfg)
@@ -148,12 +145,8 @@ def fold_unified_norm(cfg: ModelConfig, variables: Any, stats: Any) -> tuple[Mod
   norm_stats collection (TrainState.tstate)."""
   require(cfg.norm.kind == 'unified_norm', f'config.to=fold_unified_norm needs a model with '
           f'model.norm.kind=unified_norm, got {cfg.norm.kind}; valid: a unified_norm run')
-  require(cfg.norm.placement == 'pre', f'config.to=fold_unified_norm needs norm placement pre '
-          f'(only the readers read a norm), got {cfg.norm.placement}')
-  require(cfg.sharing.scheme == 'untied' and not cfg.sharing.untie_norms and
-          not cfg.sharing.lora_rank, f'config.to=fold_unified_norm folds each applied layer\'s '
-          f'statistics into its own readers, which a tied plan ({cfg.sharing.scheme}) shares; '
-          f'valid: an untied model without depth-wise LoRA')
+  compat.check_action('convert_fold_unified_norm', cfg.table_config(),
+                      'config.to=fold_unified_norm')
   new_cfg = cfg.derive(norm={'kind': 'none'}, reader_bias=True, tie_embeddings=False)
   table, new_table = param_table(cfg), param_table(new_cfg)
   flat = {('params',) + k: v for k, v in flatten_dict(variables['params']).items()}
@@ -213,12 +206,9 @@ def writers_zero_mean(cfg: ModelConfig, variables: Any, tol: float = 1e-5) -> bo
 
 def rms_to_crms(cfg: ModelConfig, variables: Any) -> tuple[ModelConfig, Any]:
   """Pre-RMSNorm over a zero-mean stream -> Pre-CRMSNorm on d_model - 1 coordinates."""
-  require(cfg.norm.kind == 'rmsnorm' and cfg.norm.placement == 'pre',
-          f'config.to=crmsnorm needs a pre-rmsnorm model, got '
-          f'{cfg.norm.placement}-{cfg.norm.kind}; '
-          f'convert a layernorm model with config.to=rmsnorm first')
-  require(not cfg.sharing.untie_norms and not cfg.sharing.lora_rank,
-          'conversion of norms supports untie_norms=False and lora_rank=0')
+  require(cfg.norm.kind == 'rmsnorm', f'config.to=crmsnorm needs an rmsnorm model, got '
+          f'{cfg.norm.kind}; convert a layernorm model with config.to=rmsnorm first')
+  compat.check_action('convert_crmsnorm', cfg.table_config(), 'config.to=crmsnorm')
   require(writers_zero_mean(cfg, variables),
           'the residual writers are not zero-mean, so RMSNorm -> CRMSNorm would change the '
           'function; valid sources: a config.to=rmsnorm conversion or a model trained with '

@@ -16,6 +16,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+from sharenet.config import compat
 from sharenet.errors import require
 from sharenet.models import ModelConfig, layout
 from sharenet.models.accounting import params_unique
@@ -96,16 +97,7 @@ def to_head_shared(cfg: ModelConfig, variables: Any, share_rate: float
   number of distinct heads and the stored parameters once every duplicated head is counted
   once, `params_unique`).
   """
-  require(cfg.sharing.scheme == 'untied', f'config.to=head_shared needs an untied source, got '
-          f'{cfg.sharing.scheme}')
-  require(cfg.attention_sharing == 'none' and not cfg.atom_kernels and not cfg.sharing.lora_rank,
-          'config.to=head_shared needs plain q, k, v, o kernels; valid: '
-          'model.attention_sharing=none, model.masa.atoms=0, model.sharing.lora_rank=0')
-  require(cfg.kv_heads == cfg.num_heads, f'config.to=head_shared copies whole heads (Q, K, V '
-          f'and O slices); valid: num_kv_heads=0, got {cfg.num_kv_heads}')
-  require(cfg.norm.qk_norm == 'none', f'config.to=head_shared: a QK-norm gain is per layer, not '
-          f'per head, so a copied head would not compute its match; valid: '
-          f'model.norm.qk_norm=none, got {cfg.norm.qk_norm}')
+  compat.check_action('convert_head_shared', cfg.table_config(), 'config.to=head_shared')
   match, best = head_matches(cfg, variables)
   heads = replaced_heads(cfg, best, share_rate)
   src = layout.applied_params(variables['params'], cfg)

@@ -26,6 +26,7 @@ import numpy as np
 from flax.traverse_util import flatten_dict, unflatten_dict
 
 from sharenet.kernels import linalg
+from sharenet.config import compat
 from sharenet.errors import require
 from sharenet.models import DecoderLM, ModelConfig, init_variables, layout, param_table
 from sharenet.models.params import PER_LAYER
@@ -48,6 +49,8 @@ def merge_lora_experts(cfg: ModelConfig, variables: Any, weights: Any
   `weights` (N,) for every layer or (num_layers, N) per applied layer (module docstring)."""
   N, L = cfg.moe.lora_experts, cfg.num_layers
   require(N > 0, 'merge_lora_experts needs a model with model.moe.lora_experts >= 1')
+  compat.check_action('convert_merge_lora_experts', cfg.table_config(),
+                      'config.to=merge_lora_experts')
   w_LN = np.array(np.broadcast_to(np.asarray(weights, np.float32), (L, N)))
   new_cfg = cfg.derive(moe={'lora_experts': 0})
   target = jax.eval_shape(lambda: init_variables(DecoderLM(new_cfg), jax.random.key(0)))

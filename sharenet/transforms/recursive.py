@@ -30,6 +30,7 @@ from flax.traverse_util import flatten_dict, unflatten_dict
 
 from sharenet.kernels import linalg
 from sharenet.models import sharing
+from sharenet.config import compat
 from sharenet.errors import require
 from sharenet.models import DecoderLM, ModelConfig, init_variables, layout, param_table
 from sharenet.models.sections import LORA_LAYERS
@@ -66,8 +67,7 @@ def to_recursive(cfg: ModelConfig, variables: Any, scheme: str, num_unique: int,
                  calibration: np.ndarray | None = None) -> tuple[ModelConfig, Any]:
   """Untied -> recursive with `num_unique` stored sets (see the module docstring);
   init=similar reads `calibration` (N, T) tokens."""
-  require(cfg.sharing.scheme == 'untied',
-          f'config.to=recursive needs an untied source, got {cfg.sharing.scheme}')
+  compat.check_action('convert_recursive', cfg.table_config(), 'config.to=recursive')
   require(scheme in RECURSIVE_SCHEMES,
           f'config.scheme={scheme!r} is unknown; valid: {", ".join(RECURSIVE_SCHEMES)}')
   require(init in INITS, f'config.init={init!r} is unknown; valid: {", ".join(INITS)}')
@@ -82,7 +82,6 @@ def to_recursive(cfg: ModelConfig, variables: Any, scheme: str, num_unique: int,
     pattern = ','.join(map(str, groups))
   require(lora_init in ('zero', 'svd'),
           f'config.lora_init={lora_init!r} is unknown; valid: zero, svd')
-  require(not cfg.sharing.lora_rank, 'the source already has depth-wise LoRA; valid: lora_rank=0')
   require(lora_layers in LORA_LAYERS, f'config.lora_layers={lora_layers!r} is unknown; valid: '
           f'{", ".join(LORA_LAYERS)}')
   new_cfg = cfg.derive(sharing={

@@ -132,7 +132,54 @@ def test_row_traces(row, tiny_config, monkeypatch):
   _trace(tiny_config, row, monkeypatch)
 
 
-ACTION_ROWS = [r for r in ROWS if {'generation', 'loop_inference', 'test_time_depth'} & set(r)]
+CONVERSION_ACTIONS = {f'convert_{to}' for to in compat.CONVERSIONS}
+ACTION_ROWS = [r for r in ROWS if {'generation', 'loop_inference', 'test_time_depth',
+                                   *CONVERSION_ACTIONS} & set(r)]
+# Options of each conversion on a row's 4-layer model; rmsnorm, crmsnorm and fold_unified_norm
+# compute the source's function (eval mode), the others build a model of their own.
+CONVERSION_OPTIONS = {'recursive': {'num_unique': 2}, 'merge_lora_experts': {'expert_weights': '1,0'}}
+PRESERVING = ('rmsnorm', 'crmsnorm', 'fold_unified_norm')
+
+
+def _convert(row, exp, state, variables):
+  """The row's conversion (sharenet/main/convert_workdir.py convert_model, the code path of
+  convert.py after restoring) of the initialised model: the converted model applies, and a
+  function-preserving conversion computes the source's logits."""
+  from sharenet.config import defaults
+  from sharenet.main import convert_workdir
+  from sharenet.models import DecoderLM
+  from sharenet.models.norm_stats import NORM_STATS
+  to = next(n for n in row if n in CONVERSION_ACTIONS)[len('convert_'):]
+  # A trained model's parameters: the init's unit gains and zero biases would make a fold of
+  # the norms' affine maps trivially right. Every float parameter moves by 0.2 of its rms.
+  leaves, tree = jax.tree.flatten(state.params)
+  keys = jax.random.split(jax.random.key(1), len(leaves))
+  def jitter(key, x):
+    rms = jnp.sqrt(jnp.mean(jnp.square(x.astype(jnp.float32))))
+    noise = 0.2 * jnp.where(rms > 0, rms, 1.0) * jax.random.normal(key, x.shape)
+    return x + noise.astype(x.dtype)
+  state = state.replace(params=jax.tree.unflatten(tree, [
+      jitter(k, x) if jnp.issubdtype(x.dtype, jnp.floating) else x for k, x in zip(keys, leaves)]))
+  if state.tstate.get(NORM_STATS):   # and statistic: the init's 0 would scale every logit ~1e5
+    state = state.replace(tstate={**state.tstate, NORM_STATS: jax.tree_util.tree_map_with_path(
+        lambda path, x: jnp.ones_like(x) if 'running_var' in str(path[-1]) else x,
+        state.tstate[NORM_STATS])})
+  variables = trainer.effective_params(state, exp.tr, exp.pz)
+  opts = defaults.conversion_config()
+  opts.to = to
+  opts.update(CONVERSION_OPTIONS.get(to, {}))
+  params = jax.device_get(trainer.effective_params(state, exp.tr))
+  new_cfg, new_vars, _ = convert_workdir.convert_model(
+      exp.model.cfg, params, opts, jax.device_get(state.tstate.get(NORM_STATS, {})))
+  tokens = jnp.asarray([[3, 141, 59, 26, 5, 35]])
+  logits = DecoderLM(new_cfg).apply(new_vars, tokens)
+  assert np.all(np.isfinite(np.asarray(logits))), to
+  if to in PRESERVING:   # the maths, in float32 (bfloat16 rounds the two differently)
+    f32 = lambda c: DecoderLM(c.derive(dtype='float32'))
+    want = np.asarray(f32(exp.model.cfg).apply(variables, tokens))
+    got = np.asarray(f32(new_cfg).apply(new_vars, tokens))
+    error = np.max(np.abs(got - want)) / max(np.max(np.abs(want)), 1)
+    assert error <= 1e-4, (to, error)
 
 
 # The serving row holding loop-by-loop inference with the most features.
@@ -143,7 +190,8 @@ SAMPLED_ROW = max((r for r in ACTION_ROWS if 'loop_inference' in r), key=len)
 @pytest.mark.parametrize('row', ACTION_ROWS, ids=[f'actions{i}' for i in range(len(ACTION_ROWS))])
 def test_row_serves(row, tiny_config, monkeypatch):
   """Slow tier: rows holding an action serve from their initialised state (the row's train
-  step is test_row_traces'): cached greedy generation runs, loop-by-loop inference that
+  step is test_row_traces'): a conversion converts it (`_convert`); cached greedy generation
+  runs, loop-by-loop inference that
   never exits early equals it token for token (greedy; sampled under a never-firing kl
   criterion on SAMPLED_ROW: sampling reads the logits greedy decoding compared, with no
   feature of its own); at test-time depth the plan's R through a schedule is the plan and
@@ -157,6 +205,8 @@ def test_row_serves(row, tiny_config, monkeypatch):
   exp = trainer.setup(config, experiment.validate(config))
   state = trainer.init_state(exp.model, exp.tx, jax.random.key(0), exp.tr, exp.pz)
   variables = trainer.effective_params(state, exp.tr, exp.pz)
+  if CONVERSION_ACTIONS & set(row):   # a conversion row holds no other action
+    return _convert(row, exp, state, variables)
   prompts = [[3, 141, 59], [27]]
   greedy = gen.generate(exp.model, variables, prompts, 3, temperature=0).tokens
   assert [len(t) for t in greedy] == [3, 3]

@@ -32,14 +32,18 @@ def feature_keys() -> dict[str, set[str]]:
 
 
 def pair_raises(source: str, keys: dict[str, set[str]]) -> list[tuple[int, tuple[str, ...]]]:
-  """(line, feature keys) of each `raise ConfigError(...)` in `source` whose message names the
-  keys of two features that no single feature sets together."""
+  """(line, feature keys) of each `raise ConfigError(...)` or `require(...)` in `source` whose
+  message names the keys of two features that no single feature sets together."""
   found = []
   for node in ast.walk(ast.parse(source)):
-    if not (isinstance(node, ast.Raise) and node.exc is not None):
-      continue
-    text = ast.get_source_segment(source, node) or ''
-    if 'ConfigError' not in text:
+    if isinstance(node, ast.Raise) and node.exc is not None:
+      text = ast.get_source_segment(source, node) or ''
+      if 'ConfigError' not in text:
+        continue
+    elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and
+          node.func.id == 'require'):   # sharenet.errors.require raises a ConfigError
+      text = ast.get_source_segment(source, node) or ''
+    else:
       continue
     named = tuple(sorted({k for k in KEY.findall(text) if k in keys}))
     if len(named) < 2:
@@ -73,3 +77,5 @@ def test_the_search_finds_a_restated_refusal():
   assert pair_raises(restated, keys) == [(2, ('train.optimizer', 'transforms.updates'))]
   one_feature = "raise ConfigError('transforms.project=nap needs model.norm.pre_activation')\n"
   assert pair_raises(one_feature, keys) == []
+  required = "require(ok, 'model.norm.placement=post with model.sharing.untie_norms=True')\n"
+  assert pair_raises(required, keys) == [(1, ('model.norm.placement', 'model.sharing.untie_norms'))]

@@ -146,4 +146,4 @@ def test_other_conversions_refuse_expert_parts(tmp_path):
   opts.to = 'rmsnorm'
   with pytest.raises(ConfigError) as e:
     convert_workdir.convert_workdir(str(tmp_path), str(tmp_path / 'out'), opts)
-  assert '\n' not in str(e.value) and 'valid: merge_lora_experts' in str(e.value)
+  assert '\n' not in str(e.value) and 'does not know SwitchHead' in str(e.value)

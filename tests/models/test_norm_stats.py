@@ -96,7 +96,7 @@ def test_a_conversion_of_a_powernorm_run_is_one_line(tmp_path, tiny_config):
   loop.train_and_evaluate(tiny_config(**{**POWERNORM, 'train.steps': 2}), src)
   opts = defaults.conversion_config()
   opts.update(to='recursive', scheme='universal', num_unique=1, init='average')
-  with pytest.raises(ConfigError, match='does not carry its running statistics') as e:
+  with pytest.raises(ConfigError, match='does not carry the running statistics') as e:
     convert_workdir.convert_workdir(src, str(tmp_path / 'out'), opts)
   assert '\n' not in str(e.value) and not (tmp_path / 'out').exists()
   # eval.py's path (eval mode, the running statistics) reads the run back
@@ -131,6 +131,6 @@ def test_fold_unified_norm_keeps_the_eval_loss(tmp_path, tiny_config):
   loop.train_and_evaluate(tiny_config(**{
       'model.norm.kind': 'unified_norm', 'model.sharing.scheme': 'universal',
       'model.sharing.num_unique': 1, 'train.steps': 1}), tied)
-  with pytest.raises(ConfigError, match='valid: an untied model'):
+  with pytest.raises(ConfigError, match='it converts a model with model.sharing.scheme=untied'):
     convert_workdir.convert_workdir(tied, str(tmp_path / 'y'), opts)
   assert not (tmp_path / 'y').exists()
