@@ -89,6 +89,13 @@ def path_fraction(relpath: str) -> float:
   return int(digest[:16], 16) / 2**64
 
 
+def text_fraction(text: str) -> float:
+  """A record's place in [0, 1) (sharenet/data/records.py): a salted sha1 of its text, so its
+  split does not depend on the container or the row it sits in."""
+  digest = hashlib.sha1((SPLIT_SALT + 'record:' + text).encode('utf-8', 'replace')).hexdigest()
+  return int(digest[:16], 16) / 2**64
+
+
 def is_val_path(relpath: str, val_fraction: float = TEXT_VAL_FRACTION) -> bool:
   """Whether a file of a text glob belongs to the validation split: the one rule of
   data.source=text and prepare (a file keeps its split when others are added)."""

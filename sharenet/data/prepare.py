@@ -3,10 +3,15 @@
   python -m sharenet.data.prepare --input 'GLOB' --tokenizer SPEC --out DIR \
       [--shards N] [--val_shards M] [--val_fraction F] [--workers W]
   python -m sharenet.data.prepare --input stdlib --tokenizer SPEC --out DIR
+  python -m sharenet.data.prepare --input 'DIR/*.parquet' [--text_field text] ...
+  python -m sharenet.data.prepare --input hf:NAME[:CONFIG] [--split train] ...
 
 Documents: one file matched by `--input` (a recursive glob; files only, sorted) is one
 document, decoded as UTF-8 (an invalid byte becomes U+FFFD, counted in the summary).
 `--input stdlib` is the embedded corpus (sharenet/data/corpus.py): the stdlib `.py` files.
+Records (sharenet/data/records.py): a glob of parquet, Arrow or JSON-lines files, or a Hugging
+Face dataset `hf:NAME[:CONFIG]` (`--split`, streamed through `datasets`; NAME may be a local
+dataset directory), one row per document, its text the column `--text_field`.
 
 Splits: the rule of `data.source=text` (`corpus.text_splits`): a document is validation iff
 `int(sha1(corpus.SPLIT_SALT + relpath)[:16], 16) / 2**64 < val_fraction`, relpath relative to the
@@ -19,7 +24,11 @@ stdlib the split is `corpus.is_val_file` (the split the byte-level runs use) and
 
 Shards: within a split, documents in sorted relpath order go round-robin to
 `min(N, documents)` shards (M for validation; no shard is empty, an empty split has none):
-document k -> shard k mod n, in order. Tokenization runs in `--workers` spawned processes
+document k -> shard k mod n, in order. Records shard by unit (a file, or a dataset's source
+shard): the units holding documents of a split go round-robin to `min(N, those units)` shards,
+each shard their documents in unit and row order, so one file gives one shard per split. A
+record's split is by a hash of its text (records.py), so the same documents give the same shards
+from any container; a listing pass reads every unit once to count them. Tokenization runs in `--workers` spawned processes
 (order preserved), so the output does not depend on W.
 
 On-disk format ("sharenet-arrayrecord-v1", read by sharenet/data/pipeline.py):
@@ -32,6 +41,9 @@ On-disk format ("sharenet-arrayrecord-v1", read by sharenet/data/pipeline.py):
                  "documents": int, "tokens": int (EOD included), "bytes": int (UTF-8 bytes of
                  the documents' text)}}}
   DIR/progress.json  the arguments and the finished shards with their counts.
+
+Bad input (a missing column, a value that is not text, a unit without rows, an input that
+leaves a split empty) is one error line, and a first run that fails leaves nothing in --out.
 
 Restartable: a shard is written to a `.tmp` name, renamed when complete, then listed in
 progress.json; a re-run with the same arguments skips listed shards and writes the rest, and
@@ -57,7 +69,7 @@ from typing import Any, Callable
 import numpy as np
 
 from sharenet.config import cli
-from sharenet.data import corpus, tokenizer as tokenizer_lib
+from sharenet.data import corpus, records, tokenizer as tokenizer_lib
 from sharenet.errors import ConfigError
 
 FORMAT = 'sharenet-arrayrecord-v1'
@@ -79,6 +91,11 @@ def list_documents(input_glob: str, val_fraction: float, max_documents: int = 0
     root, docs = corpus.stdlib_splits()
   else:
     root, docs = corpus.text_splits(input_glob, '--input', val_fraction)
+  mixed = [rel for d in docs.values() for rel in d if rel.endswith(records.SUFFIXES)]
+  if mixed:
+    raise ConfigError(f'--input={input_glob!r} matches {mixed[0]}, a record file, beside text '
+                      f'files; valid: one kind per --input (a glob ending in '
+                      f'{", ".join(records.SUFFIXES)}, or text files)')
   if max_documents:
     docs = {**docs, 'train': docs['train'][:max_documents]}
   for split in SPLITS:
@@ -148,8 +165,17 @@ def _read_text(path: str) -> tuple[str, bool]:
 
 def _encode_files(paths: list[str]) -> list[tuple[bytes, int, int, bool]]:
   """(record bytes, tokens incl. EOD, UTF-8 bytes, had invalid UTF-8) per path."""
-  tok = _WORKER_TOKENIZER
   texts, invalid = zip(*(_read_text(p) for p in paths))
+  return _encode(texts, invalid)
+
+
+def _encode_texts(texts: list[str]) -> list[tuple[bytes, int, int, bool]]:
+  """`_encode_files` of texts already read (records)."""
+  return _encode(texts, [False] * len(texts))
+
+
+def _encode(texts, invalid) -> list[tuple[bytes, int, int, bool]]:
+  tok = _WORKER_TOKENIZER
   out = []
   for text, ids, bad in zip(texts, tok.encode_batch(texts), invalid):
     record = np.append(ids.astype('<u4'), np.asarray([tok.eod_id], '<u4'))
@@ -185,11 +211,14 @@ def prepare(input_glob: str, spec: str, out: str, shards: int = 8, val_shards: i
             val_fraction: float = corpus.TEXT_VAL_FRACTION, workers: int = 1,
             progress_bar: bool = False,
             on_shard_done: Callable[[str], None] | None = None,
-            max_documents: int = 0) -> dict[str, Any]:
+            max_documents: int = 0, text_field: str = 'text',
+            split: str = 'train') -> dict[str, Any]:
   """Writes the shards and meta.json of `input_glob` into `out`; returns the meta dict.
 
+  `text_field` and `split` apply to records (a record glob, or hf:NAME[:CONFIG] and its split).
   `on_shard_done(name)` runs after each shard this call writes (tests use it to interrupt).
   Returns meta plus, under key 'written' (not in meta.json), the shards this call wrote.
+  A first run into a new or empty `out` that fails on bad input leaves `out` as it found it.
   """
   if shards < 1 or val_shards < 1:
     raise ConfigError(f'--shards={shards} and --val_shards={val_shards} must be >= 1')
@@ -199,52 +228,44 @@ def prepare(input_glob: str, spec: str, out: str, shards: int = 8, val_shards: i
     raise ConfigError(f'--workers={workers} must be >= 1')
   if max_documents < 0:
     raise ConfigError(f'--max_documents={max_documents} must be >= 0 (0: all)')
+  is_records = records.is_records(input_glob)
+  if is_records and max_documents:
+    raise ConfigError('--max_documents applies to text globs and stdlib; valid: a records '
+                      'input without it (give fewer files)')
+  if not is_records and (text_field != 'text' or split != 'train'):
+    raise ConfigError(f'--text_field / --split apply to records (parquet, Arrow, JSON lines, '
+                      f'hf:NAME); --input={input_glob!r} is text files')
   tok = tokenizer_lib.load(spec, '--tokenizer')
-  root, docs = list_documents(input_glob, val_fraction, max_documents)
-  fingerprint = _fingerprint(input_glob, spec, root, docs, shards, val_shards, val_fraction,
-                             max_documents)
-  progress = _load_progress(out, fingerprint)
-  os.makedirs(out, exist_ok=True)
-
-  plan = []   # (split, name, document paths) of every shard, in order
-  for split, requested in zip(SPLITS, (shards, val_shards)):
-    n = min(requested, len(docs[split]))
-    for i in range(n):
-      plan.append((split, shard_name(split, i, n),
-                   [os.path.join(root, rel) for rel in docs[split][i::n]]))
-  todo = [(s, name, paths) for s, name, paths in plan
-          if name not in progress['done'] or not os.path.exists(os.path.join(out, name))]
-
-  written, invalid_utf8 = [], 0
-  if todo:
-    from tqdm import tqdm
-    bar = tqdm(total=sum(len(p) for _, _, p in todo), unit='doc', disable=not progress_bar,
-               desc=f'prepare {os.path.basename(os.path.normpath(out))}', file=sys.stderr)
-    pool = (multiprocessing.get_context('spawn').Pool(workers, _init_worker, (spec,))
-            if workers > 1 else None)
-    if pool is None:
-      _init_worker(spec)
-    try:
-      for split, name, paths in todo:
-        invalid_utf8 += _write_shard(out, name, paths, pool, bar, progress, split)
-        written.append(name)
-        if on_shard_done is not None:
-          on_shard_done(name)
-    finally:
-      bar.close()
-      if pool is not None:
-        pool.terminate()
-        pool.join()
+  created = not os.path.exists(out)
+  owned = created or (os.path.isdir(out) and not os.listdir(out))
+  try:
+    if is_records:
+      plan, fingerprint, encode = _record_plan(input_glob, spec, shards, val_shards,
+                                               val_fraction, text_field, split)
+    else:
+      plan, fingerprint, encode = _text_plan(input_glob, spec, shards, val_shards, val_fraction,
+                                             max_documents)
+    progress = _load_progress(out, fingerprint)
+    os.makedirs(out, exist_ok=True)
+    written, invalid_utf8 = _write_shards(out, plan, progress, spec, encode, workers,
+                                          progress_bar, on_shard_done)
+  except ConfigError:   # a run that finished no shard leaves `out` as it found it
+    if owned and os.path.isdir(out) and not os.path.exists(os.path.join(out, 'progress.json')):
+      if created:
+        shutil.rmtree(out)
+      else:
+        for n in os.listdir(out):
+          os.remove(os.path.join(out, n))
+    raise
 
   meta = {'format': FORMAT, 'tokenizer': _copy_tokenizer(spec, out),
           'tokenizer_source': spec, 'vocab_size': tok.vocab_size,
           'eod_id': tok.eod_id, 'dtype': 'uint32', 'splits': {}}
-  for split in SPLITS:
-    names = [name for s, name, _ in plan if s == split]
+  for s in SPLITS:
+    names = [name for split_, name, _ in plan if split_ == s]
     counts = [progress['done'][name] for name in names]
-    meta['splits'][split] = {'shards': names,
-                             **{k: sum(c[k] for c in counts)
-                                for k in ('documents', 'tokens', 'bytes')}}
+    meta['splits'][s] = {'shards': names,
+                         **{k: sum(c[k] for c in counts) for k in ('documents', 'tokens', 'bytes')}}
   _write_json(os.path.join(out, 'meta.json'), meta)
   if invalid_utf8:
     print(f'note: {invalid_utf8} document(s) had invalid UTF-8 bytes (read as U+FFFD)',
@@ -252,12 +273,111 @@ def prepare(input_glob: str, spec: str, out: str, shards: int = 8, val_shards: i
   return {**meta, 'written': written}
 
 
-def _write_shard(out: str, name: str, paths: list[str], pool: Any, bar: Any,
+def _text_plan(input_glob, spec, shards, val_shards, val_fraction, max_documents):
+  """Text files: (plan [(split, shard name, items: a callable giving its document paths)],
+  fingerprint, the worker's encode function)."""
+  root, docs = list_documents(input_glob, val_fraction, max_documents)
+  fingerprint = _fingerprint(input_glob, spec, root, docs, shards, val_shards, val_fraction,
+                             max_documents)
+  plan = []
+  for split, requested in zip(SPLITS, (shards, val_shards)):
+    n = min(requested, len(docs[split]))
+    for i in range(n):
+      paths = [os.path.join(root, rel) for rel in docs[split][i::n]]
+      plan.append((split, shard_name(split, i, n), lambda paths=paths: iter(paths)))
+  return plan, fingerprint, _encode_files
+
+
+def _record_split(text: str, val_fraction: float) -> str:
+  return 'validation' if corpus.text_fraction(text) < val_fraction else 'train'
+
+
+def _record_plan(input_spec, spec, shards, val_shards, val_fraction, text_field, split):
+  """Records (sharenet/data/records.py): the plan of `_text_plan` by unit, after a listing pass
+  that counts each unit's documents per split (and meets any bad record first)."""
+  units = records.units(input_spec, split)
+  counts = []
+  for u in units:
+    c = dict.fromkeys(SPLITS, 0)
+    for text in u.texts(text_field):
+      c[_record_split(text, val_fraction)] += 1
+    counts.append(c)
+  for s in SPLITS:
+    if not sum(c[s] for c in counts):
+      raise ConfigError(f'--input={input_spec!r}: --val_fraction={val_fraction} leaves the {s} '
+                        f'split without a document (of {sum(sum(c.values()) for c in counts)}); '
+                        f'valid: more documents, or a val_fraction '
+                        f'{"above" if s == "validation" else "below"} this one')
+  listing = hashlib.sha256()
+  for u, c in zip(units, counts):
+    listing.update(f'{u.name}\0{u.size}\0{c["train"]}\0{c["validation"]}\n'.encode())
+  _, _, tok_path = spec.partition(':')
+  fingerprint = {'input': input_spec, 'tokenizer': spec,
+                 'tokenizer_file_sha256': (tokenizer_lib.file_sha256(os.path.expanduser(tok_path))
+                                           if tok_path else ''),
+                 'documents_sha256': listing.hexdigest(), 'shards': shards,
+                 'val_shards': val_shards, 'val_fraction': val_fraction,
+                 'text_field': text_field, 'split': split}
+
+  def texts(held, s):
+    for u in held:
+      yield from (t for t in u.texts(text_field) if _record_split(t, val_fraction) == s)
+
+  plan = []
+  for s, requested in zip(SPLITS, (shards, val_shards)):
+    holding = [u for u, c in zip(units, counts) if c[s]]
+    n = min(requested, len(holding))
+    for i in range(n):
+      plan.append((s, shard_name(s, i, n), lambda held=holding[i::n], s=s: texts(held, s)))
+  return plan, fingerprint, _encode_texts
+
+
+def _write_shards(out, plan, progress, spec, encode, workers, progress_bar, on_shard_done):
+  """Writes the plan's shards progress.json does not list; (shards written, invalid UTF-8)."""
+  todo = [(s, name, items) for s, name, items in plan
+          if name not in progress['done'] or not os.path.exists(os.path.join(out, name))]
+  written, invalid_utf8 = [], 0
+  if not todo:
+    return written, invalid_utf8
+  from tqdm import tqdm
+  bar = tqdm(unit='doc', disable=not progress_bar,
+             desc=f'prepare {os.path.basename(os.path.normpath(out))}', file=sys.stderr)
+  pool = (multiprocessing.get_context('spawn').Pool(workers, _init_worker, (spec,))
+          if workers > 1 else None)
+  if pool is None:
+    _init_worker(spec)
+  try:
+    for split, name, items in todo:
+      invalid_utf8 += _write_shard(out, name, items(), encode, pool, bar, progress, split)
+      written.append(name)
+      if on_shard_done is not None:
+        on_shard_done(name)
+  finally:
+    bar.close()
+    if pool is not None:
+      pool.terminate()
+      pool.join()
+  return written, invalid_utf8
+
+
+def _batches(items, size: int = _BATCH_DOCS):
+  batch = []
+  for item in items:
+    batch.append(item)
+    if len(batch) == size:
+      yield batch
+      batch = []
+  if batch:
+    yield batch
+
+
+def _write_shard(out: str, name: str, items, encode, pool: Any, bar: Any,
                  progress: dict[str, Any], split: str) -> int:
-  """Writes one shard (temp name, then rename) and records it in progress.json."""
+  """Writes one shard (temp name, then rename) and records it in progress.json; `items`
+  (document paths, or texts) go to the workers' `encode` in batches."""
   from array_record.python.array_record_module import ArrayRecordWriter
-  batches = [paths[i:i + _BATCH_DOCS] for i in range(0, len(paths), _BATCH_DOCS)]
-  results = pool.imap(_encode_files, batches) if pool is not None else map(_encode_files, batches)
+  batches = _batches(items)
+  results = pool.imap(encode, batches) if pool is not None else map(encode, batches)
   tmp = os.path.join(out, name + '.tmp')
   writer = ArrayRecordWriter(tmp, WRITER_OPTIONS)
   counts = {'documents': 0, 'tokens': 0, 'bytes': 0}
@@ -271,8 +391,11 @@ def _write_shard(out: str, name: str, paths: list[str], pool: Any, bar: Any,
         counts['bytes'] += n_bytes
         invalid += bad
       bar.update(len(batch))
-  finally:
+  except BaseException:
     writer.close()
+    os.remove(tmp)   # nothing half-written stays
+    raise
+  writer.close()
   os.replace(tmp, os.path.join(out, name))
   progress['done'][name] = {'split': split, **counts}
   _write_json(os.path.join(out, 'progress.json'), progress)
@@ -288,7 +411,8 @@ def main(argv: list[str]) -> None:
                       'corpus.is_val_file)')
   meta = prepare(_INPUT.value, _TOKENIZER.value, _OUT.value, _SHARDS.value, _VAL_SHARDS.value,
                  _VAL_FRACTION.value, _WORKERS.value, progress_bar=True,
-                 max_documents=_MAX_DOCUMENTS.value)
+                 max_documents=_MAX_DOCUMENTS.value, text_field=_TEXT_FIELD.value,
+                 split=_SPLIT.value)
   for split, s in meta['splits'].items():
     print(f'{split}: {s["documents"]} documents, {s["tokens"]} tokens, {s["bytes"]} bytes, '
           f'{len(s["shards"])} shards')
@@ -299,7 +423,13 @@ if __name__ == '__main__':
   from absl import flags
 
   _INPUT = flags.DEFINE_string('input', None, "Quoted glob of text files (one file = one "
-                               "document), or 'stdlib' for the embedded corpus.", required=True)
+                               "document), of parquet / .arrow / .jsonl[.gz] / .json.gz files "
+                               "(one row = one document), hf:NAME[:CONFIG] (a Hugging Face "
+                               "dataset, streamed), or 'stdlib' for the embedded corpus.",
+                               required=True)
+  _TEXT_FIELD = flags.DEFINE_string('text_field', 'text', 'Records: the column of the text.')
+  _SPLIT = flags.DEFINE_string('split', 'train', 'hf:NAME: the dataset split to read (its '
+                               'documents are then split into train / validation by hash).')
   _TOKENIZER = flags.DEFINE_string('tokenizer', 'bytes', 'bytes | sentencepiece:PATH | hf:PATH.')
   _OUT = flags.DEFINE_string('out', None, 'Output directory.', required=True)
   _SHARDS = flags.DEFINE_integer('shards', 8, 'Train shards (fewer if fewer documents).')
