@@ -241,6 +241,8 @@ def default_config() -> ml_collections.ConfigDict:
                               # text, the shards' own for arrayrecord, none for bin
   d.segment_mask = False      # arrayrecord: batches carry segment ids, attention stays within
                               # each packed document (sharenet/data/arrayrecord.py)
+  d.shuffle_windows = 0       # arrayrecord: each batch row reads this many packed windows at a
+                              # time and emits them shuffled (0: off; sharenet/data/arrayrecord.py)
   d.eval_tokens = 0           # evaluated validation tokens: 0 -> the whole split; n -> its
                               # first n predicted tokens (quick evals of a big split; the tests)
 

@@ -33,6 +33,15 @@ window's 0..T-1 (not document-relative).
 
 The packing iterator's state is its parent's state before the current document plus the offset
 into it, so `get_state` / `set_state` resume the exact token stream (and stay small).
+
+Window shuffle (`data.shuffle_windows` = K > 0): a row's packed stream cuts long documents
+into consecutive windows, so its next windows are mostly the same document and a short run
+sees few documents. With K, each row reads K windows at a time and emits them in a permutation
+drawn from (its seed, the block number): consecutive steps then see windows from anywhere in
+K * (seq_len + 1) tokens of the row's stream (K at least the row's share of the corpus, in
+windows, shuffles a whole epoch). It costs K windows of memory per row and a read of K windows
+at a block's start; its state is the packing state at the block's start, the block number and
+the position, so a resume reads the block again and continues exactly.
 """
 from __future__ import annotations
 
@@ -164,6 +173,50 @@ class PackDataset(grain.IterDataset):
     return _PackIterator(self._parent.__iter__(), self._window)
 
 
+class _ShuffleIterator(grain.DatasetIterator):
+  """The parent's windows in blocks of `block`: each block is read whole and emitted in a
+  permutation drawn from (seed, block number)."""
+
+  def __init__(self, parent: grain.DatasetIterator, block: int, seed: int):
+    super().__init__(parent)
+    self._block, self._seed = block, seed
+    self._start = parent.get_state()   # the parent's state before the current block
+    self._number, self._pos, self._windows, self._order = -1, block, [], None
+
+  def _read_block(self) -> None:
+    self._windows = [next(self._parent) for _ in range(self._block)]
+    self._order = np.random.default_rng((self._seed, self._number)).permutation(self._block)
+
+  def __next__(self) -> np.ndarray:
+    if self._pos == self._block:
+      self._start, self._number, self._pos = self._parent.get_state(), self._number + 1, 0
+      self._read_block()
+    self._pos += 1
+    return self._windows[self._order[self._pos - 1]]
+
+  def get_state(self) -> dict[str, Any]:
+    done = self._pos == self._block   # then the next block starts where the parent stands
+    return {'start': self._parent.get_state() if done else self._start,
+            'number': self._number, 'pos': self._pos}
+
+  def set_state(self, state: dict[str, Any]) -> None:
+    self._start, self._number, self._pos = state['start'], int(state['number']), int(state['pos'])
+    self._parent.set_state(self._start)
+    if self._pos < self._block:   # the current block, read again
+      self._read_block()
+
+
+class ShuffleWindows(grain.IterDataset):
+  """`parent`'s windows shuffled in blocks of `block` (data.shuffle_windows)."""
+
+  def __init__(self, parent: grain.IterDataset, block: int, seed: int):
+    super().__init__(parent)
+    self._block, self._seed = block, seed
+
+  def __iter__(self) -> _ShuffleIterator:
+    return _ShuffleIterator(self._parent.__iter__(), self._block, self._seed)
+
+
 class _ToBatch(grain.transforms.Map):
   """uint32 (B, W) windows -> int32 tokens, or {'tokens', 'segment_ids'} with the segment mask."""
 
@@ -182,8 +235,10 @@ def _stack(rows: tuple[np.ndarray, ...]) -> np.ndarray:
 
 
 def train_dataset(path: str, seq_len: int, local_batch: int, seed: int, process_index: int = 0,
-                  process_count: int = 1, segment_mask: bool = False) -> grain.IterDataset:
-  """Endless batches (local_batch, seq_len + 1): one packed stream per row (module doc)."""
+                  process_count: int = 1, segment_mask: bool = False,
+                  shuffle_windows: int = 0) -> grain.IterDataset:
+  """Endless batches (local_batch, seq_len + 1): one packed stream per row (module doc), its
+  windows shuffled in blocks of `shuffle_windows` (0: in stream order)."""
   slice_ = grain.MapDataset.source(source(path, 'train'))[process_index::process_count]
   if len(slice_) < local_batch:
     raise ConfigError(f'data.path={path!r}: process {process_index} has {len(slice_)} train '
@@ -194,7 +249,9 @@ def train_dataset(path: str, seq_len: int, local_batch: int, seed: int, process_
     docs = slice_[r::local_batch].shuffle(seed=seed + 7919 * r).repeat().map(decode)
     # One record read per document; reading threads only add GIL churn at these sizes.
     it_ds = docs.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
-    rows.append(PackDataset(it_ds, seq_len + 1))
+    packed = PackDataset(it_ds, seq_len + 1)
+    rows.append(ShuffleWindows(packed, shuffle_windows, seed + 7919 * r + 1)
+                if shuffle_windows else packed)
   eod_id = meta(path)['eod_id'] if segment_mask else None
   return grain.experimental.ZipIterDataset(parents=rows).map(_stack).map(_ToBatch(eod_id))
 

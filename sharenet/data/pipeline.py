@@ -93,7 +93,8 @@ def make_train_iterator(data_cfg: Any, seq_len: int, batch_size: int, seed: int,
   if source == 'arrayrecord':
     it_ds = arrayrecord.train_dataset(path, seq_len, batch_size // process_count,
                                       _seed(data_cfg, seed), process_index, process_count,
-                                      corpus.get_field(data_cfg, 'segment_mask'))
+                                      corpus.get_field(data_cfg, 'segment_mask'),
+                                      corpus.get_field(data_cfg, 'shuffle_windows') or 0)
   else:
     num_windows = (len(corpus.load_splits(data_cfg)[0]) - 1) // seq_len
     ds = (grain.MapDataset.range(num_windows)
@@ -124,6 +125,11 @@ def _check_segment_mask(data_cfg: Any, source: str) -> None:
   if corpus.get_field(data_cfg, 'segment_mask') and source != 'arrayrecord':
     raise ConfigError(f'data.segment_mask=True needs documents (data.source=arrayrecord); '
                       f'data.source={source!r} is one token stream')
+  shuffle = corpus.get_field(data_cfg, 'shuffle_windows') or 0
+  if shuffle < 0 or shuffle and source != 'arrayrecord':
+    raise ConfigError(f'data.shuffle_windows={shuffle}: valid: 0 (off), or a number of packed '
+                      f'windows >= 1 with data.source=arrayrecord (data.source={source!r} '
+                      f'already samples its windows uniformly)')
 
 
 def _val_tokens(data_cfg: Any) -> np.ndarray:

@@ -128,6 +128,43 @@ def test_state_resumes_mid_document(corpus_dir):
     np.testing.assert_array_equal(got['segment_ids'], want['segment_ids'])
 
 
+def test_window_shuffle_permutes_each_block_of_a_rows_windows(corpus_dir):
+  """data.shuffle_windows=K: row r's windows k*K .. (k+1)*K - 1 are its unshuffled windows of
+  that block in another order (the stream itself is unchanged)."""
+  K, blocks, batch = 6, 3, 2
+  plain = data.make_train_iterator(_cfg(corpus_dir), 15, batch, seed=7)
+  shuffled = data.make_train_iterator(_cfg(corpus_dir, shuffle_windows=K), 15, batch, seed=7)
+  a = np.stack([next(plain) for _ in range(K * blocks)])      # (steps, B, W)
+  b = np.stack([next(shuffled) for _ in range(K * blocks)])
+  for r in range(batch):
+    for k in range(blocks):
+      want, got = a[k * K:(k + 1) * K, r], b[k * K:(k + 1) * K, r]
+      assert sorted(map(bytes, want.astype(np.uint8))) == sorted(map(bytes, got.astype(np.uint8)))
+      assert not np.array_equal(want, got), (r, k)
+
+
+@pytest.mark.parametrize('steps', [3, 6, 8])   # inside a block, at its end, in the next one
+def test_window_shuffle_resumes_exactly(corpus_dir, steps):
+  cfg = _cfg(corpus_dir, shuffle_windows=6)
+  it = data.make_train_iterator(cfg, 13, 2, seed=3)
+  for _ in range(steps):
+    next(it)
+  state = it.get_state()
+  expected = [next(it) for _ in range(9)]
+  fresh = data.make_train_iterator(cfg, 13, 2, seed=3)
+  fresh.set_state(state)
+  for want in expected:
+    np.testing.assert_array_equal(next(fresh), want)
+
+
+def test_window_shuffle_needs_documents(tmp_path):
+  with pytest.raises(ConfigError, match='data.shuffle_windows=4: valid: 0') as e:
+    data.validate_data_config({'source': 'stdlib', 'shuffle_windows': 4}, 16, 2)
+  assert '\n' not in str(e.value)
+  with pytest.raises(ConfigError, match='data.shuffle_windows=-1'):
+    data.validate_data_config({'source': 'stdlib', 'shuffle_windows': -1}, 16, 2)
+
+
 def test_segment_ids_count_documents_within_window(corpus_dir):
   batch = next(data.make_train_iterator(_cfg(corpus_dir, segment_mask=True), 40, 3, seed=1))
   for row, seg in zip(batch['tokens'], batch['segment_ids']):
