@@ -2,6 +2,8 @@
 
 Command: python -m benchmarks.data_bench [--config.configs=tiny,default]
              [--config.out=benchmarks/results/data_cpu.json]   (from the repository root)
+         python -m benchmarks.data_bench --config.pod=True
+             --config.out=benchmarks/results/data_pod_cpu.json   (`pod_main`, ~2 min)
 Runtime: ~2 min on the 2-core CPU (writing the shards, two train-step compilations, 8 x 5 s of
 pipeline timing).
 Result (2026-12-01, 2-core CPU shared with other jobs, load ~6): the pipeline delivers 6-12x
@@ -111,8 +113,79 @@ def train_tokens_per_sec(config, steps: int) -> tuple[float, float]:
   return t.batch_size * t.seq_len / med, med
 
 
+def roofline_host_rate(path: str = 'benchmarks/results/roofline.json', model: str = '1B',
+                       chip: str = 'TPU v5p', chips_per_host: int = 4) -> dict:
+  """The tokens/s one host must feed for `model` at the roofline's lower-bound step time on
+  `chip` (benchmarks/roofline.py: one chip's step of 8 x 2,048 tokens), per plan."""
+  with open(path) as f:
+    steps = json.load(f)['steps']
+  out = {}
+  for row in steps:
+    if row['model'] == model:
+      t = row['chips'][chip]['t_lower_s']
+      out[row['plan']] = {'chip_step_s': t, 'chip_tokens': row['tokens'],
+                          'host_tokens_per_sec': chips_per_host * row['tokens'] / t}
+  return out
+
+
+def prepare_tokens_per_sec(tmp: str, workers: int, max_documents: int) -> dict:
+  """prepare's rate with the byte-level BPE (train_tokenizer, 4,096 ids) on the first
+  `max_documents` stdlib files: tokens written per second of the whole command's work."""
+  from sharenet.data import prepare, train_tokenizer
+  tok = os.path.join(tmp, 'tok')
+  if not os.path.exists(os.path.join(tok, 'tokenizer.json')):
+    train_tokenizer.train_to_dir(train_tokenizer.stdlib_train_texts(), 4096, tok)
+  out = os.path.join(tmp, f'bpe_w{workers}')
+  t0 = time.perf_counter()
+  meta = prepare.prepare('stdlib', f'hf:{tok}/tokenizer.json', out, shards=4, workers=workers,
+                         max_documents=max_documents)
+  seconds = time.perf_counter() - t0
+  tokens = sum(s['tokens'] for s in meta['splits'].values())
+  return {'workers': workers, 'tokens': tokens, 'seconds': round(seconds, 2),
+          'tokens_per_sec': round(tokens / seconds), 'path': out}
+
+
+def pod_main(args) -> None:
+  """--config.pod: prepare's tokens/s per worker with the BPE, and the loader's batches/s at a
+  pod host's batch (args.pod_batch x args.pod_seq_len) against the rate the roofline says one
+  TPU v5p host (4 chips) needs for a 1B model."""
+  need = roofline_host_rate()
+  rows = []
+  with tempfile.TemporaryDirectory() as tmp:
+    for workers in (1, 2):
+      rows.append(prepare_tokens_per_sec(tmp, workers, args.pod_documents))
+      print(json.dumps({k: v for k, v in rows[-1].items() if k != 'path'}), flush=True)
+    path = rows[-1].pop('path')
+    rows[0].pop('path')
+    B, T = args.pod_batch, args.pod_seq_len
+    loader = []
+    for shuffle in (0, 64):
+      cfg = {'source': 'arrayrecord', 'path': path, 'shuffle_windows': shuffle}
+      it = data.make_train_iterator(cfg, T, B, seed=0)
+      next(it)
+      n, t0 = 0, time.perf_counter()
+      while time.perf_counter() - t0 < args.seconds:
+        next(it)
+        n += 1
+      secs = time.perf_counter() - t0
+      loader.append({'batch': B, 'seq_len': T, 'shuffle_windows': shuffle,
+                     'batches_per_sec': round(n / secs, 2),
+                     'tokens_per_sec': round(n * B * T / secs)})
+      print(json.dumps(loader[-1]), flush=True)
+  result = {'device': jax.devices()[0].device_kind, 'prepare': rows, 'loader': loader,
+            'needed_by_1B_on_v5p_host': need, 'args': args.to_dict()}
+  if args.out:
+    os.makedirs(os.path.dirname(args.out) or '.', exist_ok=True)
+    with open(args.out, 'w') as f:
+      json.dump(result, f, indent=2)
+
+
 def options() -> ml_collections.ConfigDict:
   o = ml_collections.ConfigDict()
+  o.pod = False                # the pod-rate check (pod_main) instead of the config table
+  o.pod_batch = 64             # a host's batch rows and sequence length for --config.pod
+  o.pod_seq_len = 4096
+  o.pod_documents = 600        # stdlib train files prepare tokenizes for --config.pod
   o.configs = 'tiny,default'   # comma list of configs/ names
   o.num_files = 2000           # stdlib files in the train split
   o.num_shards = 8
@@ -129,6 +202,8 @@ _OPTIONS = cli.define_config_dict('config', options(), 'Benchmark options.')
 def main(argv):
   del argv
   args = _OPTIONS.value
+  if args.pod:
+    return pod_main(args)
   rows, datasets = [], {}
   with tempfile.TemporaryDirectory() as tmp:
     for docs, doc_bytes in (('files', 0), (f'{args.doc_bytes}B', args.doc_bytes)):

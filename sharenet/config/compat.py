@@ -283,7 +283,13 @@ def _features() -> tuple[Feature, ...]:
                          refuses=(('masa', atoms),)) for r in ('inv_R', 'inv_sqrt_R')]
   reparams = [_setting(r, 'reparam', 'transforms.reparam', r, contains=True)
               for r in ('zero_mean_writers', 'weight_std', 'weight_norm', 'sigma_reparam',
-                        'weight_conditioning', 'compander')]
+                        'weight_conditioning')]
+  # the compander's scale starts at the matrix's RMS: 0 for a zero-initialised one, and 0 / 0
+  zero_scale = ('the compander\'s scale starts at the matrix\'s RMS, 0 for a zero-initialised '
+                'matrix (its weights would be 0 / 0)')
+  reparams.append(_setting('compander', 'reparam', 'transforms.reparam', 'compander',
+                           contains=True, refuses=(('query_zero_init', zero_scale),
+                                                   ('readout_zero_init', zero_scale))))
   no_gain = 'scale_vectors reparameterises norm gain vectors and this norm has none'
   reparams.append(_setting('scale_vectors', 'reparam', 'transforms.reparam', 'scale_vectors',
                            contains=True, refuses=(('none', no_gain), ('scalenorm', no_gain))))

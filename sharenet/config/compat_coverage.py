@@ -34,7 +34,10 @@ def covering_rows(seed: int = 0, tries: int = 24) -> list[tuple[str, ...]]:
   refused |= {frozenset((a.name, b.name)) for a, b in itertools.combinations(FEATURES, 2)
               if a.axis != b.axis and not is_pair(a, b)}
   todo = {frozenset((a, b)) for a, b, why in pairs() if why is None}
-  actions = {f.name for f in FEATURES if f.action}
+  # the serving actions compile what a row holds; a conversion runs on the row's initialised
+  # model at the cost of a few eager forwards, so its pairs fill the training rows like any
+  # feature's (a conversion and a serving action are never in one row: `refused`)
+  actions = {f.name for f in FEATURES if f.action and f.axis != 'conversion'}
 
   def gain(pair: frozenset, serving: bool) -> int:
     """An uncovered pair of an action weighs more than all other pairs of a row together; a

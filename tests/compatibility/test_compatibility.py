@@ -205,6 +205,7 @@ def test_row_serves(row, tiny_config, monkeypatch):
   exp = trainer.setup(config, experiment.validate(config))
   state = trainer.init_state(exp.model, exp.tx, jax.random.key(0), exp.tr, exp.pz)
   variables = trainer.effective_params(state, exp.tr, exp.pz)
+  assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(variables)), 'a non-finite init'
   if CONVERSION_ACTIONS & set(row):   # a conversion row holds no other action
     return _convert(row, exp, state, variables)
   prompts = [[3, 141, 59], [27]]
