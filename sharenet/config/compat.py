@@ -427,14 +427,14 @@ NORM_FOLDS = (('placement', NORM_PRE), ('untie_norms', TIED_READERS), ('lora', T
               ('python_loop', FOLD_LAYOUT),
               ('masa', 'MASA\'s kernels are combinations of atoms every layer shares, so one '
                        'layer\'s norm cannot be folded into them'))
-ROUTER_READS = (('routing', STREAM_READERS.format('the router')),
+RAW_STREAM_READS = (('routing', STREAM_READERS.format('the router')),
                 ('inject_concat', STREAM_READERS.format('the concat injection\'s adapter')),
                 ('init_normal', 'the random initial state is not zero-mean, as the converted '
                                 'stream must be'))
 CONVERSIONS = {   # config.to: (implied features, own refusals: (an axis, a feature, or
                   # 'norm_stats' (the statistics norms), why))
-    'rmsnorm': (('layernorm',), *NORM_FOLDS, *ROUTER_READS),
-    'crmsnorm': (('layernorm',), *NORM_FOLDS, *ROUTER_READS),
+    'rmsnorm': (('layernorm',), *NORM_FOLDS, *RAW_STREAM_READS),
+    'crmsnorm': (('layernorm',), *NORM_FOLDS, *RAW_STREAM_READS),
     'recursive': (('untied',), ('lora', 'the source already has depth-wise LoRA'),
                   ('norm_stats', NO_STATS)),
     'head_shared': (('untied',), ('attention_sharing', WHOLE_HEADS), ('masa', WHOLE_HEADS),
