@@ -123,13 +123,17 @@ def _fingerprint(input_glob: str, spec: str, root: str, docs: dict[str, list[str
     for rel in docs[split]:
       size = os.path.getsize(os.path.join(root, rel))
       listing.update(f'{split}\0{rel}\0{size}\n'.encode())
-  _, _, tok_path = spec.partition(':')
   return {'input': input_glob, 'tokenizer': spec,
-          'tokenizer_file_sha256': (tokenizer_lib.file_sha256(os.path.expanduser(tok_path))
-                                    if tok_path else ''),
+          'tokenizer_file_sha256': _tokenizer_sha256(spec),
           'documents_sha256': listing.hexdigest(), 'shards': shards, 'val_shards': val_shards,
           'val_fraction': val_fraction if input_glob != 'stdlib' else None,
           **({'max_documents': max_documents} if max_documents else {})}
+
+
+def _tokenizer_sha256(spec: str) -> str:
+  """The tokenizer file's sha256 ('' for bytes): a re-run must use the same file."""
+  _, _, path = spec.partition(':')
+  return tokenizer_lib.file_sha256(os.path.expanduser(path)) if path else ''
 
 
 def _copy_tokenizer(spec: str, out: str) -> str:
@@ -311,10 +315,8 @@ def _record_plan(input_spec, spec, shards, val_shards, val_fraction, text_field,
   listing = hashlib.sha256()
   for u, c in zip(units, counts):
     listing.update(f'{u.name}\0{u.size}\0{c["train"]}\0{c["validation"]}\n'.encode())
-  _, _, tok_path = spec.partition(':')
   fingerprint = {'input': input_spec, 'tokenizer': spec,
-                 'tokenizer_file_sha256': (tokenizer_lib.file_sha256(os.path.expanduser(tok_path))
-                                           if tok_path else ''),
+                 'tokenizer_file_sha256': _tokenizer_sha256(spec),
                  'documents_sha256': listing.hexdigest(), 'shards': shards,
                  'val_shards': val_shards, 'val_fraction': val_fraction,
                  'text_field': text_field, 'split': split}

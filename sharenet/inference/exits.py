@@ -103,30 +103,28 @@ def start(batch: int, vocab: int) -> Track:
 
 def measure(criterion: str, logp_BV: jax.Array, h_BD: jax.Array, prev_h_BD: jax.Array,
             track: Track) -> tuple[jax.Array, Track]:
-  """(B,) the criterion's value at loop r, and loop r's readings (the next loop's `track`).
+  """(B,) the criterion's value at loop r, and the readings the next loop compares with.
   `logp_BV`: log p_r; `h_BD` / `prev_h_BD`: the state after loop r and entering it."""
+  # Only the criterion's own readings are computed and carried (the rest of `track` stays).
   p_BV = jnp.exp(logp_BV)
-  entropy_B = -jnp.sum(p_BV * logp_BV, axis=-1)
-  argmax_B = jnp.argmax(logp_BV, axis=-1).astype(jnp.int32)
-  stable_B = jnp.where(argmax_B == track.argmax_B, track.stable_B + 1, 0)
-  new = Track(logp_BV, entropy_B, argmax_B, stable_B)
   h_BD, prev_h_BD = h_BD.astype(jnp.float32), prev_h_BD.astype(jnp.float32)
   norm_B = jnp.linalg.norm(h_BD, axis=-1)
   if criterion == 'maxprob':
-    value_B = jnp.max(p_BV, axis=-1)
-  elif criterion == 'entropy':
-    value_B = entropy_B
-  elif criterion == 'entropy_change':
-    value_B = jnp.abs(entropy_B - track.entropy_B)
-  elif criterion == 'kl':
-    value_B = jnp.sum(p_BV * (logp_BV - track.logp_BV), axis=-1)
-  elif criterion == 'argmax_stable':
-    value_B = stable_B.astype(jnp.float32)
-  elif criterion == 'latent':
-    value_B = jnp.linalg.norm(h_BD - prev_h_BD, axis=-1) / norm_B
-  else:
-    value_B = jnp.sum(h_BD * prev_h_BD, axis=-1) / (norm_B * jnp.linalg.norm(prev_h_BD, axis=-1))
-  return value_B, new
+    return jnp.max(p_BV, axis=-1), track
+  if criterion in ('entropy', 'entropy_change'):
+    entropy_B = -jnp.sum(p_BV * logp_BV, axis=-1)
+    value_B = entropy_B if criterion == 'entropy' else jnp.abs(entropy_B - track.entropy_B)
+    return value_B, track._replace(entropy_B=entropy_B)
+  if criterion == 'kl':
+    return jnp.sum(p_BV * (logp_BV - track.logp_BV), axis=-1), track._replace(logp_BV=logp_BV)
+  if criterion == 'argmax_stable':
+    argmax_B = jnp.argmax(logp_BV, axis=-1).astype(jnp.int32)
+    stable_B = jnp.where(argmax_B == track.argmax_B, track.stable_B + 1, 0)
+    return stable_B.astype(jnp.float32), track._replace(argmax_B=argmax_B, stable_B=stable_B)
+  if criterion == 'latent':
+    return jnp.linalg.norm(h_BD - prev_h_BD, axis=-1) / norm_B, track
+  cos_B = jnp.sum(h_BD * prev_h_BD, axis=-1) / (norm_B * jnp.linalg.norm(prev_h_BD, axis=-1))
+  return cos_B, track
 
 
 def fires(criterion: str, threshold: jax.Array, value_B: jax.Array) -> jax.Array:
