@@ -243,6 +243,10 @@ def default_config() -> ml_collections.ConfigDict:
                               # each packed document (sharenet/data/arrayrecord.py)
   d.shuffle_windows = 0       # arrayrecord: each batch row reads this many packed windows at a
                               # time and emits them shuffled (0: off; sharenet/data/arrayrecord.py)
+  d.mixture = ''              # arrayrecord: 'DIR_A:0.8,DIR_B:0.2' draws batches from prepared
+                              # directories by weight, in place of data.path
+                              # (sharenet/data/mixture.py)
+  d.mixture_schedule = ''     # 'STEP:W_A/W_B,...': the mixture's weights from each STEP on
   d.eval_tokens = 0           # evaluated validation tokens: 0 -> the whole split; n -> its
                               # first n predicted tokens (quick evals of a big split; the tests)
 

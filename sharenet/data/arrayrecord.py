@@ -234,11 +234,11 @@ def _stack(rows: tuple[np.ndarray, ...]) -> np.ndarray:
   return np.stack(rows)
 
 
-def train_dataset(path: str, seq_len: int, local_batch: int, seed: int, process_index: int = 0,
-                  process_count: int = 1, segment_mask: bool = False,
-                  shuffle_windows: int = 0) -> grain.IterDataset:
-  """Endless batches (local_batch, seq_len + 1): one packed stream per row (module doc), its
-  windows shuffled in blocks of `shuffle_windows` (0: in stream order)."""
+def row_streams(path: str, seq_len: int, local_batch: int, seed: int, process_index: int = 0,
+                process_count: int = 1, shuffle_windows: int = 0) -> list[grain.IterDataset]:
+  """The process's `local_batch` packed window streams (module doc): row r packs documents
+  r, r + B, ... of the process's slice, its windows shuffled in blocks of `shuffle_windows`
+  (0: in stream order)."""
   slice_ = grain.MapDataset.source(source(path, 'train'))[process_index::process_count]
   if len(slice_) < local_batch:
     raise ConfigError(f'data.path={path!r}: process {process_index} has {len(slice_)} train '
@@ -252,8 +252,22 @@ def train_dataset(path: str, seq_len: int, local_batch: int, seed: int, process_
     packed = PackDataset(it_ds, seq_len + 1)
     rows.append(ShuffleWindows(packed, shuffle_windows, seed + 7919 * r + 1)
                 if shuffle_windows else packed)
+  return rows
+
+
+def to_batches(windows: grain.IterDataset, eod_id: int | None) -> grain.IterDataset:
+  """(B, W) uint32 windows -> int32 tokens, or {'tokens', 'segment_ids'} with an `eod_id`."""
+  return windows.map(_ToBatch(eod_id))
+
+
+def train_dataset(path: str, seq_len: int, local_batch: int, seed: int, process_index: int = 0,
+                  process_count: int = 1, segment_mask: bool = False,
+                  shuffle_windows: int = 0) -> grain.IterDataset:
+  """Endless batches (local_batch, seq_len + 1): one packed stream per row (`row_streams`)."""
+  rows = row_streams(path, seq_len, local_batch, seed, process_index, process_count,
+                     shuffle_windows)
   eod_id = meta(path)['eod_id'] if segment_mask else None
-  return grain.experimental.ZipIterDataset(parents=rows).map(_stack).map(_ToBatch(eod_id))
+  return to_batches(grain.experimental.ZipIterDataset(parents=rows).map(_stack), eod_id)
 
 
 def write_split(path: str, split: str, documents: Sequence[Sequence[int]], eod_id: int,

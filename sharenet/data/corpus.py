@@ -21,10 +21,14 @@ Sources (`data.source`):
   arrayrecord: `data.path` is a directory of tokenized documents in ArrayRecord shards with a
     meta.json (sharenet/data/arrayrecord.py); training streams it (never whole in memory), so
     `load_splits` does not serve it. Its meta.json gives the vocab size and the validation
-    bytes per token, so bits per byte is real bits per byte.
+    bytes per token, so bits per byte is real bits per byte. With `data.mixture` (no
+    data.path) it draws from several such directories by weight (sharenet/data/mixture.py);
+    what asks for one directory here (tokenizer, vocabulary) reads the first, which the others
+    match.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import glob
 import hashlib
@@ -35,7 +39,7 @@ from typing import Any, Callable
 import numpy as np
 
 from sharenet.config import defaults, sections
-from sharenet.data import arrayrecord, tokenizer
+from sharenet.data import arrayrecord, mixture, tokenizer
 from sharenet.errors import ConfigError
 
 SOURCES = ('stdlib', 'text', 'bin', 'arrayrecord')
@@ -47,6 +51,13 @@ TEXT_VAL_FRACTION = 1 / _VAL_MODULUS   # a text glob's expected validation fract
 # The text-glob rule's salt: prepare's since its v1 format (a new salt would re-split every
 # prepared directory, whose fingerprint lists each document's split).
 SPLIT_SALT = 'sharenet-prepare-v1:'
+
+
+def with_fields(cfg: Any, **fields: Any) -> Any:
+  """A copy of the data section (or dict / ConfigDict) `cfg` with `fields` replaced."""
+  if isinstance(cfg, sections.Section):
+    return dataclasses.replace(cfg, **fields)
+  return {**(cfg.to_dict() if hasattr(cfg, 'to_dict') else dict(cfg)), **fields}
 
 
 def get_field(cfg: Any, name: str) -> Any:
@@ -62,6 +73,16 @@ def source_and_path(data_cfg: Any) -> tuple[str, str]:
   source, path = get_field(data_cfg, 'source'), get_field(data_cfg, 'path') or ''
   if source not in SOURCES:
     raise ConfigError(f'data.source={source!r} is unknown; valid choices: {", ".join(SOURCES)}')
+  spec = get_field(data_cfg, 'mixture')
+  if spec:   # the first source stands for the rest (mixture.parse: one tokenizer for all)
+    if source != 'arrayrecord' or path:
+      raise ConfigError(f'data.mixture={spec!r} with data.source={source!r} data.path={path!r}; '
+                        f'valid: data.source=arrayrecord and no data.path (the mixture names '
+                        f'the directories)')
+    return source, mixture.source_paths(spec)[0]
+  if get_field(data_cfg, 'mixture_schedule'):
+    raise ConfigError('data.mixture_schedule is set without data.mixture; valid: a schedule of '
+                      'the weights of data.mixture\'s sources')
   if source != 'stdlib' and not path:
     what = 'a directory' if source == 'arrayrecord' else 'a file glob'
     raise ConfigError(f'data.path is empty but data.source={source!r} needs {what}')

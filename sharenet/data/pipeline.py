@@ -50,7 +50,7 @@ from typing import Any, Iterator
 import grain
 import numpy as np
 
-from sharenet.data import arrayrecord, corpus
+from sharenet.data import arrayrecord, corpus, mixture
 from sharenet.errors import ConfigError
 
 
@@ -90,7 +90,13 @@ def make_train_iterator(data_cfg: Any, seq_len: int, batch_size: int, seed: int,
                       f'process_count={process_count}')
   source, path = corpus.source_and_path(data_cfg)
   _check_segment_mask(data_cfg, source)
-  if source == 'arrayrecord':
+  spec = corpus.get_field(data_cfg, 'mixture')
+  if spec:
+    it_ds = mixture.train_dataset(_mixture(data_cfg, seed), seq_len, batch_size,
+                                  _seed(data_cfg, seed), process_index, process_count,
+                                  corpus.get_field(data_cfg, 'segment_mask'),
+                                  corpus.get_field(data_cfg, 'shuffle_windows') or 0)
+  elif source == 'arrayrecord':
     it_ds = arrayrecord.train_dataset(path, seq_len, batch_size // process_count,
                                       _seed(data_cfg, seed), process_index, process_count,
                                       corpus.get_field(data_cfg, 'segment_mask'),
@@ -109,6 +115,28 @@ def make_train_iterator(data_cfg: Any, seq_len: int, batch_size: int, seed: int,
   if num_workers > 0:
     it_ds = it_ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=num_workers))
   return iter(it_ds)
+
+
+def _mixture(data_cfg: Any, seed: int) -> mixture.Mixture:
+  return mixture.parse(corpus.get_field(data_cfg, 'mixture'),
+                       corpus.get_field(data_cfg, 'mixture_schedule') or '', _seed(data_cfg, seed))
+
+
+def mixture_of(data_cfg: Any, seed: int) -> mixture.Mixture | None:
+  """The run's data.mixture (parsed and checked; `seed` is train.seed), or None without one."""
+  corpus.source_and_path(data_cfg)   # a mixture beside data.path or another source: one line
+  return _mixture(data_cfg, seed) if corpus.get_field(data_cfg, 'mixture') else None
+
+
+def eval_sources(data_cfg: Any) -> list[tuple[str | None, float, Any]]:
+  """What evaluation reads: [(None, 1.0, data_cfg)], or with data.mixture one
+  (name, data.mixture weight, that directory's data config) per source."""
+  mix = mixture_of(data_cfg, 0)
+  if mix is None:
+    return [(None, 1.0, data_cfg)]
+  return [(s.name, s.weight, corpus.with_fields(data_cfg, path=s.path, mixture='',
+                                                mixture_schedule=''))
+          for s in mix.sources]
 
 
 def checkpoint_save_args(it: grain.DatasetIterator) -> Any:
@@ -136,6 +164,9 @@ def _val_tokens(data_cfg: Any) -> np.ndarray:
   """The evaluated validation tokens as one array (arrayrecord: its documents in record order):
   the whole split, or its first data.eval_tokens + 1 (that many predicted)."""
   source, path = corpus.source_and_path(data_cfg)
+  if corpus.get_field(data_cfg, 'mixture'):
+    raise ConfigError('data.mixture has one validation split per source; evaluate each '
+                      '(pipeline.eval_sources)')
   if source == 'arrayrecord':
     val = arrayrecord.split_tokens(path, 'validation')
   else:
@@ -212,8 +243,12 @@ def validate_data_config(data_cfg: Any, seq_len: int, batch_size: int, process_c
     raise ConfigError(f'data.eval_tokens={eval_tokens} must be >= 0 (0: the whole validation '
                       f'split)')
   _check_segment_mask(data_cfg, source)
-  if source == 'arrayrecord':
-    _validate_arrayrecord(path, seq_len, process_count, vocab_size)
+  mix = mixture_of(data_cfg, 0)
+  for p in [s.path for s in mix.sources] if mix else [path] if source == 'arrayrecord' else []:
+    try:
+      _validate_arrayrecord(p, seq_len, process_count, vocab_size)
+    except ConfigError as e:
+      raise ConfigError(f'data.mixture source {p!r}: {e}' if mix else str(e)) from None
   corpus.data_spec(data_cfg)   # data.tokenizer must agree with the data
   if source == 'arrayrecord':
     return

@@ -66,13 +66,21 @@ def evaluate(model: DecoderLM, params: Any, data_cfg: Any, seq_len: int,
   schedule: the loop count is a scan length).
 
   Bytes per token: 1 for byte sources, meta.json's validation bytes / tokens for arrayrecord;
-  `bin` has none, so its 'bits per byte' is bits per token.
+  `bin` has none, so its 'bits per byte' is bits per token. With data.mixture, each source's
+  `eval_loss/NAME` and `eval_bits_per_byte/NAME` beside their data.mixture-weighted averages
+  (sharenet/data/mixture.py).
   """
-  total, count = 0.0, 0.0
-  for batch, mask in data.eval_batches(data_cfg, seq_len, batch_size):
-    s, n = _eval_step(model, params, batch, mask, schedule)
-    total += float(s)   # host-side float64 accumulation: identical in train.py and eval.py
-    count += float(n)
-  loss = total / count
-  bpt = data.bytes_per_token(data_cfg) or 1.0   # bin sources: bits per token
-  return {'eval_loss': loss, 'eval_bits_per_byte': loss / math.log(2) / bpt}
+  out = {'eval_loss': 0.0, 'eval_bits_per_byte': 0.0}
+  for name, weight, source_cfg in data.eval_sources(data_cfg):
+    total, count = 0.0, 0.0
+    for batch, mask in data.eval_batches(source_cfg, seq_len, batch_size):
+      s, n = _eval_step(model, params, batch, mask, schedule)
+      total += float(s)   # host-side float64 accumulation: identical in train.py and eval.py
+      count += float(n)
+    loss = total / count
+    bpb = loss / math.log(2) / (data.bytes_per_token(source_cfg) or 1.0)   # bin: bits per token
+    out['eval_loss'] += weight * loss
+    out['eval_bits_per_byte'] += weight * bpb
+    if name is not None:
+      out.update({f'eval_loss/{name}': loss, f'eval_bits_per_byte/{name}': bpb})
+  return out

@@ -158,6 +158,8 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, float]:
     return out
 
   bar = _progress(t, start)
+  mix = data.mixture_of(run.data, t.seed)
+  seen = None if mix is None else data.SeenRows(mix, t.batch_size)   # data_share/NAME
   last = {}
   tokens_per_step = t.batch_size * t.seq_len
   window = {'t0': time.perf_counter(), 'steps': 0, 'flops': 0.0}
@@ -177,7 +179,8 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, float]:
                  **{mfu_ref.name: window['flops'] * tokens_per_step / dt / mfu_ref.flops},
                  **flops_at.row(depth),
                  **{k: float(v) for k, v in metrics.items()
-                    if k.startswith(('routing_', 'exit_loss_', 'moe_'))})
+                    if k.startswith(('routing_', 'exit_loss_', 'moe_'))},
+                 **(seen.shares(step) if seen is not None else {}))
       writer.write(step, **row)
       last.clear()
       last.update(row)
