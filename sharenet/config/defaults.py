@@ -231,8 +231,10 @@ def default_config() -> ml_collections.ConfigDict:
                               # with a fresh optimizer state (sharenet/train/resume.py)
 
   c.data = d = ml_collections.ConfigDict()
-  d.source = 'stdlib'         # stdlib | text | bin | arrayrecord
-  d.path = ''                 # glob of text files, a .bin token file, or an arrayrecord directory
+  d.source = 'stdlib'         # stdlib | text | bin | arrayrecord | hf
+  d.path = ''                 # glob of text files, a .bin token file, an arrayrecord directory,
+                              # or (hf) a dataset NAME[:CONFIG] or local dataset directory
+  d.text_field = 'text'       # hf: the column holding each document's text
   d.bin_dtype = 'uint16'      # bin token ids: uint16 (nanoGPT) | uint32
   d.seed = -1                 # shuffle seed; -1 -> train.seed
   d.num_workers = 0

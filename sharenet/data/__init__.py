@@ -1,9 +1,9 @@
 """Data: byte/token corpora, the grain training stream and evaluation batches."""
-from sharenet.data.corpus import bytes_per_token
 from sharenet.data.mixture import SeenRows
 from sharenet.data.corpus import load_splits
 from sharenet.data.corpus import unigram_bits_per_byte
 from sharenet.data.corpus import vocab_size
+from sharenet.data.pipeline import bytes_per_token
 from sharenet.data.pipeline import checkpoint_restore_args
 from sharenet.data.pipeline import checkpoint_save_args
 from sharenet.data.pipeline import eval_batches

@@ -25,6 +25,9 @@ Sources (`data.source`):
     data.path) it draws from several such directories by weight (sharenet/data/mixture.py);
     what asks for one directory here (tokenizer, vocabulary) reads the first, which the others
     match.
+  hf: `data.path` is a Hugging Face dataset (a hub name or a local directory) streamed and
+    tokenized on the fly with data.tokenizer (sharenet/data/hf_stream.py); its bytes per token
+    come from its validation stream (`pipeline.bytes_per_token`).
 """
 from __future__ import annotations
 
@@ -42,7 +45,7 @@ from sharenet.config import defaults, sections
 from sharenet.data import arrayrecord, mixture, tokenizer
 from sharenet.errors import ConfigError
 
-SOURCES = ('stdlib', 'text', 'bin', 'arrayrecord')
+SOURCES = ('stdlib', 'text', 'bin', 'arrayrecord', 'hf')
 SPLITS = ('train', 'validation')
 BIN_DTYPES = ('uint16', 'uint32')
 BYTE_VOCAB = 256
@@ -84,7 +87,8 @@ def source_and_path(data_cfg: Any) -> tuple[str, str]:
     raise ConfigError('data.mixture_schedule is set without data.mixture; valid: a schedule of '
                       'the weights of data.mixture\'s sources')
   if source != 'stdlib' and not path:
-    what = 'a directory' if source == 'arrayrecord' else 'a file glob'
+    what = {'arrayrecord': 'a directory', 'hf': 'a dataset NAME[:CONFIG] or a local dataset '
+            'directory'}.get(source, 'a file glob')
     raise ConfigError(f'data.path is empty but data.source={source!r} needs {what}')
   return source, path
 
@@ -227,9 +231,9 @@ def _load(source: str, path: str, dtype: str = 'uint16') -> tuple[np.ndarray, np
 def _source_key(data_cfg: Any) -> tuple[str, str, str]:
   """(source, path, bin dtype): what identifies an in-memory corpus."""
   source, path = source_and_path(data_cfg)
-  if source == 'arrayrecord':
-    raise ConfigError('data.source=arrayrecord streams its train split and is not loaded whole; '
-                      'valid here: stdlib, text, bin')
+  if source in ('arrayrecord', 'hf'):
+    raise ConfigError(f'data.source={source} streams its train split and is not loaded whole; '
+                      f'valid here: stdlib, text, bin')
   return source, path, bin_dtype(data_cfg) if source == 'bin' else 'uint16'
 
 
@@ -241,19 +245,24 @@ def load_splits(data_cfg: Any) -> tuple[np.ndarray, np.ndarray]:
 
 def bytes_per_token(data_cfg: Any) -> float | None:
   """1.0 for byte sources; meta.json's validation bytes / tokens for arrayrecord; None for
-  `bin`, where bits-per-byte is really bits-per-token."""
+  `bin`, where bits-per-byte is really bits-per-token (hf: pipeline.bytes_per_token)."""
   source, path = source_and_path(data_cfg)
+  if source == 'hf':
+    raise ConfigError('data.source=hf: its bytes per token come from its validation stream '
+                      '(pipeline.bytes_per_token)')
   if source == 'arrayrecord':
     return arrayrecord.bytes_per_token(path)
   return None if source == 'bin' else 1.0
 
 
 def vocab_size(data_cfg: Any) -> int | None:
-  """256 for byte sources; meta.json's for arrayrecord; None for `bin`, whose vocab comes from
+  """256 for byte sources; meta.json's for arrayrecord; the tokenizer's for hf; None for `bin`, whose vocab comes from
   the model config."""
   source, path = source_and_path(data_cfg)
   if source == 'arrayrecord':
     return int(arrayrecord.meta(path)['vocab_size'])
+  if source == 'hf':
+    return for_data(data_cfg).vocab_size
   return None if source == 'bin' else BYTE_VOCAB
 
 
@@ -283,8 +292,8 @@ def _unigram_bits(source: str, path: str, dtype: str) -> float:
 
 def unigram_bits_per_byte(data_cfg: Any) -> float | None:
   """Cross-entropy (bits) of validation under the add-one-smoothed train unigram; None for
-  arrayrecord (counting a streamed train split is a full pass over it)."""
-  if source_and_path(data_cfg)[0] == 'arrayrecord':
+  arrayrecord and hf (counting a streamed train split is a full pass over it)."""
+  if source_and_path(data_cfg)[0] in ('arrayrecord', 'hf'):
     return None
   return _unigram_bits(*_source_key(data_cfg))
 
@@ -293,7 +302,8 @@ def data_spec(data_cfg: Any) -> tuple[str | None, str | None]:
   """(spec, base_dir) of a run's tokenizer, without loading it; ConfigError on a contradiction.
 
   `data.tokenizer` = auto (default) takes what the data implies: bytes for the byte sources
-  (stdlib, text), the shards' own tokenizer for arrayrecord (meta.json, a path relative to the
+  (stdlib, text) and for hf (whose text any tokenizer may read), the shards' own tokenizer for
+  arrayrecord (meta.json, a path relative to the
   shard directory), and none for `bin` (token ids of an unknown tokenizer: name it, e.g.
   hf:PATH, to generate from such a model). An explicit value that contradicts the data is a
   ConfigError; against shards it is compared by contents (`identity`), so hf:PATH naming the
@@ -314,6 +324,8 @@ def data_spec(data_cfg: Any) -> tuple[str | None, str | None]:
                         f'which were tokenized with {shards!r} (the files differ); valid: auto, '
                         f'{shards!r} or a copy of that file')
     return shards, base
+  if source == 'hf':   # tokenized on the fly (sharenet/data/hf_stream.py)
+    return ('bytes' if spec == 'auto' else spec), None
   if spec not in ('auto', 'bytes'):
     raise ConfigError(f'data.tokenizer={spec!r}: data.source={source!r} is read as UTF-8 bytes; '
                       f'valid: auto or bytes (tokenize text with python -m '

@@ -50,7 +50,7 @@ from typing import Any, Iterator
 import grain
 import numpy as np
 
-from sharenet.data import arrayrecord, corpus, mixture
+from sharenet.data import arrayrecord, corpus, hf_stream, mixture
 from sharenet.errors import ConfigError
 
 
@@ -96,6 +96,11 @@ def make_train_iterator(data_cfg: Any, seq_len: int, batch_size: int, seed: int,
                                   _seed(data_cfg, seed), process_index, process_count,
                                   corpus.get_field(data_cfg, 'segment_mask'),
                                   corpus.get_field(data_cfg, 'shuffle_windows') or 0)
+  elif source == 'hf':
+    it_ds = hf_stream.train_dataset(data_cfg, seq_len, batch_size // process_count,
+                                    _seed(data_cfg, seed), process_index, process_count,
+                                    corpus.get_field(data_cfg, 'segment_mask'),
+                                    corpus.get_field(data_cfg, 'shuffle_windows') or 0)
   elif source == 'arrayrecord':
     it_ds = arrayrecord.train_dataset(path, seq_len, batch_size // process_count,
                                       _seed(data_cfg, seed), process_index, process_count,
@@ -149,15 +154,31 @@ def checkpoint_restore_args(it: grain.DatasetIterator) -> Any:
   return grain.checkpoint.CheckpointRestore(it)
 
 
+DOCUMENT_SOURCES = ('arrayrecord', 'hf')   # packed documents, not one token stream
+
+
 def _check_segment_mask(data_cfg: Any, source: str) -> None:
-  if corpus.get_field(data_cfg, 'segment_mask') and source != 'arrayrecord':
-    raise ConfigError(f'data.segment_mask=True needs documents (data.source=arrayrecord); '
+  if corpus.get_field(data_cfg, 'segment_mask') and source not in DOCUMENT_SOURCES:
+    raise ConfigError(f'data.segment_mask=True needs documents (data.source=arrayrecord or hf); '
                       f'data.source={source!r} is one token stream')
   shuffle = corpus.get_field(data_cfg, 'shuffle_windows') or 0
-  if shuffle < 0 or shuffle and source != 'arrayrecord':
+  if shuffle < 0 or shuffle and source not in DOCUMENT_SOURCES:
     raise ConfigError(f'data.shuffle_windows={shuffle}: valid: 0 (off), or a number of packed '
-                      f'windows >= 1 with data.source=arrayrecord (data.source={source!r} '
+                      f'windows >= 1 with data.source=arrayrecord or hf (data.source={source!r} '
                       f'already samples its windows uniformly)')
+
+
+def _eod_id(data_cfg: Any) -> int:
+  source, path = corpus.source_and_path(data_cfg)
+  return corpus.for_data(data_cfg).eod_id if source == 'hf' else arrayrecord.meta(path)['eod_id']
+
+
+def bytes_per_token(data_cfg: Any) -> float | None:
+  """corpus.bytes_per_token, and for data.source=hf its evaluated validation documents' (UTF-8
+  bytes / tokens, sharenet/data/hf_stream.py)."""
+  if corpus.source_and_path(data_cfg)[0] == 'hf':
+    return hf_stream.bytes_per_token(data_cfg)
+  return corpus.bytes_per_token(data_cfg)
 
 
 def _val_tokens(data_cfg: Any) -> np.ndarray:
@@ -169,6 +190,8 @@ def _val_tokens(data_cfg: Any) -> np.ndarray:
                       '(pipeline.eval_sources)')
   if source == 'arrayrecord':
     val = arrayrecord.split_tokens(path, 'validation')
+  elif source == 'hf':
+    val = hf_stream.validation(data_cfg)[0]
   else:
     val = corpus.load_splits(data_cfg)[1]
   limit = corpus.get_field(data_cfg, 'eval_tokens') or 0
@@ -205,8 +228,7 @@ def eval_batches(data_cfg: Any, seq_len: int, batch_size: int, process_index: in
   val = _val_tokens(data_cfg)
   source, path = corpus.source_and_path(data_cfg)
   _check_segment_mask(data_cfg, source)
-  eod_id = (arrayrecord.meta(path)['eod_id']
-            if corpus.get_field(data_cfg, 'segment_mask') else None)
+  eod_id = _eod_id(data_cfg) if corpus.get_field(data_cfg, 'segment_mask') else None
   local = batch_size // process_count
   span = np.arange(seq_len + 1)
   for b in range(num_eval_batches(data_cfg, seq_len, batch_size)):
@@ -250,7 +272,9 @@ def validate_data_config(data_cfg: Any, seq_len: int, batch_size: int, process_c
     except ConfigError as e:
       raise ConfigError(f'data.mixture source {p!r}: {e}' if mix else str(e)) from None
   corpus.data_spec(data_cfg)   # data.tokenizer must agree with the data
-  if source == 'arrayrecord':
+  if source == 'hf':
+    _validate_hf(data_cfg, seq_len, vocab_size)
+  if source in DOCUMENT_SOURCES:
     return
   if source == 'bin':
     corpus.bin_dtype(data_cfg)
@@ -282,3 +306,21 @@ def _validate_arrayrecord(path: str, seq_len: int, process_count: int,
     raise ConfigError(f'train.seq_len={seq_len} is too long: seq_len + 1 exceeds the '
                       f'{val["tokens"]} validation tokens of data.path={path!r}; use '
                       f'train.seq_len <= {val["tokens"] - 1}')
+
+
+def _validate_hf(data_cfg: Any, seq_len: int, vocab_size: int | None) -> None:
+  """No worker processes; the tokenizer's vocab is the model's; validation fits a window."""
+  workers = corpus.get_field(data_cfg, 'num_workers')
+  if workers:
+    raise ConfigError(f'data.num_workers={workers} with data.source=hf; valid: 0 (the stream '
+                      f'is read and tokenized in process)')
+  tok = corpus.for_data(data_cfg)
+  if vocab_size is not None and vocab_size != tok.vocab_size:
+    raise ConfigError(f'model.vocab_size={vocab_size} does not match data.tokenizer='
+                      f'{tok.spec!r} (vocab_size={tok.vocab_size}, end-of-document id '
+                      f'included); set --config.model.vocab_size={tok.vocab_size}')
+  val = _val_tokens(data_cfg)
+  if seq_len + 1 > len(val):
+    raise ConfigError(f'train.seq_len={seq_len} is too long: seq_len + 1 exceeds the '
+                      f'{len(val)} validation tokens of data.path={corpus.get_field(data_cfg, "path")!r}'
+                      f' (data.source=hf); use train.seq_len <= {len(val) - 1}')

@@ -132,17 +132,29 @@ def _kind(path: str) -> str:
           else 'JSON lines')
 
 
-def _dataset_units(spec: str, split: str) -> list[Unit]:
-  """A streamed Hugging Face dataset: one unit per source shard (`IterableDataset.shard`)."""
+def load_stream(spec: str, split: str, where: str) -> Any:
+  """The `datasets.IterableDataset` of `spec` = NAME[:CONFIG] (a hub name or a local dataset
+  directory), streamed; one ConfigError line starting with `where` (the setting that named it)
+  if it cannot be opened."""
   import datasets
   name, _, config = spec.partition(':')
   if not name:
-    raise ConfigError(f'--input=hf:{spec}: no dataset name; valid: hf:NAME[:CONFIG]')
+    raise ConfigError(f'{where}: no dataset name; valid: NAME[:CONFIG]')
   try:
-    ds = datasets.load_dataset(name, config or None, split=split, streaming=True)
+    return datasets.load_dataset(name, config or None, split=split, streaming=True)
   except (FileNotFoundError, ValueError, ConnectionError) as e:
-    raise ConfigError(f'--input=hf:{spec} --split={split}: cannot load it: '
+    raise ConfigError(f'{where} (split {split!r}): cannot load it: '
                       f'{str(e).splitlines()[0] if str(e) else type(e).__name__}') from None
+
+
+def text_of(row: dict[str, Any], field: str, where: str, i: int) -> str:
+  """Row `i`'s text (column `field`); one ConfigError line naming `where` and the row."""
+  return _text(row, field, where, i)
+
+
+def _dataset_units(spec: str, split: str) -> list[Unit]:
+  """A streamed Hugging Face dataset: one unit per source shard (`IterableDataset.shard`)."""
+  ds = load_stream(spec, split, f'--input=hf:{spec}')
   n = ds.num_shards
   return [Unit(f'hf:{spec}[{split}] shard {i} of {n}', 0,
                lambda i=i: iter(ds.shard(num_shards=n, index=i))) for i in range(n)]
