@@ -207,3 +207,13 @@ def test_train_logs_shares_and_per_source_eval_and_resumes_after_kill(dirs, tmp_
   assert 'resumed from checkpoint at step 8' in out.stdout
   ref, resumed = losses(ref_dir), losses(workdir)
   assert [resumed[s] for s in range(9, 17)] == [ref[s] for s in range(9, 17)]
+
+
+def test_a_bad_mixture_stops_train_before_it_writes(dirs, tmp_path, tiny_config):
+  from sharenet.train import loop
+  workdir = tmp_path / 'run'
+  config = tiny_config(**{'data.source': 'arrayrecord', 'data.mixture': f'{dirs[0]}:0.8,{dirs[1]}:0',
+                          'train.seq_len': SEQ})
+  with pytest.raises(ConfigError, match='valid: a number > 0'):
+    loop.train_and_evaluate(config, str(workdir))
+  assert not workdir.exists()
