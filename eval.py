@@ -18,6 +18,12 @@ evaluates, or with --prompt generates, at N loops; --exit maxprob:0.9 | entropy:
 entropy_change:0.001 | kl:0.01 | argmax_stable:5 | latent:0.03 | cosine:0.99 exits each generated
 token after the first loop whose criterion fires (up to --depth, default the trained loops), each
 line with mean_exit_loops (docs/generation.md, "Adaptive exits").
+
+Downstream tasks through lm-evaluation-harness (sharenet/tasks/, docs/evaluation.md):
+  python eval.py --workdir DIR --tasks hellaswag,piqa [--task_dir DIR] [--num_fewshot K]
+      [--limit N] [--depths 1,2,4 | --depth N] [--exit kl:0.01]
+prints one JSON line per task (and depth) with the harness's metrics and writes them to
+DIR/tasks.jsonl (with --depths, accuracy_vs_depth.png); --exit applies to generation tasks.
 """
 import json
 
@@ -46,6 +52,13 @@ _DEPTH = flags.DEFINE_integer('depth', None, 'Loops of the looped segment for ge
 _EXIT = flags.DEFINE_string('exit', None, 'Adaptive exit of generated tokens: maxprob:T, '
                             'entropy:T, entropy_change:T, kl:T, argmax_stable:K, latent:T or '
                             'cosine:T (docs/generation.md).')
+_TASKS = flags.DEFINE_string('tasks', None, 'lm-evaluation-harness tasks, e.g. hellaswag,piqa '
+                             '(docs/evaluation.md): one JSON line per task (and per --depths).')
+_TASK_DIR = flags.DEFINE_string('task_dir', None, 'Also the harness task definitions (YAML) '
+                                'under this directory.')
+_NUM_FEWSHOT = flags.DEFINE_integer('num_fewshot', None, 'Shots per task item; default: each '
+                                    'task\'s own.')
+_LIMIT = flags.DEFINE_integer('limit', None, 'Only the first N items of each task.')
 _EOS = flags.DEFINE_integer('eos_id', None, 'Stop a sample at this token id; default: none for '
                             'byte models, the end-of-document id for arrayrecord shards.')
 
@@ -61,6 +74,25 @@ def _generate(overrides) -> None:
     print(json.dumps(row))
 
 
+def _tasks(overrides, generating) -> None:
+  from sharenet.errors import ConfigError
+  from sharenet.inference import test_time_depth
+  from sharenet.main import eval_workdir
+  if _TASKS.value is None:
+    raise ConfigError('--task_dir, --num_fewshot and --limit apply to --tasks; valid: with '
+                      '--tasks NAMES')
+  if generating:
+    raise ConfigError('--tasks evaluates tasks and --prompt generates; valid: one of them')
+  if _DEPTHS.value is not None and _DEPTH.value is not None:
+    raise ConfigError('--depth and --depths exclude each other; valid: one of them')
+  depths = (test_time_depth.parse_depths(_DEPTHS.value) if _DEPTHS.value is not None
+            else [_DEPTH.value] if _DEPTH.value is not None else None)
+  for row in eval_workdir.evaluate_workdir_tasks(
+      _WORKDIR.value, _STEP.value, overrides, _TASKS.value, task_dir=_TASK_DIR.value,
+      num_fewshot=_NUM_FEWSHOT.value, limit=_LIMIT.value, depths=depths, exit=_EXIT.value):
+    print(json.dumps(row))
+
+
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)
@@ -68,6 +100,10 @@ def main(argv):
   from sharenet.main import eval_workdir
   overrides = config_flags.get_override_values(flags.FLAGS['config'])
   generating = _PROMPT.value is not None or _PROMPT_FILE.value is not None
+  if _TASKS.value is not None or any(f.value is not None for f in (_TASK_DIR, _NUM_FEWSHOT,
+                                                                    _LIMIT)):
+    _tasks(overrides, generating)
+    return
   depths = test_time_depth.check_flags(_DEPTHS.value, _DEPTH.value, _EXIT.value, generating)
   if generating:
     _generate(overrides)

@@ -223,6 +223,11 @@ def default_config() -> ml_collections.ConfigDict:
   t.log_every = 10
   t.eval_every = 0            # 0 -> only at the end
   t.eval_batch_size = 32
+  t.eval_tasks = ''           # lm-evaluation-harness tasks run at every eval, logged as
+                              # task/<task>/<metric> (sharenet/tasks/, docs/evaluation.md)
+  t.eval_task_dir = ''        # also the harness task definitions (YAML) under this directory
+  t.eval_num_fewshot = -1     # shots per item; -1: each task's own
+  t.eval_task_limit = 0       # the first n items of each task; 0: all
   t.checkpoint_every = 40
   t.keep_checkpoints = 3
   t.progress = True           # progress bar on stderr

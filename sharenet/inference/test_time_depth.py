@@ -8,8 +8,8 @@ of the plan's looped segment (models/loops.py `looped`: prelude + n loops of K l
 and every depth runs through models/loops.py `Schedule(loops=n)`, the same path a sampled-depth
 model uses; n = the trained R is the plan itself.
 
-Compile cost: the loop count is a scan length, so evaluation compiles one program per depth
-(`evaluation.evaluate` is jitted with the schedule static); cached generation at depth n is one
+Compile cost: the loop count is a scan length, so evaluation (sharenet/train/evaluation.py
+`evaluate_depths`) compiles one program per depth; cached generation at depth n is one
 program per (depth, prompt bucket, settings) like any generation (sharenet/inference/generate.py).
 
 Depth-wise LoRA and untied norms (Relaxed Recursive Transformers, arXiv:2410.20672) exist for
@@ -25,8 +25,6 @@ import numpy as np
 from sharenet.config import compat
 from sharenet.errors import ConfigError
 from sharenet.models import loops
-from sharenet.models.loops import Schedule
-from sharenet.train import evaluation, perf
 
 DEPTH_SCHEMES = 'cycle, universal, middle_cycle, sandwich, groups'
 PLOT = 'loss_vs_depth.png'
@@ -96,21 +94,6 @@ def check_flags(depths: str | None, depth: int | None, exit_spec: str | None,
   if depth is not None and not generating:
     return [depth]
   return None
-
-
-def evaluate_depths(model: Any, params: Any, data_cfg: Any, seq_len: int, batch_size: int,
-                    depths: Sequence[int]) -> list[dict[str, Any]]:
-  """One row per depth: depth, eval_loss, eval_bits_per_byte, flops_per_token (forward FLOPs
-  of a token at that depth, perf.flops_per_token_at_depth)."""
-  cfg = model.cfg
-  for n in depths:   # every depth checked before the first compilation
-    check_depth(cfg, n, '--depths')
-  rows = []
-  for n in depths:
-    out = evaluation.evaluate(model, params, data_cfg, seq_len, batch_size, Schedule(loops=n))
-    rows.append({'depth': int(n), **out,
-                 'flops_per_token': perf.flops_per_token_at_depth(cfg, seq_len, n)})
-  return rows
 
 
 def plot_depths(rows: Sequence[dict[str, Any]], trained: int, path: str) -> None:

@@ -1,5 +1,6 @@
 """The library half of eval.py: a workdir's checkpoint evaluated on the validation split, at
-other loop counts, or generating from prompts (with adaptive exits)."""
+other loop counts, on downstream tasks (lm-evaluation-harness), or generating from prompts (with
+adaptive exits)."""
 from __future__ import annotations
 
 import json
@@ -15,6 +16,8 @@ from sharenet.errors import ConfigError
 from sharenet.inference import exits, generate, loop_by_loop, test_time_depth
 from sharenet.models import DecoderLM, ModelConfig
 from sharenet.models.lm import kv_cache_bytes_per_token
+from sharenet.models.loops import Schedule
+from sharenet.tasks import task_eval
 from sharenet.train import evaluation, experiment, sampled_depth, trainer
 from sharenet.train.workdir_io import load_config, restore_state
 
@@ -161,11 +164,61 @@ def evaluate_workdir_depths(workdir: str, step: int | None, overrides: dict[str,
   state, step, (model, _, pz, tr) = restore_state(config, workdir, step)
   run = experiment.sections(config, model.cfg)
   params = jax.jit(trainer.effective_params, static_argnums=(1, 2))(state, tr, pz)
-  rows = [{'step': int(step), **r} for r in test_time_depth.evaluate_depths(
+  rows = [{'step': int(step), **r} for r in evaluation.evaluate_depths(
       model, params, run.data, run.train.seq_len, run.train.eval_batch_size, depths)]
   with open(os.path.join(workdir, test_time_depth.RESULTS), 'w') as f:
     f.writelines(json.dumps(r) + '\n' for r in rows)
   # the depth it trained at (a sampled run: its rounded mean)
   trained = shape.loops if mcfg.recurrent_segment is None else sampled_depth.fixed_depth(mcfg)
   test_time_depth.plot_depths(rows, trained, os.path.join(workdir, test_time_depth.PLOT))
+  return rows
+
+
+TASK_RESULTS = 'tasks.jsonl'
+TASK_PLOT = 'accuracy_vs_depth.png'
+
+
+def evaluate_workdir_tasks(workdir: str, step: int | None, overrides: dict[str, Any] | None,
+                           tasks: str, *, task_dir: str | None = None,
+                           num_fewshot: int | None = None, limit: int | None = None,
+                           depths: Sequence[int] | None = None, exit: str | None = None,
+                           max_batch_tokens: int = 8192) -> list[dict[str, Any]]:
+  """eval.py --tasks: the checkpoint on lm-evaluation-harness tasks (sharenet/tasks/), one row
+  per task (and per depth of `depths`); writes the rows (tasks.jsonl) into the workdir and, at
+  several depths, accuracy against depth (accuracy_vs_depth.png). Names, shots, depths and the
+  tokenizer are checked before anything is restored or compiled."""
+  names = task_eval.parse_tasks(tasks)
+  if num_fewshot is not None and num_fewshot < 0:
+    raise ConfigError(f'--num_fewshot={num_fewshot}; valid: >= 0 (or leave it out: each task\'s '
+                      f'own)')
+  if limit is not None and limit < 1:
+    raise ConfigError(f'--limit={limit}; valid: >= 1 items per task (or leave it out: all)')
+  config = load_config(workdir)
+  config.update_from_flattened_dict(overrides or {})
+  mcfg = ModelConfig.from_experiment(config)
+  for n in depths or []:
+    test_time_depth.check_depth(mcfg, n, '--depths' if len(depths) > 1 else '--depth')
+  if exit is not None:
+    exits.parse(exit)
+    loop_by_loop.check_recursive(DecoderLM(mcfg), None)
+  task_eval.load_tasks(names, task_dir, num_fewshot)   # names and shots, before restoring
+  loaded = load_for_generation(workdir, step, overrides)
+  seq_len = experiment.sections(loaded.config).train.seq_len
+  rows = []
+  for depth in depths or [None]:
+    schedule = (Schedule(loops=depth) if depth is not None
+                else sampled_depth.eval_schedule(loaded.model.cfg))
+    lm = task_eval.as_harness_model(loaded.model, loaded.variables, loaded.tokenizer,
+                                    max_length=seq_len, schedule=schedule, exit=exit,
+                                    depth=depth, max_batch_tokens=max_batch_tokens)
+    results = task_eval.run_tasks(lm, names, task_dir, num_fewshot, limit)
+    for name in names:
+      row = {'task': name, 'step': loaded.step, **({} if depth is None else {'depth': depth}),
+             'num_fewshot': num_fewshot, 'limit': limit, **results[name]}
+      rows.append(row)
+  with open(os.path.join(workdir, TASK_RESULTS), 'w') as f:
+    f.writelines(json.dumps(r) + '\n' for r in rows)
+  if depths is not None and len(depths) > 1:
+    task_eval.plot_depths(rows, test_time_depth.looped_shape(mcfg, '--depths').loops,
+                          os.path.join(workdir, TASK_PLOT))
   return rows

@@ -15,7 +15,7 @@ through the last `backprop`), summed over the run's own draws (a pure function o
 until the budget is spent; the table reports their mean per token.
 
 Each run is then evaluated at every test-time depth of study.depths
-(test_time_depth.evaluate_depths;
+(evaluation.evaluate_depths;
 MoR routes each token's recursions and takes no schedule: its trained depth only). After the
 last run every trained model decodes a fixed batch of study.prompts validation windows greedily
 (generate.generate): one warm-up call each that compiles, then study.decode_repeats rounds in
@@ -40,12 +40,12 @@ import numpy as np
 
 from sharenet import data
 from sharenet.errors import ConfigError
-from sharenet.inference import generate, test_time_depth
+from sharenet.inference import generate
 from sharenet.main import eval_workdir
 from sharenet.models import loops
 from sharenet.studies import common, depth_report
 from sharenet.studies.depth_report import LOOPED, VARIANTS
-from sharenet.train import experiment, loop, sampled_depth
+from sharenet.train import evaluation, experiment, loop, sampled_depth
 
 
 
@@ -130,7 +130,7 @@ def decode_all(config: Any, out: str, rows: list[dict[str, Any]]) -> list[dict[s
 def eval_depths(workdir: str, config: Any, depths: list[int]) -> list[dict[str, Any]]:
   """Eval loss of the workdir's final checkpoint at every test-time depth."""
   g = eval_workdir.load_for_generation(workdir)
-  return test_time_depth.evaluate_depths(g.model, g.variables, config.data, config.train.seq_len,
+  return evaluation.evaluate_depths(g.model, g.variables, config.data, config.train.seq_len,
                                config.train.eval_batch_size, depths)
 
 

@@ -1,5 +1,6 @@
 """Evaluation on the validation split (all of it, or its first data.eval_tokens predicted
-tokens): mean next-token loss and bits per byte."""
+tokens): mean next-token loss and bits per byte, per mixture source, and at other depths of a
+looped model (`evaluate_depths`)."""
 from __future__ import annotations
 
 import functools
@@ -12,7 +13,9 @@ import optax
 
 from sharenet import data
 from sharenet.models import DecoderLM, unit_scale
+from sharenet.inference import test_time_depth
 from sharenet.models.loops import Schedule
+from sharenet.train import perf
 
 
 def split_batch(batch: Any) -> tuple[jax.Array, jax.Array | None]:
@@ -84,3 +87,18 @@ def evaluate(model: DecoderLM, params: Any, data_cfg: Any, seq_len: int,
     if name is not None:
       out.update({f'eval_loss/{name}': loss, f'eval_bits_per_byte/{name}': bpb})
   return out
+
+
+def evaluate_depths(model: Any, params: Any, data_cfg: Any, seq_len: int, batch_size: int,
+                    depths: Sequence[int]) -> list[dict[str, Any]]:
+  """One row per depth: depth, eval_loss, eval_bits_per_byte, flops_per_token (forward FLOPs
+  of a token at that depth, perf.flops_per_token_at_depth)."""
+  cfg = model.cfg
+  for n in depths:   # every depth checked before the first compilation
+    test_time_depth.check_depth(cfg, n, '--depths')
+  rows = []
+  for n in depths:
+    out = evaluate(model, params, data_cfg, seq_len, batch_size, Schedule(loops=n))
+    rows.append({'depth': int(n), **out,
+                 'flops_per_token': perf.flops_per_token_at_depth(cfg, seq_len, n)})
+  return rows

@@ -16,6 +16,7 @@ from typing import Any
 import jax
 
 from sharenet import data
+from sharenet.data import corpus
 from sharenet.config import compat, sections as sections_lib
 from sharenet.errors import ConfigError
 from sharenet.models import DecoderLM, ModelConfig
@@ -23,6 +24,7 @@ from sharenet.models.config import table_view
 from sharenet.models.scaling import Settings
 from sharenet.optim import chain, matrix
 from sharenet.parametrization import optimizer_rules, rules
+from sharenet.tasks import task_eval
 from sharenet.train import resume, sampled_depth, sharding
 from sharenet.transforms import Transforms
 
@@ -107,6 +109,11 @@ def _validated(config: Any, process_count: int | None) -> Resolved:
   pc = jax.process_count() if process_count is None else process_count
   data.validate_data_config(run.data, t.seq_len, t.batch_size, pc, mcfg.vocab_size)
   data.validate_data_config(run.data, t.seq_len, t.eval_batch_size, pc, mcfg.vocab_size)
+  if t.eval_tasks or t.eval_task_dir or t.eval_task_limit or t.eval_num_fewshot != -1:
+    if not t.eval_tasks:
+      raise ConfigError('train.eval_task_dir, eval_num_fewshot and eval_task_limit apply to '
+                        'train.eval_tasks; valid: set train.eval_tasks')
+    task_eval.TrainTasks(t, DecoderLM(mcfg), corpus.for_data(run.data))   # checks only
   return run
 
 

@@ -16,10 +16,12 @@ from flax.traverse_util import flatten_dict
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from sharenet import data
+from sharenet.data import corpus
 from sharenet.checkpoint import config_file, orbax_io
 from sharenet.errors import NonFiniteLoss
 from sharenet.models import accounting, logical_axes
 from sharenet.optim import chain
+from sharenet.tasks import task_eval
 from sharenet.train import evaluation, experiment, perf, resume, sampled_depth, sharding
 from sharenet.train.metrics import MetricsWriter, note
 from sharenet.train.trainer import (TrainState, abstract_state, effective_params, init_state,
@@ -149,11 +151,16 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, float]:
   stop = {'sigterm': False}
   old_handler = signal.signal(signal.SIGTERM, lambda *_: stop.update(sigterm=True))
 
+  # train.eval_tasks: lm-evaluation-harness tasks at every eval (checked in experiment.resolve)
+  tasks = (task_eval.TrainTasks(t, model, corpus.for_data(run.data)) if t.eval_tasks else None)
+
   def run_eval(step: int) -> dict[str, float]:
     with sharding.activate(mesh, rules):
       params = jax.jit(effective_params, static_argnums=(1, 2))(state, tr, pz)
       out = evaluation.evaluate(model, params, run.data, t.seq_len, t.eval_batch_size,
                               sampled_depth.eval_schedule(mcfg))
+      if tasks is not None:
+        out.update(tasks.rows(params, sampled_depth.eval_schedule(mcfg)))
     writer.write(step, **out)
     return out
 

@@ -10,7 +10,7 @@ PACKAGE = os.path.join(ROOT, 'sharenet')
 
 # Bottom to top: a package imports only the packages before it (docs/architecture.md).
 LAYERS = ('errors', 'config', 'kernels', 'models', 'transforms', 'optim', 'parametrization',
-          'data', 'checkpoint', 'train', 'inference', 'main', 'interop', 'studies')
+          'data', 'checkpoint', 'inference', 'tasks', 'train', 'main', 'interop', 'studies')
 # The package root holds packages, __init__.py and these leaves.
 ROOT_LEAVES = {'__init__.py', 'errors.py'}
 

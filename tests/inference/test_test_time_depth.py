@@ -236,7 +236,7 @@ def test_scheduler_and_static_batch_agree_on_sampled_exits(cycle, rule):
 def test_depths_at_the_training_depth_equal_plain_eval(cycle, tiny_config, text_cfg, tmp_path):
   model, variables = cycle
   plain = evaluation.evaluate(model, variables, text_cfg, 16, 4)
-  rows = test_time_depth.evaluate_depths(model, variables, text_cfg, 16, 4, [1, R])
+  rows = evaluation.evaluate_depths(model, variables, text_cfg, 16, 4, [1, R])
   assert [r['depth'] for r in rows] == [1, R]
   assert rows[1]['eval_loss'] == plain['eval_loss']
   assert rows[1]['eval_bits_per_byte'] == plain['eval_bits_per_byte']
