@@ -176,14 +176,18 @@ def _copy(name, tmp_path):
   return str(out)
 
 
-def test_a_looped_workdir_at_depths_and_a_routed_one(tmp_path):
-  looped = _copy('middle_cycle_lora', tmp_path)
+def test_a_looped_workdir_at_depths_and_a_routed_one(tmp_path, tiny_config):
+  from sharenet.train import loop
+  looped = str(tmp_path / 'universal')   # one shared layer applied twice, trained 2 steps
+  loop.train_and_evaluate(tiny_config(**{'model.sharing.scheme': 'universal',
+                                         'model.sharing.num_unique': 1, 'train.steps': 2}),
+                          looped)
   rows = eval_workdir.evaluate_workdir_tasks(looped, None, {}, 'sharenet_mc,sharenet_rolling',
-                                             task_dir=TASK_DIR, limit=6, depths=[1, 2])
+                                             task_dir=TASK_DIR, limit=6, depths=[1, 2, 4])
   assert [(r['task'], r['depth']) for r in rows] == [
-      ('sharenet_mc', 1), ('sharenet_rolling', 1), ('sharenet_mc', 2), ('sharenet_rolling', 2)]
-  assert 0 <= rows[0]['acc'] <= 1 and rows[1]['bits_per_byte'] > 0
-  assert rows[1]['bits_per_byte'] != rows[3]['bits_per_byte']   # the depth changes the model
+      (t, d) for d in (1, 2, 4) for t in ('sharenet_mc', 'sharenet_rolling')]
+  assert all(0 <= r['acc'] <= 1 for r in rows[::2]) and rows[1]['bits_per_byte'] > 0
+  assert len({r['bits_per_byte'] for r in rows[1::2]}) == 3   # each depth another model
   assert os.path.isfile(os.path.join(looped, eval_workdir.TASK_PLOT))
   with open(os.path.join(looped, eval_workdir.TASK_RESULTS)) as f:
     assert [json.loads(line) for line in f] == rows
