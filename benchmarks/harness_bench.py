@@ -1,11 +1,11 @@
 """Downstream-task throughput: how long a 1,000-item multiple-choice task takes through the harness.
 
-Command: python -m benchmarks.harness_bench [--config.items=1000]
+Command: python -m benchmarks.harness_bench [--config.num_items=1000]
              [--config.out=benchmarks/results/harness_cpu.json]   (from the repository root)
 Runtime: ~1 min on the 2-core CPU.
 
 What runs: the whole harness path (`task_eval.run_tasks`: the harness builds the requests, our
-`HarnessLM` scores them, the harness aggregates accuracy) on a task of `items` four-choice items
+`HarnessLM` scores them, the harness aggregates accuracy) on a task of `num_items` four-choice items
 (the fixture task tests/fixtures/tasks/sharenet_mc.yaml's format, its items written here with
 other numbers) and, for contrast, the same requests scored one by one (batch of one row, the
 shape a naive adapter would use). Model: configs/tiny.py at 4 layers (bytes, d_model 32),
@@ -53,7 +53,7 @@ def load(**kwargs):
 
 def get_config() -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
-  c.items = 1000
+  c.num_items = 1000
   c.layers = 4
   c.max_length = 64
   c.out = ''
@@ -81,11 +81,11 @@ def run(config: ml_collections.ConfigDict) -> dict:
   model = DecoderLM(ModelConfig.from_config(c.model))
   variables = init_variables(model, jax.random.key(0), seq_len=config.max_length)
   tok = tokenizer.load('bytes')
-  out = {'items': config.items, 'requests': 4 * config.items, 'layers': config.layers,
+  out = {'items': config.num_items, 'requests': 4 * config.num_items, 'layers': config.layers,
          'd_model': c.model.d_model, 'max_length': config.max_length,
          'device': jax.devices()[0].device_kind}
   with tempfile.TemporaryDirectory() as tmp:
-    write_task(tmp, config.items)
+    write_task(tmp, config.num_items)
     lm = task_eval.as_harness_model(model, variables, tok, max_length=config.max_length)
     for key in ('first_run_sec', 'second_run_sec'):
       t0 = time.perf_counter()
