@@ -110,6 +110,7 @@ def test_two_processes_read_disjoint_documents(dataset):
   assert docs[0] and docs[1] and not docs[0] & docs[1]
 
 
+@pytest.mark.slow
 def test_same_documents_as_prepare_and_eval_bytes(dataset, tmp_path):
   path, order = dataset
   out = str(tmp_path / 'shards')

@@ -176,6 +176,7 @@ def _copy(name, tmp_path):
   return str(out)
 
 
+@pytest.mark.slow
 def test_a_looped_workdir_at_depths_and_a_routed_one(tmp_path, tiny_config):
   from sharenet.train import loop
   looped = str(tmp_path / 'universal')   # one shared layer applied twice, trained 2 steps
