@@ -192,6 +192,18 @@ def test_a_looped_workdir_at_depths_and_a_routed_one(tmp_path, tiny_config):
   assert os.path.isfile(os.path.join(looped, eval_workdir.TASK_PLOT))
   with open(os.path.join(looped, eval_workdir.TASK_RESULTS)) as f:
     assert [json.loads(line) for line in f] == rows
+  # generation with adaptive exits (loop by loop): a rule that never fires decodes as plain
+  # greedy generation does; one that always fires (after the first loop) as depth 1 does
+  gen = lambda **kw: eval_workdir.evaluate_workdir_tasks(looped, None, {}, 'sharenet_gen',
+                                                         task_dir=TASK_DIR, limit=4, **kw)
+  assert gen(exit='maxprob:1.0')[0]['exact_match'] == gen()[0]['exact_match']
+  loaded = eval_workdir.load_for_generation(looped)
+  reqs = [_Req(it['prompt'], {'until': ['\n'], 'max_gen_toks': 8}) for it in _jsonl('gen_test')[:4]]
+  harness = lambda **kw: task_eval.as_harness_model(loaded.model, loaded.variables,
+                                                    loaded.tokenizer, max_length=32, **kw)
+  assert harness(exit='maxprob:1.0').generate_until(reqs) == harness().generate_until(reqs)
+  assert harness(exit='maxprob:0.0').generate_until(reqs) == \
+      harness(depth=1).generate_until(reqs)
   routed = _copy('mor_token_choice', tmp_path)
   (row,) = eval_workdir.evaluate_workdir_tasks(routed, None, {}, 'sharenet_gen',
                                                task_dir=TASK_DIR, limit=4, num_fewshot=1)
