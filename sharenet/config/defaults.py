@@ -223,6 +223,10 @@ def default_config() -> ml_collections.ConfigDict:
   t.log_every = 10
   t.eval_every = 0            # 0 -> only at the end
   t.eval_batch_size = 32
+  t.teacher = te = ml_collections.ConfigDict()   # distillation (sharenet/train/teacher.py)
+  te.workdir = ''             # a workdir whose model the run distills from ('' : none)
+  te.temperature = 1.0        # softmax temperature of the KL (scaled by T^2)
+  te.weight = 1.0             # loss = (1 - weight) CE + weight KD; 1: distillation only
   t.eval_tasks = ''           # lm-evaluation-harness tasks run at every eval, logged as
                               # task/<task>/<metric> (sharenet/tasks/, docs/evaluation.md)
   t.eval_task_dir = ''        # also the harness task definitions (YAML) under this directory

@@ -42,17 +42,29 @@ def token_nll(model: DecoderLM, params: Any, batch_BT1: Any,
   `normal` initial
   state, models/recurrence.py).
   """
+  logits_BTV, aux = token_logits(model, params, batch_BT1, mutable, schedule, rngs)
+  if logits_grad_scale != 1.0:
+    logits_BTV = unit_scale.scale_bwd(logits_BTV, logits_grad_scale)
+  nll_BT = optax.softmax_cross_entropy_with_integer_labels(logits_BTV, targets(batch_BT1))
+  return nll_BT, aux
+
+
+def targets(batch_BT1: Any) -> jax.Array:
+  """The next tokens (B, T) a batch's inputs predict."""
+  return split_batch(batch_BT1)[0][:, 1:]
+
+
+def token_logits(model: DecoderLM, params: Any, batch_BT1: Any, mutable: Sequence[str] = (),
+                 schedule: Schedule = Schedule(), rngs: Any = None) -> tuple[jax.Array, Any]:
+  """The logits (B, T, V) of a batch's inputs and the sown `mutable` collections (`token_nll`'s
+  forward; distillation compares a student's and a teacher's, sharenet/train/teacher.py)."""
   tokens_BT1, segment_ids_BT1 = split_batch(batch_BT1)
   inputs = (tokens_BT1[:, :-1],) if segment_ids_BT1 is None else (tokens_BT1[:, :-1],
                                                                   segment_ids_BT1[:, :-1])
   extra = {} if schedule.is_default else {'schedule': schedule}   # the plain call otherwise
   if rngs is not None:
     extra['rngs'] = rngs
-  logits_BTV, aux = model.apply(params, *inputs, mutable=list(mutable), **extra)
-  if logits_grad_scale != 1.0:
-    logits_BTV = unit_scale.scale_bwd(logits_BTV, logits_grad_scale)
-  nll_BT = optax.softmax_cross_entropy_with_integer_labels(logits_BTV, tokens_BT1[:, 1:])
-  return nll_BT, aux
+  return model.apply(params, *inputs, mutable=list(mutable), **extra)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 4))

@@ -12,7 +12,6 @@ from typing import Any, Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax.traverse_util import flatten_dict
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from sharenet import data
@@ -22,14 +21,11 @@ from sharenet.errors import NonFiniteLoss
 from sharenet.models import accounting, logical_axes
 from sharenet.optim import chain
 from sharenet.tasks import task_eval
-from sharenet.train import evaluation, experiment, perf, resume, sampled_depth, sharding
+from sharenet.train import (evaluation, experiment, perf, resume, sampled_depth, sharding,
+                            teacher)
 from sharenet.train.metrics import MetricsWriter, note
 from sharenet.train.trainer import (TrainState, abstract_state, effective_params, init_state,
                                     make_train_step, setup)
-
-
-def param_shapes(tree: Any) -> dict[str, list[int]]:
-  return {'/'.join(k): list(v.shape) for k, v in flatten_dict(tree).items()}
 
 
 class _Compiled(NamedTuple):
@@ -42,15 +38,17 @@ class _Compiled(NamedTuple):
   mesh: Any
   rules: Any
   sampled: bool          # a sampled-depth model: the step takes its depth (train/sampled_depth.py)
+  teacher: Any           # train.teacher's Loaded (train/teacher.py), or None
 
 
 def _compile_step(run: experiment.Resolved, exp: Any) -> tuple[_Compiled, Any, list[str]]:
-  """The state's shapes and shardings on the run's mesh and the jitted step; -> (compiled,
-  logical axes, sharding notes)."""
+  """The state's shapes and shardings on the run's mesh and the jitted step (with a teacher,
+  its variables restored on that mesh); -> (compiled, logical axes, sharding notes)."""
   model, tx, pz, tr = exp
   t = run.train
   abstract = abstract_state(model, tx, tr, pz)
   mesh, rules = sharding.make_mesh(run.mesh), sharding.rules_of(run.mesh)
+  tea = teacher.load(run, mesh, rules)   # train.teacher: the step's last argument
   logical, notes = logical_axes(model), []
   if 'reparam' in abstract.params:   # transform gains carry no logical axes: replicated
     logical = {**logical, 'reparam': jax.tree.map(lambda _: P(), abstract.params['reparam'])}
@@ -59,11 +57,13 @@ def _compile_step(run: experiment.Resolved, exp: Any) -> tuple[_Compiled, Any, l
   batch_sharding = sharding.batch_sharding(mesh, rules)
   sampled = sampled_depth.sampled(model.cfg)   # the depth: a third, replicated int32 argument
   step_fn = jax.jit(make_train_step(exp, t.grad_accum, loops=sampled_depth.step_loops(t,
-                                                                                   model.cfg)),
+                                                                                   model.cfg),
+                                    teacher=None if tea is None else tea.distill),
                     in_shardings=(shardings, batch_sharding) + (NamedSharding(mesh, P()),) *
-                    sampled, out_shardings=(shardings, NamedSharding(mesh, P())), donate_argnums=0)
+                    sampled + ((tea.shardings,) if tea else ()),
+                    out_shardings=(shardings, NamedSharding(mesh, P())), donate_argnums=0)
   compiled = _Compiled(abstract, shardings, batch_sharding, (t.batch_size, t.seq_len + 1),
-                       step_fn, mesh, rules, sampled)
+                       step_fn, mesh, rules, sampled, tea)
   return compiled, logical, notes
 
 
@@ -75,8 +75,9 @@ def _dry_run(run: experiment.Resolved, c: _Compiled, logical: Any,
     if run.data.segment_mask:
       spec = {'tokens': spec, 'segment_ids': spec}
     depth = (jax.ShapeDtypeStruct((), jnp.int32),) * c.sampled
+    tea = () if c.teacher is None else (c.teacher.variables,)   # its memory in the report
     compiled = c.step_fn.lower(sharding.with_shardings(c.abstract, c.shardings), spec,
-                               *depth).compile()
+                               *depth, *tea).compile()
   return sharding.report(c.abstract, c.shardings, logical, compiled, notes)
 
 
@@ -114,7 +115,7 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, float]:
   c, logical, notes = _compile_step(run, exp)
   abstract, shardings, step_fn, mesh, rules = c.abstract, c.shardings, c.step_fn, c.mesh, c.rules
   batch_sharding, batch_shape = c.batch_sharding, c.batch_shape
-  shapes = param_shapes(abstract.params)
+  shapes = resume.param_shapes(abstract.params)
   if run.dry_run:
     return _dry_run(run, c, logical, notes)
   for line in notes:
@@ -140,7 +141,10 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, float]:
     raise
 
   _write_summary(run, workdir, pz, state.params, shapes)
-  flops_at = sampled_depth.FlopsCounter(t, mcfg)   # executed FLOPs/token at a step's depth
+  # executed FLOPs/token at a step's depth, with a teacher's forward
+  flops_at = sampled_depth.FlopsCounter(t, mcfg, 0.0 if c.teacher is None else
+                                        c.teacher.forward_flops)
+  tea_vars = () if c.teacher is None else (c.teacher.variables,)
   # Saved with every checkpoint: a resume compares against the config that wrote the state.
   record = {**resume.config_dict(run.record), 'param_shapes': shapes}
 
@@ -186,7 +190,7 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, float]:
                  **{mfu_ref.name: window['flops'] * tokens_per_step / dt / mfu_ref.flops},
                  **flops_at.row(depth),
                  **{k: float(v) for k, v in metrics.items()
-                    if k.startswith(('routing_', 'exit_loss_', 'moe_'))},
+                    if k.startswith(('routing_', 'exit_loss_', 'moe_', 'distill_'))},
                  **(seen.shares(step) if seen is not None else {}))
       writer.write(step, **row)
       last.clear()
@@ -203,7 +207,7 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, float]:
     while step < t.steps:
       depth = sampled_depth.sample_depth(mcfg, t.seed, step) if flops_at.depths else 0
       state, metrics = dispatch(step_fn, state, next(train_iter), batch_sharding, batch_shape,
-                                mesh, rules, *[depth] * c.sampled)
+                                mesh, rules, *[depth] * c.sampled, teacher_vars=tea_vars)
       step += 1
       if pending is not None:
         settle(*pending)
@@ -240,8 +244,8 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, float]:
 
 
 def dispatch(step_fn: Callable, state: TrainState, host_batch: Any, batch_sharding: Any,
-             batch_shape: tuple[int, ...], mesh: Any, rules: Any, *depth: int
-             ) -> tuple[TrainState, dict[str, Any]]:
+             batch_shape: tuple[int, ...], mesh: Any, rules: Any, *depth: int,
+             teacher_vars: tuple[Any, ...] = ()) -> tuple[TrainState, dict[str, Any]]:
   """Uploads this process's rows of a batch (and a sampled-depth step's `depth`, the same host
   int on every process, as a replicated int32) and enqueues one train step; returns device
   arrays.
@@ -257,7 +261,7 @@ def dispatch(step_fn: Callable, state: TrainState, host_batch: Any, batch_shardi
   depth = tuple(jax.make_array_from_process_local_data(NamedSharding(mesh, P()),
                                                        np.asarray(d, np.int32), ()) for d in depth)
   with sharding.activate(mesh, rules):
-    return step_fn(state, batch, *depth)
+    return step_fn(state, batch, *depth, *teacher_vars)   # a teacher's: already on the mesh
 
 
 def read_step_metrics(step: int, metrics: dict[str, Any], last_checkpoint: int | None

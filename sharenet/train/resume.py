@@ -16,6 +16,7 @@ from typing import Any
 
 import jax
 import optax
+from flax.traverse_util import flatten_dict
 
 from sharenet.checkpoint import orbax_io
 from sharenet.config import migrations
@@ -42,6 +43,11 @@ DATA_STREAM = ('data.source', 'data.path', 'data.bin_dtype', 'data.seed', 'data.
 # Sections of config.json that are the config (the rest is derived: shapes, counts, tables).
 SECTIONS = ('model', 'train', 'data', 'transforms', 'parametrization', 'mesh', 'dry_run')
 
+
+
+def param_shapes(tree: Any) -> dict[str, list[int]]:
+  """{'/'-joined path: shape} of a parameter tree: the checkpoint record's `param_shapes`."""
+  return {'/'.join(k): list(v.shape) for k, v in flatten_dict(tree).items()}
 
 def _flat(tree: Any, prefix: str = '') -> dict[str, Any]:
   if not isinstance(tree, dict):

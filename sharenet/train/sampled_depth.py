@@ -168,19 +168,21 @@ class FlopsCounter:
   """Executed train FLOPs per token of a step at a depth (the nominal model FLOPs without
   recurrence or exits, whose steps are all alike: `depths` False), and its log entries."""
 
-  def __init__(self, train: Any, cfg: ModelConfig):
+  def __init__(self, train: Any, cfg: ModelConfig, extra: float = 0.0):
     self.cfg, self.seq_len = cfg, int(train.seq_len)
     exits = step_loops(train, cfg).exits
     self.exits = len(exits) if exits else 1
     self.depths = cfg.recurrent_segment is not None or exits is not None
-    self.nominal = accounting.flops_per_token(cfg, self.seq_len)
+    self.extra = float(extra)   # per token besides the model's: a teacher's forward
+    self.nominal = accounting.flops_per_token(cfg, self.seq_len) + self.extra
     self._at: dict[int, float] = {}
 
   def __call__(self, depth: int) -> float:
     if not self.depths:
       return self.nominal
     if depth not in self._at:
-      self._at[depth] = executed_flops_per_token(self.cfg, self.seq_len, depth, self.exits)
+      self._at[depth] = executed_flops_per_token(self.cfg, self.seq_len, depth,
+                                                 self.exits) + self.extra
     return self._at[depth]
 
   def row(self, depth: int) -> dict[str, float]:

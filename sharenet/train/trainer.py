@@ -19,7 +19,7 @@ from sharenet.models import (DecoderLM, ModelConfig, abstract_variables, init_va
 from sharenet.models.norm_stats import NORM_STATS
 from sharenet.optim import chain
 from sharenet.parametrization import rules
-from sharenet.train import evaluation, experiment, sampled_depth
+from sharenet.train import distill, evaluation, experiment, sampled_depth
 from sharenet.transforms import Transforms
 
 
@@ -122,7 +122,8 @@ def loss_fn(params: Any, tstate: Any, batch_BT1: jax.Array, depth: Any = None, *
             model: DecoderLM, tr: Transforms | None = None,
             pz: rules.Parametrization | None = None, mutable: Sequence[str] = (),
             loops: sampled_depth.StepLoops | None = None, step: Any = 0,
-            micro: Any = None) -> tuple[jax.Array, Any]:
+            micro: Any = None, teacher: distill.Distill | None = None,
+            teacher_vars: Any = None) -> tuple[jax.Array, Any]:
   """Mean next-token NLL under the `effective` params, and the sown `mutable` collections.
 
   Under u-muP (`pz.loss_grad_scale` != 1) the value is the same mean, but its backward is u-muP's
@@ -142,20 +143,25 @@ def loss_fn(params: Any, tstate: Any, batch_BT1: jax.Array, depth: Any = None, *
 
   With a statistics norm (NORM_STATS in `tstate`) the forward is in its training mode
   (sharenet/models/norm_stats.py); train_step reads the statistics from the cotangents.
+
+  With a `teacher` (train.teacher; its applied variables `teacher_vars`, frozen) the value is
+  sharenet/train/distill.py's mix of CE and the KD loss, reported as `distill_ce` and
+  `distill_kd`.
   """
   if NORM_STATS in (tstate or {}):   # a statistics norm normalises in training mode
     loss, aux = _loss(params, tstate, batch_BT1, depth, model=model, tr=tr, pz=pz,
                       mutable=tuple(mutable) + (NORM_STATS,), loops=loops, step=step,
-                      micro=micro)
+                      micro=micro, teacher=teacher, teacher_vars=teacher_vars)
     return loss, {k: v for k, v in aux.items() if k != NORM_STATS}
   return _loss(params, tstate, batch_BT1, depth, model=model, tr=tr, pz=pz, mutable=mutable,
-               loops=loops, step=step, micro=micro)
+               loops=loops, step=step, micro=micro, teacher=teacher, teacher_vars=teacher_vars)
 
 
 def _loss(params: Any, tstate: Any, batch_BT1: jax.Array, depth: Any = None, *,
           model: DecoderLM, tr: Transforms | None, pz: rules.Parametrization | None,
           mutable: Sequence[str], loops: sampled_depth.StepLoops | None,
-          step: Any, micro: Any = None) -> tuple[jax.Array, Any]:
+          step: Any, micro: Any = None, teacher: distill.Distill | None = None,
+          teacher_vars: Any = None) -> tuple[jax.Array, Any]:
   """loss_fn's value and collections (`mutable` as given)."""
   experts = model.cfg.moe.aux
   if experts:  # model.moe: the experts' entropy / balancing losses join the training loss
@@ -168,17 +174,29 @@ def _loss(params: Any, tstate: Any, batch_BT1: jax.Array, depth: Any = None, *,
   routed = model.cfg.routing.kind != 'none'
   if routed:   # Mixture-of-Recursions: its aux losses join the training loss (not eval_loss)
     mutable = tuple(mutable) + (routing.ROUTING,)
-  nll_BT, aux = evaluation.token_nll(model, effective(params, tstate, tr, pz), batch_BT1, mutable,
-                                   logits_grad_scale=s)
+  if teacher is not None:   # train.teacher: CE mixed with KD (sharenet/train/distill.py)
+    logits_BTV, aux = evaluation.token_logits(model, effective(params, tstate, tr, pz),
+                                              batch_BT1, mutable)
+    nll_BT = optax.softmax_cross_entropy_with_integer_labels(logits_BTV,
+                                                             evaluation.targets(batch_BT1))
+    teacher_BTV, _ = evaluation.token_logits(teacher.model, teacher_vars, batch_BT1)
+    base, metrics = distill.mix(nll_BT, distill.kd_per_token(logits_BTV, teacher_BTV,
+                                                             teacher.temperature),
+                                teacher.weight)
+    aux = {**aux, **metrics}
+  else:
+    nll_BT, aux = evaluation.token_nll(model, effective(params, tstate, tr, pz), batch_BT1,
+                                       mutable, logits_grad_scale=s)
+    base = jnp.mean(nll_BT)
   if routed:
     aux = dict(aux)
     router_loss, router_metrics = routing.aux_loss(model.cfg, aux.pop(routing.ROUTING))
     aux.update(router_metrics)
-    return jnp.mean(nll_BT) + router_loss, aux
+    return base + router_loss, aux
   if experts:
-    return _with_moe_loss(jnp.mean(nll_BT), aux)
+    return _with_moe_loss(base, aux)
   if s == 1.0:
-    return jnp.mean(nll_BT), aux
+    return base, aux
   return unit_scale.scale_fwd(jnp.sum(nll_BT), 1.0 / nll_BT.size), aux
 
 
@@ -191,10 +209,12 @@ def _with_moe_loss(loss: jax.Array, aux: Any) -> tuple[jax.Array, Any]:
   return loss + moe_loss, aux
 
 
-def train_step(state: TrainState, batch_BT1: jax.Array, depth: Any = None, *, model: DecoderLM,
+def train_step(state: TrainState, batch_BT1: jax.Array, depth: Any = None,
+               teacher_vars: Any = None, *, model: DecoderLM,
                tx: optax.GradientTransformation, grad_accum: int = 1, tr: Transforms | None = None,
                pz: rules.Parametrization | None = None, mutable: Sequence[str] = (),
-               loops: sampled_depth.StepLoops | None = None) -> tuple[TrainState, dict[str, Any]]:
+               loops: sampled_depth.StepLoops | None = None,
+               teacher: distill.Distill | None = None) -> tuple[TrainState, dict[str, Any]]:
   """One optimizer step on `loss_fn`; with grad_accum > 1 the batch is split into scanned
   micro-batches.
 
@@ -206,13 +226,14 @@ def train_step(state: TrainState, batch_BT1: jax.Array, depth: Any = None, *, mo
   over micro-batches). With loss-free routing balancing, the routing bias in `tstate` then moves
   by the step's exit fractions (models/routing.py update_balance). `depth`: a sampled-depth
   model's loops this step (a traced int32; sharenet/train/sampled_depth.py), `loops` its exits and
-  seed.
+  seed. `teacher` / `teacher_vars`: distillation from a frozen teacher (`loss_fn`).
   A statistics norm's state (norm_stats.NORM_STATS in `tstate`) is differentiated with the
   params; its cotangents give the next statistics (sharenet/models/norm_stats.py).
   """
   tstate = state.tstate if tr is None else tr.update_state(state.params, state.tstate)
   loss_of = functools.partial(loss_fn, depth=depth, model=model, tr=tr, pz=pz, mutable=mutable,
-                              loops=loops, step=state.step)
+                              loops=loops, step=state.step, teacher=teacher,
+                              teacher_vars=teacher_vars)
   if NORM_STATS in tstate:   # a statistics norm (grad_accum 1: config/compat.py): its
     # statistics leave as cotangents
     with_stats = lambda p, s, b: loss_of(p, {**tstate, NORM_STATS: s}, b)
@@ -248,9 +269,15 @@ def train_step(state: TrainState, batch_BT1: jax.Array, depth: Any = None, *, mo
 
 
 def make_train_step(exp: Experiment, grad_accum: int = 1, mutable: Sequence[str] = (),
-                    loops: sampled_depth.StepLoops | None = None
+                    loops: sampled_depth.StepLoops | None = None,
+                    teacher: distill.Distill | None = None
                     ) -> Callable[..., tuple[TrainState, dict[str, Any]]]:
   """`train_step` of `exp`, not jitted (the loop jits it; the studies vmap and scan it):
-  (state, batch[, depth]); `loops` (sampled_depth.step_loops): train.exit_loss and the seed."""
-  return functools.partial(train_step, model=exp.model, tx=exp.tx, grad_accum=grad_accum,
-                           tr=exp.tr, pz=exp.pz, mutable=tuple(mutable), loops=loops)
+  (state, batch[, depth][, teacher_vars]); `loops` (sampled_depth.step_loops): train.exit_loss
+  and the seed; `teacher`: distillation (the step then takes the teacher's variables last)."""
+  step = functools.partial(train_step, model=exp.model, tx=exp.tx, grad_accum=grad_accum,
+                           tr=exp.tr, pz=exp.pz, mutable=tuple(mutable), loops=loops,
+                           teacher=teacher)
+  if teacher is None or sampled_depth.sampled(exp.model.cfg):
+    return step
+  return lambda state, batch_BT1, teacher_vars: step(state, batch_BT1, None, teacher_vars)

@@ -21,7 +21,7 @@ from sharenet.config import defaults
 from sharenet.errors import ConfigError
 from sharenet.models import DecoderLM, ModelConfig
 from sharenet.optim import chain
-from sharenet.train import experiment, loop, resume, sharding, trainer
+from sharenet.train import experiment, resume, sharding, trainer
 from sharenet.transforms import Transforms
 
 
@@ -157,7 +157,7 @@ def _workdir_configs(raw: dict[str, Any], extra: dict[str, Any],
                      params: Any) -> tuple[dict[str, Any], dict[str, Any]]:
   """(the checkpoint's config item, config.json's contents) of a workdir of config `raw` (a
   dict) holding `params` (arrays or ShapeDtypeStructs)."""
-  shapes = loop.param_shapes(params)
+  shapes = resume.param_shapes(params)
   return ({**resume.config_dict(raw), 'param_shapes': shapes},
           {**raw, **extra, 'param_shapes': shapes})
 

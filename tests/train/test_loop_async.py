@@ -68,12 +68,12 @@ def _record(monkeypatch, poison=None):
   events = []
   dispatch, read = loop.dispatch, loop.read_step_metrics
 
-  def guarded_dispatch(step_fn, state, *args):
+  def guarded_dispatch(step_fn, state, *args, **kwargs):
     step = sum(kind == 'dispatch' for kind, _ in events) + 1
     if poison is not None:
       state = poison(step, state)
     with no_device_to_host():
-      out = dispatch(step_fn, state, *args)
+      out = dispatch(step_fn, state, *args, **kwargs)
     events.append(('dispatch', step))
     return out
 

@@ -1,0 +1,95 @@
+"""Distillation from a teacher workdir (train.teacher; sharenet/train/distill.py, teacher.py)."""
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+from sharenet.errors import ConfigError
+from sharenet.models import DecoderLM, ModelConfig, init_variables
+from sharenet.train import distill, trainer
+
+
+def _np_kd(s, t, temp):
+  """T^2 KL(softmax(t/T) || softmax(s/T)) per row, in float64 numpy."""
+  def log_softmax(x):
+    x = x / temp
+    x = x - x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+  lp, lq = log_softmax(t.astype(np.float64)), log_softmax(s.astype(np.float64))
+  return temp * temp * (np.exp(lp) * (lp - lq)).sum(-1)
+
+
+@pytest.mark.parametrize('temp', [1.0, 2.0, 0.5])
+def test_kd_equals_a_numpy_restatement(temp):
+  rng = np.random.default_rng(0)
+  s, t = rng.normal(size=(2, 5, 11)) * 3, rng.normal(size=(2, 5, 11)) * 3
+  got = np.asarray(distill.kd_per_token(jnp.asarray(s, jnp.float32), jnp.asarray(t, jnp.float32),
+                                        temp))
+  np.testing.assert_allclose(got, _np_kd(s, t, temp), rtol=1e-5, atol=1e-6)
+  nll = rng.random((2, 5))
+  loss, m = distill.mix(jnp.asarray(nll), jnp.asarray(got), 0.25)
+  np.testing.assert_allclose(float(loss), 0.75 * nll.mean() + 0.25 * got.mean(), rtol=1e-6)
+  assert float(m['distill_kd']) == pytest.approx(got.mean(), rel=1e-6)
+
+
+def test_a_student_equal_to_its_teacher_has_zero_loss_and_gradient(tiny_config):
+  model = DecoderLM(ModelConfig.from_config(tiny_config().model))
+  params = init_variables(model, jax.random.key(0), seq_len=16)
+  batch = jax.random.randint(jax.random.key(1), (4, 17), 0, 256)
+  teacher = distill.Distill(model, 1.0, 1.0)
+  (loss, aux), grads = jax.value_and_grad(trainer.loss_fn, has_aux=True)(
+      params, {}, batch, model=model, teacher=teacher, teacher_vars=params)
+  assert abs(float(loss)) < 1e-6 and float(aux['distill_ce']) > 1.0
+  assert max(float(jnp.abs(g).max()) for g in jax.tree.leaves(grads)) < 1e-6
+  # another student: a positive loss and a gradient
+  other = init_variables(model, jax.random.key(5), seq_len=16)
+  (loss, _), grads = jax.value_and_grad(trainer.loss_fn, has_aux=True)(
+      other, {}, batch, model=model, teacher=teacher, teacher_vars=params)
+  assert float(loss) > 1e-4 and max(float(jnp.abs(g).max()) for g in jax.tree.leaves(grads)) > 1e-4
+
+
+@pytest.fixture(scope='module')
+def teacher_dir(tmp_path_factory, tiny_config):
+  from sharenet.train import loop
+  path = str(tmp_path_factory.mktemp('teacher'))
+  loop.train_and_evaluate(tiny_config(**{'train.steps': 4}), path)
+  return path
+
+
+def test_train_distills_from_a_teacher_workdir(teacher_dir, tmp_path, tiny_config):
+  from sharenet.train import loop
+  from sharenet.train.metrics import read_metrics
+  config = tiny_config(**{'train.steps': 3, 'train.log_every': 1, 'model.num_layers': 4,
+                          'model.sharing.scheme': 'cycle', 'model.sharing.num_unique': 2,
+                          'train.teacher.workdir': teacher_dir, 'train.teacher.weight': 0.5,
+                          'train.teacher.temperature': 2.0})
+  loop.train_and_evaluate(config, str(tmp_path / 'student'))
+  rows = [r for r in read_metrics(str(tmp_path / 'student')) if 'loss' in r]
+  assert len(rows) == 3
+  for r in rows:
+    assert r['distill_kd'] > 0
+    assert r['loss'] == pytest.approx(0.5 * r['distill_ce'] + 0.5 * r['distill_kd'], rel=1e-5)
+
+
+@pytest.mark.parametrize('overrides, match', [
+    ({'train.teacher.weight': 0.0}, 'weight=0.0; valid: 0 < weight <= 1'),
+    ({'train.teacher.temperature': 0.0}, r'temperature=0.0; valid: > 0'),
+    ({'model.vocab_size': 300}, 'vocab_size=256, the student 300'),
+    ({'train.exit_loss': 'all', 'model.sharing.scheme': 'universal',
+      'model.sharing.num_unique': 1}, 'not built'),
+])
+def test_bad_teachers_are_one_line_and_write_nothing(teacher_dir, tmp_path, tiny_config,
+                                                     overrides, match):
+  from sharenet.train import loop
+  config = tiny_config(**{'train.teacher.workdir': teacher_dir, **overrides})
+  with pytest.raises(ConfigError, match=match) as e:
+    loop.train_and_evaluate(config, str(tmp_path / 'run'))
+  assert '\n' not in str(e.value) and not (tmp_path / 'run').exists()
+
+
+def test_a_teacher_workdir_without_a_run_is_one_line(tmp_path, tiny_config):
+  from sharenet.train import loop
+  with pytest.raises(ConfigError, match='has no config.json'):
+    loop.train_and_evaluate(tiny_config(**{'train.teacher.workdir': str(tmp_path)}),
+                            str(tmp_path / 'run'))
