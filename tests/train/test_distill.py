@@ -1,4 +1,6 @@
 """Distillation from a teacher workdir (train.teacher; sharenet/train/distill.py, teacher.py)."""
+import os
+
 import numpy as np
 import pytest
 
@@ -93,3 +95,51 @@ def test_a_teacher_workdir_without_a_run_is_one_line(tmp_path, tiny_config):
   with pytest.raises(ConfigError, match='has no config.json'):
     loop.train_and_evaluate(tiny_config(**{'train.teacher.workdir': str(tmp_path)}),
                             str(tmp_path / 'run'))
+
+
+def _mesh_worker(out_path, teacher, workdir):
+  """Runs in the 8-device subprocess: the student distilled on data=2, fsdp=2, tensor=2."""
+  import json
+  import sys
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  import conftest
+  from sharenet.train import loop
+  assert jax.device_count() == 8
+  config = _mesh_config(conftest.make_tiny_config, teacher, (2, 2, 2))
+  loop.train_and_evaluate(config, workdir)
+  with open(out_path, 'w') as f:
+    json.dump(conftest.read_losses(workdir), f)
+
+
+def _mesh_config(make, teacher, mesh=(-1, 1, 1)):
+  c = make(**{'train.steps': 3, 'train.log_every': 1, 'train.batch_size': 8,
+              'train.eval_batch_size': 8, 'train.teacher.workdir': teacher,
+              'train.teacher.weight': 0.5, 'train.teacher.temperature': 2.0})
+  c.mesh.data, c.mesh.fsdp, c.mesh.tensor = mesh
+  return c
+
+
+@pytest.mark.slow
+def test_distillation_on_a_mesh_matches_one_device(teacher_dir, tmp_path, tiny_config, losses,
+                                                   repo_root, subprocess_env):
+  import json
+  import subprocess
+  import sys
+  from sharenet.train import loop
+  env = dict(subprocess_env, JAX_PLATFORMS='cpu')
+  env['XLA_FLAGS'] = env.get('XLA_FLAGS', '') + ' --xla_force_host_platform_device_count=8'
+  out = tmp_path / 'eight.json'
+  res = subprocess.run([sys.executable, __file__, str(out), teacher_dir, str(tmp_path / 'eight')],
+                       env=env, capture_output=True, text=True, timeout=600, cwd=repo_root)
+  assert res.returncode == 0, res.stderr[-4000:]
+  eight = {int(k): v for k, v in json.loads(out.read_text()).items()}
+  loop.train_and_evaluate(_mesh_config(tiny_config, teacher_dir), str(tmp_path / 'one'))
+  one = losses(str(tmp_path / 'one'))
+  assert sorted(eight) == sorted(one) == [1, 2, 3]
+  for s in one:
+    assert abs(eight[s] - one[s]) <= 1e-5 * abs(one[s]), (s, eight[s], one[s])
+
+
+if __name__ == '__main__':
+  import sys
+  _mesh_worker(*sys.argv[1:4])
