@@ -223,6 +223,8 @@ def default_config() -> ml_collections.ConfigDict:
   t.log_every = 10
   t.eval_every = 0            # 0 -> only at the end
   t.eval_batch_size = 32
+  t.trainable = 'all'         # all | lora | adapters | role list | path regex: the rest frozen,
+                              # without optimizer state (sharenet/optim/trainable.py)
   t.teacher = te = ml_collections.ConfigDict()   # distillation (sharenet/train/teacher.py)
   te.workdir = ''             # a workdir whose model the run distills from ('' : none)
   te.temperature = 1.0        # softmax temperature of the KL (scaled by T^2)

@@ -30,7 +30,7 @@ from flax.traverse_util import flatten_dict, unflatten_dict
 from sharenet.config import defaults
 from sharenet.errors import ConfigError
 from sharenet.models import params as params_lib
-from sharenet.optim import matrix
+from sharenet.optim import matrix, trainable
 from sharenet.transforms.project import projection
 from sharenet.transforms.update import agc, scale_by_adamp
 
@@ -211,7 +211,8 @@ def make_chain(t: Any, transforms: Any = None, multipliers: Any = None,
     parts += _multiplied(t, multipliers, table, roles, peak_lr)
   if transforms is not None and transforms.projection != 'none':
     parts.append(projection(transforms.projection, transforms.infos))
-  return optax.chain(*parts)
+  # train.trainable: the chain on the trainable leaves only (sharenet/optim/trainable.py)
+  return trainable.optimizer(optax.chain(*parts), getattr(t, 'trainable', 'all'), table)
 
 
 def _multiplied(t: Any, multipliers: Any, table: dict | None, roles: tuple[str, ...],

@@ -19,7 +19,7 @@ from sharenet.data import corpus
 from sharenet.checkpoint import config_file, orbax_io
 from sharenet.errors import NonFiniteLoss
 from sharenet.models import accounting, logical_axes
-from sharenet.optim import chain
+from sharenet.optim import chain, trainable
 from sharenet.tasks import task_eval
 from sharenet.train import (evaluation, experiment, perf, resume, sampled_depth, sharding,
                             teacher)
@@ -48,6 +48,7 @@ def _compile_step(run: experiment.Resolved, exp: Any) -> tuple[_Compiled, Any, l
   t = run.train
   abstract = abstract_state(model, tx, tr, pz)
   mesh, rules = sharding.make_mesh(run.mesh), sharding.rules_of(run.mesh)
+  trainable.check(t.trainable, tr.infos, abstract.params)   # train.trainable trains something
   tea = teacher.load(run, mesh, rules)   # train.teacher: the step's last argument
   logical, notes = logical_axes(model), []
   if 'reparam' in abstract.params:   # transform gains carry no logical axes: replicated
@@ -58,7 +59,8 @@ def _compile_step(run: experiment.Resolved, exp: Any) -> tuple[_Compiled, Any, l
   sampled = sampled_depth.sampled(model.cfg)   # the depth: a third, replicated int32 argument
   step_fn = jax.jit(make_train_step(exp, t.grad_accum, loops=sampled_depth.step_loops(t,
                                                                                    model.cfg),
-                                    teacher=None if tea is None else tea.distill),
+                                    teacher=None if tea is None else tea.distill,
+                                    trains=t.trainable),
                     in_shardings=(shardings, batch_sharding) + (NamedSharding(mesh, P()),) *
                     sampled + ((tea.shardings,) if tea else ()),
                     out_shardings=(shardings, NamedSharding(mesh, P())), donate_argnums=0)

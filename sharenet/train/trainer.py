@@ -17,7 +17,7 @@ import optax
 from sharenet.models import (DecoderLM, ModelConfig, abstract_variables, init_variables, lm, moe,
                              norm_stats, routing, unit_scale)
 from sharenet.models.norm_stats import NORM_STATS
-from sharenet.optim import chain
+from sharenet.optim import chain, trainable
 from sharenet.parametrization import rules
 from sharenet.train import distill, evaluation, experiment, sampled_depth
 from sharenet.transforms import Transforms
@@ -214,7 +214,8 @@ def train_step(state: TrainState, batch_BT1: jax.Array, depth: Any = None,
                tx: optax.GradientTransformation, grad_accum: int = 1, tr: Transforms | None = None,
                pz: rules.Parametrization | None = None, mutable: Sequence[str] = (),
                loops: sampled_depth.StepLoops | None = None,
-               teacher: distill.Distill | None = None) -> tuple[TrainState, dict[str, Any]]:
+               teacher: distill.Distill | None = None,
+               trains: str = 'all') -> tuple[TrainState, dict[str, Any]]:
   """One optimizer step on `loss_fn`; with grad_accum > 1 the batch is split into scanned
   micro-batches.
 
@@ -226,7 +227,9 @@ def train_step(state: TrainState, batch_BT1: jax.Array, depth: Any = None,
   over micro-batches). With loss-free routing balancing, the routing bias in `tstate` then moves
   by the step's exit fractions (models/routing.py update_balance). `depth`: a sampled-depth
   model's loops this step (a traced int32; sharenet/train/sampled_depth.py), `loops` its exits and
-  seed. `teacher` / `teacher_vars`: distillation from a frozen teacher (`loss_fn`).
+  seed. `teacher` / `teacher_vars`: distillation from a frozen teacher (`loss_fn`). `trains`
+  (train.trainable): the frozen leaves enter the loss behind a stop_gradient, so no backward
+  work feeds them (sharenet/optim/trainable.py; the optimizer leaves them unchanged).
   A statistics norm's state (norm_stats.NORM_STATS in `tstate`) is differentiated with the
   params; its cotangents give the next statistics (sharenet/models/norm_stats.py).
   """
@@ -234,6 +237,10 @@ def train_step(state: TrainState, batch_BT1: jax.Array, depth: Any = None,
   loss_of = functools.partial(loss_fn, depth=depth, model=model, tr=tr, pz=pz, mutable=mutable,
                               loops=loops, step=state.step, teacher=teacher,
                               teacher_vars=teacher_vars)
+  if trains != 'all':
+    table = tr.infos if tr is not None else lm.param_table(model.cfg)
+    unfrozen = loss_of
+    loss_of = lambda p, *a, **k: unfrozen(trainable.freeze(trains, table, p), *a, **k)
   if NORM_STATS in tstate:   # a statistics norm (grad_accum 1: config/compat.py): its
     # statistics leave as cotangents
     with_stats = lambda p, s, b: loss_of(p, {**tstate, NORM_STATS: s}, b)
@@ -270,14 +277,15 @@ def train_step(state: TrainState, batch_BT1: jax.Array, depth: Any = None,
 
 def make_train_step(exp: Experiment, grad_accum: int = 1, mutable: Sequence[str] = (),
                     loops: sampled_depth.StepLoops | None = None,
-                    teacher: distill.Distill | None = None
+                    teacher: distill.Distill | None = None, trains: str = 'all'
                     ) -> Callable[..., tuple[TrainState, dict[str, Any]]]:
   """`train_step` of `exp`, not jitted (the loop jits it; the studies vmap and scan it):
   (state, batch[, depth][, teacher_vars]); `loops` (sampled_depth.step_loops): train.exit_loss
-  and the seed; `teacher`: distillation (the step then takes the teacher's variables last)."""
+  and the seed; `teacher`: distillation (the step then takes the teacher's variables last);
+  `trains`: train.trainable."""
   step = functools.partial(train_step, model=exp.model, tx=exp.tx, grad_accum=grad_accum,
                            tr=exp.tr, pz=exp.pz, mutable=tuple(mutable), loops=loops,
-                           teacher=teacher)
+                           teacher=teacher, trains=trains)
   if teacher is None or sampled_depth.sampled(exp.model.cfg):
     return step
   return lambda state, batch_BT1, teacher_vars: step(state, batch_BT1, None, teacher_vars)
