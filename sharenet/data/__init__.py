@@ -8,6 +8,7 @@ from sharenet.data.pipeline import checkpoint_restore_args
 from sharenet.data.pipeline import checkpoint_save_args
 from sharenet.data.pipeline import eval_batches
 from sharenet.data.pipeline import eval_sources
+from sharenet.data.pipeline import has_loss_mask
 from sharenet.data.pipeline import make_train_iterator
 from sharenet.data.pipeline import mixture_of
 from sharenet.data.pipeline import num_eval_batches

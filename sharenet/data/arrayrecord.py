@@ -26,6 +26,14 @@ recipe (Raffel et al., "Exploring the Limits of Transfer Learning with a Unified
 Transformer", arXiv:1910.10683, section 3.1.2; Brown et al., "Language Models are Few-Shot
 Learners", arXiv:2005.14165, section 2.3).
 
+Loss mask (`meta.json` "loss_mask": true, written by `prepare --response_field`): fine-tuning
+records are a prompt's ids, then a response's ids and the end-of-document id, these with the top
+bit (`LOSS_BIT`) set: ids stay below 2^31, so the mask travels with its token through packing,
+shuffling and resume unchanged. A batch is then {'tokens', 'loss_mask'} (the bit split off):
+training and evaluation count a target only where its loss_mask is 1 (the mean over response
+tokens), and the split's "bytes" and "loss_tokens" are the responses', so bits per byte is per
+byte of what is predicted.
+
 With `data.segment_mask=True` a window also carries segment ids, the index of the document each
 token belongs to within the window (0, 1, ...; an end-of-document token belongs to the document
 it ends), and attention does not cross them (sharenet/models/attention.py). Positions stay the
@@ -58,6 +66,8 @@ from sharenet.errors import ConfigError
 FORMAT = 'sharenet-arrayrecord-v1'
 SPLITS = ('train', 'validation')
 DTYPE = np.dtype('<u4')
+LOSS_BIT = np.uint32(1 << 31)   # loss-masked shards: set on the ids the loss counts
+ID_MASK = np.uint32((1 << 31) - 1)
 
 
 @functools.lru_cache(maxsize=8)
@@ -95,9 +105,21 @@ def shard_paths(path: str, split: str) -> list[str]:
 
 
 def bytes_per_token(path: str) -> float:
-  """Validation UTF-8 bytes / validation tokens (end-of-document ids included)."""
+  """Validation UTF-8 bytes / validation tokens (end-of-document ids included); of loss-masked
+  shards, the responses' bytes / the tokens the loss counts."""
   info = meta(path)['splits']['validation']
-  return info['bytes'] / info['tokens']
+  return info['bytes'] / info['loss_tokens' if has_loss_mask(path) else 'tokens']
+
+
+def has_loss_mask(path: str) -> bool:
+  """Whether the shards mark the tokens the loss counts (prepare --response_field)."""
+  return bool(meta(path).get('loss_mask'))
+
+
+def split_loss_bit(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+  """(token ids, 1 where the loss counts the token) of loss-masked ids."""
+  ids = np.asarray(ids, DTYPE)
+  return ids & ID_MASK, (ids >> np.uint32(31)).astype(np.int32)
 
 
 def decode(record: bytes) -> np.ndarray:
@@ -218,16 +240,20 @@ class ShuffleWindows(grain.IterDataset):
 
 
 class _ToBatch(grain.transforms.Map):
-  """uint32 (B, W) windows -> int32 tokens, or {'tokens', 'segment_ids'} with the segment mask."""
+  """uint32 (B, W) windows -> int32 tokens, or a dict of 'tokens' with 'segment_ids' (the
+  segment mask) and / or 'loss_mask' (loss-masked shards)."""
 
-  def __init__(self, eod_id: int | None):
-    self._eod_id = eod_id
+  def __init__(self, eod_id: int | None, loss_mask: bool = False):
+    self._eod_id, self._loss_mask = eod_id, loss_mask
 
   def map(self, windows_BW: np.ndarray) -> Any:
+    out = {}
+    if self._loss_mask:
+      windows_BW, out['loss_mask'] = split_loss_bit(windows_BW)
     tokens_BW = np.asarray(windows_BW, np.int32)
-    if self._eod_id is None:
-      return tokens_BW
-    return {'tokens': tokens_BW, 'segment_ids': segment_ids(windows_BW, self._eod_id)}
+    if self._eod_id is not None:
+      out['segment_ids'] = segment_ids(windows_BW, self._eod_id)
+    return {'tokens': tokens_BW, **out} if out else tokens_BW
 
 
 def _stack(rows: tuple[np.ndarray, ...]) -> np.ndarray:
@@ -255,9 +281,11 @@ def row_streams(path: str, seq_len: int, local_batch: int, seed: int, process_in
   return rows
 
 
-def to_batches(windows: grain.IterDataset, eod_id: int | None) -> grain.IterDataset:
-  """(B, W) uint32 windows -> int32 tokens, or {'tokens', 'segment_ids'} with an `eod_id`."""
-  return windows.map(_ToBatch(eod_id))
+def to_batches(windows: grain.IterDataset, eod_id: int | None,
+               loss_mask: bool = False) -> grain.IterDataset:
+  """(B, W) uint32 windows -> int32 tokens, or a dict with 'segment_ids' (an `eod_id`) and / or
+  'loss_mask' (`_ToBatch`)."""
+  return windows.map(_ToBatch(eod_id, loss_mask))
 
 
 def train_dataset(path: str, seq_len: int, local_batch: int, seed: int, process_index: int = 0,
@@ -267,7 +295,8 @@ def train_dataset(path: str, seq_len: int, local_batch: int, seed: int, process_
   rows = row_streams(path, seq_len, local_batch, seed, process_index, process_count,
                      shuffle_windows)
   eod_id = meta(path)['eod_id'] if segment_mask else None
-  return to_batches(grain.experimental.ZipIterDataset(parents=rows).map(_stack), eod_id)
+  return to_batches(grain.experimental.ZipIterDataset(parents=rows).map(_stack), eod_id,
+                    has_loss_mask(path))
 
 
 def write_split(path: str, split: str, documents: Sequence[Sequence[int]], eod_id: int,

@@ -4,7 +4,8 @@
 directories written by `python -m sharenet.data.prepare` and their weights (any positive
 numbers, normalized to sum to 1); an entry `NAME=DIR:W` names its source, else the directory's
 base name does (names label the metrics and must differ). The directories must share their
-tokenizer (by contents), vocabulary and end-of-document id: one model reads them all.
+tokenizer (by contents), vocabulary and end-of-document id (one model reads them all) and all be
+fine-tuning pairs with a loss mask or none.
 `data.mixture_schedule='STEP:W_A/W_B,...'` changes the weights from each STEP on (piecewise
 constant stages, as levanter's stage-wise mixtures; weights in data.mixture's order, >= 0, not
 all 0); before its first STEP the data.mixture weights hold.
@@ -162,13 +163,14 @@ def parse(spec: str, schedule: str = '', seed: int = 0) -> Mixture:
     meta = arrayrecord.meta(s.path)
     identities[s.name] = (tokenizer.identity(meta['tokenizer'], 'data.mixture',
                                              base_dir=os.path.expanduser(s.path)),
-                          meta['vocab_size'], meta['eod_id'])
+                          meta['vocab_size'], meta['eod_id'], bool(meta.get('loss_mask')))
   first = sources[0].name
   for name, ident in identities.items():
     if ident != identities[first]:
       raise ConfigError(f'data.mixture sources {first!r} and {name!r} were prepared with other '
-                        f'tokenizers (tokenizer, vocab_size, eod_id: {identities[first]} vs '
-                        f'{ident}); valid: directories prepared with one tokenizer')
+                        f'tokenizers (tokenizer, vocab_size, eod_id, loss_mask: '
+                        f'{identities[first]} vs {ident}); valid: directories prepared with one '
+                        f'tokenizer, all fine-tuning pairs or none')
   stages = [(0, tuple(s.weight for s in sources))] + _schedule(schedule, names)
   return Mixture(sources, tuple(stages), int(seed) % 2**64)
 
@@ -268,5 +270,6 @@ def train_dataset(mixture: Mixture, seq_len: int, batch_size: int, seed: int,
     except ConfigError as e:
       raise ConfigError(f'data.mixture source {s.name!r}: {e}') from None
   mixed = MixtureDataset(streams, mixture, batch_size, process_index * local, local, seq_len + 1)
-  eod_id = arrayrecord.meta(mixture.sources[0].path)['eod_id'] if segment_mask else None
-  return arrayrecord.to_batches(mixed, eod_id)
+  first = mixture.sources[0].path
+  eod_id = arrayrecord.meta(first)['eod_id'] if segment_mask else None
+  return arrayrecord.to_batches(mixed, eod_id, arrayrecord.has_loss_mask(first))

@@ -173,6 +173,12 @@ def _eod_id(data_cfg: Any) -> int:
   return corpus.for_data(data_cfg).eod_id if source == 'hf' else arrayrecord.meta(path)['eod_id']
 
 
+def has_loss_mask(data_cfg: Any) -> bool:
+  """Whether the run's batches carry a loss mask (shards of fine-tuning pairs)."""
+  source, path = corpus.source_and_path(data_cfg)
+  return source == 'arrayrecord' and arrayrecord.has_loss_mask(path)
+
+
 def bytes_per_token(data_cfg: Any) -> float | None:
   """corpus.bytes_per_token, and for data.source=hf its evaluated validation documents' (UTF-8
   bytes / tokens, sharenet/data/hf_stream.py)."""
@@ -229,14 +235,20 @@ def eval_batches(data_cfg: Any, seq_len: int, batch_size: int, process_index: in
   source, path = corpus.source_and_path(data_cfg)
   _check_segment_mask(data_cfg, source)
   eod_id = _eod_id(data_cfg) if corpus.get_field(data_cfg, 'segment_mask') else None
+  masked = source == 'arrayrecord' and arrayrecord.has_loss_mask(path)
   local = batch_size // process_count
   span = np.arange(seq_len + 1)
   for b in range(num_eval_batches(data_cfg, seq_len, batch_size)):
     rows = b * batch_size + process_index * local + np.arange(local)
     pos = rows[:, None] * seq_len + span
     valid = pos < len(val)
-    tokens = np.where(valid, val[np.minimum(pos, len(val) - 1)], 0).astype(np.int32)
-    mask = valid[:, 1:].astype(np.float32)
+    ids = np.where(valid, val[np.minimum(pos, len(val) - 1)], 0)
+    counted = valid
+    if masked:   # only the tokens the loss counts (sharenet/data/arrayrecord.py, "Loss mask")
+      ids, loss = arrayrecord.split_loss_bit(ids)
+      counted = valid & (loss > 0)
+    tokens = ids.astype(np.int32)
+    mask = counted[:, 1:].astype(np.float32)
     if eod_id is None:
       yield tokens, mask
     else:

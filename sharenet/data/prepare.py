@@ -69,7 +69,7 @@ from typing import Any, Callable
 import numpy as np
 
 from sharenet.config import cli
-from sharenet.data import corpus, records, tokenizer as tokenizer_lib
+from sharenet.data import arrayrecord, corpus, records, tokenizer as tokenizer_lib
 from sharenet.errors import ConfigError
 
 FORMAT = 'sharenet-arrayrecord-v1'
@@ -178,12 +178,27 @@ def _encode_texts(texts: list[str]) -> list[tuple[bytes, int, int, bool]]:
   return _encode(texts, [False] * len(texts))
 
 
-def _encode(texts, invalid) -> list[tuple[bytes, int, int, bool]]:
+def _encode(texts, invalid) -> list[tuple[bytes, int, int, bool, int]]:
   tok = _WORKER_TOKENIZER
   out = []
   for text, ids, bad in zip(texts, tok.encode_batch(texts), invalid):
     record = np.append(ids.astype('<u4'), np.asarray([tok.eod_id], '<u4'))
-    out.append((record.tobytes(), len(record), len(text.encode('utf-8')), bad))
+    out.append((record.tobytes(), len(record), len(text.encode('utf-8')), bad, len(record)))
+  return out
+
+
+def _encode_pairs(pairs: list[tuple[str, str]]) -> list[tuple[bytes, int, int, bool, int]]:
+  """Fine-tuning records: prompt ids, then response ids and the end-of-document id with
+  arrayrecord.LOSS_BIT set (the tokens the loss counts); the bytes and loss tokens counted are
+  the response's (bits per byte of what is predicted)."""
+  tok = _WORKER_TOKENIZER
+  prompts, responses = zip(*pairs)
+  out = []
+  for response, p_ids, r_ids in zip(responses, tok.encode_batch(prompts),
+                                    tok.encode_batch(responses)):
+    loss = np.append(r_ids.astype('<u4'), np.asarray([tok.eod_id], '<u4')) | arrayrecord.LOSS_BIT
+    record = np.concatenate([p_ids.astype('<u4'), loss.astype('<u4')])
+    out.append((record.tobytes(), len(record), len(response.encode('utf-8')), False, len(loss)))
   return out
 
 
@@ -216,10 +231,12 @@ def prepare(input_glob: str, spec: str, out: str, shards: int = 8, val_shards: i
             progress_bar: bool = False,
             on_shard_done: Callable[[str], None] | None = None,
             max_documents: int = 0, text_field: str = 'text',
-            split: str = 'train') -> dict[str, Any]:
+            split: str = 'train', response_field: str = '') -> dict[str, Any]:
   """Writes the shards and meta.json of `input_glob` into `out`; returns the meta dict.
 
-  `text_field` and `split` apply to records (a record glob, or hf:NAME[:CONFIG] and its split).
+  `text_field` and `split` apply to records (a record glob, or hf:NAME[:CONFIG] and its split);
+  with `response_field` each record is a prompt (`text_field`) and a response, and only the
+  response's tokens carry loss (meta.json `loss_mask`; sharenet/data/arrayrecord.py).
   `on_shard_done(name)` runs after each shard this call writes (tests use it to interrupt).
   Returns meta plus, under key 'written' (not in meta.json), the shards this call wrote.
   A first run into a new or empty `out` that fails on bad input leaves `out` as it found it.
@@ -236,16 +253,16 @@ def prepare(input_glob: str, spec: str, out: str, shards: int = 8, val_shards: i
   if is_records and max_documents:
     raise ConfigError('--max_documents applies to text globs and stdlib; valid: a records '
                       'input without it (give fewer files)')
-  if not is_records and (text_field != 'text' or split != 'train'):
-    raise ConfigError(f'--text_field / --split apply to records (parquet, Arrow, JSON lines, '
-                      f'hf:NAME); --input={input_glob!r} is text files')
+  if not is_records and (text_field != 'text' or split != 'train' or response_field):
+    raise ConfigError(f'--text_field / --split / --response_field apply to records (parquet, '
+                      f'Arrow, JSON lines, hf:NAME); --input={input_glob!r} is text files')
   tok = tokenizer_lib.load(spec, '--tokenizer')
   created = not os.path.exists(out)
   owned = created or (os.path.isdir(out) and not os.listdir(out))
   try:
     if is_records:
       plan, fingerprint, encode = _record_plan(input_glob, spec, shards, val_shards,
-                                               val_fraction, text_field, split)
+                                               val_fraction, text_field, split, response_field)
     else:
       plan, fingerprint, encode = _text_plan(input_glob, spec, shards, val_shards, val_fraction,
                                              max_documents)
@@ -270,6 +287,10 @@ def prepare(input_glob: str, spec: str, out: str, shards: int = 8, val_shards: i
     counts = [progress['done'][name] for name in names]
     meta['splits'][s] = {'shards': names,
                          **{k: sum(c[k] for c in counts) for k in ('documents', 'tokens', 'bytes')}}
+    if response_field:   # bytes are the responses': bits per byte of the predicted text
+      meta['splits'][s]['loss_tokens'] = sum(c['loss_tokens'] for c in counts)
+  if response_field:
+    meta['loss_mask'] = True
   _write_json(os.path.join(out, 'meta.json'), meta)
   if invalid_utf8:
     print(f'note: {invalid_utf8} document(s) had invalid UTF-8 bytes (read as U+FFFD)',
@@ -292,19 +313,23 @@ def _text_plan(input_glob, spec, shards, val_shards, val_fraction, max_documents
   return plan, fingerprint, _encode_files
 
 
-def _record_split(text: str, val_fraction: float) -> str:
+def _record_split(item: str | tuple[str, str], val_fraction: float) -> str:
+  text = item if isinstance(item, str) else '\0'.join(item)   # a fine-tuning pair: both
   return 'validation' if corpus.text_fraction(text) < val_fraction else 'train'
 
 
-def _record_plan(input_spec, spec, shards, val_shards, val_fraction, text_field, split):
+def _record_plan(input_spec, spec, shards, val_shards, val_fraction, text_field, split,
+                 response_field=''):
   """Records (sharenet/data/records.py): the plan of `_text_plan` by unit, after a listing pass
   that counts each unit's documents per split (and meets any bad record first)."""
   units = records.units(input_spec, split)
+  read = ((lambda u: u.pairs(text_field, response_field)) if response_field else
+          (lambda u: u.texts(text_field)))
   counts = []
   for u in units:
     c = dict.fromkeys(SPLITS, 0)
-    for text in u.texts(text_field):
-      c[_record_split(text, val_fraction)] += 1
+    for item in read(u):
+      c[_record_split(item, val_fraction)] += 1
     counts.append(c)
   for s in SPLITS:
     if not sum(c[s] for c in counts):
@@ -320,10 +345,12 @@ def _record_plan(input_spec, spec, shards, val_shards, val_fraction, text_field,
                  'documents_sha256': listing.hexdigest(), 'shards': shards,
                  'val_shards': val_shards, 'val_fraction': val_fraction,
                  'text_field': text_field, 'split': split}
+  if response_field:
+    fingerprint['response_field'] = response_field
 
   def texts(held, s):
     for u in held:
-      yield from (t for t in u.texts(text_field) if _record_split(t, val_fraction) == s)
+      yield from (t for t in read(u) if _record_split(t, val_fraction) == s)
 
   plan = []
   for s, requested in zip(SPLITS, (shards, val_shards)):
@@ -331,7 +358,7 @@ def _record_plan(input_spec, spec, shards, val_shards, val_fraction, text_field,
     n = min(requested, len(holding))
     for i in range(n):
       plan.append((s, shard_name(s, i, n), lambda held=holding[i::n], s=s: texts(held, s)))
-  return plan, fingerprint, _encode_texts
+  return plan, fingerprint, _encode_pairs if response_field else _encode_texts
 
 
 def _write_shards(out, plan, progress, spec, encode, workers, progress_bar, on_shard_done):
@@ -382,15 +409,16 @@ def _write_shard(out: str, name: str, items, encode, pool: Any, bar: Any,
   results = pool.imap(encode, batches) if pool is not None else map(encode, batches)
   tmp = os.path.join(out, name + '.tmp')
   writer = ArrayRecordWriter(tmp, WRITER_OPTIONS)
-  counts = {'documents': 0, 'tokens': 0, 'bytes': 0}
+  counts = {'documents': 0, 'tokens': 0, 'bytes': 0, 'loss_tokens': 0}
   invalid = 0
   try:
     for batch in results:
-      for record, n_tokens, n_bytes, bad in batch:
+      for record, n_tokens, n_bytes, bad, n_loss in batch:
         writer.write(record)
         counts['documents'] += 1
         counts['tokens'] += n_tokens
         counts['bytes'] += n_bytes
+        counts['loss_tokens'] += n_loss
         invalid += bad
       bar.update(len(batch))
   except BaseException:
@@ -414,7 +442,7 @@ def main(argv: list[str]) -> None:
   meta = prepare(_INPUT.value, _TOKENIZER.value, _OUT.value, _SHARDS.value, _VAL_SHARDS.value,
                  _VAL_FRACTION.value, _WORKERS.value, progress_bar=True,
                  max_documents=_MAX_DOCUMENTS.value, text_field=_TEXT_FIELD.value,
-                 split=_SPLIT.value)
+                 split=_SPLIT.value, response_field=_RESPONSE_FIELD.value)
   for split, s in meta['splits'].items():
     print(f'{split}: {s["documents"]} documents, {s["tokens"]} tokens, {s["bytes"]} bytes, '
           f'{len(s["shards"])} shards')
@@ -430,6 +458,9 @@ if __name__ == '__main__':
                                "dataset, streamed), or 'stdlib' for the embedded corpus.",
                                required=True)
   _TEXT_FIELD = flags.DEFINE_string('text_field', 'text', 'Records: the column of the text.')
+  _RESPONSE_FIELD = flags.DEFINE_string('response_field', '', 'Records: fine-tuning pairs, the '
+                                        'prompt in --text_field and the response here; only '
+                                        'the response\'s tokens carry loss.')
   _SPLIT = flags.DEFINE_string('split', 'train', 'hf:NAME: the dataset split to read (its '
                                'documents are then split into train / validation by hash).')
   _TOKENIZER = flags.DEFINE_string('tokenizer', 'bytes', 'bytes | sentencepiece:PATH | hf:PATH.')

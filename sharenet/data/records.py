@@ -6,6 +6,10 @@ and a Hugging Face dataset (`hf:NAME[:CONFIG]` with a split, read through the `d
 library in streaming mode; NAME is a hub name or a local dataset directory). The text is the
 column `text_field` (default `text`).
 
+Fine-tuning records (prepare --response_field): each row is a prompt (the column `text_field`)
+and a response; prepare writes both and marks the response's tokens as the ones the loss counts
+(sharenet/data/arrayrecord.py, "Loss mask").
+
 A *unit* is the smallest piece read on its own: one file, or one source shard of a streamed
 dataset (`IterableDataset.shard`). prepare writes each output shard from whole units, so a
 shard reads only its own units and a killed run resumes shard by shard.
@@ -48,6 +52,23 @@ class Unit:
     n = 0
     for n, row in enumerate(self._read(), 1):
       yield _text(row, text_field, self.name, n - 1)
+    if n == 0:
+      raise ConfigError(f'{self.name}: no rows; valid: a file with at least one record')
+
+
+  def pairs(self, prompt_field: str, response_field: str) -> Iterator[tuple[str, str]]:
+    """The unit's (prompt, response) pairs in row order (prepare --response_field: fine-tuning
+    data whose loss counts the response only); one ConfigError line on bad input, also for an
+    empty response."""
+    n = 0
+    for n, row in enumerate(self._read(), 1):
+      prompt = _text(row, prompt_field, self.name, n - 1)
+      response = _text(row, response_field, self.name, n - 1)
+      if not response:
+        raise ConfigError(f'{self.name} row {n - 1}: --response_field={response_field!r} is '
+                          f'empty; valid: a response of at least one character (its tokens '
+                          f'are the ones the loss counts)')
+      yield prompt, response
     if n == 0:
       raise ConfigError(f'{self.name}: no rows; valid: a file with at least one record')
 

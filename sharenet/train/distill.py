@@ -39,7 +39,13 @@ def kd_per_token(student_BTV: jax.Array, teacher_BTV: jax.Array,
   return t * t * jnp.sum(jnp.exp(log_p) * (log_p - log_q), axis=-1)
 
 
-def mix(nll_BT: jax.Array, kd_BT: jax.Array, weight: float) -> tuple[jax.Array, dict[str, Any]]:
-  """(1 - weight) * mean CE + weight * mean KD, and both means as step metrics."""
-  ce, kd = jnp.mean(nll_BT), jnp.mean(kd_BT)
+def mix(nll_BT: jax.Array, kd_BT: jax.Array, weight: float,
+        w_BT: jax.Array | None = None) -> tuple[jax.Array, dict[str, Any]]:
+  """(1 - weight) * mean CE + weight * mean KD, and both means as step metrics; with a loss
+  mask `w_BT`, means over the positions it counts."""
+  if w_BT is None:
+    ce, kd = jnp.mean(nll_BT), jnp.mean(kd_BT)
+  else:
+    n = jnp.maximum(jnp.sum(w_BT), 1.0)
+    ce, kd = jnp.sum(nll_BT * w_BT) / n, jnp.sum(kd_BT * w_BT) / n
   return (1.0 - weight) * ce + weight * kd, {'distill_ce': ce, 'distill_kd': kd}

@@ -19,11 +19,27 @@ from sharenet.train import perf
 
 
 def split_batch(batch: Any) -> tuple[jax.Array, jax.Array | None]:
-  """(tokens (B, T+1), segment ids (B, T+1) or None) of a batch: one token array, or the
-  {'tokens', 'segment_ids'} dict of data.segment_mask (sharenet/data/arrayrecord.py)."""
+  """(tokens (B, T+1), segment ids (B, T+1) or None) of a batch: one token array, or a dict of
+  'tokens' with data.segment_mask's 'segment_ids' and / or loss-masked shards' 'loss_mask'
+  (sharenet/data/arrayrecord.py)."""
   if isinstance(batch, dict):
-    return batch['tokens'], batch['segment_ids']
+    return batch['tokens'], batch.get('segment_ids')
   return batch, None
+
+
+def target_weights(batch: Any) -> jax.Array | None:
+  """float32 (B, T): 1 where a target counts in the loss, of a loss-masked batch (else None)."""
+  if isinstance(batch, dict) and 'loss_mask' in batch:
+    return batch['loss_mask'][:, 1:].astype(jnp.float32)
+  return None
+
+
+def mean_nll(nll_BT: jax.Array, batch: Any) -> jax.Array:
+  """The batch's loss: the mean NLL over its targets, or over those its loss mask counts."""
+  w_BT = target_weights(batch)
+  if w_BT is None:
+    return jnp.mean(nll_BT)
+  return jnp.sum(nll_BT * w_BT) / jnp.maximum(jnp.sum(w_BT), 1.0)
 
 
 def token_nll(model: DecoderLM, params: Any, batch_BT1: Any,

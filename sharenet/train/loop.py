@@ -74,8 +74,10 @@ def _dry_run(run: experiment.Resolved, c: _Compiled, logical: Any,
   """config.dry_run: compiles the step for the mesh and returns the sharding report."""
   with sharding.activate(c.mesh, c.rules):
     spec = jax.ShapeDtypeStruct(c.batch_shape, jnp.int32, sharding=c.batch_sharding)
-    if run.data.segment_mask:
-      spec = {'tokens': spec, 'segment_ids': spec}
+    extra = {**({'segment_ids': spec} if run.data.segment_mask else {}),
+             **({'loss_mask': spec} if data.has_loss_mask(run.data) else {})}
+    if extra:
+      spec = {'tokens': spec, **extra}
     depth = (jax.ShapeDtypeStruct((), jnp.int32),) * c.sampled
     tea = () if c.teacher is None else (c.teacher.variables,)   # its memory in the report
     compiled = c.step_fn.lower(sharding.with_shardings(c.abstract, c.shardings), spec,

@@ -147,7 +147,7 @@ def loss(model: DecoderLM, variables: Any, batch_BT1: Any, depth: Any, spec: Ste
   if weights is None:
     nll_BT, aux = evaluation.token_nll(model, variables, batch_BT1, mutable, schedule=sched,
                                      rngs=keys)
-    return jnp.mean(nll_BT), aux
+    return evaluation.mean_nll(nll_BT, batch_BT1), aux
   tokens_BT1, seg_BT1 = evaluation.split_batch(batch_BT1)
   inputs = (tokens_BT1[:, :-1],) if seg_BT1 is None else (tokens_BT1[:, :-1], seg_BT1[:, :-1])
   _, state = model.apply(variables, *inputs, schedule=sched, rngs=keys,
@@ -158,7 +158,7 @@ def loss(model: DecoderLM, variables: Any, batch_BT1: Any, depth: Any, spec: Ste
                             method='exit_logits')
   nll_NBT = optax.softmax_cross_entropy_with_integer_labels(
       logits_NBTV, jnp.broadcast_to(tokens_BT1[None, :, 1:], logits_NBTV.shape[:-1]))
-  exits_N = jnp.mean(nll_NBT, axis=(1, 2))
+  exits_N = jax.vmap(lambda nll_BT: evaluation.mean_nll(nll_BT, batch_BT1))(nll_NBT)
   w_N = jnp.asarray(weights, jnp.float32) / sum(weights)
   aux.update({f'exit_loss_{j + 1}': exits_N[j] for j in range(len(weights))})
   return jnp.sum(w_N * exits_N), aux

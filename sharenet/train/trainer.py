@@ -182,12 +182,12 @@ def _loss(params: Any, tstate: Any, batch_BT1: jax.Array, depth: Any = None, *,
     teacher_BTV, _ = evaluation.token_logits(teacher.model, teacher_vars, batch_BT1)
     base, metrics = distill.mix(nll_BT, distill.kd_per_token(logits_BTV, teacher_BTV,
                                                              teacher.temperature),
-                                teacher.weight)
+                                teacher.weight, evaluation.target_weights(batch_BT1))
     aux = {**aux, **metrics}
   else:
     nll_BT, aux = evaluation.token_nll(model, effective(params, tstate, tr, pz), batch_BT1,
                                        mutable, logits_grad_scale=s)
-    base = jnp.mean(nll_BT)
+    base = evaluation.mean_nll(nll_BT, batch_BT1)   # over the loss mask's targets, if any
   if routed:
     aux = dict(aux)
     router_loss, router_metrics = routing.aux_loss(model.cfg, aux.pop(routing.ROUTING))
@@ -197,7 +197,10 @@ def _loss(params: Any, tstate: Any, batch_BT1: jax.Array, depth: Any = None, *,
     return _with_moe_loss(base, aux)
   if s == 1.0:
     return base, aux
-  return unit_scale.scale_fwd(jnp.sum(nll_BT), 1.0 / nll_BT.size), aux
+  w_BT = evaluation.target_weights(batch_BT1)   # u-muP: a sum, scaled forward to the mean
+  if w_BT is None:
+    return unit_scale.scale_fwd(jnp.sum(nll_BT), 1.0 / nll_BT.size), aux
+  return unit_scale.scale_fwd(jnp.sum(nll_BT * w_BT), 1.0 / jnp.maximum(jnp.sum(w_BT), 1.0)), aux
 
 
 def _with_moe_loss(loss: jax.Array, aux: Any) -> tuple[jax.Array, Any]:

@@ -53,6 +53,7 @@ ALLOWED_F32 = {
     ('layers.py', 'Embed.__call__'),                   # lookup in the float32 table
     ('_classification.py', None),                      # optax cross entropy: the loss
     ('evaluation.py', 'token_nll'),
+    ('evaluation.py', 'mean_nll'),                     # the loss's mean (over a loss mask)
     ('trainer.py', 'loss_fn'),
     ('trainer.py', '_loss'),                          # the loss (loss_fn's body)
 }
