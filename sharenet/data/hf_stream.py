@@ -62,7 +62,7 @@ class _Documents:
                process_count: int):
     self._path, self._field, self._tok = path, field, tok
     self._node = (process_index, process_count)
-    self.epoch, self._ds, self._it, self._read = 0, None, None, 0
+    self.epoch, self._ds, self._it, self._read, self._kept = 0, None, None, 0, 0
 
   def _start(self, hf_state: dict[str, Any] | None = None) -> None:
     # A fresh dataset object per epoch and per restore: one that loaded a state restarts there.
@@ -70,7 +70,7 @@ class _Documents:
     self._ds.set_epoch(self.epoch)
     if hf_state is not None:
       self._ds.load_state_dict(hf_state)
-    self._it, self._read = iter(self._ds), 0
+    self._it, self._read, self._kept = iter(self._ds), 0, 0
 
   def next(self) -> np.ndarray:
     while True:
@@ -79,26 +79,28 @@ class _Documents:
       try:
         row = next(self._it)
       except StopIteration:
-        if self._read == 0:
+        if self._kept == 0:   # a whole epoch without a train document: none will come
           raise ConfigError(f'data.path={self._path!r} (data.source=hf): process '
-                            f'{self._node[0]} of {self._node[1]} reads no documents; valid: a '
-                            f'dataset with train documents for every process') from None
+                            f'{self._node[0]} of {self._node[1]} reads no train documents '
+                            f'({self._read} read, all validation); valid: a dataset with '
+                            f'train documents for every process') from None
         self.epoch, self._it = self.epoch + 1, None
         continue
       text = records.text_of(row, self._field, f'data.path={self._path!r}', self._read)
       self._read += 1
       if corpus.text_fraction(text) >= VAL_FRACTION:
+        self._kept += 1
         return np.append(self._tok.encode(text), np.uint32(self._tok.eod_id))
 
   def get_state(self) -> dict[str, Any]:
-    return {'epoch': self.epoch, 'read': self._read,
+    return {'epoch': self.epoch, 'read': self._read, 'kept': self._kept,
             'hf': None if self._it is None else self._ds.state_dict()}
 
   def set_state(self, state: dict[str, Any]) -> None:
     self.epoch, self._it = int(state['epoch']), None
     if state['hf'] is not None:
       self._start(state['hf'])
-      self._read = int(state['read'])
+      self._read, self._kept = int(state['read']), int(state['kept'])
 
 
 def _encode_rest(tokens: np.ndarray) -> str:

@@ -195,3 +195,15 @@ def test_train_on_hf_resumes_after_kill_bit_identically(dataset, tmp_path, losse
   ref, resumed = losses(ref_dir), losses(workdir)
   assert len(ref) == 16
   assert [resumed[s] for s in range(9, 17)] == [ref[s] for s in range(9, 17)]
+
+
+def test_a_stream_of_validation_documents_only_is_one_line(tmp_path):
+  import pyarrow as pa
+  import pyarrow.parquet as pq
+  texts = [t for t in _texts(2000) if corpus.text_fraction(t) < hf_stream.VAL_FRACTION][:3]
+  root = tmp_path / 'val_only'
+  root.mkdir()
+  pq.write_table(pa.table({'text': texts}), root / 'p.parquet')
+  it = data.make_train_iterator(_cfg(str(root)), 4, 2, seed=0)
+  with pytest.raises(ConfigError, match=r'reads no train documents \(3 read, all validation\)'):
+    next(it)
