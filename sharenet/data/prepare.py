@@ -57,6 +57,7 @@ bytes tokenizer 6 s with 2 workers (14 MB of shards, zstd); the 4096-id BPE of t
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -187,18 +188,41 @@ def _encode(texts, invalid) -> list[tuple[bytes, int, int, bool, int]]:
   return out
 
 
-def _encode_pairs(pairs: list[tuple[str, str]]) -> list[tuple[bytes, int, int, bool, int]]:
-  """Fine-tuning records: prompt ids, then response ids and the end-of-document id with
-  arrayrecord.LOSS_BIT set (the tokens the loss counts); the bytes and loss tokens counted are
-  the response's (bits per byte of what is predicted)."""
-  tok = _WORKER_TOKENIZER
-  prompts, responses = zip(*pairs)
+# Chat templates of prepare --chat_template: per role, the text before and after a message's
+# content. chatml (OpenAI's ChatML, used by Qwen and others): <|im_start|>role\n...<|im_end|>\n;
+# the loss counts an assistant message's content and its closing <|im_end|>\n.
+CHAT_TEMPLATES = {'chatml': lambda role: (f'<|im_start|>{role}\n', '<|im_end|>\n')}
+
+
+def _segments(item: Any, template: str = 'chatml') -> list[tuple[str, bool]]:
+  """A fine-tuning item as (text, counted by the loss) segments: a (prompt, response) pair, or
+  a chat conversation rendered with `template`."""
+  if isinstance(item[0], str):   # (prompt, response)
+    return [(item[0], False), (item[1], True)]
   out = []
-  for response, p_ids, r_ids in zip(responses, tok.encode_batch(prompts),
-                                    tok.encode_batch(responses)):
-    loss = np.append(r_ids.astype('<u4'), np.asarray([tok.eod_id], '<u4')) | arrayrecord.LOSS_BIT
-    record = np.concatenate([p_ids.astype('<u4'), loss.astype('<u4')])
-    out.append((record.tobytes(), len(record), len(response.encode('utf-8')), False, len(loss)))
+  for role, content in item:
+    head, tail = CHAT_TEMPLATES[template](role)
+    out += [(head, False), (content + tail, role == 'assistant')]
+  return out
+
+
+def _encode_segments(items: list[Any], template: str = 'chatml'
+                     ) -> list[tuple[bytes, int, int, bool, int]]:
+  """Fine-tuning records: each segment's ids in order, those the loss counts (and the final
+  end-of-document id) with arrayrecord.LOSS_BIT set; the bytes and loss tokens counted are the
+  counted segments' (bits per byte of what is predicted)."""
+  tok = _WORKER_TOKENIZER
+  out = []
+  for item in items:
+    segs = _segments(item, template)
+    ids = tok.encode_batch([t for t, _ in segs])
+    parts = [i.astype('<u4') | (arrayrecord.LOSS_BIT if counted else np.uint32(0))
+             for i, (_, counted) in zip(ids, segs)]
+    parts.append(np.asarray([tok.eod_id], '<u4') | arrayrecord.LOSS_BIT)
+    record = np.concatenate(parts).astype('<u4')
+    n_loss = int((record >> np.uint32(31)).sum())
+    n_bytes = sum(len(t.encode('utf-8')) for t, counted in segs if counted)
+    out.append((record.tobytes(), len(record), n_bytes, False, n_loss))
   return out
 
 
@@ -231,12 +255,15 @@ def prepare(input_glob: str, spec: str, out: str, shards: int = 8, val_shards: i
             progress_bar: bool = False,
             on_shard_done: Callable[[str], None] | None = None,
             max_documents: int = 0, text_field: str = 'text',
-            split: str = 'train', response_field: str = '') -> dict[str, Any]:
+            split: str = 'train', response_field: str = '',
+            messages_field: str = '', chat_template: str = 'chatml') -> dict[str, Any]:
   """Writes the shards and meta.json of `input_glob` into `out`; returns the meta dict.
 
   `text_field` and `split` apply to records (a record glob, or hf:NAME[:CONFIG] and its split);
   with `response_field` each record is a prompt (`text_field`) and a response, and only the
-  response's tokens carry loss (meta.json `loss_mask`; sharenet/data/arrayrecord.py).
+  response's tokens carry loss (meta.json `loss_mask`; sharenet/data/arrayrecord.py); with
+  `messages_field` each record is a chat conversation rendered with `chat_template`, its
+  assistant messages carrying loss.
   `on_shard_done(name)` runs after each shard this call writes (tests use it to interrupt).
   Returns meta plus, under key 'written' (not in meta.json), the shards this call wrote.
   A first run into a new or empty `out` that fails on bad input leaves `out` as it found it.
@@ -253,16 +280,25 @@ def prepare(input_glob: str, spec: str, out: str, shards: int = 8, val_shards: i
   if is_records and max_documents:
     raise ConfigError('--max_documents applies to text globs and stdlib; valid: a records '
                       'input without it (give fewer files)')
-  if not is_records and (text_field != 'text' or split != 'train' or response_field):
-    raise ConfigError(f'--text_field / --split / --response_field apply to records (parquet, '
-                      f'Arrow, JSON lines, hf:NAME); --input={input_glob!r} is text files')
+  if response_field and messages_field:
+    raise ConfigError('--response_field (prompt / response pairs) and --messages_field (chat '
+                      'conversations) exclude each other; valid: one of them')
+  if chat_template not in CHAT_TEMPLATES:
+    raise ConfigError(f'--chat_template={chat_template!r} is unknown; valid: '
+                      f'{", ".join(CHAT_TEMPLATES)}')
+  if not is_records and (text_field != 'text' or split != 'train' or response_field or
+                         messages_field):
+    raise ConfigError(f'--text_field / --split / --response_field / --messages_field apply to '
+                      f'records (parquet, Arrow, JSON lines, hf:NAME); --input={input_glob!r} is '
+                      f'text files')
   tok = tokenizer_lib.load(spec, '--tokenizer')
   created = not os.path.exists(out)
   owned = created or (os.path.isdir(out) and not os.listdir(out))
   try:
     if is_records:
       plan, fingerprint, encode = _record_plan(input_glob, spec, shards, val_shards,
-                                               val_fraction, text_field, split, response_field)
+                                               val_fraction, text_field, split, response_field,
+                                               messages_field, chat_template)
     else:
       plan, fingerprint, encode = _text_plan(input_glob, spec, shards, val_shards, val_fraction,
                                              max_documents)
@@ -287,9 +323,9 @@ def prepare(input_glob: str, spec: str, out: str, shards: int = 8, val_shards: i
     counts = [progress['done'][name] for name in names]
     meta['splits'][s] = {'shards': names,
                          **{k: sum(c[k] for c in counts) for k in ('documents', 'tokens', 'bytes')}}
-    if response_field:   # bytes are the responses': bits per byte of the predicted text
-      meta['splits'][s]['loss_tokens'] = sum(c['loss_tokens'] for c in counts)
-  if response_field:
+    if response_field or messages_field:   # bytes are the counted text's: bits per byte of
+      meta['splits'][s]['loss_tokens'] = sum(c['loss_tokens'] for c in counts)   # the predicted
+  if response_field or messages_field:
     meta['loss_mask'] = True
   _write_json(os.path.join(out, 'meta.json'), meta)
   if invalid_utf8:
@@ -313,18 +349,23 @@ def _text_plan(input_glob, spec, shards, val_shards, val_fraction, max_documents
   return plan, fingerprint, _encode_files
 
 
-def _record_split(item: str | tuple[str, str], val_fraction: float) -> str:
-  text = item if isinstance(item, str) else '\0'.join(item)   # a fine-tuning pair: both
+def _record_split(item: Any, val_fraction: float) -> str:
+  text = item if isinstance(item, str) else '\0'.join(   # a pair or a conversation: all of it
+      x if isinstance(x, str) else '\0'.join(x) for x in item)
   return 'validation' if corpus.text_fraction(text) < val_fraction else 'train'
 
 
 def _record_plan(input_spec, spec, shards, val_shards, val_fraction, text_field, split,
-                 response_field=''):
+                 response_field='', messages_field='', chat_template='chatml'):
   """Records (sharenet/data/records.py): the plan of `_text_plan` by unit, after a listing pass
   that counts each unit's documents per split (and meets any bad record first)."""
   units = records.units(input_spec, split)
-  read = ((lambda u: u.pairs(text_field, response_field)) if response_field else
-          (lambda u: u.texts(text_field)))
+  if messages_field:
+    read = lambda u: u.messages(messages_field)
+  elif response_field:
+    read = lambda u: u.pairs(text_field, response_field)
+  else:
+    read = lambda u: u.texts(text_field)
   counts = []
   for u in units:
     c = dict.fromkeys(SPLITS, 0)
@@ -347,6 +388,8 @@ def _record_plan(input_spec, spec, shards, val_shards, val_fraction, text_field,
                  'text_field': text_field, 'split': split}
   if response_field:
     fingerprint['response_field'] = response_field
+  if messages_field:
+    fingerprint.update(messages_field=messages_field, chat_template=chat_template)
 
   def texts(held, s):
     for u in held:
@@ -358,7 +401,9 @@ def _record_plan(input_spec, spec, shards, val_shards, val_fraction, text_field,
     n = min(requested, len(holding))
     for i in range(n):
       plan.append((s, shard_name(s, i, n), lambda held=holding[i::n], s=s: texts(held, s)))
-  return plan, fingerprint, _encode_pairs if response_field else _encode_texts
+  if messages_field or response_field:
+    return plan, fingerprint, functools.partial(_encode_segments, template=chat_template)
+  return plan, fingerprint, _encode_texts
 
 
 def _write_shards(out, plan, progress, spec, encode, workers, progress_bar, on_shard_done):
@@ -442,7 +487,8 @@ def main(argv: list[str]) -> None:
   meta = prepare(_INPUT.value, _TOKENIZER.value, _OUT.value, _SHARDS.value, _VAL_SHARDS.value,
                  _VAL_FRACTION.value, _WORKERS.value, progress_bar=True,
                  max_documents=_MAX_DOCUMENTS.value, text_field=_TEXT_FIELD.value,
-                 split=_SPLIT.value, response_field=_RESPONSE_FIELD.value)
+                 split=_SPLIT.value, response_field=_RESPONSE_FIELD.value,
+                 messages_field=_MESSAGES_FIELD.value, chat_template=_CHAT_TEMPLATE.value)
   for split, s in meta['splits'].items():
     print(f'{split}: {s["documents"]} documents, {s["tokens"]} tokens, {s["bytes"]} bytes, '
           f'{len(s["shards"])} shards')
@@ -461,6 +507,11 @@ if __name__ == '__main__':
   _RESPONSE_FIELD = flags.DEFINE_string('response_field', '', 'Records: fine-tuning pairs, the '
                                         'prompt in --text_field and the response here; only '
                                         'the response\'s tokens carry loss.')
+  _MESSAGES_FIELD = flags.DEFINE_string('messages_field', '', 'Records: chat conversations '
+                                        '(lists of {role, content}) in this column; only the '
+                                        'assistant messages carry loss.')
+  _CHAT_TEMPLATE = flags.DEFINE_string('chat_template', 'chatml', 'The template that renders '
+                                       '--messages_field conversations: chatml.')
   _SPLIT = flags.DEFINE_string('split', 'train', 'hf:NAME: the dataset split to read (its '
                                'documents are then split into train / validation by hash).')
   _TOKENIZER = flags.DEFINE_string('tokenizer', 'bytes', 'bytes | sentencepiece:PATH | hf:PATH.')

@@ -8,7 +8,9 @@ column `text_field` (default `text`).
 
 Fine-tuning records (prepare --response_field): each row is a prompt (the column `text_field`)
 and a response; prepare writes both and marks the response's tokens as the ones the loss counts
-(sharenet/data/arrayrecord.py, "Loss mask").
+(sharenet/data/arrayrecord.py, "Loss mask"). Chat records (prepare --messages_field): each row
+is a list of {role, content} messages, rendered with a chat template; the assistant messages are
+the ones the loss counts.
 
 A *unit* is the smallest piece read on its own: one file, or one source shard of a streamed
 dataset (`IterableDataset.shard`). prepare writes each output shard from whole units, so a
@@ -71,6 +73,34 @@ class Unit:
       yield prompt, response
     if n == 0:
       raise ConfigError(f'{self.name}: no rows; valid: a file with at least one record')
+
+
+  def messages(self, field: str) -> Iterator[tuple[tuple[str, str], ...]]:
+    """The unit's chat conversations ((role, content), ...) in row order (prepare
+    --messages_field); one ConfigError line for a row that is not a list of {role, content}
+    messages with a known role, or that holds no assistant message (nothing to learn)."""
+    n = 0
+    for n, row in enumerate(self._read(), 1):
+      where = f'{self.name} row {n - 1}'
+      if field not in row:
+        raise ConfigError(f'{where}: no column {field!r} (it has: {", ".join(map(str, row))}); '
+                          f'valid: --messages_field=one of them')
+      value = row[field]
+      ok = isinstance(value, list) and all(
+          isinstance(m, dict) and m.get('role') in ROLES and isinstance(m.get('content'), str)
+          for m in value)
+      if not ok:
+        raise ConfigError(f'{where}: --messages_field={field!r} is not a list of {{role, '
+                          f'content}} messages; valid roles: {", ".join(ROLES)}')
+      if not any(m['role'] == 'assistant' and m['content'] for m in value):
+        raise ConfigError(f'{where}: no assistant message; valid: a conversation with at '
+                          f'least one non-empty assistant message (the tokens the loss counts)')
+      yield tuple((m['role'], m['content']) for m in value)
+    if n == 0:
+      raise ConfigError(f'{self.name}: no rows; valid: a file with at least one record')
+
+
+ROLES = ('system', 'user', 'assistant')
 
 
 def _text(row: dict[str, Any], field: str, where: str, i: int) -> str:

@@ -124,3 +124,43 @@ def test_bad_pairs_are_one_line_and_write_nothing(tmp_path, rows, kw, match):
   glob.write_text('text')
   with pytest.raises(ConfigError, match='apply to records'):
     prep.prepare(str(glob), 'bytes', str(out), response_field='response')
+
+
+def _chats(n):
+  return [{'messages': [{'role': 'system', 'content': 'Be brief.'},
+                        {'role': 'user', 'content': f'Sum {i} and 1?'},
+                        {'role': 'assistant', 'content': f'{i + 1}'},
+                        {'role': 'user', 'content': 'Twice that?'},
+                        {'role': 'assistant', 'content': f'{2 * (i + 1)}'}]} for i in range(n)]
+
+
+def test_chat_conversations_count_the_assistant_messages_only(tmp_path):
+  path = tmp_path / 'chat.jsonl'
+  path.write_text(''.join(json.dumps(r) + '\n' for r in _chats(60)))
+  out = str(tmp_path / 'shards')
+  prep.prepare(str(path), 'bytes', out, shards=1, val_fraction=0.2, workers=1,
+               messages_field='messages')
+  src = arrayrecord.source(out, 'train')
+  for k in range(3):
+    ids, loss = arrayrecord.split_loss_bit(arrayrecord.decode(src[k]))
+    text = bytes(ids[:-1].astype(np.uint8)).decode()
+    counted = bytes(ids[:-1][loss[:-1] > 0].astype(np.uint8)).decode()
+    i = int(text.split('Sum ')[1].split(' ')[0])
+    assert text == (f'<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nSum {i} and '
+                    f'1?<|im_end|>\n<|im_start|>assistant\n{i + 1}<|im_end|>\n<|im_start|>user\n'
+                    f'Twice that?<|im_end|>\n<|im_start|>assistant\n{2 * (i + 1)}<|im_end|>\n')
+    assert counted == f'{i + 1}<|im_end|>\n{2 * (i + 1)}<|im_end|>\n'
+    assert loss[-1] == 1 and ids[-1] == EOD
+
+
+@pytest.mark.parametrize('messages, match', [
+    ([{'role': 'user', 'content': 'hi'}], 'no assistant message'),
+    ([{'role': 'bot', 'content': 'hi'}], 'valid roles: system, user, assistant'),
+    ('hi', 'not a list of'),
+])
+def test_bad_conversations_are_one_line(tmp_path, messages, match):
+  path = tmp_path / 'chat.jsonl'
+  path.write_text(json.dumps({'messages': messages}) + '\n')
+  with pytest.raises(ConfigError, match=match) as e:
+    prep.prepare(str(path), 'bytes', str(tmp_path / 'out'), messages_field='messages')
+  assert '\n' not in str(e.value) and not (tmp_path / 'out').exists()
