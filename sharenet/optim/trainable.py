@@ -5,7 +5,7 @@ recursive model, LoRA on an imported one); `adapters` (every per-applied-layer p
 `per_layer` collection: depth-wise LoRA and untied norm gains, what Relaxed Recursive
 Transformers relax a shared model with); a comma list of roles (sharenet/models/params.py
 ROLES, e.g. `lora,norm_in`); or else a regex searched in each leaf's '/'-joined path (e.g.
-`stack/segment_1/`).
+`attn/q/` trains the query projections).
 
 A frozen leaf gets no optimizer state (the optimizer is `optax.multi_transform` of the run's
 chain on the trainable leaves and `set_to_zero` on the frozen ones: no Adam moments, no decay),
