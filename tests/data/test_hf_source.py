@@ -4,14 +4,12 @@ The dataset is a local directory of parquet files the test writes, read through 
 `datasets.load_dataset(..., streaming=True)` call a hub name takes (the hub is unreachable here).
 Expectations come from the documents themselves and from prepare's shards of the same files.
 """
-import os
-import signal
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
+from conftest import kill_after_checkpoint
 
 from sharenet import data
 from sharenet.data import arrayrecord, corpus, hf_stream
@@ -180,15 +178,7 @@ def test_train_on_hf_resumes_after_kill_bit_identically(dataset, tmp_path, losse
   flags = [f'--config.{k}={v}' for k, v in overrides.items()]
   ref_dir, workdir = str(tmp_path / 'ref'), str(tmp_path / 'killed')
   loop.train_and_evaluate(tiny_config(**overrides), ref_dir)
-  proc = subprocess.Popen(train_cmd(workdir, *flags), env=subprocess_env,
-                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-  ckpt = os.path.join(workdir, 'checkpoints', '8')
-  deadline = time.time() + 300
-  while not os.path.isdir(ckpt) and proc.poll() is None and time.time() < deadline:
-    time.sleep(0.05)
-  proc.send_signal(signal.SIGKILL)
-  proc.wait()
-  assert os.path.isdir(ckpt), 'the run never wrote its step-8 checkpoint'
+  kill_after_checkpoint(train_cmd(workdir, *flags), subprocess_env, workdir, 8)
   out = subprocess.run(train_cmd(workdir, *flags), env=subprocess_env, check=True,
                        capture_output=True, text=True)
   assert 'resumed from checkpoint at step 8' in out.stdout

@@ -4,14 +4,12 @@ Two sources of byte documents that tell themselves apart (lowercase vs uppercase
 which source fed a row is read off the row itself, not from the pipeline's bookkeeping.
 """
 import math
-import os
-import signal
 import subprocess
-import time
 
 import jax
 import numpy as np
 import pytest
+from conftest import kill_after_checkpoint
 
 from sharenet import data
 from sharenet.data import arrayrecord, mixture
@@ -193,15 +191,7 @@ def test_train_logs_shares_and_per_source_eval_and_resumes_after_kill(dirs, tmp_
     assert {k: r[k] for k in want} == want and want
   evals = [r for r in rows if 'eval_loss' in r]
   assert evals and all({'eval_loss/lower', 'eval_loss/upper'} <= set(r) for r in evals)
-  proc = subprocess.Popen(train_cmd(workdir, *flags), env=subprocess_env,
-                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-  ckpt = os.path.join(workdir, 'checkpoints', '8')
-  deadline = time.time() + 300
-  while not os.path.isdir(ckpt) and proc.poll() is None and time.time() < deadline:
-    time.sleep(0.05)
-  proc.send_signal(signal.SIGKILL)
-  proc.wait()
-  assert os.path.isdir(ckpt), 'the run never wrote its step-8 checkpoint'
+  kill_after_checkpoint(train_cmd(workdir, *flags), subprocess_env, workdir, 8)
   out = subprocess.run(train_cmd(workdir, *flags), env=subprocess_env, check=True,
                        capture_output=True, text=True)
   assert 'resumed from checkpoint at step 8' in out.stdout
