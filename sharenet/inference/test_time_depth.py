@@ -98,19 +98,28 @@ def check_flags(depths: str | None, depth: int | None, exit_spec: str | None,
 
 def plot_depths(rows: Sequence[dict[str, Any]], trained: int, path: str) -> None:
   """Eval loss against test-time depth (png), the trained depth marked."""
+  plot_against_depth({None: ([r['depth'] for r in rows], [r['eval_loss'] for r in rows])},
+                     trained, path, 'eval loss (nats / token)')
+
+
+def plot_against_depth(curves: dict[str | None, tuple[Sequence[int], Sequence[float]]],
+                       trained: int, path: str, ylabel: str) -> None:
+  """Curves {label: (depths, values)} against test-time depth (png), the trained depth marked
+  (eval loss here; task metrics in sharenet/tasks/task_eval.py)."""
   import matplotlib
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt
-  depths = [r['depth'] for r in rows]
-  fig, ax = plt.subplots(figsize=(5, 3.5))
-  ax.plot(depths, [r['eval_loss'] for r in rows], 'o-')
+  depths = sorted({d for xs, _ in curves.values() for d in xs})
+  fig, ax = plt.subplots(figsize=(5.5, 3.8))
+  for label, (xs, ys) in curves.items():
+    ax.plot(xs, ys, 'o-', label=label)
   ax.axvline(trained, color='gray', linestyle=':', label=f'trained depth ({trained})')
   if max(depths) >= 4 * min(depths):
     ax.set_xscale('log', base=2)
   ax.set_xticks(depths, [str(d) for d in depths])
   ax.set_xlabel('loops of the looped segment (test-time depth)')
-  ax.set_ylabel('eval loss (nats / token)')
-  ax.legend()
+  ax.set_ylabel(ylabel)
+  ax.legend(fontsize=7)
   fig.tight_layout()
   fig.savefig(path, dpi=120)
   plt.close(fig)

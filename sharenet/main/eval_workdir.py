@@ -222,3 +222,38 @@ def evaluate_workdir_tasks(workdir: str, step: int | None, overrides: dict[str, 
     task_eval.plot_depths(rows, test_time_depth.looped_shape(mcfg, '--depths').loops,
                           os.path.join(workdir, TASK_PLOT))
   return rows
+
+
+def run_cli(workdir: str, overrides: dict[str, Any], *, step: int | None = None,
+            prompt: str | None = None, prompt_file: str | None = None,
+            max_new_tokens: int = 200, temperature: float = 1.0, top_k: int = 0,
+            top_p: float = 1.0, seed: int = 0, num_samples: int = 1, depths: str | None = None,
+            depth: int | None = None, exit: str | None = None, tasks: str | None = None,
+            task_dir: str | None = None, num_fewshot: int | None = None,
+            limit: int | None = None, eos_id: int | None = None) -> list[dict[str, Any]]:
+  """eval.py's modes, by its flags, as the rows it prints: downstream tasks (--tasks and its
+  flags), generation (--prompt / --prompt_file), evaluation at depths (--depths / --depth) or
+  the plain evaluation; flags of another mode, or that exclude each other, are one ConfigError
+  line."""
+  generating = prompt is not None or prompt_file is not None
+  if tasks is not None or any(v is not None for v in (task_dir, num_fewshot, limit)):
+    if tasks is None:
+      raise ConfigError('--task_dir, --num_fewshot and --limit apply to --tasks; valid: with '
+                        '--tasks NAMES')
+    if generating:
+      raise ConfigError('--tasks evaluates tasks and --prompt generates; valid: one of them')
+    if depths is not None and depth is not None:
+      raise ConfigError('--depth and --depths exclude each other; valid: one of them')
+    at = (test_time_depth.parse_depths(depths) if depths is not None
+          else [depth] if depth is not None else None)
+    return evaluate_workdir_tasks(workdir, step, overrides, tasks, task_dir=task_dir,
+                                  num_fewshot=num_fewshot, limit=limit, depths=at, exit=exit)
+  at = test_time_depth.check_flags(depths, depth, exit, generating)
+  if generating:
+    return generate_from_workdir(
+        workdir, step, overrides, read_prompts(prompt, prompt_file),
+        max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+        seed=seed, num_samples=num_samples, eos_id=eos_id, depth=depth, exit=exit)
+  if at is not None:
+    return evaluate_workdir_depths(workdir, step, overrides, at)
+  return [evaluate_workdir(workdir, step, overrides)]

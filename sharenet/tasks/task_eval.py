@@ -24,6 +24,7 @@ import os
 from typing import Any, Sequence
 
 from sharenet.errors import ConfigError
+from sharenet.inference import test_time_depth
 from sharenet.tasks.harness_lm import HarnessLM, check_model
 
 ROW_PREFIX = 'task/'
@@ -157,34 +158,21 @@ def headline(metrics: dict[str, float]) -> str | None:
 
 def plot_depths(rows: Sequence[dict[str, Any]], trained: int, path: str) -> None:
   """Each task's headline metric against test-time depth (png), the trained depth marked."""
-  import matplotlib
-  matplotlib.use('Agg')
-  import matplotlib.pyplot as plt
-  fig, ax = plt.subplots(figsize=(5.5, 3.8))
+  curves = {}
   for task in dict.fromkeys(r['task'] for r in rows):
     mine = [r for r in rows if r['task'] == task]
     metric = headline(mine[0])
-    if metric is None:
-      continue
-    ax.plot([r['depth'] for r in mine], [r[metric] for r in mine], 'o-', label=f'{task} {metric}')
-  depths = sorted({r['depth'] for r in rows})
-  ax.axvline(trained, color='gray', linestyle=':', label=f'trained depth ({trained})')
-  if max(depths) >= 4 * min(depths):
-    ax.set_xscale('log', base=2)
-  ax.set_xticks(depths, [str(d) for d in depths])
-  ax.set_xlabel('loops of the looped segment (test-time depth)')
-  ax.set_ylabel('task metric')
-  ax.legend(fontsize=7)
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
+    if metric is not None:
+      curves[f'{task} {metric}'] = ([r['depth'] for r in mine], [r[metric] for r in mine])
+  test_time_depth.plot_against_depth(curves, trained, path, 'task metric')
 
 
 class TrainTasks:
   """train.eval_tasks of a run: checked up front (`__init__`: names, shots, the tokenizer, the
-  model), then run at each eval on the current parameters (`rows`)."""
+  model; `checked`: the names and shots were, by experiment.resolve), then run at each eval on
+  the current parameters (`rows`)."""
 
-  def __init__(self, t: Any, model: Any, tok: Any):
+  def __init__(self, t: Any, model: Any, tok: Any, checked: bool = False):
     self.names = parse_tasks(t.eval_tasks, 'train.eval_tasks')
     self.task_dir = t.eval_task_dir or None
     self.num_fewshot = None if t.eval_num_fewshot < 0 else t.eval_num_fewshot
@@ -195,7 +183,8 @@ class TrainTasks:
       raise ConfigError('train.eval_tasks needs text: the data names no tokenizer '
                         '(data.source=bin); valid: data.tokenizer=hf:PATH or sentencepiece:PATH')
     check_model(model.cfg)
-    load_tasks(self.names, self.task_dir, self.num_fewshot)
+    if not checked:   # the names and shots (loading the tasks' data)
+      load_tasks(self.names, self.task_dir, self.num_fewshot)
     self.model, self.tok, self.max_length = model, tok, t.seq_len
 
   def rows(self, variables: Any, schedule: Any) -> dict[str, float]:

@@ -160,7 +160,8 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, float]:
   old_handler = signal.signal(signal.SIGTERM, lambda *_: stop.update(sigterm=True))
 
   # train.eval_tasks: lm-evaluation-harness tasks at every eval (checked in experiment.resolve)
-  tasks = (task_eval.TrainTasks(t, model, corpus.for_data(run.data)) if t.eval_tasks else None)
+  tasks = (task_eval.TrainTasks(t, model, corpus.for_data(run.data), checked=True)
+           if t.eval_tasks else None)
 
   def run_eval(step: int) -> dict[str, float]:
     with sharding.activate(mesh, rules):
