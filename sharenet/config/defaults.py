@@ -229,6 +229,10 @@ def default_config() -> ml_collections.ConfigDict:
   te.workdir = ''             # a workdir whose model the run distills from ('' : none)
   te.temperature = 1.0        # softmax temperature of the KL (scaled by T^2)
   te.weight = 1.0             # loss = (1 - weight) CE + weight KD; 1: distillation only
+  te.match = ''               # hidden-state matching 'S:T,...': the student's stream after its
+                              # applied layer S against the teacher's after layer T ('' : none)
+  te.match_weight = 1.0       # adds match_weight * the mean squared difference of the streams
+  te.match_norm = True        # each stream divided by its RMS over d_model first
   t.eval_tasks = ''           # lm-evaluation-harness tasks run at every eval, logged as
                               # task/<task>/<metric> (sharenet/tasks/, docs/evaluation.md)
   t.eval_task_dir = ''        # also the harness task definitions (YAML) under this directory

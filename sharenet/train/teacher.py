@@ -12,7 +12,9 @@ so its memory report holds them.
 Checked before anything is written, one ConfigError line each: a workdir without a checkpoint,
 another vocabulary or tokenizer than the student's, temperature <= 0, a weight outside (0, 1],
 and the students whose loss is not the plain next-token one (recurrent depth and trained exits,
-u-muP's unit-scaled cross entropy: not built with a teacher).
+u-muP's unit-scaled cross entropy: not built with a teacher). Hidden-state matching
+(train.teacher.match) also needs streams of one width (d_model) and models whose applied layers
+have an untied view (sharenet/models/streams.py check), and each pair's layers in range.
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from sharenet.data import corpus, tokenizer
 from sharenet.errors import ConfigError
-from sharenet.models import ModelConfig, accounting, logical_axes
+from sharenet.models import ModelConfig, accounting, logical_axes, streams
 from sharenet.train import distill, experiment, sampled_depth, sharding, trainer, workdir_io
 
 
@@ -68,6 +70,16 @@ def check(run: experiment.Resolved) -> ModelConfig | None:
     raise ConfigError(f'train.teacher.workdir={te.workdir!r} reads another tokenizer '
                       f'({theirs}) than the student ({mine}); valid: a teacher of the '
                       f'student\'s tokenizer')
+  if te.match:
+    distill.parse_match(te.match, mcfg.num_layers, tcfg.num_layers)
+    if te.match_weight <= 0:
+      raise ConfigError(f'train.teacher.match_weight={te.match_weight}; valid: > 0')
+    if tcfg.d_model != mcfg.d_model:
+      raise ConfigError(f'train.teacher.match={te.match!r} compares streams of d_model '
+                        f'{mcfg.d_model} (student) and {tcfg.d_model} (teacher); valid: a '
+                        f'teacher of the student\'s width, or train.teacher.match=\'\'')
+    streams.check(mcfg, 'train.teacher.match (the student)')
+    streams.check(tcfg, 'train.teacher.match (the teacher)')
   return tcfg
 
 
@@ -87,5 +99,8 @@ def load(run: experiment.Resolved, mesh: Any, rules: Any) -> Loaded | None:
                for k, v in variables.items()}
   variables = jax.device_put(variables, shardings)
   flops = accounting.flops_per_token(model.cfg, run.train.seq_len, train=False)
-  return Loaded(distill.Distill(model, float(te.temperature), float(te.weight)), variables,
-                shardings, flops)
+  match = distill.parse_match(te.match, run.model.num_layers, model.cfg.num_layers) if (
+      te.match) else ()
+  return Loaded(distill.Distill(model, float(te.temperature), float(te.weight), match,
+                                float(te.match_weight), bool(te.match_norm)),
+                variables, shardings, flops)

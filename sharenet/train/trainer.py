@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import optax
 
 from sharenet.models import (DecoderLM, ModelConfig, abstract_variables, init_variables, lm, moe,
-                             norm_stats, routing, unit_scale)
+                             norm_stats, routing, streams, unit_scale)
 from sharenet.models.norm_stats import NORM_STATS
 from sharenet.optim import chain, trainable
 from sharenet.parametrization import rules
@@ -175,15 +175,8 @@ def _loss(params: Any, tstate: Any, batch_BT1: jax.Array, depth: Any = None, *,
   if routed:   # Mixture-of-Recursions: its aux losses join the training loss (not eval_loss)
     mutable = tuple(mutable) + (routing.ROUTING,)
   if teacher is not None:   # train.teacher: CE mixed with KD (sharenet/train/distill.py)
-    logits_BTV, aux = evaluation.token_logits(model, effective(params, tstate, tr, pz),
-                                              batch_BT1, mutable)
-    nll_BT = optax.softmax_cross_entropy_with_integer_labels(logits_BTV,
-                                                             evaluation.targets(batch_BT1))
-    teacher_BTV, _ = evaluation.token_logits(teacher.model, teacher_vars, batch_BT1)
-    base, metrics = distill.mix(nll_BT, distill.kd_per_token(logits_BTV, teacher_BTV,
-                                                             teacher.temperature),
-                                teacher.weight, evaluation.target_weights(batch_BT1))
-    aux = {**aux, **metrics}
+    base, nll_BT, aux = _distill_loss(model, effective(params, tstate, tr, pz), batch_BT1,
+                                      mutable, teacher, teacher_vars)
   else:
     nll_BT, aux = evaluation.token_nll(model, effective(params, tstate, tr, pz), batch_BT1,
                                        mutable, logits_grad_scale=s)
@@ -201,6 +194,34 @@ def _loss(params: Any, tstate: Any, batch_BT1: jax.Array, depth: Any = None, *,
   if w_BT is None:
     return unit_scale.scale_fwd(jnp.sum(nll_BT), 1.0 / nll_BT.size), aux
   return unit_scale.scale_fwd(jnp.sum(nll_BT * w_BT), 1.0 / jnp.maximum(jnp.sum(w_BT), 1.0)), aux
+
+
+def _distill_loss(model: DecoderLM, params: Any, batch_BT1: Any, mutable: Sequence[str],
+                  teacher: distill.Distill, teacher_vars: Any
+                  ) -> tuple[jax.Array, jax.Array, dict[str, Any]]:
+  """(loss, per-token NLL, collections and distill_* metrics) of a student against its frozen
+  teacher: distill.mix of CE and KD, plus the matched streams' loss under train.teacher.match
+  (both models' streams read through their untied views, sharenet/models/streams.py)."""
+  w_BT = evaluation.target_weights(batch_BT1)
+  if teacher.match:
+    tokens_BT1, segment_ids_BT1 = evaluation.split_batch(batch_BT1)
+    inputs = (tokens_BT1[:, :-1], None if segment_ids_BT1 is None else segment_ids_BT1[:, :-1])
+    logits_BTV, h_LBTD, aux = streams.apply(model, params, *inputs, mutable=mutable)
+    teacher_BTV, th_LBTD, _ = streams.apply(teacher.model, teacher_vars, *inputs)
+  else:
+    logits_BTV, aux = evaluation.token_logits(model, params, batch_BT1, mutable)
+    teacher_BTV, _ = evaluation.token_logits(teacher.model, teacher_vars, batch_BT1)
+  nll_BT = optax.softmax_cross_entropy_with_integer_labels(logits_BTV,
+                                                           evaluation.targets(batch_BT1))
+  loss, metrics = distill.mix(nll_BT, distill.kd_per_token(logits_BTV, teacher_BTV,
+                                                           teacher.temperature),
+                              teacher.weight, w_BT)
+  if teacher.match:
+    hidden = distill.token_mean(distill.hidden_per_token(h_LBTD, th_LBTD, teacher.match,
+                                                         teacher.match_norm), w_BT)
+    loss = loss + teacher.match_weight * hidden
+    metrics['distill_hidden'] = hidden
+  return loss, nll_BT, {**aux, **metrics}
 
 
 def _with_moe_loss(loss: jax.Array, aux: Any) -> tuple[jax.Array, Any]:

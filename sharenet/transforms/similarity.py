@@ -15,23 +15,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from sharenet.errors import require
-from sharenet.models import DecoderLM, ModelConfig
-from sharenet.models.block import Block, Stream
+from sharenet.models import DecoderLM, ModelConfig, streams
 
 
 def layer_outputs(cfg: ModelConfig, variables: Any, tokens_NT: np.ndarray) -> np.ndarray:
-  """(L, N, T, D) float64: the residual stream after each applied layer of an untied model on
-  `tokens_NT`, read from the blocks' captured outputs (not from module names)."""
-  model = DecoderLM(cfg)
-  capture = lambda module, method: isinstance(module, Block) and method == '__call__'
-  _, state = jax.jit(lambda v, t: model.apply(v, t, capture_intermediates=capture,
-                                              mutable=['intermediates']))(
-                                                  variables, jnp.asarray(tokens_NT, jnp.int32))
-  streams = [s.x_BTD for s in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, Stream))
-             if isinstance(s, Stream)]
-  require(len(streams) == 1, f'expected one captured stack of layer outputs, got {len(streams)}')
-  x = np.asarray(streams[0], np.float64)
-  return x.reshape((cfg.num_layers,) + x.shape[-3:])
+  """(L, N, T, D) float64: the residual stream after each applied layer of `cfg` on
+  `tokens_NT` (models/streams.py: read from the blocks' captured outputs, not module names)."""
+  _, h, _ = jax.jit(lambda v, t: streams.apply(DecoderLM(cfg), v, t))(
+      variables, jnp.asarray(tokens_NT, jnp.int32))
+  return np.asarray(h, np.float64)
 
 
 def output_similarity(h_LNTD: np.ndarray) -> np.ndarray:

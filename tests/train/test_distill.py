@@ -51,6 +51,45 @@ def test_a_student_equal_to_its_teacher_has_zero_loss_and_gradient(tiny_config):
   assert float(loss) > 1e-4 and max(float(jnp.abs(g).max()) for g in jax.tree.leaves(grads)) > 1e-4
 
 
+@pytest.mark.parametrize('normalize', [True, False])
+def test_hidden_matching_equals_a_numpy_restatement(normalize):
+  rng = np.random.default_rng(1)
+  s, t = rng.normal(size=(3, 2, 5, 8)) * 2, rng.normal(size=(4, 2, 5, 8)) * 5
+  match = ((2, 3), (0, 1))
+  got = np.asarray(distill.hidden_per_token(jnp.asarray(s, jnp.float32),
+                                            jnp.asarray(t, jnp.float32), match, normalize))
+  n = (lambda h: h / np.sqrt((h * h).mean(-1, keepdims=True))) if normalize else (lambda h: h)
+  want = np.mean([((n(s[a]) - n(t[b])) ** 2).mean(-1) for a, b in match], axis=0)
+  np.testing.assert_allclose(got, want, rtol=1e-5)
+  assert distill.parse_match(' 2:3, 0:1', 3, 4) == match
+
+
+def test_a_folded_student_matches_its_teachers_every_layer(tiny_config):
+  """The untied teacher folded into a cycle with full-rank SVD LoRA computes the same streams
+  in applied order, so hidden matching of every layer pair is zero with zero gradient; matching
+  shifted layers is not."""
+  from sharenet.transforms import recursive
+  cfg = ModelConfig.from_config(tiny_config(**{'model.num_layers': 4}).model)
+  model = DecoderLM(cfg)
+  params = init_variables(model, jax.random.key(0), seq_len=16)
+  scfg, svars = recursive.to_recursive(cfg, params, scheme='cycle', num_unique=2,
+                                       init='average', lora_rank=cfg.d_model, lora_init='svd',
+                                       lora_targets=('q', 'k', 'v', 'o', 'mlp_in', 'mlp_out'))
+  student = DecoderLM(scfg)
+  batch = jax.random.randint(jax.random.key(1), (2, 17), 0, 256)
+  same = distill.Distill(model, 1.0, 1.0, ((0, 0), (1, 1), (2, 2), (3, 3)), 1.0, True)
+  grad = jax.value_and_grad(trainer.loss_fn, has_aux=True)
+  (loss, aux), g = grad(svars, {}, batch, model=student, teacher=same, teacher_vars=params)
+  assert abs(float(loss)) < 1e-6 and float(aux['distill_hidden']) < 1e-9
+  assert max(float(jnp.abs(x).max()) for x in jax.tree.leaves(g)) < 1e-5
+  shifted = same._replace(match=((0, 1), (2, 3)))
+  (loss, aux), g = grad(svars, {}, batch, model=student, teacher=shifted, teacher_vars=params)
+  assert float(aux['distill_hidden']) > 1e-3
+  assert float(loss) == pytest.approx(float(aux['distill_kd']) + float(aux['distill_hidden']),
+                                      rel=1e-5)
+  assert max(float(jnp.abs(x).max()) for x in jax.tree.leaves(g)) > 1e-4
+
+
 @pytest.fixture(scope='module')
 def teacher_dir(tmp_path_factory, tiny_config):
   from sharenet.train import loop
@@ -65,13 +104,15 @@ def test_train_distills_from_a_teacher_workdir(teacher_dir, tmp_path, tiny_confi
   config = tiny_config(**{'train.steps': 3, 'train.log_every': 1, 'model.num_layers': 4,
                           'model.sharing.scheme': 'cycle', 'model.sharing.num_unique': 2,
                           'train.teacher.workdir': teacher_dir, 'train.teacher.weight': 0.5,
-                          'train.teacher.temperature': 2.0})
+                          'train.teacher.temperature': 2.0, 'train.teacher.match': '1:0,3:1',
+                          'train.teacher.match_weight': 0.1})
   loop.train_and_evaluate(config, str(tmp_path / 'student'))
   rows = [r for r in read_metrics(str(tmp_path / 'student')) if 'loss' in r]
   assert len(rows) == 3
   for r in rows:
-    assert r['distill_kd'] > 0
-    assert r['loss'] == pytest.approx(0.5 * r['distill_ce'] + 0.5 * r['distill_kd'], rel=1e-5)
+    assert r['distill_kd'] > 0 and r['distill_hidden'] > 0
+    assert r['loss'] == pytest.approx(0.5 * r['distill_ce'] + 0.5 * r['distill_kd'] +
+                                      0.1 * r['distill_hidden'], rel=1e-5)
 
 
 @pytest.mark.parametrize('overrides, match', [
@@ -80,6 +121,12 @@ def test_train_distills_from_a_teacher_workdir(teacher_dir, tmp_path, tiny_confi
     ({'model.vocab_size': 300}, 'vocab_size=256, the student 300'),
     ({'train.exit_loss': 'all', 'model.sharing.scheme': 'universal',
       'model.sharing.num_unique': 1}, 'not built'),
+    ({'train.teacher.match': '1:9'}, r"'1:9' is out of range; valid: .* 0..1 : 0..1"),
+    ({'train.teacher.match': '1-1'}, "'1-1' is not S:T"),
+    ({'train.teacher.match': '1:1', 'train.teacher.match_weight': 0.0}, 'match_weight=0.0'),
+    ({'train.teacher.match': '1:1', 'model.d_model': 48}, 'd_model 48 .student. and 32'),
+    ({'train.teacher.match': '1:1', 'model.routing.kind': 'expert_choice',
+      'model.sharing.scheme': 'cycle', 'model.sharing.num_unique': 1}, 'a routed model'),
 ])
 def test_bad_teachers_are_one_line_and_write_nothing(teacher_dir, tmp_path, tiny_config,
                                                      overrides, match):
