@@ -334,11 +334,22 @@ def conversion_config() -> ml_collections.ConfigDict:
   c.scheme = 'cycle'          # recursive: universal | cycle | sequence | middle_cycle |
                               # middle_sequence
   c.num_unique = 0            # recursive: stored sets (middle schemes count first and last), >= 1
-  c.init = 'stepwise'         # recursive: stepwise | average | lower | similar (with
-                              # scheme=explicit: contiguous groups by output similarity, FoldGPT)
-  c.calibration = ''          # init=similar: a text file for the calibration batch, encoded
-                              # with the workdir's tokenizer; '' = its data's validation split
-  c.calibration_windows = 8   # init=similar: windows of train.seq_len tokens
+  c.init = 'stepwise'         # recursive: stepwise | average | lower, or with scheme=explicit
+                              # similar (contiguous groups by output similarity, FoldGPT) |
+                              # replace (FlexiGPT: low-influence blocks take a donor's weights) |
+                              # extend (tied copies inserted); sharenet/transforms/block_select.py
+  c.remove_rate = 0.0         # recursive: fraction of blocks removed first (FoldGPT), 0 = none
+  c.importance = 'gates'      # remove_rate's ranking: gates (FoldGPT's learned block gates) |
+                              # influence (Block Influence, 1 - cos(stream in, stream out))
+  c.gate_steps = 100          # importance=gates: Adam steps on the calibration batch
+  c.gate_lr = 0.02
+  c.gate_l1 = 0.01            # the gates' L1 penalty beside the next-token loss
+  c.replace_rate = 0.0        # init=replace: fraction of blocks pruned and replaced
+  c.insert_after = ''         # init=extend: comma list of layers each followed by a tied copy
+  c.calibration = ''          # init=similar / replace, remove_rate: a text file for the
+                              # calibration batch, encoded with the workdir's tokenizer; '' = its
+                              # data's validation split
+  c.calibration_windows = 8   # windows of train.seq_len tokens in the calibration batch
   c.lora_rank = 0             # recursive: depth-wise LoRA rank; 0 = off
   c.lora_init = 'zero'        # zero | svd (truncated SVD of each layer's residual)
   c.lora_layers = 'shared'    # recursive: shared (LoRA on shared layers only, RRT) | all

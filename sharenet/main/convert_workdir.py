@@ -41,7 +41,7 @@ def check_options(opts: Any) -> None:
   """One ConfigError line for a conversion the options alone rule out."""
   if opts.to not in CONVERSIONS:
     raise ConfigError(f'config.to={opts.to!r} is unknown; valid: {", ".join(CONVERSIONS)}')
-  if opts.to == 'recursive' and opts.num_unique < 1:
+  if opts.to == 'recursive' and opts.init not in ('replace', 'extend') and opts.num_unique < 1:
     raise ConfigError(f'config.to=recursive needs config.num_unique >= 1, got '
                       f'{opts.num_unique}')
 
@@ -71,12 +71,12 @@ def convert_model(cfg: ModelConfig, variables: Any, opts: Any, norm_stats: Any =
                                                                          opts.share_rate)
   else:
     targets = tuple(t for t in opts.lora_targets.replace(' ', '').split(',') if t)
-    new_cfg, new_vars = recursive.to_recursive(
+    new_cfg, new_vars, chosen = recursive.convert(
         cfg, variables, scheme=opts.scheme, num_unique=opts.num_unique, init=opts.init,
         lora_rank=opts.lora_rank, lora_init=opts.lora_init, lora_targets=targets,
-        untie_norms=opts.untie_norms, lora_layers=opts.lora_layers, calibration=calibration)
-    if calibration is not None:
-      extra['pattern'] = new_cfg.sharing.pattern
+        untie_norms=opts.untie_norms, lora_layers=opts.lora_layers, calibration=calibration,
+        select=recursive.Selection.from_options(opts))
+    extra.update(chosen)
   return new_cfg, new_vars, extra
 
 
@@ -96,7 +96,8 @@ def convert_workdir(workdir: str, out: str, opts: Any) -> dict[str, Any]:
   cfg = exp.model.cfg
   variables = jax.device_get(trainer.effective_params(state, exp.tr))   # reparams resolved
   calibration = calibration_tokens(config, opts, cfg.max_len) if (
-      opts.to == 'recursive' and opts.init == 'similar') else None
+      opts.to == 'recursive' and recursive.needs_calibration(
+          opts.init, recursive.Selection.from_options(opts))) else None
   new_cfg, new_vars, extra = convert_model(
       cfg, variables, opts, jax.device_get(state.tstate.get(NORM_STATS, {})), calibration)
   raw = config.to_dict()
@@ -108,7 +109,7 @@ def convert_workdir(workdir: str, out: str, opts: Any) -> dict[str, Any]:
 
 
 def calibration_tokens(config: Any, opts: Any, max_len: int) -> np.ndarray:
-  """(calibration_windows, T) tokens for convert.py's init=similar, T = min(train.seq_len,
+  """(calibration_windows, T) tokens for convert.py's init=similar / replace and remove_rate, T = min(train.seq_len,
   max_len): windows evenly spaced over `opts.calibration` (a text file, encoded with the
   workdir's tokenizer, bytes without one) or else the validation split of the workdir's data."""
   run = experiment.sections(config)
@@ -121,8 +122,9 @@ def calibration_tokens(config: Any, opts: Any, max_len: int) -> np.ndarray:
     tok = corpus.for_data(run.data) or tokenizer_lib.ByteTokenizer()
     ids = np.asarray(tok.encode(text), np.int64)
   elif run.data.source == 'bin' and not run.data.path:
-    raise ConfigError('config.init=similar needs a calibration batch and this workdir names no '
-                      'data (an import); valid: --config.calibration=TEXT_FILE')
+    raise ConfigError(f'config.init={opts.init} (or config.remove_rate) needs a calibration '
+                      f'batch and this workdir names no data (an import); valid: '
+                      f'--config.calibration=TEXT_FILE')
   else:
     _, ids = data.load_splits(run.data)
   T = min(run.train.seq_len, max_len)

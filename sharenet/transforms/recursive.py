@@ -16,12 +16,17 @@ groups, each tied to its most representative member (`similarity.similarity_grou
 LoRA every other member is a removed block replaced by the kept block's weights plus a low-rank
 adapter from the SVD of the difference (transforms/similarity.py).
 
+Block choices first (transforms/block_select.py): config.remove_rate removes the least
+important blocks (FoldGPT's learned gates, or Block Influence) before the rest are tied;
+init=replace prunes the blocks of least Block Influence and gives each a donor's weights plus
+its SVD adapter (FlexiGPT, arXiv:2501.14713); init=extend inserts tied copies of chosen layers.
+
 CLI and what it writes: transforms/convert.py's docstring.
 """
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -35,9 +40,10 @@ from sharenet.errors import require
 from sharenet.models import DecoderLM, ModelConfig, init_variables, layout, param_table
 from sharenet.models.sections import LORA_LAYERS
 from sharenet.models.params import KERNEL_ROLES, NORM_ROLES, PER_LAYER
-from sharenet.transforms import similarity
+from sharenet.transforms import block_select, similarity
 
-INITS = ('stepwise', 'average', 'lower', 'similar')
+INITS = ('stepwise', 'average', 'lower', 'similar', 'replace', 'extend')
+PATTERN_INITS = ('similar', 'replace', 'extend')   # scheme=explicit: a chosen pattern
 RECURSIVE_SCHEMES = ('universal', 'cycle', 'sequence', 'middle_cycle', 'middle_sequence',
                      'explicit')
 
@@ -61,39 +67,110 @@ def source_layers(cfg: ModelConfig, num_unique: int, scheme: str, init: str) -> 
   return [[p] for p in picks]
 
 
+class Selection(NamedTuple):
+  """convert.py's block choices before tying (transforms/block_select.py): FoldGPT removal,
+  FlexiGPT replacement (init=replace) and extension (init=extend)."""
+  remove_rate: float = 0.0
+  importance: str = 'gates'
+  gate_steps: int = 100
+  gate_lr: float = 0.02
+  gate_l1: float = 0.01
+  replace_rate: float = 0.0
+  insert_after: str = ''
+
+  @classmethod
+  def from_options(cls, opts: Any) -> 'Selection':
+    return cls(**{k: opts.get(k, getattr(cls(), k)) for k in cls._fields})
+
+
+def needs_calibration(init: str, select: Selection) -> bool:
+  """Whether the conversion reads the calibration batch's streams."""
+  return init in ('similar', 'replace') or select.remove_rate > 0
+
+
 def to_recursive(cfg: ModelConfig, variables: Any, scheme: str, num_unique: int, init: str,
                  lora_rank: int = 0, lora_init: str = 'zero', lora_targets: tuple = (),
                  untie_norms: bool = False, seed: int = 0, lora_layers: str = 'shared',
-                 calibration: np.ndarray | None = None) -> tuple[ModelConfig, Any]:
+                 calibration: np.ndarray | None = None, select: Selection = Selection()
+                 ) -> tuple[ModelConfig, Any]:
   """Untied -> recursive with `num_unique` stored sets (see the module docstring);
-  init=similar reads `calibration` (N, T) tokens."""
+  init=similar, init=replace and select.remove_rate read `calibration` (N, T) tokens."""
+  new_cfg, out, _ = convert(cfg, variables, scheme, num_unique, init, lora_rank, lora_init,
+                            lora_targets, untie_norms, seed, lora_layers, calibration, select)
+  return new_cfg, out
+
+
+def convert(cfg: ModelConfig, variables: Any, scheme: str, num_unique: int, init: str,
+            lora_rank: int = 0, lora_init: str = 'zero', lora_targets: tuple = (),
+            untie_norms: bool = False, seed: int = 0, lora_layers: str = 'shared',
+            calibration: np.ndarray | None = None, select: Selection = Selection()
+            ) -> tuple[ModelConfig, Any, dict[str, Any]]:
+  """to_recursive's (config, variables) and what it chose (the summary's entries: the pattern,
+  the removed blocks and their importance, the replaced blocks and their donors)."""
   compat.check_action('convert_recursive', cfg.table_config(), 'config.to=recursive')
   require(scheme in RECURSIVE_SCHEMES,
           f'config.scheme={scheme!r} is unknown; valid: {", ".join(RECURSIVE_SCHEMES)}')
   require(init in INITS, f'config.init={init!r} is unknown; valid: {", ".join(INITS)}')
-  require((init == 'similar') == (scheme == 'explicit'),
-          f'config.init={init} with config.scheme={scheme}: init=similar builds an explicit '
-          f'pattern of contiguous groups; valid: init=similar with scheme=explicit, or another '
-          f'init with {", ".join(RECURSIVE_SCHEMES[:-1])}')
-  pattern = ''
-  if init == 'similar':
-    require(calibration is not None, 'config.init=similar needs a calibration batch')
-    groups, reps = similarity.fold_plan(cfg, variables, calibration, num_unique)
-    pattern = ','.join(map(str, groups))
+  require((init in PATTERN_INITS) == (scheme == 'explicit'),
+          f'config.init={init} with config.scheme={scheme}: init={"/".join(PATTERN_INITS)} '
+          f'build an explicit pattern; valid: those with scheme=explicit, or another init with '
+          f'{", ".join(RECURSIVE_SCHEMES[:-1])}')
   require(lora_init in ('zero', 'svd'),
           f'config.lora_init={lora_init!r} is unknown; valid: zero, svd')
   require(lora_layers in LORA_LAYERS, f'config.lora_layers={lora_layers!r} is unknown; valid: '
           f'{", ".join(LORA_LAYERS)}')
-  new_cfg = cfg.derive(sharing={
+  require((select.replace_rate > 0) == (init == 'replace'),
+          f'config.replace_rate={select.replace_rate} with config.init={init}: the rate of '
+          f'replaced blocks belongs to init=replace; valid: both or neither')
+  require(bool(select.insert_after) == (init == 'extend'),
+          f'config.insert_after={select.insert_after!r} with config.init={init}: the repeated '
+          f'layers belong to init=extend; valid: both or neither')
+  info: dict[str, Any] = {}
+  if needs_calibration(init, select):
+    require(calibration is not None, f'config.init={init} (or config.remove_rate) needs a '
+                                     f'calibration batch')
+  if select.remove_rate > 0:   # FoldGPT: the least important blocks go first
+    n = block_select.count(select.remove_rate, cfg.num_layers, 'remove_rate')
+    score = block_select.importance(cfg, variables, calibration, select)
+    removed = block_select.least(score, n)
+    kept = [l for l in range(cfg.num_layers) if l not in removed]
+    info.update(removed=removed, importance=[round(float(x), 6) for x in score])
+    cfg, variables = _assemble(cfg, variables, cfg.derive(num_layers=len(kept)),
+                               [[k] for k in kept], kept, seed)
+  L = cfg.num_layers
+  sources, pattern = list(range(L)), None
+  if init == 'similar':
+    pattern, reps = similarity.fold_plan(cfg, variables, calibration, num_unique)
+  elif init == 'replace':
+    pattern, reps, chosen = block_select.replacement_pattern(
+        cfg, variables, calibration, select.replace_rate, lora_rank,
+        tuple(lora_targets) or cfg.sharing.lora_targets)
+    info.update(chosen)
+  elif init == 'extend':
+    pattern = sources = block_select.extended_pattern(
+        L, block_select.parse_layers(select.insert_after, L, 'insert_after'))
+    reps = list(range(L))
+  if pattern is not None:
+    info['pattern'] = ','.join(map(str, pattern))
+  new_cfg = cfg.derive(num_layers=len(sources), sharing={
       'scheme': scheme, 'num_unique': 0 if pattern else num_unique, 'repeats': 0,
-      'pattern': pattern,
+      'pattern': info.get('pattern', ''),
       'lora_rank': lora_rank, 'lora_targets': tuple(lora_targets) or cfg.sharing.lora_targets,
       'untie_norms': untie_norms, 'lora_layers': lora_layers})
-  plan = new_cfg.plan
+  picks = [[r] for r in reps] if pattern else source_layers(cfg, num_unique, scheme, init)
+  return new_cfg, _assemble(cfg, variables, new_cfg, picks, sources, seed,
+                            svd=bool(lora_rank) and lora_init == 'svd')[1], info
+
+
+def _assemble(cfg: ModelConfig, variables: Any, new_cfg: ModelConfig, picks: list[list[int]],
+              sources: list[int], seed: int, svd: bool = False) -> tuple[ModelConfig, Any]:
+  """The variables of `new_cfg` from untied `cfg`'s: stored set u is the mean of the source
+  layers picks[u]; applied layer l's own parts (untied norms, SVD LoRA) come from source layer
+  sources[l]; embedding, final norm and readout are copied."""
   src = {p: v for p, v in layout.applied_params(variables['params'], cfg).items()}
   if PER_LAYER in variables:
     src.update(layout.applied_per_layer(variables[PER_LAYER], cfg))
-  picks = [[r] for r in reps] if pattern else source_layers(cfg, num_unique, scheme, init)
+  plan = new_cfg.plan
   # one compiled program (op by op, an init compiles each scan and initializer separately)
   target = jax.jit(lambda key: init_variables(DecoderLM(new_cfg), key))(jax.random.key(seed))
   shared_paths = layout.unique_sets(target['params'], new_cfg).keys()
@@ -106,17 +183,18 @@ def to_recursive(cfg: ModelConfig, variables: Any, scheme: str, num_unique: int,
                                   **{p: v for p, v in flatten_dict(variables['params']).items()
                                      if p in outside}})   # embedding, final norm, readout
   if PER_LAYER in target:
+    applied = {p: v[jnp.asarray(sources)] for p, v in src.items()}   # per new applied layer
     layers = layout.applied_per_layer(target[PER_LAYER], new_cfg)
     norms = {i.local for p, i in param_table(new_cfg).items()
              if p[0] == PER_LAYER and i.role in NORM_ROLES}
     for p in layers:
       if p in norms:                 # untied norm parameters: each applied layer's own
-        layers[p] = src[p]
-    if lora_rank and lora_init == 'svd':
+        layers[p] = applied[p]
+    if svd:
       # Factors for every applied layer; from_applied_per_layer keeps only the layers that hold
       # LoRA (lora_layers=shared: not the unique first / last layers, copied exactly, so their
       # residual is zero and they need none).
-      layers.update(svd_lora(src, sets, plan.index, new_cfg))
+      layers.update(svd_lora(applied, sets, plan.index, new_cfg))
     out[PER_LAYER] = layout.from_applied_per_layer(target[PER_LAYER], layers, new_cfg)
   return new_cfg, out
 
