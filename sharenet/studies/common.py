@@ -4,6 +4,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import math
 import os
 import re
 import sys
@@ -63,6 +64,14 @@ def completed(res: dict[str, Any], workdir: str) -> dict[str, Any]:
           f'rerun the same command to resume', file=sys.stderr, flush=True)
     raise SystemExit(143)
   return res
+
+
+def stored_params(workdir: str) -> int:
+  """Stored trainable parameters of a workdir's model (its role table; nothing allocated)."""
+  from sharenet.models import ModelConfig, param_table
+  from sharenet.train import workdir_io
+  cfg = ModelConfig.from_experiment(workdir_io.load_config(workdir))
+  return sum(math.prod(i.shape) for i in param_table(cfg).values())
 
 
 def study_names(config: Any, key: str, valid: Any, example: str) -> list[str]:
@@ -219,6 +228,8 @@ def run_cli(main: Callable[[Any, str], Any], default_out: str,
 
   def run(argv):
     del argv
+    from absl import logging
+    logging.set_verbosity(logging.WARNING)   # orbax's per-checkpoint INFO lines, as train.py
     status = main(config.value, out.value)
     return status if isinstance(status, int) else 0
 

@@ -28,9 +28,7 @@ from typing import Any
 from sharenet.config import defaults
 from sharenet.errors import ConfigError
 from sharenet.main import convert_workdir, eval_workdir
-from sharenet.models import ModelConfig, param_table
 from sharenet.studies import common
-from sharenet.train import workdir_io
 
 
 def options(study: Any, rank: int) -> Any:
@@ -42,14 +40,6 @@ def options(study: Any, rank: int) -> Any:
   opts.lora_init = 'svd' if rank else 'zero'
   opts.untie_norms = bool(study.untie_norms)
   return opts
-
-
-def _params(workdir: str) -> int:
-  """Stored trainable parameters of a workdir's model (its role table; nothing allocated)."""
-  import math
-
-  cfg = ModelConfig.from_experiment(workdir_io.load_config(workdir))
-  return sum(math.prod(i.shape) for i in param_table(cfg).values())
 
 
 def to_markdown(result: dict[str, Any]) -> str:
@@ -105,7 +95,7 @@ def main(config: Any, out: str) -> int:
                'data.eval_tokens': int(s.eval_tokens)}
   t0 = time.time()
   source = eval_workdir.evaluate_workdir(s.source, overrides=overrides)
-  source['params_unique'] = _params(s.source)
+  source['params_unique'] = common.stored_params(s.source)
   rows = []
   for r in ranks:
     dst = os.path.join(out, 'runs', f'rank{r}')
@@ -113,7 +103,7 @@ def main(config: Any, out: str) -> int:
       convert_workdir.convert_workdir(s.source, dst, options(s, r))
     ev = eval_workdir.evaluate_workdir(dst, overrides=overrides)
     rows.append({'rank': r, 'eval_loss': ev['eval_loss'],
-                 'eval_bits_per_byte': ev['eval_bits_per_byte'], 'params_unique': _params(dst)})
+                 'eval_bits_per_byte': ev['eval_bits_per_byte'], 'params_unique': common.stored_params(dst)})
     print(json.dumps(rows[-1]), flush=True)
   result = {'study': s.to_dict(), 'source': {k: source[k] for k in (
       'eval_loss', 'eval_bits_per_byte', 'params_unique')}, 'rows': rows,

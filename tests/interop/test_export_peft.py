@@ -88,6 +88,23 @@ def test_the_merged_adapter_gives_the_workdirs_logits(relaxed, tmp_path):
   assert np.abs(_logits(base_back, tokens) - want).max() > 1e-3
 
 
+def test_peft_loads_the_adapter_onto_the_base(relaxed, tmp_path):
+  """Where peft, transformers and torch are importable (not dependencies of the suite):
+  PeftModel.from_pretrained(base, adapter) gives the workdir's logits."""
+  transformers = pytest.importorskip('transformers')
+  torch = pytest.importorskip('torch')
+  peft = pytest.importorskip('peft')
+  export_peft.export_peft(relaxed, str(tmp_path / 'base'), str(tmp_path / 'adapter'))
+  base = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / 'base'),
+                                                           dtype=torch.float32)
+  model = peft.PeftModel.from_pretrained(base, str(tmp_path / 'adapter')).eval()
+  tokens = np.arange(24, dtype=np.int32)[None] % 60
+  with torch.no_grad():
+    got = model(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
+  want = _logits(relaxed, tokens)
+  np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * np.abs(want).max())
+
+
 def test_what_peft_cannot_hold_is_one_line(relaxed, tmp_path):
   with pytest.raises(ConfigError, match='has no LoRA'):
     export_peft.export_peft(os.path.join(ROOT, 'tests', 'fixtures', 'workdirs_v2',
