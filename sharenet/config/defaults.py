@@ -241,6 +241,13 @@ def default_config() -> ml_collections.ConfigDict:
   t.checkpoint_every = 40
   t.keep_checkpoints = 3
   t.progress = True           # progress bar on stderr
+  t.loggers = 'jsonl,tensorboard'   # + wandb (Weights & Biases); jsonl is always written
+                              # (sharenet/train/metrics.py)
+  t.wandb = wb = ml_collections.ConfigDict()   # train.loggers=...,wandb
+  wb.project = 'sharenet'
+  wb.entity = ''              # '' : the account's default
+  wb.name = ''                # '' : the workdir's name
+  wb.mode = ''                # online | offline | disabled; '' : WANDB_MODE, else online
   t.restore = 'auto'          # auto: resume the whole saved state | params: when the saved state
                               # no longer fits the config, load its parameters (and data position)
                               # with a fresh optimizer state (sharenet/train/resume.py)

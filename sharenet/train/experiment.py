@@ -25,7 +25,7 @@ from sharenet.models.scaling import Settings
 from sharenet.optim import chain, matrix
 from sharenet.parametrization import optimizer_rules, rules
 from sharenet.tasks import task_eval
-from sharenet.train import resume, sampled_depth, sharding
+from sharenet.train import metrics, resume, sampled_depth, sharding
 from sharenet.transforms import Transforms
 
 
@@ -109,6 +109,8 @@ def _validated(config: Any, process_count: int | None) -> Resolved:
   pc = jax.process_count() if process_count is None else process_count
   data.validate_data_config(run.data, t.seq_len, t.batch_size, pc, mcfg.vocab_size)
   data.validate_data_config(run.data, t.seq_len, t.eval_batch_size, pc, mcfg.vocab_size)
+  metrics.parse_loggers(t.loggers)
+  metrics.check_wandb(t.wandb)
   if t.eval_tasks or t.eval_task_dir or t.eval_task_limit or t.eval_num_fewshot != -1:
     if not t.eval_tasks:
       raise ConfigError('train.eval_task_dir, eval_num_fewshot and eval_task_limit apply to '

@@ -23,7 +23,7 @@ from sharenet.optim import chain, trainable
 from sharenet.tasks import task_eval
 from sharenet.train import (evaluation, experiment, perf, resume, sampled_depth, sharding,
                             teacher)
-from sharenet.train.metrics import MetricsWriter, note
+from sharenet.train.metrics import MetricsWriter, note, parse_loggers
 from sharenet.train.trainer import (TrainState, abstract_state, effective_params, init_state,
                                     make_train_step, setup)
 
@@ -155,7 +155,8 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, float]:
   mfu_ref = perf.mfu_reference(mcfg.dtype)
   if mfu_ref.note:
     note(f'note: {mfu_ref.note}')
-  writer = MetricsWriter(workdir)
+  writer = MetricsWriter(workdir, parse_loggers(t.loggers),
+                         resume.config_dict(run.record), t.wandb)
   stop = {'sigterm': False}
   old_handler = signal.signal(signal.SIGTERM, lambda *_: stop.update(sigterm=True))
 
