@@ -209,11 +209,14 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, float]:
   # device always has the next step queued. A step whose state is used (checkpoint, eval, the
   # last step, SIGTERM) is read before that use: a saved state is known finite.
   step, pending = start, None   # pending: (step, metrics, depth) dispatched but not read yet
+  _status(bar, 'compiling the train step')   # the first dispatch traces and compiles it
   try:
     while step < t.steps:
       depth = sampled_depth.sample_depth(mcfg, t.seed, step) if flops_at.depths else 0
       state, metrics = dispatch(step_fn, state, next(train_iter), batch_sharding, batch_shape,
                                 mesh, rules, *[depth] * c.sampled, teacher_vars=tea_vars)
+      if step == start:
+        _status(bar, 'train')
       step += 1
       if pending is not None:
         settle(*pending)
@@ -226,21 +229,27 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, float]:
       if bar is not None:
         bar.update(1)
       if evaluate:
+        _status(bar, 'evaluating')
         last.update(run_eval(step))
+        _status(bar, 'train')
         window['t0'] = time.perf_counter()
       if save:
+        _status(bar, 'saving a checkpoint')
         if not orbax_io.params_finite(state.params):
           raise NonFiniteLoss(f'non-finite parameters after step {step}; stopping without '
                               f'saving them (last checkpoint: {mngr.latest_step()})')
         orbax_io.save(mngr, step, state, train_iter, record)
+        _status(bar, 'train')
       if stop['sigterm']:
         mngr.wait_until_finished()
         print(f'sharenet: SIGTERM at step {step}; checkpoint saved, exiting', flush=True)
         return last
     if start < t.steps or not last:
+      _status(bar, 'final evaluation')
       last.update(run_eval(step))
     return last
   finally:
+    _status(bar, 'writing the last checkpoint')   # an async save finishing
     mngr.wait_until_finished()
     mngr.close()
     writer.close()
@@ -279,6 +288,12 @@ def read_step_metrics(step: int, metrics: dict[str, Any], last_checkpoint: int |
     raise NonFiniteLoss(f'non-finite loss ({loss}) or gradient norm ({gnorm}) at step {step}; '
                         f'stopping without saving it (last checkpoint: {last_checkpoint})')
   return loss, gnorm
+
+
+def _status(bar: Any, what: str) -> None:
+  """The progress bar's label: what the run is doing (compiling, evaluating, saving...)."""
+  if bar is not None:
+    bar.set_description(what, refresh=True)
 
 
 def _progress(t: Any, start: int):
