@@ -241,6 +241,9 @@ def default_config() -> ml_collections.ConfigDict:
   t.checkpoint_every = 40
   t.keep_checkpoints = 3
   t.progress = True           # progress bar on stderr
+  t.profile = pr = ml_collections.ConfigDict()
+  pr.steps = ''               # 'START:END': a jax profiler trace of those steps in DIR/profile
+                              # (sharenet/train/profile.py); '' : none
   t.loggers = 'jsonl,tensorboard'   # + wandb (Weights & Biases); jsonl is always written
                               # (sharenet/train/metrics.py)
   t.wandb = wb = ml_collections.ConfigDict()   # train.loggers=...,wandb

@@ -25,7 +25,7 @@ from sharenet.models.scaling import Settings
 from sharenet.optim import chain, matrix
 from sharenet.parametrization import optimizer_rules, rules
 from sharenet.tasks import task_eval
-from sharenet.train import metrics, resume, sampled_depth, sharding
+from sharenet.train import metrics, profile, resume, sampled_depth, sharding
 from sharenet.transforms import Transforms
 
 
@@ -110,6 +110,7 @@ def _validated(config: Any, process_count: int | None) -> Resolved:
   data.validate_data_config(run.data, t.seq_len, t.batch_size, pc, mcfg.vocab_size)
   data.validate_data_config(run.data, t.seq_len, t.eval_batch_size, pc, mcfg.vocab_size)
   metrics.parse_loggers(t.loggers)
+  profile.parse_steps(t.profile.steps, t.steps)
   metrics.check_wandb(t.wandb)
   if t.eval_tasks or t.eval_task_dir or t.eval_task_limit or t.eval_num_fewshot != -1:
     if not t.eval_tasks:

@@ -21,8 +21,8 @@ from sharenet.errors import NonFiniteLoss
 from sharenet.models import accounting, logical_axes
 from sharenet.optim import chain, trainable
 from sharenet.tasks import task_eval
-from sharenet.train import (evaluation, experiment, perf, resume, sampled_depth, sharding,
-                            teacher)
+from sharenet.train import (evaluation, experiment, perf, profile, resume, sampled_depth,
+                            sharding, teacher)
 from sharenet.train.metrics import MetricsWriter, note, parse_loggers
 from sharenet.train.trainer import (TrainState, abstract_state, effective_params, init_state,
                                     make_train_step, setup)
@@ -210,14 +210,18 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, float]:
   # last step, SIGTERM) is read before that use: a saved state is known finite.
   step, pending = start, None   # pending: (step, metrics, depth) dispatched but not read yet
   _status(bar, 'compiling the train step')   # the first dispatch traces and compiles it
+  profiler = profile.StepProfiler(workdir, profile.parse_steps(t.profile.steps, t.steps))
   try:
     while step < t.steps:
       depth = sampled_depth.sample_depth(mcfg, t.seed, step) if flops_at.depths else 0
-      state, metrics = dispatch(step_fn, state, next(train_iter), batch_sharding, batch_shape,
-                                mesh, rules, *[depth] * c.sampled, teacher_vars=tea_vars)
+      with profiler.step(step + 1):
+        state, metrics = dispatch(step_fn, state, next(train_iter), batch_sharding,
+                                  batch_shape, mesh, rules, *[depth] * c.sampled,
+                                  teacher_vars=tea_vars)
       if step == start:
         _status(bar, 'train')
       step += 1
+      profiler.finished(step, state)
       if pending is not None:
         settle(*pending)
       pending = (step, metrics, depth)
@@ -249,6 +253,7 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, float]:
       last.update(run_eval(step))
     return last
   finally:
+    profiler.stop()
     _status(bar, 'writing the last checkpoint')   # an async save finishing
     mngr.wait_until_finished()
     mngr.close()
