@@ -16,7 +16,8 @@ import numpy as np
 from sharenet import data
 from sharenet.config import cli
 from sharenet.errors import ConfigError
-from sharenet.train import experiment
+from sharenet.models import ModelConfig, param_table
+from sharenet.train import experiment, workdir_io
 
 
 def parse_list(s: Any, cast=int) -> list:
@@ -68,8 +69,6 @@ def completed(res: dict[str, Any], workdir: str) -> dict[str, Any]:
 
 def stored_params(workdir: str) -> int:
   """Stored trainable parameters of a workdir's model (its role table; nothing allocated)."""
-  from sharenet.models import ModelConfig, param_table
-  from sharenet.train import workdir_io
   cfg = ModelConfig.from_experiment(workdir_io.load_config(workdir))
   return sum(math.prod(i.shape) for i in param_table(cfg).values())
 
