@@ -241,6 +241,9 @@ def default_config() -> ml_collections.ConfigDict:
   t.checkpoint_every = 40
   t.keep_checkpoints = 3
   t.progress = True           # progress bar on stderr
+  t.watch = False             # per role / stored set / applied layer RMS of parameters,
+                              # gradients, updates and the residual stream in the log rows
+                              # (sharenet/train/watch.py; computed at log steps only)
   t.profile = pr = ml_collections.ConfigDict()
   pr.steps = ''               # 'START:END': a jax profiler trace of those steps in DIR/profile
                               # (sharenet/train/profile.py); '' : none

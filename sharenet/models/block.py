@@ -31,7 +31,7 @@ import jax.numpy as jnp
 
 from sharenet.models.attention import BRANCH as ATTN, CausalAttention, DecodeStep, LayerCache
 from sharenet.models.config import ModelConfig
-from sharenet.models.layers import sow_l1
+from sharenet.models.layers import sow_l1, sow_rms
 from sharenet.models.mlp import BRANCH as MLP, Mlp
 from sharenet.models.moe import MoeFfn
 from sharenet.models import unit_scale
@@ -131,6 +131,7 @@ class Block(nn.Module):
         tau = unit_scale.residual_tau(i, c.num_layers, c.umup_residual)
         x_BTD = unit_scale.residual_apply(f, x_BTD, tau).astype(x_BTD.dtype)
       sow_l1(self, 'residual', x_BTD)
+      sow_rms(self, 'residual', x_BTD)
       x_BTD = nn.with_logical_constraint(x_BTD, ACT_AXES)
       return carry._replace(x_BTD=x_BTD, layer=layer + 1), (updated or [None])[0]
     x_BTD = carry.x_BTD
@@ -153,6 +154,7 @@ class Block(nn.Module):
           attn(norm('attn_norm', a)(x_BTD), positions_T, segment_ids_BT))
       x_BTD = x_BTD + norm('mlp_out_norm', m, 'norm_out')(mlp(norm('mlp_norm', m)(x_BTD)))
     sow_l1(self, 'residual', x_BTD)
+    sow_rms(self, 'residual', x_BTD)
     if carry.aux is not None and auxes:
       carry = carry._replace(aux=carry.aux + sum(auxes))
     return carry._replace(x_BTD=nn.with_logical_constraint(x_BTD, ACT_AXES)), \

@@ -34,6 +34,29 @@ def sow_activations() -> Iterator[None]:
     _SOW_ACTIVATIONS.pop()
 
 
+WATCH_SUFFIX = '#rms'      # the residual stream's RMS, inside watching()
+_WATCHING: list[bool] = []
+
+
+@contextlib.contextmanager
+def watching() -> Iterator[None]:
+  """A function traced inside this context has each block sow its output stream's RMS as
+  'residual#rms' beside the scalars (train.watch's log-step rows, sharenet/train/watch.py);
+  read when a function is traced, as sow_activations."""
+  _WATCHING.append(True)
+  try:
+    yield
+  finally:
+    _WATCHING.pop()
+
+
+def sow_rms(module: nn.Module, name: str, x: jax.Array) -> None:
+  """Sows sqrt(mean x^2) as '<name>#rms' inside watching() when 'intermediates' is mutable."""
+  if _WATCHING and module.is_mutable_collection(INTERMEDIATES):
+    x = x.astype(jnp.float32)
+    module.sow(INTERMEDIATES, name + WATCH_SUFFIX, jnp.sqrt(jnp.mean(x * x)))
+
+
 def sow_l1(module: nn.Module, name: str, x: jax.Array, mask: jax.Array | None = None) -> None:
   """Sows mean|x| (over `mask` if given) for coordinate checks; free unless requested.
 

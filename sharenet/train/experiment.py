@@ -110,6 +110,11 @@ def _validated(config: Any, process_count: int | None) -> Resolved:
   data.validate_data_config(run.data, t.seq_len, t.batch_size, pc, mcfg.vocab_size)
   data.validate_data_config(run.data, t.seq_len, t.eval_batch_size, pc, mcfg.vocab_size)
   metrics.parse_loggers(t.loggers)
+  if t.watch and (mcfg.recurrent_segment is not None or not mcfg.scan_layers):
+    raise ConfigError('train.watch names its rows by applied layer, which a model of sampled '
+                      'recurrent depth (model.recurrence) does not fix and the Python-loop stack '
+                      '(model.scan_layers=False) does not sow in order; valid: a scanned model '
+                      'of fixed depth, or train.watch=False')
   profile.parse_steps(t.profile.steps, t.steps)
   metrics.check_wandb(t.wandb)
   if t.eval_tasks or t.eval_task_dir or t.eval_task_limit or t.eval_num_fewshot != -1:

@@ -39,6 +39,7 @@ class _Compiled(NamedTuple):
   rules: Any
   sampled: bool          # a sampled-depth model: the step takes its depth (train/sampled_depth.py)
   teacher: Any           # train.teacher's Loaded (train/teacher.py), or None
+  watch_fn: Callable | None = None   # train.watch: the step of the log steps (train/watch.py)
 
 
 def _compile_step(run: experiment.Resolved, exp: Any) -> tuple[_Compiled, Any, list[str]]:
@@ -57,15 +58,16 @@ def _compile_step(run: experiment.Resolved, exp: Any) -> tuple[_Compiled, Any, l
   shardings = sharding.state_shardings(abstract, specs, mesh)
   batch_sharding = sharding.batch_sharding(mesh, rules)
   sampled = sampled_depth.sampled(model.cfg)   # the depth: a third, replicated int32 argument
-  step_fn = jax.jit(make_train_step(exp, t.grad_accum, loops=sampled_depth.step_loops(t,
-                                                                                   model.cfg),
-                                    teacher=None if tea is None else tea.distill,
-                                    trains=t.trainable),
-                    in_shardings=(shardings, batch_sharding) + (NamedSharding(mesh, P()),) *
-                    sampled + ((tea.shardings,) if tea else ()),
-                    out_shardings=(shardings, NamedSharding(mesh, P())), donate_argnums=0)
+  jitted = lambda watch: jax.jit(
+      make_train_step(exp, t.grad_accum, loops=sampled_depth.step_loops(t, model.cfg),
+                      teacher=None if tea is None else tea.distill, trains=t.trainable,
+                      watch=watch),
+      in_shardings=(shardings, batch_sharding) + (NamedSharding(mesh, P()),) * sampled + (
+          (tea.shardings,) if tea else ()),
+      out_shardings=(shardings, NamedSharding(mesh, P())), donate_argnums=0)
   compiled = _Compiled(abstract, shardings, batch_sharding, (t.batch_size, t.seq_len + 1),
-                       step_fn, mesh, rules, sampled, tea)
+                       jitted(False), mesh, rules, sampled, tea,
+                       jitted(True) if t.watch else None)
   return compiled, logical, notes
 
 
@@ -181,6 +183,8 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, float]:
   tokens_per_step = t.batch_size * t.seq_len
   window = {'t0': time.perf_counter(), 'steps': 0, 'flops': 0.0}
 
+  logs = lambda step: step % t.log_every == 0 or step == t.steps   # a log row's steps
+
   def settle(step: int, metrics: dict[str, Any], depth: int) -> None:
     """Reads step `step`'s metrics (the host waits for that step here, not at dispatch):
     raises NonFiniteLoss naming the step; writes the log row at log steps (MFU: the FLOPs
@@ -189,14 +193,14 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, float]:
     done = time.perf_counter()   # step `step` has finished: the window ends here, not after
     window['steps'] += 1         # the host's logging (the next step runs meanwhile)
     window['flops'] += flops_at(depth)
-    if step % t.log_every == 0 or step == t.steps:
+    if logs(step):
       dt = done - window['t0']
       tps = window['steps'] * tokens_per_step / dt
       row = dict(loss=loss, lr=float(schedule(step - 1)), grad_norm=gnorm, tokens_per_sec=tps,
                  **{mfu_ref.name: window['flops'] * tokens_per_step / dt / mfu_ref.flops},
                  **flops_at.row(depth),
                  **{k: float(v) for k, v in metrics.items()
-                    if k.startswith(('routing_', 'exit_loss_', 'moe_', 'distill_'))},
+                    if k.startswith(('routing_', 'exit_loss_', 'moe_', 'distill_', 'watch/'))},
                  **(seen.shares(step) if seen is not None else {}))
       writer.write(step, **row)
       last.clear()
@@ -214,8 +218,9 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, float]:
   try:
     while step < t.steps:
       depth = sampled_depth.sample_depth(mcfg, t.seed, step) if flops_at.depths else 0
+      fn = c.watch_fn if c.watch_fn is not None and logs(step + 1) else step_fn
       with profiler.step(step + 1):
-        state, metrics = dispatch(step_fn, state, next(train_iter), batch_sharding,
+        state, metrics = dispatch(fn, state, next(train_iter), batch_sharding,
                                   batch_shape, mesh, rules, *[depth] * c.sampled,
                                   teacher_vars=tea_vars)
       if step == start:

@@ -29,7 +29,7 @@ RESTORE_MODES = ('auto', 'params')
 # Cannot change the saved state or the data stream.
 STATE_FREE = ('train.steps', 'train.log_every', 'train.eval_every', 'train.eval_batch_size',
               'train.checkpoint_every', 'train.keep_checkpoints', 'train.progress',
-              'train.loggers', 'train.wandb.', 'train.profile.', 'train.restore', 'train.grad_accum', 'model.remat', 'model.scan_unroll',
+              'train.loggers', 'train.wandb.', 'train.watch', 'train.profile.', 'train.restore', 'train.grad_accum', 'model.remat', 'model.scan_unroll',
               'model.scan_lowering', 'model.scan_split_transpose', 'model.kernels',
               'model.attention', 'model.dtype', 'data.tokenizer', 'data.eval_tokens', 'dry_run',
               'mesh.')

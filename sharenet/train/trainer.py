@@ -16,10 +16,12 @@ import optax
 
 from sharenet.models import (DecoderLM, ModelConfig, abstract_variables, init_variables, lm, moe,
                              norm_stats, routing, streams, unit_scale)
+from sharenet.models.layers import INTERMEDIATES, watching
 from sharenet.models.norm_stats import NORM_STATS
 from sharenet.optim import chain, trainable
 from sharenet.parametrization import rules
 from sharenet.train import distill, evaluation, experiment, sampled_depth
+from sharenet.train import watch as watch_lib
 from sharenet.transforms import Transforms
 
 
@@ -239,7 +241,7 @@ def train_step(state: TrainState, batch_BT1: jax.Array, depth: Any = None,
                pz: rules.Parametrization | None = None, mutable: Sequence[str] = (),
                loops: sampled_depth.StepLoops | None = None,
                teacher: distill.Distill | None = None,
-               trains: str = 'all') -> tuple[TrainState, dict[str, Any]]:
+               trains: str = 'all', watch: bool = False) -> tuple[TrainState, dict[str, Any]]:
   """One optimizer step on `loss_fn`; with grad_accum > 1 the batch is split into scanned
   micro-batches.
 
@@ -255,7 +257,9 @@ def train_step(state: TrainState, batch_BT1: jax.Array, depth: Any = None,
   (train.trainable): the frozen leaves enter the loss behind a stop_gradient, so no backward
   work feeds them (sharenet/optim/trainable.py; the optimizer leaves them unchanged).
   A statistics norm's state (norm_stats.NORM_STATS in `tstate`) is differentiated with the
-  params; its cotangents give the next statistics (sharenet/models/norm_stats.py).
+  params; its cotangents give the next statistics (sharenet/models/norm_stats.py). `watch`
+  (train.watch's log steps; `mutable` then holds the sown collection, traced inside
+  layers.watching()): the metrics add sharenet/train/watch.py's rows.
   """
   tstate = state.tstate if tr is None else tr.update_state(state.params, state.tstate)
   loss_of = functools.partial(loss_fn, depth=depth, model=model, tr=tr, pz=pz, mutable=mutable,
@@ -292,6 +296,9 @@ def train_step(state: TrainState, batch_BT1: jax.Array, depth: Any = None,
   updates, opt_state = tx.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
   metrics = {'loss': loss, 'grad_norm': optax.global_norm(grads), **aux}
+  if watch:
+    metrics = {**watch_lib.pop_intermediates(metrics, model.cfg.num_layers),
+               **watch_lib.stats(lm.param_table(model.cfg), state.params, params, grads)}
   if routing.BALANCE in tstate:   # loss-free balancing: after the update, from this step's exits
     balance = routing.update_balance(model.cfg, tstate[routing.BALANCE], metrics)
     tstate = {**tstate, routing.BALANCE: balance}
@@ -301,15 +308,25 @@ def train_step(state: TrainState, batch_BT1: jax.Array, depth: Any = None,
 
 def make_train_step(exp: Experiment, grad_accum: int = 1, mutable: Sequence[str] = (),
                     loops: sampled_depth.StepLoops | None = None,
-                    teacher: distill.Distill | None = None, trains: str = 'all'
-                    ) -> Callable[..., tuple[TrainState, dict[str, Any]]]:
+                    teacher: distill.Distill | None = None, trains: str = 'all',
+                    watch: bool = False) -> Callable[..., tuple[TrainState, dict[str, Any]]]:
   """`train_step` of `exp`, not jitted (the loop jits it; the studies vmap and scan it):
   (state, batch[, depth][, teacher_vars]); `loops` (sampled_depth.step_loops): train.exit_loss
   and the seed; `teacher`: distillation (the step then takes the teacher's variables last);
-  `trains`: train.trainable."""
+  `trains`: train.trainable; `watch`: the watched step of train.watch's log steps."""
+  if watch:
+    mutable = tuple(dict.fromkeys(tuple(mutable) + (INTERMEDIATES,)))
   step = functools.partial(train_step, model=exp.model, tx=exp.tx, grad_accum=grad_accum,
                            tr=exp.tr, pz=exp.pz, mutable=tuple(mutable), loops=loops,
-                           teacher=teacher, trains=trains)
-  if teacher is None or sampled_depth.sampled(exp.model.cfg):
+                           teacher=teacher, trains=trains, watch=watch)
+  if teacher is not None and not sampled_depth.sampled(exp.model.cfg):
+    plain = step
+    step = lambda state, batch_BT1, teacher_vars: plain(state, batch_BT1, None, teacher_vars)
+  if not watch:
     return step
-  return lambda state, batch_BT1, teacher_vars: step(state, batch_BT1, None, teacher_vars)
+  unwatched = step
+
+  def watched(*args):   # traced inside watching(): the blocks sow their streams' RMS
+    with watching():
+      return unwatched(*args)
+  return watched

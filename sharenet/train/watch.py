@@ -1,0 +1,94 @@
+"""train.watch: per-role, per-stored-set and per-applied-layer statistics in the log rows.
+
+At each log step (and only there: the loop dispatches a second compiled step, the watched
+one, at those steps; every other step runs the plain program) the row gains, with stable names:
+
+  watch/param_rms/ROLE/setU      RMS of stored set U's ROLE parameters after the step's update
+  watch/grad_rms/ROLE/setU       RMS of their gradient (the sum over the set's uses)
+  watch/update_rms/ROLE/setU     RMS of the update applied (new - old parameters)
+  watch/update_ratio/ROLE/setU   update_rms / the parameters' RMS before the update
+  .../ROLE/layerL                the same for per-layer parts (depth-wise LoRA, untied norms)
+  .../ROLE                       the same for parameters outside the blocks (embedding, readout,
+                                 final norm); transform parameters under their collection's name
+  watch/residual_rms/layerL      the RMS of the residual stream after applied layer L (of the
+                                 step's forward pass, before the update)
+
+ROLE is the parameter role of the role table (reader, writer, norm_in, lora, ...), so the rows
+follow the model's structure whatever the module names. A looped segment's layers are its
+applied layers in order (config.json's plan_index maps each to its stored set and loop), so a
+set's use that dominates its gradient shows as the residual of that loop's layers growing.
+Per-use gradients of a shared set (one row per use) are not computed.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax.traverse_util import flatten_dict
+
+from sharenet.models.layers import INTERMEDIATES, WATCH_SUFFIX
+from sharenet.models.params import ParamInfo
+
+PREFIX = 'watch/'
+
+
+def _groups(path: tuple, leaf: Any, info: ParamInfo | None) -> list[tuple[str, jax.Array,
+                                                                         jax.Array]]:
+  """[(group name, sum of squares, count)] of one leaf: per stored set or applied layer for
+  block leaves, one group otherwise."""
+  x = jnp.asarray(leaf, jnp.float32)
+  if info is None:   # a transform's own parameters (reparam gains): by collection
+    return [(path[0], jnp.sum(x * x), jnp.float32(x.size))]
+  if not info.in_block:
+    return [(info.role, jnp.sum(x * x), jnp.float32(x.size))]
+  entries = x.reshape((-1,) + x.shape[info.num_layer_axes:]) if info.num_layer_axes else x[None]
+  per = jnp.sum(entries * entries, axis=tuple(range(1, entries.ndim)))
+  size = jnp.float32(np.prod(entries.shape[1:]))
+  index, kind = (info.sets, 'set') if path[0] == 'params' else (info.layers, 'layer')
+  return [(f'{info.role}/{kind}{i}', per[k], size) for k, i in enumerate(index)]
+
+
+def sums(tree: Any, table: dict[tuple, ParamInfo]) -> dict[str, tuple[jax.Array, jax.Array]]:
+  """{group: (sum of squares, count)} of a tree shaped as the trainable variables."""
+  out: dict[str, list] = {}
+  for path, leaf in flatten_dict(tree).items():
+    for name, ss, n in _groups(path, leaf, table.get(path)):
+      acc = out.setdefault(name, [jnp.float32(0.0), jnp.float32(0.0)])
+      acc[0], acc[1] = acc[0] + ss, acc[1] + n
+  return {k: (v[0], v[1]) for k, v in out.items()}
+
+
+def stats(table: dict[tuple, ParamInfo], old: Any, new: Any, grads: Any) -> dict[str, jax.Array]:
+  """The parameter rows of the module docstring (inside the jitted step)."""
+  rms = lambda t: {k: jnp.sqrt(ss / n) for k, (ss, n) in sums(t, table).items()}
+  before, after = rms(old), rms(new)
+  update = rms(jax.tree.map(lambda a, b: jnp.asarray(a, jnp.float32) - b, new, old))
+  out = {}
+  for k in after:
+    out[f'{PREFIX}param_rms/{k}'] = after[k]
+    out[f'{PREFIX}update_rms/{k}'] = update[k]
+    out[f"{PREFIX}update_ratio/{k}"] = update[k] / jnp.maximum(before[k], 1e-30)
+  out.update({f'{PREFIX}grad_rms/{k}': v for k, v in rms(grads).items()})
+  return out
+
+
+def residual(intermediates: Any, num_layers: int) -> dict[str, jax.Array]:
+  """watch/residual_rms/layerL from the sown 'residual#rms' scalars: each block's are stacked
+  over its uses, and the stack's paths in order are the applied layers in order."""
+  values = []
+  for path, value in sorted(flatten_dict(intermediates).items()):
+    if path[-1] == 'residual' + WATCH_SUFFIX:
+      for entry in value if isinstance(value, tuple) else (value,):
+        values.append(jnp.ravel(entry))
+  layers = jnp.concatenate(values) if values else jnp.zeros((0,))
+  if layers.shape[0] != num_layers:
+    raise ValueError(f'watch: {layers.shape[0]} residual statistics for {num_layers} layers')
+  return {f'{PREFIX}residual_rms/layer{l}': layers[l] for l in range(num_layers)}
+
+
+def pop_intermediates(metrics: dict[str, Any], num_layers: int) -> dict[str, Any]:
+  """The step's metrics with the sown collection replaced by its residual rows."""
+  metrics = dict(metrics)
+  return {**metrics, **residual(metrics.pop(INTERMEDIATES), num_layers)}
