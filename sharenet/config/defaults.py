@@ -241,6 +241,13 @@ def default_config() -> ml_collections.ConfigDict:
   t.checkpoint_every = 40
   t.keep_checkpoints = 3
   t.progress = True           # progress bar on stderr
+  t.skip_nonfinite = False    # skip a step whose gradient norm is not finite (parameters and
+                              # optimizer state unchanged) instead of stopping
+  t.spike_factor = 0.0        # > 1: also skip a step whose gradient norm exceeds this many times
+                              # the median of the last spike_window accepted steps'; 0 = off
+  t.spike_window = 100
+  t.max_skips = 5             # steps skipped in a row before the run stops (one line naming it)
+                              # (sharenet/optim/guard.py)
   t.watch = False             # per role / stored set / applied layer RMS of parameters,
                               # gradients, updates and the residual stream in the log rows
                               # (sharenet/train/watch.py; computed at log steps only)

@@ -18,7 +18,6 @@ optax.adamw (asserted in tests/parametrization/test_rules.py).
 """
 from __future__ import annotations
 
-import functools
 import types
 from typing import Any
 
@@ -30,7 +29,7 @@ from flax.traverse_util import flatten_dict, unflatten_dict
 from sharenet.config import defaults
 from sharenet.errors import ConfigError
 from sharenet.models import params as params_lib
-from sharenet.optim import matrix, trainable
+from sharenet.optim import guard, matrix, trainable
 from sharenet.transforms.project import projection
 from sharenet.transforms.update import agc, scale_by_adamp
 
@@ -134,8 +133,15 @@ def _keys(path) -> tuple[str, ...]:
 
 def make_optimizer(t: Any, transforms: Any = None, multipliers: Any = None,
                    table: dict | None = None) -> optax.GradientTransformation:
-  """The train config's optimizer (`make_chain`) with its peak LR injected into its state."""
-  chain = functools.partial(make_chain, t, transforms, multipliers, table)
+  """The train config's optimizer (`make_chain`, inside the bad-step guard of train.skip_nonfinite
+  / spike_factor) with its peak LR injected into its state."""
+  def chain(peak_lr: Any = None) -> optax.GradientTransformation:
+    inner = make_chain(t, transforms, multipliers, table, peak_lr)
+    if not guard.enabled(t):
+      return inner
+    return guard.skip_bad_steps(inner, bool(t.skip_nonfinite), float(t.spike_factor),
+                                int(t.spike_window))   # sharenet/optim/guard.py
+
   chain()   # built once now, so that a bad config raises here rather than at init
   # float32 whatever the params' dtype: the LR must not round to a bf16 value.
   return optax.inject_hyperparams(chain, hyperparam_dtype=jnp.float32)(peak_lr=t.lr)

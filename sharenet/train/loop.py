@@ -189,7 +189,7 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, float]:
     """Reads step `step`'s metrics (the host waits for that step here, not at dispatch):
     raises NonFiniteLoss naming the step; writes the log row at log steps (MFU: the FLOPs
     the window's steps executed, at their depths)."""
-    loss, gnorm = read_step_metrics(step, metrics, mngr.latest_step())
+    loss, gnorm = read_step_metrics(step, metrics, mngr.latest_step(), t.max_skips)
     done = time.perf_counter()   # step `step` has finished: the window ends here, not after
     window['steps'] += 1         # the host's logging (the next step runs meanwhile)
     window['flops'] += flops_at(depth)
@@ -200,7 +200,8 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, float]:
                  **{mfu_ref.name: window['flops'] * tokens_per_step / dt / mfu_ref.flops},
                  **flops_at.row(depth),
                  **{k: float(v) for k, v in metrics.items()
-                    if k.startswith(('routing_', 'exit_loss_', 'moe_', 'distill_', 'watch/'))},
+                    if k.startswith(('routing_', 'exit_loss_', 'moe_', 'distill_', 'watch/',
+                                     'skipped_steps'))},
                  **(seen.shares(step) if seen is not None else {}))
       writer.write(step, **row)
       last.clear()
@@ -289,11 +290,20 @@ def dispatch(step_fn: Callable, state: TrainState, host_batch: Any, batch_shardi
     return step_fn(state, batch, *depth, *teacher_vars)   # a teacher's: already on the mesh
 
 
-def read_step_metrics(step: int, metrics: dict[str, Any], last_checkpoint: int | None
-                      ) -> tuple[float, float]:
+def read_step_metrics(step: int, metrics: dict[str, Any], last_checkpoint: int | None,
+                      max_skips: int = 0) -> tuple[float, float]:
   """(loss, grad_norm) of step `step` as floats (a device-to-host read that waits for the step);
-  NonFiniteLoss naming the step if either is not finite."""
+  NonFiniteLoss naming the step if either is not finite, unless the bad-step guard skipped it
+  (sharenet/optim/guard.py), and when the guard has skipped `max_skips` steps in a row."""
   loss, gnorm = float(metrics['loss']), float(metrics['grad_norm'])
+  if 'step_skipped' in metrics:
+    in_a_row = int(metrics['skipped_in_a_row'])
+    if in_a_row >= max_skips:
+      raise NonFiniteLoss(f'train.max_skips={max_skips}: {in_a_row} steps in a row skipped up '
+                          f'to step {step} (gradient norm {gnorm}: non-finite or a spike); '
+                          f'stopping (last checkpoint: {last_checkpoint})')
+    if bool(metrics['step_skipped']):
+      return loss, gnorm
   if not (math.isfinite(loss) and math.isfinite(gnorm)):
     raise NonFiniteLoss(f'non-finite loss ({loss}) or gradient norm ({gnorm}) at step {step}; '
                         f'stopping without saving it (last checkpoint: {last_checkpoint})')

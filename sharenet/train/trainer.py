@@ -18,7 +18,7 @@ from sharenet.models import (DecoderLM, ModelConfig, abstract_variables, init_va
                              norm_stats, routing, streams, unit_scale)
 from sharenet.models.layers import INTERMEDIATES, watching
 from sharenet.models.norm_stats import NORM_STATS
-from sharenet.optim import chain, trainable
+from sharenet.optim import chain, guard, trainable
 from sharenet.parametrization import rules
 from sharenet.train import distill, evaluation, experiment, sampled_depth
 from sharenet.train import watch as watch_lib
@@ -295,7 +295,8 @@ def train_step(state: TrainState, batch_BT1: jax.Array, depth: Any = None,
     grads = jax.tree.map(lambda x: x / grad_accum, grads)
   updates, opt_state = tx.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
-  metrics = {'loss': loss, 'grad_norm': optax.global_norm(grads), **aux}
+  metrics = {'loss': loss, 'grad_norm': optax.global_norm(grads), **aux,
+             **guard.metrics(opt_state)}   # train.skip_nonfinite / spike_factor
   if watch:
     metrics = {**watch_lib.pop_intermediates(metrics, model.cfg.num_layers),
                **watch_lib.stats(lm.param_table(model.cfg), state.params, params, grads)}

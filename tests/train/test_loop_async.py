@@ -77,9 +77,9 @@ def _record(monkeypatch, poison=None):
     events.append(('dispatch', step))
     return out
 
-  def recorded_read(step, metrics, last_checkpoint):
+  def recorded_read(step, metrics, last_checkpoint, *args):
     events.append(('read', step))
-    return read(step, metrics, last_checkpoint)
+    return read(step, metrics, last_checkpoint, *args)
 
   monkeypatch.setattr(loop, 'dispatch', guarded_dispatch)
   monkeypatch.setattr(loop, 'read_step_metrics', recorded_read)
@@ -143,3 +143,25 @@ def test_non_finite_parameters_are_never_checkpointed(monkeypatch, tmp_path, tin
   with pytest.raises(NonFiniteLoss, match=rf'non-finite parameters after step {CKPT}'):
     loop.train_and_evaluate(_config(tiny_config), str(tmp_path))
   assert _saved_steps(str(tmp_path)) == []
+
+
+def test_the_guard_skips_non_finite_steps_then_stops_after_max_skips(monkeypatch, tmp_path,
+                                                                     tiny_config):
+  """train.skip_nonfinite: NaN parameters entering step 7 make steps 7, 8, ... non-finite; each
+  is skipped (no error, nothing applied) until train.max_skips=3 in a row, which stops the run
+  with one line naming step 9; the last checkpoint is the one before."""
+  bad = 7
+
+  def poison(step, state):
+    if step != bad:
+      return state
+    return state.replace(params=jax.tree.map(lambda x: x * jnp.nan, state.params))
+
+  _record(monkeypatch, poison)
+  config = tiny_config(**{'train.steps': STEPS, 'train.checkpoint_every': CKPT,
+                          'train.log_every': 1, 'train.skip_nonfinite': True,
+                          'train.max_skips': 3})
+  with pytest.raises(NonFiniteLoss, match=r'train.max_skips=3: 3 steps in a row skipped up to '
+                                          rf'step {bad + 2} .*last checkpoint: {CKPT}\)') as e:
+    loop.train_and_evaluate(config, str(tmp_path))
+  assert '\n' not in str(e.value) and _saved_steps(str(tmp_path)) == [CKPT]
