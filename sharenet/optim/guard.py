@@ -43,7 +43,8 @@ def check(t: Any) -> None:
 
 
 def enabled(t: Any) -> bool:
-  return bool(t.skip_nonfinite or t.spike_factor)
+  """Whether train config `t` guards its steps (a partial config without the keys: no)."""
+  return bool(getattr(t, 'skip_nonfinite', False) or getattr(t, 'spike_factor', 0.0))
 
 
 def median_of_ring(norms: jax.Array, seen: jax.Array) -> jax.Array:
