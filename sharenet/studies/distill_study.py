@@ -88,7 +88,8 @@ def _uptrain(source: str, workdir: str, study: Any, method: str, seed: int,
   overrides = {'train.steps': int(base + study.steps), 'train.lr': float(study.lr),
                'train.warmup_steps': int(study.warmup_steps), 'train.seed': int(seed),
                'train.checkpoint_every': int(base + study.steps), 'train.progress': False,
-               'train.eval_every': 0, 'data.eval_tokens': int(study.eval_tokens)}
+               'train.eval_every': 0, 'data.eval_tokens': int(study.eval_tokens),
+               'train.restore': 'params'}   # the seed's own data stream, a fresh optimizer
   if method == 'kd':
     overrides.update({'train.teacher.workdir': teacher,
                       'train.teacher.weight': float(study.kd_weight),
