@@ -4,7 +4,8 @@ One line with eval_loss and eval_bits_per_byte; `--config.a.b=v` overrides the w
 for this evaluation. --prompt TEXT / --prompt_file FILE generates (one line per sample;
 docs/generation.md); --depths 1,2,4 evaluates at other loop counts of a looped model, --depth N
 at one, --exit R exits generated tokens early (docs/generation.md); --tasks A,B runs
-lm-evaluation-harness tasks (docs/evaluation.md). The modes and their flags are
+lm-evaluation-harness tasks (docs/evaluation.md); --ema evaluates the weights' moving average
+(train.ema). The modes and their flags are
 sharenet/main/eval_workdir.py `run_cli`.
 """
 import json
@@ -41,7 +42,8 @@ flags.DEFINE_integer('num_fewshot', None, 'Shots per task item; default: each ta
 flags.DEFINE_integer('limit', None, 'Only the first N items of each task.')
 flags.DEFINE_integer('eos_id', None, 'Stop a sample at this token id; default: none for byte '
                      'models, the end-of-document id for arrayrecord shards.')
-OPTIONS = ('step', 'prompt', 'prompt_file', 'max_new_tokens', 'temperature', 'top_k', 'top_p',
+flags.DEFINE_bool('ema', False, 'Evaluate the weights\' moving average (a run with train.ema).')
+OPTIONS = ('ema', 'step', 'prompt', 'prompt_file', 'max_new_tokens', 'temperature', 'top_k', 'top_p',
            'seed', 'num_samples', 'depths', 'depth', 'exit', 'tasks', 'task_dir', 'num_fewshot',
            'limit', 'eos_id')
 

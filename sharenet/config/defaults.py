@@ -248,6 +248,9 @@ def default_config() -> ml_collections.ConfigDict:
   t.spike_window = 100
   t.max_skips = 5             # steps skipped in a row before the run stops (one line naming it)
                               # (sharenet/optim/guard.py)
+  t.ema = 0.0                 # decay of the weights' moving average (e.g. 0.999), kept in the
+                              # optimizer state and evaluated beside the weights; 0 = off
+                              # (sharenet/optim/ema.py; eval.py --ema)
   t.watch = False             # per role / stored set / applied layer RMS of parameters,
                               # gradients, updates and the residual stream in the log rows
                               # (sharenet/train/watch.py; computed at log steps only)

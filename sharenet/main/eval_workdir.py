@@ -23,19 +23,21 @@ from sharenet.train.workdir_io import load_config, restore_state
 
 
 def evaluate_workdir(workdir: str, step: int | None = None,
-                     overrides: dict[str, Any] | None = None) -> dict[str, Any]:
-  """Restores the latest (or `step`) checkpoint's params and evaluates the validation split.
+                     overrides: dict[str, Any] | None = None, ema: bool = False
+                     ) -> dict[str, Any]:
+  """Restores the latest (or `step`) checkpoint's params (with `ema`, the run's average of its
+  weights, train.ema) and evaluates the validation split.
 
   `overrides` ({'train.eval_batch_size': 64, ...}) change the workdir's config for this eval.
   """
   config = load_config(workdir)
   config.update_from_flattened_dict(overrides or {})
-  state, step, (model, _, pz, tr) = restore_state(config, workdir, step)
+  state, step, (model, _, pz, tr) = restore_state(config, workdir, step, ema=ema)
   run = experiment.sections(config, model.cfg)
   params = jax.jit(trainer.effective_params, static_argnums=(1, 2))(state, tr, pz)
   out = evaluation.evaluate(model, params, run.data, run.train.seq_len,
                             run.train.eval_batch_size, sampled_depth.eval_schedule(model.cfg))
-  out = {'step': int(step), **out,
+  out = {'step': int(step), **({'ema': True} if ema else {}), **out,
          'unigram_bits_per_byte': data.unigram_bits_per_byte(run.data)}
   with open(os.path.join(workdir, 'eval.json'), 'w') as f:
     json.dump(out, f, indent=2)
@@ -230,12 +232,16 @@ def run_cli(workdir: str, overrides: dict[str, Any], *, step: int | None = None,
             top_p: float = 1.0, seed: int = 0, num_samples: int = 1, depths: str | None = None,
             depth: int | None = None, exit: str | None = None, tasks: str | None = None,
             task_dir: str | None = None, num_fewshot: int | None = None,
-            limit: int | None = None, eos_id: int | None = None) -> list[dict[str, Any]]:
+            limit: int | None = None, eos_id: int | None = None,
+            ema: bool = False) -> list[dict[str, Any]]:
   """eval.py's modes, by its flags, as the rows it prints: downstream tasks (--tasks and its
   flags), generation (--prompt / --prompt_file), evaluation at depths (--depths / --depth) or
   the plain evaluation; flags of another mode, or that exclude each other, are one ConfigError
   line."""
   generating = prompt is not None or prompt_file is not None
+  if ema and (generating or tasks is not None or depths is not None or depth is not None):
+    raise ConfigError('--ema evaluates the weights\' average on the validation split; valid: '
+                      '--ema without --prompt, --tasks, --depths or --depth')
   if tasks is not None or any(v is not None for v in (task_dir, num_fewshot, limit)):
     if tasks is None:
       raise ConfigError('--task_dir, --num_fewshot and --limit apply to --tasks; valid: with '
@@ -256,4 +262,4 @@ def run_cli(workdir: str, overrides: dict[str, Any], *, step: int | None = None,
         seed=seed, num_samples=num_samples, eos_id=eos_id, depth=depth, exit=exit)
   if at is not None:
     return evaluate_workdir_depths(workdir, step, overrides, at)
-  return [evaluate_workdir(workdir, step, overrides)]
+  return [evaluate_workdir(workdir, step, overrides, ema=ema)]

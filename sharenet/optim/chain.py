@@ -29,7 +29,7 @@ from flax.traverse_util import flatten_dict, unflatten_dict
 from sharenet.config import defaults
 from sharenet.errors import ConfigError
 from sharenet.models import params as params_lib
-from sharenet.optim import guard, matrix, trainable
+from sharenet.optim import ema, guard, matrix, trainable
 from sharenet.transforms.project import projection
 from sharenet.transforms.update import agc, scale_by_adamp
 
@@ -133,10 +133,12 @@ def _keys(path) -> tuple[str, ...]:
 
 def make_optimizer(t: Any, transforms: Any = None, multipliers: Any = None,
                    table: dict | None = None) -> optax.GradientTransformation:
-  """The train config's optimizer (`make_chain`, inside the bad-step guard of train.skip_nonfinite
-  / spike_factor) with its peak LR injected into its state."""
+  """The train config's optimizer (`make_chain`, with train.ema's average, inside the bad-step
+  guard of train.skip_nonfinite / spike_factor) with its peak LR injected into its state."""
   def chain(peak_lr: Any = None) -> optax.GradientTransformation:
     inner = make_chain(t, transforms, multipliers, table, peak_lr)
+    if ema.decay(t):   # the weights' average (sharenet/optim/ema.py), inside the guard
+      inner = ema.track_ema(inner, ema.decay(t))
     if not guard.enabled(t):
       return inner
     return guard.skip_bad_steps(inner, bool(t.skip_nonfinite), float(t.spike_factor),

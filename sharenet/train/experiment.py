@@ -22,7 +22,7 @@ from sharenet.errors import ConfigError
 from sharenet.models import DecoderLM, ModelConfig
 from sharenet.models.config import table_view
 from sharenet.models.scaling import Settings
-from sharenet.optim import chain, guard, matrix
+from sharenet.optim import chain, ema, guard, matrix
 from sharenet.parametrization import optimizer_rules, rules
 from sharenet.tasks import task_eval
 from sharenet.train import metrics, profile, resume, sampled_depth, sharding
@@ -111,6 +111,7 @@ def _validated(config: Any, process_count: int | None) -> Resolved:
   data.validate_data_config(run.data, t.seq_len, t.eval_batch_size, pc, mcfg.vocab_size)
   metrics.parse_loggers(t.loggers)
   guard.check(t)
+  ema.check(t)
   if t.watch and (mcfg.recurrent_segment is not None or not mcfg.scan_layers):
     raise ConfigError('train.watch names its rows by applied layer, which a model of sampled '
                       'recurrent depth (model.recurrence) does not fix and the Python-loop stack '

@@ -19,7 +19,7 @@ from sharenet.data import corpus
 from sharenet.checkpoint import config_file, orbax_io
 from sharenet.errors import NonFiniteLoss
 from sharenet.models import accounting, logical_axes
-from sharenet.optim import chain, trainable
+from sharenet.optim import chain, ema, trainable
 from sharenet.tasks import task_eval
 from sharenet.train import (evaluation, experiment, perf, profile, resume, sampled_depth,
                             sharding, teacher)
@@ -173,6 +173,12 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, float]:
                               sampled_depth.eval_schedule(mcfg))
       if tasks is not None:
         out.update(tasks.rows(params, sampled_depth.eval_schedule(mcfg)))
+      if t.ema:   # train.ema: the weights' average too (sharenet/optim/ema.py)
+        avg = state.replace(params=ema.averaged(state.opt_state, state.params))
+        params = jax.jit(effective_params, static_argnums=(1, 2))(avg, tr, pz)
+        out.update({f'ema/{k}': v for k, v in evaluation.evaluate(
+            model, params, run.data, t.seq_len, t.eval_batch_size,
+            sampled_depth.eval_schedule(mcfg)).items()})
     writer.write(step, **out)
     return out
 

@@ -20,7 +20,7 @@ from sharenet.checkpoint import config_file, orbax_io
 from sharenet.config import defaults
 from sharenet.errors import ConfigError
 from sharenet.models import DecoderLM, ModelConfig
-from sharenet.optim import chain
+from sharenet.optim import chain, ema as ema_lib
 from sharenet.train import experiment, resume, sharding, trainer
 from sharenet.transforms import Transforms
 
@@ -44,9 +44,11 @@ class Restored(NamedTuple):
 
 
 def restore_state(config: ml_collections.ConfigDict, workdir: str,
-                  step: int | None = None) -> Restored:
+                  step: int | None = None, ema: bool = False) -> Restored:
   """The parameters and transform state of the latest readable (or `step`) checkpoint of
   `workdir`, with the experiment `config` builds (`state.opt_state` is None: not needed).
+  `ema`: the parameters are the run's average of its weights (train.ema, kept in the optimizer
+  state, which is then read too; one ConfigError line for a run without one).
 
   Reads only; nothing in the workdir is moved or written. A checkpoint that does not fit
   `config` is one ConfigError line.
@@ -58,6 +60,9 @@ def restore_state(config: ml_collections.ConfigDict, workdir: str,
   # Restore onto this process's devices, whatever mesh (or hosts) wrote the checkpoint.
   abstract = sharding.with_shardings(abstract, sharding.replicated_like(abstract))
   parts = {'step': abstract.step, 'params': abstract.params, 'tstate': abstract.tstate}
+  if ema:
+    ema_lib.kept(abstract.opt_state)   # the run keeps one, or one line
+    parts['opt_state'] = abstract.opt_state
   mngr = orbax_io.manager(workdir, run.train.keep_checkpoints, async_save=False)
   try:
     steps = sorted(mngr.all_steps(), reverse=True)
@@ -79,7 +84,8 @@ def restore_state(config: ml_collections.ConfigDict, workdir: str,
         print(f'WARNING: checkpoint {s} is unreadable ({type(e).__name__}); trying an older '
               f'one', flush=True)
         continue
-      state = trainer.TrainState(out['step'], out['params'], None, out['tstate'])
+      params = out['params'] if not ema else ema_lib.averaged(out['opt_state'], out['params'])
+      state = trainer.TrainState(out['step'], params, None, out['tstate'])
       return Restored(state, int(s), exp)
     raise ConfigError(f'--workdir {workdir}: no readable checkpoint')
   finally:
