@@ -73,6 +73,7 @@ def test_batches_carry_the_mask_of_their_tokens(sft):
   assert mask[row == EOD].all()
 
 
+@pytest.mark.slow
 def test_the_loss_is_the_mean_over_response_tokens_only(sft, tiny_config):
   out, _ = sft
   model = DecoderLM(ModelConfig.from_config(tiny_config(**{'model.vocab_size': 257}).model))

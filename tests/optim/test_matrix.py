@@ -433,6 +433,7 @@ def _spectral_step(name, kind, d):
   return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('name', ['adamw', 'muon', 'muon_rms', 'shampoo', 'shampoo_vanilla'])
 def test_mup_first_steps_meet_the_spectral_condition_at_every_width(name):
   """Measured, not restated: each hidden kernel's first update under muP has the same spectral

@@ -35,6 +35,7 @@ def test_kd_equals_a_numpy_restatement(temp):
   assert float(m['distill_kd']) == pytest.approx(got.mean(), rel=1e-6)
 
 
+@pytest.mark.slow
 def test_a_student_equal_to_its_teacher_has_zero_loss_and_gradient(tiny_config):
   model = DecoderLM(ModelConfig.from_config(tiny_config().model))
   params = init_variables(model, jax.random.key(0), seq_len=16)
@@ -64,6 +65,7 @@ def test_hidden_matching_equals_a_numpy_restatement(normalize):
   assert distill.parse_match(' 2:3, 0:1', 3, 4) == match
 
 
+@pytest.mark.slow
 def test_a_folded_student_matches_its_teachers_every_layer(tiny_config):
   """The untied teacher folded into a cycle with full-rank SVD LoRA computes the same streams
   in applied order, so hidden matching of every layer pair is zero with zero gradient; matching

@@ -5,6 +5,7 @@ import os
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from sharenet.train.metrics import MetricsWriter, read_metrics
 
@@ -76,11 +77,11 @@ def _wandb_records(run_dir):
   return config, history
 
 
+@pytest.mark.slow
 def test_wandb_offline_run_holds_the_metrics_and_the_config(tmp_path, tiny_config, monkeypatch):
   """train.loggers=jsonl,wandb under WANDB_MODE=offline: the run directory under the workdir
   holds every logged row of metrics.jsonl at its step and the run's config; a resumed run logs
   to the same W&B run id."""
-  import pytest
   pytest.importorskip('wandb')
   from sharenet.train import loop
   monkeypatch.setenv('WANDB_MODE', 'offline')
@@ -108,7 +109,6 @@ def test_wandb_offline_run_holds_the_metrics_and_the_config(tmp_path, tiny_confi
 
 
 def test_bad_loggers_are_one_line_and_write_nothing(tmp_path, tiny_config):
-  import pytest
   from sharenet.errors import ConfigError
   from sharenet.train import loop
   for overrides, match in (({'train.loggers': 'jsonl,mlflow'}, "'mlflow' is unknown; valid: "

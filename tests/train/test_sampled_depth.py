@@ -247,6 +247,7 @@ def test_the_normal_state_has_the_reference_scale():
   np.testing.assert_allclose(x, 2.0 * np.asarray(unscaled), rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_micro_batches_draw_fresh_initial_states():
   """Under train.grad_accum = 2 each micro-batch draws its own noise: with the same tokens in
   both halves, the step's loss is the mean of the two micro-batch losses, which differ."""

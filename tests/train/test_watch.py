@@ -70,6 +70,7 @@ def test_the_watched_step_restates_in_numpy(tiny_config):
                                rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_watch_rows_appear_at_log_steps_only(tmp_path, tiny_config):
   """train.py with train.watch: every log row carries the watch rows, their parameter RMS is
   the saved checkpoint's, and the update RMS is the difference of two saved steps."""
@@ -109,6 +110,7 @@ def test_watch_refuses_what_has_no_fixed_layers(tmp_path, tiny_config):
   assert '\n' not in str(e.value) and not (tmp_path / 'run').exists()
 
 
+@pytest.mark.slow
 def test_watch_plot_draws_the_rows(tmp_path, tiny_config):
   """python -m sharenet.studies.watch_plot --workdir DIR: a PNG of every kind; a run without
   watch rows is one line."""

@@ -62,6 +62,7 @@ def test_removal_at_rate_quarter_removes_the_two_blocks_the_gates_rank_lowest(ei
   assert fcfg.plan.num_unique == 3 and len(info['pattern'].split(',')) == 6
 
 
+@pytest.mark.slow
 def test_block_influence_equals_a_numpy_restatement(eight):
   cfg, v, tokens, _ = eight
   h = similarity.layer_outputs(cfg, v, tokens)
@@ -77,6 +78,7 @@ def test_block_influence_equals_a_numpy_restatement(eight):
                            select=sel)[2]['removed'] == list(IDLE)
 
 
+@pytest.mark.slow
 def test_a_replaced_block_is_its_donor_plus_the_svd_adapters_product(eight):
   """init=replace (FlexiGPT): the 2 blocks of least influence take the kept block whose
   difference a rank-r adapter reconstructs best (the metric restated in numpy), and each
@@ -133,6 +135,7 @@ def test_a_replaced_block_is_its_donor_plus_the_svd_adapters_product(eight):
   np.testing.assert_allclose(_logits(full, fv, tokens), ref, atol=1e-4)
 
 
+@pytest.mark.slow
 def test_extend_inserts_tied_copies(eight):
   """init=extend: a tied copy after each listed layer; copies of the idle blocks are
   identities, so the 10-layer model computes the source's function with 8 stored sets."""
