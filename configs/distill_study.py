@@ -5,7 +5,7 @@ entropy or with knowledge distillation from that model, at two LoRA ranks and tw
 Command:   python -m sharenet.studies.distill_study --config configs/distill_study.py \
                --out runs/distill_study
 Runtime:   see docs/results/distill_study/README.md (measured on the 2-core CPU: the teacher,
-           2 conversions and 8 uptraining runs of the default model).
+           2 conversions and 8 uptraining runs of the default model at d_model 128).
 Result:    docs/results/distill_study/ (distill_study.md generated from its JSON); the reading:
            docs/interop.md, "Distillation".
 """
@@ -15,7 +15,8 @@ from configs import default
 
 
 def get_config():
-  c = default.get_config()   # the teacher: the default 4-layer untied model, embedded corpus
+  c = default.get_config()   # the teacher: the default 4-layer untied model at half width,
+  c.model.d_model, c.model.mlp_dim = 128, 384   # on the embedded corpus
   c.train.keep_checkpoints = 1
   c.study = s = ml_collections.ConfigDict()
   s.teacher_steps = 300      # the teacher's training steps

@@ -241,6 +241,8 @@ def default_config() -> ml_collections.ConfigDict:
   t.checkpoint_every = 40
   t.keep_checkpoints = 3
   t.progress = True           # progress bar on stderr
+  t.batch_ramp = ''           # 'BATCH:LAST_STEP,...': smaller batches first, then batch_size
+                              # (sharenet/train/batch_ramp.py); '' : none
   t.skip_nonfinite = False    # skip a step whose gradient norm is not finite (parameters and
                               # optimizer state unchanged) instead of stopping
   t.spike_factor = 0.0        # > 1: also skip a step whose gradient norm exceeds this many times

@@ -25,7 +25,7 @@ from sharenet.models.scaling import Settings
 from sharenet.optim import chain, ema, guard, matrix
 from sharenet.parametrization import optimizer_rules, rules
 from sharenet.tasks import task_eval
-from sharenet.train import metrics, profile, resume, sampled_depth, sharding
+from sharenet.train import batch_ramp, metrics, profile, resume, sampled_depth, sharding
 from sharenet.transforms import Transforms
 
 
@@ -111,6 +111,7 @@ def _validated(config: Any, process_count: int | None) -> Resolved:
   data.validate_data_config(run.data, t.seq_len, t.eval_batch_size, pc, mcfg.vocab_size)
   metrics.parse_loggers(t.loggers)
   guard.check(t)
+  batch_ramp.check(batch_ramp.parse(t.batch_ramp, t.batch_size, t.steps), run.data)
   ema.check(t)
   if t.watch and (mcfg.recurrent_segment is not None or not mcfg.scan_layers):
     raise ConfigError('train.watch names its rows by applied layer, which a model of sampled '

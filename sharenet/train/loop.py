@@ -21,8 +21,8 @@ from sharenet.errors import NonFiniteLoss
 from sharenet.models import accounting, logical_axes
 from sharenet.optim import chain, ema, trainable
 from sharenet.tasks import task_eval
-from sharenet.train import (evaluation, experiment, perf, profile, resume, sampled_depth,
-                            sharding, teacher)
+from sharenet.train import (batch_ramp, evaluation, experiment, perf, profile, resume,
+                            sampled_depth, sharding, teacher)
 from sharenet.train.metrics import MetricsWriter, note, parse_loggers
 from sharenet.train.trainer import (TrainState, abstract_state, effective_params, init_state,
                                     make_train_step, setup)
@@ -130,9 +130,12 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, float]:
   os.makedirs(workdir, exist_ok=True)
   print(f'sharenet: writing to {os.path.abspath(workdir)}', flush=True)
   # This process reads the rows of the global batch its devices hold (all rows on one host).
-  shard, num_shards = sharding.process_rows(batch_sharding, batch_shape)
-  train_iter = data.make_train_iterator(run.data, t.seq_len, t.batch_size, t.seed,
-                                        shard, num_shards)
+  # train.batch_ramp: the iterator reads chunks of the ramp's first batch, a step takes as many
+  # as its batch holds (sharenet/train/batch_ramp.py)
+  ramp = batch_ramp.parse(t.batch_ramp, t.batch_size, t.steps)
+  chunk = t.batch_size if ramp is None else ramp.chunk
+  shard, num_shards = sharding.process_rows(batch_sharding, (chunk,) + batch_shape[1:])
+  train_iter = data.make_train_iterator(run.data, t.seq_len, chunk, t.seed, shard, num_shards)
   mngr = orbax_io.manager(workdir, t.keep_checkpoints)
   # Sharded init: each device computes only its shards; no host holds the whole model.
   init_fn = jax.jit(functools.partial(init_state, model, tx, tr=tr, pz=pz),
@@ -186,8 +189,8 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, float]:
   mix = data.mixture_of(run.data, t.seed)
   seen = None if mix is None else data.SeenRows(mix, t.batch_size)   # data_share/NAME
   last = {}
-  tokens_per_step = t.batch_size * t.seq_len
-  window = {'t0': time.perf_counter(), 'steps': 0, 'flops': 0.0}
+  rows_at = (lambda step: t.batch_size) if ramp is None else ramp.batch_at   # a step's batch
+  window = {'t0': time.perf_counter(), 'tokens': 0, 'flops': 0.0}
 
   logs = lambda step: step % t.log_every == 0 or step == t.steps   # a log row's steps
 
@@ -197,13 +200,14 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, float]:
     the window's steps executed, at their depths)."""
     loss, gnorm = read_step_metrics(step, metrics, mngr.latest_step(), t.max_skips)
     done = time.perf_counter()   # step `step` has finished: the window ends here, not after
-    window['steps'] += 1         # the host's logging (the next step runs meanwhile)
-    window['flops'] += flops_at(depth)
+    tokens = rows_at(step) * t.seq_len   # the host's logging (the next step runs meanwhile)
+    window['tokens'] += tokens
+    window['flops'] += flops_at(depth) * tokens
     if logs(step):
       dt = done - window['t0']
-      tps = window['steps'] * tokens_per_step / dt
+      tps = window['tokens'] / dt
       row = dict(loss=loss, lr=float(schedule(step - 1)), grad_norm=gnorm, tokens_per_sec=tps,
-                 **{mfu_ref.name: window['flops'] * tokens_per_step / dt / mfu_ref.flops},
+                 **{mfu_ref.name: window['flops'] / dt / mfu_ref.flops},
                  **flops_at.row(depth),
                  **{k: float(v) for k, v in metrics.items()
                     if k.startswith(('routing_', 'exit_loss_', 'moe_', 'distill_', 'watch/',
@@ -214,7 +218,7 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, float]:
       last.update(row)
       if bar is not None:
         bar.set_postfix(loss=f'{loss:.3f}', tok_s=f'{tps:,.0f}')
-      window.update(t0=done, steps=0, flops=0.0)
+      window.update(t0=done, tokens=0, flops=0.0)
 
   # The host runs one step ahead: it dispatches step n+1, then reads step n's metrics, so the
   # device always has the next step queued. A step whose state is used (checkpoint, eval, the
@@ -226,9 +230,11 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, float]:
     while step < t.steps:
       depth = sampled_depth.sample_depth(mcfg, t.seed, step) if flops_at.depths else 0
       fn = c.watch_fn if c.watch_fn is not None and logs(step + 1) else step_fn
+      rows = rows_at(step + 1)
+      host_batch = batch_ramp.next_batch(train_iter, rows // chunk)
       with profiler.step(step + 1):
-        state, metrics = dispatch(fn, state, next(train_iter), batch_sharding,
-                                  batch_shape, mesh, rules, *[depth] * c.sampled,
+        state, metrics = dispatch(fn, state, host_batch, batch_sharding,
+                                  (rows,) + batch_shape[1:], mesh, rules, *[depth] * c.sampled,
                                   teacher_vars=tea_vars)
       if step == start:
         _status(bar, 'train')

@@ -39,7 +39,7 @@ STATE_FREE = ('train.steps', 'train.log_every', 'train.eval_every', 'train.eval_
 # shape of its saved state.
 DATA_STREAM = ('data.source', 'data.path', 'data.bin_dtype', 'data.seed', 'data.num_workers',
                'data.segment_mask', 'train.seed',
-               'train.batch_size', 'train.seq_len')
+               'train.batch_size', 'train.seq_len', 'train.batch_ramp')
 # Sections of config.json that are the config (the rest is derived: shapes, counts, tables).
 SECTIONS = ('model', 'train', 'data', 'transforms', 'parametrization', 'mesh', 'dry_run')
 

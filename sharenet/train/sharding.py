@@ -20,6 +20,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from sharenet.errors import ConfigError
+from sharenet.train import batch_ramp
 
 MESH_AXES = ('data', 'fsdp', 'tensor', 'expert')
 DISTRIBUTED_ENV = 'SHARENET_DISTRIBUTED'
@@ -135,8 +136,11 @@ def validate(run: Any, num_devices: int) -> None:
                         f'valid: mesh.expert among the divisors '
                         f'{[d for d in range(1, e + 1) if e % d == 0]}')
   t = run.train
+  ramp = batch_ramp.parse(t.batch_ramp, t.batch_size, t.steps)
   for name, rows in (('train.batch_size / train.grad_accum', t.batch_size // t.grad_accum),
-                     ('train.eval_batch_size', t.eval_batch_size)):
+                     ('train.eval_batch_size', t.eval_batch_size),
+                     *((f'train.batch_ramp batch {b} / train.grad_accum', b / t.grad_accum)
+                       for b in (ramp.batches() if ramp else ()))):
     if rows % n:
       raise ConfigError(f'{name}={rows} is not divisible by the {n} batch shards (mesh axes '
                         f'{batch_axes}); valid: a multiple of {n}')
