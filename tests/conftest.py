@@ -89,6 +89,24 @@ def kill_after_checkpoint(cmd, env, workdir, step):
   assert os.path.isdir(ckpt), f'the run never wrote its step-{step} checkpoint'
 
 
+def resume_matches_uninterrupted(tmp_path, flags, step, last):
+  """Runs tiny train.py with `flags` to the end in one workdir, and in another kills it (-9)
+  once its checkpoint `step` exists and reruns it; asserts the rerun resumed there and logged
+  the uninterrupted run's losses for steps step+1..last, bit for bit."""
+  import subprocess
+  env = make_subprocess_env()
+  ref, killed = str(tmp_path / 'ref'), str(tmp_path / 'killed')
+  subprocess.run(make_train_cmd(ref, *flags), env=env, check=True, capture_output=True)
+  kill_after_checkpoint(make_train_cmd(killed, *flags), env, killed, step)
+  out = subprocess.run(make_train_cmd(killed, *flags), env=env, check=True,
+                       capture_output=True, text=True)
+  assert f'resumed from checkpoint at step {step}' in out.stdout
+  want, got = read_losses(ref), read_losses(killed)
+  assert [got[s] for s in range(step + 1, last + 1)] == [want[s]
+                                                           for s in range(step + 1, last + 1)]
+  return ref, killed
+
+
 def rel_err(a, b):
   """max |a - b| / max |b|, on the host: op by op, jnp would compile each leaf's shape."""
   import numpy as np

@@ -1,13 +1,12 @@
 """train.ema (sharenet/optim/ema.py): the weights' moving average in the optimizer state."""
 import json
 import os
-import subprocess
 
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import kill_after_checkpoint
+from conftest import resume_matches_uninterrupted
 
 from sharenet.errors import ConfigError
 from sharenet.optim import ema, guard
@@ -36,19 +35,14 @@ def test_the_average_restates_in_numpy_and_skipped_steps_leave_it():
 
 @pytest.mark.slow
 def test_train_evaluates_the_average_and_eval_py_reads_it_after_an_exact_resume(
-    tmp_path, tiny_config, losses, train_cmd, subprocess_env):
+    tmp_path, tiny_config):
   """train.py with train.ema: each evaluation adds ema/eval_loss; killed with -9 after its
   step-6 checkpoint the run resumes to the uninterrupted run's losses and averages; eval.py
   --ema evaluates the saved average (equal to the run's last ema/eval_loss), and a run without
   an average is one line."""
-  flags = ['--config.train.steps=12', '--config.train.checkpoint_every=6',
-           '--config.train.log_every=1', '--config.train.ema=0.8']
-  ref, killed = str(tmp_path / 'ref'), str(tmp_path / 'killed')
-  subprocess.run(train_cmd(ref, *flags), env=subprocess_env, check=True, capture_output=True)
-  kill_after_checkpoint(train_cmd(killed, *flags), subprocess_env, killed, 6)
-  subprocess.run(train_cmd(killed, *flags), env=subprocess_env, check=True, capture_output=True)
-  want, got = losses(ref), losses(killed)
-  assert [got[s] for s in range(7, 13)] == [want[s] for s in range(7, 13)]
+  ref, killed = resume_matches_uninterrupted(tmp_path, [
+      '--config.train.steps=12', '--config.train.checkpoint_every=6',
+      '--config.train.log_every=1', '--config.train.ema=0.8'], 6, 12)
   from sharenet.train.metrics import read_metrics
   last = lambda w: [r for r in read_metrics(w) if 'ema/eval_loss' in r][-1]
   assert last(killed)['ema/eval_loss'] == last(ref)['ema/eval_loss']

@@ -1,12 +1,10 @@
 """The bad-step guard (sharenet/optim/guard.py): train.skip_nonfinite and train.spike_factor."""
-import subprocess
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import kill_after_checkpoint
+from conftest import resume_matches_uninterrupted
 
 from sharenet.errors import ConfigError
 from sharenet.optim import chain, guard
@@ -70,18 +68,10 @@ def test_bad_guard_settings_are_one_line(tmp_path, tiny_config, overrides, match
 
 
 @pytest.mark.slow
-def test_kill_and_resume_is_exact_with_the_guard_on(tmp_path, losses, train_cmd,
-                                                    subprocess_env):
+def test_kill_and_resume_is_exact_with_the_guard_on(tmp_path):
   """train.py with the guard on (its window of norms in the optimizer state) killed with -9
   after its step-6 checkpoint resumes to the uninterrupted run's losses."""
-  flags = ['--config.train.steps=12', '--config.train.checkpoint_every=6',
-           '--config.train.log_every=1', '--config.train.skip_nonfinite=True',
-           '--config.train.spike_factor=1.5', '--config.train.spike_window=3']
-  ref, killed = str(tmp_path / 'ref'), str(tmp_path / 'killed')
-  subprocess.run(train_cmd(ref, *flags), env=subprocess_env, check=True, capture_output=True)
-  kill_after_checkpoint(train_cmd(killed, *flags), subprocess_env, killed, 6)
-  out = subprocess.run(train_cmd(killed, *flags), env=subprocess_env, check=True,
-                       capture_output=True, text=True)
-  assert 'resumed from checkpoint at step 6' in out.stdout
-  want, got = losses(ref), losses(killed)
-  assert [got[s] for s in range(7, 13)] == [want[s] for s in range(7, 13)]
+  resume_matches_uninterrupted(tmp_path, [
+      '--config.train.steps=12', '--config.train.checkpoint_every=6',
+      '--config.train.log_every=1', '--config.train.skip_nonfinite=True',
+      '--config.train.spike_factor=1.5', '--config.train.spike_window=3'], 6, 12)

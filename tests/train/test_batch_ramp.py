@@ -1,9 +1,7 @@
 """train.batch_ramp (sharenet/train/batch_ramp.py): smaller batches first, one compile per size."""
-import subprocess
-
 import numpy as np
 import pytest
-from conftest import kill_after_checkpoint
+from conftest import resume_matches_uninterrupted
 
 from sharenet.errors import ConfigError
 from sharenet.train import batch_ramp
@@ -58,17 +56,10 @@ def test_bad_ramps_are_one_line(tmp_path, tiny_config, spec, match):
 
 
 @pytest.mark.slow
-def test_kill_and_resume_inside_the_ramp_is_exact(tmp_path, losses, train_cmd, subprocess_env):
+def test_kill_and_resume_inside_the_ramp_is_exact(tmp_path):
   """train.py with a ramp, killed with -9 after its step-4 checkpoint (inside the ramp), resumes
   to the uninterrupted run's losses."""
-  flags = ['--config.train.steps=10', '--config.train.checkpoint_every=4',
-           '--config.train.log_every=1', '--config.train.batch_size=8',
-           '--config.train.batch_ramp=2:3,4:6']
-  ref, killed = str(tmp_path / 'ref'), str(tmp_path / 'killed')
-  subprocess.run(train_cmd(ref, *flags), env=subprocess_env, check=True, capture_output=True)
-  kill_after_checkpoint(train_cmd(killed, *flags), subprocess_env, killed, 4)
-  out = subprocess.run(train_cmd(killed, *flags), env=subprocess_env, check=True,
-                       capture_output=True, text=True)
-  assert 'resumed from checkpoint at step 4' in out.stdout
-  want, got = losses(ref), losses(killed)
-  assert [got[s] for s in range(5, 11)] == [want[s] for s in range(5, 11)]
+  resume_matches_uninterrupted(tmp_path, [
+      '--config.train.steps=10', '--config.train.checkpoint_every=4',
+      '--config.train.log_every=1', '--config.train.batch_size=8',
+      '--config.train.batch_ramp=2:3,4:6'], 4, 10)
