@@ -6,7 +6,8 @@
     rewrite so)
 
 Each table is written by the same function its study uses when it runs (depth_report,
-moe_report, norm_study, recursion_study, nap_study, rank_study, coord_check, lr_sweep, and
+moe_report, norm_study, recursion_study, nap_study, rank_study, distill_study, coord_check,
+lr_sweep, and
 benchmarks/summarize_runs for the sharing configs), so a table is never edited by hand: the
 README and the pages link to these files instead of copying their numbers.
 tests/end_to_end/test_docs.py checks that the committed tables equal what this writes.
@@ -87,6 +88,8 @@ TABLES: dict[str, tuple[str, Callable[[str], str]]] = {
                                            _fn('recursion_study')),
     'nap/nap_study.md': ('nap/nap_study.json', _nap),
     'rank_study/rank_study.md': ('rank_study/rank_study.json', _fn('rank_study')),
+    'distill_study/distill_study.md': ('distill_study/distill_study.json',
+                                       _fn('distill_study')),
     **{f'mup/{d}coord_check.md': (f'mup/{d}coord_check.json', _fn('coord_check'))
        for d in ('', 'depth/coord_check/', 'lora/', 'lora/a_zero/', 'lora/lr_0.04/', 'umup/',
                  'umup/lr0.125/', 'zero_init/', 'muon/coord_check/', 'muon/coord_check/lr_0.125/',
