@@ -1,5 +1,6 @@
 """What a run shows while it runs (sharenet/train/loop.py, profile.py): the progress bar's labels
 between steps, and a profiler trace of chosen steps."""
+import pytest
 
 
 def test_the_bar_names_compiling_evaluating_saving_and_the_end(tmp_path, tiny_config, capfd):
@@ -33,7 +34,6 @@ def test_profile_steps_write_a_trace_naming_the_train_step(tmp_path, tiny_config
 
 
 def test_bad_profile_ranges_are_one_line(tmp_path, tiny_config):
-  import pytest
   from sharenet.errors import ConfigError
   from sharenet.train import loop
   for spec, match in (('3:9', 'outside the run; valid: START:END with 1 <= START <= END <= '
@@ -43,3 +43,17 @@ def test_bad_profile_ranges_are_one_line(tmp_path, tiny_config):
       loop.train_and_evaluate(tiny_config(**{'train.steps': 5, 'train.profile.steps': spec}),
                               str(tmp_path / 'run'))
     assert '\n' not in str(e.value) and not (tmp_path / 'run').exists()
+
+
+@pytest.mark.slow
+def test_kill_and_resume_is_exact_while_watching_logging_and_profiling(tmp_path, monkeypatch):
+  """train.watch, the W&B logger (offline) and a profiler trace change no state: a run with all
+  three on, killed with -9 after its step-4 checkpoint, resumes to the uninterrupted losses."""
+  pytest.importorskip('wandb')
+  from conftest import resume_matches_uninterrupted
+  monkeypatch.setenv('WANDB_MODE', 'offline')
+  monkeypatch.setenv('WANDB_SILENT', 'true')
+  resume_matches_uninterrupted(tmp_path, [
+      '--config.train.steps=8', '--config.train.checkpoint_every=4',
+      '--config.train.log_every=1', '--config.train.watch=True',
+      '--config.train.loggers=jsonl,tensorboard,wandb', '--config.train.profile.steps=2:3'], 4, 8)
