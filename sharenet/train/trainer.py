@@ -298,7 +298,8 @@ def train_step(state: TrainState, batch_BT1: jax.Array, depth: Any = None,
   metrics = {'loss': loss, 'grad_norm': optax.global_norm(grads), **aux,
              **guard.metrics(opt_state)}   # train.skip_nonfinite / spike_factor
   if watch:
-    metrics = {**watch_lib.pop_intermediates(metrics, model.cfg.num_layers),
+    metrics = {**watch_lib.pop_intermediates(metrics, model.cfg.num_layers,
+                                             model.cfg.routing.kind != 'none'),
                **watch_lib.stats(lm.param_table(model.cfg), state.params, params, grads)}
   if routing.BALANCE in tstate:   # loss-free balancing: after the update, from this step's exits
     balance = routing.update_balance(model.cfg, tstate[routing.BALANCE], metrics)

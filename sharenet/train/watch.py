@@ -17,7 +17,8 @@ ROLE is the parameter role of the role table (reader, writer, norm_in, lora, ...
 follow the model's structure whatever the module names. A looped segment's layers are its
 applied layers in order (config.json's plan_index maps each to its stored set and loop), so a
 set's use that dominates its gradient shows as the residual of that loop's layers growing.
-Per-use gradients of a shared set (one row per use) are not computed.
+Per-use gradients of a shared set (one row per use) are not computed, and a routed model
+(Mixture-of-Recursions) has no residual rows (its recursions see token subsets).
 """
 from __future__ import annotations
 
@@ -88,7 +89,10 @@ def residual(intermediates: Any, num_layers: int) -> dict[str, jax.Array]:
   return {f'{PREFIX}residual_rms/layer{l}': layers[l] for l in range(num_layers)}
 
 
-def pop_intermediates(metrics: dict[str, Any], num_layers: int) -> dict[str, Any]:
-  """The step's metrics with the sown collection replaced by its residual rows."""
+def pop_intermediates(metrics: dict[str, Any], num_layers: int, routed: bool = False
+                      ) -> dict[str, Any]:
+  """The step's metrics with the sown collection replaced by its residual rows (none for a
+  routed model: its recursions see token subsets, so no stream is every layer's)."""
   metrics = dict(metrics)
-  return {**metrics, **residual(metrics.pop(INTERMEDIATES), num_layers)}
+  sown = metrics.pop(INTERMEDIATES)
+  return metrics if routed else {**metrics, **residual(sown, num_layers)}

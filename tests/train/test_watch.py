@@ -102,6 +102,20 @@ def test_watch_rows_appear_at_log_steps_only(tmp_path, tiny_config):
   assert wo in new
 
 
+def test_a_routed_model_is_watched_without_residual_rows(tiny_config):
+  """Mixture-of-Recursions: the parameter rows, and no residual rows (no stream is every
+  layer's); traced only."""
+  config = tiny_config(**{'model.routing.kind': 'expert_choice', 'model.sharing.scheme': 'cycle',
+                          'model.sharing.num_unique': 1, 'model.num_layers': 3})
+  exp = trainer.setup(config, experiment.validate(config))
+  state = jax.eval_shape(lambda: trainer.init_state(exp.model, exp.tx, jax.random.key(0),
+                                                    tr=exp.tr, pz=exp.pz))
+  _, m = jax.eval_shape(trainer.make_train_step(exp, watch=True), state,
+                        jax.ShapeDtypeStruct((2, 17), 'int32'))
+  assert any(k.startswith('watch/grad_rms/') for k in m)
+  assert not any(k.startswith('watch/residual_rms/') for k in m)
+
+
 def test_watch_refuses_what_has_no_fixed_layers(tmp_path, tiny_config):
   from sharenet.train import loop
   with pytest.raises(ConfigError, match='train.watch names its rows by applied layer') as e:
