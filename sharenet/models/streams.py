@@ -52,7 +52,9 @@ def apply(model: DecoderLM, variables: Any, tokens_BT: jax.Array,
           segment_ids_BT: jax.Array | None = None, mutable: Sequence[str] = ()
           ) -> tuple[jax.Array, jax.Array, Any]:
   """(logits (B, T, V), streams (L, B, T, D), the sown `mutable` collections) of `model` with
-  `variables` on `tokens_BT`: the stream after each of the cfg.num_layers applied layers."""
+  `variables` on `tokens_BT`: the stream after each of the cfg.num_layers applied layers. With
+  'intermediates' in `mutable` its collection also holds the blocks' captured outputs (under
+  '__call__'), beside what they sowed."""
   cfg = model.cfg
   ucfg, uvars = layout.to_untied(variables, cfg)
   inputs = (tokens_BT,) if segment_ids_BT is None else (tokens_BT, segment_ids_BT)
@@ -60,7 +62,7 @@ def apply(model: DecoderLM, variables: Any, tokens_BT: jax.Array,
       uvars, *inputs, capture_intermediates=_is_block_call,
       mutable=[INTERMEDIATES] + [m for m in mutable if m != INTERMEDIATES])
   state = dict(state)
-  captured = state.pop(INTERMEDIATES)
+  captured = state[INTERMEDIATES] if INTERMEDIATES in mutable else state.pop(INTERMEDIATES)
   streams = [s.x_BTD for s in jax.tree.leaves(captured, is_leaf=lambda x: isinstance(x, Stream))
              if isinstance(s, Stream)]
   if len(streams) != 1:

@@ -116,6 +116,22 @@ def test_a_routed_model_is_watched_without_residual_rows(tiny_config):
   assert not any(k.startswith('watch/residual_rms/') for k in m)
 
 
+def test_watch_composes_with_hidden_state_distillation(tiny_config):
+  """A watched step of a student matched to its teacher's streams (both read through the untied
+  view, sharenet/models/streams.py) keeps the residual rows beside distill_hidden; traced only."""
+  from sharenet.models import init_variables
+  from sharenet.train import distill
+  config = tiny_config()
+  exp = trainer.setup(config, experiment.validate(config))
+  state = jax.eval_shape(lambda: trainer.init_state(exp.model, exp.tx, jax.random.key(0),
+                                                    tr=exp.tr, pz=exp.pz))
+  teacher_vars = jax.eval_shape(lambda: init_variables(exp.model, jax.random.key(0)))
+  teacher = distill.Distill(exp.model, 1.0, 0.5, ((1, 1),), 1.0, True)
+  _, m = jax.eval_shape(trainer.make_train_step(exp, teacher=teacher, watch=True), state,
+                        jax.ShapeDtypeStruct((2, 17), 'int32'), teacher_vars)
+  assert {'distill_hidden', 'watch/residual_rms/layer0', 'watch/residual_rms/layer1'} <= set(m)
+
+
 def test_watch_refuses_what_has_no_fixed_layers(tmp_path, tiny_config):
   from sharenet.train import loop
   with pytest.raises(ConfigError, match='train.watch names its rows by applied layer') as e:
