@@ -41,7 +41,7 @@ def check_options(opts: Any) -> None:
   """One ConfigError line for a conversion the options alone rule out."""
   if opts.to not in CONVERSIONS:
     raise ConfigError(f'config.to={opts.to!r} is unknown; valid: {", ".join(CONVERSIONS)}')
-  if opts.to == 'recursive' and opts.init not in ('replace', 'extend') and opts.num_unique < 1:
+  if opts.to == 'recursive' and opts.init in recursive.SET_COUNT_INITS and opts.num_unique < 1:
     raise ConfigError(f'config.to=recursive needs config.num_unique >= 1, got '
                       f'{opts.num_unique}')
 

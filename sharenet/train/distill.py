@@ -100,11 +100,7 @@ def mix(nll_BT: jax.Array, kd_BT: jax.Array, weight: float,
         w_BT: jax.Array | None = None) -> tuple[jax.Array, dict[str, Any]]:
   """(1 - weight) * mean CE + weight * mean KD, and both means as step metrics; with a loss
   mask `w_BT`, means over the positions it counts."""
-  if w_BT is None:
-    ce, kd = jnp.mean(nll_BT), jnp.mean(kd_BT)
-  else:
-    n = jnp.maximum(jnp.sum(w_BT), 1.0)
-    ce, kd = jnp.sum(nll_BT * w_BT) / n, jnp.sum(kd_BT * w_BT) / n
+  ce, kd = token_mean(nll_BT, w_BT), token_mean(kd_BT, w_BT)
   return (1.0 - weight) * ce + weight * kd, {'distill_ce': ce, 'distill_kd': kd}
 
 

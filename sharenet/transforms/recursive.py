@@ -44,6 +44,7 @@ from sharenet.transforms import block_select, similarity
 
 INITS = ('stepwise', 'average', 'lower', 'similar', 'replace', 'extend')
 PATTERN_INITS = ('similar', 'replace', 'extend')   # scheme=explicit: a chosen pattern
+SET_COUNT_INITS = tuple(i for i in INITS if i not in ('replace', 'extend'))   # read num_unique
 RECURSIVE_SCHEMES = ('universal', 'cycle', 'sequence', 'middle_cycle', 'middle_sequence',
                      'explicit')
 
