@@ -28,20 +28,29 @@ from sharenet.models.lm import DecoderLM
 from sharenet.models.sections import STATS_NORMS
 
 
+def missing(cfg: ModelConfig, what: str) -> str | None:
+  """Why `cfg` has no untied view of its applied layers (one line naming `what` needs it), or
+  None when it has one."""
+  if cfg.routing.kind != 'none':
+    return (f'{what} reads the stream after each applied layer, which a routed model '
+            f'(model.routing.kind={cfg.routing.kind}) does not have for every token; valid: a '
+            f'model without routing')
+  if cfg.recurrent_segment is not None:
+    return (f'{what} reads the stream after each applied layer, which a model of sampled '
+            f'recurrent depth (model.recurrence) does not fix; valid: a model without '
+            f'model.recurrence')
+  if cfg.norm.kind in STATS_NORMS:
+    return (f'{what} reads the stream after each applied layer through the untied view, which '
+            f'does not carry model.norm.kind={cfg.norm.kind}\'s running statistics; valid: a '
+            f'norm without statistics (rmsnorm, layernorm, ...)')
+  return None
+
+
 def check(cfg: ModelConfig, what: str) -> None:
   """One ConfigError line if `cfg` has no untied view of its applied layers."""
-  if cfg.routing.kind != 'none':
-    raise ConfigError(f'{what} reads the stream after each applied layer, which a routed model '
-                      f'(model.routing.kind={cfg.routing.kind}) does not have for every token; '
-                      f'valid: a model without routing')
-  if cfg.recurrent_segment is not None:
-    raise ConfigError(f'{what} reads the stream after each applied layer, which a model of '
-                      f'sampled recurrent depth (model.recurrence) does not fix; valid: a model '
-                      f'without model.recurrence')
-  if cfg.norm.kind in STATS_NORMS:
-    raise ConfigError(f'{what} reads the stream after each applied layer through the untied '
-                      f'view, which does not carry model.norm.kind={cfg.norm.kind}\'s running '
-                      f'statistics; valid: a norm without statistics (rmsnorm, layernorm, ...)')
+  reason = missing(cfg, what)
+  if reason is not None:
+    raise ConfigError(reason)
 
 
 def _is_block_call(module: Any, method: str) -> bool:

@@ -1,8 +1,8 @@
 """Plots a run's train.watch rows: python -m sharenet.studies.watch_plot --workdir DIR [--out PNG]
 
 One panel per kind (the residual stream's RMS after each applied layer; the parameters', the
-gradients' and the updates' RMS; the update-to-parameter ratio), one line per applied layer or
-per role and stored set, against the step (sharenet/train/watch.py names the rows). Writes
+gradients' and the updates' RMS; the update-to-parameter ratio; for shared sets, each use's
+gradient RMS and share of its set's gradient), one line per applied layer or per role and set, against the step (sharenet/train/watch.py names the rows). Writes
 DIR/watch.png unless --out names another file, and prints its path.
 """
 from __future__ import annotations
@@ -17,7 +17,8 @@ from sharenet.errors import ConfigError
 from sharenet.train import watch
 from sharenet.train.metrics import read_metrics
 
-KINDS = ('residual_rms', 'param_rms', 'grad_rms', 'update_rms', 'update_ratio')
+KINDS = ('residual_rms', 'param_rms', 'grad_rms', 'update_rms', 'update_ratio', 'use_grad_rms',
+         'use_grad_share')
 
 
 def series(rows: list[dict[str, Any]]) -> dict[str, dict[str, tuple[list[int], list[float]]]]:
@@ -53,7 +54,7 @@ def plot(workdir: str, out: str | None = None) -> str:
     for g in groups:
       steps, values = data[kind][g]
       ax.plot(steps, values, label=g, lw=1)
-    ax.set_yscale('log')
+    ax.set_yscale('linear' if kind == 'use_grad_share' else 'log')   # shares can be < 0
     ax.set_xlabel('step')
     ax.set_title(kind)
     if len(groups) <= 12:

@@ -301,6 +301,13 @@ def train_step(state: TrainState, batch_BT1: jax.Array, depth: Any = None,
     metrics = {**watch_lib.pop_intermediates(metrics, model.cfg.num_layers,
                                              model.cfg.routing.kind != 'none'),
                **watch_lib.stats(lm.param_table(model.cfg), state.params, params, grads)}
+    if watch_lib.reads_uses(model.cfg, loops is not None and bool(loops.exits)):
+      first = batch_BT1 if grad_accum == 1 else jax.tree.map(lambda x: x[0], micro)
+      untied_loss = lambda m, u: _loss(u, {}, first, model=m, tr=None, pz=None, mutable=(),
+                                       loops=None, step=state.step, teacher=teacher,
+                                       teacher_vars=teacher_vars)[0]
+      metrics.update(watch_lib.uses(model.cfg, effective(state.params, tstate, tr, pz),
+                                    untied_loss))
   if routing.BALANCE in tstate:   # loss-free balancing: after the update, from this step's exits
     balance = routing.update_balance(model.cfg, tstate[routing.BALANCE], metrics)
     tstate = {**tstate, routing.BALANCE: balance}

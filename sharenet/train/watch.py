@@ -12,24 +12,41 @@ one, at those steps; every other step runs the plain program) the row gains, wit
                                  final norm); transform parameters under their collection's name
   watch/residual_rms/layerL      the RMS of the residual stream after applied layer L (of the
                                  step's forward pass, before the update)
+  watch/use_grad_rms/ROLE/layerL   for a stored set applied more than once: the RMS of the
+                                 loss's gradient with respect to the weights applied layer L
+                                 uses (that use's part of the set's gradient)
+  watch/use_grad_share/ROLE/layerL <g_L, G> / |G|^2, G the sum of the set's uses' g: the part
+                                 of the set's gradient this use contributes along it (a set's
+                                 shares sum to 1; one use near 1 and the others near 0 is a set
+                                 whose updates one use dominates, negative shares are uses that
+                                 pull against the rest)
 
 ROLE is the parameter role of the role table (reader, writer, norm_in, lora, ...), so the rows
 follow the model's structure whatever the module names. A looped segment's layers are its
-applied layers in order (config.json's plan_index maps each to its stored set and loop), so a
-set's use that dominates its gradient shows as the residual of that loop's layers growing.
-Per-use gradients of a shared set (one row per use) are not computed, and a routed model
-(Mixture-of-Recursions) has no residual rows (its recursions see token subsets).
+applied layers in order (config.json's plan_index maps each to its stored set and loop).
+
+The per-use rows come from one more backward pass of the watched step, through the model's
+untied view (sharenet/models/streams.py: each applied layer's weights gathered from its set, the
+effective weights after transforms and forward multipliers), whose gradient with respect to
+layer L's copy is that use's gradient; the step's update is the plain step's. They read the
+step's whole batch (its first micro-batch under train.grad_accum) and its loss without the
+terms that need the plan's own loops (train.exit_loss: then no per-use rows). A model without an
+untied view (Mixture-of-Recursions, recurrent depth, statistics norms) has no per-use rows, and a
+routed model (Mixture-of-Recursions) no residual rows (its recursions see token subsets).
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax.traverse_util import flatten_dict
 
+from sharenet.models import layout, param_table, streams
+from sharenet.models.config import ModelConfig
 from sharenet.models.layers import INTERMEDIATES, WATCH_SUFFIX
+from sharenet.models.lm import DecoderLM
 from sharenet.models.params import ParamInfo
 
 PREFIX = 'watch/'
@@ -96,3 +113,49 @@ def pop_intermediates(metrics: dict[str, Any], num_layers: int, routed: bool = F
   metrics = dict(metrics)
   sown = metrics.pop(INTERMEDIATES)
   return metrics if routed else {**metrics, **residual(sown, num_layers)}
+
+
+def shared_layers(cfg: ModelConfig) -> list[int]:
+  """The applied layers whose stored set is applied more than once (the per-use rows' layers)."""
+  index = list(cfg.plan.index)
+  return [l for l, u in enumerate(index) if index.count(u) > 1]
+
+
+def reads_uses(cfg: ModelConfig, exits: bool = False) -> bool:
+  """Whether the watched step computes per-use rows: a set applied more than once, an untied
+  view (streams.check) and no exit losses (`exits`)."""
+  return not exits and bool(shared_layers(cfg)) and streams.missing(cfg, 'train.watch') is None
+
+
+def uses(cfg: ModelConfig, variables: Any,
+         loss_of: Callable[[DecoderLM, Any], jax.Array]) -> dict[str, jax.Array]:
+  """The per-use rows: `loss_of(model, variables)` is the step's loss of a model and its
+  variables; it is differentiated at the untied view of the effective `variables`."""
+  ucfg, untied = layout.to_untied(variables, cfg)
+  grads = jax.grad(lambda u: loss_of(DecoderLM(ucfg), u))(untied)
+  return use_rows(cfg, ucfg, grads)
+
+
+def use_rows(cfg: ModelConfig, ucfg: ModelConfig, grads: Any) -> dict[str, jax.Array]:
+  """use_grad_rms / use_grad_share of the untied view's gradient `grads` (its set i is applied
+  layer i), per role, for the layers of sets applied more than once."""
+  table = param_table(ucfg)
+  by_role: dict[str, list] = {}
+  for path, leaf in flatten_dict(grads['params']).items():
+    info = table[('params',) + path]
+    if info.in_block:
+      x = jnp.asarray(leaf, jnp.float32).reshape((-1,) + leaf.shape[info.num_layer_axes:])
+      order = np.argsort(np.asarray(info.sets))   # entry k is applied layer sets[k]
+      by_role.setdefault(info.role, []).append(x[order].reshape(x.shape[0], -1))
+  index = np.asarray(cfg.plan.index)
+  out = {}
+  for role, parts in by_role.items():
+    g_LN = jnp.concatenate(parts, axis=1)
+    if g_LN.shape[0] != len(index):
+      raise ValueError(f'watch: {g_LN.shape[0]} uses of {role} for {len(index)} layers')
+    for l in shared_layers(cfg):
+      total = jnp.sum(g_LN[np.flatnonzero(index == index[l])], axis=0)
+      out[f'{PREFIX}use_grad_rms/{role}/layer{l}'] = jnp.sqrt(jnp.mean(g_LN[l] ** 2))
+      out[f'{PREFIX}use_grad_share/{role}/layer{l}'] = (
+          jnp.vdot(g_LN[l], total) / jnp.maximum(jnp.vdot(total, total), 1e-30))
+  return out

@@ -70,6 +70,58 @@ def test_the_watched_step_restates_in_numpy(tiny_config):
                                rtol=1e-5)
 
 
+def test_per_use_rows_split_a_shared_sets_gradient(tiny_config):
+  """A cycle of 2 sets over 4 layers (with depth-wise LoRA): the untied view's gradient at each
+  use sums over a set's uses to the plain model's gradient of the set's effective weights, and
+  use_grad_rms / use_grad_share equal their numpy computation from it (shares sum to 1)."""
+  from sharenet.models import DecoderLM
+  from sharenet.train import evaluation
+  config = tiny_config(**CYCLE)
+  exp = trainer.setup(config, experiment.validate(config))
+  cfg = exp.model.cfg
+  state = trainer.init_state(exp.model, exp.tx, jax.random.key(0), tr=exp.tr, pz=exp.pz)
+  batch = jax.random.randint(jax.random.key(1), (4, 17), 0, 256)
+  _, m = jax.jit(trainer.make_train_step(exp, watch=True))(state, batch)
+  variables = trainer.effective(state.params, state.tstate, exp.tr, exp.pz)
+  loss = lambda model, v: evaluation.mean_nll(evaluation.token_nll(model, v, batch)[0], batch)
+  tied = layout.unique_sets(jax.grad(lambda v: loss(exp.model, v))(variables)['params'], cfg)
+  ucfg, untied = layout.to_untied(variables, cfg)
+  per_use = layout.unique_sets(jax.grad(lambda v: loss(DecoderLM(ucfg), v))(untied)['params'],
+                               ucfg)   # untied: set l is applied layer l
+  table = param_table(cfg)
+  writers = sorted({i.local for i in table.values()
+                    if i.in_block and i.role == 'writer' and i.path[0] == 'params'})
+  index = list(cfg.plan.index)
+  assert index == [0, 1, 0, 1]
+  for u in range(2):
+    layers = [l for l in range(4) if index[l] == u]
+    for p in writers:   # the uses' gradients add up to the set's
+      np.testing.assert_allclose(sum(np.asarray(per_use[p][l]) for l in layers), tied[p][u],
+                                 rtol=2e-4, atol=1e-7)
+    g = {l: np.concatenate([np.ravel(per_use[p][l]) for p in writers]) for l in layers}
+    total = sum(g.values())
+    shares = []
+    for l in layers:
+      np.testing.assert_allclose(m[f'watch/use_grad_rms/writer/layer{l}'], _rms(g[l]),
+                                 rtol=1e-4)
+      shares.append(float(m[f'watch/use_grad_share/writer/layer{l}']))
+      np.testing.assert_allclose(shares[-1], g[l] @ total / (total @ total), rtol=1e-4,
+                                 atol=1e-6)
+    assert sum(shares) == pytest.approx(1.0, abs=1e-5)
+  assert not any('use_grad' in k and '/lora/' in k for k in m)   # per-layer parts: no sets
+
+
+def test_an_untied_model_has_no_per_use_rows(tiny_config):
+  config = tiny_config()
+  exp = trainer.setup(config, experiment.validate(config))
+  state = jax.eval_shape(lambda: trainer.init_state(exp.model, exp.tx, jax.random.key(0),
+                                                    tr=exp.tr, pz=exp.pz))
+  _, m = jax.eval_shape(trainer.make_train_step(exp, watch=True), state,
+                        jax.ShapeDtypeStruct((2, 17), 'int32'))
+  assert any(k.startswith('watch/grad_rms/') for k in m)
+  assert not any(k.startswith('watch/use_grad') for k in m)
+
+
 @pytest.mark.slow
 def test_watch_rows_appear_at_log_steps_only(tmp_path, tiny_config):
   """train.py with train.watch: every log row carries the watch rows, their parameter RMS is
@@ -82,6 +134,7 @@ def test_watch_rows_appear_at_log_steps_only(tmp_path, tiny_config):
   rows = [r for r in read_metrics(workdir) if 'loss' in r]
   assert [r['step'] for r in rows] == [2, 4]
   assert all(sum(k.startswith('watch/') for k in r) > 20 for r in rows)
+  assert all('watch/use_grad_share/writer/layer2' in r for r in rows)
   config = workdir_io.load_config(workdir)
   params = {}
   for step in (3, 4):
