@@ -1,6 +1,6 @@
 """Exports a sharenet workdir as a Hugging Face model directory (config.json, model.safetensors).
 
-  python -m sharenet.interop.export_hf --workdir WORKDIR --out DIR
+  python -m sharenet.interop.export_hf --workdir WORKDIR --out DIR [--ema]
 
 The model must be one a Hugging Face architecture expresses (hf_arch.py): Pre-RMSNorm, RoPE
 and SwiGLU (llama; qwen2 with proj_bias=qkv; qwen3 with RMS QK-norm), the same with GeGLU and
@@ -230,8 +230,9 @@ def _recent(read: Callable[[tuple], np.ndarray], size: int) -> Callable[[tuple],
   return get
 
 
-def export_hf(workdir: str, out: str) -> dict[str, Any]:
-  """Writes Hugging Face directory `out` from `workdir`'s latest checkpoint."""
+def export_hf(workdir: str, out: str, ema: bool = False) -> dict[str, Any]:
+  """Writes Hugging Face directory `out` from `workdir`'s latest checkpoint (with `ema`, the
+  moving average of its weights that a run with train.ema keeps)."""
   if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
     raise ConfigError(f'--out {out} exists and is not an empty directory; valid: a new '
                       f'directory')
@@ -240,12 +241,12 @@ def export_hf(workdir: str, out: str) -> dict[str, Any]:
   arch = export_arch(cfg)
   # An untied model whose stored params are the applied ones (no reparameterization) is read
   # one stored parameter at a time; otherwise the effective params are restored whole.
-  streaming = cfg.sharing.scheme == 'untied' and not config.transforms.reparam
+  streaming = cfg.sharing.scheme == 'untied' and not config.transforms.reparam and not ema
   if streaming:
     step, shapes, read = workdir_io.param_reader(config, workdir)
     write = lambda d: write_hf(d, arch, cfg, read=read, shapes=shapes)
   else:
-    state, step, exp = workdir_io.restore_state(config, workdir)
+    state, step, exp = workdir_io.restore_state(config, workdir, ema=ema)
     variables = jax.device_get(trainer.effective_params(state, exp.tr))
     extra = [k for k, v in variables.items() if k != 'params' and flatten_dict(v)]
     if extra:
@@ -266,14 +267,15 @@ def export_hf(workdir: str, out: str) -> dict[str, Any]:
   finally:
     if os.path.isdir(tmp):
       shutil.rmtree(tmp)
-  return {'model_type': arch, 'out': out, 'step': step, 'tensors': count}
+  return {'model_type': arch, 'out': out, 'step': step, 'tensors': count, 'ema': ema}
 
 
 def main(argv: list[str]) -> None:
   del argv
   from absl import flags, logging
   logging.set_verbosity(logging.WARNING)
-  print(json.dumps(export_hf(flags.FLAGS.workdir, flags.FLAGS.out)), flush=True)
+  f = flags.FLAGS
+  print(json.dumps(export_hf(f.workdir, f.out, f.ema)), flush=True)
 
 
 if __name__ == '__main__':
@@ -281,4 +283,5 @@ if __name__ == '__main__':
   flags.DEFINE_string('workdir', None, 'sharenet workdir (train.py, convert.py, import_hf).',
                       required=True)
   flags.DEFINE_string('out', None, 'New Hugging Face model directory.', required=True)
+  flags.DEFINE_bool('ema', False, 'Export the weights\' moving average (a run with train.ema).')
   cli.run(main)

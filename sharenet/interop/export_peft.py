@@ -1,6 +1,7 @@
 """Exports a workdir's LoRA as a Hugging Face PEFT adapter beside its base model.
 
   python -m sharenet.interop.export_peft --workdir WORKDIR --out BASE_DIR --adapter_out ADAPTER_DIR
+      [--ema]
 
 BASE_DIR is the model without its LoRA, as export_hf writes it (a tied plan expanded to its
 applied layers); ADAPTER_DIR holds `adapter_config.json` and `adapter_model.safetensors`, the
@@ -88,9 +89,10 @@ def adapter_config(cfg: ModelConfig, tensors: list[tuple[str, np.ndarray]],
           'rank_pattern': {}, 'alpha_pattern': {}}
 
 
-def export_peft(workdir: str, out: str, adapter_out: str) -> dict[str, Any]:
-  """Writes the base model to `out` and the LoRA to `adapter_out` (module doc); on any error
-  neither is left."""
+def export_peft(workdir: str, out: str, adapter_out: str, ema: bool = False) -> dict[str, Any]:
+  """Writes the base model to `out` and the LoRA to `adapter_out` (module doc; with `ema`, the
+  moving average of the weights that a run with train.ema keeps); on any error neither is
+  left."""
   for d in (out, adapter_out):
     if os.path.exists(d) and (not os.path.isdir(d) or os.listdir(d)):
       raise ConfigError(f'{d} exists and is not an empty directory; valid: a new directory')
@@ -105,7 +107,7 @@ def export_peft(workdir: str, out: str, adapter_out: str) -> dict[str, Any]:
                       'no PEFT form; valid: a workdir whose only per-layer parts are LoRA')
   base_cfg = ModelConfig.from_experiment(_base_config(config))
   arch = export_hf.export_arch(base_cfg)
-  state, step, exp = workdir_io.restore_state(config, workdir)
+  state, step, exp = workdir_io.restore_state(config, workdir, ema=ema)
   variables = jax.device_get(trainer.effective_params(state, exp.tr))
   tensors = adapter_tensors(arch, cfg, variables['per_layer'])
   made = []
@@ -130,7 +132,7 @@ def export_peft(workdir: str, out: str, adapter_out: str) -> dict[str, Any]:
     raise
   return {'model_type': arch, 'out': os.path.abspath(out),
           'adapter_out': os.path.abspath(adapter_out), 'step': step, 'r': s.lora_rank,
-          'adapter_tensors': len(tensors)}
+          'adapter_tensors': len(tensors), 'ema': ema}
 
 
 def main(argv: list[str]) -> None:
@@ -138,7 +140,7 @@ def main(argv: list[str]) -> None:
   from absl import flags, logging
   logging.set_verbosity(logging.WARNING)
   f = flags.FLAGS
-  print(json.dumps(export_peft(f.workdir, f.out, f.adapter_out)), flush=True)
+  print(json.dumps(export_peft(f.workdir, f.out, f.adapter_out, f.ema)), flush=True)
 
 
 if __name__ == '__main__':
@@ -148,4 +150,5 @@ if __name__ == '__main__':
   flags.DEFINE_string('out', None, 'New directory: the base model (Hugging Face).',
                       required=True)
   flags.DEFINE_string('adapter_out', None, 'New directory: the PEFT adapter.', required=True)
+  flags.DEFINE_bool('ema', False, 'Export the weights\' moving average (a run with train.ema).')
   cli.run(main)

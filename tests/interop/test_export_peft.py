@@ -115,3 +115,12 @@ def test_what_peft_cannot_hold_is_one_line(relaxed, tmp_path):
                                          'middle_cycle_lora'), str(tmp_path / 'b'),
                             str(tmp_path / 'a'))
   assert not (tmp_path / 'b').exists() and not (tmp_path / 'a').exists()
+
+
+def test_ema_reads_the_average_or_is_one_line(relaxed, tmp_path):
+  """--ema exports the moving average (train.ema; tests/optim/test_ema.py checks export_hf's
+  tensors are the average's); a workdir without one is one line and leaves nothing."""
+  with pytest.raises(ConfigError, match='keeps no average') as e:
+    export_peft.export_peft(relaxed, str(tmp_path / 'base'), str(tmp_path / 'adapter'), ema=True)
+  assert '\n' not in str(e.value)
+  assert not (tmp_path / 'base').exists() and not (tmp_path / 'adapter').exists()

@@ -59,6 +59,21 @@ def test_train_evaluates_the_average_and_eval_py_reads_it_after_an_exact_resume(
   assert '\n' not in str(e.value)
   assert os.path.isfile(os.path.join(ref, 'eval.json'))
   assert json.load(open(os.path.join(ref, 'eval.json')))['ema'] is True
+  # export_hf --ema writes the average: its embedding is the saved average's, not the weights'
+  from sharenet.interop import export_hf, safetensors_io
+  from sharenet.train import workdir_io
+  config = workdir_io.load_config(ref)
+  embedding = {e: np.asarray(workdir_io.restore_state(config, ref, ema=e).state.params[
+      'params']['embed']['embedding']) for e in (False, True)}
+  for e in (False, True):
+    assert export_hf.export_hf(ref, str(tmp_path / f'hf{e}'), ema=e)['ema'] is e
+    files = safetensors_io.open_model(str(tmp_path / f'hf{e}'))
+    got = files['model.embed_tokens.weight'].read('model.embed_tokens.weight')
+    np.testing.assert_allclose(got, embedding[e], rtol=1e-6)
+  assert np.abs(embedding[True] - embedding[False]).max() > 1e-4
+  with pytest.raises(ConfigError, match='keeps no average') as e:
+    export_hf.export_hf(plain, str(tmp_path / 'hf_plain'), ema=True)
+  assert '\n' not in str(e.value) and not (tmp_path / 'hf_plain').exists()
 
 
 def test_a_bad_decay_is_one_line(tmp_path, tiny_config):
