@@ -47,13 +47,18 @@ def test_bad_profile_ranges_are_one_line(tmp_path, tiny_config):
 
 @pytest.mark.slow
 def test_kill_and_resume_is_exact_while_watching_logging_and_profiling(tmp_path, monkeypatch):
-  """train.watch, the W&B logger (offline) and a profiler trace change no state: a run with all
-  three on, killed with -9 after its step-4 checkpoint, resumes to the uninterrupted losses."""
+  """train.watch (on a cycle: per-use rows too), the W&B logger (offline) and a profiler trace
+  change no state: a run with all three on, killed with -9 after its step-4 checkpoint,
+  resumes to the uninterrupted losses."""
   pytest.importorskip('wandb')
   from conftest import resume_matches_uninterrupted
   monkeypatch.setenv('WANDB_MODE', 'offline')
   monkeypatch.setenv('WANDB_SILENT', 'true')
-  resume_matches_uninterrupted(tmp_path, [
+  ref, _ = resume_matches_uninterrupted(tmp_path, [
       '--config.train.steps=8', '--config.train.checkpoint_every=4',
       '--config.train.log_every=1', '--config.train.watch=True',
+      '--config.model.sharing.scheme=cycle', '--config.model.sharing.num_unique=1',
       '--config.train.loggers=jsonl,tensorboard,wandb', '--config.train.profile.steps=2:3'], 4, 8)
+  from sharenet.train.metrics import read_metrics
+  rows = [r for r in read_metrics(ref) if 'loss' in r]
+  assert len(rows) == 8 and all('watch/use_grad_share/writer/layer1' in r for r in rows)
