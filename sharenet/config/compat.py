@@ -444,6 +444,11 @@ CONVERSIONS = {   # config.to: (implied features, own refusals: (an axis, a feat
                            ('switchhead', 'the merge makes depth-wise LoRA, which SwitchHead '
                                           'refuses (its v and o are experts)')),
     'fold_unified_norm': (('unified_norm', 'untied'), *NORM_FOLDS),
+    # any plan grows (its stacks' axes are not widths); what holds a width-sized axis of its own
+    # (the concat injection's [e; x] input) or width statistics is refused
+    'wider': ((), ('norm_stats', NO_STATS),
+              ('inject_concat', 'the concat injection\'s adapter reads [e; x], an axis of twice '
+                                'the width that the growth does not map')),
 }
 STATS_NORM_FEATURES = ('powernorm', 'unified_norm', 'online_norm')
 
@@ -469,7 +474,9 @@ def _conversions(table: tuple[Feature, ...]) -> tuple[Feature, ...]:
           g.name for g in table if g.axis == key] or [key]
       refuses += [(g, why) for g in group if g not in implied]
     refuses += [('ngpt', NGPT_CONV)]
-    refuses += [(g.name, NON_SP) for g in table if g.axis in ('parametrization', 'loop_rule')]
+    if to != 'wider':   # wider applies the forward multipliers and divides out the new ones
+      refuses += [(g.name, NON_SP) for g in table
+                  if g.axis in ('parametrization', 'loop_rule')]
     if to != 'merge_lora_experts':
       refuses += [('switchhead', UNKNOWN_PARTS), ('lora_experts', UNKNOWN_PARTS)]
     seen, unique = set(), []

@@ -355,7 +355,7 @@ def conversion_config() -> ml_collections.ConfigDict:
   """Options of convert.py (sharenet.main.convert_workdir.convert_workdir)."""
   c = ml_collections.ConfigDict()
   c.to = ''                   # rmsnorm | crmsnorm | recursive | head_shared |
-                              # merge_lora_experts | fold_unified_norm
+                              # merge_lora_experts | fold_unified_norm | wider
   c.scheme = 'cycle'          # recursive: universal | cycle | sequence | middle_cycle |
                               # middle_sequence
   c.num_unique = 0            # recursive: stored sets (middle schemes count first and last), >= 1
@@ -382,6 +382,11 @@ def conversion_config() -> ml_collections.ConfigDict:
   c.untie_norms = False       # recursive: norm gains per applied layer
   c.share_rate = 0.3          # head_shared: fraction of all heads replaced by their best match
                               # in an earlier layer (DirectShare, arXiv:2402.11819)
+  c.d_model = 0               # wider: the new d_model (row-column growth,
+                              # sharenet/transforms/widen.py)
+  c.mlp_dim = 0               # wider: the new mlp_dim; 0 = scaled with d_model
+  c.num_heads = 0             # wider: the new heads; 0 = d_model / the source's head_dim
+  c.seed = 0                  # wider: the draw of the new units beyond whole copies
   c.expert_weights = ''       # merge_lora_experts: comma list of model.moe.lora_experts weights
                               # (one-hot e: exact where every token picks e; docs/experts.md)
   return c

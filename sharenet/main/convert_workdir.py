@@ -16,7 +16,7 @@ from sharenet.models import ModelConfig
 from sharenet.models.norm_stats import NORM_STATS
 from sharenet.train import experiment, trainer
 from sharenet.train.workdir_io import load_config, restore_state, save_workdir
-from sharenet.transforms import convert, head_share, lora_merge, recursive
+from sharenet.transforms import convert, head_share, lora_merge, recursive, widen
 
 
 CONVERSIONS = tuple(compat.CONVERSIONS)   # config.to
@@ -66,6 +66,9 @@ def convert_model(cfg: ModelConfig, variables: Any, opts: Any, norm_stats: Any =
   elif opts.to == 'merge_lora_experts':   # Mixture of LoRAs -> depth-wise LoRA
     new_cfg, new_vars = lora_merge.merge_lora_experts(cfg, variables,
                                                       _expert_weights(opts, cfg))
+  elif opts.to == 'wider':   # row-column growth (sharenet/transforms/widen.py)
+    new_cfg = widen.target(cfg, int(opts.d_model), int(opts.mlp_dim), int(opts.num_heads))
+    new_vars = widen.widen(cfg, variables, new_cfg, int(opts.seed))
   elif opts.to == 'head_shared':
     new_cfg, new_vars, extra['head_sharing'] = head_share.to_head_shared(cfg, variables,
                                                                          opts.share_rate)
@@ -94,7 +97,9 @@ def convert_workdir(workdir: str, out: str, opts: Any) -> dict[str, Any]:
   compat.check_action(f'convert_{opts.to}', config, f'config.to={opts.to}')
   state, step, exp = restore_state(config, workdir)
   cfg = exp.model.cfg
-  variables = jax.device_get(trainer.effective_params(state, exp.tr))   # reparams resolved
+  # reparams resolved; wider also applies the forward multipliers (divided out at the new width)
+  variables = jax.device_get(trainer.effective_params(state, exp.tr,
+                                                      exp.pz if opts.to == 'wider' else None))
   calibration = calibration_tokens(config, opts, cfg.max_len) if (
       opts.to == 'recursive' and recursive.needs_calibration(
           opts.init, recursive.Selection.from_options(opts))) else None
@@ -103,9 +108,45 @@ def convert_workdir(workdir: str, out: str, opts: Any) -> dict[str, Any]:
   raw = config.to_dict()
   raw['model'] = new_cfg.to_config()
   raw['transforms']['reparam'] = ''     # folded into the converted weights
+  if opts.to == 'wider':
+    new_pz = trainer.setup(experiment.sections(raw, new_cfg), new_cfg).pz
+    effective_new = new_vars
+    new_vars = stored_from_effective(new_pz, new_vars)
+    extra['zero_shot'] = zero_shot(exp.model.cfg, variables, new_cfg, effective_new,
+                                   calibration_tokens(config, opts, cfg.max_len))
+    print(f'note: grown to d_model {new_cfg.d_model}: zero-shot loss '
+          f'{extra["zero_shot"]["wider_loss"]:.4f} against the source\'s '
+          f'{extra["zero_shot"]["source_loss"]:.4f} (max |logit difference| '
+          f'{extra["zero_shot"]["max_abs_logit_diff"]:.2e})', flush=True)
   summary = {'converted_from': os.path.abspath(workdir), 'conversion': opts.to, **extra}
   save_workdir(out, raw, new_cfg, new_vars, step, summary)
-  return {'step': step, 'model': raw['model']}
+  return {'step': step, 'model': raw['model'], **extra}
+
+
+def stored_from_effective(pz: Any, variables: Any) -> Any:
+  """The stored parameters whose effective values under `pz` are `variables`: each leaf divided
+  by its forward multiplier (1 under SP)."""
+  if not pz.has_forward:
+    return variables
+  mult = pz.forward(jax.tree.map(np.ones_like, variables))
+  return jax.tree.map(lambda v, m: np.asarray(v) / np.asarray(m), variables, mult)
+
+
+def zero_shot(cfg: ModelConfig, variables: Any, new_cfg: ModelConfig, new_vars: Any,
+              tokens_BT1: np.ndarray) -> dict[str, float]:
+  """Mean next-token loss of the source and the converted model (effective variables) on
+  `tokens_BT1`, and their largest logit difference."""
+  from sharenet.models import DecoderLM
+  from sharenet.train import evaluation
+  batch = jax.numpy.asarray(tokens_BT1)
+  logits, losses = [], []
+  for c, v in ((cfg, variables), (new_cfg, new_vars)):
+    out = jax.jit(DecoderLM(c).apply)(v, batch[:, :-1])
+    nll = evaluation.token_nll(DecoderLM(c), v, batch)[0]
+    logits.append(np.asarray(out, np.float64))
+    losses.append(float(np.mean(np.asarray(nll))))
+  return {'source_loss': losses[0], 'wider_loss': losses[1],
+          'max_abs_logit_diff': float(np.max(np.abs(logits[1] - logits[0])))}
 
 
 def calibration_tokens(config: Any, opts: Any, max_len: int) -> np.ndarray:
@@ -122,9 +163,10 @@ def calibration_tokens(config: Any, opts: Any, max_len: int) -> np.ndarray:
     tok = corpus.for_data(run.data) or tokenizer_lib.ByteTokenizer()
     ids = np.asarray(tok.encode(text), np.int64)
   elif run.data.source == 'bin' and not run.data.path:
-    raise ConfigError(f'config.init={opts.init} (or config.remove_rate) needs a calibration '
-                      f'batch and this workdir names no data (an import); valid: '
-                      f'--config.calibration=TEXT_FILE')
+    what = 'the zero-shot check' if opts.to == 'wider' else f'config.init={opts.init} (or ' \
+        f'config.remove_rate)'
+    raise ConfigError(f'{what} needs a calibration batch and this workdir names no data (an '
+                      f'import); valid: --config.calibration=TEXT_FILE')
   else:
     _, ids = data.load_splits(run.data)
   T = min(run.train.seq_len, max_len)

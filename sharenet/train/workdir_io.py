@@ -141,8 +141,8 @@ def save_workdir(out: str, raw: dict[str, Any], cfg: ModelConfig, variables: Any
   if not optimizer_state and run.train.restore != 'params':
     raise ValueError('a checkpoint without optimizer state needs train.restore=params')
   os.makedirs(out, exist_ok=True)
-  new_tr = Transforms(run.transforms, DecoderLM(cfg))
-  tx = chain.make_optimizer(run.train, new_tr)
+  exp = trainer.setup(run)   # the optimizer train.py builds (its parametrization's multipliers)
+  new_tr, tx = exp.tr, exp.tx
   params, tstate = new_tr.init(variables)
   # A fresh optimizer state whose LR schedule continues at the source's step.
   opt_state = chain.at_step(tx.init(params), step) if optimizer_state else None
