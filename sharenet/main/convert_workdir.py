@@ -108,7 +108,9 @@ def convert_workdir(workdir: str, out: str, opts: Any) -> dict[str, Any]:
   raw = config.to_dict()
   raw['model'] = new_cfg.to_config()
   raw['transforms']['reparam'] = ''     # folded into the converted weights
-  if opts.to == 'wider':
+  if opts.to == 'wider':   # the proxy's widths pinned (widen.target) in the run's group too
+    raw['parametrization'].update(base_d_model=new_cfg.parametrization.base_d_model,
+                                  base_num_heads=new_cfg.parametrization.base_num_heads)
     new_pz = trainer.setup(experiment.sections(raw, new_cfg), new_cfg).pz
     effective_new = new_vars
     new_vars = stored_from_effective(new_pz, new_vars)

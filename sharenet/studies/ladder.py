@@ -118,20 +118,31 @@ def sizes_of(config: Any) -> dict[str, float]:
 
 
 def fit_power(xs: list[float], ys: list[float], grid: int = 400) -> dict[str, float]:
-  """L(x) = E + A x^-alpha by least squares in log(L - E), E on a grid over [0, min L): for
-  each E the log-linear fit is exact least squares; the E of least squared error in log space
-  wins. Needs 3 or more points."""
+  """L(x) = E + A x^-alpha by least squares in log(L - E): for each E the log-linear fit is
+  exact least squares, and E minimises the remaining squared error, first on a grid over
+  [0, min L), then by golden-section search between the grid neighbours of the best point.
+  Needs 3 or more points."""
   x, y = np.log(np.asarray(xs, np.float64)), np.asarray(ys, np.float64)
   if len(x) < 3:
     raise ValueError('a power law with an irreducible term needs 3 or more points')
-  best = None
-  for e in np.linspace(0.0, 0.999 * y.min(), grid):
+
+  def line(e: float) -> tuple[float, float, float]:
     slope, intercept = np.polyfit(x, np.log(y - e), 1)
-    err = float(np.sum((intercept + slope * x - np.log(y - e)) ** 2))
-    if best is None or err < best[0]:
-      best = (err, float(e), float(np.exp(intercept)), float(-slope))
-  _, e, a, alpha = best
-  return {'E': e, 'A': a, 'alpha': alpha}
+    return float(np.sum((intercept + slope * x - np.log(y - e)) ** 2)), intercept, slope
+
+  es = np.linspace(0.0, 0.999 * y.min(), grid)
+  i = int(np.argmin([line(e)[0] for e in es]))
+  lo, hi = es[max(i - 1, 0)], es[min(i + 1, grid - 1)]
+  golden = (np.sqrt(5.0) - 1.0) / 2.0
+  for _ in range(60):
+    a, b = hi - golden * (hi - lo), lo + golden * (hi - lo)
+    if line(a)[0] <= line(b)[0]:
+      hi = b
+    else:
+      lo = a
+  e = (lo + hi) / 2.0
+  _, intercept, slope = line(e)
+  return {'E': float(e), 'A': float(np.exp(intercept)), 'alpha': float(-slope)}
 
 
 def predict(fit: dict[str, float], x: float) -> float:
@@ -163,6 +174,7 @@ def main(config: Any, out: str) -> dict[str, Any]:
   s = config.study
   ps, ws = plans(s), widths(s)
   log2_lrs = lr_sweep._grid(s.log2_lrs)   # noqa: SLF001 - the sweep's own grid syntax
+  configs = {(n, w): rung_config(config, o, w, ws[0]) for n, o in ps.items() for w in ws}
   os.makedirs(out, exist_ok=True)
   cells = os.path.join(out, 'cells')
   val = lr_sweep.val_batch(config, s.val_windows)
@@ -170,7 +182,7 @@ def main(config: Any, out: str) -> dict[str, Any]:
   log = lambda m: print(m, flush=True)
   result: dict[str, Any] = {'widths': ws, 'plans': {}}
   for name, overrides in ps.items():
-    small = rung_config(config, overrides, ws[0], ws[0])
+    small = configs[name, ws[0]]
 
     def sweep(c=small):
       t0 = time.perf_counter()
@@ -184,7 +196,7 @@ def main(config: Any, out: str) -> dict[str, Any]:
     log(f'ladder {name}: LR 2^{swept["fit_log2_lr"]:.2f} from width {ws[0]}')
     rungs = []
     for w in ws:
-      c = rung_config(config, overrides, w, ws[0])
+      c = configs[name, w]
 
       def rung(c=c):
         t0 = time.perf_counter()

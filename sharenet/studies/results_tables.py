@@ -7,7 +7,7 @@
 
 Each table is written by the same function its study uses when it runs (depth_report,
 moe_report, norm_study, recursion_study, nap_study, rank_study, distill_study, coord_check,
-lr_sweep, and
+lr_sweep, width_split, and
 benchmarks/summarize_runs for the sharing configs), so a table is never edited by hand: the
 README and the pages link to these files instead of copying their numbers.
 tests/end_to_end/test_docs.py checks that the committed tables equal what this writes.
@@ -68,6 +68,17 @@ SHIFT_SWEEPS = (('adamw', 'mup/lr_sweep.json'), ('muon', 'mup/muon/lr_sweep.json
                 ('adamw', 'mup/beyond/lr_sweep.json'), ('muon', 'mup/muon/beyond/lr_sweep.json'),
                 ('shampoo', 'mup/shampoo/beyond/lr_sweep.json'))
 
+# The width sweeps split into width-stable and width-sensitive parts (sharenet/studies/width_split.py)
+WIDTH_SWEEPS = (('adamw', 'mup/lr_sweep.json'), ('muon', 'mup/muon/lr_sweep.json'),
+                ('muon (scale=rms)', 'mup/muon/rms/lr_sweep.json'),
+                ('shampoo', 'mup/shampoo/lr_sweep.json'))
+
+
+def _width_split(paths: tuple[tuple[str, str], ...]) -> str:
+  from sharenet.studies import width_split
+  return width_split.sweeps_markdown([(label, _load(path)) for label, path in paths])
+
+
 # configs/depth_study.py's study.depths when the committed rows were measured
 DEPTH_STUDY_DEPTHS = '1,2,3,4,6,8,12'
 
@@ -104,6 +115,7 @@ TABLES: dict[str, tuple[str, Callable[[str], str]]] = {
                                         _fn('coord_check', 'steps_markdown'))
        for d in ('muon/rms/coord_check/lr_0.0625_steps8/', *DELTA_CHECKS)},
     'mup/transfer_shifts.md': (SHIFT_SWEEPS, _shifts),
+    'ladder/width_split.md': (WIDTH_SWEEPS, _width_split),
 }
 
 

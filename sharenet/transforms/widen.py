@@ -32,6 +32,7 @@ forward pass) do not keep the function at the new width: the zero-shot report sa
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax.numpy as jnp
@@ -40,6 +41,7 @@ from flax.traverse_util import flatten_dict, unflatten_dict
 
 from sharenet.errors import ConfigError
 from sharenet.models import param_table
+from sharenet.models import scaling
 from sharenet.models.config import ModelConfig
 from sharenet.models.params import STACK_AXES
 
@@ -73,6 +75,10 @@ def target(cfg: ModelConfig, d_model: int, mlp_dim: int = 0, num_heads: int = 0
   changes: dict[str, Any] = {'d_model': d_model, 'mlp_dim': new_m, 'num_heads': new_h}
   if cfg.num_kv_heads:
     changes['num_kv_heads'] = new_h * k // h
+  # the base (proxy) model is the source's: its widths pinned, not re-derived at the new width
+  base_d, base_h = scaling.base_widths(cfg)
+  changes['parametrization'] = dataclasses.replace(cfg.parametrization, base_d_model=base_d,
+                                                   base_num_heads=base_h)
   return cfg.derive(**changes)
 
 
