@@ -49,6 +49,7 @@ import jax
 import jax.numpy as jnp
 
 from configs import default
+from configs.sizes import presets
 from sharenet import kernels
 from sharenet.train import perf, loop, trainer
 from sharenet.models import ModelConfig, accounting
@@ -60,13 +61,11 @@ _NO_MEMORY = flags.DEFINE_bool('no_memory', False, 'skip the memory dry runs')
 _MEMORY_WORKER = flags.DEFINE_integer('memory_worker', 0, 'internal: dry runs on this many '
                                       'CPU devices, JSON on stdout')
 
-# (name, d_model, applied layers, heads, kv heads, mlp_dim); SwiGLU, byte vocabulary (256), so
-# the Llama shapes lack their 128k-token embeddings.
-SIZES = (('125M', 768, 12, 12, 12, 2048),      # GPT-3 Small's width and depth
-         ('350M', 1024, 24, 16, 16, 2816),     # GPT-3 Medium's
-         ('1B', 2048, 16, 32, 8, 8192),        # Llama 3.2 1B's
-         ('3B', 3072, 28, 24, 8, 8192),        # Llama 3.2 3B's
-         ('8B', 4096, 32, 32, 8, 14336))       # Llama 3 8B's
+# (name, d_model, applied layers, heads, kv heads, mlp_dim): the size presets' shapes
+# (configs/sizes/presets.py: GPT-3 Small's, Medium's and Large's widths and depths, Llama 3.2 1B's
+# and 3B's, Llama 3 8B's); SwiGLU, byte vocabulary (256), so the Llama shapes lack their
+# 128k-token embeddings.
+SIZES = tuple((name.upper(), *shape) for name, shape in presets.SHAPES.items())
 # Shared plans keep the applied depth: 4 stored sets looped depth / 4 times
 # (benchmarks/accelerator.py's cycle); MoR routes those loops by expert choice at the
 # default capacities (R - r) / R.

@@ -7,8 +7,8 @@ the largest rung predicted from the others.
 
 The protocol (Mu-scaling, Yao et al., arXiv:2304.06875: under muP the loss of models at the
 transferred hyperparameters follows a scaling law that predicts larger models without a search
-at their size; the frontier of shared against untied models as Mixture-of-Recursions draws it,
-arXiv:2507.10524, Figure 3):
+at their size; the frontier of shared against untied models as Mixture-of-Recursions,
+arXiv:2507.10524, draws it from a ladder of 135M-1.7B models):
 
 1. per plan of `study.plans`, an LR sweep (`study.log2_lrs`, `study.sweep_seeds` seeds) at the
    smallest width of `study.widths` for that rung's budget: its optimum (the quadratic vertex of

@@ -14,7 +14,8 @@ scale, under the config's parametrization (muP: one LR for every width):
 3. for each width x seed of `study.seeds` (train.seed: data order): the grown workdir trained
    `study.steps` more steps with a fresh optimizer (`grown`), and the wider model trained
    `study.steps` steps from its init (`scratch`, init seed = the seed), at the same LR, schedule
-   and data.
+   and data; and per seed the source itself trained the same `study.steps` more steps at its
+   own width (`continued`: what growing buys over not growing).
 
 Every model is evaluated on the same validation tokens (`study.eval_tokens`, 0 = all). Writes
 OUT/widen_study.json and OUT/widen_study.md (mean +- sd over seeds; `python -m
@@ -70,7 +71,8 @@ def _run_overrides(study: Any, steps: int, seed: int) -> dict[str, Any]:
 
 
 def _grown(source: str, workdir: str, study: Any, seed: int) -> dict[str, Any]:
-  """The grown `source` copied to `workdir` and trained study.steps more steps."""
+  """The grown `source` (or the source itself: `continued`) copied to `workdir` and trained
+  study.steps more steps."""
   if os.path.isdir(workdir):
     shutil.rmtree(workdir)   # an interrupted cell starts over (its row was never kept)
   shutil.copytree(source, workdir)
@@ -128,6 +130,14 @@ def main(config: Any, out: str) -> int:
                             'source': common.cached_cell(cells, 'source', source_inputs,
                                                          train_source),
                             'grown': {}, 'rows': []}
+  result['continued'] = []
+  for seed in seeds:
+    workdir = os.path.join(out, 'runs', f'continued-seed{seed}')
+    cell = {'source': source_inputs, 'method': 'continued', 'seed': seed, 'steps': s.steps,
+            'eval_tokens': s.eval_tokens}
+    row = common.cached_cell(cells, f'continued-seed{seed}', cell,
+                             lambda: _grown(source, workdir, s, seed))
+    result['continued'].append({'seed': seed, **row})
   for w in widths:
     dst = os.path.join(out, 'grown', f'd{w}')
     opts = defaults.conversion_config()
@@ -170,8 +180,11 @@ def to_markdown(result: dict[str, Any]) -> str:
   """Per width: the grown model's zero-shot loss, each method's eval loss after the same steps
   (mean ± sd over seeds) and grown minus scratch."""
   s, src = result['study'], result['source']
+  continued = [r['eval_loss'] for r in result.get('continued', [])]
   lines = [f"Source: d_model {result['d_model']} after {s['source_steps']} steps, eval loss "
-           f"{src['eval_loss']:.4f} ({src['params_unique']:,} params). Each width: the source "
+           f"{src['eval_loss']:.4f} ({src['params_unique']:,} params); trained {s['steps']} "
+           f"more steps at its own width: "
+           f"{_mean_sd(continued) if continued else '-'} (continued). Each width: the source "
            f"grown by the row-column draw (convert.py --config.to=wider) then trained "
            f"{s['steps']} steps with a fresh optimizer (grown), against the same model trained "
            f"{s['steps']} steps from its init (scratch); seeds {s['seeds']}.", '',
