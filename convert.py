@@ -1,9 +1,11 @@
 """Converts a run: python convert.py --workdir SRC --out DST --config.to=rmsnorm|crmsnorm|recursive|
-head_shared|merge_lora_experts|fold_unified_norm [--config.a.b=v]; the options and their defaults: sharenet/config/defaults.py conversion_config.
+head_shared|merge_lora_experts|fold_unified_norm|wider [--config.a.b=v]; the options and their
+defaults: sharenet/config/defaults.py conversion_config.
 
 DST gets config.json and a checkpoint (fresh optimizer state and data iterator) that eval.py
 reads and train.py continues (--config configs/workdir.py:DST); the conversions are in
-sharenet/transforms/convert.py (merge_lora_experts: sharenet/transforms/lora_merge.py).
+sharenet/transforms/ (convert.py: the norms; recursive.py, head_share.py, lora_merge.py;
+widen.py: --config.to=wider --config.d_model=N, a trained model grown wider).
 """
 from absl import flags, logging
 

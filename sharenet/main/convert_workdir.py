@@ -12,9 +12,9 @@ from sharenet import data
 from sharenet.data import corpus, tokenizer as tokenizer_lib
 from sharenet.errors import ConfigError
 from sharenet.config import compat
-from sharenet.models import ModelConfig
+from sharenet.models import DecoderLM, ModelConfig
 from sharenet.models.norm_stats import NORM_STATS
-from sharenet.train import experiment, trainer
+from sharenet.train import evaluation, experiment, trainer
 from sharenet.train.workdir_io import load_config, restore_state, save_workdir
 from sharenet.transforms import convert, head_share, lora_merge, recursive, widen
 
@@ -138,8 +138,6 @@ def zero_shot(cfg: ModelConfig, variables: Any, new_cfg: ModelConfig, new_vars: 
               tokens_BT1: np.ndarray) -> dict[str, float]:
   """Mean next-token loss of the source and the converted model (effective variables) on
   `tokens_BT1`, and their largest logit difference."""
-  from sharenet.models import DecoderLM
-  from sharenet.train import evaluation
   batch = jax.numpy.asarray(tokens_BT1)
   logits, losses = [], []
   for c, v in ((cfg, variables), (new_cfg, new_vars)):

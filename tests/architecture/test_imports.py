@@ -24,6 +24,8 @@ IN_FUNCTION_ALLOWED = {
         'results_tables --check renders tables from JSON without importing jax',
     ('sharenet.studies.results_tables', 'sharenet.studies.nap_study'):
         'results_tables --check renders tables from JSON without importing jax',
+    ('sharenet.studies.results_tables', 'sharenet.studies.width_split'):
+        'results_tables --check renders tables from JSON without importing jax',
 }
 
 
