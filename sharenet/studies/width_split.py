@@ -56,7 +56,7 @@ def split(variant: dict[str, Any], xs: list[int]) -> dict[str, Any]:
   widths = []
   for i, x in enumerate(xs):
     own = variant['cells'][str(x)]['fit_log2_lr']
-    widths.append({'width': x, 'level': float(level[i]), 'optimum_log2_lr': own,
+    widths.append({'width': x, 'mean_loss': float(level[i]), 'optimum_log2_lr': own,
                    'offset_log2': own - opt['fit_log2_lr'],
                    'suboptimality': float(L[i, at_stable] - L[i].min()),
                    'residual_rms': float(np.sqrt(np.mean(rest[i] ** 2)))})
@@ -87,7 +87,7 @@ def to_markdown(sweep: dict[str, Any]) -> str:
           'stable optimum | residual RMS |', '|---|---|---|---|---|---|']
   for v, s in splits.items():
     for w in s['widths']:
-      out.append(f"| {v} | {w['width']} | {w['level']:.3f} | {w['offset_log2']:+.2f} | "
+      out.append(f"| {v} | {w['width']} | {w['mean_loss']:.3f} | {w['offset_log2']:+.2f} | "
                  f"{w['suboptimality']:.3f} | {w['residual_rms']:.3f} |")
   return '\n'.join(out) + '\n'
 
