@@ -7,7 +7,7 @@
 
 Each table is written by the same function its study uses when it runs (depth_report,
 moe_report, norm_study, recursion_study, nap_study, rank_study, distill_study, coord_check,
-lr_sweep, width_split, widen_study, and
+lr_sweep, ladder, width_split, widen_study, and
 benchmarks/summarize_runs for the sharing configs), so a table is never edited by hand: the
 README and the pages link to these files instead of copying their numbers.
 tests/end_to_end/test_docs.py checks that the committed tables equal what this writes.
@@ -102,6 +102,7 @@ TABLES: dict[str, tuple[str, Callable[[str], str]]] = {
     'distill_study/distill_study.md': ('distill_study/distill_study.json',
                                        _fn('distill_study')),
     'widen_study/widen_study.md': ('widen_study/widen_study.json', _fn('widen_study')),
+    'ladder/ladder.md': ('ladder/ladder.json', _fn('ladder')),
     **{f'mup/{d}coord_check.md': (f'mup/{d}coord_check.json', _fn('coord_check'))
        for d in ('', 'depth/coord_check/', 'lora/', 'lora/a_zero/', 'lora/lr_0.04/', 'umup/',
                  'umup/lr0.125/', 'zero_init/', 'muon/coord_check/', 'muon/coord_check/lr_0.125/',
