@@ -11,12 +11,15 @@ import sys
 import time
 from typing import Any, Callable
 
+import statistics
+
 import numpy as np
 
 from sharenet import data
 from sharenet.config import cli
 from sharenet.errors import ConfigError
 from sharenet.models import ModelConfig, param_table
+from sharenet.main import eval_workdir
 from sharenet.train import experiment, workdir_io
 
 
@@ -233,3 +236,28 @@ def run_cli(main: Callable[[Any, str], Any], default_out: str,
     return status if isinstance(status, int) else 0
 
   cli.run(run)
+
+
+def mean_sd(xs: list[float], fmt: str = '.4f', sep: str = '±') -> str:
+  """'mean SEP sd' of `xs` in format `fmt` (the mean alone for one value)."""
+  m = statistics.mean(xs)
+  return f'{m:{fmt}} {sep} {statistics.stdev(xs):{fmt}}' if len(xs) > 1 else f'{m:{fmt}}'
+
+
+def evaluated(workdir: str, eval_tokens: int) -> dict[str, float]:
+  """eval.py's eval loss and bits per byte of `workdir` on `eval_tokens` validation tokens (0:
+  all)."""
+  ev = eval_workdir.evaluate_workdir(workdir, overrides={'data.eval_tokens': int(eval_tokens)})
+  return {'eval_loss': ev['eval_loss'], 'eval_bits_per_byte': ev['eval_bits_per_byte']}
+
+
+def write_result(out: str, name: str, result: dict[str, Any],
+                 table: Callable[[dict[str, Any]], str]) -> None:
+  """OUT/<name>.json and OUT/<name>.md (= `table(result)`, which results_tables regenerates
+  from the JSON); prints the table."""
+  os.makedirs(out, exist_ok=True)
+  with open(os.path.join(out, f'{name}.json'), 'w') as f:
+    json.dump(result, f, indent=1)
+  with open(os.path.join(out, f'{name}.md'), 'w') as f:
+    f.write(table(result))
+  print(table(result), flush=True)

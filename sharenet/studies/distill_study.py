@@ -30,13 +30,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import statistics
 import time
 from typing import Any
 
 from sharenet.config import defaults
 from sharenet.errors import ConfigError
-from sharenet.main import convert_workdir, eval_workdir
+from sharenet.main import convert_workdir
 from sharenet.studies import common
 from sharenet.train import experiment, loop, workdir_io
 
@@ -50,11 +49,6 @@ def conversion(study: Any, rank: int) -> Any:
   opts.init, opts.lora_targets, opts.untie_norms = study.init, study.lora_targets, True
   opts.lora_rank, opts.lora_init = int(rank), 'svd' if rank else 'zero'
   return opts
-
-
-def _evaluate(workdir: str, eval_tokens: int) -> dict[str, float]:
-  ev = eval_workdir.evaluate_workdir(workdir, overrides={'data.eval_tokens': int(eval_tokens)})
-  return {'eval_loss': ev['eval_loss'], 'eval_bits_per_byte': ev['eval_bits_per_byte']}
 
 
 def check(config: Any) -> tuple[list[int], list[int]]:
@@ -94,7 +88,7 @@ def _uptrain(source: str, workdir: str, study: Any, method: str, seed: int,
     overrides.update({'train.teacher.workdir': teacher,
                       'train.teacher.weight': float(study.kd_weight),
                       'train.teacher.temperature': float(study.temperature)})
-  res = common.completed(loop.train_and_evaluate(common.with_overrides(config, overrides),
+  res = common.completed(loop.train_andcommon.evaluated(common.with_overrides(config, overrides),
                                                  workdir), workdir)
   return {'eval_loss': res['eval_loss'], 'eval_bits_per_byte': res['eval_bits_per_byte']}
 
@@ -113,7 +107,7 @@ def main(config: Any, out: str) -> int:
                                          'train.checkpoint_every': int(s.teacher_steps),
                                          'train.progress': False, 'train.eval_every': 0,
                                          'data.eval_tokens': int(s.eval_tokens)})
-    res = common.completed(loop.train_and_evaluate(cfg, teacher), teacher)
+    res = common.completed(loop.train_andcommon.evaluated(cfg, teacher), teacher)
     return {'eval_loss': res['eval_loss'], 'eval_bits_per_byte': res['eval_bits_per_byte']}
 
   teacher_inputs = {'config': base, 'steps': s.teacher_steps, 'eval_tokens': s.eval_tokens}
@@ -129,7 +123,7 @@ def main(config: Any, out: str) -> int:
       if os.path.isdir(dst):
         shutil.rmtree(dst)
       convert_workdir.convert_workdir(teacher, dst, opts)
-      return {**_evaluate(dst, s.eval_tokens), 'params_unique': common.stored_params(dst)}
+      return {**common.evaluated(dst, s.eval_tokens), 'params_unique': common.stored_params(dst)}
 
     inputs = {'teacher': teacher_inputs, 'conversion': opts.to_dict()}
     result['converted'][str(r)] = common.cached_cell(cells, f'convert-rank{r}', inputs, convert)
@@ -145,17 +139,8 @@ def main(config: Any, out: str) -> int:
         result['rows'].append({'rank': r, 'method': method, 'seed': seed, **row})
         print(json.dumps(result['rows'][-1]), flush=True)
   result['runtime_s'] = round(time.time() - t0, 1)
-  os.makedirs(out, exist_ok=True)
-  with open(os.path.join(out, 'distill_study.json'), 'w') as f:
-    json.dump(result, f, indent=1)
-  with open(os.path.join(out, 'distill_study.md'), 'w') as f:
-    f.write(to_markdown(result))
-  print(to_markdown(result))
+  common.write_result(out, 'distill_study', result, to_markdown)
   return 0
-
-
-def _mean_sd(xs: list[float]) -> str:
-  return f'{statistics.mean(xs):.4f}' + (f' ± {statistics.stdev(xs):.4f}' if len(xs) > 1 else '')
 
 
 def to_markdown(result: dict[str, Any]) -> str:
@@ -175,8 +160,8 @@ def to_markdown(result: dict[str, Any]) -> str:
     by = {m: [row['eval_loss'] for row in result['rows']
               if str(row['rank']) == r and row['method'] == m] for m in METHODS}
     closed = {m: [(cl - x) / (cl - tl) for x in xs] for m, xs in by.items()}
-    lines.append(f"| {r} | {conv['params_unique']:,} | {cl:.4f} | {_mean_sd(by['ce'])} | "
-                 f"{_mean_sd(by['kd'])} | {_mean_sd(closed['ce'])} | {_mean_sd(closed['kd'])} |")
+    lines.append(f"| {r} | {conv['params_unique']:,} | {cl:.4f} | {common.mean_sd(by['ce'])} | "
+                 f"{common.mean_sd(by['kd'])} | {common.mean_sd(closed['ce'])} | {common.mean_sd(closed['kd'])} |")
   return '\n'.join(lines) + '\n'
 
 

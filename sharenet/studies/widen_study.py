@@ -34,7 +34,7 @@ from typing import Any
 
 from sharenet.config import defaults
 from sharenet.errors import ConfigError
-from sharenet.main import convert_workdir, eval_workdir
+from sharenet.main import convert_workdir
 from sharenet.studies import common
 from sharenet.train import experiment, loop, workdir_io
 
@@ -59,11 +59,6 @@ def check(config: Any) -> tuple[list[int], list[int]]:
   return widths, seeds
 
 
-def _evaluate(workdir: str, eval_tokens: int) -> dict[str, float]:
-  ev = eval_workdir.evaluate_workdir(workdir, overrides={'data.eval_tokens': int(eval_tokens)})
-  return {'eval_loss': ev['eval_loss'], 'eval_bits_per_byte': ev['eval_bits_per_byte']}
-
-
 def _run_overrides(study: Any, steps: int, seed: int) -> dict[str, Any]:
   return {'train.steps': int(steps), 'train.seed': int(seed),
           'train.checkpoint_every': int(steps), 'train.progress': False,
@@ -85,7 +80,7 @@ def _grown(source: str, workdir: str, study: Any, seed: int) -> dict[str, Any]:
                'train.decay_fraction': float(t.decay_fraction) * study.steps /
                (base + study.steps),
                'train.restore': 'params'}   # the seed's own data stream, a fresh optimizer
-  res = common.completed(loop.train_and_evaluate(common.with_overrides(config, overrides),
+  res = common.completed(loop.train_andcommon.evaluated(common.with_overrides(config, overrides),
                                                  workdir), workdir)
   return {'eval_loss': res['eval_loss'], 'eval_bits_per_byte': res['eval_bits_per_byte']}
 
@@ -106,7 +101,7 @@ def _scratch(config: Any, workdir: str, study: Any, width: int, seed: int) -> di
                                          grown.parametrization.base_d_model,
                                      'parametrization.base_num_heads':
                                          grown.parametrization.base_num_heads})
-  res = common.completed(loop.train_and_evaluate(c, workdir), workdir)
+  res = common.completed(loop.train_andcommon.evaluated(c, workdir), workdir)
   return {'eval_loss': res['eval_loss'], 'eval_bits_per_byte': res['eval_bits_per_byte']}
 
 
@@ -121,7 +116,7 @@ def main(config: Any, out: str) -> int:
 
   def train_source():
     c = common.with_overrides(config, _run_overrides(s, s.source_steps, config.train.seed))
-    res = common.completed(loop.train_and_evaluate(c, source), source)
+    res = common.completed(loop.train_andcommon.evaluated(c, source), source)
     return {'eval_loss': res['eval_loss'], 'eval_bits_per_byte': res['eval_bits_per_byte'],
             'params_unique': common.stored_params(source)}
 
@@ -147,7 +142,7 @@ def main(config: Any, out: str) -> int:
       if os.path.isdir(dst):
         shutil.rmtree(dst)
       info = convert_workdir.convert_workdir(source, dst, opts)
-      return {**_evaluate(dst, s.eval_tokens), 'params_unique': common.stored_params(dst),
+      return {**common.evaluated(dst, s.eval_tokens), 'params_unique': common.stored_params(dst),
               'zero_shot': info['zero_shot']}
 
     inputs = {'source': source_inputs, 'conversion': opts.to_dict()}
@@ -163,17 +158,8 @@ def main(config: Any, out: str) -> int:
         result['rows'].append({'width': w, 'method': method, 'seed': seed, **row})
         print(json.dumps(result['rows'][-1]), flush=True)
   result['runtime_s'] = round(time.time() - t0, 1)
-  os.makedirs(out, exist_ok=True)
-  with open(os.path.join(out, 'widen_study.json'), 'w') as f:
-    json.dump(result, f, indent=1)
-  with open(os.path.join(out, 'widen_study.md'), 'w') as f:
-    f.write(to_markdown(result))
-  print(to_markdown(result))
+  common.write_result(out, 'widen_study', result, to_markdown)
   return 0
-
-
-def _mean_sd(xs: list[float]) -> str:
-  return f'{statistics.mean(xs):.4f}' + (f' ± {statistics.stdev(xs):.4f}' if len(xs) > 1 else '')
 
 
 def to_markdown(result: dict[str, Any]) -> str:
@@ -184,7 +170,7 @@ def to_markdown(result: dict[str, Any]) -> str:
   lines = [f"Source: d_model {result['d_model']} after {s['source_steps']} steps, eval loss "
            f"{src['eval_loss']:.4f} ({src['params_unique']:,} params); trained {s['steps']} "
            f"more steps at its own width: "
-           f"{_mean_sd(continued) if continued else '-'} (continued). Each width: the source "
+           f"{common.mean_sd(continued) if continued else '-'} (continued). Each width: the source "
            f"grown by the row-column draw (convert.py --config.to=wider) then trained "
            f"{s['steps']} steps with a fresh optimizer (grown), against the same model trained "
            f"{s['steps']} steps from its init (scratch); seeds {s['seeds']}.", '',
@@ -195,8 +181,8 @@ def to_markdown(result: dict[str, Any]) -> str:
               r['method'] == m] for m in METHODS}
     diff = statistics.mean(by['grown']) - statistics.mean(by['scratch'])
     lines.append(f"| {w} | {g['params_unique']:,} | {g['eval_loss']:.4f} | "
-                 f"{g['zero_shot']['max_abs_logit_diff']:.1e} | {_mean_sd(by['grown'])} | "
-                 f"{_mean_sd(by['scratch'])} | {diff:+.4f} |")
+                 f"{g['zero_shot']['max_abs_logit_diff']:.1e} | {common.mean_sd(by['grown'])} | "
+                 f"{common.mean_sd(by['scratch'])} | {diff:+.4f} |")
   return '\n'.join(lines) + '\n'
 
 

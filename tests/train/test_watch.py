@@ -20,6 +20,16 @@ def _rms(x):
   return np.sqrt(np.mean(x * x))
 
 
+def _traced_watch_metrics(config):
+  """The metrics of `config`'s watched step from init, evaluated abstractly."""
+  exp = trainer.setup(config, experiment.validate(config))
+  state = jax.eval_shape(lambda: trainer.init_state(exp.model, exp.tx, jax.random.key(0),
+                                                    tr=exp.tr, pz=exp.pz))
+  _, m = jax.eval_shape(trainer.make_train_step(exp, watch=True), state,
+                        jax.ShapeDtypeStruct((2, 17), 'int32'))
+  return m
+
+
 def test_the_watched_step_restates_in_numpy(tiny_config):
   """One watched step of a cycle with depth-wise LoRA: each kind of row (param, grad, update,
   ratio per stored set; per applied layer for LoRA; outside the blocks; the residual stream
@@ -113,11 +123,7 @@ def test_per_use_rows_split_a_shared_sets_gradient(tiny_config):
 
 def test_an_untied_model_has_no_per_use_rows(tiny_config):
   config = tiny_config()
-  exp = trainer.setup(config, experiment.validate(config))
-  state = jax.eval_shape(lambda: trainer.init_state(exp.model, exp.tx, jax.random.key(0),
-                                                    tr=exp.tr, pz=exp.pz))
-  _, m = jax.eval_shape(trainer.make_train_step(exp, watch=True), state,
-                        jax.ShapeDtypeStruct((2, 17), 'int32'))
+  m = _traced_watch_metrics(config)
   assert any(k.startswith('watch/grad_rms/') for k in m)
   assert not any(k.startswith('watch/use_grad') for k in m)
 
@@ -160,11 +166,7 @@ def test_a_routed_model_is_watched_without_residual_rows(tiny_config):
   layer's); traced only."""
   config = tiny_config(**{'model.routing.kind': 'expert_choice', 'model.sharing.scheme': 'cycle',
                           'model.sharing.num_unique': 1, 'model.num_layers': 3})
-  exp = trainer.setup(config, experiment.validate(config))
-  state = jax.eval_shape(lambda: trainer.init_state(exp.model, exp.tx, jax.random.key(0),
-                                                    tr=exp.tr, pz=exp.pz))
-  _, m = jax.eval_shape(trainer.make_train_step(exp, watch=True), state,
-                        jax.ShapeDtypeStruct((2, 17), 'int32'))
+  m = _traced_watch_metrics(config)
   assert any(k.startswith('watch/grad_rms/') for k in m)
   assert not any(k.startswith('watch/residual_rms/') for k in m)
 
