@@ -174,14 +174,26 @@ def _features() -> tuple[Feature, ...]:
   moe_refuses = (('expert_choice', MOE_ROUTED), ('token_choice', MOE_ROUTED),
                  ('umup', MOE_UMUP), ('nap', MOE_NAP), ('exit_all', MOE_EXITS),
                  ('geglu', MOE_MLP), ('selu', MOE_MLP))
-  # The dispatch features come first: a config holding one holds a kind too, and a refused
-  # pair's line names the first feature of the table that refuses it.
+  per_layer = 'model.scan_layers=False reuses one module per set: no per-layer parts'
+  no_mlp = 'the LoRA experts adapt the dense feed-forward, which model.moe.kind replaces'
+  # model.moe.router_per_layer: the experts' selector a per-layer part (the shared-expert
+  # Conformer, arXiv:2209.08326); it refuses what experts and per-layer parts refuse.
+  router = [Feature(
+      'moe_router_per_layer', 'moe_router',
+      ((mo + 'router_per_layer', True), (mo + 'kind', 'sigma_moe'), (mo + 'num_experts', 4),
+       (mo + 'top_k', 2)),
+      lambda c: _get(c, mo + 'kind') != 'none' and bool(_get(c, mo + 'router_per_layer')),
+      moe_refuses + (('python_loop', per_layer), ('poisson_lognormal', PER_LOOP_PARTS),
+                     ('lora_experts', no_mlp)))]
+  # The router and dispatch features come first: a config holding one holds a kind too, and a
+  # refused pair's line names the first feature of the table that refuses it.
   experts = [Feature(f'moe_{d}', 'moe_dispatch',
                      ((mo + 'dispatch', d), (mo + 'kind', 'sigma_moe'), (mo + 'num_experts', 4),
                       (mo + 'top_k', 2)),
                      lambda c, d=d: _get(c, mo + 'kind') != 'none' and
                      _get(c, mo + 'dispatch') == d, moe_refuses)
              for d in ('ragged_dot', 'reference')]
+  experts = router + experts
   experts += [
       _setting('sigma_moe', 'moe', mo + 'kind', 'sigma_moe', (mo + 'num_experts', 4),
                (mo + 'top_k', 2), refuses=moe_refuses),
@@ -195,10 +207,8 @@ def _features() -> tuple[Feature, ...]:
       refuses=tuple((m, SWITCH_V) for m in ('kv_shared', 'qk_shared', 'qkv_shared')) + (
           ('lora', SWITCH_LORA), ('masa', SWITCH_LORA), ('umup', MOE_UMUP),
           ('proj_bias_qkv', SWITCH_BIAS), ('proj_bias_all', SWITCH_BIAS))))
-  per_layer = 'model.scan_layers=False reuses one module per set: no per-layer parts'
   # model.moe.lora_experts (models/lora_experts.py): routed LoRA experts on the feed-forward;
   # on the 'lora' axis (it sets lora_rank), refusing what depth-wise LoRA or experts refuse.
-  no_mlp = 'the LoRA experts adapt the dense feed-forward, which model.moe.kind replaces'
   experts.append(Feature(
       'lora_experts', 'lora', ((mo + 'lora_experts', 2), (s + 'lora_rank', 2),
                                (s + 'lora_targets', 'mlp_in,mlp_out')),
@@ -411,6 +421,7 @@ NGPT_CONV = ('its projection would re-normalise the converted matrices, so the c
 NON_SP = 'the forward multipliers would be folded into the weights and then applied again'
 NO_STATS = 'it does not carry the running statistics (they would restart at their init)'
 UNKNOWN_PARTS = 'it does not know SwitchHead\'s or the LoRA experts\' parameters'
+PER_LAYER_ROUTERS = 'it does not carry per-layer expert selectors (model.moe.router_per_layer)'
 NORM_PRE = 'the equivalence uses that only norms read the stream (norm placement pre)'
 TIED_READERS = 'folding a norm into tied readers would untie them'
 WHOLE_HEADS = ('it copies whole heads (their q, k, v and o slices): plain kernels, as many kv '
@@ -479,6 +490,8 @@ def _conversions(table: tuple[Feature, ...]) -> tuple[Feature, ...]:
                   if g.axis in ('parametrization', 'loop_rule')]
     if to != 'merge_lora_experts':
       refuses += [('switchhead', UNKNOWN_PARTS), ('lora_experts', UNKNOWN_PARTS)]
+    if to != 'wider':   # the growth reads the role table; the others place parts by name
+      refuses += [('moe_router_per_layer', PER_LAYER_ROUTERS)]
     seen, unique = set(), []
     for r in refuses:   # the first reason of a pair stays
       if r[0] not in seen and r[0] not in implied:

@@ -141,6 +141,8 @@ def default_config() -> ml_collections.ConfigDict:
   mo.top_k = 0                # experts each token runs; 0 -> the kind's: switch 1, sigma_moe 2
   mo.expert_dim = 0           # hidden width of one expert; 0 -> mlp_dim // top_k (the executed
                               # hidden width of a dense MLP)
+  mo.router_per_layer = False # the experts' selector per applied layer (the experts stay tied
+                              # with their set), as the shared-expert Conformer (arXiv:2209.08326)
   mo.entropy_reg = 0.01       # sigma_moe: coefficient of the selection entropy regularizer
                               # (MoEUT's gamma); 0 = off (never added to eval_loss)
   mo.balance_loss = 0.01      # switch: coefficient of the load-balancing loss E sum_i f_i P_i

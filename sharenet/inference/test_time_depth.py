@@ -47,7 +47,8 @@ def looped_shape(cfg: Any, what: str, action: str = 'test_time_depth') -> loops.
 def has_per_layer_parts(cfg: Any, shape: loops.Looped) -> bool:
   """Whether the looped segment holds per-applied-layer parts (depth-wise LoRA, untied norms)."""
   seg_cfg = cfg.segment_cfg(cfg.plan.segments[shape.segment])
-  return bool(seg_cfg.sharing.lora_rank or cfg.sharing.untie_norms)
+  return bool(seg_cfg.sharing.lora_rank or cfg.sharing.untie_norms or
+              cfg.moe.router_per_layer)
 
 
 def check_depth(cfg: Any, n: Any, what: str = '--depth') -> loops.Looped:

@@ -90,10 +90,10 @@ def resolve_recurrence(c: Any, plan: sharing.SharingPlan,
        'routing.kind=none'),
       (umup_residual, 'the u-muP residual rule counts applied layers, which the depth changes; '
        'valid: another parametrization.kind'),
-      ((c.sharing.lora_rank or c.sharing.untie_norms) and
-       (rc.depth != 'fixed' or mean != R), f'per-layer parts (lora_rank, untie_norms) exist for '
-       f'the plan\'s {R} loops only; valid: depth=fixed with mean 0 or {R}, or lora_rank=0 and '
-       f'untie_norms=False'),
+      ((c.sharing.lora_rank or c.sharing.untie_norms or c.moe.router_per_layer) and
+       (rc.depth != 'fixed' or mean != R), f'per-layer parts (lora_rank, untie_norms, '
+       f'moe.router_per_layer) exist for the plan\'s {R} loops only; valid: depth=fixed with '
+       f'mean 0 or {R}, or none of them'),
       (rc.backprop > mean, f'backprop={rc.backprop} loops with gradient exceed the mean depth '
        f'{mean:g}; valid: 0 (every loop, fixed depth) or 1..{int(mean)}')):
     if bad:

@@ -300,9 +300,10 @@ def _run_schedule(layer: Layer, seg: Segment, sets: Any, per_layer: Any, carry: 
   if n < 1 or (not dynamic and p < 0):
     raise ConfigError(f'loop schedule: loops={n}, no_grad={p}; valid: loops >= 1, no_grad >= 0')
   if per_layer is not None and (dynamic or p + n > R):
-    raise ConfigError(f'per-layer parts (depth-wise LoRA, untied norms) exist for the plan\'s '
-                      f'{R} loops only; got {p} + {n}; valid: a static no_grad + loops <= {R}, '
-                      f'or lora_rank=0 and untie_norms=False')
+    raise ConfigError(f'per-layer parts (depth-wise LoRA, untied norms, per-layer routers) '
+                      f'exist for the plan\'s {R} loops only; got {p} + {n}; valid: a static '
+                      f'no_grad + loops <= {R}, or lora_rank=0, untie_norms=False and '
+                      f'moe.router_per_layer=False')
   loop = one_loop(layer, sets, shared, unroll=unroll, split_transpose=split_transpose,
                   inject=inject)
   per_loop = None if per_layer is None else _regroup(per_layer, (R, K))

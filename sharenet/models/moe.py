@@ -19,7 +19,11 @@ model.moe.balance_loss. Its experts are the model's MLP (model.mlp: swiglu or ge
 The experts are parameters of the block: stored with its set and tied where the block is tied,
 as (experts, in, out) stacks whose leading 'experts' axis is a stack axis (params.STACK_AXES):
 each expert's matrices are reader / writer kernels of their own fan-in, the selector a 'router'
-(muP output weight), and the 'experts' axis shards over mesh.expert.
+(muP output weight), and the 'experts' axis shards over mesh.expert. With
+model.moe.router_per_layer the selector is a per-layer part instead (the PER_LAYER collection,
+one per applied layer, like untied norm gains): a tied set's experts are shared by its uses and
+each use routes with its own selector, as the shared-expert Conformer (Bai et al., arXiv:2209.08326:
+"the MoE routers and normalization individually" per block of a shared group).
 
 Dispatch (model.moe.dispatch): the N k (token, expert) pairs are sorted by expert, the sorted
 rows multiplied by their expert's matrices as one grouped matmul, and the products scattered
@@ -41,7 +45,7 @@ from sharenet import kernels as kernel_lib
 from sharenet.models.config import ModelConfig
 from sharenet.models.layers import sow_l1
 from sharenet.models.mlp import BRANCH, swiglu
-from sharenet.models.params import param
+from sharenet.models.params import PER_LAYER, param
 
 MOE = 'moe'       # sown collection: the forward pass's summed weighted aux loss (models/lm.py)
 BLOCK_ROWS = 64   # rows of one reference block (the padding per expert is below one block)
@@ -142,11 +146,11 @@ class MoeFfn(nn.Module):
   """x (B, T, D) -> (feed-forward output (B, T, D), weighted aux loss of this application)."""
   cfg: ModelConfig
 
-  def _kernel(self, name, shape, axes, role, std):
+  def _kernel(self, name, shape, axes, role, std, collection='params'):
     c = self.cfg
     return param(self, name, (c.moe.num_experts,) + shape, ('experts',) + axes, role, std=std,
                  dtype=jnp.dtype(c.param_dtype), num_in=1, branch=BRANCH,
-                 writes=role == 'writer')
+                 writes=role == 'writer', collection=collection)
 
   @nn.compact
   def __call__(self, x_BTD: jax.Array, select_BTD: jax.Array | None = None
@@ -160,7 +164,8 @@ class MoeFfn(nn.Module):
     dt = jnp.dtype(c.dtype)
     sigma = mo.kind == 'sigma_moe'
     # the selector: one row per expert (E, D), a muP output weight like the recursion routers
-    w_sel = self._kernel('router_kernel', (D,), ('embed',), 'router', D ** -0.5)
+    w_sel = self._kernel('router_kernel', (D,), ('embed',), 'router', D ** -0.5,
+                         PER_LAYER if mo.router_per_layer else 'params')
     sel_BTD = x_BTD if select_BTD is None else select_BTD
     logits_BTE = jnp.einsum('btd,ed->bte', sel_BTD.astype(dt), w_sel.astype(dt))
     logits_NE = logits_BTE.reshape(B * T, E)

@@ -286,6 +286,7 @@ class MoeConfig:
   num_experts: int = key('moe.num_experts')
   top_k: int = key('moe.top_k')
   expert_dim: int = key('moe.expert_dim')
+  router_per_layer: bool = key('moe.router_per_layer', bool)
   entropy_reg: float = key('moe.entropy_reg', float)
   balance_loss: float = key('moe.balance_loss', float)
   capacity_factor: float = key('moe.capacity_factor', float)
@@ -311,6 +312,10 @@ class MoeConfig:
     if self.lora_experts < 0:
       raise ConfigError(f'model.moe.lora_experts={self.lora_experts} must be >= 0 (0 = off)')
     if self.kind == 'none':
+      if self.router_per_layer:
+        raise ConfigError('model.moe.router_per_layer=True gives the experts\' selector one '
+                          'copy per applied layer, and model.moe.kind=none has no experts; '
+                          f'valid: model.moe.kind in {", ".join(k for k in MOE_KINDS if k != "none")}')
       return
     if self.num_experts < 1:
       raise ConfigError(f'model.moe.num_experts={self.num_experts} must be >= 1')

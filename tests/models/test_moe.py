@@ -144,6 +144,48 @@ def test_tied_experts_get_the_summed_gradient():
                                  err_msg=jax.tree_util.keystr(path))
 
 
+def test_per_layer_routers_are_the_tied_model_with_each_layers_own_selector():
+  """model.moe.router_per_layer on a universal block applied twice: the selector is a per-layer
+  part (one per applied layer) and the experts stay tied. With both layers' selectors equal to
+  the tied model's, the logits are the tied model's; with layer 1's changed, they are an untied
+  model's holding the tied experts in both layers and each layer's own selector; the stored
+  count grows by one selector; each layer's selector gets only its own use's gradient."""
+  with jax.enable_x64(True):
+    shared = _cfg(sharing={'scheme': 'universal', 'num_unique': 1})
+    per = _cfg(sharing={'scheme': 'universal', 'num_unique': 1}, moe={'router_per_layer': True})
+    untied = _cfg(sharing={'scheme': 'untied', 'num_unique': 0})
+    table = param_table(per)
+    router = [i for i in table.values() if i.role == 'router']
+    assert len(router) == 1 and router[0].path[0] == 'per_layer' and router[0].layers == (0, 1)
+    v = init_variables(DecoderLM(shared), jax.random.key(0))
+    w = np.asarray(v['params']['stack']['segment_0']['level']['block']['moe']['router_kernel'])
+    toks = jnp.asarray(np.random.default_rng(0).integers(0, 32, (2, 9)))
+    pv = init_variables(DecoderLM(per), jax.random.key(0))
+    assert accounting.params_unique(pv) - accounting.params_unique(v) == w[0].size
+    params = jax.tree.map(lambda a: a, v['params'])
+    del params['stack']['segment_0']['level']['block']['moe']['router_kernel']
+    other = np.random.default_rng(1).normal(0, 0.25, w.shape[1:])
+    for sel, want_tied in ((np.stack([w[0], w[0]]), True), (np.stack([w[0], other]), False)):
+      per_layer = {'stack': {'segment_0': {'level': {'block': {'moe': {
+          'router_kernel': jnp.asarray(sel).reshape(router[0].shape)}}}}}}
+      got = DecoderLM(per).apply({'params': params, 'per_layer': per_layer}, toks)
+      if want_tied:
+        np.testing.assert_allclose(got, DecoderLM(shared).apply(v, toks), rtol=1e-10)
+        continue
+      stack = jax.tree.map(lambda a: jnp.concatenate([a, a]), v['params']['stack'])
+      stack['segment_0']['level']['block']['moe']['router_kernel'] = jnp.asarray(sel)
+      ref = DecoderLM(untied).apply({'params': {**v['params'], 'stack': stack}}, toks)
+      np.testing.assert_allclose(got, ref, rtol=1e-10)
+      assert np.abs(np.asarray(got) - np.asarray(DecoderLM(shared).apply(v, toks))).max() > 1e-6
+
+      def nll(p):
+        logits = DecoderLM(per).apply({'params': params, 'per_layer': p}, toks[:, :-1])
+        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), toks[:, 1:, None], -1))
+      g = jax.grad(nll)(per_layer)['stack']['segment_0']['level']['block']['moe']
+      g = np.asarray(g['router_kernel']).reshape((2,) + w.shape[1:])
+      assert not np.allclose(g[0], g[1], atol=1e-12)
+
+
 @pytest.mark.slow
 def test_roles_and_accounting():
   """Experts are reader / writer stacks of their own fan-in, the selector a router; FLOPs count
@@ -169,6 +211,8 @@ def test_roles_and_accounting():
     ({'model.moe.kind': 'bogus'}, ['valid: none, sigma_moe, switch']),
     ({'model.moe.lora_experts': 2, 'model.sharing.scheme': 'universal',
       'model.sharing.num_unique': 1}, ['lora_experts=2', 'valid: lora_rank >= 1']),
+    ({'model.moe.router_per_layer': True}, ['router_per_layer=True', 'model.moe.kind=none',
+                                            'valid: model.moe.kind in sigma_moe, switch']),
     ({'model.moe.kind': 'sigma_moe', 'model.moe.dispatch': 'gmm'},
      ['valid: auto, ragged_dot, reference']),
     ({'model.moe.kind': 'sigma_moe', 'model.sharing.lora_rank': 2,
