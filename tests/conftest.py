@@ -96,10 +96,13 @@ def resume_matches_uninterrupted(tmp_path, flags, step, last):
   import subprocess
   env = make_subprocess_env()
   ref, killed = str(tmp_path / 'ref'), str(tmp_path / 'killed')
-  subprocess.run(make_train_cmd(ref, *flags), env=env, check=True, capture_output=True)
+  def run(workdir):
+    out = subprocess.run(make_train_cmd(workdir, *flags), env=env, capture_output=True, text=True)
+    assert out.returncode == 0, f'{workdir}: exit {out.returncode}\n{out.stderr[-3000:]}'
+    return out
+  run(ref)
   kill_after_checkpoint(make_train_cmd(killed, *flags), env, killed, step)
-  out = subprocess.run(make_train_cmd(killed, *flags), env=env, check=True,
-                       capture_output=True, text=True)
+  out = run(killed)
   assert f'resumed from checkpoint at step {step}' in out.stdout
   want, got = read_losses(ref), read_losses(killed)
   assert [got[s] for s in range(step + 1, last + 1)] == [want[s]

@@ -97,9 +97,7 @@ def convert_workdir(workdir: str, out: str, opts: Any) -> dict[str, Any]:
   compat.check_action(f'convert_{opts.to}', config, f'config.to={opts.to}')
   state, step, exp = restore_state(config, workdir)
   cfg = exp.model.cfg
-  # reparams resolved; wider also applies the forward multipliers (divided out at the new width)
-  variables = jax.device_get(trainer.effective_params(state, exp.tr,
-                                                      exp.pz if opts.to == 'wider' else None))
+  variables = source_variables(state, exp, opts.to)
   calibration = calibration_tokens(config, opts, cfg.max_len) if (
       opts.to == 'recursive' and recursive.needs_calibration(
           opts.init, recursive.Selection.from_options(opts))) else None
@@ -123,6 +121,14 @@ def convert_workdir(workdir: str, out: str, opts: Any) -> dict[str, Any]:
   summary = {'converted_from': os.path.abspath(workdir), 'conversion': opts.to, **extra}
   save_workdir(out, raw, new_cfg, new_vars, step, summary)
   return {'step': step, 'model': raw['model'], **extra}
+
+
+def source_variables(state: Any, exp: Any, to: str) -> Any:
+  """The variables a conversion `to` reads from a restored `state`: reparametrizations
+  resolved; wider also applies the parametrization's forward multipliers (divided out at the
+  new width, stored_from_effective), the others convert the stored values."""
+  return jax.device_get(trainer.effective_params(state, exp.tr,
+                                                 exp.pz if to == 'wider' else None))
 
 
 def stored_from_effective(pz: Any, variables: Any) -> Any:

@@ -80,7 +80,7 @@ def _grown(source: str, workdir: str, study: Any, seed: int) -> dict[str, Any]:
                'train.decay_fraction': float(t.decay_fraction) * study.steps /
                (base + study.steps),
                'train.restore': 'params'}   # the seed's own data stream, a fresh optimizer
-  res = common.completed(loop.train_andcommon.evaluated(common.with_overrides(config, overrides),
+  res = common.completed(loop.train_and_evaluate(common.with_overrides(config, overrides),
                                                  workdir), workdir)
   return {'eval_loss': res['eval_loss'], 'eval_bits_per_byte': res['eval_bits_per_byte']}
 
@@ -101,7 +101,7 @@ def _scratch(config: Any, workdir: str, study: Any, width: int, seed: int) -> di
                                          grown.parametrization.base_d_model,
                                      'parametrization.base_num_heads':
                                          grown.parametrization.base_num_heads})
-  res = common.completed(loop.train_andcommon.evaluated(c, workdir), workdir)
+  res = common.completed(loop.train_and_evaluate(c, workdir), workdir)
   return {'eval_loss': res['eval_loss'], 'eval_bits_per_byte': res['eval_bits_per_byte']}
 
 
@@ -116,7 +116,7 @@ def main(config: Any, out: str) -> int:
 
   def train_source():
     c = common.with_overrides(config, _run_overrides(s, s.source_steps, config.train.seed))
-    res = common.completed(loop.train_andcommon.evaluated(c, source), source)
+    res = common.completed(loop.train_and_evaluate(c, source), source)
     return {'eval_loss': res['eval_loss'], 'eval_bits_per_byte': res['eval_bits_per_byte'],
             'params_unique': common.stored_params(source)}
 

@@ -169,7 +169,7 @@ def _convert(row, exp, state, variables):
   opts = defaults.conversion_config()
   opts.to = to
   opts.update(CONVERSION_OPTIONS.get(to, {}))
-  params = jax.device_get(trainer.effective_params(state, exp.tr))
+  params = convert_workdir.source_variables(state, exp, to)
   new_cfg, new_vars, _ = convert_workdir.convert_model(
       exp.model.cfg, params, opts, jax.device_get(state.tstate.get(NORM_STATS, {})))
   tokens = jnp.asarray([[3, 141, 59, 26, 5, 35]])

@@ -57,6 +57,10 @@ TINY_MODEL = {'config.model.d_model': '32', 'config.model.num_heads': '2',
 # On 8 simulated devices (a command with XLA_FLAGS or a mesh of several devices) the batch
 # divides over them.
 EIGHT_DEVICES = {'config.train.batch_size': '8', 'config.train.eval_batch_size': '64'}
+# A dry run (config.dry_run=True: the step compiled abstractly, nothing allocated) keeps its
+# model whole, the point of the command; on 8 simulated devices, unless it names its FSDP axis,
+# that axis takes them all (a preset names its slice's chip count).
+DRY_RUN_EIGHT = {'config.mesh.fsdp': '-1'}
 # Files some shown commands read, written into the run directory first: a prompt file, and
 # token ids for the imported fixture model (tests/fixtures/hf/llama, vocabulary 64).
 PROMPTS = 'def fib(\nclass Stack:\n'
@@ -64,6 +68,9 @@ TOKENS_VOCAB = 64
 # A workdir that only a long command makes (a download) is stood in by one the docs' runnable
 # commands make: the command is run as shown, on the stand-in.
 STAND_INS = {'runs/tinyllama': 'runs/llama'}
+# The committed results a command reads (docs/results/...) are the run directory's copy of them
+# (results_copy), so a command that writes beside its input never touches the repository.
+RESULTS_LINK = ('docs/results', 'results_copy')
 # Paths of the repository the commands name relatively (links in the run directory).
 LINKED = ('configs', 'tests', 'benchmarks', 'README.md')   # README.md: a calibration text
 # The only environment a command may set and still run here.
@@ -371,14 +378,17 @@ def tiny_args(cli, args, eight=False):
   names = {n for n, _ in flags_}
   config = dict(flags_).get('config') if cli == 'train.py' else None
   own_run = bool(config) and os.path.basename(config.partition(':')[0]) == 'workdir.py'
+  dry_run = dict(flags_).get('config.dry_run') == 'True'
   extra = {}
   if cli == 'train.py':
     if config is None:
       out += ['--config', os.path.join(ROOT, TINY_CONFIG)]
-    elif not own_run:
+    elif not own_run and not dry_run:
       extra.update(TINY_MODEL)
     if eight and not own_run:
       extra.update(EIGHT_DEVICES)
+      if dry_run and 'config.mesh.fsdp' not in names:
+        extra.update(DRY_RUN_EIGHT)
   for name, value in flags_:
     if name in TINY:
       value = TINY[name]
@@ -460,7 +470,9 @@ def test_shown_commands_run(tmp_path, subprocess_env):
   run_dir.mkdir()
   for d in LINKED:
     os.symlink(os.path.join(ROOT, d), run_dir / d)
-  shutil.copytree(os.path.join(ROOT, 'docs', 'results'), run_dir / 'results_copy')
+  shutil.copytree(os.path.join(ROOT, 'docs', 'results'), run_dir / RESULTS_LINK[1])
+  (run_dir / os.path.dirname(RESULTS_LINK[0])).mkdir()
+  os.symlink(run_dir / RESULTS_LINK[1], run_dir / RESULTS_LINK[0])
   (run_dir / 'prompts.txt').write_text(PROMPTS)
   np.random.default_rng(0).integers(0, TOKENS_VOCAB, 20_000).astype(np.uint16).tofile(
       run_dir / 'tokens.bin')
