@@ -365,6 +365,15 @@ def _features() -> tuple[Feature, ...]:
   qk_v = 'the key kernel is the value projection too here, so its LR multiplier would move ' \
       'the values\' LR as well'
   queries_are_keys = 'qk_shared / qkv_shared make the queries the keys'
+  # the self-attentive embedding (models/embeddings.py) attends over the sequence before the
+  # blocks, with ops of its own
+  no_cache = ('the self-attentive embedding attends over the sequence before the blocks, and '
+              'cached decoding keeps no cache for it')
+  on_sphere = ('nGPT keeps the embedding rows on the unit sphere at width d_model, which a '
+               'factorized table reaches only through its lift')
+  safe = (('generation', no_cache), ('loop_inference', no_cache), ('test_time_depth', no_cache),
+          ('umup', 'u-muP\'s unit-scaled ops do not cover the self-attentive embedding\'s '
+                   'attention and GELU'))
   options = [
       # tied without model.center_embedding (which zero_mean_writers takes with a tied table)
       Feature('tie_embeddings', 'tie_embeddings', (('model.tie_embeddings', True),),
@@ -379,6 +388,12 @@ def _features() -> tuple[Feature, ...]:
       *[_setting(name, 'position', 'model.position', kind,
                  refuses=(('rope_llama3', rope_only), ('rope_linear', rope_only)))
         for name, kind in (('learned_positions', 'learned'), ('no_positions', 'none'))],
+      *[Feature(f'embed_{proj}', 'embed_factor',
+                (('model.embed_dim', 16), ('model.embed_projection', proj)),
+                lambda c, proj=proj: (bool(_get(c, 'model.embed_dim')) and
+                                      _get(c, 'model.embed_projection') == proj),
+                refuses + (('ngpt', on_sphere),))
+        for proj, refuses in (('linear', ()), ('self_attentive', safe))],
       _setting('gelu', 'mlp', 'model.mlp', 'gelu'),
       _setting('fixnorm', 'fixnorm', 'model.norm.fixnorm', True),
       Feature('qk_lr', 'qk_lr', (('parametrization.qk_lr', 4.0),),
@@ -422,6 +437,8 @@ NON_SP = 'the forward multipliers would be folded into the weights and then appl
 NO_STATS = 'it does not carry the running statistics (they would restart at their init)'
 UNKNOWN_PARTS = 'it does not know SwitchHead\'s or the LoRA experts\' parameters'
 PER_LAYER_ROUTERS = 'it does not carry per-layer expert selectors (model.moe.router_per_layer)'
+FACTORIZED = ('it does not map a factorized embedding\'s table and lift (model.embed_dim: the '
+              'table\'s width is not d_model)')
 NORM_PRE = 'the equivalence uses that only norms read the stream (norm placement pre)'
 TIED_READERS = 'folding a norm into tied readers would untie them'
 WHOLE_HEADS = ('it copies whole heads (their q, k, v and o slices): plain kernels, as many kv '
@@ -492,6 +509,7 @@ def _conversions(table: tuple[Feature, ...]) -> tuple[Feature, ...]:
       refuses += [('switchhead', UNKNOWN_PARTS), ('lora_experts', UNKNOWN_PARTS)]
     if to != 'wider':   # the growth reads the role table; the others place parts by name
       refuses += [('moe_router_per_layer', PER_LAYER_ROUTERS)]
+    refuses += [(g.name, FACTORIZED) for g in table if g.axis == 'embed_factor']
     seen, unique = set(), []
     for r in refuses:   # the first reason of a pair stays
       if r[0] not in seen and r[0] not in implied:

@@ -55,6 +55,10 @@ def default_config() -> ml_collections.ConfigDict:
   m.embed_scale = 1.0         # multiplier on the embedded tokens, not on a tied readout
                               # (Gemma: sqrt(d_model))
   m.center_embedding = False  # subtract each embedded vector's mean (zero-mean writer, tied)
+  m.embed_dim = 0             # > 0 (< d_model): factorized embeddings, a (vocab, embed_dim)
+                              # table lifted to d_model (ALBERT, arXiv:1909.11942); 0 = off
+  m.embed_projection = 'linear'   # with embed_dim: linear (ALBERT) | self_attentive
+                              # (Subformer's SAFE, arXiv:2101.00234; models/embeddings.py)
   m.remat = 'dots'            # none | full | dots | dots_no_batch | save_names | offload_dots |
                               # except_attn
   m.scan_unroll = 1           # nn.scan unroll factor
@@ -346,6 +350,7 @@ def default_config() -> ml_collections.ConfigDict:
       ('activation_mlp', 'tensor'), ('activation_vocab', 'tensor'),
       ('embed', 'fsdp'), ('heads', 'tensor'), ('kv_heads', 'tensor'), ('mlp', 'tensor'),
       ('vocab', 'tensor'), ('head_dim', None), ('length', None), ('lora', None),
+      ('embed_factor', None),
       ('layers', None), ('repeats', None), ('atoms', None), ('experts', 'expert'),
   )
 

@@ -60,6 +60,7 @@ def _refusals(cfg: Any) -> list[tuple[bool, str]]:
       (n.pre_activation != 'none', f'model.norm.pre_activation={n.pre_activation}; valid: none'),
       (n.qk_norm == 'l2', 'model.norm.qk_norm=l2; valid: none or rms'),
       (cfg.attn_scale < 0, f'model.attn_scale={cfg.attn_scale}; valid: >= 0'),
+      (cfg.embed_dim > 0, f'model.embed_dim={cfg.embed_dim} (factorized embeddings); valid: 0'),
       (cfg.parametrization.kind != 'sp', f'parametrization.kind={cfg.parametrization.kind}; '
        f'valid: sp')]
 

@@ -98,6 +98,34 @@ def router_flops(cfg: ModelConfig, seq_len: int) -> float:
   return 2 * D * 2 * D + 2 * 2 * D * R if cfg.routing.router == 'mlp' else 2 * D * R
 
 
+def readout_matmul_params(cfg: ModelConfig) -> int:
+  """The readout's weights per token: D x V, or a factorized tied readout's D x E projection
+  and E x V table (model.embed_dim = E, models/embeddings.py)."""
+  D, V, E = cfg.d_model, cfg.vocab_size, cfg.embed_dim
+  return D * E + E * V if E and cfg.tie_embeddings else D * V
+
+
+def lift_matmul_params(cfg: ModelConfig) -> int:
+  """A factorized embedding's lift from E to D per token (linear: E x D; self-attentive: q, k,
+  v, o and W_1 of E x E, W_2 of E x D); 0 without factorization."""
+  E, D = cfg.embed_dim, cfg.d_model
+  if not E:
+    return 0
+  return E * D if cfg.embed_projection == 'linear' else 5 * E * E + E * D
+
+
+def io_matmul_params(cfg: ModelConfig) -> int:
+  """Weights a token multiplies with outside the blocks: the readout and the embedding's lift."""
+  return readout_matmul_params(cfg) + lift_matmul_params(cfg)
+
+
+def io_attention_flops(cfg: ModelConfig, seq_len: int) -> float:
+  """The self-attentive embedding's QK^T and PV per token (E wide, causal: halved)."""
+  if cfg.embed_dim and cfg.embed_projection == 'self_attentive':
+    return 2 * seq_len * cfg.embed_dim
+  return 0.0
+
+
 def flops_per_token(cfg: ModelConfig, seq_len: int, train: bool = True) -> float:
   """Model FLOPs per token on applied depth; causal attention counted at half (MaxText).
 
@@ -114,19 +142,20 @@ def flops_per_token(cfg: ModelConfig, seq_len: int, train: bool = True) -> float
     P, T = matmul_params_per_layer(cfg), seq_len
     HD = cfg.num_heads * cfg.d_head
     routed = cfg.plan.segments[cfg.routed_segment]
-    fwd = 2 * cfg.d_model * cfg.vocab_size + router_flops(cfg, T)
+    fwd = 2 * io_matmul_params(cfg) + io_attention_flops(cfg, T) + router_flops(cfg, T)
     fwd += (cfg.num_layers - routed.num_applied) * (2 * P + 2 * T * HD)
     ks = cfg.capacity_tokens(T)
     for bucket in cfg.expert_buckets:   # each recursion runs the bucket's first k tokens
       k = ks[bucket[0]]                 # (buckets=0: recursion r alone, k_r of T)
       fwd += len(bucket) * routed.num_sets * (k / T) * (2 * P + 2 * k * HD)
     return 3 * fwd if train else fwd
-  matmul = cfg.num_layers * matmul_params_per_layer(cfg) + cfg.d_model * cfg.vocab_size
+  matmul = cfg.num_layers * matmul_params_per_layer(cfg) + io_matmul_params(cfg)
   if cfg.kv_segment is not None:   # later loops project no keys or values
     seg = cfg.plan.segments[cfg.kv_segment]
     matmul -= (seg.repeats - 1) * seg.num_sets * kv_params_skipped(cfg)
   # QK^T and PV: 2 * 2 * T * H * Dh per token per layer, halved for the causal mask.
-  attn = cfg.num_layers * 2 * seq_len * cfg.num_heads * cfg.d_head
+  attn = cfg.num_layers * 2 * seq_len * cfg.num_heads * cfg.d_head + io_attention_flops(
+      cfg, seq_len)
   fwd = 2 * matmul + attn
   if cfg.routing.kind == 'token_choice':
     fwd += router_flops(cfg, seq_len)

@@ -38,6 +38,8 @@ REMATS = ('none', 'full', 'dots', 'dots_no_batch', 'save_names', 'offload_dots',
 DTYPES = ('float32', 'bfloat16', 'float64')
 # Sub-layer sharing (docs/sharing.md): which attention projections are one.
 ATTENTION_SHARINGS = ('none', 'kv_shared', 'qk_shared', 'qkv_shared')
+# model.embed_projection: how factorized embeddings reach d_model (models/embeddings.py)
+EMBED_PROJECTIONS = ('linear', 'self_attentive')
 # The projections each sharing mode stores (kv_shared: values are the keys; qk_shared: queries
 # are the keys; qkv_shared: one projection, stored as 'k').
 STORED_PROJECTIONS = {'none': ('q', 'k', 'v'), 'kv_shared': ('q', 'k'),
@@ -76,6 +78,8 @@ class ModelConfig:
   proj_bias: str = key('proj_bias')             # none | qkv | all (bias_on)
   embed_scale: float = key('embed_scale')
   center_embedding: bool = key('center_embedding')
+  embed_dim: int = key('embed_dim')             # 0 = off; < d_model (models/embeddings.py)
+  embed_projection: str = key('embed_projection')
   remat: str = key('remat')
   scan_unroll: int = key('scan_unroll')
   scan_layers: bool = key('scan_layers')
@@ -349,6 +353,10 @@ def _check_keys(c: ModelConfig) -> None:
     raise ConfigError(f'model.attention_window={c.attention_window} with model.max_len='
                       f'{c.max_len}: sliding-window attention is modelled only within its '
                       f'window (where it equals full attention); valid: 0, or >= model.max_len')
+  choice('model.embed_projection', c.embed_projection, EMBED_PROJECTIONS)
+  if not 0 <= c.embed_dim < c.d_model:
+    raise ConfigError(f'model.embed_dim={c.embed_dim}: factorized embeddings need 0 < embed_dim '
+                      f'< d_model={c.d_model}; valid: 0 (off) or 1..{c.d_model - 1}')
   if c.d_model % c.num_heads and not c.head_dim:
     raise ConfigError(f'model.num_heads={c.num_heads} does not divide model.d_model='
                       f'{c.d_model}; valid: divisors of {c.d_model}')
@@ -366,6 +374,11 @@ def _check_shapes(c: ModelConfig, r: dict[str, Any]) -> None:
       raise ConfigError(f'model.{field} names {",".join(missing)}, which '
                         f'model.attention_sharing={c.attention_sharing} does not store; '
                         f'valid: {",".join(stored)}')
+  if c.embed_dim and c.embed_projection == 'self_attentive' and (
+      c.embed_dim % r['d_head'] or r['d_head'] % 2):
+    raise ConfigError(f'model.embed_dim={c.embed_dim}: the self-attentive embedding attends '
+                      f'with heads of head_dim {r["d_head"]} (even, rotary); valid: a multiple '
+                      f'of {r["d_head"]}, or model.embed_projection=linear')
   if c.position == 'rope' and r['d_head'] % 2:
     raise ConfigError(f'model.position=rope needs an even head_dim, got {r["d_head"]}')
   if c.norm.qk_norm == 'l2' and not c.norm.qk_scale_init and r['qk_len'] < 2:

@@ -223,11 +223,13 @@ class Embed(nn.Module):
   fixnorm: bool = False
   dtype: jnp.dtype = jnp.float32
   param_dtype: jnp.dtype = jnp.float32
+  axis: str = 'embed'   # the features' logical axis ('embed_factor': models/embeddings.py)
 
   def setup(self):
     self.embedding = param(self, 'embedding', (self.vocab_size, self.features),
-                           ('vocab', 'embed'), 'embedding', std=self.init_std,
-                           dtype=self.param_dtype, num_in=1, writes=True)
+                           ('vocab', self.axis), 'embedding', std=self.init_std,
+                           dtype=self.param_dtype, num_in=1,
+                           writes=self.axis == 'embed')   # a factorized table's lift writes
 
   def _table(self) -> jax.Array:
     if not self.fixnorm:

@@ -20,7 +20,7 @@ from sharenet.models.masa import MasaAtoms
 from sharenet.models.moe import MOE
 from sharenet.models.loops import Schedule, looped
 from sharenet.models.stack import Stack, init_cache as init_layer_caches
-from sharenet.models import params
+from sharenet.models import embeddings, params
 from sharenet.models.norm_stats import NORM_STATS
 from sharenet.models.norms import Norm
 from sharenet.models.params import PER_LAYER
@@ -83,8 +83,13 @@ class DecoderLM(nn.Module):
   def setup(self):
     c = self.cfg
     dt, pdt = jnp.dtype(c.dtype), jnp.dtype(c.param_dtype)
-    self.embedder = Embed(c.vocab_size, c.d_model, c.embed_init_std, c.norm.fixnorm, dt, pdt,
-                          name='embed')
+    if c.embed_dim:   # factorized: a (vocab, E) table lifted to d_model (models/embeddings.py)
+      self.embedder = Embed(c.vocab_size, c.embed_dim, c.embed_init_std, c.norm.fixnorm, dt,
+                            pdt, axis=embeddings.FACTOR_AXIS, name='embed')
+      self.embed_proj = embeddings.EmbedProjection(c, name='embed_proj')
+    else:
+      self.embedder = Embed(c.vocab_size, c.d_model, c.embed_init_std, c.norm.fixnorm, dt, pdt,
+                            name='embed')
     if c.position == 'learned':
       self.pos_table = params.param(self, 'pos_embed', (c.max_len, c.d_model),
                                     ('length', 'embed'), 'pos_embed', std=0.02, dtype=pdt,
@@ -103,7 +108,9 @@ class DecoderLM(nn.Module):
       self.readout = Dense((c.vocab_size,), ('embed',), ('vocab',), role='readout',
                            use_bias=c.reader_bias, dtype=dt, param_dtype=pdt, float32_out=True,
                            dense_grad=c.dense_grad, name='readout')
-    elif c.reader_bias:
+    elif c.embed_dim:   # the tied table read through W_down (D -> E)
+      self.readout_proj = embeddings.readout_projection(c)
+    if c.tie_embeddings and c.reader_bias:
       self.logits_bias = params.param(self, 'logits_bias', (c.vocab_size,), ('vocab',), 'bias',
                                       init=nn.initializers.zeros, dtype=pdt)
 
@@ -112,6 +119,8 @@ class DecoderLM(nn.Module):
     positions in cached generation (default 0..T-1)."""
     c = self.cfg
     x_BTD = self.embedder(tokens_BT)
+    if c.embed_dim:
+      x_BTD = self.embed_proj(x_BTD)
     if c.embed_scale != 1.0:   # Gemma's sqrt(d_model); the tied readout reads the raw table
       x_BTD = x_BTD * jnp.asarray(c.embed_scale, x_BTD.dtype)
     if c.position == 'learned':
@@ -153,7 +162,7 @@ class DecoderLM(nn.Module):
       x_BTD = self.final_norm(x_BTD)
       sow_l1(self, 'final_norm_out', x_BTD)
     if self.readout is None:
-      logits_BTV = self.embedder.attend(x_BTD)
+      logits_BTV = self.embedder.attend(self.readout_proj(x_BTD) if c.embed_dim else x_BTD)
       if c.reader_bias:
         logits_BTV = logits_BTV + self.logits_bias[None, None].astype(logits_BTV.dtype)
     else:

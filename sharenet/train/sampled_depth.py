@@ -198,15 +198,17 @@ def executed_flops_per_token(cfg: ModelConfig, seq_len: int, depth: int,
   FLOPs): forward through every loop, backward (2x) through what carries gradient: the last
   grad_loops loops, the coda and head of each of `exits` exits, and the prelude where the
   gradient reaches it (no no-grad prefix, or an injection)."""
-  head = 2 * cfg.d_model * cfg.vocab_size
+  head = 2 * accounting.readout_matmul_params(cfg)
+  # a factorized embedding's lift (models/embeddings.py) runs where the prelude does
+  lift = 2 * accounting.lift_matmul_params(cfg) + accounting.io_attention_flops(cfg, seq_len)
   shape = loops.looped(cfg)
-  layer = (accounting.flops_per_token(cfg, seq_len, train=False) - head) / cfg.num_layers
+  layer = (accounting.flops_per_token(cfg, seq_len, train=False) - head - lift) / cfg.num_layers
   prelude, K, coda = shape.start, shape.num_sets, shape.num_layers - shape.coda
   k = min(cfg.grad_loops, depth)
   adapter = 2 * 2 * cfg.d_model * cfg.d_model if cfg.recurrence.injection == 'concat' else 0
   out = exits * (coda * layer + head)
-  fwd = prelude * layer + depth * (K * layer + adapter) + out
+  fwd = lift + prelude * layer + depth * (K * layer + adapter) + out
   grad = k * (K * layer + adapter) + out
   if depth == k or cfg.recurrence.injection != 'none':
-    grad += prelude * layer
+    grad += lift + prelude * layer
   return fwd + 2 * grad

@@ -30,8 +30,8 @@ def unit_axes(leaf: Leaf | None, ndim: int) -> tuple[int, ...]:
     return tuple(range(ndim))
   if leaf.role in KERNEL_ROLES + ('lora',):
     return tuple(range(leaf.num_stack, leaf.num_stack + leaf.num_in))
-  if leaf.role in ('embedding', 'pos_embed'):
-    return (leaf.embed_axis(),)
+  if leaf.role in ('embedding', 'pos_embed'):   # a factorized table: its row runs over E
+    return (leaf.embed_axis() if leaf.embed_axis() is not None else ndim - 1,)
   return tuple(range(leaf.num_stack, ndim))
 
 

@@ -280,7 +280,8 @@ def test_export_refuses_what_no_architecture_holds():
   for change, match in (({'sharing': {'scheme': 'cycle', 'num_unique': 2, 'lora_rank': 2}},
                          'model.sharing.lora_rank=2'),
                         ({'norm': {'placement': 'peri'}}, 'model.norm.placement=peri'),
-                        ({'mlp': 'gelu'}, 'model.mlp=gelu')):
+                        ({'mlp': 'gelu'}, 'model.mlp=gelu'),
+                        ({'embed_dim': 64}, 'model.embed_dim=64 \\(factorized embeddings\\)')):
     with pytest.raises(ConfigError, match=match):
       export_hf.export_arch(base.derive(**change))
 
