@@ -1,5 +1,6 @@
 """Factorized embeddings (model.embed_dim, model.embed_projection; models/embeddings.py) against
 numpy restatements of ALBERT's factorization and Subformer's SAFE."""
+import dataclasses
 import math
 
 import jax
@@ -100,7 +101,7 @@ def test_stored_parameters_flops_and_roles(proj):
   """The table stores V x E; the lift's and a tied readout's kernels are the accounting's
   weights per token (io_matmul_params) and are hidden matrices on the width axis
   'embed_factor' (muP scales E with d_model: the base model's E is halved with d_model)."""
-  cfg = _cfg(proj, tie_embeddings=True)
+  cfg = _cfg(proj, tie_embeddings=True, dtype='float32', param_dtype='float32')
   table = param_table(cfg)
   by = {'/'.join(p[1:]): i for p, i in table.items()}
   assert by['embed/embedding'].shape == (40, E)
@@ -109,21 +110,17 @@ def test_stored_parameters_flops_and_roles(proj):
         and k.endswith('kernel')]
   assert accounting.io_matmul_params(cfg) == sum(math.prod(i.shape) for i in io) + 40 * E
   assert all(i.role in ('reader', 'writer') and 'embed_factor' in i.axes for i in io)
-  plain = ModelConfig(**{**BASE, 'tie_embeddings': True})
+  plain = ModelConfig(**{**BASE, 'tie_embeddings': True, 'dtype': 'float32',
+                         'param_dtype': 'float32'})
   unique = lambda c: accounting.params_unique(init_variables(DecoderLM(c), jax.random.key(0)))
   assert unique(plain) - unique(cfg) == 40 * 32 - 40 * E - sum(
       math.prod(i.shape) for i in table.values() if i.path[1] in ('embed_proj', 'readout_proj'))
   extra_attn = 2 * 64 * E if proj == 'self_attentive' else 0
   assert accounting.flops_per_token(cfg, 64, train=False) - accounting.flops_per_token(
       plain, 64, train=False) == 2 * (accounting.io_matmul_params(cfg) - 40 * 32) + extra_attn
-  base = scaling.base_config(cfg.derive(parametrization=dataclass_replace(
+  base = scaling.base_config(cfg.derive(parametrization=dataclasses.replace(
       cfg.parametrization, kind='mup', base_d_model=16, base_num_heads=2)))
   assert base.embed_dim == E // 2
-
-
-def dataclass_replace(obj, **kw):
-  import dataclasses
-  return dataclasses.replace(obj, **kw)
 
 
 @pytest.mark.parametrize('kw,match', [
