@@ -14,7 +14,8 @@ Command:   python -m sharenet.studies.depth_study --config configs/depth_study.p
 Runtime:   ~11 min wall pinned to one core of the shared 2-core CPU (`taskset -c 0`; measured
            2026-12-03: 8 min 55 s for the 10 runs of 400-500 steps of 8 x 64 bytes with their
            evaluations at 7 depths, then 1 min 56 s of round-robin greedy decoding of 8 prompts
-           x 256 tokens by every model).
+           x 256 tokens by every model); the sampled_ode variant (loops as Euler steps) was
+           added 2026-12-07 in a run of its own: 111 s.
 Result:    docs/results/depth_study/README.md (tables and discussion), depth_study.png (eval
            loss against test-time depth), depth_study.json (raw rows), depth_study.md (the
            tables generated from it).

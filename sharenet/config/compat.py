@@ -72,6 +72,7 @@ UMUP_LAYER = 'the u-muP residual rule depends on the applied layer index'
 NO_V = 'these sharing modes store no value projection for the LoRA / MASA target v'
 NO_Q = 'qk_shared / qkv_shared store no query projection for the LoRA / MASA target q'
 PERI = 'depth / loop branch multipliers are cancelled by peri norms'
+EULER_POST = 'a post norm renormalises x + h f(x), so the loop is no Euler step'
 NO_LOOP = 'recurrence and exits loop the plan\'s one looped cycle segment, which it lacks'
 ROUTED_LOOPS = 'routing picks each token\'s loops itself'
 UMUP_DEPTH = 'the u-muP residual rule counts applied layers, which the depth changes'
@@ -157,6 +158,14 @@ def _features() -> tuple[Feature, ...]:
                  refuses=loopless) for v in ('zeros', 'normal')],
       *[_setting(f'inject_{v}', 'injection', rc + 'injection', v,
                  refuses=loopless) for v in ('add', 'concat')],
+      # the loops as Euler steps (models/block.py): branches x R / n at n loops
+      Feature('ode_step', 'ode_step', ((rc + 'ode_step', True),),
+              lambda c: bool(_get(c, rc + 'ode_step')),
+              loopless + (('post', EULER_POST), ('peri', PERI),
+                          ('kv_first', 'the shared keys\' loops run outside the loop schedule '
+                                       'that sets the step'),
+                          ('loop_inference', 'loop-by-loop serving decides the depth while it '
+                                             'runs, and the step needs it before the first loop'))),
       # a loss at every loop's exit: `all`, or one weight per gradient loop
       Feature('exit_all', 'exit_loss', (('train.exit_loss', 'all'),),
               lambda c: str(_get(c, 'train.exit_loss')).replace(' ', '') != 'last', loopless)]

@@ -137,6 +137,9 @@ def default_config() -> ml_collections.ConfigDict:
                               # re-enters every loop (concat: adapter on [state; injected])
   rc.init = 'embed'           # embed | zeros | normal: the state entering the first loop (embed:
                               # the stream itself, the only choice with injection none)
+  rc.ode_step = False         # the loops as Euler steps of one ODE (neural-ODE acceleration of
+                              # shared stacks): run at n loops, each branch is scaled by R / n,
+                              # so fewer, larger steps span the trained depth (docs/loops.md)
   m.moe = mo = ml_collections.ConfigDict()   # experts inside the blocks (docs/experts.md)
   mo.kind = 'none'            # none | sigma_moe | switch: the feed-forward as experts; sigma_moe
                               # (MoEUT, arXiv:2405.16039): sigmoid-gated top-k of small ReLU

@@ -61,6 +61,9 @@ class Shared(NamedTuple):
   segment_ids_BT: jax.Array | None = None    # packed documents
   step: DecodeStep | None = None             # cached generation
   masa: dict[str, jax.Array] | None = None   # MASA atoms {target: atoms}, models/masa.py
+  # a looped segment run at another depth: R / (the loops run), the Euler step of
+  # model.recurrence.ode_step (None: the plan's depth, step 1)
+  step_size: jax.Array | float | None = None
 
 
 class Scanned(NamedTuple):
@@ -93,9 +96,12 @@ class Block(nn.Module):
 
   def _layer(self, carry: Stream, shared: Shared, cache: LayerCache | None,
              shared_kv: LayerCache | None):
-    positions_T, segment_ids_BT, step, masa = shared
+    positions_T, segment_ids_BT, step, masa = shared[:4]
     c = self.cfg
     updated = []   # the attention's updated cache, when given one
+    # model.recurrence.ode_step: x <- x + h f(x), h = R / n at n loops (pre / moeut placement)
+    h = shared.step_size if c.recurrence.ode_step else None
+    euler = (lambda y: y) if h is None else (lambda y: y * jnp.asarray(h, y.dtype))
 
     def norm(name, branch, role='norm_in'):
       return Norm(c.norm.kind, c.norm.eps, PER_LAYER if c.sharing.untie_norms else 'params',
@@ -107,7 +113,8 @@ class Block(nn.Module):
 
     attention = CausalAttention(c, name='attn')
     auxes = []   # model.moe: each application's weighted aux loss, added to the carry's
-    mlp = self._feed_forward(masa, auxes)
+    ffn = self._feed_forward(masa, auxes)
+    mlp = lambda *args: euler(ffn(*args))
     selects = c.moe.kind != 'none' or c.moe.lora_experts > 0   # the feed-forward has a router
 
     def attn(h_BTD, positions_T, segment_ids_BT, value_in_BTD=None):
@@ -115,8 +122,8 @@ class Block(nn.Module):
                       self.emit_kv, value_in_BTD, auxes)
       if isinstance(out, tuple):   # (out, the updated cache or the emitted keys and values)
         updated.append(out[1])
-        return out[0]
-      return out
+        return euler(out[0])
+      return euler(out)
 
     if c.umup_residual:                # u-muP: pre or peri (post rejected by the parametrization)
       x_BTD, layer = carry.x_BTD, carry.layer

@@ -81,7 +81,8 @@ def resolve_recurrence(c: Any, plan: sharing.SharingPlan,
   out = dict(recurrent_segment=None, depth_mean=float(mean), grad_loops=rc.backprop or int(mean))
   if rc.is_default:
     return out
-  what = f'model.recurrence (depth={rc.depth}, injection={rc.injection})'
+  what = (f'model.recurrence (depth={rc.depth}, injection={rc.injection}, '
+          f'ode_step={rc.ode_step})')
   if len(looped) != 1:
     raise ConfigError(f'{what} loops the plan\'s looped segment; model.sharing.scheme='
                       f'{c.sharing.scheme!r} has {len(looped)}; valid schemes: {LOOPED_SCHEMES}')

@@ -304,6 +304,8 @@ def _run_schedule(layer: Layer, seg: Segment, sets: Any, per_layer: Any, carry: 
                       f'exist for the plan\'s {R} loops only; got {p} + {n}; valid: a static '
                       f'no_grad + loops <= {R}, or lora_rank=0, untie_norms=False and '
                       f'moe.router_per_layer=False')
+  # the Euler step of model.recurrence.ode_step (models/block.py): R / the loops run
+  shared = shared._replace(step_size=R / (p + n))
   loop = one_loop(layer, sets, shared, unroll=unroll, split_transpose=split_transpose,
                   inject=inject)
   per_loop = None if per_layer is None else _regroup(per_layer, (R, K))

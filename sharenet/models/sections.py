@@ -244,6 +244,7 @@ class RecurrenceConfig:
   backprop: int = key('recurrence.backprop')
   injection: str = key('recurrence.injection')
   init: str = key('recurrence.init')
+  ode_step: bool = key('recurrence.ode_step')
 
   def __post_init__(self):
     _set(self, 'mean', float(self.mean))
@@ -270,8 +271,8 @@ class RecurrenceConfig:
   @property
   def is_default(self) -> bool:
     """The plan's loops, all with gradient, no injection: the model without recurrence."""
-    return (self.depth, self.mean, self.backprop, self.injection, self.init) == \
-        ('fixed', 0.0, 0, 'none', 'embed')
+    return (self.depth, self.mean, self.backprop, self.injection, self.init,
+            self.ode_step) == ('fixed', 0.0, 0, 'none', 'embed', False)
 
 
 @dataclasses.dataclass(frozen=True)

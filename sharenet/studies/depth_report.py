@@ -10,9 +10,10 @@ VARIANTS: dict[str, str] = {
     'recursive': 'fixed depth, every loop with gradient',
     'sampled': 'poisson_lognormal depth, injection none',
     'sampled_inject': 'poisson_lognormal depth, injection add',
+    'sampled_ode': 'poisson_lognormal depth, loops as Euler steps (ode_step)',
     'mor_expert': 'MoR expert choice (routes its own depth)',
 }
-LOOPED = ('recursive', 'sampled', 'sampled_inject')   # evaluated at every test-time depth
+LOOPED = ('recursive', 'sampled', 'sampled_inject', 'sampled_ode')   # evaluated at every test-time depth
 KV_FIRST = 'recursive_kv_first'                       # decode-only row: recursive's parameters
 
 

@@ -58,6 +58,8 @@ def overrides(variant: str, s: Any) -> dict[str, Any]:
       'recursive': {},
       'sampled': sampled,
       'sampled_inject': {**sampled, 'model.recurrence.injection': 'add'},
+      # each loop an Euler step of size mean / (the loops run): R / n at n loops
+      'sampled_ode': {**sampled, 'model.recurrence.ode_step': True},
       'mor_expert': {'model.routing.kind': 'expert_choice'},
   }[variant]
 
