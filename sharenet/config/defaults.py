@@ -392,6 +392,11 @@ def conversion_config() -> ml_collections.ConfigDict:
   c.untie_norms = False       # recursive: norm gains per applied layer
   c.share_rate = 0.3          # head_shared: fraction of all heads replaced by their best match
                               # in an earlier layer (DirectShare, arXiv:2402.11819)
+  c.post_train_steps = 0      # head_shared: PostShare's post-training first (Adam steps on the
+                              # calibration batch with the weight-similarity constraint), then
+                              # the sharing; 0 = DirectShare
+  c.post_train_lr = 1e-4
+  c.similarity_weight = 0.5   # PostShare's loss: (1 - w) next-token loss + w similarity term
   c.d_model = 0               # wider: the new d_model (row-column growth,
                               # sharenet/transforms/widen.py)
   c.mlp_dim = 0               # wider: the new mlp_dim; 0 = scaled with d_model

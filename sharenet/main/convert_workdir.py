@@ -41,6 +41,11 @@ def check_options(opts: Any) -> None:
   """One ConfigError line for a conversion the options alone rule out."""
   if opts.to not in CONVERSIONS:
     raise ConfigError(f'config.to={opts.to!r} is unknown; valid: {", ".join(CONVERSIONS)}')
+  if opts.post_train_steps and opts.to != 'head_shared':
+    raise ConfigError(f'config.post_train_steps={opts.post_train_steps} post-trains before '
+                      f'head sharing (PostShare); valid: config.to=head_shared, or 0')
+  if opts.to == 'head_shared':
+    head_share.check_post_training(opts)
   if opts.to == 'recursive' and opts.init in recursive.SET_COUNT_INITS and opts.num_unique < 1:
     raise ConfigError(f'config.to=recursive needs config.num_unique >= 1, got '
                       f'{opts.num_unique}')
@@ -70,8 +75,9 @@ def convert_model(cfg: ModelConfig, variables: Any, opts: Any, norm_stats: Any =
     new_cfg = widen.target(cfg, int(opts.d_model), int(opts.mlp_dim), int(opts.num_heads))
     new_vars = widen.widen(cfg, variables, new_cfg, int(opts.seed))
   elif opts.to == 'head_shared':
-    new_cfg, new_vars, extra['head_sharing'] = head_share.to_head_shared(cfg, variables,
-                                                                         opts.share_rate)
+    new_cfg, new_vars, extra['head_sharing'] = head_share.to_head_shared(
+        cfg, variables, opts.share_rate, post=head_share.PostTraining.from_options(
+            opts, calibration))
   else:
     targets = tuple(t for t in opts.lora_targets.replace(' ', '').split(',') if t)
     new_cfg, new_vars, chosen = recursive.convert(
@@ -100,7 +106,8 @@ def convert_workdir(workdir: str, out: str, opts: Any) -> dict[str, Any]:
   variables = source_variables(state, exp, opts.to)
   calibration = calibration_tokens(config, opts, cfg.max_len) if (
       opts.to == 'recursive' and recursive.needs_calibration(
-          opts.init, recursive.Selection.from_options(opts))) else None
+          opts.init, recursive.Selection.from_options(opts)) or
+      opts.to == 'head_shared' and opts.post_train_steps) else None
   new_cfg, new_vars, extra = convert_model(
       cfg, variables, opts, jax.device_get(state.tstate.get(NORM_STATS, {})), calibration)
   raw = config.to_dict()
@@ -169,8 +176,9 @@ def calibration_tokens(config: Any, opts: Any, max_len: int) -> np.ndarray:
     tok = corpus.for_data(run.data) or tokenizer_lib.ByteTokenizer()
     ids = np.asarray(tok.encode(text), np.int64)
   elif run.data.source == 'bin' and not run.data.path:
-    what = 'the zero-shot check' if opts.to == 'wider' else f'config.init={opts.init} (or ' \
-        f'config.remove_rate)'
+    what = {'wider': 'the zero-shot check',
+            'head_shared': 'config.post_train_steps'}.get(
+        opts.to, f'config.init={opts.init} (or config.remove_rate)')
     raise ConfigError(f'{what} needs a calibration batch and this workdir names no data (an '
                       f'import); valid: --config.calibration=TEXT_FILE')
   else:

@@ -8,17 +8,29 @@ as in the reference: `head_sources`). Not function-preserving: same architecture
 sharing map (and the unique parameter count) goes to DST/config.json 'head_sharing'. CLI:
 `python convert.py --workdir SRC --out DST --config.to=head_shared --config.share_rate=R`
 (sharenet/main/convert_workdir.py).
+
+PostShare (the same paper; its reference code's LLaMA-Factory pt workflow) post-trains first:
+with the heads chosen as above, the model trains on (1 - w) x next-token loss + w x the mean
+over the chosen heads of ||W_q - W_q'|| + ||W_k - W_k'|| + ||W_v - W_v'|| (Frobenius norms of
+each head's slice minus its match's: the reference's default 'norm' weight loss, w = 0.5), so
+the heads to be shared move toward their matches; then the chosen heads are shared as
+DirectShare shares them. Here the post-training runs `post_train_steps` Adam steps on the
+calibration batch (`--config.post_train_steps=N`, `post_train_lr`, `similarity_weight`,
+`calibration`, `calibration_windows`), the reference's on a pretraining corpus.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 from sharenet.config import compat
-from sharenet.errors import require
-from sharenet.models import ModelConfig, layout
+from sharenet.errors import ConfigError, require
+from sharenet.models import DecoderLM, ModelConfig, layout
 from sharenet.models.accounting import params_unique
 
 
@@ -85,21 +97,112 @@ def head_sources(match: np.ndarray, heads: list[tuple[int, int]]
   return sources, [lh for lh in heads if lh in lenders]
 
 
-def to_head_shared(cfg: ModelConfig, variables: Any, share_rate: float
-                   ) -> tuple[ModelConfig, Any, dict[str, Any]]:
+@dataclasses.dataclass(frozen=True)
+class PostTraining:
+  """PostShare's post-training (module docstring): Adam `steps` at `lr` on `tokens_NT` with the
+  similarity term weighted `weight`."""
+  steps: int
+  lr: float
+  weight: float
+  tokens_NT: np.ndarray
+
+  @classmethod
+  def from_options(cls, opts: Any, tokens_NT: np.ndarray | None) -> 'PostTraining | None':
+    if not opts.post_train_steps:
+      return None
+    return cls(int(opts.post_train_steps), float(opts.post_train_lr),
+               float(opts.similarity_weight), tokens_NT)
+
+
+def check_post_training(opts: Any) -> None:
+  """One ConfigError line for PostShare options out of range."""
+  if opts.post_train_steps < 0 or (opts.post_train_steps and (
+      opts.post_train_lr <= 0 or not 0 <= opts.similarity_weight <= 1)):
+    raise ConfigError(f'config.post_train_steps={opts.post_train_steps}, post_train_lr='
+                      f'{opts.post_train_lr}, similarity_weight={opts.similarity_weight}; '
+                      f'valid: post_train_steps >= 0 (0 = DirectShare), post_train_lr > 0, '
+                      f'0 <= similarity_weight <= 1')
+
+
+def head_pairs(match: np.ndarray, heads: list[tuple[int, int]]) -> np.ndarray:
+  """(n, 4) rows (layer, head, match layer, match head) of the chosen heads."""
+  return np.asarray([(l, h, int(match[l, h][0]), int(match[l, h][1])) for l, h in heads],
+                    np.int64).reshape(-1, 4)
+
+
+def similarity_loss(cfg: ModelConfig, params: Any, pairs: np.ndarray) -> jax.Array:
+  """PostShare's weight loss: the mean over `pairs` of ||q - q'|| + ||k - k'|| + ||v - v'||,
+  each the Frobenius norm of a head's (D, Dh) slice minus its match's (0 without pairs)."""
+  if not len(pairs):
+    return jnp.zeros(())
+  applied = layout.applied_params(params, cfg)
+  total = 0.0
+  for p in ('q', 'k', 'v'):
+    w = applied[('attn', p, 'kernel')]                 # (L, D, H, Dh)
+    diff = w[pairs[:, 0], :, pairs[:, 1]] - w[pairs[:, 2], :, pairs[:, 3]]   # (n, D, Dh)
+    total = total + jnp.sum(jnp.sqrt(jnp.sum(jnp.square(diff.astype(jnp.float32)),
+                                             axis=(1, 2))))
+  return total / len(pairs)
+
+
+def post_train(cfg: ModelConfig, variables: Any, pairs: np.ndarray, post: PostTraining
+               ) -> tuple[Any, dict[str, float]]:
+  """(the variables after PostShare's post-training, its losses before and after)."""
+  model = DecoderLM(cfg)
+  tokens = jnp.asarray(post.tokens_NT, jnp.int32)
+  rest = {k: v for k, v in variables.items() if k != 'params'}
+
+  def parts(params):
+    logits = model.apply({**rest, 'params': params}, tokens[:, :-1])
+    nll = jnp.mean(optax.softmax_cross_entropy_with_integer_labels(
+        logits.astype(jnp.float32), tokens[:, 1:]))
+    return nll, similarity_loss(cfg, params, pairs)
+
+  def loss(params):
+    nll, sim = parts(params)
+    return (1 - post.weight) * nll + post.weight * sim
+
+  opt = optax.adam(post.lr)
+
+  @jax.jit
+  def run(params):
+    def body(carry, _):
+      p, s = carry
+      upd, s = opt.update(jax.grad(loss)(p), s, p)
+      return (optax.apply_updates(p, upd), s), None
+    (p, _), _ = jax.lax.scan(body, (params, opt.init(params)), None, length=post.steps)
+    return p
+
+  before = [float(x) for x in jax.jit(parts)(variables['params'])]
+  params = run(variables['params'])
+  after = [float(x) for x in jax.jit(parts)(params)]
+  return {**variables, 'params': params}, {
+      'steps': post.steps, 'lr': post.lr, 'similarity_weight': post.weight,
+      'nll_before': before[0], 'similarity_before': before[1],
+      'nll_after': after[0], 'similarity_after': after[1]}
+
+
+def to_head_shared(cfg: ModelConfig, variables: Any, share_rate: float,
+                   post: PostTraining | None = None) -> tuple[ModelConfig, Any, dict[str, Any]]:
   """DirectShare (Cao, Yang, Zhao, "Head-wise Shareable Attention for Large Language Models",
   arXiv:2402.11819; reference code zouyingcao/DirectShare): each replaced head takes its match's
   Q, K, V slices (and biases) and O slice, copied from the source model; a selected head that
   is itself a match keeps its own weights, as in the reference (`head_sources`).
 
+  With `post` (PostShare), the heads are chosen on the source's weights, the model is
+  post-trained (`post_train`), and the chosen heads of the post-trained model are shared.
+
   Returns (the same architecture, the variables with the copied slices, the sharing record:
   replaced heads with their source and similarity, the selected heads kept as sources, the
   number of distinct heads and the stored parameters once every duplicated head is counted
-  once, `params_unique`).
+  once, `params_unique`; PostShare's losses before and after its post-training).
   """
   compat.check_action('convert_head_shared', cfg.table_config(), 'config.to=head_shared')
   match, best = head_matches(cfg, variables)
   heads = replaced_heads(cfg, best, share_rate)
+  post_record = None
+  if post is not None:
+    variables, post_record = post_train(cfg, variables, head_pairs(match, heads), post)
   src = layout.applied_params(variables['params'], cfg)
   names = [('attn', p, 'kernel') for p in ('q', 'k', 'v')] + [('attn', 'o', 'kernel')]
   names += [('attn', p, 'bias') for p in ('q', 'k', 'v') if ('attn', p, 'bias') in src]
@@ -135,4 +238,7 @@ def to_head_shared(cfg: ModelConfig, variables: Any, share_rate: float
       'heads': L * H, 'distinct_heads': distinct,
       'params_unique': params_unique(variables) - (L * H - distinct) * per_head,
   }
+  if post_record is not None:
+    record['method'] = 'PostShare (arXiv:2402.11819)'
+    record['post_training'] = post_record
   return cfg, out, record

@@ -9,6 +9,7 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax.traverse_util import flatten_dict, unflatten_dict
 
@@ -449,6 +450,66 @@ def test_head_sharing_chain_keeps_the_middle_head_as_the_reference_does():
   _assert_heads_from(_kernels(cfg, v), _kernels(cfg, v1), {(2, 0): (1, 0)}, 3, 2)
 
 
+def test_postshare_similarity_term_restates_the_reference():
+  """PostShare's weight loss: the mean over the chosen heads of the Frobenius norms of their
+  q, k, v slices minus their matches' (the reference's 'norm' loss), in numpy."""
+  cfg, v = _head_model()
+  match, best = head_share.head_matches(cfg, v)
+  heads = head_share.replaced_heads(cfg, best, 0.5)
+  pairs = head_share.head_pairs(match, heads)
+  k = _kernels(cfg, v)
+  want = np.mean([sum(np.linalg.norm(k[n][l, :, h] - k[n][m, :, j]) for n in 'qkv')
+                  for l, h, m, j in pairs])
+  got = float(head_share.similarity_loss(cfg, v['params'], pairs))
+  assert len(pairs) == 6 and abs(got - want) <= 1e-5 * want
+
+
+def test_postshare_post_trains_toward_the_matches_then_shares():
+  """post_train_steps Adam steps on (1 - w) NLL + w similarity: the similarity term falls, the
+  heads chosen on the source are shared afterwards (the same replaced heads as DirectShare),
+  and the sharing step then costs less next-token loss than after the same post-training
+  without the constraint (w = 0)."""
+  cfg, v = _head_model()
+  toks = np.asarray(_tokens(B=4, T=12))
+
+  def nll(variables):
+    logits = DecoderLM(cfg).apply(variables, jnp.asarray(toks[:, :-1]))
+    return float(jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits,
+                                                                           toks[:, 1:])))
+
+  _, _, rec_d = head_share.to_head_shared(cfg, v, 0.5)
+  cost = {}
+  for w in (0.5, 0.0):
+    post = head_share.PostTraining(steps=60, lr=3e-3, weight=w, tokens_NT=toks)
+    _, shared, rec = head_share.to_head_shared(cfg, v, 0.5, post=post)
+    pt = rec['post_training']
+    assert rec['method'].startswith('PostShare') and pt['steps'] == 60
+    assert [(r['layer'], r['head']) for r in rec['replaced']] == [
+        (r['layer'], r['head']) for r in rec_d['replaced']] != []
+    cost[w] = nll(shared) - pt['nll_after']   # what sharing the post-trained heads costs
+    if w:
+      assert pt['similarity_after'] < 0.5 * pt['similarity_before']
+    else:
+      assert pt['similarity_after'] > 0.9 * pt['similarity_before']
+  assert 0 < cost[0.5] < 0.5 * cost[0.0]
+
+
+def test_postshare_bad_options_are_one_line():
+  from sharenet.config import defaults
+  from sharenet.main import convert_workdir
+  opts = defaults.conversion_config()
+  for to, changes, match in (('head_shared', {'post_train_steps': -1}, 'post_train_steps=-1'),
+                             ('head_shared', {'post_train_steps': 5, 'similarity_weight': 2.0},
+                              'similarity_weight=2.0'),
+                             ('rmsnorm', {'post_train_steps': 5}, 'post-trains before head')):
+    o = defaults.conversion_config()
+    o.to = to
+    o.update(changes)
+    with pytest.raises(ConfigError, match=match) as e:
+      convert_workdir.check_options(o)
+    assert '\n' not in str(e.value)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize('kw,rate,match', [
     (dict(), 0.75, 'share_rate'),   # 9 of 12 heads; only 8 lie after layer 0
@@ -516,3 +577,13 @@ def test_head_shared_conversion_of_a_trained_run_evaluates(tiny_config, tmp_path
     rec = json.load(f)['head_sharing']
   assert len(rec['replaced']) == int(0.3 * 3 * 2) == 1
   assert rec['params_unique'] < json.load(open(os.path.join(src, 'config.json')))['params_unique']
+  # PostShare through convert.py: post-trained on the calibration batch, then shared
+  opts.post_train_steps, opts.post_train_lr, opts.calibration_windows = 5, 1e-3, 2
+  post_dst = str(tmp_path / 'post')
+  convert_workdir.convert_workdir(src, post_dst, opts)
+  with open(os.path.join(post_dst, 'config.json')) as f:
+    post = json.load(f)['head_sharing']
+  assert post['method'].startswith('PostShare') and post['post_training']['steps'] == 5
+  assert post['post_training']['similarity_after'] < post['post_training']['similarity_before']
+  assert post['replaced'] == rec['replaced']
+  assert np.isfinite(eval_workdir.evaluate_workdir(post_dst)['eval_loss'])
