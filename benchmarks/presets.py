@@ -31,6 +31,7 @@ from typing import Any
 
 from absl import app, flags
 
+from benchmarks import doc_tables
 from configs.sizes import presets
 
 _OUT = flags.DEFINE_string('out', 'benchmarks/results/presets.json', 'JSON results')
@@ -153,16 +154,6 @@ def markdown(result: dict[str, Any]) -> str:
   return '\n'.join(lines)
 
 
-def write_docs(path: str, table: str) -> None:
-  with open(path) as f:
-    text = f.read()
-  if BEGIN not in text or END not in text:
-    raise RuntimeError(f'{path} has no presets markers ({BEGIN} ... {END})')
-  head, rest = text.split(BEGIN, 1)
-  with open(path, 'w') as f:
-    f.write(f'{head}{BEGIN}\n{table}\n{END}{rest.split(END, 1)[1]}')
-
-
 def main(argv) -> None:
   del argv
   if _WORKER.value:
@@ -180,7 +171,7 @@ def main(argv) -> None:
   with open(_OUT.value, 'w') as f:
     json.dump(result, f, indent=1)
   if _DOCS.value:
-    write_docs(_DOCS.value, markdown(result))
+    doc_tables.splice(_DOCS.value, BEGIN, END, markdown(result))
   print(f'wrote {_OUT.value}' + (f' and the table in {_DOCS.value}' if _DOCS.value else ''))
 
 

@@ -48,6 +48,8 @@ from absl import app, flags
 import jax
 import jax.numpy as jnp
 
+from benchmarks import doc_tables
+
 from configs import default
 from configs.sizes import presets
 from sharenet import kernels
@@ -220,17 +222,6 @@ def markdown(steps: list[dict[str, Any]], memory: list[dict[str, Any]]) -> str:
   return '\n'.join(lines)
 
 
-def write_docs(path: str, table: str) -> None:
-  with open(path) as f:
-    text = f.read()
-  if BEGIN not in text or END not in text:
-    raise RuntimeError(f'{path} has no roofline markers ({BEGIN} ... {END})')
-  head, rest = text.split(BEGIN, 1)
-  tail = rest.split(END, 1)[1]
-  with open(path, 'w') as f:
-    f.write(f'{head}{BEGIN}\n{table}\n{END}{tail}')
-
-
 def main(argv) -> None:
   del argv
   if _MEMORY_WORKER.value:
@@ -258,7 +249,7 @@ def main(argv) -> None:
   with open(_OUT.value, 'w') as f:
     json.dump({'setting': setting, 'steps': steps, 'memory': memory}, f, indent=1)
   if _DOCS.value:
-    write_docs(_DOCS.value, markdown(steps, memory))
+    doc_tables.splice(_DOCS.value, BEGIN, END, markdown(steps, memory))
   print(f'wrote {_OUT.value}' + (f' and the table in {_DOCS.value}' if _DOCS.value else ''))
 
 

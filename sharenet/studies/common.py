@@ -20,7 +20,7 @@ from sharenet.config import cli
 from sharenet.errors import ConfigError
 from sharenet.models import ModelConfig, param_table
 from sharenet.main import eval_workdir
-from sharenet.train import experiment, workdir_io
+from sharenet.train import experiment, loop, workdir_io
 
 
 def parse_list(s: Any, cast=int) -> list:
@@ -242,6 +242,13 @@ def mean_sd(xs: list[float], fmt: str = '.4f', sep: str = '±') -> str:
   """'mean SEP sd' of `xs` in format `fmt` (the mean alone for one value)."""
   m = statistics.mean(xs)
   return f'{m:{fmt}} {sep} {statistics.stdev(xs):{fmt}}' if len(xs) > 1 else f'{m:{fmt}}'
+
+
+def trained(config: Any, workdir: str) -> dict[str, float]:
+  """Trains `config` into `workdir` (to its end; `completed` checks it) and returns the final
+  evaluation's eval loss and bits per byte."""
+  res = completed(loop.train_and_evaluate(config, workdir), workdir)
+  return {'eval_loss': res['eval_loss'], 'eval_bits_per_byte': res['eval_bits_per_byte']}
 
 
 def evaluated(workdir: str, eval_tokens: int) -> dict[str, float]:

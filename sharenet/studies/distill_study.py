@@ -37,7 +37,7 @@ from sharenet.config import defaults
 from sharenet.errors import ConfigError
 from sharenet.main import convert_workdir
 from sharenet.studies import common
-from sharenet.train import experiment, loop, workdir_io
+from sharenet.train import experiment, workdir_io
 
 METHODS = ('ce', 'kd')
 
@@ -88,9 +88,7 @@ def _uptrain(source: str, workdir: str, study: Any, method: str, seed: int,
     overrides.update({'train.teacher.workdir': teacher,
                       'train.teacher.weight': float(study.kd_weight),
                       'train.teacher.temperature': float(study.temperature)})
-  res = common.completed(loop.train_and_evaluate(common.with_overrides(config, overrides),
-                                                 workdir), workdir)
-  return {'eval_loss': res['eval_loss'], 'eval_bits_per_byte': res['eval_bits_per_byte']}
+  return common.trained(common.with_overrides(config, overrides), workdir)
 
 
 def main(config: Any, out: str) -> int:
@@ -107,8 +105,7 @@ def main(config: Any, out: str) -> int:
                                          'train.checkpoint_every': int(s.teacher_steps),
                                          'train.progress': False, 'train.eval_every': 0,
                                          'data.eval_tokens': int(s.eval_tokens)})
-    res = common.completed(loop.train_and_evaluate(cfg, teacher), teacher)
-    return {'eval_loss': res['eval_loss'], 'eval_bits_per_byte': res['eval_bits_per_byte']}
+    return common.trained(cfg, teacher)
 
   teacher_inputs = {'config': base, 'steps': s.teacher_steps, 'eval_tokens': s.eval_tokens}
   result: dict[str, Any] = {'study': s.to_dict(),

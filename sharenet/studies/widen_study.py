@@ -36,7 +36,7 @@ from sharenet.config import defaults
 from sharenet.errors import ConfigError
 from sharenet.main import convert_workdir
 from sharenet.studies import common
-from sharenet.train import experiment, loop, workdir_io
+from sharenet.train import experiment, workdir_io
 
 METHODS = ('grown', 'scratch')
 
@@ -80,9 +80,7 @@ def _grown(source: str, workdir: str, study: Any, seed: int) -> dict[str, Any]:
                'train.decay_fraction': float(t.decay_fraction) * study.steps /
                (base + study.steps),
                'train.restore': 'params'}   # the seed's own data stream, a fresh optimizer
-  res = common.completed(loop.train_and_evaluate(common.with_overrides(config, overrides),
-                                                 workdir), workdir)
-  return {'eval_loss': res['eval_loss'], 'eval_bits_per_byte': res['eval_bits_per_byte']}
+  return common.trained(common.with_overrides(config, overrides), workdir)
 
 
 def _scratch(config: Any, workdir: str, study: Any, width: int, seed: int) -> dict[str, Any]:
@@ -101,8 +99,7 @@ def _scratch(config: Any, workdir: str, study: Any, width: int, seed: int) -> di
                                          grown.parametrization.base_d_model,
                                      'parametrization.base_num_heads':
                                          grown.parametrization.base_num_heads})
-  res = common.completed(loop.train_and_evaluate(c, workdir), workdir)
-  return {'eval_loss': res['eval_loss'], 'eval_bits_per_byte': res['eval_bits_per_byte']}
+  return common.trained(c, workdir)
 
 
 def main(config: Any, out: str) -> int:
@@ -116,8 +113,7 @@ def main(config: Any, out: str) -> int:
 
   def train_source():
     c = common.with_overrides(config, _run_overrides(s, s.source_steps, config.train.seed))
-    res = common.completed(loop.train_and_evaluate(c, source), source)
-    return {'eval_loss': res['eval_loss'], 'eval_bits_per_byte': res['eval_bits_per_byte'],
+    return {**common.trained(c, source),
             'params_unique': common.stored_params(source)}
 
   source_inputs = {'config': base, 'steps': s.source_steps, 'eval_tokens': s.eval_tokens}
