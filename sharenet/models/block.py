@@ -114,7 +114,7 @@ class Block(nn.Module):
     attention = CausalAttention(c, name='attn')
     auxes = []   # model.moe: each application's weighted aux loss, added to the carry's
     ffn = self._feed_forward(masa, auxes)
-    mlp = lambda *args: euler(ffn(*args))
+    mlp = ffn if h is None else lambda *args: euler(ffn(*args))
     selects = c.moe.kind != 'none' or c.moe.lora_experts > 0   # the feed-forward has a router
 
     def attn(h_BTD, positions_T, segment_ids_BT, value_in_BTD=None):

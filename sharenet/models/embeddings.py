@@ -13,7 +13,9 @@ embedded token to the residual width D, so the table stores V x E instead of V x
   x = act(norm(h) W_1) W_2 with W_1 (E, E) and W_2 (E, D) (no residual around the lift: the
   widths differ). The attention is causal with the model's head_dim (E / head_dim heads) and
   rotary positions (the model's own positions are added at width D afterwards, as without
-  factorization); the activation is GELU (the code's default is ReLU).
+  factorization), through the blocks' attention core (sharenet/kernels/attention.py, on the
+  back-end model.attention selects; packed documents attend within their own); the activation
+  is GELU (the code's default is ReLU).
 
 A tied readout reads the table through a projection back to E (ALBERT's tied output layer and
 the Subformer's `output_projection`): logits = (x W_down) table^T, W_down (D, E).
@@ -28,6 +30,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from sharenet import kernels
+from sharenet.kernels import attention as attention_kernel
 from sharenet.models.config import ModelConfig
 from sharenet.models.layers import Dense, rope
 from sharenet.models.norms import Norm
@@ -40,7 +44,8 @@ class EmbedProjection(nn.Module):
   cfg: ModelConfig
 
   @nn.compact
-  def __call__(self, e_BTE: jax.Array) -> jax.Array:
+  def __call__(self, e_BTE: jax.Array, segment_ids_BT: jax.Array | None = None) -> jax.Array:
+    """`segment_ids_BT`: packed documents (the self-attentive lift attends within each)."""
     c = self.cfg
     dt, pdt = jnp.dtype(c.dtype), jnp.dtype(c.param_dtype)
     dense = lambda features, in_axes, out_axes, role, name: Dense(
@@ -56,11 +61,9 @@ class EmbedProjection(nn.Module):
     qkv = [dense((heads, dh), (FACTOR_AXIS,), ('heads', 'head_dim'), 'reader', n)(a)
            for n in ('q', 'k', 'v')]
     q, k, v = (rope(t, jnp.arange(T), c.rope_base) if i < 2 else t for i, t in enumerate(qkv))
-    scores = jnp.einsum('bthd,bshd->bhts', q, k)   # softmax in float32 or wider
-    scores = scores.astype(jnp.promote_types(scores.dtype, jnp.float32)) * dh ** -0.5
-    causal = jnp.tril(jnp.ones((T, T), bool))
-    probs = jax.nn.softmax(jnp.where(causal, scores, -jnp.inf), axis=-1).astype(v.dtype)
-    attended = jnp.einsum('bhts,bshd->bthd', probs, v)
+    attended = attention_kernel.attention(
+        q, k, v, scale=dh ** -0.5, impl=kernels.attention_backend(c.attention, c.kernels),
+        segment_ids_BT=segment_ids_BT)
     h = e_BTE + dense((c.embed_dim,), ('heads', 'head_dim'), (FACTOR_AXIS,), 'writer',
                       'o')(attended)
     f = nn.gelu(dense((c.embed_dim,), (FACTOR_AXIS,), (FACTOR_AXIS,), 'reader',

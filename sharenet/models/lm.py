@@ -114,13 +114,15 @@ class DecoderLM(nn.Module):
       self.logits_bias = params.param(self, 'logits_bias', (c.vocab_size,), ('vocab',), 'bias',
                                       init=nn.initializers.zeros, dtype=pdt)
 
-  def embed(self, tokens_BT: jax.Array, positions_BT: jax.Array | None = None) -> jax.Array:
+  def embed(self, tokens_BT: jax.Array, positions_BT: jax.Array | None = None,
+            segment_ids_BT: jax.Array | None = None) -> jax.Array:
     """The stream entering the trunk (B, T, D); `positions_BT` (absolute, >= 0) for learned
-    positions in cached generation (default 0..T-1)."""
+    positions in cached generation (default 0..T-1); `segment_ids_BT`: packed documents (the
+    self-attentive factorized embedding attends within each)."""
     c = self.cfg
     x_BTD = self.embedder(tokens_BT)
     if c.embed_dim:
-      x_BTD = self.embed_proj(x_BTD)
+      x_BTD = self.embed_proj(x_BTD, segment_ids_BT)
     if c.embed_scale != 1.0:   # Gemma's sqrt(d_model); the tied readout reads the raw table
       x_BTD = x_BTD * jnp.asarray(c.embed_scale, x_BTD.dtype)
     if c.position == 'learned':
@@ -203,7 +205,8 @@ class DecoderLM(nn.Module):
     the batch row each sequence draws a random initial state as (attention.DecodeStep)."""
     T = tokens_BT.shape[1]
     if cache is None:
-      x_BTD = self.trunk(self.embed(tokens_BT), jnp.arange(T), segment_ids_BT, schedule=schedule)
+      x_BTD = self.trunk(self.embed(tokens_BT, segment_ids_BT=segment_ids_BT), jnp.arange(T),
+                         segment_ids_BT, schedule=schedule)
       return self.head(x_BTD)
     key_pos_BS = jax.lax.dynamic_update_slice_in_dim(cache.key_positions_BS, positions_BT,
                                                      cache.index, axis=1)

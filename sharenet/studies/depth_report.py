@@ -13,7 +13,8 @@ VARIANTS: dict[str, str] = {
     'sampled_ode': 'poisson_lognormal depth, loops as Euler steps (ode_step)',
     'mor_expert': 'MoR expert choice (routes its own depth)',
 }
-LOOPED = ('recursive', 'sampled', 'sampled_inject', 'sampled_ode')   # evaluated at every test-time depth
+# evaluated at every test-time depth
+LOOPED = ('recursive', 'sampled', 'sampled_inject', 'sampled_ode')
 KV_FIRST = 'recursive_kv_first'                       # decode-only row: recursive's parameters
 
 

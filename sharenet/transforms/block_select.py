@@ -68,7 +68,9 @@ def check_gated(cfg: ModelConfig) -> None:
                       'config.importance=influence, or a pre / post / moeut model')
 
 
-def _nll(model: DecoderLM, variables: Any, tokens_NT: jax.Array) -> jax.Array:
+def calibration_nll(model: DecoderLM, variables: Any, tokens_NT: jax.Array) -> jax.Array:
+  """Mean next-token loss of `model` on the calibration windows `tokens_NT` (the objective
+  of the conversions that train on them: gates here, PostShare in transforms/head_share.py)."""
   logits = model.apply(variables, tokens_NT[:, :-1])
   return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, tokens_NT[:, 1:]))
 
@@ -87,21 +89,27 @@ def gate_importance(cfg: ModelConfig, variables: Any, tokens_NT: np.ndarray, ste
   def loss(g):
     v = dict(frozen)
     v['params'] = gated(cfg, frozen['params'], g)
-    return _nll(model, v, tokens) + l1 * jnp.sum(jnp.abs(g))
+    return calibration_nll(model, v, tokens) + l1 * jnp.sum(jnp.abs(g))
 
+  gates = adam_steps(loss, jnp.ones((cfg.num_layers,), jnp.float32), steps, lr)
+  return np.abs(np.asarray(gates, np.float64))
+
+
+def adam_steps(loss: Any, x: Any, steps: int, lr: float) -> Any:
+  """`x` after `steps` Adam steps at `lr` on `loss(x)`, one compiled scan (the calibration
+  training of the gates here and of PostShare, transforms/head_share.py)."""
   opt = optax.adam(lr)
 
   @jax.jit
-  def run(g):
+  def run(x):
     def body(carry, _):
-      g, s = carry
-      grad = jax.grad(loss)(g)
-      upd, s = opt.update(grad, s, g)
-      return (optax.apply_updates(g, upd), s), None
-    (g, _), _ = jax.lax.scan(body, (g, opt.init(g)), None, length=steps)
-    return g
+      x, s = carry
+      upd, s = opt.update(jax.grad(loss)(x), s, x)
+      return (optax.apply_updates(x, upd), s), None
+    (x, _), _ = jax.lax.scan(body, (x, opt.init(x)), None, length=steps)
+    return x
 
-  return np.abs(np.asarray(run(jnp.ones((cfg.num_layers,), jnp.float32)), np.float64))
+  return run(x)
 
 
 def block_influence(cfg: ModelConfig, variables: Any, tokens_NT: np.ndarray) -> np.ndarray:

@@ -26,12 +26,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 from sharenet.config import compat
 from sharenet.errors import ConfigError, require
 from sharenet.models import DecoderLM, ModelConfig, layout
 from sharenet.models.accounting import params_unique
+from sharenet.transforms import block_select
 
 
 def head_similarity(cfg: ModelConfig, variables: Any) -> np.ndarray:
@@ -153,28 +153,15 @@ def post_train(cfg: ModelConfig, variables: Any, pairs: np.ndarray, post: PostTr
   rest = {k: v for k, v in variables.items() if k != 'params'}
 
   def parts(params):
-    logits = model.apply({**rest, 'params': params}, tokens[:, :-1])
-    nll = jnp.mean(optax.softmax_cross_entropy_with_integer_labels(
-        logits.astype(jnp.float32), tokens[:, 1:]))
-    return nll, similarity_loss(cfg, params, pairs)
+    return (block_select.calibration_nll(model, {**rest, 'params': params}, tokens),
+            similarity_loss(cfg, params, pairs))
 
   def loss(params):
     nll, sim = parts(params)
     return (1 - post.weight) * nll + post.weight * sim
 
-  opt = optax.adam(post.lr)
-
-  @jax.jit
-  def run(params):
-    def body(carry, _):
-      p, s = carry
-      upd, s = opt.update(jax.grad(loss)(p), s, p)
-      return (optax.apply_updates(p, upd), s), None
-    (p, _), _ = jax.lax.scan(body, (params, opt.init(params)), None, length=post.steps)
-    return p
-
   before = [float(x) for x in jax.jit(parts)(variables['params'])]
-  params = run(variables['params'])
+  params = block_select.adam_steps(loss, variables['params'], post.steps, post.lr)
   after = [float(x) for x in jax.jit(parts)(params)]
   return {**variables, 'params': params}, {
       'steps': post.steps, 'lr': post.lr, 'similarity_weight': post.weight,

@@ -96,6 +96,25 @@ def test_the_model_restates_the_factorization(proj, tied):
     np.testing.assert_allclose(logits, want, rtol=1e-10, atol=1e-12)
 
 
+def test_packed_documents_lift_within_their_own():
+  """With segment ids the self-attentive lift attends within each packed document: a document's
+  rows equal the restated lift of that document alone (rotary attention depends on position
+  differences only, so the packed offset does not matter)."""
+  with jax.enable_x64(True):
+    cfg = _cfg('self_attentive')
+    v = _vars(cfg)
+    p = jax.tree.map(np.asarray, v['params'])
+    tokens = np.random.default_rng(3).integers(0, 40, (1, 9))
+    seg = np.asarray([[0, 0, 0, 0, 1, 1, 1, 1, 1]])
+    model = DecoderLM(cfg)
+    x = np.asarray(model.apply(v, jnp.asarray(tokens), segment_ids_BT=jnp.asarray(seg),
+                               method=model.embed))
+    for doc in (0, 1):
+      rows = seg[0] == doc
+      np.testing.assert_allclose(x[0, rows], _lift(cfg, p, tokens[0, rows]), rtol=1e-6,
+                                 atol=1e-7)
+
+
 @pytest.mark.parametrize('proj', ['linear', 'self_attentive'])
 def test_stored_parameters_flops_and_roles(proj):
   """The table stores V x E; the lift's and a tied readout's kernels are the accounting's
