@@ -89,6 +89,17 @@ def kill_after_checkpoint(cmd, env, workdir, step):
   assert os.path.isdir(ckpt), f'the run never wrote its step-{step} checkpoint'
 
 
+def share_a_wandb_service(tmp_path, monkeypatch):
+  """Starts a W&B service in this process (offline) and leaves WANDB_SERVICE naming it for
+  the rest of the test, as a launcher or notebook that uses wandb does for its children."""
+  import wandb
+  monkeypatch.delenv('WANDB_SERVICE', raising=False)   # undone last: the value before the test
+  monkeypatch.setenv('WANDB_MODE', 'offline')
+  monkeypatch.setenv('WANDB_SILENT', 'true')
+  wandb.init(project='launcher', dir=str(tmp_path)).finish()
+  assert os.environ.get('WANDB_SERVICE')
+
+
 def resume_matches_uninterrupted(tmp_path, flags, step, last):
   """Runs tiny train.py with `flags` to the end in one workdir, and in another kills it (-9)
   once its checkpoint `step` exists and reruns it; asserts the rerun resumed there and logged

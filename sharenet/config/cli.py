@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import difflib
 import gc
+import os
 import re
 import sys
 from typing import Any, Callable, NoReturn
@@ -137,7 +138,11 @@ def parse_flags(argv: list[str], flag_values: flags.FlagValues = flags.FLAGS) ->
 def run(main: Callable[[list[str]], Any]) -> None:
   """app.run(main) for an entry point: flag mistakes, ConfigError and NonFiniteLoss are one line
   `error: ...` on stderr with exit status 2, not a traceback or a usage dump. The cyclic
-  collector runs at GC_THRESHOLDS."""
+  collector runs at GC_THRESHOLDS.
+
+  A command is its own job: it starts its own W&B service instead of joining the one an
+  inherited WANDB_SERVICE names (a launcher or notebook that uses wandb itself). In a shared
+  service a killed run's stream stays open, and its rerun could not resume the W&B run."""
 
   def checked(argv: list[str]) -> Any:
     try:
@@ -146,4 +151,5 @@ def run(main: Callable[[list[str]], Any]) -> None:
       _fail(str(e))
 
   gc.set_threshold(*GC_THRESHOLDS)
+  os.environ.pop('WANDB_SERVICE', None)
   app.run(checked, flags_parser=parse_flags)

@@ -99,11 +99,20 @@ def _wandb_run(workdir: str, config: dict[str, Any], settings: Any) -> Any:
   path = os.path.join(workdir, RUN_ID_FILE)
   run_id = open(path).read().strip() if os.path.exists(path) else None
   s = settings
-  run = wandb.init(project=(s.project if s else '') or 'sharenet',
-                   entity=(s.entity if s else '') or None,
-                   name=(s.name if s else '') or os.path.basename(os.path.abspath(workdir)),
-                   mode=(s.mode if s else '') or None, id=run_id,
-                   resume='allow' if run_id else None, dir=workdir, config=config)
+  try:
+    run = wandb.init(project=(s.project if s else '') or 'sharenet',
+                     entity=(s.entity if s else '') or None,
+                     name=(s.name if s else '') or os.path.basename(os.path.abspath(workdir)),
+                     mode=(s.mode if s else '') or None, id=run_id,
+                     resume='allow' if run_id else None, dir=workdir, config=config)
+  except Exception as e:
+    if run_id and 'is in use' in str(e):
+      raise RuntimeError(
+          f'W&B run {run_id} (named by {path}) is still open in the W&B service this process '
+          'shares (WANDB_SERVICE is set, and a killed run of this workdir left its stream '
+          'there); run from a process without WANDB_SERVICE (train.py drops it) or end the '
+          'process that started the service') from e
+    raise
   if run_id is None:
     with open(path, 'w') as f:
       f.write(run.id + '\n')

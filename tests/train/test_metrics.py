@@ -108,6 +108,32 @@ def test_wandb_offline_run_holds_the_metrics_and_the_config(tmp_path, tiny_confi
   assert {h['_step'] for h in resumed if 'loss' in h} == {6}
 
 
+@pytest.mark.slow
+def test_a_wandb_run_held_in_a_shared_service_is_one_clear_line(tmp_path, monkeypatch):
+  """A process that shares a W&B service (WANDB_SERVICE) where a killed run of the workdir left
+  its stream open cannot resume that W&B run: one line naming the run, the file and the way
+  out, not wandb's traceback."""
+  pytest.importorskip('wandb')
+  import subprocess
+  import sys
+  from conftest import share_a_wandb_service
+  share_a_wandb_service(tmp_path, monkeypatch)
+  workdir = tmp_path / 'run'
+  workdir.mkdir()
+  (workdir / 'wandb_run_id').write_text('killedrun1\n')
+  holder = subprocess.Popen(
+      [sys.executable, '-c', 'import sys, time, wandb\n'
+       'wandb.init(project="p", id="killedrun1", dir=sys.argv[1]); print("up", flush=True)\n'
+       'time.sleep(300)', str(tmp_path)], stdout=subprocess.PIPE, text=True)
+  assert holder.stdout.readline().strip() == 'up'
+  holder.kill()
+  holder.wait()
+  with pytest.raises(RuntimeError, match=r'W&B run killedrun1 \(named by .*wandb_run_id\) is '
+                                         r'still open in the W&B service') as e:
+    MetricsWriter(str(workdir), ('jsonl', 'wandb'))
+  assert '\n' not in str(e.value)
+
+
 def test_bad_loggers_are_one_line_and_write_nothing(tmp_path, tiny_config):
   from sharenet.errors import ConfigError
   from sharenet.train import loop

@@ -49,11 +49,12 @@ def test_bad_profile_ranges_are_one_line(tmp_path, tiny_config):
 def test_kill_and_resume_is_exact_while_watching_logging_and_profiling(tmp_path, monkeypatch):
   """train.watch (on a cycle: per-use rows too), the W&B logger (offline) and a profiler trace
   change no state: a run with all three on, killed with -9 after its step-4 checkpoint,
-  resumes to the uninterrupted losses."""
+  resumes to the uninterrupted losses. The runs inherit WANDB_SERVICE from this process (a
+  launcher using wandb): each train.py starts its own service, so the killed run's W&B stream
+  dies with it and the rerun resumes the W&B run."""
   pytest.importorskip('wandb')
-  from conftest import resume_matches_uninterrupted
-  monkeypatch.setenv('WANDB_MODE', 'offline')
-  monkeypatch.setenv('WANDB_SILENT', 'true')
+  from conftest import resume_matches_uninterrupted, share_a_wandb_service
+  share_a_wandb_service(tmp_path, monkeypatch)
   ref, _ = resume_matches_uninterrupted(tmp_path, [
       '--config.train.steps=8', '--config.train.checkpoint_every=4',
       '--config.train.log_every=1', '--config.train.watch=True',
