@@ -93,6 +93,17 @@ def _targets(key: str, kernel: str) -> Callable[[Any], bool]:
   return lambda c: kernel in str(_get(c, key)).replace(' ', '').split(',')
 
 
+def _mlp_targets(key: str) -> Callable[[Any], bool]:
+  """Whether the comma list at config `key` names a dense-MLP kernel (mlp_in, mlp_out)."""
+  return lambda c: any(t.startswith('mlp') for t in str(_get(c, key)).replace(' ', '').split(','))
+
+
+BANK_TARGETS = 'model.bank.targets'
+BANK_MLP = 'the experts replace the dense MLP whose kernels model.bank.targets names'
+BANK_RULE = ('one bank serves readers and writers of both branches, so a rule set per branch '
+             'and kernel has no leaf to scale (valid with the bank: sp, mup, mup_table3)')
+BANK_ONE_MATRIX = ('the bank is one matrix behind every generated kernel, so a per-kernel '
+                   'multiplier, reparametrization or projection has no kernel to act on')
 KV_LOOP = 'kv sharing reuses the first loop\'s keys and values in the later loops of the plan\'s ' \
     'one looped cycle segment, which it lacks'
 
@@ -251,6 +262,24 @@ def _features() -> tuple[Feature, ...]:
                ('qkv_shared', NO_V, _targets('model.masa.targets', 'v')),
                ('qk_shared', NO_Q, _targets('model.masa.targets', 'q')),
                ('qkv_shared', NO_Q, _targets('model.masa.targets', 'q')))),
+      # the parameter bank (models/bank.py): every target kernel from one learned bank
+      Feature('bank', 'bank', (('model.bank.size', 32 * 160),),
+              lambda c: _get(c, 'model.bank.size') > 0,
+              (('masa', 'the parameter bank and MASA both generate the block kernels'),
+               ('kv_shared', NO_V, _targets(BANK_TARGETS, 'v')),
+               ('qkv_shared', NO_V, _targets(BANK_TARGETS, 'v')),
+               ('qk_shared', NO_Q, _targets(BANK_TARGETS, 'q')),
+               ('qkv_shared', NO_Q, _targets(BANK_TARGETS, 'q')),
+               *[(m, BANK_MLP, _mlp_targets(BANK_TARGETS))
+                 for m in ('sigma_moe', 'switch', 'moe_ragged_dot', 'moe_reference',
+                           'moe_router_per_layer')],
+               ('switchhead', SWITCH_LORA, lambda c: bool(
+                   {'v', 'o'} & set(str(_get(c, BANK_TARGETS)).replace(' ', '').split(',')))),
+               ('umup', BANK_RULE), ('completep', BANK_RULE),
+               *[(r, BANK_ONE_MATRIX) for r in ('inv_R', 'inv_sqrt_R', 'zero_mean_writers',
+                                                'weight_std', 'weight_norm', 'sigma_reparam',
+                                                'weight_conditioning', 'compander', 'ngpt',
+                                                'norm_project')])),
   ]
   attention = [_setting(m, 'attention_sharing', 'model.attention_sharing', m)
                for m in ('kv_shared', 'qk_shared', 'qkv_shared')]
@@ -448,6 +477,7 @@ UNKNOWN_PARTS = 'it does not know SwitchHead\'s or the LoRA experts\' parameters
 PER_LAYER_ROUTERS = 'it does not carry per-layer expert selectors (model.moe.router_per_layer)'
 FACTORIZED = ('it does not map a factorized embedding\'s table and lift (model.embed_dim: the '
               'table\'s width is not d_model)')
+BANK_CONVERT = 'it reads and writes plain kernels, not a parameter bank\'s templates'
 NORM_PRE = 'the equivalence uses that only norms read the stream (norm placement pre)'
 TIED_READERS = 'folding a norm into tied readers would untie them'
 WHOLE_HEADS = ('it copies whole heads (their q, k, v and o slices): plain kernels, as many kv '
@@ -519,6 +549,7 @@ def _conversions(table: tuple[Feature, ...]) -> tuple[Feature, ...]:
     if to != 'wider':   # the growth reads the role table; the others place parts by name
       refuses += [('moe_router_per_layer', PER_LAYER_ROUTERS)]
     refuses += [(g.name, FACTORIZED) for g in table if g.axis == 'embed_factor']
+    refuses += [('bank', BANK_CONVERT)]
     seen, unique = set(), []
     for r in refuses:   # the first reason of a pair stays
       if r[0] not in seen and r[0] not in implied:

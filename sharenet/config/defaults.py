@@ -92,6 +92,10 @@ def default_config() -> ml_collections.ConfigDict:
   m.masa = ma = ml_collections.ConfigDict()   # MASA, matrix atom sharing (arXiv:2508.04581)
   ma.atoms = 0                # S shared atoms per target kernel, W_l = sum_s c_ls D_s; 0 = off
   ma.targets = 'q,k,v,o'      # kernels built from atoms: any of q,k,v,o,mlp_in,mlp_out
+  m.bank = bk = ml_collections.ConfigDict()   # parameter bank, Shapeshifter Networks
+  bk.size = 0                 # > 0: the bank's parameters (a multiple of d_model); every target
+                              # kernel generated from it (models/bank.py); 0 = off
+  bk.targets = 'q,k,v,o,mlp_in,mlp_out'   # kernels generated from the bank
   m.sharing = s = ml_collections.ConfigDict()
   s.scheme = 'untied'         # untied | universal | cycle | sequence | middle_cycle |
                               # middle_sequence | sandwich | groups | explicit
@@ -353,7 +357,7 @@ def default_config() -> ml_collections.ConfigDict:
       ('activation_mlp', 'tensor'), ('activation_vocab', 'tensor'),
       ('embed', 'fsdp'), ('heads', 'tensor'), ('kv_heads', 'tensor'), ('mlp', 'tensor'),
       ('vocab', 'tensor'), ('head_dim', None), ('length', None), ('lora', None),
-      ('embed_factor', None),
+      ('embed_factor', None), ('bank', 'tensor'),
       ('layers', None), ('repeats', None), ('atoms', None), ('experts', 'expert'),
   )
 

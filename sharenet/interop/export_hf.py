@@ -48,6 +48,7 @@ def _refusals(cfg: Any) -> list[tuple[bool, str]]:
       (cfg.routing.kind != 'none', f'model.routing.kind={cfg.routing.kind}; valid: none'),
       (not cfg.recurrence.is_default, 'model.recurrence is not its default; valid: fixed depth'),
       (cfg.masa.atoms > 0, f'model.masa.atoms={cfg.masa.atoms}; valid: 0'),
+      (cfg.bank.size > 0, f'model.bank.size={cfg.bank.size}: a parameter bank; valid: 0'),
       (cfg.attention_sharing != 'none', f'model.attention_sharing={cfg.attention_sharing}; '
        f'valid: none'),
       (cfg.kv_sharing != 'none', f'model.kv_sharing={cfg.kv_sharing}; valid: none'),

@@ -10,6 +10,7 @@ from flax.traverse_util import flatten_dict
 
 from sharenet.models.config import ModelConfig
 from sharenet.models.lm import param_table
+from sharenet.models.masa import atom_specs
 from sharenet.models.sections import RecurrenceConfig
 from sharenet.models.params import PER_LAYER
 
@@ -39,15 +40,18 @@ def params_applied(variables: Any, cfg: ModelConfig) -> int:
 
 def matmul_params_per_layer(cfg: ModelConfig) -> int:
   """Weights one applied layer multiplies with (LoRA factors included), from the role table;
-  experts (model.moe) as executed: the top_k a token runs, not all (`executed`)."""
+  experts (model.moe) as executed: the top_k a token runs, not all (`executed`); the kernels a
+  parameter bank generates (models/bank.py: the bank sits outside the blocks) at their shape."""
   s = cfg.sharing   # LoRA where an untied layer keeps it (lora_layers=all), as segment_cfg
   one = cfg.derive(num_layers=1, scan_layers=True, routing={'kind': 'none'}, kv_sharing='none',
                    recurrence=RecurrenceConfig(),   # one layer: no loop to recur
                    sharing={'scheme': 'untied', 'num_unique': 0, 'repeats': 0, 'pattern': '',
                             'lora_rank': s.lora_rank if s.lora_layers == 'all' else 0},
                    moe={'lora_experts': cfg.moe.lora_experts if s.lora_layers == 'all' else 0})
-  return sum(executed(i, cfg) for i in param_table(one).values()
-             if i.branch is not None and i.role in ('reader', 'writer', 'lora', 'router'))
+  generated = sum(math.prod(spec[0]) for spec in atom_specs(cfg, cfg.bank_kernels).values())
+  return generated + sum(executed(i, cfg) for i in param_table(one).values()
+                         if i.branch is not None and i.role in ('reader', 'writer', 'lora',
+                                                                'router'))
 
 
 def executed(info: Any, cfg: ModelConfig) -> int:

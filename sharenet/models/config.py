@@ -26,9 +26,9 @@ from sharenet.config import compat
 from sharenet.errors import ConfigError
 from sharenet.kernels import ATTENTIONS, DENSE_GRADS, KERNELS
 from sharenet.models import expert_checks, looped_config, scaling
-from sharenet.models.sections import (MasaConfig, MoeConfig, NormConfig, RecurrenceConfig,
-                                      RopeScalingConfig, RoutingConfig, SharingConfig, choice,
-                                      key, section)
+from sharenet.models.sections import (BankConfig, MasaConfig, MoeConfig, NormConfig,
+                                      RecurrenceConfig, RopeScalingConfig, RoutingConfig,
+                                      SharingConfig, choice, key, section)
 
 MLPS = ('swiglu', 'geglu', 'gelu', 'selu')   # selu: Klambauer et al., arXiv:1706.02515
 PROJ_BIASES = ('none', 'qkv', 'all')   # model.proj_bias: which block projections carry biases
@@ -93,6 +93,7 @@ class ModelConfig:
   attention_sharing: str = key('attention_sharing')
   kv_sharing: str = key('kv_sharing')
   masa: MasaConfig = section(MasaConfig)
+  bank: BankConfig = section(BankConfig)
   sharing: SharingConfig = section(SharingConfig)
   routing: RoutingConfig = section(RoutingConfig)
   norm: NormConfig = section(NormConfig)
@@ -110,6 +111,7 @@ class ModelConfig:
   values_are_keys: bool = _resolved()   # V is the key projection: the KV cache holds K only
   projections: tuple[str, ...] = _resolved()    # attention and MLP kernels a block stores
   atom_kernels: tuple[str, ...] = _resolved()   # kernels built from MASA atoms (() = off)
+  bank_kernels: tuple[str, ...] = _resolved()   # kernels generated from the bank (() = off)
   plan: sharing.SharingPlan = _resolved()
   routed_segment: int | None = _resolved()      # plan segment whose recursions are routed
   recursions: int = _resolved()                 # R of the routed segment (0 without routing)
@@ -282,7 +284,8 @@ def _resolve(c: ModelConfig) -> list[tuple[str, Any]]:
              qk_len=c.norm.qk_norm_len or _TRAIN_SEQ_LEN,
              values_are_keys=c.attention_sharing in ('kv_shared', 'qkv_shared'),
              projections=STORED_PROJECTIONS[c.attention_sharing] + ('o', 'mlp_in', 'mlp_out'),
-             atom_kernels=c.masa.targets if c.masa.atoms else ())
+             atom_kernels=c.masa.targets if c.masa.atoms else (),
+             bank_kernels=c.bank.targets if c.bank.size else ())
   _check_shapes(c, out)
   out['plan'] = plan
   if s.lora_rank and s.lora_layers == 'shared' and \
@@ -379,9 +382,27 @@ def _check_shapes(c: ModelConfig, r: dict[str, Any]) -> None:
     raise ConfigError(f'model.embed_dim={c.embed_dim}: the self-attentive embedding attends '
                       f'with heads of head_dim {r["d_head"]} (even, rotary); valid: a multiple '
                       f'of {r["d_head"]}, or model.embed_projection=linear')
+  if c.bank.size:
+    _check_bank(c, r)
   if c.position == 'rope' and r['d_head'] % 2:
     raise ConfigError(f'model.position=rope needs an even head_dim, got {r["d_head"]}')
   if c.norm.qk_norm == 'l2' and not c.norm.qk_scale_init and r['qk_len'] < 2:
     raise ConfigError(f'model.norm.qk_norm_len={c.norm.qk_norm_len}: the l2 QK-norm gain starts '
                       f'at log2(L^2 - L) with L the training sequence length; valid: L >= 2 '
                       f'(0 in a config means train.seq_len) or model.norm.qk_scale_init > 0')
+
+
+def _check_bank(c: ModelConfig, r: dict[str, Any]) -> None:
+  """model.bank.size: whole columns of d_model, and at least the widest template (the columns
+  one target kernel reads: models/bank.py)."""
+  D, size = c.d_model, c.bank.size
+  if size % D:
+    raise ConfigError(f'model.bank.size={size} is not a multiple of d_model={D} (the bank is '
+                      f'd_model x columns); valid: e.g. {max(1, round(size / D)) * D}')
+  F, HD, KD = c.mlp_dim, c.num_heads * r['d_head'], r['kv_heads'] * r['d_head']
+  need = {'q': HD, 'k': KD, 'v': KD, 'o': HD, 'mlp_in': F, 'mlp_out': F}
+  widest = max(c.bank.targets, key=lambda t: need[t])
+  if size < D * need[widest]:
+    raise ConfigError(f'model.bank.size={size} is smaller than the largest matrix a layer '
+                      f'generates from it ({widest}: {D} x {need[widest]} = '
+                      f'{D * need[widest]}); valid: model.bank.size >= {D * need[widest]}')

@@ -16,10 +16,12 @@ LORA_EXPERT_TARGETS = ('mlp_in', 'mlp_out')
 
 def kernel_targets(c: Any) -> tuple[tuple[str, tuple[str, ...]], ...]:
   """(key, kernels) of each kernel-target list that is on: depth-wise LoRA's
-  (model.sharing.lora_targets with lora_rank > 0) and MASA's (model.masa.targets with atoms)."""
+  (model.sharing.lora_targets with lora_rank > 0), MASA's (model.masa.targets with atoms) and
+  the parameter bank's (model.bank.targets with a size)."""
   return tuple((field, tuple(targets)) for field, targets, on in (
       ('sharing.lora_targets', c.sharing.lora_targets, c.sharing.lora_rank),
-      ('masa.targets', c.masa.targets, c.masa.atoms)) if on)
+      ('masa.targets', c.masa.targets, c.masa.atoms),
+      ('bank.targets', c.bank.targets, c.bank.size)) if on)
 
 
 def check(c: Any) -> None:

@@ -16,6 +16,7 @@ from sharenet.models.attention import DecodeStep, LayerCache
 from sharenet.models.block import ACT_AXES, Shared, Stream
 from sharenet.models.config import ModelConfig
 from sharenet.models.layers import Dense, Embed, sow_l1
+from sharenet.models.bank import ParameterBank
 from sharenet.models.masa import MasaAtoms
 from sharenet.models.moe import MOE
 from sharenet.models.loops import Schedule, looped
@@ -94,8 +95,10 @@ class DecoderLM(nn.Module):
       self.pos_table = params.param(self, 'pos_embed', (c.max_len, c.d_model),
                                     ('length', 'embed'), 'pos_embed', std=0.02, dtype=pdt,
                                     num_in=1, writes=True)
-    # MASA atoms (models/masa.py): stored here once, handed to every applied layer.
+    # MASA atoms (models/masa.py) or the parameter bank's templates (models/bank.py): stored
+    # here once, handed to every applied layer.
     self.masa_atoms = MasaAtoms(c, name='masa') if c.atom_kernels else None
+    self.bank = ParameterBank(c, name='bank') if c.bank_kernels else None
     self.stack = Stack(c, name=STACK)
     self.final_norm = None
     if c.norm.placement != 'post':
@@ -139,7 +142,10 @@ class DecoderLM(nn.Module):
     return x_BTD
 
   def atoms(self) -> dict[str, jax.Array] | None:
-    """The MASA atoms {target: atoms} every block reads (None without MASA)."""
+    """The atoms {kernel name: atoms} every block reads: MASA's, or the parameter bank's
+    templates (None without either; the compatibility table refuses both at once)."""
+    if self.bank is not None:
+      return self.bank()
     return None if self.masa_atoms is None else self.masa_atoms()
 
   def trunk(self, x_BTD: jax.Array, positions_T: jax.Array | None, segment_ids_BT=None,

@@ -35,10 +35,11 @@ from sharenet.models.params import param
 ATOMS = 'atoms'   # logical axis of the dictionary index (a stack axis, never width)
 
 
-def atom_specs(cfg: ModelConfig) -> dict[str, tuple]:
+def atom_specs(cfg: ModelConfig, targets: tuple[str, ...] | None = None) -> dict[str, tuple]:
   """{kernel name: (kernel shape, kernel axes, role, num_in, branch, use)} of the kernels the
-  MASA targets name: 'mlp_in' is the MLP's input kernels (SwiGLU: wi_gate and wi_up, one
-  dictionary each, as each is its own projection type), 'mlp_out' its 'wo'."""
+  MASA targets name (or `targets`: the parameter bank's, models/bank.py): 'mlp_in' is the MLP's
+  input kernels (SwiGLU: wi_gate and wi_up, one dictionary each, as each is its own projection
+  type), 'mlp_out' its 'wo'."""
   D, H, K, Dh, F = cfg.d_model, cfg.num_heads, cfg.kv_heads, cfg.d_head, cfg.mlp_dim
   mlp_in = ('wi_gate', 'wi_up') if cfg.mlp in ('swiglu', 'geglu') else ('wi',)
   kernels = {'q': ('q',), 'k': ('k',), 'v': ('v',), 'o': ('o',), 'mlp_in': mlp_in,
@@ -54,7 +55,8 @@ def atom_specs(cfg: ModelConfig) -> dict[str, tuple]:
   }
   for name in ('wi', 'wi_gate', 'wi_up'):
     specs[name] = reader(('mlp',), (F,), 'mlp')
-  return {k: specs[k] for t in cfg.atom_kernels for k in kernels[t]}
+  targets = cfg.atom_kernels if targets is None else targets
+  return {k: specs[k] for t in targets for k in kernels[t]}
 
 
 class MasaAtoms(nn.Module):

@@ -122,11 +122,18 @@ def base_config(cfg: Any) -> Any:
     raise ConfigError(f'model.embed_dim={cfg.embed_dim} at the base width {d0}: embed_dim x '
                       f'{d0} / d_model {cfg.d_model} must be an integer (E scales with the '
                       f'width); valid: an embed_dim the base width divides evenly')
+  columns = cfg.bank.size // cfg.d_model   # the bank's columns scale with the width
+  if (columns * d0) % cfg.d_model:
+    raise ConfigError(f'model.bank.size={cfg.bank.size} at the base width {d0}: its '
+                      f'{columns} columns x {d0} / d_model {cfg.d_model} must be an integer '
+                      f'(the columns scale with the width); valid: a bank the base width '
+                      f'divides evenly')
   try:
     return cfg.derive(d_model=d0, num_heads=h0, num_kv_heads=kv0 if cfg.num_kv_heads else 0,
                       mlp_dim=cfg.mlp_dim * d0 // cfg.d_model,
                       embed_dim=cfg.embed_dim * d0 // cfg.d_model,
-                      moe={'expert_dim': e * d0 // cfg.d_model})
+                      moe={'expert_dim': e * d0 // cfg.d_model},
+                      bank={'size': d0 * (columns * d0 // cfg.d_model)})
   except ConfigError as e:
     raise ConfigError(f'parametrization base model (base_d_model={d0}, base_num_heads={h0}): '
                       f'{e}') from None

@@ -234,6 +234,26 @@ class MasaConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class BankConfig:
+  """`config.model.bank`: the parameter bank of Shapeshifter Networks (arXiv:2006.10598;
+  models/bank.py). targets is a tuple (a comma list is read as one). What needs d_model (the
+  size a multiple of it, at least the largest template) is the ModelConfig's check."""
+  KEY = 'bank'
+  size: int = key('bank.size')
+  targets: tuple[str, ...] = key('bank.targets', parse_targets, ','.join)
+
+  def __post_init__(self):
+    _set(self, 'targets', parse_targets(self.targets))
+    for t in self.targets:
+      choice('model.bank.targets', t, MASA_TARGETS)
+    if self.size < 0:
+      raise ConfigError(f'model.bank.size={self.size} must be >= 0 (0 = off)')
+    if self.size and not self.targets:
+      raise ConfigError(f'model.bank.size={self.size} with no model.bank.targets; valid: a '
+                        f'comma list of {",".join(MASA_TARGETS)}')
+
+
+@dataclasses.dataclass(frozen=True)
 class RecurrenceConfig:
   """`config.model.recurrence`: recurrent depth over the plan's looped segment
   (docs/loops.md; Geiping et al., arXiv:2502.05171). What needs the plan (a looped segment,
@@ -350,5 +370,5 @@ class MoeConfig:
     return self.top_k or (1 if self.kind == 'switch' else min(2, self.num_experts))
 
 
-SECTIONS = (NormConfig, SharingConfig, RoutingConfig, MasaConfig, RecurrenceConfig, MoeConfig,
-            RopeScalingConfig)
+SECTIONS = (NormConfig, SharingConfig, RoutingConfig, MasaConfig, BankConfig, RecurrenceConfig,
+            MoeConfig, RopeScalingConfig)
