@@ -104,6 +104,9 @@ BANK_RULE = ('one bank serves readers and writers of both branches, so a rule se
              'and kernel has no leaf to scale (valid with the bank: sp, mup, mup_table3)')
 BANK_ONE_MATRIX = ('the bank is one matrix behind every generated kernel, so a per-kernel '
                    'multiplier, reparametrization or projection has no kernel to act on')
+SLICED_LOOPLESS = 'the slices apply to the loops of the plan\'s one looped cycle segment'
+SLICED_DEPTH = ('each loop\'s slicing is fixed by its index in the plan\'s loops; another '
+                'number of loops is not the trained function')
 KV_LOOP = 'kv sharing reuses the first loop\'s keys and values in the later loops of the plan\'s ' \
     'one looped cycle segment, which it lacks'
 
@@ -177,6 +180,16 @@ def _features() -> tuple[Feature, ...]:
                                        'that sets the step'),
                           ('loop_inference', 'loop-by-loop serving decides the depth while it '
                                              'runs, and the step needs it before the first loop'))),
+      # SReT's sliced group attention in the loops (models/attention.py)
+      Feature('loop_slices', 'loop_slices', (('model.loop_slices', '2,1'),),
+              lambda c: bool(_get(c, 'model.loop_slices')),
+              tuple((r[0], SLICED_LOOPLESS if r[1] == NO_LOOP else r[1])
+                    for r in loopless if r[0] != 'umup') + (
+                  ('poisson_lognormal', SLICED_DEPTH), ('test_time_depth', SLICED_DEPTH),
+                          ('loop_inference', 'loop-by-loop serving runs one applied layer at a '
+                                             'time without the layer count the slicing reads'),
+                          ('kv_first', 'the later loops read the first loop\'s keys and values, '
+                                       'which a sliced first loop would hold per slice'))),
       # a loss at every loop's exit: `all`, or one weight per gradient loop
       Feature('exit_all', 'exit_loss', (('train.exit_loss', 'all'),),
               lambda c: str(_get(c, 'train.exit_loss')).replace(' ', '') != 'last', loopless)]

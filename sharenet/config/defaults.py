@@ -85,6 +85,10 @@ def default_config() -> ml_collections.ConfigDict:
                               # the values are the keys (the KV cache holds K only), qk_shared
                               # the queries are the keys, qkv_shared one projection for all
                               # three (docs/sharing.md)
+  m.loop_slices = ''          # SReT's sliced group attention (arXiv:2111.05297): group counts
+                              # repeated over the loops of the looped segment, e.g. '4,1' (odd
+                              # loops attend within 4 slices of train.seq_len, even loops over
+                              # all); '' = off
   m.kv_sharing = 'none'       # none | first: later loops of the looped segment attend to the
                               # first loop's keys and values (Mixture-of-Recursions' recursive KV
                               # sharing, arXiv:2507.10524): its decode cache holds one loop's

@@ -76,7 +76,8 @@ def reference(q_BTHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array, *, scale,
               causal: bool = True, segment_ids_BT: jax.Array | None = None, chunk: int = 0,
               observe: Callable[[jax.Array, jax.Array], None] | None = None,
               q_positions_BT: jax.Array | None = None,
-              k_positions_BS: jax.Array | None = None, softcap: float = 0.0) -> jax.Array:
+              k_positions_BS: jax.Array | None = None, softcap: float = 0.0,
+              slice_len: jax.Array | None = None) -> jax.Array:
   """softmax(scale * q k^T, masked) v with float32 logits and softmax; output in q's dtype.
 
   The arithmetic of the `xla` back-end: q * scale in q's dtype, the grouped einsum with a
@@ -106,7 +107,8 @@ def reference(q_BTHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array, *, scale,
     stop = min(T, start + chunk)
     keys = stop if chunk < T else S           # keys past the chunk's last query are masked
     logits_BKGCS = einsum_f32('btkgd,bskd->bkgts', q_BTKGD[:, start:stop], k_BSKD[:, :keys])
-    mask_BKGCS = _mask(start, stop, keys, causal, segment_ids_BT, q_positions_BT, k_positions_BS)
+    mask_BKGCS = _mask(start, stop, keys, causal, segment_ids_BT, q_positions_BT, k_positions_BS,
+                       slice_len)
     if observe is not None:
       observe(logits_BKGCS, mask_BKGCS)
     if softcap:
@@ -127,12 +129,16 @@ def reference(q_BTHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array, *, scale,
 
 
 def _mask(start: int, stop: int, keys: int, causal: bool, segment_ids_BT, q_positions_BT,
-          k_positions_BS) -> jax.Array | None:
+          k_positions_BS, slice_len=None) -> jax.Array | None:
   """Which keys 0..keys-1 query rows start..stop-1 see, broadcastable to (B, K, G, C, S)."""
   mask = None
   if q_positions_BT is not None:
     key_pos_B1S = k_positions_BS[:, None, :keys]
-    visible_BCS = (key_pos_B1S >= 0) & (key_pos_B1S <= q_positions_BT[:, start:stop, None])
+    q_pos_BC1 = q_positions_BT[:, start:stop, None]
+    visible_BCS = (key_pos_B1S >= 0) & (key_pos_B1S <= q_pos_BC1)
+    if slice_len is not None:   # sliced loops (models/attention.py): 0 = the whole cache
+      n = jnp.where(slice_len > 0, slice_len, jnp.iinfo(jnp.int32).max)
+      visible_BCS = visible_BCS & (key_pos_B1S // n == q_pos_BC1 // n)
     mask = visible_BCS[:, None, None]
   elif causal:
     rows, cols = jnp.arange(start, stop), jnp.arange(keys)
@@ -148,12 +154,14 @@ def attention(q_BTHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array, *, scale,
               impl: str, segment_ids_BT: jax.Array | None = None,
               q_positions_BT: jax.Array | None = None, k_positions_BS: jax.Array | None = None,
               observe: Callable[[jax.Array, jax.Array], None] | None = None,
-              softcap: float = 0.0) -> jax.Array:
+              softcap: float = 0.0, slice_len: jax.Array | None = None) -> jax.Array:
   """Causal attention by back-end `impl` (xla | chunked | cudnn | pallas): the one entry of
   training and cached decoding; see the module docstring.
 
   `impl` is what `sharenet.kernels.attention_backend(cfg.attention, cfg.kernels)` resolves to.
-  With `q_positions_BT` / `k_positions_BS` (decoding) the mask is by position, see `reference`.
+  With `q_positions_BT` / `k_positions_BS` (decoding) the mask is by position, see `reference`;
+  there `slice_len` (a traced int, 0 = off; sliced loops, models/attention.py) also hides keys
+  outside the query's slice of that many positions.
   `observe` (coordinate checks) sees the logits on the reference back-ends, unchunked; the fused
   kernels never form them, so there it is not called. A case a back-end cannot take runs
   `reference` instead, with a one-line note on stderr: cached decoding, and `softcap` > 0 (the
@@ -162,8 +170,10 @@ def attention(q_BTHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array, *, scale,
   _check_shapes(q_BTHD, k_BSKD, v_BSKD, segment_ids_BT, q_positions_BT, k_positions_BS)
   ref = functools.partial(reference, q_BTHD, k_BSKD, v_BSKD, scale=scale,
                           segment_ids_BT=segment_ids_BT, q_positions_BT=q_positions_BT,
-                          k_positions_BS=k_positions_BS, softcap=softcap)
+                          k_positions_BS=k_positions_BS, softcap=softcap, slice_len=slice_len)
   decoding = q_positions_BT is not None
+  if slice_len is not None and not decoding:
+    raise ValueError('attention: slice_len is a decoding mask (training slices fold the batch)')
   if impl in ('xla', 'chunked'):
     chunked = impl == 'chunked' and observe is None and not decoding
     return ref(chunk=CPU_CHUNK if chunked else 0, observe=observe)

@@ -44,6 +44,7 @@ def matmul_params_per_layer(cfg: ModelConfig) -> int:
   parameter bank generates (models/bank.py: the bank sits outside the blocks) at their shape."""
   s = cfg.sharing   # LoRA where an untied layer keeps it (lora_layers=all), as segment_cfg
   one = cfg.derive(num_layers=1, scan_layers=True, routing={'kind': 'none'}, kv_sharing='none',
+                   loop_slices='',
                    recurrence=RecurrenceConfig(),   # one layer: no loop to recur
                    sharing={'scheme': 'untied', 'num_unique': 0, 'repeats': 0, 'pattern': '',
                             'lora_rank': s.lora_rank if s.lora_layers == 'all' else 0},
@@ -130,6 +131,15 @@ def io_attention_flops(cfg: ModelConfig, seq_len: int) -> float:
   return 0.0
 
 
+def attended_length(cfg: ModelConfig, seq_len: int) -> int:
+  """The key length summed over the applied layers: T per layer, a sliced loop's layers
+  (model.loop_slices, models/attention.py) their slice length."""
+  if not cfg.slice_lens:
+    return cfg.num_layers * seq_len
+  lens = (seq_len,) + cfg.slice_lens
+  return sum(min(lens[b], seq_len) for b in cfg.slice_branch)
+
+
 def flops_per_token(cfg: ModelConfig, seq_len: int, train: bool = True) -> float:
   """Model FLOPs per token on applied depth; causal attention counted at half (MaxText).
 
@@ -140,7 +150,8 @@ def flops_per_token(cfg: ModelConfig, seq_len: int, train: bool = True) -> float
   so its count is the executed FLOPs of the plain recursive model plus the router; the FLOPs
   its routing would need are data-dependent (train metrics routing_capacity_r give the
   realised fractions). Under model.kv_sharing=first the later loops' key and value projections
-  are not counted (`kv_params_skipped`).
+  are not counted (`kv_params_skipped`). A sliced loop (model.loop_slices) attends within
+  slices of n positions: its QK^T and PV cost n / T of full attention's (`attended_length`).
   """
   if cfg.routing.kind == 'expert_choice':
     P, T = matmul_params_per_layer(cfg), seq_len
@@ -158,7 +169,7 @@ def flops_per_token(cfg: ModelConfig, seq_len: int, train: bool = True) -> float
     seg = cfg.plan.segments[cfg.kv_segment]
     matmul -= (seg.repeats - 1) * seg.num_sets * kv_params_skipped(cfg)
   # QK^T and PV: 2 * 2 * T * H * Dh per token per layer, halved for the causal mask.
-  attn = cfg.num_layers * 2 * seq_len * cfg.num_heads * cfg.d_head + io_attention_flops(
+  attn = 2 * attended_length(cfg, seq_len) * cfg.num_heads * cfg.d_head + io_attention_flops(
       cfg, seq_len)
   fwd = 2 * matmul + attn
   if cfg.routing.kind == 'token_choice':

@@ -15,8 +15,9 @@ grouped-query; the parameters are this module's: q, k, v, o, q_norm, k_norm, qk_
 """
 from __future__ import annotations
 
+import functools
 import math
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import flax.linen as nn
 import jax
@@ -129,7 +130,8 @@ class CausalAttention(nn.Module):
                segment_ids_BT: jax.Array | None = None, cache: LayerCache | None = None,
                step: DecodeStep | None = None, masa: dict[str, jax.Array] | None = None,
                shared_kv: LayerCache | None = None, emit: bool = False,
-               value_in_BTD: jax.Array | None = None, auxes: list | None = None):
+               value_in_BTD: jax.Array | None = None, auxes: list | None = None,
+               slices: jax.Array | None = None):
     """-> out (B, T, D); with a `cache` (and its `step`): (out, updated cache).
 
     `value_in_BTD` (model.norm.placement=moeut, models/block.py): the stream the values are
@@ -153,6 +155,10 @@ class CausalAttention(nn.Module):
     The cached path (generation, sharenet/inference/generate.py) ignores `positions_T` and
     `segment_ids_BT`, writes this call's keys and values into `cache` at `step.index` and
     attends over the whole cache by the step's query and key positions.
+
+    `slices` (model.loop_slices; a traced int32 index into (full, *cfg.slice_lens)): SReT's
+    sliced group attention (`sliced_attention`): query t attends only keys of its own slice of
+    cfg.slice_lens[slices - 1] consecutive positions; 0 attends in full.
     """
     c = self.cfg
     masa = masa or {}
@@ -190,10 +196,22 @@ class CausalAttention(nn.Module):
     # (xla, chunked: then unchunked); a fused kernel never forms them, so nothing is sown there.
     observe = ((lambda l, m: sow_l1(self, 'attn_logits', l, m))
                if self.is_mutable_collection(INTERMEDIATES) else None)
-    out_BTHD = attention_kernel.attention(
-        q_BTHD, k_BTKD, v_BTKD, scale=_logit_scale(self, c),
+    attend = functools.partial(
+        attention_kernel.attention, scale=_logit_scale(self, c),
         impl=kernels.attention_backend(c.attention, c.kernels), observe=observe,
-        softcap=c.attn_softcap, **masks)
+        softcap=c.attn_softcap)
+    if slices is None:
+      out_BTHD = attend(q_BTHD, k_BTKD, v_BTKD, **masks)
+    elif step is None and observe is None:
+      out_BTHD = sliced_attention(attend, q_BTHD, k_BTKD, v_BTKD, segment_ids_BT, slices,
+                                  c.slice_lens)
+    elif step is None:   # a coordinate check sows the logits: the same function as masks
+      out_BTHD = attend(q_BTHD, k_BTKD, v_BTKD,
+                        segment_ids_BT=slice_segments(segment_ids_BT, q_BTHD.shape[:2], slices,
+                                                      c.slice_lens))
+    else:   # cached: the slice as a mask on the positions (the kernels' reference path)
+      lens = jnp.asarray((0,) + c.slice_lens, jnp.int32)
+      out_BTHD = attend(q_BTHD, k_BTKD, v_BTKD, slice_len=lens[slices], **masks)
     if c.umup_ops:
       out_BTHD = unit_scale.scale_fwd(out_BTHD, s_att)
     out_BTD = (switchhead.output(self, c, out_BTHD, x_BTD, auxes) if switch
@@ -202,3 +220,48 @@ class CausalAttention(nn.Module):
     if cache is not None:
       return out_BTD, cache
     return out_BTD if emitted is None else (out_BTD, emitted)
+
+
+def sliced_attention(attend: Callable, q_BTHD: jax.Array, k_BTKD: jax.Array, v_BTKD: jax.Array,
+                     segment_ids_BT: jax.Array | None, slices: jax.Array,
+                     slice_lens: tuple[int, ...]) -> jax.Array:
+  """SReT's sliced group self-attention (Shen et al., "Sliced Recursive Transformer",
+  arXiv:2111.05297): the T positions cut into consecutive slices of n, each attending causally
+  within itself. `slices` (traced) picks full attention (0) or slice_lens[slices - 1]; each
+  choice is a branch of lax.switch that folds the slices into the batch, (B T/n, n, ...), so
+  the back-end (every one, the Pallas kernels too) computes T n instead of T^2 logits (a call
+  whose length is no multiple of n is padded at the end, causally invisible). RoPE
+  was applied at the absolute positions before, so a slice's scores are its own. The
+  reference's groups are contiguous in the first pass of a block and randomly permuted in the
+  second (SReT.py Group_Attention): for a causal model here every loop's groups are
+  contiguous."""
+  B, T, H, Dh = q_BTHD.shape
+
+  def full(q, k, v, seg):
+    return attend(q, k, v, segment_ids_BT=seg)
+
+  def cut(n):
+    Tp = -(-T // n) * n   # a call of another length: padded at the end, which no query sees
+
+    def fold(a):
+      a = jnp.pad(a, [(0, 0), (0, Tp - T)] + [(0, 0)] * (a.ndim - 2))
+      return a.reshape((B * Tp // n, n) + a.shape[2:])
+
+    def run(q, k, v, seg):
+      out = attend(fold(q), fold(k), fold(v), segment_ids_BT=None if seg is None else fold(seg))
+      return out.reshape(B, Tp, H, Dh)[:, :T]
+    return run
+
+  return jax.lax.switch(slices, [full] + [cut(n) for n in slice_lens],
+                        q_BTHD, k_BTKD, v_BTKD, segment_ids_BT)
+
+
+def slice_segments(segment_ids_BT: jax.Array | None, shape_BT: tuple[int, int],
+                   slices: jax.Array, slice_lens: tuple[int, ...]) -> jax.Array:
+  """Segment ids under which full attention is `sliced_attention` (packed documents and slices
+  both separate): (document, slice) numbered as one id. Computes all T^2 logits."""
+  B, T = shape_BT
+  n = jnp.asarray((T,) + slice_lens, jnp.int32)[slices]
+  slice_T = jnp.arange(T, dtype=jnp.int32) // n
+  seg_BT = jnp.zeros(shape_BT, jnp.int32) if segment_ids_BT is None else segment_ids_BT
+  return seg_BT * T + slice_T[None, :]

@@ -46,7 +46,8 @@ ACT_AXES = ('activation_batch', 'activation_length', 'activation_embed')
 
 class Stream(NamedTuple):
   """The carry of the layer scans: the residual stream, the applied layer index that u-muP's
-  residual rule reads (None otherwise), and the summed weighted aux losses of model.moe's
+  residual rule and sliced loops (model.loop_slices) read (None otherwise: a pass without it,
+  such as the exits' pass through the coda, attends in full), and the summed weighted aux losses of model.moe's
   experts (a float32 scalar where a training or evaluation pass collects them, models/moe.py;
   None otherwise). Riding in the carry, the aux loss passes through every lowering of the loop
   runner as the stream does."""
@@ -117,9 +118,15 @@ class Block(nn.Module):
     mlp = ffn if h is None else lambda *args: euler(ffn(*args))
     selects = c.moe.kind != 'none' or c.moe.lora_experts > 0   # the feed-forward has a router
 
+    # model.loop_slices: this applied layer's slicing, an index into (full, *c.slice_lens)
+    slices = None
+    if c.slice_lens and carry.layer is not None:
+      table = jnp.asarray(c.slice_branch, jnp.int32)
+      slices = table[jnp.minimum(carry.layer, len(c.slice_branch) - 1)]
+
     def attn(h_BTD, positions_T, segment_ids_BT, value_in_BTD=None):
       out = attention(h_BTD, positions_T, segment_ids_BT, cache, step, masa, shared_kv,
-                      self.emit_kv, value_in_BTD, auxes)
+                      self.emit_kv, value_in_BTD, auxes, slices)
       if isinstance(out, tuple):   # (out, the updated cache or the emitted keys and values)
         updated.append(out[1])
         return euler(out[0])
@@ -164,6 +171,8 @@ class Block(nn.Module):
     sow_rms(self, 'residual', x_BTD)
     if carry.aux is not None and auxes:
       carry = carry._replace(aux=carry.aux + sum(auxes))
+    if carry.layer is not None:
+      carry = carry._replace(layer=carry.layer + 1)
     return carry._replace(x_BTD=nn.with_logical_constraint(x_BTD, ACT_AXES)), \
         (updated or [None])[0]
 

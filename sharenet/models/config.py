@@ -92,6 +92,7 @@ class ModelConfig:
   param_dtype: str = key('param_dtype')
   attention_sharing: str = key('attention_sharing')
   kv_sharing: str = key('kv_sharing')
+  loop_slices: str = key('loop_slices')
   masa: MasaConfig = section(MasaConfig)
   bank: BankConfig = section(BankConfig)
   sharing: SharingConfig = section(SharingConfig)
@@ -131,6 +132,10 @@ class ModelConfig:
                                                 # the fixed depth)
   kv_segment: int | None = _resolved()          # plan segment whose later loops read the first
                                                 # loop's keys and values (None: kv_sharing=none)
+  # model.loop_slices (models/attention.py): the slice lengths a sliced attention takes, and
+  # per applied layer the index of its own in (0, *slice_lens) (0: full attention)
+  slice_lens: tuple[int, ...] = _resolved()
+  slice_branch: tuple[int, ...] = _resolved()
   moe_top_k: int = _resolved()                  # moe.top_k, 0 -> the kind's (0 without experts)
   moe_expert_dim: int = _resolved()             # moe.expert_dim, 0 -> mlp_dim // top_k
 
@@ -298,6 +303,7 @@ def _resolve(c: ModelConfig) -> list[tuple[str, Any]]:
   out.update(looped_config.resolve_routing(c, out['plan']))
   out.update(looped_config.resolve_recurrence(c, out['plan'], out['umup_residual']))
   out['kv_segment'] = looped_config.kv_segment(c, out['plan'])
+  out.update(looped_config.resolve_slices(c, out['plan'], out['qk_len']))
   expert_checks.check(c)   # SwitchHead, Mixture of LoRAs
   out.update(_resolve_moe(c))
   return list(out.items())

@@ -153,8 +153,9 @@ class DecoderLM(nn.Module):
             schedule: Schedule = Schedule()):
     """The plan's segments over the stream: x, or (x, updated layer caches) with a cache;
     `schedule` changes the looped segment's loops (models/loops.py)."""
-    # u-muP's residual rule carries the applied layer index (block.py).
-    layer = jnp.zeros((), jnp.int32) if self.cfg.umup_residual else None
+    # u-muP's residual rule and sliced loops carry the applied layer index (block.py).
+    layer = (jnp.zeros((), jnp.int32) if self.cfg.umup_residual or self.cfg.slice_lens
+             else None)
     # model.moe: the experts' aux losses ride in the carry (block.Stream), sown as MOE
     aux = jnp.zeros((), jnp.float32) if self.cfg.moe.aux and step is None else None
     shared = Shared(positions_T, segment_ids_BT, step, self.atoms())

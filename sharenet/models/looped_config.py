@@ -123,3 +123,37 @@ def kv_segment(c: Any, plan: sharing.SharingPlan) -> int | None:
     if bad:
       raise ConfigError(what + why)
   return looped[0]
+
+
+def resolve_slices(c: Any, plan: sharing.SharingPlan, seq_len: int) -> dict[str, Any]:
+  """model.loop_slices (SReT's sliced group attention, models/attention.py): group counts G
+  for the loops of the plan's looped segment, repeated over them (loop r takes G[r mod len]:
+  '2,1' alternates as SReT's two passes of a block do); loop r's layers attend within slices of
+  seq_len / G consecutive tokens (the training length, so a slice is the same tokens at any
+  call length). Returns the distinct slice lengths and each applied layer's index into
+  (full, *lengths)."""
+  if not c.loop_slices:
+    return dict(slice_lens=(), slice_branch=())
+  what = f'model.loop_slices={c.loop_slices!r}'
+  try:
+    groups = [int(g) for g in str(c.loop_slices).replace(' ', '').split(',')]
+  except ValueError:
+    raise ConfigError(f'{what} is not a comma list of group counts; valid: e.g. 4,1') from None
+  looped = [i for i, s in enumerate(plan.segments) if s.order == 'cycle' and s.repeats > 1]
+  if len(looped) != 1:
+    raise ConfigError(f'{what} slices the loops of the plan\'s looped segment; '
+                      f'model.sharing.scheme={c.sharing.scheme!r} has {len(looped)}; valid '
+                      f'schemes: {LOOPED_SCHEMES}')
+  seg = plan.segments[looped[0]]
+  bad = [g for g in groups if g < 1 or seq_len % g]
+  if bad:
+    raise ConfigError(f'{what}: group count {bad[0]} does not divide the training sequence '
+                      f'length {seq_len} into slices; valid: divisors of {seq_len}')
+  lens = tuple(sorted({seq_len // g for g in groups if g > 1}))
+  start = sum(s.num_applied for s in plan.segments[:looped[0]])
+  branch = [0] * plan.num_layers
+  for r in range(seg.repeats):
+    g = groups[r % len(groups)]
+    for k in range(seg.num_sets):
+      branch[start + r * seg.num_sets + k] = lens.index(seq_len // g) + 1 if g > 1 else 0
+  return dict(slice_lens=lens, slice_branch=tuple(branch))

@@ -42,6 +42,9 @@ PLANS = {
     'fused_norm_kernels': {'model.kernels': 'pallas'},   # Pallas residual-add + norm (interpret)
     'umup_cycle': {'model.num_layers': 4, 'model.sharing.scheme': 'cycle',
                    'model.sharing.num_unique': 2, 'parametrization.kind': 'umup'},
+    # SReT's sliced loops: the cache masks by slice, the full forward folds slices of 8
+    'cycle_sliced': {'model.num_layers': 4, 'model.sharing.scheme': 'cycle',
+                     'model.sharing.num_unique': 2, 'model.loop_slices': '4,1'},
 }
 SEQ_LEN = 32   # configs/tiny.py train.seq_len
 
