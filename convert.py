@@ -1,5 +1,5 @@
 """Converts a run: python convert.py --workdir SRC --out DST --config.to=rmsnorm|crmsnorm|recursive|
-head_shared|merge_lora_experts|fold_unified_norm|wider [--config.a.b=v]; the options and their
+head_shared|merge_lora_experts|fold_unified_norm|wider|mpo [--config.a.b=v]; the options and their
 defaults: sharenet/config/defaults.py conversion_config.
 
 DST gets config.json and a checkpoint (fresh optimizer state and data iterator) that eval.py

@@ -98,8 +98,26 @@ def _mlp_targets(key: str) -> Callable[[Any], bool]:
   return lambda c: any(t.startswith('mlp') for t in str(_get(c, key)).replace(' ', '').split(','))
 
 
-BANK_TARGETS = 'model.bank.targets'
-BANK_MLP = 'the experts replace the dense MLP whose kernels model.bank.targets names'
+def _generated_kernels(key: str) -> tuple[tuple, ...]:
+  """The refusals of a kernel-target list at config `key` (bank, MPO): a sharing mode that
+  stores no such kernel, experts replacing a targeted MLP, SwitchHead's v / o experts."""
+  names = lambda c: set(str(_get(c, key)).replace(' ', '').split(','))
+  return (('kv_shared', NO_V, _targets(key, 'v')), ('qkv_shared', NO_V, _targets(key, 'v')),
+          ('qk_shared', NO_Q, _targets(key, 'q')), ('qkv_shared', NO_Q, _targets(key, 'q')),
+          *[(m, f'the experts replace the dense MLP whose kernels {key} names',
+             _mlp_targets(key)) for m in ('sigma_moe', 'switch', 'moe_ragged_dot',
+                                          'moe_reference', 'moe_router_per_layer')],
+          ('switchhead', SWITCH_LORA, lambda c: bool({'v', 'o'} & names(c))))
+
+
+# per-kernel multipliers, reparametrizations and projections (their kernels by path or role)
+PER_KERNEL = ('inv_R', 'inv_sqrt_R', 'zero_mean_writers', 'weight_std', 'weight_norm',
+              'sigma_reparam', 'weight_conditioning', 'compander', 'ngpt', 'norm_project')
+MPO_OTHER = 'MPO kernels and the other generated kernels (MASA, the bank) exclude each other'
+MPO_RULE = ('the MPO tensors have no width rule (their shapes are factors of the widths); '
+            'valid with model.mpo: parametrization.kind=sp')
+MPO_TENSORS = ('an MPO kernel is a chain of tensors, not a kernel leaf that a per-kernel '
+               'multiplier, reparametrization, projection or update can act on')
 BANK_RULE = ('one bank serves readers and writers of both branches, so a rule set per branch '
              'and kernel has no leaf to scale (valid with the bank: sp, mup, mup_table3)')
 BANK_ONE_MATRIX = ('the bank is one matrix behind every generated kernel, so a per-kernel '
@@ -279,20 +297,16 @@ def _features() -> tuple[Feature, ...]:
       Feature('bank', 'bank', (('model.bank.size', 32 * 160),),
               lambda c: _get(c, 'model.bank.size') > 0,
               (('masa', 'the parameter bank and MASA both generate the block kernels'),
-               ('kv_shared', NO_V, _targets(BANK_TARGETS, 'v')),
-               ('qkv_shared', NO_V, _targets(BANK_TARGETS, 'v')),
-               ('qk_shared', NO_Q, _targets(BANK_TARGETS, 'q')),
-               ('qkv_shared', NO_Q, _targets(BANK_TARGETS, 'q')),
-               *[(m, BANK_MLP, _mlp_targets(BANK_TARGETS))
-                 for m in ('sigma_moe', 'switch', 'moe_ragged_dot', 'moe_reference',
-                           'moe_router_per_layer')],
-               ('switchhead', SWITCH_LORA, lambda c: bool(
-                   {'v', 'o'} & set(str(_get(c, BANK_TARGETS)).replace(' ', '').split(',')))),
+               *_generated_kernels('model.bank.targets'),
                ('umup', BANK_RULE), ('completep', BANK_RULE),
-               *[(r, BANK_ONE_MATRIX) for r in ('inv_R', 'inv_sqrt_R', 'zero_mean_writers',
-                                                'weight_std', 'weight_norm', 'sigma_reparam',
-                                                'weight_conditioning', 'compander', 'ngpt',
-                                                'norm_project')])),
+               *[(r, BANK_ONE_MATRIX) for r in PER_KERNEL])),
+      # MPO kernels (models/mpo.py): a chain of tensors, the central one shared by all layers
+      Feature('mpo', 'mpo', (('model.mpo.cores', 3),),
+              lambda c: _get(c, 'model.mpo.cores') > 0,
+              (('masa', MPO_OTHER), ('bank', MPO_OTHER),
+               *_generated_kernels('model.mpo.targets'),
+               *[(p, MPO_RULE) for p in ('mup', 'mup_table3', 'completep', 'umup')],
+               *[(r, MPO_TENSORS) for r in PER_KERNEL + ('agc', 'adamp')])),
   ]
   attention = [_setting(m, 'attention_sharing', 'model.attention_sharing', m)
                for m in ('kv_shared', 'qk_shared', 'qkv_shared')]
@@ -490,7 +504,7 @@ UNKNOWN_PARTS = 'it does not know SwitchHead\'s or the LoRA experts\' parameters
 PER_LAYER_ROUTERS = 'it does not carry per-layer expert selectors (model.moe.router_per_layer)'
 FACTORIZED = ('it does not map a factorized embedding\'s table and lift (model.embed_dim: the '
               'table\'s width is not d_model)')
-BANK_CONVERT = 'it reads and writes plain kernels, not a parameter bank\'s templates'
+BANK_CONVERT = 'it reads and writes plain kernels, not generated ones (bank, MPO)'
 NORM_PRE = 'the equivalence uses that only norms read the stream (norm placement pre)'
 TIED_READERS = 'folding a norm into tied readers would untie them'
 WHOLE_HEADS = ('it copies whole heads (their q, k, v and o slices): plain kernels, as many kv '
@@ -526,6 +540,9 @@ CONVERSIONS = {   # config.to: (implied features, own refusals: (an axis, a feat
     'fold_unified_norm': (('unified_norm', 'untied'), *NORM_FOLDS),
     # any plan grows (its stacks' axes are not widths); what holds a width-sized axis of its own
     # (the concat injection's [e; x] input) or width statistics is refused
+    # MPO kernels from plain ones (sharenet/transforms/to_mpo.py)
+    'mpo': ((), ('masa', 'MASA\'s kernels are combinations of shared atoms, not plain kernels'),
+            ('norm_stats', NO_STATS)),
     'wider': ((), ('norm_stats', NO_STATS),
               ('inject_concat', 'the concat injection\'s adapter reads [e; x], an axis of twice '
                                 'the width that the growth does not map')),
@@ -562,7 +579,7 @@ def _conversions(table: tuple[Feature, ...]) -> tuple[Feature, ...]:
     if to != 'wider':   # the growth reads the role table; the others place parts by name
       refuses += [('moe_router_per_layer', PER_LAYER_ROUTERS)]
     refuses += [(g.name, FACTORIZED) for g in table if g.axis == 'embed_factor']
-    refuses += [('bank', BANK_CONVERT)]
+    refuses += [('bank', BANK_CONVERT), ('mpo', BANK_CONVERT)]
     seen, unique = set(), []
     for r in refuses:   # the first reason of a pair stays
       if r[0] not in seen and r[0] not in implied:

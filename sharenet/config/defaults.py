@@ -100,6 +100,11 @@ def default_config() -> ml_collections.ConfigDict:
   bk.size = 0                 # > 0: the bank's parameters (a multiple of d_model); every target
                               # kernel generated from it (models/bank.py); 0 = off
   bk.targets = 'q,k,v,o,mlp_in,mlp_out'   # kernels generated from the bank
+  m.mpo = mp = ml_collections.ConfigDict()   # MPO kernels, central tensor shared (MPOBERT)
+  mp.cores = 0                # n > 1: each target kernel a chain of n local tensors whose
+                              # central one every layer shares (models/mpo.py); 0 = off
+  mp.bond = 0                 # the bond dimensions' cap; 0 = full (exact for any kernel)
+  mp.targets = 'q,k,v,o,mlp_in,mlp_out'   # kernels built as MPOs
   m.sharing = s = ml_collections.ConfigDict()
   s.scheme = 'untied'         # untied | universal | cycle | sequence | middle_cycle |
                               # middle_sequence | sandwich | groups | explicit
@@ -373,7 +378,7 @@ def conversion_config() -> ml_collections.ConfigDict:
   """Options of convert.py (sharenet.main.convert_workdir.convert_workdir)."""
   c = ml_collections.ConfigDict()
   c.to = ''                   # rmsnorm | crmsnorm | recursive | head_shared |
-                              # merge_lora_experts | fold_unified_norm | wider
+                              # merge_lora_experts | fold_unified_norm | wider | mpo
   c.scheme = 'cycle'          # recursive: universal | cycle | sequence | middle_cycle |
                               # middle_sequence
   c.num_unique = 0            # recursive: stored sets (middle schemes count first and last), >= 1
@@ -405,6 +410,10 @@ def conversion_config() -> ml_collections.ConfigDict:
                               # the sharing; 0 = DirectShare
   c.post_train_lr = 1e-4
   c.similarity_weight = 0.5   # PostShare's loss: (1 - w) next-token loss + w similarity term
+  c.mpo_cores = 0             # mpo: local tensors per kernel (>= 2; MPOBERT's n, e.g. 5)
+  c.mpo_bond = 0              # mpo: the bonds' cap; 0 = full (exact for stored set 0)
+  c.mpo_targets = ''          # mpo: comma list of q,k,v,o,mlp_in,mlp_out; '' -> every kernel
+                              # the source stores
   c.d_model = 0               # wider: the new d_model (row-column growth,
                               # sharenet/transforms/widen.py)
   c.mlp_dim = 0               # wider: the new mlp_dim; 0 = scaled with d_model

@@ -16,7 +16,7 @@ from sharenet.models import DecoderLM, ModelConfig
 from sharenet.models.norm_stats import NORM_STATS
 from sharenet.train import evaluation, experiment, trainer
 from sharenet.train.workdir_io import load_config, restore_state, save_workdir
-from sharenet.transforms import convert, head_share, lora_merge, recursive, widen
+from sharenet.transforms import convert, head_share, lora_merge, recursive, to_mpo, widen
 
 
 CONVERSIONS = tuple(compat.CONVERSIONS)   # config.to
@@ -46,6 +46,9 @@ def check_options(opts: Any) -> None:
                       f'head sharing (PostShare); valid: config.to=head_shared, or 0')
   if opts.to == 'head_shared':
     head_share.check_post_training(opts)
+  if opts.to == 'mpo' and opts.mpo_cores < 2:
+    raise ConfigError(f'config.to=mpo needs config.mpo_cores >= 2 (the local tensors of each '
+                      f'kernel), got {opts.mpo_cores}')
   if opts.to == 'recursive' and opts.init in recursive.SET_COUNT_INITS and opts.num_unique < 1:
     raise ConfigError(f'config.to=recursive needs config.num_unique >= 1, got '
                       f'{opts.num_unique}')
@@ -74,6 +77,10 @@ def convert_model(cfg: ModelConfig, variables: Any, opts: Any, norm_stats: Any =
   elif opts.to == 'wider':   # row-column growth (sharenet/transforms/widen.py)
     new_cfg = widen.target(cfg, int(opts.d_model), int(opts.mlp_dim), int(opts.num_heads))
     new_vars = widen.widen(cfg, variables, new_cfg, int(opts.seed))
+  elif opts.to == 'mpo':   # MPO kernels, the central tensor shared (transforms/to_mpo.py)
+    targets = tuple(t for t in opts.mpo_targets.replace(' ', '').split(',') if t)
+    new_cfg, new_vars, extra['mpo'] = to_mpo.to_mpo(cfg, variables, int(opts.mpo_cores),
+                                                    int(opts.mpo_bond), targets)
   elif opts.to == 'head_shared':
     new_cfg, new_vars, extra['head_sharing'] = head_share.to_head_shared(
         cfg, variables, opts.share_rate, post=head_share.PostTraining.from_options(

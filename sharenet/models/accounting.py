@@ -41,7 +41,8 @@ def params_applied(variables: Any, cfg: ModelConfig) -> int:
 def matmul_params_per_layer(cfg: ModelConfig) -> int:
   """Weights one applied layer multiplies with (LoRA factors included), from the role table;
   experts (model.moe) as executed: the top_k a token runs, not all (`executed`); the kernels a
-  parameter bank generates (models/bank.py: the bank sits outside the blocks) at their shape."""
+  parameter bank generates (models/bank.py: the bank sits outside the blocks) and the MPO
+  kernels (models/mpo.py: a chain of tensors) at their shape."""
   s = cfg.sharing   # LoRA where an untied layer keeps it (lora_layers=all), as segment_cfg
   one = cfg.derive(num_layers=1, scan_layers=True, routing={'kind': 'none'}, kv_sharing='none',
                    loop_slices='',
@@ -49,7 +50,8 @@ def matmul_params_per_layer(cfg: ModelConfig) -> int:
                    sharing={'scheme': 'untied', 'num_unique': 0, 'repeats': 0, 'pattern': '',
                             'lora_rank': s.lora_rank if s.lora_layers == 'all' else 0},
                    moe={'lora_experts': cfg.moe.lora_experts if s.lora_layers == 'all' else 0})
-  generated = sum(math.prod(spec[0]) for spec in atom_specs(cfg, cfg.bank_kernels).values())
+  generated = sum(math.prod(spec[0]) for spec in atom_specs(
+      cfg, cfg.bank_kernels + cfg.mpo_kernels).values())
   return generated + sum(executed(i, cfg) for i in param_table(one).values()
                          if i.branch is not None and i.role in ('reader', 'writer', 'lora',
                                                                 'router'))

@@ -26,7 +26,8 @@ from sharenet.config import compat
 from sharenet.errors import ConfigError
 from sharenet.kernels import ATTENTIONS, DENSE_GRADS, KERNELS
 from sharenet.models import expert_checks, looped_config, scaling
-from sharenet.models.sections import (BankConfig, MasaConfig, MoeConfig, NormConfig,
+from sharenet.models import mpo as mpo_lib
+from sharenet.models.sections import (BankConfig, MasaConfig, MoeConfig, MpoConfig, NormConfig,
                                       RecurrenceConfig, RopeScalingConfig, RoutingConfig,
                                       SharingConfig, choice, key, section)
 
@@ -95,6 +96,7 @@ class ModelConfig:
   loop_slices: str = key('loop_slices')
   masa: MasaConfig = section(MasaConfig)
   bank: BankConfig = section(BankConfig)
+  mpo: MpoConfig = section(MpoConfig)
   sharing: SharingConfig = section(SharingConfig)
   routing: RoutingConfig = section(RoutingConfig)
   norm: NormConfig = section(NormConfig)
@@ -113,6 +115,7 @@ class ModelConfig:
   projections: tuple[str, ...] = _resolved()    # attention and MLP kernels a block stores
   atom_kernels: tuple[str, ...] = _resolved()   # kernels built from MASA atoms (() = off)
   bank_kernels: tuple[str, ...] = _resolved()   # kernels generated from the bank (() = off)
+  mpo_kernels: tuple[str, ...] = _resolved()    # kernels built as MPOs (() = off)
   plan: sharing.SharingPlan = _resolved()
   routed_segment: int | None = _resolved()      # plan segment whose recursions are routed
   recursions: int = _resolved()                 # R of the routed segment (0 without routing)
@@ -170,6 +173,13 @@ class ModelConfig:
       if isinstance(value, dict) and dataclasses.is_dataclass(current):
         changes[name] = dataclasses.replace(current, **value)
     return dataclasses.replace(self, **changes)
+
+  def mpo_args(self, target: str) -> dict[str, int]:
+    """Dense's MPO fields for a kernel of `target` (q, k, v, o, mlp_in, mlp_out): the chain's
+    cores and bond cap where model.mpo targets it (models/mpo.py), else none."""
+    if target not in self.mpo_kernels:
+      return {}
+    return dict(mpo_cores=self.mpo.cores, mpo_bond=self.mpo.bond)
 
   def segment_cfg(self, seg: sharing.Segment) -> 'ModelConfig':
     """The config a plan segment's blocks are built with: without depth-wise LoRA where
@@ -290,7 +300,8 @@ def _resolve(c: ModelConfig) -> list[tuple[str, Any]]:
              values_are_keys=c.attention_sharing in ('kv_shared', 'qkv_shared'),
              projections=STORED_PROJECTIONS[c.attention_sharing] + ('o', 'mlp_in', 'mlp_out'),
              atom_kernels=c.masa.targets if c.masa.atoms else (),
-             bank_kernels=c.bank.targets if c.bank.size else ())
+             bank_kernels=c.bank.targets if c.bank.size else (),
+             mpo_kernels=c.mpo.targets if c.mpo.cores else ())
   _check_shapes(c, out)
   out['plan'] = plan
   if s.lora_rank and s.lora_layers == 'shared' and \
@@ -390,6 +401,8 @@ def _check_shapes(c: ModelConfig, r: dict[str, Any]) -> None:
                       f'of {r["d_head"]}, or model.embed_projection=linear')
   if c.bank.size:
     _check_bank(c, r)
+  if c.mpo.cores and c.mpo.bond:
+    _check_mpo_bond(c, r)
   if c.position == 'rope' and r['d_head'] % 2:
     raise ConfigError(f'model.position=rope needs an even head_dim, got {r["d_head"]}')
   if c.norm.qk_norm == 'l2' and not c.norm.qk_scale_init and r['qk_len'] < 2:
@@ -412,3 +425,15 @@ def _check_bank(c: ModelConfig, r: dict[str, Any]) -> None:
     raise ConfigError(f'model.bank.size={size} is smaller than the largest matrix a layer '
                       f'generates from it ({widest}: {D} x {need[widest]} = '
                       f'{D * need[widest]}); valid: model.bank.size >= {D * need[widest]}')
+
+
+def _check_mpo_bond(c: ModelConfig, r: dict[str, Any]) -> None:
+  """model.mpo.bond at most the largest full bond of a target kernel (above it, nothing is
+  capped: the setting would say a truncation that does not happen)."""
+  F, HD, KD = c.mlp_dim, c.num_heads * r['d_head'], r['kv_heads'] * r['d_head']
+  dims = {'q': (c.d_model, HD), 'k': (c.d_model, KD), 'v': (c.d_model, KD),
+          'o': (HD, c.d_model), 'mlp_in': (c.d_model, F), 'mlp_out': (F, c.d_model)}
+  full = max(max(mpo_lib.mpo_shape(*dims[t], c.mpo.cores, 0).bonds) for t in c.mpo.targets)
+  if c.mpo.bond > full:
+    raise ConfigError(f'model.mpo.bond={c.mpo.bond} is above full rank: the largest full bond '
+                      f'dimension of the target kernels is {full}; valid: 1..{full}, or 0 (full)')

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from sharenet import kernels as kernel_lib
 # einsum_f32 lives with the kernels (a leaf: kernels import nothing from models); re-exported.
 from sharenet.kernels.einsum import einsum_f32
-from sharenet.models import lora_experts
+from sharenet.models import lora_experts, mpo
 from sharenet.models.params import PER_LAYER, param
 
 
@@ -133,6 +133,9 @@ class Dense(nn.Module):
   factors A (in, r) and B (r, out) live in the per-layer collection so they stay untied when the
   kernel is shared (Relaxed Recursive Transformers, arXiv:2410.20672).
 
+  With `mpo_cores` (model.mpo, models/mpo.py) `atoms` is instead the shared central tensor of
+  the kernel's matrix product operator and the layer stores its auxiliary tensors.
+
   Called with `atoms` (S, in..., out...), shared matrix atoms (MASA, arXiv:2508.04581;
   sharenet/models/masa.py), the layer stores no kernel but S coefficients c ('masa_coef', role
   scalar, stacked per stored set like a kernel) and uses W = sum_s c_s atoms_s. The coefficients
@@ -156,6 +159,8 @@ class Dense(nn.Module):
   dense_grad: str = 'xla'              # model.dense_grad: auto | xla | rows (matmul_rows)
   lora_experts: int = 0                # Mixture of LoRAs (models/lora_experts.py): N routed
                                        # LoRA experts of lora_rank in the block's params
+  mpo_cores: int = 0                   # model.mpo (models/mpo.py): `atoms` is the shared
+  mpo_bond: int = 0                    # central tensor, this layer holds the auxiliary ones
 
   @nn.compact
   def __call__(self, x: jax.Array, atoms: jax.Array | None = None,
@@ -171,6 +176,9 @@ class Dense(nn.Module):
       kernel = param(self, 'kernel', in_shape + out_shape, in_axes + out_axes, self.role,
                      std=std, dtype=self.param_dtype, num_in=n_in, branch=self.branch,
                      writes=writes, use=self.use)
+    elif self.mpo_cores:
+      kernel = mpo.kernel(self, atoms, fan_in, fan_out, self.mpo_cores, self.mpo_bond,
+                          self.param_dtype, self.branch)
     else:
       if atoms.shape[1:] != in_shape + out_shape:
         raise ValueError(f'MASA atoms {atoms.shape} do not fit the kernel {in_shape + out_shape}')

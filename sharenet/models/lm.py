@@ -17,11 +17,11 @@ from sharenet.models.block import ACT_AXES, Shared, Stream
 from sharenet.models.config import ModelConfig
 from sharenet.models.layers import Dense, Embed, sow_l1
 from sharenet.models.bank import ParameterBank
-from sharenet.models.masa import MasaAtoms
+from sharenet.models.masa import MasaAtoms, atom_specs
 from sharenet.models.moe import MOE
 from sharenet.models.loops import Schedule, looped
 from sharenet.models.stack import Stack, init_cache as init_layer_caches
-from sharenet.models import embeddings, params
+from sharenet.models import embeddings, mpo, params
 from sharenet.models.norm_stats import NORM_STATS
 from sharenet.models.norms import Norm
 from sharenet.models.params import PER_LAYER
@@ -99,6 +99,9 @@ class DecoderLM(nn.Module):
     # here once, handed to every applied layer.
     self.masa_atoms = MasaAtoms(c, name='masa') if c.atom_kernels else None
     self.bank = ParameterBank(c, name='bank') if c.bank_kernels else None
+    self.mpo_central = (mpo.MpoCentral(tuple(mpo.kernel_dims(
+        atom_specs(c, c.mpo_kernels)).items()), c.mpo.cores, c.mpo.bond, pdt, name='mpo')
+        if c.mpo_kernels else None)
     self.stack = Stack(c, name=STACK)
     self.final_norm = None
     if c.norm.placement != 'post':
@@ -146,6 +149,8 @@ class DecoderLM(nn.Module):
     templates (None without either; the compatibility table refuses both at once)."""
     if self.bank is not None:
       return self.bank()
+    if self.mpo_central is not None:   # MPO central tensors (models/mpo.py)
+      return self.mpo_central()
     return None if self.masa_atoms is None else self.masa_atoms()
 
   def trunk(self, x_BTD: jax.Array, positions_T: jax.Array | None, segment_ids_BT=None,

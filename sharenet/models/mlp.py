@@ -86,7 +86,7 @@ class Mlp(nn.Module):
           Dense((c.mlp_dim,), ('embed',), ('mlp',), branch=BRANCH, lora_rank=r_in,
                 lora_scale=c.sharing.lora_scale, lora_zero=c.sharing.lora_zero,
                 use_bias=c.bias_on('mlp_in'), dtype=dt, param_dtype=pdt, dense_grad=c.dense_grad,
-                lora_experts=n_experts, name=name), x,
+                lora_experts=n_experts, name=name, **c.mpo_args('mlp_in')), x,
           masa.get(name), route_BTN if r_in else None)
 
     def pre_act(name):   # identity unless model.norm.pre_activation is set
@@ -119,7 +119,7 @@ class Mlp(nn.Module):
                             lora_rank=r_out, lora_scale=c.sharing.lora_scale,
                             lora_zero=c.sharing.lora_zero, use_bias=c.bias_on('mlp_out'),
                             dtype=dt, param_dtype=pdt, dense_grad=c.dense_grad,
-                            lora_experts=n_experts, name='wo'), h_BTF,
+                            lora_experts=n_experts, name='wo', **c.mpo_args('mlp_out')), h_BTF,
                     masa.get('wo'), route_BTN if r_out else None)
     sow_l1(self, 'mlp_out', out)
     return checkpoint_name(out, 'mlp_out')

@@ -36,6 +36,9 @@ Roles:
   bias        bias of a reader kernel or of the logits
   scalar      a free scalar (l2 QK-norm's logit scale; MASA coefficients, axis 'atoms')
   reparam     gains added by a reparameterization (the REPARAM collection)
+  mpo         a local tensor of a matrix product operator kernel (sharenet/models/mpo.py): its
+              shared central tensor or a layer's auxiliary one (decayed as matrices are; sp's
+              rules only: the compatibility table refuses the width presets)
 """
 from __future__ import annotations
 
@@ -59,7 +62,7 @@ REPARAM = 'reparam'       # collection of reparameterization gains (sharenet/tra
 STACK_AXES = ('layers', 'repeats', 'atoms', 'experts')
 KERNEL_ROLES = ('reader', 'writer', 'readout')
 MATRIX_ROLES = KERNEL_ROLES + ('embedding', 'pos_embed', 'lora', 'router')
-ROLES = MATRIX_ROLES + ('norm_in', 'norm_out', 'bias', 'scalar', 'reparam')
+ROLES = MATRIX_ROLES + ('norm_in', 'norm_out', 'bias', 'scalar', 'reparam', 'mpo')
 NORM_ROLES = ('norm_in', 'norm_out')
 Path = tuple[str, ...]
 

@@ -46,7 +46,8 @@ def _dense(cfg: ModelConfig, name: str, heads: int, axis: str, use: str | None =
   return Dense((heads, cfg.d_head), ('embed',), (axis, 'head_dim'), branch=BRANCH, use=use,
                lora_rank=rank, lora_scale=cfg.sharing.lora_scale, lora_zero=cfg.sharing.lora_zero,
                use_bias=cfg.bias_on(name), dtype=jnp.dtype(cfg.dtype),
-               param_dtype=jnp.dtype(cfg.param_dtype), dense_grad=cfg.dense_grad, name=name)
+               param_dtype=jnp.dtype(cfg.param_dtype), dense_grad=cfg.dense_grad, name=name,
+               **cfg.mpo_args(name))
 
 
 def project_qkv(cfg: ModelConfig, x_BTD: jax.Array, masa: dict[str, jax.Array],
@@ -98,5 +99,6 @@ def project_out(cfg: ModelConfig, out_BTHD: jax.Array, masa: dict[str, jax.Array
   dense = Dense((cfg.d_model,), ('heads', 'head_dim'), ('embed',), role='writer', branch=BRANCH,
                 lora_rank=rank, lora_scale=cfg.sharing.lora_scale, lora_zero=cfg.sharing.lora_zero,
                 use_bias=cfg.bias_on('o'), dtype=jnp.dtype(cfg.dtype),
-                param_dtype=jnp.dtype(cfg.param_dtype), dense_grad=cfg.dense_grad, name='o')
+                param_dtype=jnp.dtype(cfg.param_dtype), dense_grad=cfg.dense_grad, name='o',
+                **cfg.mpo_args('o'))
   return checkpoint_name(dense_apply(dense, out_BTHD, masa.get('o')), 'out_proj')

@@ -254,6 +254,30 @@ class BankConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class MpoConfig:
+  """`config.model.mpo`: matrix product operator kernels with the central tensor shared across
+  layers (MPOBERT; models/mpo.py). targets is a tuple (a comma list is read as one). The bond's
+  cap against the kernels' full bonds is the ModelConfig's check."""
+  KEY = 'mpo'
+  cores: int = key('mpo.cores')
+  bond: int = key('mpo.bond')
+  targets: tuple[str, ...] = key('mpo.targets', parse_targets, ','.join)
+
+  def __post_init__(self):
+    _set(self, 'targets', parse_targets(self.targets))
+    for t in self.targets:
+      choice('model.mpo.targets', t, MASA_TARGETS)
+    if self.cores == 1 or self.cores < 0:
+      raise ConfigError(f'model.mpo.cores={self.cores}: a chain of one tensor is the matrix '
+                        f'itself; valid: 0 (off) or >= 2')
+    if self.bond < 0:
+      raise ConfigError(f'model.mpo.bond={self.bond} must be >= 0 (0 = full)')
+    if self.cores and not self.targets:
+      raise ConfigError(f'model.mpo.cores={self.cores} with no model.mpo.targets; valid: a '
+                        f'comma list of {",".join(MASA_TARGETS)}')
+
+
+@dataclasses.dataclass(frozen=True)
 class RecurrenceConfig:
   """`config.model.recurrence`: recurrent depth over the plan's looped segment
   (docs/loops.md; Geiping et al., arXiv:2502.05171). What needs the plan (a looped segment,
@@ -370,5 +394,5 @@ class MoeConfig:
     return self.top_k or (1 if self.kind == 'switch' else min(2, self.num_experts))
 
 
-SECTIONS = (NormConfig, SharingConfig, RoutingConfig, MasaConfig, BankConfig, RecurrenceConfig,
-            MoeConfig, RopeScalingConfig)
+SECTIONS = (NormConfig, SharingConfig, RoutingConfig, MasaConfig, BankConfig, MpoConfig,
+            RecurrenceConfig, MoeConfig, RopeScalingConfig)

@@ -35,7 +35,7 @@ from sharenet.transforms.update import agc, scale_by_adamp
 
 SCHEDULES = ('wsd', 'cosine', 'constant')
 # Role groups accepted by train.decay_roles; 'matrices' = every kernel, embedding and LoRA factor.
-DECAY_GROUPS = {'matrices': params_lib.MATRIX_ROLES, 'norm_in': ('norm_in',),
+DECAY_GROUPS = {'matrices': params_lib.MATRIX_ROLES + ('mpo',), 'norm_in': ('norm_in',),
                 'norm_out': ('norm_out',), 'bias': ('bias',), 'scalar': ('scalar',),
                 'reparam': ('reparam',)}
 

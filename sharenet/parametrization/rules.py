@@ -116,7 +116,8 @@ FINITE_AXES = frozenset({'vocab', 'length', 'lora'})
 # Preset roles (the rule tables' rows) of the table's roles (sharenet/models/params.py).
 PRESET_ROLE = {'reader': 'hidden', 'writer': 'hidden', 'readout': 'readout', 'router': 'output',
                'embedding': 'embedding', 'pos_embed': 'embedding', 'lora': 'lora',
-               'norm_in': 'vector', 'norm_out': 'vector', 'bias': 'vector', 'scalar': 'vector'}
+               'norm_in': 'vector', 'norm_out': 'vector', 'bias': 'vector', 'scalar': 'vector',
+               'mpo': 'vector'}
 Path = tuple[str, ...]
 
 

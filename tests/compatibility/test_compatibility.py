@@ -138,7 +138,7 @@ ACTION_ROWS = [r for r in ROWS if {'generation', 'loop_inference', 'test_time_de
 # Options of each conversion on a row's 4-layer model; rmsnorm, crmsnorm and fold_unified_norm
 # compute the source's function (eval mode), the others build a model of their own.
 CONVERSION_OPTIONS = {'recursive': {'num_unique': 2}, 'merge_lora_experts': {'expert_weights': '1,0'},
-                      'wider': {'d_model': 64}}
+                      'wider': {'d_model': 64}, 'mpo': {'mpo_cores': 3}}
 PRESERVING = ('rmsnorm', 'crmsnorm', 'fold_unified_norm')
 
 
