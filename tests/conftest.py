@@ -93,11 +93,19 @@ def share_a_wandb_service(tmp_path, monkeypatch):
   """Starts a W&B service in this process (offline) and leaves WANDB_SERVICE naming it for
   the rest of the test, as a launcher or notebook that uses wandb does for its children."""
   import wandb
-  monkeypatch.delenv('WANDB_SERVICE', raising=False)   # undone last: the value before the test
+  before = os.environ.get('WANDB_SERVICE')
   monkeypatch.setenv('WANDB_MODE', 'offline')
   monkeypatch.setenv('WANDB_SILENT', 'true')
+  # wandb names its service in the environment when it starts one and reuses it after; one
+  # this process holds unnamed (the variable was removed since) is ended so that one starts
+  if before is None:
+    wandb.teardown()
   wandb.init(project='launcher', dir=str(tmp_path)).finish()
-  assert os.environ.get('WANDB_SERVICE')
+  value = os.environ.get('WANDB_SERVICE')
+  assert value, 'wandb started no service'
+  if before is None:   # after the test the variable is unset again, as before it
+    os.environ.pop('WANDB_SERVICE')
+    monkeypatch.setenv('WANDB_SERVICE', value)
 
 
 def resume_matches_uninterrupted(tmp_path, flags, step, last):

@@ -125,6 +125,13 @@ BANK_ONE_MATRIX = ('the bank is one matrix behind every generated kernel, so a p
 SLICED_LOOPLESS = 'the slices apply to the loops of the plan\'s one looped cycle segment'
 SLICED_DEPTH = ('each loop\'s slicing is fixed by its index in the plan\'s loops; another '
                 'number of loops is not the trained function')
+CEM_KERNELS = ('CEM\'s attention ties W_O to the plain query kernel W_Q and stores no v or o; '
+               'valid: targets among k, mlp_in, mlp_out')
+MLP_TIED_KERNELS = ('the tied MLP reads its nonlinear input projection as a plain kernel and '
+                    'stores no wo; valid: targets among q, k, v, o')
+TIED_WRITER = ('a tied transpose (CEM) is its output projection, so a multiplier or '
+               'reparametrization of the branch\'s output kernel has none to act on')
+TIED_WRITER_FEATURES = ('completep', 'umup', 'inv_R', 'inv_sqrt_R', 'zero_mean_writers')
 KV_LOOP = 'kv sharing reuses the first loop\'s keys and values in the later loops of the plan\'s ' \
     'one looped cycle segment, which it lacks'
 
@@ -313,6 +320,25 @@ def _features() -> tuple[Feature, ...]:
   values_are_keys = 'recursive inference keeps keys and values per layer; values are keys here'
   attention = [dataclasses.replace(f, refuses=(('loop_inference', values_are_keys),))
                if f.name in ('kv_shared', 'qkv_shared') else f for f in attention]
+  # CEM's weight-tied attention (models/projections.py): values are the keys, W_O = W_Q^T
+  attention.append(_setting(
+      'cem', 'attention_sharing', 'model.attention_sharing', 'cem',
+      refuses=(('loop_inference', values_are_keys),
+               *_tied_kernels(('q', 'v', 'o'), CEM_KERNELS), ('switchhead', SWITCH_V),
+               *[(f, TIED_WRITER) for f in TIED_WRITER_FEATURES],
+               ('query_zero_init', 'the output projection is the queries\' transposed, so a zero '
+                                   'query would zero the branch'))))
+  # CEM's tied MLP (models/mlp.py): the down projection is the nonlinear input one transposed
+  attention.append(_setting(
+      'mlp_tied', 'mlp_tied', 'model.mlp_tied', True,
+      # (LoRA's and MASA's default targets leave the MLP out: naming its kernels there is the
+      # model config's one line, ModelConfig._check_shapes)
+      refuses=(*[r for r in _tied_kernels(('mlp_in', 'mlp_out'), MLP_TIED_KERNELS)
+                 if r[0] in ('bank', 'mpo')],
+               *[(m, 'the experts replace the dense MLP whose projections it ties')
+                 for m in ('sigma_moe', 'switch', 'moe_ragged_dot', 'moe_reference',
+                           'moe_router_per_layer', 'lora_experts')],
+               *[(f, TIED_WRITER) for f in TIED_WRITER_FEATURES])))
   norms = [_setting(k, 'norm', 'model.norm.kind', k)
            for k in ('layernorm', 'crmsnorm', 'scalenorm', 'dyt', 'none', 'lpnorm')]
   # model.norm.kind=powernorm | unified_norm | online_norm (sharenet/models/norm_stats.py): running
@@ -477,9 +503,27 @@ def _features() -> tuple[Feature, ...]:
   actions = [Feature('generation', 'generation', (), lambda c: False, action=True),
              Feature('loop_inference', 'loop_inference', (), lambda c: False, action=True),
              Feature('test_time_depth', 'test_time_depth', (), lambda c: False, action=True)]
-  return _lora_all(schemes + routers + recurrent + kv + experts + structure + attention + norms +
-               placements + qk + pzs + loop_rules + reparams + projections + updates + optimizers +
-               remats + numerics + imported + options + actions)
+  return _lora_all(_values_are_keys(
+      schemes + routers + recurrent + kv + experts + structure + attention + norms + placements +
+      qk + pzs + loop_rules + reparams + projections + updates + optimizers + remats + numerics +
+      imported + options + actions))
+
+
+def _tied_kernels(targets: tuple[str, ...], why: str) -> tuple[tuple, ...]:
+  """Refusals of the kernel-target lists (LoRA, MASA, bank, MPO) naming any of `targets`: a
+  tied transpose reads its partner's plain kernel."""
+  keys = (('lora', 'model.sharing.lora_targets'), ('masa', 'model.masa.targets'),
+          ('bank', 'model.bank.targets'), ('mpo', 'model.mpo.targets'))
+  names = lambda key: lambda c: bool(
+      set(targets) & set(str(_get(c, key)).replace(' ', '').split(',')))
+  return tuple((f, why, names(key)) for f, key in keys)
+
+
+def _values_are_keys(features: list[Feature]) -> list[Feature]:
+  """The table, where what refuses kv_shared (values are the keys) refuses cem too."""
+  return [dataclasses.replace(f, refuses=f.refuses + tuple(
+      ('cem', *rest) for other, *rest in f.refuses if other == 'kv_shared'))
+          if f.name != 'cem' else f for f in features]
 
 
 def _lora_all(features: list[Feature]) -> tuple[Feature, ...]:
@@ -516,7 +560,9 @@ STREAM_READERS = ('{} reads the stream itself, not through a norm, so the stream
 FOLD_LAYOUT = ('model.scan_layers=False stores one module per set, not the stacked layout the '
                'fold reads')
 FIXNORM_FOLD = 'fixnorm renormalises the embedding rows, which the fold recentres'
+TIED_FOLD = 'a norm folded into a reader whose transpose is a writer (CEM) would scale it too'
 NORM_FOLDS = (('placement', NORM_PRE), ('untie_norms', TIED_READERS), ('lora', TIED_READERS),
+              ('cem', TIED_FOLD), ('mlp_tied', TIED_FOLD),
               ('moe', MOE_READERS), ('moe_dispatch', MOE_READERS), ('fixnorm', FIXNORM_FOLD),
               ('python_loop', FOLD_LAYOUT),
               ('masa', 'MASA\'s kernels are combinations of atoms every layer shares, so one '

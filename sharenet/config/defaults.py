@@ -24,6 +24,8 @@ def default_config() -> ml_collections.ConfigDict:
   m.num_heads = 4             # must divide d_model
   m.num_kv_heads = 0          # 0 -> num_heads; fewer -> grouped-query attention
   m.mlp_dim = 768             # MLP hidden width
+  m.mlp_tied = False          # the MLP's down projection is its nonlinear input projection
+                              # transposed (CEM, arXiv:2605.07588: wo = wi_gate^T, gelu wi^T)
   m.mlp = 'swiglu'            # swiglu | geglu | gelu | selu (geglu: gelu(x W_gate) * x W_up,
                               # tanh GELU, Gemma's; selu: self-normalizing, with
                               # model.norm.kind=none)
@@ -80,7 +82,7 @@ def default_config() -> ml_collections.ConfigDict:
                               # runs without transposing the cotangent, docs/performance.md), xla =
                               # jax's own transpose rule; auto = rows on CPU, xla on GPU / TPU
   m.param_dtype = 'float32'
-  m.attention_sharing = 'none'  # none | kv_shared | qk_shared | qkv_shared: attention
+  m.attention_sharing = 'none'  # none | kv_shared | qk_shared | qkv_shared | cem: attention
                               # projections that are one (Q-K=V, arXiv:2606.04032): kv_shared
                               # the values are the keys (the KV cache holds K only), qk_shared
                               # the queries are the keys, qkv_shared one projection for all

@@ -49,6 +49,8 @@ def _refusals(cfg: Any) -> list[tuple[bool, str]]:
       (not cfg.recurrence.is_default, 'model.recurrence is not its default; valid: fixed depth'),
       (cfg.masa.atoms > 0, f'model.masa.atoms={cfg.masa.atoms}; valid: 0'),
       (cfg.bank.size > 0, f'model.bank.size={cfg.bank.size}: a parameter bank; valid: 0'),
+      (cfg.mpo.cores > 0, f'model.mpo.cores={cfg.mpo.cores}: MPO kernels; valid: 0'),
+      (cfg.mlp_tied, 'model.mlp_tied=True: a tied MLP; valid: False'),
       (cfg.attention_sharing != 'none', f'model.attention_sharing={cfg.attention_sharing}; '
        f'valid: none'),
       (cfg.kv_sharing != 'none', f'model.kv_sharing={cfg.kv_sharing}; valid: none'),

@@ -42,7 +42,8 @@ def matmul_params_per_layer(cfg: ModelConfig) -> int:
   """Weights one applied layer multiplies with (LoRA factors included), from the role table;
   experts (model.moe) as executed: the top_k a token runs, not all (`executed`); the kernels a
   parameter bank generates (models/bank.py: the bank sits outside the blocks) and the MPO
-  kernels (models/mpo.py: a chain of tensors) at their shape."""
+  kernels (models/mpo.py: a chain of tensors) at their shape, and the transposes CEM's tied
+  attention and MLP multiply with."""
   s = cfg.sharing   # LoRA where an untied layer keeps it (lora_layers=all), as segment_cfg
   one = cfg.derive(num_layers=1, scan_layers=True, routing={'kind': 'none'}, kv_sharing='none',
                    loop_slices='',
@@ -52,6 +53,9 @@ def matmul_params_per_layer(cfg: ModelConfig) -> int:
                    moe={'lora_experts': cfg.moe.lora_experts if s.lora_layers == 'all' else 0})
   generated = sum(math.prod(spec[0]) for spec in atom_specs(
       cfg, cfg.bank_kernels + cfg.mpo_kernels).values())
+  # tied transposes (CEM): W_O = W_Q^T and the tied MLP's W^T multiply without a leaf of their own
+  generated += cfg.num_heads * cfg.d_head * cfg.d_model if cfg.attention_sharing == 'cem' else 0
+  generated += cfg.mlp_dim * cfg.d_model if cfg.mlp_tied else 0
   return generated + sum(executed(i, cfg) for i in param_table(one).values()
                          if i.branch is not None and i.role in ('reader', 'writer', 'lora',
                                                                 'router'))
@@ -80,7 +84,7 @@ def kv_params_skipped(cfg: ModelConfig) -> int:
   if cfg.kv_segment is None:
     return 0
   D, KD = cfg.d_model, cfg.kv_heads * cfg.d_head
-  skipped = {'none': ('k', 'v'), 'kv_shared': ('k',), 'qk_shared': ('v',),
+  skipped = {'none': ('k', 'v'), 'kv_shared': ('k',), 'cem': ('k',), 'qk_shared': ('v',),
              'qkv_shared': ()}[cfg.attention_sharing]
   s = cfg.sharing
   rank = s.lora_rank if s.lora_layers == 'all' else 0   # as matmul_params_per_layer counts

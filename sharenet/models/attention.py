@@ -215,7 +215,7 @@ class CausalAttention(nn.Module):
     if c.umup_ops:
       out_BTHD = unit_scale.scale_fwd(out_BTHD, s_att)
     out_BTD = (switchhead.output(self, c, out_BTHD, x_BTD, auxes) if switch
-               else project_out(c, out_BTHD, masa))
+               else project_out(c, out_BTHD, masa, self))
     sow_l1(self, 'attn_out', out_BTD)
     if cache is not None:
       return out_BTD, cache

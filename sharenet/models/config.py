@@ -38,13 +38,14 @@ LOWERINGS = ('nested', 'flat')
 REMATS = ('none', 'full', 'dots', 'dots_no_batch', 'save_names', 'offload_dots', 'except_attn')
 DTYPES = ('float32', 'bfloat16', 'float64')
 # Sub-layer sharing (docs/sharing.md): which attention projections are one.
-ATTENTION_SHARINGS = ('none', 'kv_shared', 'qk_shared', 'qkv_shared')
+ATTENTION_SHARINGS = ('none', 'kv_shared', 'qk_shared', 'qkv_shared', 'cem')
 # model.embed_projection: how factorized embeddings reach d_model (models/embeddings.py)
 EMBED_PROJECTIONS = ('linear', 'self_attentive')
 # The projections each sharing mode stores (kv_shared: values are the keys; qk_shared: queries
-# are the keys; qkv_shared: one projection, stored as 'k').
+# are the keys; qkv_shared: one projection, stored as 'k'; cem: values are the keys and the
+# output projection is the queries' transposed, models/projections.py).
 STORED_PROJECTIONS = {'none': ('q', 'k', 'v'), 'kv_shared': ('q', 'k'),
-                      'qk_shared': ('k', 'v'), 'qkv_shared': ('k',)}
+                      'qk_shared': ('k', 'v'), 'qkv_shared': ('k',), 'cem': ('q', 'k')}
 # KV across loops (Mixture-of-Recursions' recursive KV sharing, docs/loops.md).
 KV_SHARINGS = ('none', 'first')
 _TRAIN_SEQ_LEN = defaults.default_config().train.seq_len
@@ -65,6 +66,7 @@ class ModelConfig:
   num_kv_heads: int = key('num_kv_heads')       # 0 -> num_heads (kv_heads)
   mlp_dim: int = key('mlp_dim')
   mlp: str = key('mlp')
+  mlp_tied: bool = key('mlp_tied')
   position: str = key('position')
   rope_base: float = key('rope_base')
   max_len: int = key('max_len')
@@ -297,8 +299,10 @@ def _resolve(c: ModelConfig) -> list[tuple[str, Any]]:
   d_head = c.head_dim or c.d_model // c.num_heads
   out = dict(d_head=d_head, kv_heads=c.num_kv_heads or c.num_heads,
              qk_len=c.norm.qk_norm_len or _TRAIN_SEQ_LEN,
-             values_are_keys=c.attention_sharing in ('kv_shared', 'qkv_shared'),
-             projections=STORED_PROJECTIONS[c.attention_sharing] + ('o', 'mlp_in', 'mlp_out'),
+             values_are_keys=c.attention_sharing in ('kv_shared', 'qkv_shared', 'cem'),
+             projections=STORED_PROJECTIONS[c.attention_sharing] + (
+                 () if c.attention_sharing == 'cem' else ('o',)) + ('mlp_in',) + (
+                 () if c.mlp_tied else ('mlp_out',)),
              atom_kernels=c.masa.targets if c.masa.atoms else (),
              bank_kernels=c.bank.targets if c.bank.size else (),
              mpo_kernels=c.mpo.targets if c.mpo.cores else ())
@@ -388,12 +392,18 @@ def _check_shapes(c: ModelConfig, r: dict[str, Any]) -> None:
     raise ConfigError(f'model.num_kv_heads={c.num_kv_heads} must divide model.num_heads='
                       f'{c.num_heads}')
   stored = r['projections']
+  tied = ('q',) * (c.attention_sharing == 'cem') + ('mlp_in',) * c.mlp_tied
   for field, targets in expert_checks.kernel_targets(c):
     missing = [t for t in targets if t not in stored]
     if missing:
-      raise ConfigError(f'model.{field} names {",".join(missing)}, which '
-                        f'model.attention_sharing={c.attention_sharing} does not store; '
-                        f'valid: {",".join(stored)}')
+      raise ConfigError(f'model.{field} names {",".join(missing)}, which this model does not '
+                        f'store (attention_sharing={c.attention_sharing}, mlp_tied='
+                        f'{c.mlp_tied}); valid: {",".join(stored)}')
+    read = [t for t in targets if t in tied and field != 'sharing.lora_targets']
+    if read:
+      raise ConfigError(f'model.{field} names {",".join(read)}, whose plain kernel a tied '
+                        f'transpose reads (CEM: attention_sharing=cem, mlp_tied); valid: '
+                        f'{",".join(t for t in stored if t not in tied)}')
   if c.embed_dim and c.embed_projection == 'self_attentive' and (
       c.embed_dim % r['d_head'] or r['d_head'] % 2):
     raise ConfigError(f'model.embed_dim={c.embed_dim}: the self-attentive embedding attends '

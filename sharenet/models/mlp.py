@@ -1,6 +1,14 @@
 """Feed-forward block: SwiGLU, GeGLU, GELU or SELU, optionally with a norm on the hidden
 pre-activations.
 
+`model.mlp_tied` is Causal Energy Minimization's gated MLP with shared up / down projections
+(Xu, Couturier, Ruhle, Rajmohan, Hensman, arXiv:2605.07588): the down projection is the
+nonlinear input projection transposed, out = W^T (f(W x) * V x) with W = wi_gate, V = wi_up
+(SwiGLU: f = silu; GeGLU: gelu), or out = W^T f(W x) with W = wi (gelu, selu); no 'wo'. At
+y = x it is minus the gradient in y of the element-wise energy E(y | x) = -sum_i (V x)_i
+F((W y)_i), F' = f, the gate's input held fixed (our derivation from the paper's abstract, which
+states the energy reading; checked numerically in tests/models/test_cem.py).
+
 `model.mlp = selu` is the self-normalizing network of Klambauer et al. ("Self-Normalizing Neural
 Networks", arXiv:1706.02515): h = selu(x W_in) with selu(z) = lambda z (z > 0),
 lambda alpha (e^z - 1) (z <= 0), lambda ~ 1.0507, alpha ~ 1.6733 (their eq. 2), whose mapping of
@@ -96,6 +104,7 @@ class Mlp(nn.Module):
                   PER_LAYER if c.sharing.untie_norms else 'params',
                   axis_name='mlp', param_dtype=pdt, role='norm_in', branch=BRANCH, name=name)
 
+    gated = c.mlp in ('swiglu', 'geglu')
     if c.mlp == 'swiglu':
       gate = pre_act('gate_norm')(dense_in('wi_gate')(x_BTD))
       up = pre_act('up_norm')(dense_in('wi_up')(x_BTD))
@@ -115,11 +124,15 @@ class Mlp(nn.Module):
     sow_l1(self, 'mlp_hidden', h_BTF)
     h_BTF = nn.with_logical_constraint(h_BTF, ('activation_batch', 'activation_length',
                                                'activation_mlp'))
-    out = dense_apply(Dense((c.d_model,), ('mlp',), ('embed',), role='writer', branch=BRANCH,
-                            lora_rank=r_out, lora_scale=c.sharing.lora_scale,
-                            lora_zero=c.sharing.lora_zero, use_bias=c.bias_on('mlp_out'),
-                            dtype=dt, param_dtype=pdt, dense_grad=c.dense_grad,
-                            lora_experts=n_experts, name='wo', **c.mpo_args('mlp_out')), h_BTF,
-                    masa.get('wo'), route_BTN if r_out else None)
+    if c.mlp_tied:   # CEM's tied MLP: the down projection is the nonlinear one transposed
+      w_DF = nn.unbox(self.variables['params']['wi_gate' if gated else 'wi']['kernel'])
+      out = h_BTF.astype(dt) @ w_DF.T.astype(dt)
+    else:
+      out = dense_apply(Dense((c.d_model,), ('mlp',), ('embed',), role='writer', branch=BRANCH,
+                              lora_rank=r_out, lora_scale=c.sharing.lora_scale,
+                              lora_zero=c.sharing.lora_zero, use_bias=c.bias_on('mlp_out'),
+                              dtype=dt, param_dtype=pdt, dense_grad=c.dense_grad,
+                              lora_experts=n_experts, name='wo', **c.mpo_args('mlp_out')),
+                        h_BTF, masa.get('wo'), route_BTN if r_out else None)
     sow_l1(self, 'mlp_out', out)
     return checkpoint_name(out, 'mlp_out')

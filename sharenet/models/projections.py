@@ -8,6 +8,16 @@ Three Projections?", arXiv:2606.04032; docs/sharing.md):
   qk_shared   queries are the keys: no 'q' kernel; the key tensor after QK-norm (k_norm only)
               and RoPE is also the query (models/positions.py), so the scores are symmetric.
   qkv_shared  one projection ('k'): queries as in qk_shared, values as in kv_shared.
+  cem         Causal Energy Minimization's weight-tied attention (Xu, Couturier, Ruhle,
+              Rajmohan, Hensman, arXiv:2605.07588): values are the keys (as kv_shared) and the
+              output projection is the queries' transposed, W_O,h = W_Q,h^T; no 'v' or 'o'
+              kernel. Then head h's output at t is W_Q,h^T sum_s a_ts W_K,h x_s with
+              a_ts = softmax_s(beta (W_Q,h x_t) . (W_K,h x_s)): minus the gradient in y, at
+              y = x_t, of the interaction energy E_t(y) = -(1/beta) sum_h log sum_{s<=t}
+              exp(beta (W_Q,h y) . (W_K,h x_s)) with the context x_{<=t} held fixed (our
+              derivation from the paper's abstract, checked numerically in
+              tests/models/test_cem.py; exact without positions and QK-norm, which act on
+              queries and keys as in kv_shared).
 QK-norm and RoPE apply to the shared tensor as they apply to keys; qk_shared and qkv_shared
 need num_kv_heads = num_heads (config check).
 
@@ -18,6 +28,7 @@ from __future__ import annotations
 
 from typing import Callable, NamedTuple
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
@@ -79,13 +90,13 @@ def project_qkv(cfg: ModelConfig, x_BTD: jax.Array, masa: dict[str, jax.Array],
                              'value_proj')
     return Projected(q_BTHD, k_BTKD, v_BTKD, False)
   shares_query = sharing in ('qk_shared', 'qkv_shared')
-  if sharing == 'kv_shared' and not keys:
+  if sharing in ('kv_shared', 'cem') and not keys:
     return Projected(checkpoint_name(proj('q', H, 'heads', 'query'), 'query_proj'), None, None,
                      False)
   # The shared tensor is the key projection; qk_shared / qkv_shared have K == H.
   k_BTKD = checkpoint_name(proj('k', K, 'kv_heads', 'key'), 'key_proj')
   q_BTHD = (checkpoint_name(proj('q', H, 'heads', 'query'), 'query_proj')
-            if sharing == 'kv_shared' else k_BTKD)
+            if sharing in ('kv_shared', 'cem') else k_BTKD)
   if not keys:   # the query is the key projection
     return Projected(q_BTHD, None, None, shares_query)
   v_BTKD = (checkpoint_name(proj('v', K, 'kv_heads'), 'value_proj')
@@ -93,8 +104,17 @@ def project_qkv(cfg: ModelConfig, x_BTD: jax.Array, masa: dict[str, jax.Array],
   return Projected(q_BTHD, k_BTKD, v_BTKD, shares_query)
 
 
-def project_out(cfg: ModelConfig, out_BTHD: jax.Array, masa: dict[str, jax.Array]) -> jax.Array:
-  """The output projection 'o': heads (B, T, H, Dh) -> (B, T, D)."""
+def project_out(cfg: ModelConfig, out_BTHD: jax.Array, masa: dict[str, jax.Array],
+                module: nn.Module | None = None) -> jax.Array:
+  """The output projection 'o': heads (B, T, H, Dh) -> (B, T, D). Under attention_sharing=cem
+  it is the query projection transposed, read from `module` (the attention module, whose 'q'
+  kernel project_qkv created): W_O,h = W_Q,h^T."""
+  if cfg.attention_sharing == 'cem':
+    q_DHK = nn.unbox(module.variables['params']['q']['kernel'])
+    B, T, H, Dh = out_BTHD.shape
+    dt = jnp.dtype(cfg.dtype)
+    w = jnp.transpose(q_DHK, (1, 2, 0)).reshape(H * Dh, -1).astype(dt)
+    return checkpoint_name(out_BTHD.reshape(B, T, H * Dh).astype(dt) @ w, 'out_proj')
   rank = cfg.sharing.lora_rank if 'o' in cfg.sharing.lora_targets else 0
   dense = Dense((cfg.d_model,), ('heads', 'head_dim'), ('embed',), role='writer', branch=BRANCH,
                 lora_rank=rank, lora_scale=cfg.sharing.lora_scale, lora_zero=cfg.sharing.lora_zero,

@@ -50,8 +50,10 @@ def refit(own: list[np.ndarray], central: np.ndarray, w: np.ndarray, s: mpo.MpoS
 
 def stored_targets(cfg: ModelConfig) -> tuple[str, ...]:
   """The kernel targets a model stores as plain kernels: its stored projections, less what
-  experts replace (SwitchHead's v and o, model.moe's dense MLP)."""
-  out = [t for t in cfg.projections]
+  experts replace (SwitchHead's v and o, model.moe's dense MLP) and what a tied transpose
+  reads (CEM: q, the tied MLP's mlp_in)."""
+  tied = ('q',) * (cfg.attention_sharing == 'cem') + ('mlp_in',) * cfg.mlp_tied
+  out = [t for t in cfg.projections if t not in tied]
   if cfg.moe.attention == 'switchhead':
     out = [t for t in out if t not in ('v', 'o')]
   if cfg.moe.kind != 'none':

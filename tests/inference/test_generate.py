@@ -43,6 +43,8 @@ PLANS = {
     'umup_cycle': {'model.num_layers': 4, 'model.sharing.scheme': 'cycle',
                    'model.sharing.num_unique': 2, 'parametrization.kind': 'umup'},
     # SReT's sliced loops: the cache masks by slice, the full forward folds slices of 8
+    # CEM: values are the keys (a K-only cache), W_O = W_Q^T, the tied MLP
+    'cem_tied': {'model.attention_sharing': 'cem', 'model.mlp_tied': True},
     'cycle_sliced': {'model.num_layers': 4, 'model.sharing.scheme': 'cycle',
                      'model.sharing.num_unique': 2, 'model.loop_slices': '4,1'},
 }
