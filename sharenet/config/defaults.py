@@ -368,7 +368,7 @@ def default_config() -> ml_collections.ConfigDict:
       ('activation_mlp', 'tensor'), ('activation_vocab', 'tensor'),
       ('embed', 'fsdp'), ('heads', 'tensor'), ('kv_heads', 'tensor'), ('mlp', 'tensor'),
       ('vocab', 'tensor'), ('head_dim', None), ('length', None), ('lora', None),
-      ('embed_factor', None), ('bank', 'tensor'),
+      ('embed_factor', None), ('embed_factor_hidden', None), ('bank', 'tensor'),
       ('layers', None), ('repeats', None), ('atoms', None), ('experts', 'expert'),
   )
 

@@ -47,10 +47,10 @@ ACT_AXES = ('activation_batch', 'activation_length', 'activation_embed')
 class Stream(NamedTuple):
   """The carry of the layer scans: the residual stream, the applied layer index that u-muP's
   residual rule and sliced loops (model.loop_slices) read (None otherwise: a pass without it,
-  such as the exits' pass through the coda, attends in full), and the summed weighted aux losses of model.moe's
-  experts (a float32 scalar where a training or evaluation pass collects them, models/moe.py;
-  None otherwise). Riding in the carry, the aux loss passes through every lowering of the loop
-  runner as the stream does."""
+  such as the exits' pass through the coda, attends in full), and the summed weighted aux
+  losses of model.moe's experts (a float32 scalar where a training or evaluation pass collects
+  them, models/moe.py; None otherwise). Riding in the carry, the aux loss passes through every
+  lowering of the loop runner as the stream does."""
   x_BTD: jax.Array
   layer: jax.Array | None = None
   aux: jax.Array | None = None

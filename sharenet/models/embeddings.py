@@ -37,6 +37,9 @@ from sharenet.models.layers import Dense, rope
 from sharenet.models.norms import Norm
 
 FACTOR_AXIS = 'embed_factor'
+# the self-attentive block's hidden units (fc1: E -> E): an axis of its own, since a kernel's
+# logical axes must differ for sharding (flax's logical_to_mesh_axes)
+FACTOR_HIDDEN_AXIS = 'embed_factor_hidden'
 
 
 class EmbedProjection(nn.Module):
@@ -66,9 +69,9 @@ class EmbedProjection(nn.Module):
         segment_ids_BT=segment_ids_BT)
     h = e_BTE + dense((c.embed_dim,), ('heads', 'head_dim'), (FACTOR_AXIS,), 'writer',
                       'o')(attended)
-    f = nn.gelu(dense((c.embed_dim,), (FACTOR_AXIS,), (FACTOR_AXIS,), 'reader',
+    f = nn.gelu(dense((c.embed_dim,), (FACTOR_AXIS,), (FACTOR_HIDDEN_AXIS,), 'reader',
                       'fc1')(norm('mlp_norm')(h)))
-    return dense((c.d_model,), (FACTOR_AXIS,), ('embed',), 'writer', 'fc2')(f)
+    return dense((c.d_model,), (FACTOR_HIDDEN_AXIS,), ('embed',), 'writer', 'fc2')(f)
 
 
 def readout_projection(cfg: ModelConfig) -> Dense:

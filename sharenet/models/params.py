@@ -129,6 +129,10 @@ def param(module: nn.Module, name: str, shape: tuple[int, ...], axes: tuple[str 
     raise ConfigError(f'parameter {name}: role {role!r} is unknown; valid: {", ".join(ROLES)}')
   if (std is None) == (init is None):
     raise ValueError(f'parameter {name}: give exactly one of std (normal init) or init')
+  named = [a for a in axes if a is not None]
+  if len(set(named)) != len(named):   # sharding maps each logical axis once (flax spmd)
+    raise ValueError(f'parameter {name}: logical axes {tuple(axes)} repeat a name, which no '
+                     f'sharding can place; give each dimension its own axis name')
   fn = nn.initializers.normal(std) if std is not None else init
   meta = dict(names=tuple(axes), role=role, num_in=num_in, init_std=std, branch=branch,
               writes=writes, use=use, **_structure(module, name, collection))

@@ -107,7 +107,7 @@ from sharenet.models.scaling import base_config
 # 'embed_factor': a factorized embedding's width E, scaled with d_model (models/embeddings.py).
 # 'bank': the parameter bank's columns, scaled with d_model (models/bank.py).
 WIDTH_AXES = frozenset({'embed', 'mlp', 'heads', 'kv_heads', 'head_dim', 'inject',
-                        'embed_factor', 'bank'})
+                        'embed_factor', 'embed_factor_hidden', 'bank'})
 # Leading axes that index separate matrices, never width: scan axes, the MASA atom index and
 # the expert index (models/moe.py: each expert's matrices are hidden matrices of their own
 # fan-in; the expert selector's rows are output weights, like the recursion routers').

@@ -6,8 +6,8 @@
     rewrite so)
 
 Each table is written by the same function its study uses when it runs (depth_report,
-moe_report, norm_study, recursion_study, nap_study, rank_study, distill_study, coord_check,
-lr_sweep, ladder, width_split, widen_study, and
+moe_report, norm_study, recursion_study, sharing_methods_study, nap_study, rank_study,
+distill_study, coord_check, lr_sweep, ladder, width_split, widen_study, and
 benchmarks/summarize_runs for the sharing configs), so a table is never edited by hand: the
 README and the pages link to these files instead of copying their numbers.
 tests/end_to_end/test_docs.py checks that the committed tables equal what this writes.
@@ -97,6 +97,8 @@ TABLES: dict[str, tuple[str, Callable[[str], str]]] = {
     'norm_study/norm_study_seeds.md': ('norm_study/norm_study_seeds.json', _fn('norm_study')),
     'recursion_study/recursion_study.md': ('recursion_study/recursion_study.json',
                                            _fn('recursion_study')),
+    'sharing_methods_study/sharing_methods_study.md': (
+        'sharing_methods_study/sharing_methods_study.json', _fn('sharing_methods_study')),
     'nap/nap_study.md': ('nap/nap_study.json', _nap),
     'rank_study/rank_study.md': ('rank_study/rank_study.json', _fn('rank_study')),
     'distill_study/distill_study.md': ('distill_study/distill_study.json',

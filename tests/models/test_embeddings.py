@@ -128,7 +128,8 @@ def test_stored_parameters_flops_and_roles(proj):
   io = [i for k, i in by.items() if k.startswith(('embed_proj/', 'readout_proj/'))
         and k.endswith('kernel')]
   assert accounting.io_matmul_params(cfg) == sum(math.prod(i.shape) for i in io) + 40 * E
-  assert all(i.role in ('reader', 'writer') and 'embed_factor' in i.axes for i in io)
+  assert all(i.role in ('reader', 'writer') and
+             {'embed_factor', 'embed_factor_hidden'} & set(i.axes) for i in io)
   plain = ModelConfig(**{**BASE, 'tie_embeddings': True, 'dtype': 'float32',
                          'param_dtype': 'float32'})
   unique = lambda c: accounting.params_unique(init_variables(DecoderLM(c), jax.random.key(0)))
@@ -161,3 +162,32 @@ def test_the_self_attentive_embedding_refuses_cached_decoding():
   why = compat.refusal('embed_self_attentive', 'generation')
   assert why and 'no cache' in why
   assert compat.refusal('embed_linear', 'generation') is None
+
+
+def test_the_self_attentive_embedding_shards_and_a_repeated_axis_is_refused():
+  """The SAFE block's E -> E kernel has two axis names, so the train loop's sharding specs
+  place it (it once had ('embed_factor', 'embed_factor'), which flax's logical_to_mesh_axes
+  refuses: train.py failed); `param` refuses a repeated name where it is created."""
+  import flax.linen as nn
+  from sharenet.models import logical_axes
+  from sharenet.models.params import param
+  from sharenet.train import sharding
+  cfg = ModelConfig(vocab_size=64, d_model=32, num_layers=1, num_heads=2, mlp_dim=64,
+                    embed_dim=16, embed_projection='self_attentive')
+  model = DecoderLM(cfg)
+  v = nn.unbox(init_variables(model, jax.random.key(0)))
+  mesh = sharding.make_mesh(default_mesh())
+  specs = sharding.param_specs(logical_axes(model), v, mesh, sharding.rules_of(default_mesh()),
+                               [])
+  assert specs
+  class Twice(nn.Module):
+    @nn.compact
+    def __call__(self):
+      return param(self, 'w', (4, 4), ('embed', 'embed'), 'reader', std=0.5, num_in=1)
+  with pytest.raises(ValueError, match=r"parameter w: logical axes \('embed', 'embed'\) repeat"):
+    Twice().init(jax.random.key(0))
+
+
+def default_mesh():
+  from sharenet.config import defaults
+  return defaults.default_config().mesh
