@@ -13,7 +13,8 @@ the bank the budget less everything outside the block kernels; MPO at full bonds
 centres hold one set of kernels) and CEM's tied layers the number of layers. Variants without a
 knob (sliced loops, sampled and Euler-step depth, factorized embeddings, experts) take the
 cycle's plan and report their own count. Every variant trains the same steps on the same data;
-the looped ones (but the sliced, whose slicing is fixed per loop) are also evaluated at one loop
+the looped ones (but the sliced and the self-attentive embedding, which the compatibility table
+refuses at another depth) are also evaluated at one loop
 (`evaluate_workdir_depths`, eval.py --depths): the Euler-step model and the plain looped one,
 both trained with a sampled depth, and the cycle trained at its fixed depth.
 
@@ -95,9 +96,9 @@ VARIANTS: dict[str, tuple[str, str, dict[str, Any], tuple[str, Callable] | None]
                               'model.moe.num_experts': 4, 'model.moe.top_k': 2,
                               'model.moe.router_per_layer': True}, None),
 }
-# evaluated at one loop too (sliced loops are not: a loop's slicing is fixed by its index)
-LOOPED = ('cycle', 'sampled', 'ode', 'embed_linear', 'embed_safe', 'moe_cycle',
-          'moe_router_per_layer')
+# evaluated at one loop too (the table refuses test-time depth for sliced loops, whose slicing
+# is fixed per loop, and for the self-attentive embedding)
+LOOPED = ('cycle', 'sampled', 'ode', 'embed_linear', 'moe_cycle', 'moe_router_per_layer')
 
 
 def stored(config: Any) -> int:
@@ -112,8 +113,8 @@ def variant_config(base: Any, variant: str, budget: int) -> Any:
   _, _, fixed, knob = VARIANTS[variant]
   overrides = dict(fixed)
   d = base.model.d_model
-  if variant.startswith('embed'):
-    overrides['model.embed_dim'] = d // 4
+  if variant.startswith('embed'):   # a quarter of the width, at least one attention head
+    overrides['model.embed_dim'] = max(d // 4, d // base.model.num_heads)
   if variant.startswith('moe'):   # the experts hold the dense MLP's hidden units in all
     overrides['model.moe.expert_dim'] = base.model.mlp_dim // 4
   config = common.with_overrides(base, overrides)
