@@ -70,13 +70,6 @@ def window_starts(num_columns: int, width: int) -> np.ndarray:
   return np.round(np.arange(count) * (num_columns - width) / (count - 1)).astype(np.int32)
 
 
-def template_counts(cfg: ModelConfig) -> dict[str, int]:
-  """{kernel name: S_p} of the bank's target kernels."""
-  C = columns(cfg)
-  return {name: len(window_starts(C, window_width(shape, role)))
-          for name, (shape, _, role, *_) in atom_specs(cfg, cfg.bank_kernels).items()}
-
-
 def templates(bank_DC: jax.Array, shape: tuple[int, ...], role: str) -> jax.Array:
   """The templates of one kernel type as atoms (S, *shape) cut from the bank (module
   docstring)."""

@@ -214,6 +214,18 @@ class RopeScalingConfig:
                           f'be >= 1 (the context the model was trained at)')
 
 
+def _kernel_targets(section: Any, name: str, switch: str) -> None:
+  """A kernel-target section's targets read as a tuple and checked: each a kernel type, and
+  some named when its `switch` (a count: atoms, size, cores) is on."""
+  _set(section, 'targets', parse_targets(section.targets))
+  for t in section.targets:
+    choice(f'model.{name}.targets', t, MASA_TARGETS)
+  on = getattr(section, switch)
+  if on and not section.targets:
+    raise ConfigError(f'model.{name}.{switch}={on} with no model.{name}.targets; valid: a '
+                      f'comma list of {",".join(MASA_TARGETS)}')
+
+
 @dataclasses.dataclass(frozen=True)
 class MasaConfig:
   """`config.model.masa`: MASA, matrix atom sharing (arXiv:2508.04581). targets is a tuple (a
@@ -223,14 +235,9 @@ class MasaConfig:
   targets: tuple[str, ...] = key('masa.targets', parse_targets, ','.join)
 
   def __post_init__(self):
-    _set(self, 'targets', parse_targets(self.targets))
-    for t in self.targets:
-      choice('model.masa.targets', t, MASA_TARGETS)
     if self.atoms < 0:
       raise ConfigError(f'model.masa.atoms={self.atoms} must be >= 0 (0 = off)')
-    if self.atoms and not self.targets:
-      raise ConfigError(f'model.masa.atoms={self.atoms} with no model.masa.targets; valid: '
-                        f'a comma list of {",".join(MASA_TARGETS)}')
+    _kernel_targets(self, 'masa', 'atoms')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -243,14 +250,9 @@ class BankConfig:
   targets: tuple[str, ...] = key('bank.targets', parse_targets, ','.join)
 
   def __post_init__(self):
-    _set(self, 'targets', parse_targets(self.targets))
-    for t in self.targets:
-      choice('model.bank.targets', t, MASA_TARGETS)
     if self.size < 0:
       raise ConfigError(f'model.bank.size={self.size} must be >= 0 (0 = off)')
-    if self.size and not self.targets:
-      raise ConfigError(f'model.bank.size={self.size} with no model.bank.targets; valid: a '
-                        f'comma list of {",".join(MASA_TARGETS)}')
+    _kernel_targets(self, 'bank', 'size')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -264,17 +266,12 @@ class MpoConfig:
   targets: tuple[str, ...] = key('mpo.targets', parse_targets, ','.join)
 
   def __post_init__(self):
-    _set(self, 'targets', parse_targets(self.targets))
-    for t in self.targets:
-      choice('model.mpo.targets', t, MASA_TARGETS)
     if self.cores == 1 or self.cores < 0:
       raise ConfigError(f'model.mpo.cores={self.cores}: a chain of one tensor is the matrix '
                         f'itself; valid: 0 (off) or >= 2')
     if self.bond < 0:
       raise ConfigError(f'model.mpo.bond={self.bond} must be >= 0 (0 = full)')
-    if self.cores and not self.targets:
-      raise ConfigError(f'model.mpo.cores={self.cores} with no model.mpo.targets; valid: a '
-                        f'comma list of {",".join(MASA_TARGETS)}')
+    _kernel_targets(self, 'mpo', 'cores')
 
 
 @dataclasses.dataclass(frozen=True)
