@@ -285,9 +285,12 @@ def restore_latest(mngr: ocp.CheckpointManager, abstract_state: Any, data_iter: 
   An unreadable checkpoint is moved aside with a warning and the previous one is tried.
   `validate(state)` may raise to reject a restored state (for example non-finite values), which
   counts as corruption. A readable checkpoint of another state tree raises `StateMismatch`.
+  `abstract_state` may be a function of the step (a run whose state tree changes during
+  training: dynamic tying, sharenet/train/dynamic_tying.py).
   """
-  wanted = leaf_signatures(abstract_state)
   for step in sorted(mngr.all_steps(), reverse=True):
+    target = abstract_state(step) if callable(abstract_state) else abstract_state
+    wanted = leaf_signatures(target)
     try:
       saved = saved_signatures(mngr, step)
     except Exception as e:  # noqa: BLE001 - metadata that cannot be read means a corrupt step
@@ -296,13 +299,13 @@ def restore_latest(mngr: ocp.CheckpointManager, abstract_state: Any, data_iter: 
     diff = first_difference(saved, wanted)
     if diff is not None:
       raise StateMismatch(step, diff)
-    args = {'state': ocp.args.StandardRestore(abstract_state)}
+    args = {'state': ocp.args.StandardRestore(target)}
     if data_iter is not None:
       args['data'] = data.checkpoint_restore_args(data_iter)
     try:
       state = mngr.restore(step, args=ocp.args.Composite(**args))['state']
     except Exception as e:  # noqa: BLE001 - sorted below: corrupt files or not
-      if data_iter is not None and _state_restores(mngr, step, abstract_state):
+      if data_iter is not None and _state_restores(mngr, step, target):
         # The arrays are fine: the saved iterator position belongs to another data pipeline.
         raise StateMismatch(step, f'its data iterator state does not fit this config\'s '
                             f'pipeline ({_first_line(e)})') from None

@@ -161,10 +161,23 @@ def _features() -> tuple[Feature, ...]:
                refuses=(('expert_choice', ROUTED_PLANS), ('token_choice', ROUTED_PLANS))),
       _setting('groups', 'scheme', s + 'scheme', 'groups', (s + 'num_unique', 2),
                refuses=(('expert_choice', ROUTED_PLANS), ('token_choice', ROUTED_PLANS))),
-      _setting('explicit', 'scheme', s + 'scheme', 'explicit', (s + 'num_unique', 0),
-               (s + 'pattern', '0,1,1,0'),
-               refuses=(('expert_choice', ROUTED_PLANS), ('token_choice', ROUTED_PLANS),
-                        ('loop_inference', LOOPED), ('test_time_depth', DEPTH))),
+      Feature('explicit', 'scheme', ((s + 'scheme', 'explicit'), (s + 'num_unique', 0),
+                                     (s + 'pattern', '0,1,1,0')),
+              lambda c: _get(c, s + 'scheme') == 'explicit' and not _tying(c),
+              (('expert_choice', ROUTED_PLANS), ('token_choice', ROUTED_PLANS),
+               ('loop_inference', LOOPED), ('test_time_depth', DEPTH))),
+      # dynamic layer tying (train/dynamic_tying.py): an explicit plan re-chosen in training;
+      # it refuses what refuses a fixed explicit plan (`_explicit_or_dynamic`) and these
+      Feature('dynamic_tying', 'scheme', ((s + 'scheme', 'explicit'), (s + 'num_unique', 0),
+                                          (s + 'pattern', '0,1,1,0'), ('train.tying.every', 1)),
+              _tying,
+              (('expert_choice', ROUTED_PLANS), ('token_choice', ROUTED_PLANS),
+               ('loop_inference', LOOPED), ('test_time_depth', DEPTH),
+               *[(n, 'LoRA on the shared layers only comes and goes as the plan shares '
+                     'layers or none; valid: model.sharing.lora_layers=all')
+                 for n in ('lora', 'lora_experts')],
+               ('python_loop', 'model.scan_layers=False stores one module per set, not the '
+                               'stack of sets a plan change gathers from'))),
   ]
   routers = [
       _setting(kind, 'routing', 'model.routing.kind', kind,
@@ -503,10 +516,23 @@ def _features() -> tuple[Feature, ...]:
   actions = [Feature('generation', 'generation', (), lambda c: False, action=True),
              Feature('loop_inference', 'loop_inference', (), lambda c: False, action=True),
              Feature('test_time_depth', 'test_time_depth', (), lambda c: False, action=True)]
-  return _lora_all(_values_are_keys(
+  return _lora_all(_explicit_or_dynamic(_values_are_keys(
       schemes + routers + recurrent + kv + experts + structure + attention + norms + placements +
       qk + pzs + loop_rules + reparams + projections + updates + optimizers + remats + numerics +
-      imported + options + actions))
+      imported + options + actions)))
+
+
+def _tying(config: Any) -> bool:
+  """Whether `config` turns dynamic layer tying on (train.tying.every > 0)."""
+  return int(_get(config, 'train.tying.every')) > 0
+
+
+def _explicit_or_dynamic(features: list[Feature]) -> list[Feature]:
+  """The table, where what refuses a fixed explicit plan refuses dynamic tying too: every
+  plan it chooses is explicit."""
+  return [dataclasses.replace(f, refuses=f.refuses + tuple(
+      ('dynamic_tying', *rest) for other, *rest in f.refuses if other == 'explicit'))
+          for f in features]
 
 
 def _tied_kernels(targets: tuple[str, ...], why: str) -> tuple[tuple, ...]:
@@ -528,11 +554,12 @@ def _values_are_keys(features: list[Feature]) -> list[Feature]:
 
 def _lora_all(features: list[Feature]) -> tuple[Feature, ...]:
   """The table, where a feature refusing depth-wise LoRA on the shared layers ('lora') refuses
-  it on every layer ('lora_all') for the same reason; untied, which shares no layer, takes it."""
+  it on every layer ('lora_all') for the same reason; untied, which shares no layer, and dynamic
+  tying, whose per-layer parts stay while its plan changes, take it."""
   out = []
   for f in features:
     extra = tuple(('lora_all', *rest) for other, *rest in f.refuses
-                  if other == 'lora' and f.name != 'untied')
+                  if other == 'lora' and f.name not in ('untied', 'dynamic_tying'))
     out.append(dataclasses.replace(f, refuses=f.refuses + extra) if extra else f)
   return tuple(out)
 

@@ -290,6 +290,15 @@ def default_config() -> ml_collections.ConfigDict:
   wb.entity = ''              # '' : the account's default
   wb.name = ''                # '' : the workdir's name
   wb.mode = ''                # online | offline | disabled; '' : WANDB_MODE, else online
+  t.tying = ty = ml_collections.ConfigDict()   # dynamic layer tying (arXiv:2401.12819)
+  ty.every = 0                # > 0: every this many steps a controller re-chooses the explicit
+                              # plan (model.sharing.scheme=explicit; its pattern is the first):
+                              # each layer trains its own weights or copies an earlier layer's
+                              # and stays tied to it (sharenet/train/dynamic_tying.py); 0 = off
+  ty.epsilon = 0.1            # the bandit's exploration: a layer's random choice, per decision
+  ty.step_size = 0.5          # the weight of the newest reward in an arm's value (recency)
+  ty.max_sets = 0             # the most stored sets a chosen plan may have; 0 = num_layers
+  ty.eval_tokens = 8192       # validation tokens of the reward's loss; 0 = data.eval_tokens'
   t.restore = 'auto'          # auto: resume the whole saved state | params: when the saved state
                               # no longer fits the config, load its parameters (and data position)
                               # with a fresh optimizer state (sharenet/train/resume.py)

@@ -18,8 +18,10 @@ refuses at another depth) are also evaluated at one loop
 (`evaluate_workdir_depths`, eval.py --depths): the Euler-step model and the plain looped one,
 both trained with a sampled depth, and the cycle trained at its fixed depth.
 
+Dynamic tying starts from the cycle's plan (an explicit 0,1,0,1) and its controller re-chooses
+the plan every 25 steps with at most 2 stored sets; its row reports the plan it ended with.
 Not in the grid: PostShare and DirectShare (conversions of a trained untied model; measured in
-docs/sharing.md) and dynamic tying (not built).
+docs/sharing.md).
 
 Writes OUT/sharing_methods_study.json (a row per variant x seed), OUT/sharing_methods_study.md
 (mean +- sd over seeds; results_tables regenerates it) and OUT/sharing_methods_study.png (eval
@@ -39,7 +41,7 @@ from sharenet.main import eval_workdir
 from sharenet.models import ModelConfig, bank as bank_lib, param_table
 from sharenet.models.masa import atom_specs
 from sharenet.studies import common
-from sharenet.train import experiment, loop
+from sharenet.train import experiment, loop, workdir_io
 
 CYCLE = {'model.sharing.scheme': 'cycle', 'model.sharing.num_unique': 2}
 ALL = 'q,k,v,o,mlp_in,mlp_out'
@@ -91,6 +93,11 @@ VARIANTS: dict[str, tuple[str, str, dict[str, Any], tuple[str, Callable] | None]
     'moe_cycle': ('cycle, sigma-MoE experts', 'MoEUT arXiv:2405.16039',
                   {**CYCLE, 'model.moe.kind': 'sigma_moe', 'model.moe.num_experts': 4,
                    'model.moe.top_k': 2}, None),
+    # starts as the cycle's plan (explicit) and re-chooses it every 25 steps, at most 2 sets
+    'dynamic_tying': ('explicit plan re-chosen every 25 steps, <= 2 sets', 'arXiv:2401.12819',
+                      {'model.sharing.scheme': 'explicit', 'model.sharing.num_unique': 0,
+                       'model.sharing.pattern': '0,1,0,1', 'train.tying.every': 25,
+                       'train.tying.max_sets': 2}, None),
     'moe_router_per_layer': ('cycle, experts with per-layer routers', 'arXiv:2209.08326',
                              {**CYCLE, 'model.moe.kind': 'sigma_moe',
                               'model.moe.num_experts': 4, 'model.moe.top_k': 2,
@@ -143,6 +150,10 @@ def run_one(base: Any, variant: str, out: str, seed: int, budget: int) -> dict[s
          'paper': VARIANTS[variant][1], 'params_unique': stored(config), 'budget': budget,
          'applied_layers': mcfg.num_layers, 'eval_loss': res['eval_loss'],
          'eval_bits_per_byte': res['eval_bits_per_byte'], 'seconds': round(time.time() - t0, 1)}
+  if variant == 'dynamic_tying':   # the plan it ended with: its stored parameters
+    final = workdir_io.load_config(workdir)
+    row['params_unique'] = stored(final)
+    row['plan'] = final.model.sharing.pattern
   if variant in LOOPED:   # one loop instead of the trained two
     at = eval_workdir.evaluate_workdir_depths(workdir, None, None, [1])[0]
     row['eval_loss_1_loop'] = at['eval_loss']
@@ -156,8 +167,11 @@ def to_markdown(rows: list[dict[str, Any]]) -> str:
     rs = [r for r in rows if r['variant'] == v]
     r = rs[0]
     one = [x['eval_loss_1_loop'] for x in rs if 'eval_loss_1_loop' in x]
+    what = r['what'] + (f" (ended {'; '.join(x['plan'] for x in rs)})" if 'plan' in r else '')
+    counts = sorted({x['params_unique'] for x in rs})
+    params = f'{counts[0]:,}' + (f'-{counts[-1]:,}' if len(counts) > 1 else '')
     lines.append(
-        f"| {v} | {r['what']} | {r['paper']} | {r['params_unique']:,} ({r['budget']:,}) | "
+        f"| {v} | {what} | {r['paper']} | {params} ({r['budget']:,}) | "
         f"{r['applied_layers']} | {common.mean_sd([x['eval_loss'] for x in rs], '.3f', '+-')} | "
         f"{common.mean_sd([x['eval_bits_per_byte'] for x in rs], '.3f', '+-')} | "
         f"{common.mean_sd(one, '.3f', '+-') if one else '-'} |")

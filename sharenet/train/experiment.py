@@ -25,7 +25,8 @@ from sharenet.models.scaling import Settings
 from sharenet.optim import chain, ema, guard, matrix
 from sharenet.parametrization import optimizer_rules, rules
 from sharenet.tasks import task_eval
-from sharenet.train import batch_ramp, metrics, profile, resume, sampled_depth, sharding
+from sharenet.train import (batch_ramp, dynamic_tying, metrics, profile, resume, sampled_depth,
+                            sharding)
 from sharenet.transforms import Transforms
 
 
@@ -119,6 +120,7 @@ def _validated(config: Any, process_count: int | None) -> Resolved:
                       '(model.scan_layers=False) does not sow in order; valid: a scanned model '
                       'of fixed depth, or train.watch=False')
   profile.parse_steps(t.profile.steps, t.steps)
+  dynamic_tying.check(t, mcfg)   # train.tying against the plan
   metrics.check_wandb(t.wandb)
   if t.eval_tasks or t.eval_task_dir or t.eval_task_limit or t.eval_num_fewshot != -1:
     if not t.eval_tasks:

@@ -21,8 +21,8 @@ from sharenet.errors import NonFiniteLoss
 from sharenet.models import accounting, logical_axes
 from sharenet.optim import chain, ema, trainable
 from sharenet.tasks import task_eval
-from sharenet.train import (batch_ramp, evaluation, experiment, perf, profile, resume,
-                            sampled_depth, sharding, teacher)
+from sharenet.train import (batch_ramp, dynamic_tying, evaluation, experiment, perf, profile,
+                            resume, sampled_depth, sharding, teacher)
 from sharenet.train.metrics import MetricsWriter, note, parse_loggers
 from sharenet.train.trainer import (TrainState, abstract_state, effective_params, init_state,
                                     make_train_step, setup)
@@ -42,15 +42,18 @@ class _Compiled(NamedTuple):
   watch_fn: Callable | None = None   # train.watch: the step of the log steps (train/watch.py)
 
 
-def _compile_step(run: experiment.Resolved, exp: Any) -> tuple[_Compiled, Any, list[str]]:
+def _compile_step(run: experiment.Resolved, exp: Any,
+                  tea: Any = None) -> tuple[_Compiled, Any, list[str]]:
   """The state's shapes and shardings on the run's mesh and the jitted step (with a teacher,
-  its variables restored on that mesh); -> (compiled, logical axes, sharding notes)."""
+  its variables restored on that mesh, unless `tea` holds them already); -> (compiled, logical
+  axes, sharding notes)."""
   model, tx, pz, tr = exp
   t = run.train
   abstract = abstract_state(model, tx, tr, pz)
   mesh, rules = sharding.make_mesh(run.mesh), sharding.rules_of(run.mesh)
   trainable.check(t.trainable, tr.infos, abstract.params)   # train.trainable trains something
-  tea = teacher.load(run, mesh, rules)   # train.teacher: the step's last argument
+  if tea is None:
+    tea = teacher.load(run, mesh, rules)   # train.teacher: the step's last argument
   logical, notes = logical_axes(model), []
   if 'reparam' in abstract.params:   # transform gains carry no logical axes: replicated
     logical = {**logical, 'reparam': jax.tree.map(lambda _: P(), abstract.params['reparam'])}
@@ -69,6 +72,25 @@ def _compile_step(run: experiment.Resolved, exp: Any) -> tuple[_Compiled, Any, l
                        jitted(False), mesh, rules, sampled, tea,
                        jitted(True) if t.watch else None)
   return compiled, logical, notes
+
+
+class _Built(NamedTuple):
+  """One sharing plan's experiment, as the loop runs it (dynamic tying builds one per plan)."""
+  run: experiment.Resolved
+  exp: Any                           # trainer.Experiment: model, optimizer, parametrization...
+  c: _Compiled
+  logical: Any
+  notes: list[str]
+  shapes: dict[str, list[int]]       # the parameters' shapes (the checkpoint record's)
+  target: Any                        # the restore target: the abstract state, with shardings
+
+
+def _build(run: experiment.Resolved, tea: Any = None) -> _Built:
+  exp = setup(run)
+  c, logical, notes = _compile_step(run, exp, tea)
+  return _Built(run, exp, c, logical, notes, resume.param_shapes(c.abstract.params),
+                # a checkpoint from another mesh reshards onto this run's shardings
+                sharding.with_shardings(c.abstract, c.shardings))
 
 
 def _dry_run(run: experiment.Resolved, c: _Compiled, logical: Any,
@@ -114,18 +136,16 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, float]:
   sharding.maybe_initialize_distributed(bool(config.mesh.distributed))
   run = experiment.resolve(config)   # the one read of the ConfigDict: typed sections below
   mcfg, t = run.model, run.train
-  exp = setup(run)
-  model, tx, pz, tr = exp
   schedule = chain.lr_schedule(t)
   rng = jax.random.key(t.seed)
-  c, logical, notes = _compile_step(run, exp)
-  abstract, shardings, step_fn, mesh, rules = c.abstract, c.shardings, c.step_fn, c.mesh, c.rules
-  batch_sharding, batch_shape = c.batch_sharding, c.batch_shape
-  shapes = resume.param_shapes(abstract.params)
+  b = _build(run)   # the plan's experiment (with dynamic tying, the current plan's: `b` below)
   if run.dry_run:
-    return _dry_run(run, c, logical, notes)
-  for line in notes:
+    return _dry_run(run, b.c, b.logical, b.notes)
+  for line in b.notes:
     note(f'note: {line}')
+  # the same for every plan: the mesh and the batch
+  mesh, rules, batch_sharding, batch_shape = b.c.mesh, b.c.rules, b.c.batch_sharding, \
+      b.c.batch_shape
 
   os.makedirs(workdir, exist_ok=True)
   print(f'sharenet: writing to {os.path.abspath(workdir)}', flush=True)
@@ -137,25 +157,32 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, float]:
   shard, num_shards = sharding.process_rows(batch_sharding, (chunk,) + batch_shape[1:])
   train_iter = data.make_train_iterator(run.data, t.seq_len, chunk, t.seed, shard, num_shards)
   mngr = orbax_io.manager(workdir, t.keep_checkpoints)
+  # train.tying: the newest checkpoint's plan and controller (sharenet/train/dynamic_tying.py)
+  tying = (dynamic_tying.Runtime(run, b, lambda r: _build(r, b.c.teacher), mngr)
+           if dynamic_tying.enabled(t) else None)
+  b = b if tying is None else tying.current
   # Sharded init: each device computes only its shards; no host holds the whole model.
-  init_fn = jax.jit(functools.partial(init_state, model, tx, tr=tr, pz=pz),
-                    out_shardings=shardings)
-  # The restore target carries this run's shardings: a checkpoint from another mesh reshards.
-  target = sharding.with_shardings(abstract, shardings)
+  init_fn = jax.jit(functools.partial(init_state, b.exp.model, b.exp.tx, tr=b.exp.tr,
+                                      pz=b.exp.pz), out_shardings=b.c.shardings)
   try:
-    state, start = resume.restore_or_init(run, workdir, mngr, target, train_iter,
-                                          lambda: init_fn(rng), tx, shapes)
+    state, start = resume.restore_or_init(run, workdir, mngr, b.target, train_iter,
+                                          lambda: init_fn(rng), b.exp.tx, b.shapes,
+                                          None if tying is None else tying.target_at)
   except BaseException:
     mngr.close()
     raise
+  if tying is not None:   # the restored checkpoint's plan and controller (an older one's, if
+    b = tying.restored(start)   # the newest was unreadable)
 
-  _write_summary(run, workdir, pz, state.params, shapes)
+  _write_summary(b.run, workdir, b.exp.pz, state.params, b.shapes)
   # executed FLOPs/token at a step's depth, with a teacher's forward
-  flops_at = sampled_depth.FlopsCounter(t, mcfg, 0.0 if c.teacher is None else
-                                        c.teacher.forward_flops)
-  tea_vars = () if c.teacher is None else (c.teacher.variables,)
-  # Saved with every checkpoint: a resume compares against the config that wrote the state.
-  record = {**resume.config_dict(run.record), 'param_shapes': shapes}
+  flops_at = sampled_depth.FlopsCounter(t, mcfg, 0.0 if b.c.teacher is None else
+                                        b.c.teacher.forward_flops)
+  tea_vars = () if b.c.teacher is None else (b.c.teacher.variables,)
+  # Saved with every checkpoint: a resume compares against the config that wrote the state
+  # (and, with dynamic tying, builds the plan it holds).
+  record = lambda: {**resume.config_dict(run.record), 'param_shapes': b.shapes,
+                    **({} if tying is None else tying.record())}
 
   mfu_ref = perf.mfu_reference(mcfg.dtype)
   if mfu_ref.note:
@@ -166,15 +193,17 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, float]:
   old_handler = signal.signal(signal.SIGTERM, lambda *_: stop.update(sigterm=True))
 
   # train.eval_tasks: lm-evaluation-harness tasks at every eval (checked in experiment.resolve)
-  tasks = (task_eval.TrainTasks(t, model, corpus.for_data(run.data), checked=True)
+  tasks = (task_eval.TrainTasks(t, b.exp.model, corpus.for_data(run.data), checked=True)
            if t.eval_tasks else None)
 
   def run_eval(step: int) -> dict[str, float]:
+    model, _, pz, tr = b.exp   # the current plan's
     with sharding.activate(mesh, rules):
       params = jax.jit(effective_params, static_argnums=(1, 2))(state, tr, pz)
       out = evaluation.evaluate(model, params, run.data, t.seq_len, t.eval_batch_size,
                               sampled_depth.eval_schedule(mcfg))
       if tasks is not None:
+        tasks.model = model
         out.update(tasks.rows(params, sampled_depth.eval_schedule(mcfg)))
       if t.ema:   # train.ema: the weights' average too (sharenet/optim/ema.py)
         avg = state.replace(params=ema.averaged(state.opt_state, state.params))
@@ -184,6 +213,20 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, float]:
             sampled_depth.eval_schedule(mcfg)).items()})
     writer.write(step, **out)
     return out
+
+  def retie(step: int) -> None:
+    """train.tying: the controller's decision at `step` (its reward: the validation loss);
+    a new plan takes the state over set by set and is written to config.json."""
+    nonlocal state, b
+    old = b
+    with sharding.activate(mesh, rules):
+      state, b, row = tying.decide(step, state, lambda built, s: evaluation.evaluate(
+          built.exp.model, jax.jit(effective_params, static_argnums=(1, 2))(
+              s, built.exp.tr, built.exp.pz),
+          tying.reward_data, t.seq_len, t.eval_batch_size)['eval_loss'])
+    writer.write(step, **row)
+    if b is not old:
+      _write_summary(b.run, workdir, b.exp.pz, state.params, b.shapes)
 
   bar = _progress(t, start)
   mix = data.mixture_of(run.data, t.seed)
@@ -227,14 +270,18 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, float]:
   _status(bar, 'compiling the train step')   # the first dispatch traces and compiles it
   profiler = profile.StepProfiler(workdir, profile.parse_steps(t.profile.steps, t.steps))
   try:
+    if tying is not None and tying.needs_start_loss:   # the first interval's starting loss
+      _status(bar, 'measuring the tying reward')
+      retie(step)
     while step < t.steps:
       depth = sampled_depth.sample_depth(mcfg, t.seed, step) if flops_at.depths else 0
-      fn = c.watch_fn if c.watch_fn is not None and logs(step + 1) else step_fn
+      fn = b.c.watch_fn if b.c.watch_fn is not None and logs(step + 1) else b.c.step_fn
       rows = rows_at(step + 1)
       host_batch = batch_ramp.next_batch(train_iter, rows // chunk)
       with profiler.step(step + 1):
         state, metrics = dispatch(fn, state, host_batch, batch_sharding,
-                                  (rows,) + batch_shape[1:], mesh, rules, *[depth] * c.sampled,
+                                  (rows,) + batch_shape[1:], mesh, rules,
+                                  *[depth] * b.c.sampled,
                                   teacher_vars=tea_vars)
       if step == start:
         _status(bar, 'train')
@@ -245,11 +292,17 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, float]:
       pending = (step, metrics, depth)
       evaluate = bool(t.eval_every) and step % t.eval_every == 0 and step != t.steps
       save = step % t.checkpoint_every == 0 or step == t.steps or stop['sigterm']
-      if evaluate or save:
+      decide = tying is not None and tying.decides_at(step)
+      if evaluate or save or decide:
         settle(*pending)
         pending = None
       if bar is not None:
         bar.update(1)
+      if decide:   # before the eval and the save: both are of the plan trained from here
+        _status(bar, 'choosing the tying plan')
+        retie(step)
+        _status(bar, 'train')
+        window['t0'] = time.perf_counter()
       if evaluate:
         _status(bar, 'evaluating')
         last.update(run_eval(step))
@@ -260,7 +313,7 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, float]:
         if not orbax_io.params_finite(state.params):
           raise NonFiniteLoss(f'non-finite parameters after step {step}; stopping without '
                               f'saving them (last checkpoint: {mngr.latest_step()})')
-        orbax_io.save(mngr, step, state, train_iter, record)
+        orbax_io.save(mngr, step, state, train_iter, record())
         _status(bar, 'train')
       if stop['sigterm']:
         mngr.wait_until_finished()

@@ -150,14 +150,15 @@ def _check_finite_state(state: Any) -> None:
 
 def restore_or_init(run: Any, workdir: str, mngr: Any, target: Any, train_iter: Any,
                     init: Any, tx: optax.GradientTransformation,
-                    shapes: dict[str, list[int]]) -> tuple[Any, int]:
+                    shapes: dict[str, list[int]], target_at: Any = None) -> tuple[Any, int]:
   """(state, first step): the workdir's newest readable checkpoint, or a fresh `init()`.
 
   Never moves or rewrites a readable checkpoint. The config saved with the newest checkpoint
   (else DIR/config.json) is compared with this run's (`run`: train/experiment.py's resolved
   sections and the config they were read from, `run.record`; `Changes`): a change that makes the
   checkpoint unrestorable is a ConfigError naming the changed fields, unless train.restore=params
-  asks for its parameters with a fresh optimizer state.
+  asks for its parameters with a fresh optimizer state. `target_at(step)`, if given, is the
+  target of checkpoint `step` (dynamic tying: each checkpoint holds its own plan's state).
   """
   steps = mngr.all_steps()
   if not steps:
@@ -177,7 +178,8 @@ def restore_or_init(run: Any, workdir: str, mngr: Any, target: Any, train_iter: 
                       f'exactly; valid: {WAYS_OUT}')
   data_iter = None if data_changed else train_iter
   try:
-    restored = orbax_io.restore_latest(mngr, target, data_iter, _check_finite_state)
+    restored = orbax_io.restore_latest(mngr, target_at or target, data_iter,
+                                       _check_finite_state)
   except orbax_io.StateMismatch as e:
     if t.restore != 'params':
       what = changes.describe(changes.stateful) or 'no recorded config field changed'

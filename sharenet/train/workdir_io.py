@@ -21,19 +21,37 @@ from sharenet.config import defaults
 from sharenet.errors import ConfigError
 from sharenet.models import DecoderLM, ModelConfig
 from sharenet.optim import chain, ema as ema_lib
-from sharenet.train import experiment, resume, sharding, trainer
+from sharenet.train import dynamic_tying, experiment, resume, sharding, trainer
 from sharenet.transforms import Transforms
 
 
 def load_config(workdir: str) -> ml_collections.ConfigDict:
-  """The workdir's config.json; keys added since it was written take the defaults."""
+  """The workdir's config.json; keys added since it was written take the defaults. A run with
+  dynamic tying (train.tying) trains the plan its newest checkpoint holds (`_plan_at`)."""
   path = os.path.join(workdir, 'config.json')
   if not os.path.exists(path):
     raise ConfigError(f'--workdir {workdir} has no config.json; pass the workdir of a train.py run')
   with open(path) as f:
     raw = json.load(f)
   keys = ('model', 'train', 'data', 'parametrization', 'mesh', 'transforms')
-  return defaults.complete({k: raw[k] for k in keys if k in raw})
+  config = defaults.complete({k: raw[k] for k in keys if k in raw})
+  if dynamic_tying.enabled(config.train) and os.path.isdir(os.path.join(workdir, 'checkpoints')):
+    mngr = orbax_io.manager(workdir, config.train.keep_checkpoints, async_save=False)
+    try:
+      steps = mngr.all_steps()
+      config = _plan_at(config, mngr, max(steps)) if steps else config
+    finally:
+      mngr.close()
+  return config
+
+
+def _plan_at(config: ml_collections.ConfigDict, mngr: Any, step: int) -> ml_collections.ConfigDict:
+  """`config` with the explicit plan checkpoint `step` holds, for a dynamic-tying run (the
+  plan changes during training, sharenet/train/dynamic_tying.py); else `config`."""
+  if not dynamic_tying.enabled(config.train):
+    return config
+  pattern = dynamic_tying.saved_pattern(orbax_io.saved_config(mngr, step))
+  return config if pattern is None else dynamic_tying.with_pattern(config, pattern)
 
 
 class Restored(NamedTuple):
@@ -53,16 +71,20 @@ def restore_state(config: ml_collections.ConfigDict, workdir: str,
   Reads only; nothing in the workdir is moved or written. A checkpoint that does not fit
   `config` is one ConfigError line.
   """
-  run = experiment.sections(config)
-  exp = trainer.setup(run)
-  abstract = jax.eval_shape(
-      lambda: trainer.init_state(exp.model, exp.tx, jax.random.key(0), exp.tr, exp.pz))
-  # Restore onto this process's devices, whatever mesh (or hosts) wrote the checkpoint.
-  abstract = sharding.with_shardings(abstract, sharding.replicated_like(abstract))
-  parts = {'step': abstract.step, 'params': abstract.params, 'tstate': abstract.tstate}
-  if ema:
-    ema_lib.kept(abstract.opt_state)   # the run keeps one, or one line
-    parts['opt_state'] = abstract.opt_state
+  def experiment_of(config):
+    run = experiment.sections(config)
+    exp = trainer.setup(run)
+    abstract = jax.eval_shape(
+        lambda: trainer.init_state(exp.model, exp.tx, jax.random.key(0), exp.tr, exp.pz))
+    # Restore onto this process's devices, whatever mesh (or hosts) wrote the checkpoint.
+    abstract = sharding.with_shardings(abstract, sharding.replicated_like(abstract))
+    parts = {'step': abstract.step, 'params': abstract.params, 'tstate': abstract.tstate}
+    if ema:
+      ema_lib.kept(abstract.opt_state)   # the run keeps one, or one line
+      parts['opt_state'] = abstract.opt_state
+    return run, exp, parts
+
+  run, exp, parts = experiment_of(config)
   mngr = orbax_io.manager(workdir, run.train.keep_checkpoints, async_save=False)
   try:
     steps = sorted(mngr.all_steps(), reverse=True)
@@ -71,6 +93,9 @@ def restore_state(config: ml_collections.ConfigDict, workdir: str,
     if step is not None and step not in steps:
       raise ConfigError(f'--step={step} not found; available: {sorted(steps)}')
     for s in [step] if step is not None else steps:
+      at = _plan_at(config, mngr, s)   # dynamic tying: each checkpoint holds its own plan
+      if at is not config:
+        run, exp, parts = experiment_of(at)
       try:
         out, _ = orbax_io.restore_parts(mngr, s, parts)
       except orbax_io.StateMismatch as e:
@@ -98,17 +123,17 @@ def param_reader(config: ml_collections.ConfigDict, workdir: str
   read(path) restores that one stored parameter as a host array (orbax_io.restore_leaf), so
   a caller holds one tensor at a time. The checkpoint's parameter tree must be the config's
   (else one ConfigError line, as restore_state)."""
-  run = experiment.sections(config)
-  exp = trainer.setup(run)
-  abstract = trainer.abstract_state(exp.model, exp.tx, exp.tr, exp.pz).params['params']
-  shapes = dict(flatten_dict(abstract))
-  keep = run.train.keep_checkpoints
+  keep = config.train.keep_checkpoints
   mngr = orbax_io.manager(workdir, keep, async_save=False)
   try:
     steps = sorted(mngr.all_steps())
     if not steps:
       raise ConfigError(f'--workdir {workdir} holds no checkpoint')
     step = steps[-1]
+    run = experiment.sections(_plan_at(config, mngr, step))
+    exp = trainer.setup(run)
+    abstract = trainer.abstract_state(exp.model, exp.tx, exp.tr, exp.pz).params['params']
+    shapes = dict(flatten_dict(abstract))
     saved = {k: v for k, v in orbax_io.saved_signatures(mngr, step).items()
              if k.startswith('params/params/')}
     want = {'params/params/' + k: v for k, v in orbax_io.leaf_signatures(abstract).items()}

@@ -123,6 +123,29 @@ def _trace(tiny_config, row, monkeypatch):
   state = trainer.abstract_state(exp.model, exp.tx, exp.tr, exp.pz)
   new, metrics = jax.eval_shape(step, state, _batch(config))
   assert metrics['loss'].shape == () and new.step.shape == ()
+  if 'dynamic_tying' in row:
+    _retie(config, new)
+
+
+def _retie(config, state):
+  """A dynamic-tying row's plan change (sharenet/train/dynamic_tying.py): the trained state
+  taken over set by set into another plan, whose train step then runs on it (abstractly)."""
+  from sharenet.train import dynamic_tying
+  def exp_of(pattern):
+    c = dynamic_tying.with_pattern(config, pattern)
+    return trainer.setup(c, experiment.validate(c))
+  abstract = lambda p: (lambda e: trainer.abstract_state(e.model, e.tx, e.tr, e.pz))(exp_of(p))
+  old, new = (0, 1, 1, 0), (0, 0, 1, 1)
+  per_set = dynamic_tying.per_set_leaves(abstract, 4)
+  moved = jax.eval_shape(lambda s: dynamic_tying.carry_over(
+      s, per_set, dynamic_tying.sources(old, new)), state)
+  exp = exp_of(new)
+  assert jax.tree.map(lambda a: (a.shape, a.dtype), moved) == jax.tree.map(
+      lambda a: (a.shape, a.dtype), abstract(new))
+  step = trainer.make_train_step(exp, config.train.grad_accum,
+                                 loops=sampled_depth.step_loops(config.train, exp.model.cfg))
+  _, metrics = jax.eval_shape(step, moved, _batch(config))
+  assert metrics['loss'].shape == ()
 
 
 @pytest.mark.slow
