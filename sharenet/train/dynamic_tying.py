@@ -17,9 +17,10 @@ weights), each valued by an exponential recency-weighted average (train.tying.st
 non-stationary bandit of Sutton & Barto, Reinforcement Learning, section 2.5) of the rewards of
 the intervals it was chosen in; every layer's chosen arm shares the interval's reward. The
 reward is the drop of the validation loss over the interval (the first train.tying.eval_tokens
-validation tokens; the loss before the interval's first step minus after its last) minus the
-running mean of earlier drops (the same recency average), so an arm is valued by whether its
-intervals improved faster than the run's trend. Each layer takes its greedy arm (ties: the arm
+validation tokens; the loss before the interval's first step minus after its last) relative to
+the running mean of earlier drops b (the same recency average): (drop - b) / |b|, so an arm is
+valued by whether its intervals improved faster than the run's trend, on one scale early and
+late in training (the first interval's reward is 0). Each layer takes its greedy arm (ties: the arm
 it holds, then the lowest), or with probability train.tying.epsilon a uniformly random one;
 with train.tying.max_sets the plan is then held to that many sets, tying first the layers whose
 own weights are valued least above their best copy. The random draws are numpy's, seeded by
@@ -152,7 +153,9 @@ class Bandit:
     reward = None
     if self.last_loss is not None:
       drop = self.last_loss - loss
-      reward = drop - (self.baseline if self.baseline is not None else drop)
+      base = self.baseline if self.baseline is not None else drop
+      # relative to the trend, so the large early drops do not outweigh the later ones
+      reward = (drop - base) / abs(base) if base else 0.0
       alpha = self.settings.step_size
       self.baseline = drop if self.baseline is None else self.baseline + alpha * (
           drop - self.baseline)

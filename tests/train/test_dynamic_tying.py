@@ -43,13 +43,13 @@ def test_the_bandit_values_arms_by_centred_loss_drops_and_keeps_its_arm_on_ties(
   assert b.observe(4.0) == 0.0                     # drop 1.0, the baseline starts at it
   assert b.baseline == 1.0 and b.values[3] == [0, 0, 0, 0.0]
   b.actions = [0, 0, 2, 1]                         # the next interval holds other arms
-  assert b.observe(3.5) == -0.5                    # drop 0.5 against baseline 1.0
+  assert b.observe(3.5) == -0.5                    # drop 0.5 against baseline 1.0: (0.5-1)/1
   assert b.baseline == 0.75                        # 1 + 0.5 (0.5 - 1)
   assert b.values[1] == [-0.5, 0.0] and b.values[3] == [0.0, -0.5, 0.0, 0.0]
   assert b.counts[3] == [0, 1, 0, 1]
-  b.observe(2.0)                                   # drop 1.5: reward 0.75 to the same arms
-  assert b.values[1][0] == -0.5 + 0.5 * (0.75 + 0.5)
-  assert b.choose() == dt.pattern_of((0, 0, 2, 1))   # greedy: layer 1 copies 0 (0.125 > 0)
+  assert b.observe(2.0) == 1.0                     # drop 1.5 against 0.75: (1.5-0.75)/0.75
+  assert b.values[1][0] == -0.5 + 0.5 * (1.0 + 0.5)
+  assert b.choose() == dt.pattern_of((0, 0, 2, 1))   # greedy: layer 1 copies 0 (0.25 > 0)
   state = json.loads(json.dumps(b.state()))
   again = dt.Bandit.from_state(_Settings(), 0, state)
   assert again.state() == b.state() and again.pattern == b.pattern
