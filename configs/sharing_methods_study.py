@@ -5,8 +5,8 @@ Command:   python -m sharenet.studies.sharing_methods_study \
            (every variant of sharenet/studies/sharing_methods_study.py VARIANTS x seeds 0,1;
            --config.study.variants=a,b runs a slice)
 Runtime:   ~1-2 min per run on the 2-core CPU (300 steps of 8 x 128 bytes, compile and the
-           one-loop evaluation included), ~40 min for the grid of 13 x 2 (measured
-           2026-12-07 beside a test run).
+           one-loop evaluation included), ~45 min for the grid of 14 x 2 (measured
+           2026-12-07 beside a test run; dynamic tying's two seeds 2.5 min).
 Result:    docs/results/sharing_methods_study/ (sharing_methods_study.md generated from its
            JSON); the reading: docs/sharing.md, "Sharing methods at equal stored parameters".
 """

@@ -431,7 +431,15 @@ def _features() -> tuple[Feature, ...]:
               lambda c: _get(c, 'train.optimizer') == 'shampoo' and graft(c) != 'none', refuses),
       Feature('shampoo_vanilla', 'optimizer',
               (('train.optimizer', 'shampoo'), ('train.shampoo.graft', 'none')),
-              lambda c: _get(c, 'train.optimizer') == 'shampoo' and graft(c) == 'none', refuses)]
+              lambda c: _get(c, 'train.optimizer') == 'shampoo' and graft(c) == 'none', refuses),
+      # Scion (sharenet/optim/scion.py): every leaf on its role's LMO, constrained by default
+      # (which decays by itself: train.weight_decay=0)
+      Feature('scion', 'optimizer', (('train.optimizer', 'scion'), ('train.weight_decay', 0.0)),
+              lambda c: _get(c, 'train.optimizer') == 'scion',
+              tuple((k, 'this parametrization is written for AdamW (valid with scion: sp, mup)')
+                    for k in ('mup_table3', 'completep', 'umup')) + (
+                  ('adamp', 'AdamP replaces Adam; valid with it: train.optimizer=adamw'),
+                  ('mpo', 'Scion has no LMO for an MPO chain\'s tensors (no matrix view)')))]
   remats = [_setting(r, 'remat', 'model.remat', r)
             for r in ('full', 'dots', 'dots_no_batch', 'save_names', 'except_attn')]
   numerics = [_setting('pallas', 'kernels', 'model.kernels', 'pallas'),

@@ -225,7 +225,8 @@ def default_config() -> ml_collections.ConfigDict:
   t.eps = 1e-8
   t.grad_clip = 1.0           # global-norm clipping; 0 = off
   t.optimizer = 'adamw'       # adamw | muon | shampoo: the optimizer of the matrix_roles kernels;
-                              # every other leaf stays on AdamW (sharenet/optim/matrix.py)
+                              # every other leaf stays on AdamW (sharenet/optim/matrix.py) |
+                              # scion: every leaf by its role's LMO (sharenet/optim/scion.py)
   t.matrix_roles = 'reader,writer'  # muon / shampoo: kernel roles they take (reader, writer,
                               # readout, router, embedding, pos_embed, lora)
   t.muon = mu = ml_collections.ConfigDict()
@@ -239,6 +240,15 @@ def default_config() -> ml_collections.ConfigDict:
   sh.eps = 1e-6               # damping added to each statistic before its inverse root
   sh.graft = 'adam'           # adam: each block's step has Adam's size | none: vanilla Shampoo
                               # (the setting of its second-order muP; docs/optimizers.md)
+  t.scion = sc = ml_collections.ConfigDict()   # train.optimizer=scion (sharenet/optim/scion.py)
+  sc.momentum = 0.1           # a: m <- (1 - a) m + a g (the reference's `momentum`; 1 = none)
+  sc.radius = 50.0            # rho of every leaf but the readout (the reference's `scale`)
+  sc.output_radius = 3000.0   # rho of the readout (its nanoGPT example: 60 x radius, lr 2^-12)
+  sc.constrained = True       # W <- (1 - lr) W - lr rho lmo(m); False: W <- W - lr rho lmo(m)
+                              # (constrained needs train.weight_decay=0: it decays by itself)
+  sc.ns_steps = 5             # Newton-Schulz iterations of the spectral LMO
+  t.lr_groups = ''            # 'GROUP:MULT,...': LR multipliers per layer group, any optimizer:
+                              # embedding | hidden | readout | vector (sharenet/optim/chain.py)
   t.grad_accum = 1            # micro-batches per step (batch_size must divide)
   t.exit_loss = 'last'        # last | all | comma list of weights: the loss at the exit of every
                               # gradient loop of the looped segment through the coda and the

@@ -29,11 +29,17 @@ from flax.traverse_util import flatten_dict, unflatten_dict
 from sharenet.config import defaults
 from sharenet.errors import ConfigError
 from sharenet.models import params as params_lib
-from sharenet.optim import ema, guard, matrix, trainable
+from sharenet.optim import ema, guard, matrix, scion, trainable
 from sharenet.transforms.project import projection
 from sharenet.transforms.update import agc, scale_by_adamp
 
 SCHEDULES = ('wsd', 'cosine', 'constant')
+# train.lr_groups: layer groups by role (the norm-transfer paper's input, hidden and output
+# layers, arXiv:2510.03871 section 5, and the vectors)
+LR_GROUPS = {'embedding': ('embedding', 'pos_embed'),
+             'hidden': ('reader', 'writer', 'router', 'lora', 'mpo'),
+             'readout': ('readout',),
+             'vector': ('norm_in', 'norm_out', 'bias', 'scalar', 'reparam')}
 # Role groups accepted by train.decay_roles; 'matrices' = every kernel, embedding and LoRA factor.
 DECAY_GROUPS = {'matrices': params_lib.MATRIX_ROLES + ('mpo',), 'norm_in': ('norm_in',),
                 'norm_out': ('norm_out',), 'bias': ('bias',), 'scalar': ('scalar',),
@@ -64,6 +70,32 @@ def lr_schedule(t: Any, peak: Any = None) -> optax.Schedule:
   return optax.join_schedules(
       [warm, optax.constant_schedule(peak), optax.linear_schedule(peak, floor, decay)],
       [warmup, stable])
+
+
+def lr_groups(t: Any, table: dict | None) -> dict[str, float]:
+  """train.lr_groups as {role: LR multiplier}, checked against the role table `table`: an
+  unknown group, a bad multiplier or a group naming no parameter of the model is one line."""
+  spec = str(t.get('lr_groups', '') or '').replace(' ', '')
+  if not spec:
+    return {}
+  valid = f'valid: GROUP:MULT,... with GROUP in {", ".join(LR_GROUPS)}, e.g. readout:2,hidden:0.5'
+  out = {}
+  for item in spec.split(','):
+    name, _, mult = item.partition(':')
+    try:
+      value = float(mult)
+    except ValueError:
+      raise ConfigError(f'train.lr_groups={spec!r}: {item!r} is not GROUP:MULT; {valid}') from None
+    if name not in LR_GROUPS or value <= 0:
+      raise ConfigError(f'train.lr_groups={spec!r}: {item!r} names no group or a multiplier '
+                        f'<= 0; {valid}')
+    roles = set(LR_GROUPS[name])
+    if table is not None and not any(i.role in roles for i in table.values()):
+      raise ConfigError(f'train.lr_groups={spec!r}: group {name!r} names no parameter of this '
+                        f'model (roles {", ".join(LR_GROUPS[name])}); valid: groups of its '
+                        f'roles, e.g. readout needs model.tie_embeddings=False')
+    out.update({r: value for r in LR_GROUPS[name]})
+  return out
 
 
 def decay_roles(t: Any) -> tuple[str, ...]:
@@ -151,7 +183,7 @@ def make_optimizer(t: Any, transforms: Any = None, multipliers: Any = None,
 
 # rules.OptMultipliers' fields with every multiplier 1 (that module imports models).
 _NO_MULTIPLIERS = types.SimpleNamespace(lr=None, eps=None, independent_wd=False, wd=None,
-                                        damping=None)
+                                        damping=None, scion_scaled=False)
 
 # Optimizer states whose `count` drives the LR schedule (not Adam's bias correction).
 _SCHEDULE_STATES = ('ScaleByScheduleState', 'InjectStatefulHyperparamsState',
@@ -212,7 +244,7 @@ def make_chain(t: Any, transforms: Any = None, multipliers: Any = None,
     parts += [scale_by_adamp(t.b1, t.b2, t.eps, t.weight_decay, mask, transforms.infos,
                              transforms.adamp_delta, transforms.adamp_wd_ratio),
               optax.scale_by_learning_rate(lr_schedule(t, peak_lr))]
-  elif multipliers is None and matrix.optimizer_name(t) == 'adamw':
+  elif multipliers is None and matrix.optimizer_name(t) == 'adamw' and not lr_groups(t, table):
     parts.append(optax.adamw(lr_schedule(t, peak_lr), b1=t.b1, b2=t.b2, eps=t.eps,
                              weight_decay=t.weight_decay, mask=mask))
   else:
@@ -239,13 +271,26 @@ def _multiplied(t: Any, multipliers: Any, table: dict | None, roles: tuple[str, 
   # The role mask alone decides which leaves decay; the multiplier only how strongly.
   wd_of = lambda path: wd * flat_wd.get(path, 1.0) if decayed(path) else 0.0
   eps_of = lambda path: t.eps * flat_eps.get(path, 1.0)
+  groups = lr_groups(t, table)   # train.lr_groups: a multiplier per role, over the preset's
+  if groups and table is None:
+    raise ConfigError('train.lr_groups needs the model\'s role table (table=models.param_table('
+                      'cfg) or transforms=)')
+  lr_of = lambda path: flat_lr.get(path, 1.0) * (
+      groups.get(params_lib.role_at(table, path), 1.0) if groups else 1.0)
   direction = scale_by_adam_tree_eps(t.b1, t.b2, eps_of)
-  if matrix.optimizer_name(t) != 'adamw':
+  if matrix.optimizer_name(t) == 'scion':   # every leaf on its LMO (sharenet/optim/scion.py)
+    if table is None:
+      raise ConfigError('train.optimizer=scion needs the model\'s role table (table=models.'
+                        'param_table(cfg) or transforms=)')
+    scion.check(t)
+    direction = scion.scale_by_scion(t.scion, table, bool(getattr(multipliers, 'scion_scaled',
+                                                                  False)))
+  elif matrix.optimizer_name(t) != 'adamw':
     if table is None:
       raise ConfigError(f'train.optimizer={t.optimizer} needs the model\'s role table '
                         f'(table=models.param_table(cfg) or transforms=); valid: adamw without')
     direction = matrix.matrix_transform(t, table, direction, eps_of,
                                               lambda path: flat_damping.get(path, 1.0))
-  return [direction, scale_and_decay(lambda path: flat_lr.get(path, 1.0), wd_of),
+  return [direction, scale_and_decay(lr_of, wd_of),
           optax.scale_by_learning_rate(lr_schedule(t, peak_lr))]
 

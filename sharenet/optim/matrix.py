@@ -29,7 +29,7 @@ from sharenet.models import params as params_lib
 from sharenet.errors import ConfigError
 from sharenet.optim.shampoo import GRAFTS, scale_by_shampoo
 
-OPTIMIZERS = ('adamw', 'muon', 'shampoo')
+OPTIMIZERS = ('adamw', 'muon', 'shampoo', 'scion')   # scion: sharenet/optim/scion.py
 # train.muon.scale: the factor on Muon's orthogonalised step (muon_step_scale). `shape` is
 # optax.contrib.muon's (Keller Jordan's) sqrt(max(1, fan_out / fan_in)); `rms` is Moonlight's
 # 0.2 sqrt(max(fan_in, fan_out)), which gives the step AdamW's update RMS (~0.2 for beta1 0.9)
@@ -64,7 +64,7 @@ def matrix_roles(t: Any) -> tuple[str, ...]:
 def check_settings(t: Any) -> None:
   """Bad train.optimizer / matrix_roles / shampoo settings raise one ConfigError line."""
   name = optimizer_name(t)
-  if name == 'adamw':
+  if name in ('adamw', 'scion'):   # scion's settings: scion.check
     return
   matrix_roles(t)
   if name == 'muon' and t.muon.get('scale', 'shape') not in MUON_SCALES:

@@ -1,4 +1,4 @@
-"""The parametrizations' rules under train.optimizer = muon | shampoo (docs/optimizers.md).
+"""The parametrizations' rules under train.optimizer = muon | shampoo | scion (docs/optimizers.md).
 
 `parametrization.kind=mup` means the muP of the optimizer that trains each leaf, so a study
 switches optimizer with one key:
@@ -46,6 +46,15 @@ switches optimizer with one key:
            under Muon only hidden kernels may be on Shampoo under this preset (the paper's first
            and last layer rows need its readout init, which Adam's Table 8 leaves here
            replace); Adam's leaves keep Adam's muP.
+
+  scion    every leaf takes its role's LMO (sharenet/optim/scion.py). Scion's muP is its
+           width-scaled LMOs (Pethick et al., arXiv:2502.07529: spectral x sqrt(fan_out /
+           fan_in), rows over their RMS, sign / fan_in), which set the step of each layer's
+           effective weights; muP's init and forward multipliers (Table 8) stay, and each
+           leaf's LR multiplier undoes its forward multiplier (1 / fwd_mult; the readout also
+           1 / the model's logits multiplier, m_d), so the effective weights take the LMO's
+           step. `sp` under scion is the unscaled LMOs with every multiplier 1 (the readout's
+           step then grows with fan_in).
 
 parametrization.qk_lr (any kind, any optimizer) multiplies the LR of the query and key kernels
 (their `use` in the role table; MASA atoms forming them too, not LoRA factors): a
@@ -118,16 +127,20 @@ def shampoo_mults(fan_in: int, fan_out: int, base_fan_in: int, base_fan_out: int
 
 
 def adjust(rules: dict, target: dict, base: dict, kind: str, settings: OptSettings,
-           qk_lr: float = 1.0) -> dict:
+           qk_lr: float = 1.0, logits_mult: float = 1.0) -> dict:
   """`rules` (Adam's, rules.LeafRule per path) for the optimizer of each leaf, with
-  parametrization.qk_lr on the query and key kernels."""
+  parametrization.qk_lr on the query and key kernels (`logits_mult`: the model's readout
+  multiplier, which Scion's muP undoes on the readout's step)."""
   check(kind, settings)
   optimizer, matrix_roles, graft = settings.optimizer, settings.matrix_roles, settings.graft
   out = dict(rules)
   for path, rule in rules.items():
     info, lr, damping = target[path], rule.lr_mult, rule.damping_mult
     on_matrix = kind == 'mup' and info.role in matrix_roles
-    if optimizer == 'muon' and on_matrix:
+    if optimizer == 'scion':   # the LMO sets the effective weights' step (module docstring)
+      lr = 1.0 / rule.fwd_mult / (logits_mult if info.role == 'readout' else 1.0) \
+          if kind == 'mup' and rule.fwd_mult else 1.0
+    elif optimizer == 'muon' and on_matrix:
       b = base[path]
       lr = muon_lr_mult(info.fan_in, info.fan_out, b.fan_in, b.fan_out, settings.muon_scale)
     elif optimizer == 'shampoo' and graft == 'none' and on_matrix:
@@ -150,6 +163,8 @@ def settings_of(train: Any) -> OptSettings:
   name = matrix.optimizer_name(train)
   if name == 'adamw':
     return OptSettings()
+  if name == 'scion':
+    return OptSettings(name)
   roles = matrix.matrix_roles(train)
   if name == 'muon':
     return OptSettings(name, roles, muon_scale=train.muon.get('scale', 'shape'))

@@ -37,8 +37,8 @@ Presets (papers in docs/references.md):
 Loop rule (any preset; Wang et al., arXiv:2606.18524; no settled rule): the residual branches of a
 block applied R times get x 1/R (`inv_R`) or x 1/sqrt(R) (`inv_sqrt_R`); Adam LR and eps are
 not scaled by R (Adam normalises the summed per-use gradient; our derivation, not a published rule).
-Under train.optimizer=muon | shampoo (`Parametrization(cfg, config.train)`) `mup` is that
-optimizer's muP and the Adam-only presets are refused (sharenet/parametrization/optimizer_rules.py).
+Under train.optimizer=muon | shampoo | scion (`Parametrization(cfg, config.train)`) `mup` is
+that optimizer's muP and the Adam-only presets are refused (sharenet/parametrization/optimizer_rules.py).
 
 Depth-wise LoRA factors (role 'lora'; Relaxed Recursive Transformers, arXiv:2410.20672): the
 delta x A B of a kernel, A: (in..., r), B: (r, out...), rank r fixed as width grows. muP sorts a
@@ -151,6 +151,7 @@ class OptMultipliers(NamedTuple):
   independent_wd: bool
   wd: Any = None
   damping: Any = None    # Shampoo's damping multiplier per leaf (None: all 1)
+  scion_scaled: bool = False   # train.optimizer=scion: the width-scaled LMOs (its muP)
 
 
 def _role(info: params_lib.ParamInfo, axes: tuple) -> tuple[str, tuple[int, ...]]:
@@ -212,7 +213,7 @@ class Parametrization:
     self.loss_grad_scale = unit_scale.loss_grad_scale(cfg.vocab_size) if s.kind == 'umup' else 1.0
     self.rules = optimizer_rules.adjust(
         self._rules(cfg), *self._tables, self.settings.kind, self.opt_settings,
-        self.settings.qk_lr)
+        self.settings.qk_lr, cfg.logits_mult)
 
   # ---- per-leaf rules ------------------------------------------------------------------------
   def _rules(self, cfg: ModelConfig) -> dict[Path, LeafRule]:
@@ -336,13 +337,14 @@ class Parametrization:
     """Per-leaf LR / WD / eps trees; None when they are exactly plain AdamW's (SP)."""
     plain = all(r.lr_mult == 1.0 and r.eps_mult == 1.0 and r.wd_mult == 1.0
                 and r.damping_mult == 1.0 for r in self.rules.values())
-    if plain and not self.settings.independent_wd:
+    scion_scaled = self.optimizer == 'scion' and self.settings.kind == 'mup'
+    if plain and not self.settings.independent_wd and not scion_scaled:
       return None
     wd = None if all(r.wd_mult == 1.0 for r in self.rules.values()) else self.tree('wd_mult')
     damping = None if all(r.damping_mult == 1.0 for r in self.rules.values()) \
         else self.tree('damping_mult')
     return OptMultipliers(self.tree('lr_mult'), self.tree('eps_mult'),
-                          self.settings.independent_wd, wd, damping)
+                          self.settings.independent_wd, wd, damping, scion_scaled)
 
   def describe(self) -> list[dict[str, Any]]:
     """One row per leaf plus a row of model-level scalars (for config.json and reports)."""

@@ -49,8 +49,10 @@ def val_batch(config: Any, n: int) -> np.ndarray:
 
 
 def train_cells(config: Any, lrs: list[float], seeds: int, tokens_SBT1: np.ndarray,
-                val_BT1: np.ndarray, avg_last: int) -> tuple[np.ndarray, np.ndarray]:
-  """(final train loss, val loss), each (len(lrs), seeds), for one model config."""
+                val_BT1: np.ndarray, avg_last: int, last: tuple[str, ...] = ()) -> tuple:
+  """(final train loss, val loss), each (len(lrs), seeds), for one model config; with `last`
+  (names of step metrics, e.g. 'output_norm/rms_to_inf') also {name: its value after the last
+  step, (len(lrs), seeds)}."""
   exp = trainer.setup(config, experiment.validate(config))
   step = trainer.make_train_step(exp, config.train.grad_accum)
 
@@ -60,15 +62,16 @@ def train_cells(config: Any, lrs: list[float], seeds: int, tokens_SBT1: np.ndarr
     state, metrics = jax.lax.scan(step, state, toks_SBT1)
     val_loss, _ = trainer.loss_fn(state.params, state.tstate, val, model=exp.model, tr=exp.tr,
                                     pz=exp.pz)
-    return jnp.mean(metrics['loss'][-avg_last:]), val_loss
+    return jnp.mean(metrics['loss'][-avg_last:]), val_loss, {k: metrics[k][-1] for k in last}
 
   seed_cells = config.train.seed + jnp.tile(jnp.arange(seeds), len(lrs))
   keys = jax.vmap(jax.random.key)(seed_cells)
   lr_cells = jnp.repeat(jnp.asarray(lrs, jnp.float32), seeds)
   run = jax.jit(jax.vmap(one_cell, in_axes=(0, 0, None, None)))
-  final, val = run(keys, lr_cells, jnp.asarray(tokens_SBT1), jnp.asarray(val_BT1))
+  final, val, ends = run(keys, lr_cells, jnp.asarray(tokens_SBT1), jnp.asarray(val_BT1))
   shape = (len(lrs), seeds)
-  return np.asarray(final).reshape(shape), np.asarray(val).reshape(shape)
+  out = np.asarray(final).reshape(shape), np.asarray(val).reshape(shape)
+  return out + ({k: np.asarray(v).reshape(shape) for k, v in ends.items()},) if last else out
 
 
 def optimum(log2_lrs: list[float], losses: np.ndarray) -> dict[str, Any]:

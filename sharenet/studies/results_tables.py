@@ -7,7 +7,7 @@
 
 Each table is written by the same function its study uses when it runs (depth_report,
 moe_report, norm_study, recursion_study, sharing_methods_study, nap_study, rank_study,
-distill_study, coord_check, lr_sweep, ladder, width_split, widen_study, and
+distill_study, coord_check, lr_sweep, norm_transfer, ladder, width_split, widen_study, and
 benchmarks/summarize_runs for the sharing configs), so a table is never edited by hand: the
 README and the pages link to these files instead of copying their numbers.
 tests/end_to_end/test_docs.py checks that the committed tables equal what this writes.
@@ -105,6 +105,7 @@ TABLES: dict[str, tuple[str, Callable[[str], str]]] = {
                                        _fn('distill_study')),
     'widen_study/widen_study.md': ('widen_study/widen_study.json', _fn('widen_study')),
     'ladder/ladder.md': ('ladder/ladder.json', _fn('ladder')),
+    'norm_transfer/norm_transfer.md': ('norm_transfer/norm_transfer.json', _fn('norm_transfer')),
     **{f'mup/{d}coord_check.md': (f'mup/{d}coord_check.json', _fn('coord_check'))
        for d in ('', 'depth/coord_check/', 'lora/', 'lora/a_zero/', 'lora/lr_0.04/', 'umup/',
                  'umup/lr0.125/', 'zero_init/', 'muon/coord_check/', 'muon/coord_check/lr_0.125/',

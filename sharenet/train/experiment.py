@@ -19,10 +19,10 @@ from sharenet import data
 from sharenet.data import corpus
 from sharenet.config import compat, sections as sections_lib
 from sharenet.errors import ConfigError
-from sharenet.models import DecoderLM, ModelConfig
+from sharenet.models import DecoderLM, ModelConfig, param_table
 from sharenet.models.config import table_view
 from sharenet.models.scaling import Settings
-from sharenet.optim import chain, ema, guard, matrix
+from sharenet.optim import chain, ema, guard, matrix, scion
 from sharenet.parametrization import optimizer_rules, rules
 from sharenet.tasks import task_eval
 from sharenet.train import (batch_ramp, dynamic_tying, metrics, profile, resume, sampled_depth,
@@ -93,6 +93,9 @@ def _validated(config: Any, process_count: int | None) -> Resolved:
   chain.lr_schedule(t)  # raises for an unknown schedule
   chain.decay_roles(t)
   matrix.check_settings(t)   # train.optimizer, matrix_roles, shampoo settings
+  if matrix.optimizer_name(t) == 'scion':
+    scion.check(t)
+  chain.lr_groups(t, param_table(mcfg))   # train.lr_groups against the model's roles
   optimizer_rules.check(mcfg.parametrization.kind, optimizer_rules.settings_of(t))
   sampled_depth.exit_weights(t.exit_loss, mcfg)   # train.exit_loss against the plan's loops
   if t.lr <= 0:

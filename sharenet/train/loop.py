@@ -254,7 +254,7 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, float]:
                  **flops_at.row(depth),
                  **{k: float(v) for k, v in metrics.items()
                     if k.startswith(('routing_', 'exit_loss_', 'moe_', 'distill_', 'watch/',
-                                     'skipped_steps'))},
+                                     'skipped_steps', 'output_norm/'))},
                  **(seen.shares(step) if seen is not None else {}))
       writer.write(step, **row)
       last.clear()

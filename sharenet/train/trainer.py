@@ -20,7 +20,7 @@ from sharenet.models.layers import INTERMEDIATES, watching
 from sharenet.models.norm_stats import NORM_STATS
 from sharenet.optim import chain, guard, trainable
 from sharenet.parametrization import rules
-from sharenet.train import distill, evaluation, experiment, sampled_depth
+from sharenet.train import distill, evaluation, experiment, output_norm, sampled_depth
 from sharenet.train import watch as watch_lib
 from sharenet.transforms import Transforms
 
@@ -249,7 +249,8 @@ def train_step(state: TrainState, batch_BT1: jax.Array, depth: Any = None,
   their state, power iterations, advances once per step before the loss, outside the
   differentiated function), then `pz`'s forward multipliers. The learning rate is the
   optimizer's (chain.make_optimizer: its peak LR is in `state.opt_state`). Metrics: loss,
-  grad_norm and the `mutable` collections sown in the forward pass before the update (averaged
+  grad_norm, the output layer's operator norms after the update (train/output_norm.py) and the
+  `mutable` collections sown in the forward pass before the update (averaged
   over micro-batches). With loss-free routing balancing, the routing bias in `tstate` then moves
   by the step's exit fractions (models/routing.py update_balance). `depth`: a sampled-depth
   model's loops this step (a traced int32; sharenet/train/sampled_depth.py), `loops` its exits and
@@ -297,6 +298,10 @@ def train_step(state: TrainState, batch_BT1: jax.Array, depth: Any = None,
   params = optax.apply_updates(state.params, updates)
   metrics = {'loss': loss, 'grad_norm': optax.global_norm(grads), **aux,
              **guard.metrics(opt_state)}   # train.skip_nonfinite / spike_factor
+  # the output layer's operator norms after the update (norm transfer, train/output_norm.py)
+  w = output_norm.readout(model.cfg, lm.param_table(model.cfg), effective(params, tstate, tr, pz))
+  if w is not None:
+    metrics.update(output_norm.norms(w))
   if watch:
     metrics = {**watch_lib.pop_intermediates(metrics, model.cfg.num_layers,
                                              model.cfg.routing.kind != 'none'),

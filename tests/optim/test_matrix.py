@@ -307,7 +307,7 @@ def test_non_matrix_leaves_stay_on_adam():
 @pytest.mark.parametrize('kw, match', [
     (dict(optimizer='shampoo', shampoo=dict(block_size=0)), 'block_size=0 must be >= 1; valid'),
     (dict(optimizer='muon', matrix_roles='reader,norm_in'), "cannot take role 'norm_in'.*valid"),
-    (dict(optimizer='lion'), "train.optimizer='lion' is unknown; valid: adamw, muon, shampoo"),
+    (dict(optimizer='lion'), "train.optimizer='lion' is unknown; valid: adamw, muon, shampoo, scion"),
     (dict(optimizer='shampoo', shampoo=dict(graft='sgd')),
      "train.shampoo.graft='sgd' is unknown; valid: adam, none"),
     (dict(optimizer='muon', muon=dict(scale='adam')),

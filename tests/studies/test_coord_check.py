@@ -106,6 +106,26 @@ def test_coord_check_optimizer_mup_is_flat(optimizer):
     assert summary['sp']['residual'] > 0.45 and summary['sp']['mlp_out'] > 0.45, summary['sp']
 
 
+@pytest.mark.slow
+def test_scion_mup_is_flat_and_its_sp_readout_grows():
+  """train.optimizer=scion (sharenet/optim/scion.py), widths 32-128, study.statistic=delta
+  (1 layer, 4 steps at LR 5e-4, max |slope| over t >= 1). Its muP (the width-scaled LMOs):
+  every activation flat; measured 2026-12-07: embed_out 0.02, residual 0.01, attn_out 0.08,
+  mlp_out 0.06, logits 0.08. Its SP (the unscaled LMOs): the readout's sign step moves the
+  logits by ~fan_in (logits 0.85) and the l2-normalised embedding rows shrink
+  (embed_out 0.52)."""
+  c = cc_config.get_config()
+  c.model.num_layers, c.train.batch_size, c.train.seq_len = 1, 4, 16
+  c.train.optimizer, c.train.lr = 'scion', 5e-4
+  s = c.study
+  s.steps, s.seeds, s.width_values, s.width_variants = 4, 1, '32,64,128', 'sp,mup'
+  s.statistic = 'delta'
+  worst = coord_check.summary(coord_check.run_axis(c, 'width', log=lambda m: None))
+  for a in ('residual', 'attn_out', 'mlp_out', 'mlp_hidden', 'embed_out', 'logits'):
+    assert worst['mup'][a] < 0.2, (a, worst['mup'])
+  assert worst['sp']['logits'] > 0.6 and worst['sp']['embed_out'] > 0.4, worst['sp']
+
+
 def test_steps_table_has_a_row_per_variant_and_activation():
   """coord_check_steps.md: one row per variant and principal activation, one column per step,
   the slopes as the JSON holds them (activations a variant lacks are left out)."""
