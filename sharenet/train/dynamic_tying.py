@@ -77,6 +77,11 @@ def check(t: Any, mcfg: Any) -> None:
   if not 0 <= ty.max_sets <= mcfg.num_layers:
     raise ConfigError(f'train.tying.max_sets={ty.max_sets}: valid 0 (no cap) to '
                       f'model.num_layers={mcfg.num_layers}')
+  index = tuple(mcfg.plan.index)
+  if index != pattern_of(actions_of(index)):   # the controller numbers sets by first use
+    raise ConfigError(f'model.sharing.pattern={s.pattern!r} does not number its sets by first '
+                      f'use, which train.tying\'s plans do; valid: '
+                      f'{pattern_string(pattern_of(actions_of(index)))!r}, the same plan')
   first = mcfg.plan.num_unique
   if ty.max_sets and first > ty.max_sets:
     raise ConfigError(f'model.sharing.pattern={s.pattern!r} stores {first} sets, above '

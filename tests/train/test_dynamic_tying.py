@@ -153,6 +153,7 @@ def test_shampoo_blocks_move_with_their_sets(tiny_config):
     ({'train.tying.epsilon': 1.5}, r'train.tying.epsilon=1.5 must be in \[0, 1\]'),
     ({'train.tying.step_size': 0.0}, r'must be in \(0, 1\]'),
     ({'model.sharing.lora_rank': 2}, 'LoRA on the shared layers only comes and goes'),
+    ({'model.sharing.pattern': '1,0,0,1'}, "does not number its sets by first use.*'0,1,1,0'"),
 ])
 def test_bad_tying_settings_are_one_line(tiny_config, over, match):
   c = tiny_config(**{'model.num_layers': 4, 'model.sharing.scheme': 'explicit',
