@@ -93,11 +93,11 @@ VARIANTS: dict[str, tuple[str, str, dict[str, Any], tuple[str, Callable] | None]
     'moe_cycle': ('cycle, sigma-MoE experts', 'MoEUT arXiv:2405.16039',
                   {**CYCLE, 'model.moe.kind': 'sigma_moe', 'model.moe.num_experts': 4,
                    'model.moe.top_k': 2}, None),
-    # starts as the cycle's plan (explicit) and re-chooses it every 25 steps, at most 2 sets
+    # starts as the cycle's plan (explicit) and re-chooses it 12 times a run (every 25 of the
+    # study's 300 steps; `variant_config`), at most 2 sets
     'dynamic_tying': ('explicit plan re-chosen every 25 steps, <= 2 sets', 'arXiv:2401.12819',
                       {'model.sharing.scheme': 'explicit', 'model.sharing.num_unique': 0,
-                       'model.sharing.pattern': '0,1,0,1', 'train.tying.every': 25,
-                       'train.tying.max_sets': 2}, None),
+                       'model.sharing.pattern': '0,1,0,1', 'train.tying.max_sets': 2}, None),
     'moe_router_per_layer': ('cycle, experts with per-layer routers', 'arXiv:2209.08326',
                              {**CYCLE, 'model.moe.kind': 'sigma_moe',
                               'model.moe.num_experts': 4, 'model.moe.top_k': 2,
@@ -122,6 +122,8 @@ def variant_config(base: Any, variant: str, budget: int) -> Any:
   d = base.model.d_model
   if variant.startswith('embed'):   # a quarter of the width, at least one attention head
     overrides['model.embed_dim'] = max(d // 4, d // base.model.num_heads)
+  if variant == 'dynamic_tying':   # 12 decisions a run (every 25 steps at the study's 300)
+    overrides['train.tying.every'] = max(1, base.train.steps // 12)
   if variant.startswith('moe'):   # the experts hold the dense MLP's hidden units in all
     overrides['model.moe.expert_dim'] = base.model.mlp_dim // 4
   config = common.with_overrides(base, overrides)
