@@ -283,8 +283,7 @@ def _multiplied(t: Any, multipliers: Any, table: dict | None, roles: tuple[str, 
       raise ConfigError('train.optimizer=scion needs the model\'s role table (table=models.'
                         'param_table(cfg) or transforms=)')
     scion.check(t)
-    direction = scion.scale_by_scion(t.scion, table, bool(getattr(multipliers, 'scion_scaled',
-                                                                  False)))
+    direction = scion.scale_by_scion(t.scion, table, multipliers.scion_scaled)
   elif matrix.optimizer_name(t) != 'adamw':
     if table is None:
       raise ConfigError(f'train.optimizer={t.optimizer} needs the model\'s role table '

@@ -133,9 +133,6 @@ def scale_by_scion(settings: Any, table: dict, scaled: bool) -> optax.GradientTr
   for info in table.values():
     lmo_kind(info)   # a leaf without an LMO: one line now, not at the first step
 
-  def keys(path):
-    return tuple(getattr(k, 'key', getattr(k, 'name', str(k))) for k in path)
-
   def init_fn(params):
     return ScionState(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params))
 
@@ -146,9 +143,9 @@ def scale_by_scion(settings: Any, table: dict, scaled: bool) -> optax.GradientTr
                      updates)
 
     def leaf(path, mu, p):
-      info = table.get(keys(path))
+      info = table.get(matrix._keys(path))
       if info is None:   # a transform's gain (reparam collection): a vector, over its RMS
-        params_lib.role_at(table, keys(path))   # one line if it is not one
+        params_lib.role_at(table, matrix._keys(path))   # one line if it is not one
         d = mu / (_rms(mu, tuple(range(mu.ndim))) + EPS) * rho if mu.ndim else jnp.sign(mu) * rho
       else:
         d = lmo(info, mu, scaled, steps) * (rho_out if info.role in SIGN_ROLES else rho)
