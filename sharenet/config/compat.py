@@ -48,6 +48,25 @@ def _get(config: Any, key: str) -> Any:
   return node
 
 
+# K-FAC's statistics are the taps of the Dense layers' hidden kernels (models/curvature.py):
+# kernels formed otherwise have none, and a statistics norm's cotangents take the same channel.
+_NO_TAPS = 'K-FAC\'s Kronecker statistics come from Dense kernels; {} (valid with kfac: plain kernels)'
+KFAC_REFUSES = tuple((k, 'a statistics norm\'s state and K-FAC\'s statistics both leave by '
+                      'cotangents; one at a time (valid with kfac: rmsnorm, layernorm, ...)')
+                     for k in ('powernorm', 'unified_norm', 'online_norm')) + (
+    ('sigma_moe', _NO_TAPS.format('expert kernels are stacks outside them')),
+    ('switch', _NO_TAPS.format('expert kernels are stacks outside them')),
+    *((k, _NO_TAPS.format('expert kernels are stacks outside them'))
+      for k in ('moe_router_per_layer', 'moe_ragged_dot', 'moe_reference')),
+    ('switchhead', _NO_TAPS.format('value experts are stacks outside them')),
+    ('masa', _NO_TAPS.format('MASA kernels are mixtures of shared atoms')),
+    ('bank', _NO_TAPS.format('a bank\'s kernels are slices of one shared matrix')),
+    ('mpo', _NO_TAPS.format('MPO kernels are chains of tensors')),
+    ('cem', _NO_TAPS.format('CEM\'s output projection is the query kernel transposed, a '
+                            'second untapped use')),
+    ('mlp_tied', _NO_TAPS.format('a tied MLP uses its kernel twice, once transposed')))
+
+
 def _setting(name: str, axis: str, key: str, value: Any, *extra: tuple[str, Any],
              refuses: tuple[tuple, ...] = (), contains: bool = False) -> Feature:
   """A feature that is on when config `key` equals `value` (or, `contains`, lists it)."""
@@ -425,6 +444,7 @@ def _features() -> tuple[Feature, ...]:
   # train.muon.scale (shape | rms) only changes one constant per kernel on the same code path
   # and pairs as muon does, so it is not a feature of its own (tests/optim/test_matrix.py).
   graft = lambda c: _get(c, 'train.shampoo.graft')
+  kfac_graft = lambda c: _get(c, 'train.kfac.graft')
   optimizers = [
       _setting('muon', 'optimizer', 'train.optimizer', 'muon', refuses=refuses),
       Feature('shampoo', 'optimizer', (('train.optimizer', 'shampoo'),),
@@ -432,6 +452,15 @@ def _features() -> tuple[Feature, ...]:
       Feature('shampoo_vanilla', 'optimizer',
               (('train.optimizer', 'shampoo'), ('train.shampoo.graft', 'none')),
               lambda c: _get(c, 'train.optimizer') == 'shampoo' and graft(c) == 'none', refuses),
+      # K-FAC (sharenet/optim/kfac.py) on the hidden kernels, its statistics from the Dense
+      # layers' taps (sharenet/models/curvature.py); grafted to Adam or not (train.kfac.graft)
+      Feature('kfac', 'optimizer', (('train.optimizer', 'kfac'),),
+              lambda c: _get(c, 'train.optimizer') == 'kfac' and kfac_graft(c) != 'none',
+              refuses + KFAC_REFUSES),
+      Feature('kfac_vanilla', 'optimizer',
+              (('train.optimizer', 'kfac'), ('train.kfac.graft', 'none')),
+              lambda c: _get(c, 'train.optimizer') == 'kfac' and kfac_graft(c) == 'none',
+              refuses + KFAC_REFUSES),
       # Scion (sharenet/optim/scion.py): every leaf on its role's LMO, constrained by default
       # (which decays by itself: train.weight_decay=0)
       Feature('scion', 'optimizer', (('train.optimizer', 'scion'), ('train.weight_decay', 0.0)),

@@ -224,7 +224,8 @@ def default_config() -> ml_collections.ConfigDict:
   t.b2 = 0.95
   t.eps = 1e-8
   t.grad_clip = 1.0           # global-norm clipping; 0 = off
-  t.optimizer = 'adamw'       # adamw | muon | shampoo: the optimizer of the matrix_roles kernels;
+  t.optimizer = 'adamw'       # adamw | muon | shampoo | kfac: the optimizer of the matrix_roles
+                              # kernels (kfac: reader, writer only);
                               # every other leaf stays on AdamW (sharenet/optim/matrix.py) |
                               # scion: every leaf by its role's LMO (sharenet/optim/scion.py)
   t.matrix_roles = 'reader,writer'  # muon / shampoo: kernel roles they take (reader, writer,
@@ -240,6 +241,12 @@ def default_config() -> ml_collections.ConfigDict:
   sh.eps = 1e-6               # damping added to each statistic before its inverse root
   sh.graft = 'adam'           # adam: each block's step has Adam's size | none: vanilla Shampoo
                               # (the setting of its second-order muP; docs/optimizers.md)
+  t.kfac = kf = ml_collections.ConfigDict()   # train.optimizer=kfac (sharenet/optim/kfac.py)
+  kf.update_every = 1         # recompute the factors' inverses every n steps
+  kf.damping = 1e-3           # rho added to each factor (A and G) before its inverse
+  kf.decay = 0.95             # EMA decay of the Kronecker factors
+  kf.graft = 'adam'           # adam: each stored set's step has Adam's size | none: K-FAC's own
+                              # step (the setting of its second-order muP; docs/optimizers.md)
   t.scion = sc = ml_collections.ConfigDict()   # train.optimizer=scion (sharenet/optim/scion.py)
   sc.momentum = 0.1           # a: m <- (1 - a) m + a g (the reference's `momentum`; 1 = none)
   sc.radius = 50.0            # rho of every leaf but the readout (the reference's `scale`)

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from sharenet import kernels as kernel_lib
 # einsum_f32 lives with the kernels (a leaf: kernels import nothing from models); re-exported.
 from sharenet.kernels.einsum import einsum_f32
-from sharenet.models import lora_experts, mpo
+from sharenet.models import curvature, lora_experts, mpo
 from sharenet.models.params import PER_LAYER, param
 
 
@@ -188,12 +188,20 @@ class Dense(nn.Module):
     batch = x.shape[:-n_in]
     x2 = x.reshape(batch + (fan_in,)).astype(self.dtype)
     w = kernel.reshape(fan_in, fan_out).astype(self.dtype)
+    # train.optimizer=kfac: the train step put taps beside the kernel (models/curvature.py)
+    tapped = atoms is None and self.has_variable('params', curvature.TAP_IN)
+    if tapped:
+      x2 = curvature.tap_in(x2.reshape(-1, fan_in),
+                            self.get_variable('params', curvature.TAP_IN)).reshape(x2.shape)
     if self.float32_out and low_precision(self.dtype):
       y = einsum_f32('...i,io->...o', x2, w)
     elif kernel_lib.rows_weight_grad(self.dense_grad):
       y = matmul_rows(x2, w)
     else:
       y = x2 @ w
+    if tapped:
+      y = curvature.tap_out(y.reshape(-1, fan_out),
+                            self.get_variable('params', curvature.TAP_OUT)).reshape(y.shape)
     if self.lora_rank and self.lora_experts:   # routed experts instead of depth-wise LoRA
       y = y + lora_experts.delta(self, x2, route, in_shape, out_shape)
     elif self.lora_rank:

@@ -1,4 +1,4 @@
-"""Matrix optimizers (train.optimizer = muon | shampoo) beside AdamW for every other leaf.
+"""Matrix optimizers (train.optimizer = muon | shampoo | kfac) beside AdamW for every other leaf.
 
 Which leaves a matrix optimizer takes is train.matrix_roles (default the hidden kernels,
 reader and writer), read from the role table (sharenet/models/params.py), never from module names;
@@ -9,7 +9,8 @@ the next `num_in` axes are the fan-in, the rest the fan-out. Muon is optax's
 (optax.contrib.scale_by_muon) with MuonDimensionNumbers from that view, so a stacked or
 scanned kernel is orthogonalised per stored set (a vmap over the stack axes) and a DenseGeneral
 kernel (embed, heads, head_dim) as the (embed, heads x head_dim) matrix it multiplies with.
-Shampoo is sharenet/optim/shampoo.py.
+Shampoo is sharenet/optim/shampoo.py, K-FAC sharenet/optim/kfac.py (its statistics: the taps of
+sharenet/models/curvature.py, so it takes the tapped hidden kernels only, reader and writer).
 
 A tied set is one stored tensor whose gradient is the sum of its uses' gradients (sharing.py),
 so the orthogonalisation and the preconditioner act on the summed gradient by construction
@@ -27,9 +28,12 @@ from optax.contrib import _muon
 
 from sharenet.models import params as params_lib
 from sharenet.errors import ConfigError
+from sharenet.models import curvature
+from sharenet.optim import kfac
 from sharenet.optim.shampoo import GRAFTS, scale_by_shampoo
 
-OPTIMIZERS = ('adamw', 'muon', 'shampoo', 'scion')   # scion: sharenet/optim/scion.py
+# scion: sharenet/optim/scion.py; kfac: sharenet/optim/kfac.py
+OPTIMIZERS = ('adamw', 'muon', 'shampoo', 'scion', 'kfac')
 # train.muon.scale: the factor on Muon's orthogonalised step (muon_step_scale). `shape` is
 # optax.contrib.muon's (Keller Jordan's) sqrt(max(1, fan_out / fan_in)); `rms` is Moonlight's
 # 0.2 sqrt(max(fan_in, fan_out)), which gives the step AdamW's update RMS (~0.2 for beta1 0.9)
@@ -66,7 +70,13 @@ def check_settings(t: Any) -> None:
   name = optimizer_name(t)
   if name in ('adamw', 'scion'):   # scion's settings: scion.check
     return
-  matrix_roles(t)
+  roles = matrix_roles(t)
+  if name == 'kfac':
+    extra = [r for r in roles if r not in curvature.TAPPED_ROLES]
+    if extra:
+      raise ConfigError(f'train.matrix_roles: kfac cannot take {extra} (no Kronecker statistics '
+                        f'there); valid: {", ".join(curvature.TAPPED_ROLES)}')
+    kfac.check(t.kfac)
   if name == 'muon' and t.muon.get('scale', 'shape') not in MUON_SCALES:
     raise ConfigError(f'train.muon.scale={t.muon.scale!r} is unknown; valid: '
                       f'{", ".join(MUON_SCALES)}')
@@ -128,8 +138,9 @@ def matrix_transform(t: Any, table: dict, adam: optax.GradientTransformation,
                      eps: Callable[[Path], float],
                      damping: Callable[[Path], float] = lambda path: 1.0
                      ) -> optax.GradientTransformation:
-  """The direction stage: muon or shampoo on the matrix_roles leaves, `adam` on the others;
-  `eps(path)` is Adam's eps (Shampoo's graft too), `damping(path)` multiplies Shampoo's.
+  """The direction stage: muon, shampoo or kfac on the matrix_roles leaves, `adam` on the
+  others; `eps(path)` is Adam's eps (Shampoo's and K-FAC's graft too), `damping(path)`
+  multiplies Shampoo's damping, or K-FAC's (a pair: its A and G factors').
 
   Per-leaf LR / decay multipliers and the schedule follow it in chain.make_chain, the same for
   both parts.
@@ -159,6 +170,12 @@ def matrix_transform(t: Any, table: dict, adam: optax.GradientTransformation,
         contrib.scale_by_muon(ns_steps=int(mu.ns_steps), beta=float(mu.momentum),
                               weight_dimension_numbers=dims),
         step_scale)
+  elif name == 'kfac':
+    k = t.kfac
+    pair = lambda path: (lambda v: tuple(v) if isinstance(v, tuple) else (v, v))(damping(path))
+    matrix = kfac.scale_by_kfac(_per_leaf(table, matrix_dims), int(k.update_every),
+                                float(k.damping), float(k.decay), t.b1, t.b2, eps,
+                                k.get('graft', 'adam'), pair)
   else:
     sh = t.shampoo
     matrix = scale_by_shampoo(_per_leaf(table, matrix_dims), int(sh.block_size),

@@ -1,4 +1,5 @@
-"""The parametrizations' rules under train.optimizer = muon | shampoo | scion (docs/optimizers.md).
+"""The parametrizations' rules under train.optimizer = muon | shampoo | kfac | scion
+(docs/optimizers.md).
 
 `parametrization.kind=mup` means the muP of the optimizer that trains each leaf, so a study
 switches optimizer with one key:
@@ -46,6 +47,17 @@ switches optimizer with one key:
            under Muon only hidden kernels may be on Shampoo under this preset (the paper's first
            and last layer rows need its readout init, which Adam's Table 8 leaves here
            replace); Adam's leaves keep Adam's muP.
+  kfac     train.kfac.graft=adam (the default): as grafted Shampoo, each stored set's step has
+           Adam's size, so Adam's muP applies unchanged. train.kfac.graft=none is K-FAC's own
+           step (A + rho_A I)^-1 M (G + rho_G I)^-1 (sharenet/optim/kfac.py), whose second-order
+           muP (Ishikawa & Karakida, arXiv:2312.12226) keeps the hidden kernels' LR constant in
+           width (LR exponent c = 0) and scales each factor's damping as its eigenvalues: A (the
+           input rows' second moment) grows with fan_in and G (the output gradients') shrinks
+           with fan_out under muP, so rho_A ~ fan_in and rho_G ~ 1 / fan_out
+           (kfac_damping_mults; the first author's code, riverstone496/classmup,
+           utils/damping.py and utils/set_mup.py: dA = -1, dB = 1, c = 0; the paper's own table
+           was not read). Init and forward multipliers are SP's on the hidden kernels; only
+           they may be on K-FAC (its statistics are theirs), and Adam's leaves keep Adam's muP.
 
   scion    every leaf takes its role's LMO (sharenet/optim/scion.py). Scion's muP is its
            width-scaled LMOs (Pethick et al., arXiv:2502.07529: spectral x sqrt(fan_out /
@@ -60,8 +72,8 @@ parametrization.qk_lr (any kind, any optimizer) multiplies the LR of the query a
 (their `use` in the role table; MASA atoms forming them too, not LoRA factors): a
 parameter-dependent query/key LR as an alternative to QK-norm; 1 leaves every rule as it is.
 
-Every other preset (mup_table3, umup, completep) is written for Adam: under muon or shampoo it
-is one ConfigError line naming the valid kinds.
+Every other preset (mup_table3, umup, completep) is written for Adam: under muon, shampoo,
+kfac or scion it is one ConfigError line naming the valid kinds.
 """
 from __future__ import annotations
 
@@ -82,7 +94,7 @@ class OptSettings(NamedTuple):
   """What the rules read of a train config (settings_of)."""
   optimizer: str = 'adamw'
   matrix_roles: tuple[str, ...] = ()
-  graft: str = 'adam'          # train.shampoo.graft
+  graft: str = 'adam'          # train.shampoo.graft (train.kfac.graft under kfac)
   block_size: int = 128        # train.shampoo.block_size
   muon_scale: str = 'shape'    # train.muon.scale
 
@@ -92,9 +104,10 @@ def check(kind: str, settings: OptSettings) -> None:
   (which parametrizations an optimizer takes is the compatibility table's, config/compat.py)."""
   optimizer, matrix_roles, graft = settings.optimizer, settings.matrix_roles, settings.graft
   extra = [r for r in matrix_roles if r not in MUON_MUP_ROLES]
-  spectral = optimizer == 'muon' or (optimizer == 'shampoo' and graft == 'none')
+  spectral = optimizer == 'muon' or (optimizer in ('shampoo', 'kfac') and graft == 'none')
   if spectral and kind == 'mup' and extra:
-    what = 'Muon' if optimizer == 'muon' else 'vanilla Shampoo (train.shampoo.graft=none)'
+    what = {'muon': 'Muon', 'shampoo': 'vanilla Shampoo (train.shampoo.graft=none)',
+            'kfac': 'K-FAC (train.kfac.graft=none)'}[optimizer]
     raise ConfigError(f'parametrization.kind=mup under train.optimizer={optimizer} has a rule '
                       f'for hidden kernels on {what} only, not {extra}; valid '
                       f'train.matrix_roles: {", ".join(MUON_MUP_ROLES)}')
@@ -126,6 +139,13 @@ def shampoo_mults(fan_in: int, fan_out: int, base_fan_in: int, base_fan_out: int
   return lr / lr0, damping / damping0
 
 
+def kfac_damping_mults(fan_in: int, fan_out: int, base_fan_in: int,
+                       base_fan_out: int) -> tuple[float, float]:
+  """(rho_A, rho_G) multipliers of K-FAC's second-order muP (module docstring): fan_in over
+  the base's, and the base's fan_out over the target's."""
+  return fan_in / base_fan_in, base_fan_out / fan_out
+
+
 def adjust(rules: dict, target: dict, base: dict, kind: str, settings: OptSettings,
            qk_lr: float = 1.0, logits_mult: float = 1.0) -> dict:
   """`rules` (Adam's, rules.LeafRule per path) for the optimizer of each leaf, with
@@ -147,7 +167,11 @@ def adjust(rules: dict, target: dict, base: dict, kind: str, settings: OptSettin
       b = base[path]
       lr, damping = shampoo_mults(info.fan_in, info.fan_out, b.fan_in, b.fan_out,
                                   settings.block_size)
-    # adamw; sp (all 1); grafted Shampoo's muP is Adam's: the rule's LR as it is.
+    elif optimizer == 'kfac' and graft == 'none' and on_matrix:   # LR constant in width
+      b, lr = base[path], 1.0
+      damping = kfac_damping_mults(info.fan_in, info.fan_out, b.fan_in, b.fan_out)
+      damping = 1.0 if damping == (1.0, 1.0) else damping   # base width: exactly sp's
+    # adamw; sp (all 1); grafted Shampoo's and K-FAC's muP is Adam's: the rule's LR as it is.
     if info.use in QK_USES and info.role == 'reader':
       lr *= qk_lr
     if (lr, damping) != (rule.lr_mult, rule.damping_mult):
@@ -168,5 +192,7 @@ def settings_of(train: Any) -> OptSettings:
   roles = matrix.matrix_roles(train)
   if name == 'muon':
     return OptSettings(name, roles, muon_scale=train.muon.get('scale', 'shape'))
+  if name == 'kfac':
+    return OptSettings(name, roles, train.kfac.get('graft', 'adam'))
   sh = train.shampoo
   return OptSettings(name, roles, sh.get('graft', 'adam'), int(sh.block_size))

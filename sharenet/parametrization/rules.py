@@ -137,7 +137,8 @@ class LeafRule:
   wd_mult: float             # decay multiplier where train.decay_roles decays (module docstring)
   eps_mult: float
   decays: bool               # the default train.decay_roles (matrices) decays this leaf
-  damping_mult: float = 1.0  # multiplies train.shampoo.eps (vanilla Shampoo's muP)
+  damping_mult: Any = 1.0    # multiplies train.shampoo.eps (vanilla Shampoo's muP), or
+                             # K-FAC's (rho_A, rho_G) multipliers (a pair; its muP)
 
 
 class OptMultipliers(NamedTuple):

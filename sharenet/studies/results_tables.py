@@ -65,6 +65,7 @@ SHIFT_SWEEPS = (('adamw', 'mup/lr_sweep.json'), ('muon', 'mup/muon/lr_sweep.json
                 ('muon (scale=rms)', 'mup/muon/rms/lr_sweep.json'),
                 ('shampoo', 'mup/shampoo/lr_sweep.json'),
                 ('shampoo (graft=none)', 'mup/shampoo/vanilla/lr_sweep.json'),
+                ('kfac (graft=none)', 'mup/kfac/vanilla/lr_sweep.json'),
                 ('adamw', 'mup/beyond/lr_sweep.json'), ('muon', 'mup/muon/beyond/lr_sweep.json'),
                 ('shampoo', 'mup/shampoo/beyond/lr_sweep.json'))
 
@@ -112,10 +113,12 @@ TABLES: dict[str, tuple[str, Callable[[str], str]]] = {
                  'muon/rms/coord_check/', 'muon/rms/coord_check/lr_0.0625/',
                  'muon/rms/coord_check/lr_0.125/', 'muon/rms/coord_check/lr_0.25/',
                  'muon/rms/coord_check/lr_0.0625_steps8/', 'shampoo/coord_check/',
-                 'shampoo/vanilla/coord_check/', *DELTA_CHECKS)},
+                 'shampoo/vanilla/coord_check/', 'kfac/coord_check/',
+                 'kfac/vanilla/coord_check/', *DELTA_CHECKS)},
     **{f'mup/{d}lr_sweep.md': (f'mup/{d}lr_sweep.json', _fn('lr_sweep'))
        for d in ('', 'depth/', 'depth/alpha_0.5/', 'loops/', 'muon/', 'muon/rms/', 'shampoo/',
-                 'beyond/', 'shampoo/vanilla/', 'muon/beyond/', 'shampoo/beyond/')},
+                 'beyond/', 'shampoo/vanilla/', 'muon/beyond/', 'shampoo/beyond/',
+                 'kfac/vanilla/')},
     **{f'mup/{d}coord_check_steps.md': (f'mup/{d}coord_check.json',
                                         _fn('coord_check', 'steps_markdown'))
        for d in ('muon/rms/coord_check/lr_0.0625_steps8/', *DELTA_CHECKS)},

@@ -6,6 +6,7 @@ its shardings, that the compatibility tests evaluate abstractly, and that studie
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Any, Callable, NamedTuple, Sequence
 
@@ -14,11 +15,12 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from sharenet.models import (DecoderLM, ModelConfig, abstract_variables, init_variables, lm, moe,
-                             norm_stats, routing, streams, unit_scale)
+from sharenet.errors import ConfigError
+from sharenet.models import (DecoderLM, ModelConfig, abstract_variables, curvature,
+                             init_variables, lm, moe, norm_stats, routing, streams, unit_scale)
 from sharenet.models.layers import INTERMEDIATES, watching
 from sharenet.models.norm_stats import NORM_STATS
-from sharenet.optim import chain, guard, trainable
+from sharenet.optim import chain, guard, kfac, trainable
 from sharenet.parametrization import rules
 from sharenet.train import distill, evaluation, experiment, output_norm, sampled_depth
 from sharenet.train import watch as watch_lib
@@ -87,6 +89,8 @@ def effective(params: Any, tstate: Any, tr: Transforms | None = None,
     params = {**params, routing.BALANCE: tstate[routing.BALANCE]}
   if tstate and NORM_STATS in tstate:   # a statistics norm's running statistics
     params = {**params, NORM_STATS: tstate[NORM_STATS]}
+  if tstate and TAPS in tstate:   # train.optimizer=kfac's taps (models/curvature.py)
+    params = curvature.insert(params, tstate[TAPS])
   return params
 
 
@@ -102,6 +106,10 @@ class Experiment(NamedTuple):
   tx: optax.GradientTransformation
   pz: rules.Parametrization
   tr: Transforms
+
+
+# tstate's key of the zero-valued K-FAC taps inside the differentiated loss (never stored)
+TAPS = 'kfac_taps'
 
 
 def setup(run: Any, mcfg: ModelConfig | None = None) -> Experiment:
@@ -260,7 +268,10 @@ def train_step(state: TrainState, batch_BT1: jax.Array, depth: Any = None,
   A statistics norm's state (norm_stats.NORM_STATS in `tstate`) is differentiated with the
   params; its cotangents give the next statistics (sharenet/models/norm_stats.py). `watch`
   (train.watch's log steps; `mutable` then holds the sown collection, traced inside
-  layers.watching()): the metrics add sharenet/train/watch.py's rows.
+  layers.watching()): the metrics add sharenet/train/watch.py's rows. When the optimizer is
+  K-FAC (its state holds a kfac.KfacState: train.optimizer=kfac), zero-valued taps beside the
+  hidden kernels are differentiated with the params and their cotangents, the step's Kronecker
+  statistics (models/curvature.py), reach its update (optim/kfac.py `statistics`).
   """
   tstate = state.tstate if tr is None else tr.update_state(state.params, state.tstate)
   loss_of = functools.partial(loss_fn, depth=depth, model=model, tr=tr, pz=pz, mutable=mutable,
@@ -270,31 +281,28 @@ def train_step(state: TrainState, batch_BT1: jax.Array, depth: Any = None,
     table = tr.infos if tr is not None else lm.param_table(model.cfg)
     unfrozen = loss_of
     loss_of = lambda p, *a, **k: unfrozen(trainable.freeze(trains, table, p), *a, **k)
+  kfac_taps = kfac.in_state(state.opt_state)   # train.optimizer=kfac
+  if NORM_STATS in tstate and kfac_taps:   # refused by config/compat.py
+    raise ConfigError('train.optimizer=kfac with a statistics norm: both leave the step by '
+                      'cotangents; valid: one of them (docs/compatibility.md)')
   if NORM_STATS in tstate:   # a statistics norm (grad_accum 1: config/compat.py): its
     # statistics leave as cotangents
     with_stats = lambda p, s, b: loss_of(p, {**tstate, NORM_STATS: s}, b)
     (loss, aux), (grads, cot) = jax.value_and_grad(with_stats, argnums=(0, 1), has_aux=True)(
         state.params, tstate[NORM_STATS], batch_BT1)
     tstate = {**tstate, NORM_STATS: norm_stats.update(tstate[NORM_STATS], cot, model.cfg.norm)}
-  elif grad_accum == 1:
-    (loss, aux), grads = jax.value_and_grad(loss_of, has_aux=True)(state.params, tstate,
-                                                                   batch_BT1)
-  else:   # a batch is an array or, with data.segment_mask, a dict of them (evaluation.split_batch)
-    grad_fn = jax.value_and_grad(loss_of, has_aux=True)
-    micro = jax.tree.map(lambda x: x.reshape((grad_accum, -1) + x.shape[1:]), batch_BT1)
-
-    # Gradients (shaped as the params) accumulate in the carry; each micro-batch's loss and
-    # metrics come out stacked. The loss is traced once (an eval_shape for the metrics' zeros
-    # would trace it twice: ~1.5 s more per step build for a tiny model).
-    def body(acc, i_b):   # micro-batch i: its own noise for a sampled initial state
-      loss_aux, g = grad_fn(state.params, tstate, i_b[1], micro=i_b[0])
-      return jax.tree.map(jnp.add, acc, g), loss_aux
-
-    zeros = jax.tree.map(jnp.zeros_like, state.params)
-    grads, (loss, aux) = jax.lax.scan(body, zeros, (jnp.arange(grad_accum), micro))
-    loss, aux = jax.tree.map(lambda x: jnp.sum(x, axis=0) / grad_accum, (loss, aux))
-    grads = jax.tree.map(lambda x: x / grad_accum, grads)
-  updates, opt_state = tx.update(grads, state.opt_state, state.params)
+  else:
+    fn, primal = loss_of, state.params
+    if kfac_taps:   # the step's Kronecker statistics leave as the taps' cotangents
+      table = tr.infos if tr is not None else lm.param_table(model.cfg)
+      fn = lambda pt, ts, b, **k: loss_of(pt[0], {**ts, TAPS: pt[1]}, b, **k)
+      primal = (state.params, curvature.zeros(table))
+    (loss, aux), grads, micro = _accumulated(fn, primal, tstate, batch_BT1, grad_accum)
+    if kfac_taps:
+      grads, cot = grads
+      statistics = kfac.statistics(curvature.statistics(cot, table))
+  with statistics if kfac_taps else contextlib.nullcontext():
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
   metrics = {'loss': loss, 'grad_norm': optax.global_norm(grads), **aux,
              **guard.metrics(opt_state)}   # train.skip_nonfinite / spike_factor
@@ -318,6 +326,29 @@ def train_step(state: TrainState, batch_BT1: jax.Array, depth: Any = None,
     tstate = {**tstate, routing.BALANCE: balance}
   new = state.replace(step=state.step + 1, params=params, opt_state=opt_state, tstate=tstate)
   return new, metrics
+
+
+def _accumulated(fn: Callable, primal: Any, tstate: Any, batch_BT1: Any, grad_accum: int):
+  """((loss, aux), gradients of `fn(primal, tstate, batch)` with respect to `primal`, the
+  micro-batches or None): with grad_accum > 1 the mean over scanned micro-batches."""
+  grad_fn = jax.value_and_grad(fn, has_aux=True)
+  if grad_accum == 1:
+    loss_aux, grads = grad_fn(primal, tstate, batch_BT1)
+    return loss_aux, grads, None
+  # a batch is an array or, with data.segment_mask, a dict of them (evaluation.split_batch)
+  micro = jax.tree.map(lambda x: x.reshape((grad_accum, -1) + x.shape[1:]), batch_BT1)
+
+  # Gradients (shaped as the primal) accumulate in the carry; each micro-batch's loss and
+  # metrics come out stacked. The loss is traced once (an eval_shape for the metrics' zeros
+  # would trace it twice: ~1.5 s more per step build for a tiny model).
+  def body(acc, i_b):   # micro-batch i: its own noise for a sampled initial state
+    loss_aux, g = grad_fn(primal, tstate, i_b[1], micro=i_b[0])
+    return jax.tree.map(jnp.add, acc, g), loss_aux
+
+  zeros = jax.tree.map(jnp.zeros_like, primal)
+  grads, (loss, aux) = jax.lax.scan(body, zeros, (jnp.arange(grad_accum), micro))
+  loss, aux = jax.tree.map(lambda x: jnp.sum(x, axis=0) / grad_accum, (loss, aux))
+  return (loss, aux), jax.tree.map(lambda x: x / grad_accum, grads), micro
 
 
 def make_train_step(exp: Experiment, grad_accum: int = 1, mutable: Sequence[str] = (),

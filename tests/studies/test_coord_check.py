@@ -126,6 +126,25 @@ def test_scion_mup_is_flat_and_its_sp_readout_grows():
   assert worst['sp']['logits'] > 0.6 and worst['sp']['embed_out'] > 0.4, worst['sp']
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize('graft', ['none', 'adam'])
+def test_kfac_mup_is_flat_where_its_sp_moves(graft):
+  """train.optimizer=kfac (sharenet/optim/kfac.py), configs/mup/coord_check_kfac.py at 1 layer:
+  16 rows per step, widths 64-256 (the fixed-batch regime of the second-order muP), change from
+  init, 4 steps at LR 1e-2, max |slope| over t >= 1. Measured 2026-12-07: graft=none (the
+  second-order muP: LR constant, rho_A ~ fan_in, rho_G ~ 1/fan_out) muP residual 0.11, max
+  0.14 (attn_logits); SP residual 0.59, logits 0.91, mlp_out 0.72. graft=adam (Adam's muP)
+  muP residual 0.07, max 0.17 (logits); SP residual 0.89, attn_logits 1.42."""
+  from configs.mup import coord_check_kfac
+  c = coord_check_kfac.get_config()
+  c.model.num_layers = 1
+  c.train.kfac.graft = graft
+  worst = coord_check.summary(coord_check.run_axis(c, 'width', log=lambda m: None))
+  for a in ('residual', 'attn_out', 'mlp_out', 'mlp_hidden', 'embed_out', 'logits'):
+    assert worst['mup'][a] < 0.2, (a, worst['mup'])
+  assert worst['sp']['residual'] > 0.45 and worst['sp']['logits'] > 0.6, worst['sp']
+
+
 def test_steps_table_has_a_row_per_variant_and_activation():
   """coord_check_steps.md: one row per variant and principal activation, one column per step,
   the slopes as the JSON holds them (activations a variant lacks are left out)."""
