@@ -7,10 +7,12 @@ and their dampings must follow. This check is in that regime: 16 rows per step (
 widths 64-256, the change from init (study.statistic=delta), 4 steps at LR 1e-2, 2 layers.
 
 Command:   python -m sharenet.studies.coord_check --config configs/mup/coord_check_kfac.py \
+               --config.study.seeds=3 \
                --out docs/results/mup/kfac/vanilla/coord_check
-           Grafted K-FAC (its muP is Adam's): add --config.train.kfac.graft=adam
+           Grafted K-FAC (its muP is Adam's), 1 seed: --config.train.kfac.graft=adam
                --out docs/results/mup/kfac/coord_check
-Runtime:   about 1 min each on the 2-core CPU (6 model points, 1 seed: compile dominates).
+Runtime:   6 min (338 s) for 1 seed, 12 min (698 s) for 3 (--config.study.seeds=3, the
+           committed vanilla run), on the 2-core CPU shared with another job.
 Result:    docs/results/mup/kfac/vanilla/coord_check/coord_check.md and
            docs/results/mup/kfac/coord_check/coord_check.md (generated from their JSON); the
            reading: docs/optimizers.md, "K-FAC".

@@ -118,7 +118,7 @@ TABLES: dict[str, tuple[str, Callable[[str], str]]] = {
     **{f'mup/{d}lr_sweep.md': (f'mup/{d}lr_sweep.json', _fn('lr_sweep'))
        for d in ('', 'depth/', 'depth/alpha_0.5/', 'loops/', 'muon/', 'muon/rms/', 'shampoo/',
                  'beyond/', 'shampoo/vanilla/', 'muon/beyond/', 'shampoo/beyond/',
-                 'kfac/vanilla/')},
+                 'kfac/vanilla/', 'kfac/vanilla/damping_1e-6/')},
     **{f'mup/{d}coord_check_steps.md': (f'mup/{d}coord_check.json',
                                         _fn('coord_check', 'steps_markdown'))
        for d in ('muon/rms/coord_check/lr_0.0625_steps8/', *DELTA_CHECKS)},

@@ -584,13 +584,14 @@ def test_config_validation_is_one_line_before_building(tiny_config, overrides, m
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize('name, other', [('shampoo', 'muon'), ('muon', 'shampoo')])
+@pytest.mark.parametrize('name, other', [('shampoo', 'muon'), ('muon', 'shampoo'),
+                                         ('kfac', 'shampoo')])
 def test_run_resumes_exactly_and_refuses_another_optimizer(tmp_path, tiny_config, losses, name,
                                                            other):
-  """A Shampoo (Muon) workdir resumed from its step-3 checkpoint gives the uninterrupted run's
-  losses at steps 4-6 bit for bit: Shampoo's statistics, inverse roots (recomputed every 2
+  """A Shampoo (Muon, K-FAC) workdir resumed from its step-3 checkpoint gives the uninterrupted
+  run's losses at steps 4-6 bit for bit: Shampoo's statistics, inverse roots (recomputed every 2
   steps, so the resumed run starts between two recomputations), step counter and graft moments
-  (Muon's momentum) are restored, and the final optimizer states are equal. Resuming it under
+  (Muon's momentum; K-FAC's factors and inverses, also every 2 steps) are restored, and the final optimizer states are equal. Resuming it under
   the other optimizer is one ConfigError line naming the change and the way out
   (train.restore=params), and trains nothing."""
   import os
@@ -598,7 +599,8 @@ def test_run_resumes_exactly_and_refuses_another_optimizer(tmp_path, tiny_config
   import orbax.checkpoint as ocp
   from sharenet.train import loop
   over = {'train.optimizer': name, 'train.shampoo.update_every': 2,
-          'train.shampoo.block_size': 16, 'train.steps': 6, 'train.checkpoint_every': 3}
+          'train.shampoo.block_size': 16, 'train.kfac.update_every': 2, 'train.steps': 6,
+          'train.checkpoint_every': 3}
   ref, resumed = str(tmp_path / 'ref'), str(tmp_path / 'resumed')
   loop.train_and_evaluate(tiny_config(**over), ref)
   shutil.copytree(os.path.join(ref, 'checkpoints'), os.path.join(resumed, 'checkpoints'),
