@@ -121,7 +121,8 @@ TABLES: dict[str, tuple[str, Callable[[str], str]]] = {
                  'kfac/vanilla/', 'kfac/vanilla/damping_1e-6/')},
     **{f'mup/{d}coord_check_steps.md': (f'mup/{d}coord_check.json',
                                         _fn('coord_check', 'steps_markdown'))
-       for d in ('muon/rms/coord_check/lr_0.0625_steps8/', *DELTA_CHECKS)},
+       for d in ('muon/rms/coord_check/lr_0.0625_steps8/', 'kfac/coord_check/',
+                 'kfac/vanilla/coord_check/', *DELTA_CHECKS)},
     'mup/transfer_shifts.md': (SHIFT_SWEEPS, _shifts),
     'ladder/width_split.md': (WIDTH_SWEEPS, _width_split),
 }
