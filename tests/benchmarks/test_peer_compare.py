@@ -33,6 +33,7 @@ def test_peer_compare_runs_and_writes_its_rows(tmp_path):
     assert len(row['step_ms']['torch']) == 2 and row['ratio'] > 0
 
 
+@pytest.mark.slow
 def test_peer_compare_rejects_a_python_without_torch(tmp_path):
   proc = subprocess.run([sys.executable, '-m', 'benchmarks.peer_compare', *TINY,
                          '--config.torch_python=/bin/false'], cwd=ROOT,

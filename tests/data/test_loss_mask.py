@@ -99,6 +99,7 @@ def test_the_loss_is_the_mean_over_response_tokens_only(sft, tiny_config):
   assert got['eval_loss'] == pytest.approx(total / count, rel=1e-6)   # float32 sums there
 
 
+@pytest.mark.slow
 def test_training_on_pairs_runs(sft, tmp_path, tiny_config):
   from sharenet.train import loop
   out, _ = sft

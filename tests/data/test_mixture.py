@@ -60,6 +60,7 @@ def _batches(it, n):
   return [next(it) for _ in range(n)]
 
 
+@pytest.mark.slow
 def test_token_shares_follow_the_weights_within_two_percent_over_200_steps(dirs):
   cfg = _cfg(dirs)
   batch = 8

@@ -500,6 +500,7 @@ def _mkdocs_build(root, site):
                         env=dict(os.environ, NO_MKDOCS_2_WARNING='1'), timeout=170)
 
 
+@pytest.mark.slow
 def test_mkdocs_build_strict(tmp_path):
   """The site builds with --strict: no broken link or anchor, every page in the navigation."""
   r = _mkdocs_build(ROOT, tmp_path / 'site')
@@ -510,6 +511,7 @@ def test_mkdocs_build_strict(tmp_path):
     ('link', 'missing_page.md'),          # a link to a page that does not exist
     ('page', 'not included in the "nav"'),  # a page the navigation omits
 ])
+@pytest.mark.slow
 def test_mkdocs_build_fails_on_a_broken_site(tmp_path, damage, words):
   """The same build fails on a copy of the site with one broken link or one page left out."""
   shutil.copytree(os.path.join(ROOT, 'docs'), tmp_path / 'docs')

@@ -118,6 +118,7 @@ def test_python_loop_stack_never_exit_is_plain_greedy(tiny_config):
   _never_exit_is_plain_greedy(*_model(tiny_config, **{'model.scan_layers': False}))
 
 
+@pytest.mark.slow
 def test_always_exit_is_the_one_loop_model(cycle, tiny_config):
   model, variables = cycle
   one_loop, _ = _model(tiny_config, repeats=1)   # same stored sets, applied once
@@ -187,6 +188,7 @@ def test_depthwise_scheduler_serves_each_request_as_alone(sharp):
   assert static.ticks > out.ticks
 
 
+@pytest.mark.slow
 def test_eos_ends_a_request_and_frees_its_slot(sharp):
   model, variables = sharp
   first = ri.generate_early_exit(model, variables, [PROMPTS[1]], NEW, exit_threshold=0.9)

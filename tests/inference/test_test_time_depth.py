@@ -61,6 +61,7 @@ def test_never_firing_criterion_is_full_depth_decoding(cycle, rule, sampling):
   assert out.tokens == full
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('rule', ['entropy:1e9', 'entropy_change:1e9', 'kl:1e9',
                                   'argmax_stable:0', 'latent:1e9', 'cosine:-1'])
 def test_always_firing_criterion_is_the_one_loop_model(cycle, rule):
@@ -296,6 +297,7 @@ def test_bad_input_is_one_line(cycle, tiny_config):
     assert '\n' not in str(e.value)
 
 
+@pytest.mark.slow
 def test_workdir_refusals_come_before_restoring(tiny_config, tmp_path):
   """eval.py's library side refuses from config.json alone (the workdir holds no checkpoint,
   so anything that got as far as restoring would fail differently)."""

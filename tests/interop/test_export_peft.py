@@ -42,6 +42,7 @@ def relaxed(tmp_path_factory):
   return out
 
 
+@pytest.mark.slow
 def test_adapter_layout_and_names(relaxed, tmp_path):
   info = export_peft.export_peft(relaxed, str(tmp_path / 'base'), str(tmp_path / 'adapter'))
   cfg = json.loads((tmp_path / 'adapter' / export_peft.ADAPTER_CONFIG).read_text())
@@ -58,6 +59,7 @@ def test_adapter_layout_and_names(relaxed, tmp_path):
     assert f.shape(name.format(i=i, x='B'))[1] == 4
 
 
+@pytest.mark.slow
 def test_the_merged_adapter_gives_the_workdirs_logits(relaxed, tmp_path):
   export_peft.export_peft(relaxed, str(tmp_path / 'base'), str(tmp_path / 'adapter'))
   cfg = json.loads((tmp_path / 'adapter' / export_peft.ADAPTER_CONFIG).read_text())

@@ -51,6 +51,7 @@ def imported(tmp_path_factory):
           for a in ARCHS}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('arch', [pytest.param(a, marks=pytest.mark.slow) if a == 'llama' else a
                                   for a in ARCHS])
 def test_import_matches_transformers_logits(imported, arch):

@@ -244,6 +244,7 @@ def test_model_pallas_matches_xla(norm, scheme, xla_reference):
   _assert_same(*_loss_and_grad(v, pcfg, tokens), ref_loss, ref_grads)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('remat', ['dots', pytest.param('full', marks=pytest.mark.slow)])
 def test_model_pallas_under_remat(remat, xla_reference):
   cfg, v, tokens, ref_loss, ref_grads = xla_reference('rmsnorm', 'cycle')

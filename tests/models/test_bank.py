@@ -44,6 +44,7 @@ def _templates(bank, n, reader):
   return [bank[:, a:a + n].T * math.sqrt(D / n) for a in starts]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('columns', [100, 500])   # below and above the model's kernels
 def test_generated_kernels_are_the_restated_combinations(columns):
   """Each stored set's kernel W = sum_s c_s T_s from the numpy templates, put in an untied
@@ -73,6 +74,7 @@ def test_generated_kernels_are_the_restated_combinations(columns):
                                rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('columns', [60, 200, 500])
 def test_the_bank_holds_the_budget_below_and_above_the_model(columns):
   """The bank stores exactly model.bank.size parameters at any budget (60 x 32 is under a
@@ -137,6 +139,7 @@ def test_mup_reads_the_bank_as_a_hidden_matrix():
     (dict(size=-1), r'model.bank.size=-1 must be >= 0'),
     (dict(size=D * 100, targets='q,ffn'), r"model.bank.targets='ffn'"),
 ])
+@pytest.mark.slow
 def test_bad_bank_settings_are_one_line(bank, match):
   if match is None:   # attention-only targets need D x D columns at most
     _cfg(bank=bank)

@@ -24,6 +24,7 @@ def _cfg(**kw):
   return ModelConfig(**base).derive(**kw)
 
 
+@pytest.mark.slow
 def test_cem_attention_is_a_gradient_step_on_the_interaction_energy():
   """out_t = -grad_y E_t(y) at y = x_t, E_t(y) = -(1/beta) sum_h log sum_{s<=t}
   exp(beta (W_Q,h y) . (W_K,h x_s)), the context x_{<=t} fixed (no positions, no QK-norm)."""

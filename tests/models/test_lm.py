@@ -35,6 +35,7 @@ def tokens(B=2, T=12, seed=0, vocab=64):
   return jax.random.randint(jax.random.key(seed), (B, T), 0, vocab)
 
 
+@pytest.mark.slow
 def test_init_is_one_cached_trace_of_flax_init():
   """init_variables evaluates the flax init's trace, cached per config and shared with the
   role table: its values are flax's own, bit for bit; a raw uint32 key and float64 mode (other
@@ -57,6 +58,7 @@ def test_init_is_one_cached_trace_of_flax_init():
   chex.assert_trees_all_equal(wide, got)
 
 
+@pytest.mark.slow
 def test_state_collections_come_from_the_init_trace(monkeypatch):
   """A statistics norm's initial statistics (loss-free balancing's bias takes the same path,
   lm.init_collection) are read from the init's cached trace: flax's own values, with the flax

@@ -78,6 +78,7 @@ def test_no_grad_prefix_value_and_gradient(cycle):
   assert not np.any(np.asarray(got['params']['embed']['embedding']))
 
 
+@pytest.mark.slow
 def test_traced_prefix_is_one_program(cycle):
   model, v = cycle
   step = jax.jit(jax.grad(lambda v, p: jnp.mean(

@@ -144,6 +144,7 @@ def test_tied_experts_get_the_summed_gradient():
                                  err_msg=jax.tree_util.keystr(path))
 
 
+@pytest.mark.slow
 def test_per_layer_routers_are_the_tied_model_with_each_layers_own_selector():
   """model.moe.router_per_layer on a universal block applied twice: the selector is a per-layer
   part (one per applied layer) and the experts stay tied. With both layers' selectors equal to

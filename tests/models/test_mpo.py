@@ -69,6 +69,7 @@ def test_factors_are_balanced_and_exact():
   assert mpo.factors(7, 3) == (1, 1, 7) and math.prod(mpo.factors(48, 4)) == 48
 
 
+@pytest.mark.slow
 def test_the_model_uses_the_contracted_kernels_and_stores_the_centre_once():
   """Each stored set's kernel is the chain of its auxiliary tensors around the shared central
   one: an untied model holding those contracted kernels gives the same logits (float64);
@@ -106,6 +107,7 @@ def test_the_model_uses_the_contracted_kernels_and_stores_the_centre_once():
   assert accounting.matmul_params_per_layer(cfg) == accounting.matmul_params_per_layer(_cfg())
 
 
+@pytest.mark.slow
 def test_gradients_reach_the_centre_and_every_auxiliary_tensor():
   cfg = _cfg(mpo=dict(cores=3), sharing=dict(scheme='cycle', num_unique=1))
   v = init_variables(DecoderLM(cfg), jax.random.key(0))
@@ -121,6 +123,7 @@ def test_gradients_reach_the_centre_and_every_auxiliary_tensor():
   assert len(mpo_grads) == 6 * 3 and min(mpo_grads.values()) > 0
 
 
+@pytest.mark.slow
 def test_a_shared_model_converts_exactly_and_an_untied_one_reports_its_error():
   """A universal model (one stored set) converts exactly at full bonds; an untied one keeps
   stored set 0 exact (its centre is the shared one) and reports the others' error."""

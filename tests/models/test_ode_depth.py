@@ -33,6 +33,7 @@ def _scaled_writers(cfg, variables, h):
   return unflatten_dict(flat)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('loops,no_grad', [(2, 0), (1, 0), (4, 0), (1, 1), (3, 2)])
 def test_the_step_is_the_trained_depth_over_the_loops_run(loops, no_grad):
   """At n = no_grad + loops loops the ODE model is the plain model at n loops with the looped

@@ -181,6 +181,7 @@ def test_expert_choice_subsets_counts_order_and_untouched_tokens():
     np.testing.assert_array_equal(out[b, idle], h[b, idle])   # bit for bit
 
 
+@pytest.mark.slow
 def test_expert_choice_matches_a_numpy_recomputation():
   """Top-k of alpha * sigmoid among the previous survivors, H <- H + g f(H); BCE of the logits
   against top-k membership, summed over the candidates, divided by batch x candidates; the

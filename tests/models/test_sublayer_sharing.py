@@ -464,6 +464,7 @@ def test_postshare_similarity_term_restates_the_reference():
   assert len(pairs) == 6 and abs(got - want) <= 1e-5 * want
 
 
+@pytest.mark.slow
 def test_postshare_post_trains_toward_the_matches_then_shares():
   """post_train_steps Adam steps on (1 - w) NLL + w similarity: the similarity term falls, the
   heads chosen on the source are shared afterwards (the same replaced heads as DirectShare),

@@ -60,6 +60,7 @@ def _tap_cotangents(cfg, variables, batch):
                for k in curvature.tapped(table)}
 
 
+@pytest.mark.slow
 def test_a_tied_sets_statistics_sum_its_layers(tiny_config):
   """A cycle of 2 stored sets over 4 layers: each set's tap cotangents equal the sum over the
   layers using it (l mod 2) of an untied copy's, the same weights per layer

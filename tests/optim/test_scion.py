@@ -54,6 +54,7 @@ def _config(tiny_config, kind, **over):
                         'train.lr': 1e-3, 'parametrization.kind': kind, **over})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('kind, constrained, over', [
     ('mup', True, {}), ('sp', False, {}),
     ('mup', True, {'model.moe.kind': 'sigma_moe', 'model.moe.num_experts': 4,

@@ -27,6 +27,7 @@ def _checkpoint_leaves(workdir, step):
   return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('kind', ['adamw', 'mup'])
 def test_lora_only_leaves_the_base_bit_identical_without_optimizer_state(tmp_path, tiny_config,
                                                                          kind):
@@ -58,6 +59,7 @@ def v_shape(shape):
   return len(shape) > 0
 
 
+@pytest.mark.slow
 def test_the_optimizer_of_a_trainable_subset_keeps_the_rules_of_its_leaves(tiny_config):
   """muP's per-leaf rules: the LoRA leaves' update under trainable=lora equals their update
   under trainable=all (same gradients), and the frozen leaves' update is zero."""

@@ -209,6 +209,7 @@ _CYCLE = {'model.num_layers': 4, 'model.sharing.scheme': 'cycle', 'model.sharing
                  marks=pytest.mark.slow),                                      # the shared block
     {'model.sharing.lora_rank': 2},                                # relaxed: depth-wise LoRA
 ], ids=['cycle', 'flat', 'sigma_moe', 'lora'])
+@pytest.mark.slow
 def test_sown_activations_match_their_scalars_use_by_use(overrides):
   """Inside layers.sow_activations() every sown scalar has its activation beside it: mean|x| of
   each use's row equals the scalar sown for that use (masked entries, the causal attention

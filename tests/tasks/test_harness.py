@@ -70,6 +70,7 @@ def _direct_logprob(model, variables, ids, n_cont):
       bool((np.asarray(jnp.argmax(logp, -1))[-n_cont:] == ids[1:][-n_cont:]).all())
 
 
+@pytest.mark.slow
 def test_loglikelihood_of_each_choice_equals_the_direct_computation(lm_parts):
   model, variables, tok = lm_parts
   items = _jsonl('mc_test')[:10]

@@ -18,6 +18,7 @@ def test_a_ramp_is_chunks_of_its_first_batch():
   assert batch_ramp.next_batch(dicts, 2)['tokens'].shape == (4, 3)
 
 
+@pytest.mark.slow
 def test_train_runs_the_ramp_compiling_once_per_size(tmp_path, tiny_config, monkeypatch):
   """steps 1-2 at batch 2, 3-4 at 4, then train.batch_size=8: each step sees its batch's rows
   (the dispatched shapes), three distinct shapes, and the log rows count each step's tokens."""

@@ -100,6 +100,7 @@ def teacher_dir(tmp_path_factory, tiny_config):
   return path
 
 
+@pytest.mark.slow
 def test_train_distills_from_a_teacher_workdir(teacher_dir, tmp_path, tiny_config):
   from sharenet.train import loop
   from sharenet.train.metrics import read_metrics

@@ -86,6 +86,7 @@ def _state_after_a_step(c, exp, batch):
   return step(state, batch)[0]
 
 
+@pytest.mark.slow
 def test_the_carried_state_is_the_donors_sets_and_computes_the_untied_restatement(tiny_config):
   """A trained (one step: Adam's moments are not zero) plan (0,1,0,1) carried to (0,0,1,2):
   every per-set leaf is the old one gathered by the sources, the rest is unchanged, and the

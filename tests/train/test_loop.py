@@ -46,6 +46,7 @@ def test_run_writes_contract_files(reference_run):
   assert glob.glob(os.path.join(workdir, 'tb', 'events.*'))
 
 
+@pytest.mark.slow
 def test_evaluate_workdir_matches_last_eval(reference_run):
   workdir, _ = reference_run
   last = [r for r in read_metrics(workdir) if 'eval_loss' in r][-1]

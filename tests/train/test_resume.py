@@ -148,6 +148,7 @@ def test_restore_params_loads_parameters_with_a_fresh_optimizer(copy_of, capsys,
   assert 'resumed from checkpoint at step 30' in out and 'the whole state is resumed' in out
 
 
+@pytest.mark.slow
 def test_restore_params_refuses_a_different_model(copy_of, config):
   before = _hashes(copy_of)
   with pytest.raises(ConfigError, match='different model'):

@@ -111,6 +111,7 @@ def _chi2_p(draws: np.ndarray, pmf: np.ndarray) -> float:
   return stats.chisquare(observed, expected).pvalue
 
 
+@pytest.mark.slow
 def test_sampled_depths_follow_the_reference_poisson_lognormal():
   """10,000 draws (backprop 1: no clamp) against the reference sampler's distribution, computed
   independently by numerical integration; a Poisson of the same mean without the lognormal

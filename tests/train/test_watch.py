@@ -30,6 +30,7 @@ def _traced_watch_metrics(config):
   return m
 
 
+@pytest.mark.slow
 def test_the_watched_step_restates_in_numpy(tiny_config):
   """One watched step of a cycle with depth-wise LoRA: each kind of row (param, grad, update,
   ratio per stored set; per applied layer for LoRA; outside the blocks; the residual stream
@@ -80,6 +81,7 @@ def test_the_watched_step_restates_in_numpy(tiny_config):
                                rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_per_use_rows_split_a_shared_sets_gradient(tiny_config):
   """A cycle of 2 sets over 4 layers (with depth-wise LoRA): the untied view's gradient at each
   use sums over a set's uses to the plain model's gradient of the set's effective weights, and

@@ -3,6 +3,7 @@ between steps, and a profiler trace of chosen steps."""
 import pytest
 
 
+@pytest.mark.slow
 def test_the_bar_names_compiling_evaluating_saving_and_the_end(tmp_path, tiny_config, capfd):
   from sharenet.train import loop
   config = tiny_config(**{'train.steps': 4, 'train.eval_every': 2, 'train.checkpoint_every': 2,

@@ -76,6 +76,7 @@ def test_restore_reads_params_only_and_moves_nothing(run):
   assert _tree_hash(run) == before
 
 
+@pytest.mark.slow
 def test_a_config_that_does_not_fit_is_one_line(run):
   config = workdir_io.load_config(run)
   config.model.d_model = 48

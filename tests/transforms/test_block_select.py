@@ -31,6 +31,7 @@ def _logits(cfg, v, tokens):
   return np.asarray(DecoderLM(cfg).apply(v, jnp.asarray(tokens)))
 
 
+@pytest.mark.slow
 def test_gates_scale_what_each_block_writes(eight):
   cfg, v, tokens, ref = eight
   ones = {**v, 'params': block_select.gated(cfg, v['params'], jnp.ones((8,)))}

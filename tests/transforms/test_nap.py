@@ -112,6 +112,7 @@ def test_pre_activation_norm_makes_the_mlp_invariant_to_the_scale_of_its_input_k
           np.testing.assert_allclose(mod.apply({'params': one}, x), y, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('tie', [pytest.param(False, marks=pytest.mark.slow), True])
 def test_nap_leaves_the_layers_the_paper_does_not_project_as_the_optimizer_left_them(
     tiny_config, tie):

@@ -33,6 +33,7 @@ def _logits(cfg, v):
   return np.asarray(DecoderLM(cfg).apply(v, jnp.asarray(TOKENS)), np.float64)
 
 
+@pytest.mark.slow
 def test_doubling_keeps_the_function(tiny_config):
   """A multiple of the width: every unit copied equally, so the norms see the old stream tiled
   and the grown model (heads, kv groups, MLP, LoRA, readout) computes the same logits."""
