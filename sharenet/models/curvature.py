@@ -39,6 +39,11 @@ TAP_OUT = 'kfac_out'
 TAPPED_ROLES = ('reader', 'writer')
 
 
+def _outer(rows_NC: jax.Array, scale: float) -> jax.Array:
+  """scale * rows^T rows in float32 (C, C)."""
+  return jnp.einsum('ni,nj->ij', rows_NC, rows_NC, preferred_element_type=jnp.float32) * scale
+
+
 @jax.custom_vjp
 def tap_in(x_NI: jax.Array, tap_II: jax.Array) -> jax.Array:
   """x itself; the cotangent of `tap_II` is x^T x / N (float32)."""
@@ -52,9 +57,7 @@ def _tap_in_fwd(x_NI, tap_II):
 
 
 def _tap_in_bwd(x_NI, dx_NI):
-  n = x_NI.shape[0]
-  a_II = jnp.einsum('ni,nj->ij', x_NI, x_NI, preferred_element_type=jnp.float32) / n
-  return dx_NI, a_II
+  return dx_NI, _outer(x_NI, 1.0 / x_NI.shape[0])
 
 
 tap_in.defvjp(_tap_in_fwd, _tap_in_bwd)
@@ -74,9 +77,7 @@ def _tap_out_fwd(y_NO, tap_OO):
 
 def _tap_out_bwd(res, dy_NO):
   del res
-  n = dy_NO.shape[0]
-  g_OO = jnp.einsum('no,np->op', dy_NO, dy_NO, preferred_element_type=jnp.float32) * n
-  return dy_NO, g_OO
+  return dy_NO, _outer(dy_NO, float(dy_NO.shape[0]))
 
 
 tap_out.defvjp(_tap_out_fwd, _tap_out_bwd)

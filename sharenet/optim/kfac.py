@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import optax
 
 from sharenet.errors import ConfigError
-from sharenet.optim.shampoo import GRAFTS, MatrixDims, inverse_root
+from sharenet.optim.shampoo import GRAFTS, MatrixDims, graft_to_adam, inverse_root, moments
 
 _STATISTICS: list[dict] = []
 
@@ -123,12 +123,8 @@ def scale_by_kfac(dims: Callable[[Any], Any], update_every: int, damping: float,
                         'Kronecker statistics; valid: sharenet.train.trainer.train_step (it '
                         'reads them from the taps, sharenet/models/curvature.py)')
     stats = _STATISTICS[-1]
-    mu = optax.tree.update_moment(updates, state.mu, b1, 1)
-    nu = state.nu if graft == 'none' else \
-        optax.tree.update_moment_per_elem_norm(updates, state.nu, b2, 2)
-    count = optax.safe_increment(state.count)
-    mu_hat = optax.tree.bias_correction(mu, b1, count)
-    nu_hat = optax.tree.bias_correction(nu, b2, count)
+    mu, nu, count, mu_hat, nu_hat = moments(updates, state.mu, state.nu, state.count, b1, b2,
+                                            graft)
     refresh = (state.count % update_every) == 0
     correction = 1.0 - decay ** count.astype(jnp.float32)
 
@@ -151,8 +147,7 @@ def scale_by_kfac(dims: Callable[[Any], Any], update_every: int, damping: float,
       dir_NIO = jnp.einsum('nij,njo,nop->nip', inv_a, m_NIO, inv_g)
       if graft == 'adam':
         adam_NIO = (m / (jnp.sqrt(v) + adam_eps(keys))).astype(jnp.float32).reshape(n, fi, fo)
-        norm = lambda x: jnp.sqrt(jnp.sum(x * x, axis=(1, 2), keepdims=True))
-        dir_NIO = dir_NIO * norm(adam_NIO) / jnp.maximum(norm(dir_NIO), 1e-30)
+        dir_NIO = graft_to_adam(dir_NIO, adam_NIO)
       return dir_NIO.reshape(g.shape).astype(g.dtype), KfacLeaf(a, gg, inv_a, inv_g)
 
     pairs = jax.tree_util.tree_map_with_path(leaf, updates, mu_hat, nu_hat, dims(updates),

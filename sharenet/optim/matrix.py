@@ -172,7 +172,9 @@ def matrix_transform(t: Any, table: dict, adam: optax.GradientTransformation,
         step_scale)
   elif name == 'kfac':
     k = t.kfac
-    pair = lambda path: (lambda v: tuple(v) if isinstance(v, tuple) else (v, v))(damping(path))
+    def pair(path):   # K-FAC's muP gives (rho_A, rho_G) multipliers; a plain 1.0 is both
+      v = damping(path)
+      return tuple(v) if isinstance(v, tuple) else (v, v)
     matrix = kfac.scale_by_kfac(_per_leaf(table, matrix_dims), int(k.update_every),
                                 float(k.damping), float(k.decay), t.b1, t.b2, eps,
                                 k.get('graft', 'adam'), pair)

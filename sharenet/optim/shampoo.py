@@ -94,6 +94,25 @@ def inverse_root(stat_NDD: jax.Array, eps: float, p: int = 4) -> jax.Array:
   return jnp.einsum('nij,nj,nkj->nik', v_NDD, w_ND, v_NDD)
 
 
+def moments(updates: Any, mu: Any, nu: Any, count: jax.Array, b1: float, b2: float,
+            graft: str) -> tuple[Any, Any, jax.Array, Any, Any]:
+  """(mu, nu, count, mu_hat, nu_hat) after this step: Adam's moments, which a preconditioner
+  reads (its first moment is the preconditioned direction) and a graft sizes its step by (the
+  second; with graft='none' it keeps its zeros). Shared with K-FAC (sharenet/optim/kfac.py)."""
+  mu = optax.tree.update_moment(updates, mu, b1, 1)
+  nu = nu if graft == 'none' else optax.tree.update_moment_per_elem_norm(updates, nu, b2, 2)
+  count = optax.safe_increment(count)
+  return (mu, nu, count, optax.tree.bias_correction(mu, b1, count),
+          optax.tree.bias_correction(nu, b2, count))
+
+
+def graft_to_adam(dir_NIO: jax.Array, adam_NIO: jax.Array) -> jax.Array:
+  """Each matrix (block or stored set) of a direction scaled to the Frobenius norm of Adam's
+  update of the same matrix."""
+  norm = lambda x: jnp.sqrt(jnp.sum(x * x, axis=(1, 2), keepdims=True))
+  return dir_NIO * norm(adam_NIO) / jnp.maximum(norm(dir_NIO), 1e-30)
+
+
 def scale_by_shampoo(dims: Callable[[Any], Any], block_size: int, update_every: int,
                      eps: float, b1: float, b2: float,
                      adam_eps: Callable[[tuple], float], graft: str = 'adam',
@@ -122,13 +141,8 @@ def scale_by_shampoo(dims: Callable[[Any], Any], block_size: int, update_every: 
 
   def update_fn(updates, state, params=None):
     del params
-    mu = optax.tree.update_moment(updates, state.mu, b1, 1)
-    # Adam's second moment sizes the graft only (vanilla Shampoo keeps its zeros)
-    nu = state.nu if graft == 'none' else \
-        optax.tree.update_moment_per_elem_norm(updates, state.nu, b2, 2)
-    count = optax.safe_increment(state.count)
-    mu_hat = optax.tree.bias_correction(mu, b1, count)
-    nu_hat = optax.tree.bias_correction(nu, b2, count)
+    mu, nu, count, mu_hat, nu_hat = moments(updates, state.mu, state.nu, state.count, b1, b2,
+                                            graft)
     refresh = (state.count % update_every) == 0
 
     def leaf(path, g, m, v, d, blk):
@@ -144,9 +158,7 @@ def scale_by_shampoo(dims: Callable[[Any], Any], block_size: int, update_every: 
       dir_NIO = jnp.einsum('nij,njo,nop->nip', root_l, m_NIO, root_r)
       if graft == 'adam':
         adam = m / (jnp.sqrt(v) + adam_eps(keys))
-        adam_NIO = to_blocks(adam.astype(jnp.float32), d, block_size)
-        norm = lambda x: jnp.sqrt(jnp.sum(x * x, axis=(1, 2), keepdims=True))
-        dir_NIO = dir_NIO * norm(adam_NIO) / jnp.maximum(norm(dir_NIO), 1e-30)
+        dir_NIO = graft_to_adam(dir_NIO, to_blocks(adam.astype(jnp.float32), d, block_size))
       out = from_blocks(dir_NIO, d, block_size, g.shape).astype(g.dtype)
       return out, ShampooLeaf(stat_l, stat_r, root_l, root_r)
 

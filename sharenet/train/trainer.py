@@ -15,7 +15,6 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from sharenet.errors import ConfigError
 from sharenet.models import (DecoderLM, ModelConfig, abstract_variables, curvature,
                              init_variables, lm, moe, norm_stats, routing, streams, unit_scale)
 from sharenet.models.layers import INTERMEDIATES, watching
@@ -282,9 +281,8 @@ def train_step(state: TrainState, batch_BT1: jax.Array, depth: Any = None,
     unfrozen = loss_of
     loss_of = lambda p, *a, **k: unfrozen(trainable.freeze(trains, table, p), *a, **k)
   kfac_taps = kfac.in_state(state.opt_state)   # train.optimizer=kfac
-  if NORM_STATS in tstate and kfac_taps:   # refused by config/compat.py
-    raise ConfigError('train.optimizer=kfac with a statistics norm: both leave the step by '
-                      'cotangents; valid: one of them (docs/compatibility.md)')
+  statistics = contextlib.nullcontext()   # K-FAC's, below (beside a statistics norm, refused
+  # by config/compat.py, its update finds none and says so in one line)
   if NORM_STATS in tstate:   # a statistics norm (grad_accum 1: config/compat.py): its
     # statistics leave as cotangents
     with_stats = lambda p, s, b: loss_of(p, {**tstate, NORM_STATS: s}, b)
@@ -301,7 +299,7 @@ def train_step(state: TrainState, batch_BT1: jax.Array, depth: Any = None,
     if kfac_taps:
       grads, cot = grads
       statistics = kfac.statistics(curvature.statistics(cot, table))
-  with statistics if kfac_taps else contextlib.nullcontext():
+  with statistics:
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
   metrics = {'loss': loss, 'grad_norm': optax.global_norm(grads), **aux,
